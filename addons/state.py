@@ -1,0 +1,59 @@
+"""Per-flow state shared by the relay's addons.
+
+One `FlowState` per in-scope flow, created by the scope addon in `requestheaders`
+and read by streaming, timing and trimming. It lives in a weak map keyed by the
+flow, not in `flow.metadata`: mitmproxy deep-copies and serialises metadata when
+flows are duplicated or saved, and this object holds parsers and buffers that
+must not be. What should survive a save (the finished timing record) is put in
+`flow.metadata` as plain data by the timing addon.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from mitmproxy import http
+
+
+@dataclass(slots=True, eq=False)
+class FlowState:
+    api: str
+    """API shape, one of `scope.API_SHAPES`."""
+    model: str | None = None
+    stream: bool = False
+    """The client asked for a streamed response (`"stream": true` or a streaming path)."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """Phase marks as absolute `time.time()` seconds, the clock of mitmproxy's timestamps."""
+    request_json: Any = None
+    """The parsed request body while request hooks run; dropped once forwarded."""
+    prompt_tokens: int | None = None
+    trim: dict[str, Any] | None = None
+    watcher: Any = None
+    """`sse.StreamWatcher` of a streamed response, fed by the stream callable."""
+    error: str | None = None
+    error_phase: str | None = None
+    client_aborted: bool = False
+    recorded: bool = False
+    """The timing record has been written: each flow gets exactly one."""
+
+
+_states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
+
+
+def get(flow: http.HTTPFlow) -> FlowState | None:
+    """The relay's state for `flow`, or None if the flow is out of scope."""
+    return _states.get(flow)
+
+
+def attach(flow: http.HTTPFlow, st: FlowState) -> FlowState:
+    _states[flow] = st
+    return st
+
+
+def mark(flow: http.HTTPFlow, name: str, t: float) -> None:
+    """Set mark `name` once: the first occurrence is the one that counts."""
+    st = _states.get(flow)
+    if st is not None:
+        st.marks.setdefault(name, t)
