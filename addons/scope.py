@@ -10,6 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
+from mitmproxy import ctx, exceptions, http
+
+from . import state
+
 OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"
 ANTHROPIC_MESSAGES = "anthropic.messages"
@@ -52,3 +57,53 @@ def model_and_stream(api: str, path: str, body: Any) -> tuple[str | None, bool]:
         return None, False
     model = body.get("model")
     return (model if isinstance(model, str) else None), body.get("stream") is True
+
+
+class Scope:
+    """Decides which flows are the relay's: attaches a `FlowState` to each request
+    whose path matches `relay_scope`, and reads the model and stream flag from its
+    body. Flows out of scope get no state, and every other relay addon leaves them
+    alone."""
+
+    def __init__(self) -> None:
+        self.pattern = re.compile(DEFAULT_SCOPE)
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_scope",
+            str,
+            DEFAULT_SCOPE,
+            "Regular expression over the request path (with query) that selects "
+            "the flows the relay streams, times and trims.",
+        )
+
+    def configure(self, updated) -> None:
+        if "relay_scope" in updated:
+            try:
+                self.pattern = re.compile(ctx.options.relay_scope)
+            except re.error as e:
+                raise exceptions.OptionsError(f"relay_scope is not a valid regex: {e}") from e
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        path = flow.request.path
+        if self.pattern.search(path):
+            state.attach(flow, state.FlowState(api=api_shape(path)))
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None:
+            return
+        st.request_json = parse_json_body(flow.request)
+        st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)
+
+
+def parse_json_body(request: http.Request) -> Any:
+    """The request body as parsed JSON, or None when it is absent, undecodable or
+    not JSON: the relay then forwards it untouched."""
+    if request.raw_content is None:  # streamed request body: not ours to read
+        return None
+    try:
+        body = request.get_content(strict=True)
+        return orjson.loads(body) if body else None
+    except ValueError:  # bad Content-Encoding or bad JSON (orjson.JSONDecodeError)
+        return None

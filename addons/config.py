@@ -1,0 +1,98 @@
+"""Reads `mitm.conf` (mitmproxy options, core and `relay_*`) at start.
+
+Precedence: built-in defaults < mitm.conf < command line. mitmproxy has applied
+the command line (and its own confdir/config.yaml) before it loads our script,
+so a value from mitm.conf is applied only where the command line did not name
+the option. Options of addons not loaded yet (`relay_*`) are handed to
+mitmproxy's deferred mechanism, which sets them as each addon declares them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from mitmproxy import ctx, exceptions, optmanager
+from mitmproxy.tools import cmdline
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONF = REPO_ROOT / "mitm.conf"
+CONF_ENV = "TTFT_RELAY_CONF"
+"""Environment variable naming another config file (empty: none)."""
+
+_PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy": cmdline.mitmproxy}
+
+
+def conf_path() -> Path | None:
+    value = os.environ.get(CONF_ENV)
+    if value is None:
+        return DEFAULT_CONF
+    return Path(value) if value else None
+
+
+def command_line_options(argv: list[str], known: optmanager.OptManager) -> set[str]:
+    """Names of the options the mitmproxy command line `argv` sets explicitly;
+    `known` holds every option declared so far (mitmproxy's own addons').
+
+    Parsed with mitmproxy's own parser, so `-p`, `--mode`, `--set x=y` and every
+    other spelling count. Outside a mitmproxy tool (tests), nothing does.
+    """
+    tool = Path(argv[0]).name if argv else ""
+    make_parser = _PARSERS.get(tool)
+    if make_parser is None:
+        return set()
+    parser = make_parser(known)
+    try:
+        args, _ = parser.parse_known_args(argv[1:])
+    except SystemExit:  # mitmproxy itself has already accepted this command line
+        return set()
+    explicit = {k for k, v in vars(args).items() if v is not None and k in known}
+    explicit.update(s.split("=", 1)[0].strip() for s in (args.setoptions or []))
+    return explicit
+
+
+def read_conf(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf8")
+    except OSError as e:
+        raise exceptions.OptionsError(f"cannot read {path}: {e}") from e
+    data = optmanager.parse(text)
+    if not isinstance(data, dict):
+        raise exceptions.OptionsError(f"{path}: expected a mapping of option names to values")
+    return data
+
+
+class RelayConfig:
+    """Applies mitm.conf under the command line. Must come first in the addon list,
+    so that the values are in place before the other addons declare their options."""
+
+    def __init__(self, path: Path | None = None, argv: list[str] | None = None) -> None:
+        self.path = path if path is not None else conf_path()
+        self.argv = sys.argv if argv is None else argv
+        self.applied: dict[str, Any] = {}
+
+    def load(self, loader) -> None:
+        if self.path is None:
+            return
+        conf = read_conf(self.path)
+        opts = ctx.options
+        explicit = command_line_options(self.argv, opts)
+        for name, value in conf.items():
+            if name in explicit or name in opts.deferred:  # the command line wins
+                continue
+            self.applied[name] = value
+        if "scripts" in self.applied:
+            # Loading scripts from the config that loads us would load us twice.
+            raise exceptions.OptionsError(f"{self.path}: 'scripts' belongs on the command line")
+        opts.update_defer(**self.applied)
+        logger.debug("applied %s from %s", ", ".join(self.applied) or "nothing", self.path)
+
+    def running(self) -> None:
+        unknown = sorted(set(self.applied) & set(ctx.options.deferred))
+        if unknown:
+            logger.warning("%s names unknown options (ignored): %s", self.path, ", ".join(unknown))

@@ -1,0 +1,33 @@
+"""ttft-relay: an LLM API relay that streams, times and trims.
+
+Load with `mitmdump -s addons/relay.py` (or mitmweb). This file only composes the
+addons; each concern lives in its own module under `addons/`:
+
+    config     mitm.conf under the command line
+    scope      which flows are LLM API calls, and which API shape
+    streaming  every response chunk to the client as it arrives
+    trim       oversized message histories cut to a token budget
+    timing     per-phase marks, one record per flow, verdicts
+    sseview    an event-stream view for mitmweb
+
+The order matters: scope attaches the per-flow state the others read, and timing
+comes after trim so its `request` hook marks the moment the request leaves.
+"""
+
+import sys
+from pathlib import Path
+
+# mitmproxy's script loader imports this file as a top-level module named "relay";
+# the addons themselves are imported as the package `addons`, the same names the
+# tests use, so there is one copy of each module (and of its state) per process.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from addons import config, scope, streaming  # noqa: E402
+
+addons = [
+    config.RelayConfig(),
+    scope.Scope(),
+    streaming.Streaming(),
+]

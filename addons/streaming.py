@@ -1,0 +1,181 @@
+"""Streaming: every chunk of an in-scope response reaches the client as it arrives.
+
+Bare mitmproxy reads a whole response before sending it on, so the first token
+of a streamed completion arrives with the last. This addon turns streaming on
+for the relay's flows in `responseheaders` (later is too late), passes each chunk
+through unchanged, shows it to the flow's `sse.StreamWatcher` for timing, and
+keeps a bounded copy so mitmweb can still show the body.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Iterable
+from typing import Protocol
+
+from mitmproxy import ctx, http
+from mitmproxy.utils import human
+
+from . import sse, state
+
+logger = logging.getLogger(__name__)
+
+TRUNCATED_NOTE = b"\n: [ttft-relay: body view truncated at relay_stream_view_max]\n\n"
+
+
+def should_stream(response_headers: http.Headers, client_asked_stream: bool) -> bool:
+    """Whether a response is a stream: an event stream, a body of unknown length
+    (chunked or HTTP/2 without Content-Length), or the answer to a request that asked
+    for one. Error replies to a streaming request qualify too; streaming a short
+    body costs nothing."""
+    content_type = response_headers.get("content-type", "").lower()
+    return (
+        content_type.startswith("text/event-stream")
+        or "content-length" not in response_headers
+        or client_asked_stream
+    )
+
+
+class _Decompressor(Protocol):
+    def decompress(self, data: bytes) -> bytes: ...
+
+
+def incremental_decoder(encoding: str) -> _Decompressor | None:
+    """A decoder that turns each compressed chunk into the bytes it completes,
+    without waiting for the end of the body; None for an encoding we cannot
+    stream-decode (the body then passes through still compressed)."""
+    encoding = encoding.strip().lower()
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return zlib.decompressobj()  # zlib-wrapped, as RFC 9110 says deflate is
+    if encoding == "br":
+        import brotli  # mitmproxy depends on it
+
+        return brotli.Decompressor()
+    if encoding == "zstd":
+        try:
+            from compression import zstd  # Python >= 3.14
+        except ImportError:
+            from backports import zstd  # what mitmproxy uses before 3.14
+        return zstd.ZstdDecompressor()
+    return None
+
+
+class StreamTap:
+    """The stream callable for one response: passes chunks on, feeds the watcher,
+    keeps up to `view_max` bytes for the flow's stored body.
+
+    It never returns `b""` for a non-empty chunk: an empty chunk on an HTTP/1
+    chunked response is read by the client as end of body.
+    """
+
+    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated")
+
+    def __init__(
+        self,
+        watcher: sse.StreamWatcher,
+        decoder: _Decompressor | None,
+        view_max: int,
+    ) -> None:
+        self.watcher = watcher
+        self.decoder = decoder
+        self.view = bytearray()
+        self.view_max = view_max
+        self.truncated = False
+
+    def __call__(self, chunk: bytes) -> bytes | Iterable[bytes]:
+        if self.decoder is not None and chunk:
+            try:
+                chunk = self.decoder.decompress(chunk)
+            except Exception as e:  # zlib.error, brotli.error, ZstdError: no common base
+                # An exception here would take mitmproxy's connection handler down
+                # with it; pass the rest through as received and say so.
+                logger.warning("upstream sent a corrupt compressed stream (%s); passing it on undecoded", e)
+                self.decoder = None
+            if not chunk:
+                return []  # the decoder needs more input before it can emit anything
+        if chunk:
+            self.watcher.feed(chunk, time.time())
+            if not self.truncated:
+                room = self.view_max - len(self.view)
+                if len(chunk) <= room:
+                    self.view += chunk
+                else:
+                    self.view += chunk[: max(room, 0)]
+                    self.truncated = True
+        return chunk
+
+    def stored_body(self) -> bytes:
+        return bytes(self.view) + (TRUNCATED_NOTE if self.truncated else b"")
+
+
+class Streaming:
+    """Turns response streaming on for the relay's flows and keeps proxies in front
+    of the relay from buffering again."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.view_max = 256 * 1024
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_stream",
+            bool,
+            True,
+            "Stream in-scope responses chunk by chunk instead of buffering them.",
+        )
+        loader.add_option(
+            "relay_stream_view_max",
+            str,
+            "256k",
+            "How much of each streamed body to keep for viewing in mitmweb "
+            "(e.g. 256k, 1m; 0 keeps nothing). Bounds the relay's memory per flow.",
+        )
+
+    def configure(self, updated) -> None:
+        if "relay_stream" in updated:
+            self.enabled = ctx.options.relay_stream
+        if "relay_stream_view_max" in updated:
+            self.view_max = human.parse_size(ctx.options.relay_stream_view_max) or 0
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is not None and st.stream and self.enabled:
+            # A compressing upstream may hold bytes back until a compression block
+            # fills up; identity keeps every event moving the moment it exists.
+            flow.request.headers["accept-encoding"] = "identity"
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or not self.enabled or flow.response is None:
+            return
+        headers = flow.response.headers
+        if not should_stream(headers, st.stream):
+            return
+        decoder = None
+        if encoding := headers.get("content-encoding"):
+            decoder = incremental_decoder(encoding)
+            if decoder is not None:
+                del headers["content-encoding"]
+                headers.pop("content-length", None)
+        if (
+            flow.request.http_version == "HTTP/1.1"
+            and "content-length" not in headers
+            and "transfer-encoding" not in headers
+        ):
+            # An HTTP/2 upstream sends no length; without chunked framing an HTTP/1.1
+            # client could only read to connection close.
+            headers["transfer-encoding"] = "chunked"
+        headers["x-accel-buffering"] = "no"
+        headers.setdefault("cache-control", "no-cache")
+        st.watcher = sse.StreamWatcher(st.api)
+        flow.response.stream = StreamTap(st.watcher, decoder, self.view_max)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        tap = flow.response.stream if flow.response else None
+        if isinstance(tap, StreamTap) and flow.response.raw_content is None:
+            # Give mitmweb and saved flows the (bounded) body that went through.
+            flow.response.raw_content = tap.stored_body()

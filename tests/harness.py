@@ -1,0 +1,136 @@
+"""Runs a real `mitmdump` process for end-to-end tests and benchmarks.
+
+`MitmdumpProcess` starts mitmdump with listeners on port 0, reads the ports it
+reports from its output, and fails loudly if a script failed to load (mitmdump
+keeps running as a bare, buffering proxy when that happens, which would make a
+streaming test measure the wrong thing).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RELAY_SCRIPT = REPO / "addons" / "relay.py"
+MITMDUMP = Path(sys.executable).parent / "mitmdump"
+
+_LISTENING = re.compile(r"listening at (?:\*|[\d.]+|\[[^\]]*\]):(\d+)")
+_SCRIPT_ERROR = re.compile(r"error in script|Traceback|mitmproxy has crashed", re.I)
+
+
+class MitmdumpProcess:
+    """One mitmdump process. `ports` lists the listen ports in the order reported,
+    which is the order of `--mode` arguments."""
+
+    def __init__(
+        self,
+        modes: list[str],
+        confdir: Path,
+        *,
+        script: Path | None = RELAY_SCRIPT,
+        options: dict[str, object] | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        relay_conf: Path | None = None,
+    ) -> None:
+        self.modes = modes
+        self.confdir = confdir
+        args = [str(MITMDUMP), "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1"]
+        for mode in modes:
+            args += ["--mode", mode]
+        if script is not None:
+            args += ["-s", str(script)]
+        for name, value in (options or {}).items():
+            args += ["--set", f"{name}={value}"]
+        args += extra_args or []
+        self.args = args
+        self.env = {**os.environ, "TTFT_RELAY_CONF": str(relay_conf) if relay_conf else "", **(env or {})}
+        self.output: list[str] = []
+        self.ports: list[int] = []
+        self._ready = threading.Event()
+        self._changed = threading.Condition()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
+
+    @property
+    def ca_pem(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    def start(self, timeout: float = 30) -> MitmdumpProcess:
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+        )
+        threading.Thread(target=self._read_output, daemon=True).start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"mitmdump did not start listening:\n{self.text()}")
+        if len(self.ports) < len(self.modes) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"mitmdump failed to start:\n{self.text()}")
+        bad = [line for line in self.output if _SCRIPT_ERROR.search(line)]
+        if bad:
+            self.stop()
+            raise RuntimeError(f"relay script failed to load:\n{self.text()}")
+        return self
+
+    def _read_output(self) -> None:
+        assert self.proc and self.proc.stdout
+        for line in self.proc.stdout:
+            with self._changed:
+                self.output.append(line.rstrip("\n"))
+                if m := _LISTENING.search(line):
+                    self.ports.append(int(m.group(1)))
+                    if len(self.ports) == len(self.modes):
+                        self._ready.set()
+                self._changed.notify_all()
+        self._ready.set()  # exited: let start() report it
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for_output(self, pattern: str, timeout: float = 10) -> str:
+        """The first output line matching `pattern`, waiting for it to appear."""
+        rx = re.compile(pattern)
+        with self._changed:
+            found = self._changed.wait_for(
+                lambda: next((ln for ln in self.output if rx.search(ln)), None), timeout
+            )
+        if not found:
+            raise AssertionError(f"no output line matches {pattern!r}:\n{self.text()}")
+        return found
+
+    def text(self) -> str:
+        return "\n".join(self.output)
+
+    def url(self, index: int = 0) -> str:
+        return f"http://127.0.0.1:{self.ports[index]}"
+
+    def stop(self) -> str:
+        """Stops mitmdump the way Ctrl-C would (so `done` hooks run), and returns its output."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.text()
+
+    def __enter__(self) -> MitmdumpProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

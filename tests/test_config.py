@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.test import taddons
+
+from addons import config
+
+
+def test_command_line_options_sees_every_spelling():
+    argv = ["/x/mitmdump", "-p", "9000", "--mode", "reverse:http://a", "--set", "relay_trim=false",
+            "--set", "listen_host=0.0.0.0", "-s", "addons/relay.py"]
+    with taddons.context() as tctx:
+        got = config.command_line_options(argv, tctx.master.options)
+    assert {"listen_port", "mode", "relay_trim", "listen_host"} <= got
+    assert "web_port" not in got and "stream_large_bodies" not in got
+
+
+def test_command_line_options_outside_mitmproxy_is_empty():
+    with taddons.context() as tctx:
+        assert config.command_line_options(["pytest", "-p", "9000"], tctx.master.options) == set()
+
+
+def test_shipped_mitm_conf_parses_and_is_loopback():
+    conf = config.read_conf(config.DEFAULT_CONF)
+    assert conf["listen_host"] == "127.0.0.1"
+    assert any(m.startswith("regular") for m in conf["mode"])
+    assert all(k.startswith("relay_") or k in {"listen_host", "mode"} for k in conf)
+
+
+def _conf(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "mitm.conf"
+    p.write_text(text)
+    return p
+
+
+def test_conf_applies_below_command_line(tmp_path):
+    path = _conf(tmp_path, "listen_port: 7001\nlisten_host: 0.0.0.0\nrelay_future_option: 5\n")
+    rc = config.RelayConfig(path, argv=["mitmdump", "--set", "listen_host=127.0.0.2"])
+    with taddons.context() as tctx:
+        tctx.options.listen_host = "127.0.0.2"
+        tctx.master.addons.add(rc)
+        assert tctx.options.listen_port == 7001  # from the file
+        assert tctx.options.listen_host == "127.0.0.2"  # command line wins
+        assert tctx.options.deferred["relay_future_option"] == 5  # set when declared
+
+
+def test_conf_must_not_load_scripts(tmp_path):
+    path = _conf(tmp_path, "scripts: [addons/relay.py]\n")
+    with taddons.context() as tctx:
+        with pytest.raises(exceptions.OptionsError, match="scripts"):
+            tctx.master.addons.add(config.RelayConfig(path, argv=["x"]))
+
+
+def test_conf_errors_are_clear(tmp_path):
+    with pytest.raises(exceptions.OptionsError, match="cannot read"):
+        config.read_conf(tmp_path / "missing.conf")
+    with pytest.raises(exceptions.OptionsError):
+        config.read_conf(_conf(tmp_path, "mode: [unclosed\n"))

@@ -1,0 +1,85 @@
+import pytest
+from mitmproxy.test import taddons, tflow
+
+from addons import scope, state
+
+
+@pytest.mark.parametrize(
+    "path, shape",
+    [
+        ("/v1/chat/completions", scope.OPENAI_CHAT),
+        ("/v1/chat/completions?api-version=1", scope.OPENAI_CHAT),
+        ("/v1/responses", scope.OPENAI_RESPONSES),
+        ("/v1/messages", scope.ANTHROPIC_MESSAGES),
+        ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", scope.GEMINI),
+        ("/v1/embeddings", scope.OTHER),
+        ("/v1/responses/resp_123", scope.OTHER),
+    ],
+)
+def test_api_shape(path, shape):
+    assert scope.api_shape(path) == shape
+
+
+def test_model_and_stream():
+    assert scope.model_and_stream(scope.OPENAI_CHAT, "/v1/chat/completions", {"model": "gpt-4o", "stream": True}) == ("gpt-4o", True)
+    assert scope.model_and_stream(scope.OPENAI_CHAT, "/", {"model": 3, "stream": "yes"}) == (None, False)
+    assert scope.model_and_stream(scope.ANTHROPIC_MESSAGES, "/", [1, 2]) == (None, False)
+    assert scope.model_and_stream(scope.GEMINI, "/v1beta/models/g-1:generateContent", None) == ("g-1", False)
+
+
+def _flow(path: str, body: bytes, **headers):
+    f = tflow.tflow()
+    f.request.path = path
+    f.request.headers.update(headers)
+    f.request.content = body
+    return f
+
+
+def test_scope_addon_attaches_state_only_in_scope():
+    sc = scope.Scope()
+    with taddons.context(sc) as tctx:
+        inside = _flow("/v1/chat/completions", b'{"model":"gpt-4o","stream":true}')
+        outside = _flow("/index.html", b"")
+        for f in (inside, outside):
+            sc.requestheaders(f)
+            sc.request(f)
+        st = state.get(inside)
+        assert st is not None and st.api == scope.OPENAI_CHAT
+        assert (st.model, st.stream) == ("gpt-4o", True)
+        assert state.get(outside) is None
+
+        tctx.configure(sc, relay_scope="^/api/")
+        f = _flow("/api/chat/completions", b"{}")
+        sc.requestheaders(f)
+        assert state.get(f) is not None
+
+
+@pytest.mark.parametrize("body", [b"not json", b"\xff\xfe", b"[1,2]", b'"str"', b""])
+def test_scope_addon_tolerates_bad_bodies(body):
+    sc = scope.Scope()
+    with taddons.context(sc):
+        f = _flow("/v1/chat/completions", body)
+        sc.requestheaders(f)
+        sc.request(f)
+        st = state.get(f)
+        assert (st.model, st.stream) == (None, False)
+        assert f.request.raw_content == body
+
+
+def test_scope_addon_reads_compressed_bodies():
+    sc = scope.Scope()
+    with taddons.context(sc):
+        f = _flow("/v1/messages", b"")
+        f.request.headers["content-encoding"] = "gzip"
+        f.request.content = b'{"model":"claude-sonnet-4","stream":true}'  # encodes to gzip
+        assert f.request.raw_content != f.request.content
+        sc.requestheaders(f)
+        sc.request(f)
+        assert state.get(f).model == "claude-sonnet-4"
+
+
+def test_invalid_scope_regex_is_an_options_error():
+    sc = scope.Scope()
+    with taddons.context(sc) as tctx:
+        with pytest.raises(Exception, match="relay_scope"):
+            tctx.configure(sc, relay_scope="(")
