@@ -1,0 +1,300 @@
+"""Marks on a request's timeline → phases → a verdict in words (pure).
+
+Marks are milliseconds relative to the moment the request head reached the
+relay (`request.timestamp_start` = 0). They can be negative: with mitmproxy's
+default `connection_strategy=eager`, reverse mode (and regular mode on CONNECT)
+opens the upstream connection as soon as the client connects, and mitmproxy
+reads the client's request only once that connection is ready.
+
+    request_body            last request body byte from the client
+    forwarded               every request hook has run (trimming included)
+    upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
+    upstream_tcp            TCP is up                                           } this request
+    upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    response_head           response head parsed
+    first_byte              first response body chunk
+    first_event             first complete SSE event
+    first_token             first visible output (text, reasoning, tool-call arguments)
+    last_token              last visible output
+    end                     response complete, or the error
+
+Phases are the request's *critical path*: the slices of the client's wait that
+each hop is responsible for. They do not overlap, and for a streamed answer
+
+    client_upload + relay + upstream_connect + upstream_tls
+        + upstream_wait + head_to_first_token == ttft
+
+The client's wait starts at the request head, except for the request that got a
+connection opened before its head (eager strategy): its head was held back by
+that connect, so its wait starts at `upstream_connect_start`, and the time
+before the head that the connect did not cover counts as client time (client
+TLS handshake, sending the head). A connect or handshake that ran while the
+client was still uploading is not on the critical path; only the part that
+outlasted `forwarded` is. A reused connection has no connect or TLS phase.
+
+    client_upload        client's link: head (and pre-head client time) → last body byte
+    relay                last body byte → forwarded, plus forwarded → connect start
+    upstream_connect     critical part of DNS + TCP connect
+    upstream_tls         critical part of the upstream TLS handshake
+    upstream_wait        max(forwarded, connection ready) → response head: one network
+                         round trip plus the upstream's queueing and prefill
+    head_to_first_token  response head → first token (prefill, for upstreams that
+                         send their head at once)
+    response_body        response head → end, for an answer that was not streamed
+    stream               first → last token
+    ttft                 start → first token; for an answer not streamed as tokens,
+                         start → end (time to the full response)
+    total                start → end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+MARKS = (
+    "request_body",
+    "forwarded",
+    "upstream_connect_start",
+    "upstream_tcp",
+    "upstream_tls",
+    "response_head",
+    "first_byte",
+    "first_event",
+    "first_token",
+    "last_token",
+    "end",
+)
+
+CRITICAL_PHASES = (
+    "client_upload",
+    "relay",
+    "upstream_connect",
+    "upstream_tls",
+    "upstream_wait",
+    "head_to_first_token",
+    "response_body",
+)
+"""In timeline order; together they cover the client's wait up to `ttft`."""
+
+PHASES = CRITICAL_PHASES + ("stream", "ttft", "total")
+
+HEAD_TIME_PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
+"""The phases complete when the response head leaves for the client (Server-Timing)."""
+
+# Verdict words.
+CLIENT_UPLOAD = "client upload"
+RELAY = "relay"
+UPSTREAM_CONNECT = "upstream connect"
+UPSTREAM_TLS = "upstream TLS"
+UPSTREAM_NETWORK = "upstream network (round trip)"
+UPSTREAM_WAIT = "upstream wait (prefill/queue)"
+RESPONSE_DOWNLOAD = "response download"
+STREAM_STALL = "stream stall"
+UNKNOWN = "unknown"
+
+PHASE_WORDS = {
+    "client_upload": CLIENT_UPLOAD,
+    "relay": RELAY,
+    "upstream_connect": UPSTREAM_CONNECT,
+    "upstream_tls": UPSTREAM_TLS,
+    "upstream_wait": "upstream wait",
+    "head_to_first_token": "head to first token",
+    "response_body": "response body",
+    "stream": "stream",
+}
+
+NEAR_TIE = 0.05
+"""A later contributor must beat the leader by more than this fraction to win."""
+
+
+def relative_marks(absolute: Mapping[str, float], origin: float) -> dict[str, float]:
+    """Absolute `time.time()` marks → ms since `origin`, in timeline order."""
+    return {
+        name: round((absolute[name] - origin) * 1000, 3)
+        for name in MARKS
+        if absolute.get(name) is not None
+    }
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, float]:
+    """Phase durations in ms from relative marks; a phase whose marks are missing
+    (an error cut the request short, a reused connection) is absent.
+
+    `tokens_expected`: the answer was streamed as events, so the time to first
+    token is `first_token`; otherwise it is the time to the full response.
+    """
+    m = marks
+    body, fwd = m.get("request_body"), m.get("forwarded")
+    conn0, tcp, tls = m.get("upstream_connect_start"), m.get("upstream_tcp"), m.get("upstream_tls")
+    head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
+
+    new_connection = conn0 is not None and tcp is not None
+    start = min(0.0, conn0) if new_connection else 0.0
+    # Before the head: what the early connect covered, the rest is the client's.
+    pre_connect = _overlap(start, 0.0, conn0, tcp) if new_connection else 0.0
+    pre_tls = _overlap(start, 0.0, tcp, tls) if new_connection and tls is not None else 0.0
+    pre_client = -start - pre_connect - pre_tls
+
+    p: dict[str, float] = {}
+    if body is not None:
+        p["client_upload"] = pre_client + max(0.0, body)
+    sent = None
+    if body is not None and fwd is not None:
+        relay = max(0.0, fwd - body)
+        sent = fwd
+        if new_connection:
+            ready = tls if tls is not None else tcp
+            sent = max(fwd, ready)
+            connect = _overlap(fwd, sent, conn0, tcp)
+            handshake = _overlap(fwd, sent, tcp, tls) if tls is not None else 0.0
+            # Between the last request hook and the connect starting, the relay is busy.
+            relay += (sent - fwd) - connect - handshake
+            p["relay"] = relay
+            p["upstream_connect"] = pre_connect + connect
+            if tls is not None:
+                p["upstream_tls"] = pre_tls + handshake
+        else:
+            p["relay"] = relay
+    if sent is not None and head is not None:
+        p["upstream_wait"] = max(0.0, head - sent)
+    if tokens_expected:
+        if head is not None and first is not None:
+            p["head_to_first_token"] = max(0.0, first - head)
+        if first is not None and last is not None:
+            p["stream"] = max(0.0, last - first)
+        if first is not None:
+            p["ttft"] = first - start
+    elif head is not None and end is not None:
+        p["response_body"] = max(0.0, end - head)
+        p["ttft"] = end - start
+    if end is not None:
+        p["total"] = end - start
+    return {name: round(p[name], 3) for name in PHASES if name in p}
+
+
+def handshake_rtt_ms(marks: Mapping[str, float], tls_version: str | None) -> float | None:
+    """One network round trip to the upstream, learned from this request's new
+    connection, or None.
+
+    The TLS handshake is preferred: it crosses every hop to the real server,
+    whereas a local forwarder or proxy can complete the TCP connect itself. TLS
+    1.3 takes one round trip, older versions two. Without TLS the TCP connect is
+    used, which includes the DNS lookup (an overestimate on a cold cache).
+    """
+    tcp, tls, conn0 = marks.get("upstream_tcp"), marks.get("upstream_tls"), marks.get("upstream_connect_start")
+    if tcp is not None and tls is not None:
+        rtts = 1 if tls_version in (None, "TLSv1.3") else 2
+        return max(0.0, tls - tcp) / rtts
+    if tcp is not None and conn0 is not None:
+        return max(0.0, tcp - conn0)
+    return None
+
+
+def stall_ms(marks: Mapping[str, float], max_gap_ms: float | None) -> float:
+    """The longest silence after the first token, as far as one `max_gap_ms` tells.
+
+    A gap that fits between first byte and first token may be prefill (already in
+    `head_to_first_token`); only a gap longer than that must lie after the first
+    token, in the middle of the answer.
+    """
+    first_byte, first_token = marks.get("first_byte"), marks.get("first_token")
+    if not max_gap_ms or first_token is None:
+        return 0.0
+    before_first_token = first_token - first_byte if first_byte is not None else 0.0
+    return max_gap_ms if max_gap_ms > before_first_token + 1.0 else 0.0
+
+
+def contributions(
+    phases: Mapping[str, float], *, rtt_ms: float | None, stall: float = 0.0
+) -> dict[str, float]:
+    """What each hop cost the client, in verdict words, in timeline order.
+
+    The upstream wait always holds one network round trip (the request out, the
+    head back): with a round-trip estimate it is split into network and the
+    upstream's own wait, which is how a far-away upstream differs from a slow one.
+    The time from head to first token is the upstream's too (prefill after an
+    early head).
+    """
+    wait = phases.get("upstream_wait", 0.0)
+    network = min(rtt_ms, wait) if rtt_ms else 0.0
+    return {
+        CLIENT_UPLOAD: phases.get("client_upload", 0.0),
+        RELAY: phases.get("relay", 0.0),
+        UPSTREAM_CONNECT: phases.get("upstream_connect", 0.0),
+        UPSTREAM_TLS: phases.get("upstream_tls", 0.0),
+        UPSTREAM_NETWORK: network,
+        UPSTREAM_WAIT: wait - network + phases.get("head_to_first_token", 0.0),
+        RESPONSE_DOWNLOAD: phases.get("response_body", 0.0),
+        STREAM_STALL: stall,
+    }
+
+
+def dominant(contrib: Mapping[str, float]) -> str:
+    """The largest contributor; near-ties go to the earlier one on the timeline.
+
+    On a fresh connection the TLS handshake and the request's own round trip
+    cost one round trip each: the handshake, which connection reuse removes, is
+    named.
+    """
+    best, best_ms = UNKNOWN, 0.0
+    for name, ms in contrib.items():
+        if ms > best_ms * (1 + NEAR_TIE) and ms > 0:
+            best, best_ms = name, ms
+    return best
+
+
+def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expected: bool) -> str:
+    """The phase a request was in when it failed: the first one left unfinished."""
+    if "request_body" not in marks:
+        return "client_upload"
+    if "forwarded" not in marks:
+        return "relay"
+    if "response_head" not in marks:
+        if "upstream_connect_start" in marks and "upstream_tcp" not in marks:
+            return "upstream_connect"
+        if tls_expected and "upstream_tcp" in marks and "upstream_tls" not in marks:
+            return "upstream_tls"
+        return "upstream_wait"
+    if not tokens_expected:
+        return "response_body"
+    if "first_token" not in marks:
+        return "head_to_first_token"
+    return "stream"
+
+
+def verdict(
+    phases: Mapping[str, float],
+    *,
+    rtt_ms: float | None = None,
+    stall: float = 0.0,
+    error: str | None = None,
+    error_phase: str | None = None,
+    client_aborted: bool = False,
+) -> str:
+    """The request's verdict in words.
+
+    1. A client abort: `client aborted in <phase>`; any other failure (transport
+       error, error event in the stream, HTTP status >= 400): `error in <phase>`.
+    2. Otherwise the dominant contributor of `contributions` (largest, near-ties
+       to the earlier phase): `client upload`, `relay`, `upstream connect`,
+       `upstream TLS`, `upstream network (round trip)`, `upstream wait
+       (prefill/queue)`, `response download`, or `stream stall` when the longest
+       silence mid-stream outlasts every phase before the first token.
+    """
+    where = PHASE_WORDS.get(error_phase or "", error_phase or "unknown phase")
+    if client_aborted:
+        return f"client aborted in {where}"
+    if error:
+        return f"error in {where}"
+    return dominant(contributions(phases, rtt_ms=rtt_ms, stall=stall))
+
+
+def server_timing(phases: Mapping[str, float]) -> str:
+    """A `Server-Timing` header value with the phases known at response-head time."""
+    return ", ".join(
+        f"{name};dur={phases[name]:.1f}" for name in HEAD_TIME_PHASES if name in phases
+    )

@@ -1,0 +1,179 @@
+"""Marks → phases → verdict, without a proxy."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from addons import phases
+
+CRITICAL_UP_TO_TTFT = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token")
+
+
+def stream_marks(**overrides: float) -> dict[str, float]:
+    """A streamed request on a reused connection, every hop a few ms."""
+    m = {
+        "request_body": 2.0,
+        "forwarded": 3.0,
+        "response_head": 60.0,
+        "first_byte": 61.0,
+        "first_event": 61.0,
+        "first_token": 70.0,
+        "last_token": 400.0,
+        "end": 401.0,
+    }
+    m.update(overrides)
+    return m
+
+
+def test_relative_marks_in_ms_and_timeline_order():
+    rel = phases.relative_marks({"end": 101.5, "request_body": 100.25, "unknown": 1.0}, 100.0)
+    assert rel == {"request_body": 250.0, "end": 1500.0}
+    assert list(rel) == ["request_body", "end"]
+
+
+def test_reused_connection_has_no_connect_or_tls_phase():
+    p = phases.compute(stream_marks(), tokens_expected=True)
+    assert p == {
+        "client_upload": 2.0,
+        "relay": 1.0,
+        "upstream_wait": 57.0,
+        "head_to_first_token": 10.0,
+        "stream": 330.0,
+        "ttft": 70.0,
+        "total": 401.0,
+    }
+
+
+def test_lazy_connect_after_forwarded_is_on_the_critical_path():
+    m = stream_marks(upstream_connect_start=3.5, upstream_tcp=10.0, upstream_tls=210.0, response_head=460.0, first_token=470.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["relay"] == 1.5  # forwarded → connect start is the relay's
+    assert p["upstream_connect"] == 6.5
+    assert p["upstream_tls"] == 200.0
+    assert p["upstream_wait"] == 250.0
+    assert p["ttft"] == 470.0
+
+
+def test_eager_connect_before_head_holds_the_head_back():
+    # Connect at -300 ms, TCP at -280, TLS at -80; the client's head parsed at 0.
+    m = stream_marks(upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["upstream_connect"] == 20.0
+    assert p["upstream_tls"] == 200.0
+    assert p["client_upload"] == 80.0 + 2.0  # pre-head client time + the body
+    assert p["upstream_wait"] == 57.0
+    assert p["ttft"] == 370.0
+
+
+def test_connect_overlapping_the_upload_counts_only_past_forwarded():
+    # A slow upload (0 → 500) while the connect ran from 100 to 600.
+    m = stream_marks(request_body=500.0, forwarded=501.0, upstream_connect_start=100.0, upstream_tcp=150.0,
+                     upstream_tls=600.0, response_head=650.0, first_token=660.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["client_upload"] == 500.0
+    assert p["upstream_connect"] == 0.0
+    assert p["upstream_tls"] == 99.0
+    assert p["upstream_wait"] == 50.0
+
+
+def test_non_streamed_ttft_is_time_to_full_response():
+    m = {"request_body": 1.0, "forwarded": 2.0, "response_head": 800.0, "end": 805.0}
+    p = phases.compute(m, tokens_expected=False)
+    assert p["response_body"] == 5.0
+    assert p["ttft"] == p["total"] == 805.0
+    assert "head_to_first_token" not in p
+
+
+def test_streamed_without_a_token_has_no_ttft():
+    m = {k: v for k, v in stream_marks().items() if k not in ("first_token", "last_token")}
+    p = phases.compute(m, tokens_expected=True)
+    assert "ttft" not in p and "stream" not in p
+    assert p["total"] == 401.0
+
+
+ms = st.floats(min_value=0, max_value=5000, allow_nan=False)
+
+
+@given(body=ms, relay=ms, conn_at=st.floats(-5000, 5000), connect=ms, tls=ms, tls_on=st.booleans(),
+       new=st.booleans(), wait=ms, prefill=ms)
+def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_on, new, wait, prefill):
+    fwd = body + relay
+    m = {"request_body": body, "forwarded": fwd}
+    ready = fwd
+    if new:
+        m["upstream_connect_start"] = conn_at
+        m["upstream_tcp"] = conn_at + connect
+        ready = conn_at + connect
+        if tls_on:
+            m["upstream_tls"] = ready = conn_at + connect + tls
+    head = max(fwd, ready) + wait
+    m |= {"response_head": head, "first_token": head + prefill, "last_token": head + prefill, "end": head + prefill}
+    p = phases.compute(m, tokens_expected=True)
+    assert all(p[name] >= 0 for name in CRITICAL_UP_TO_TTFT if name in p)
+    assert sum(p.get(name, 0.0) for name in CRITICAL_UP_TO_TTFT) == pytest.approx(p["ttft"], abs=0.01)
+    assert ("upstream_connect" in p) == new
+    assert ("upstream_tls" in p) == (new and tls_on)
+
+
+def test_rtt_from_tls_handshake_or_tcp_connect():
+    assert phases.handshake_rtt_ms({"upstream_connect_start": 0, "upstream_tcp": 1, "upstream_tls": 201}, "TLSv1.3") == 200
+    assert phases.handshake_rtt_ms({"upstream_connect_start": 0, "upstream_tcp": 1, "upstream_tls": 201}, "TLSv1.2") == 100
+    assert phases.handshake_rtt_ms({"upstream_connect_start": 0, "upstream_tcp": 30}, None) == 30
+    assert phases.handshake_rtt_ms({}, None) is None
+
+
+def test_verdict_far_upstream_differs_from_slow_upstream():
+    p = {"client_upload": 1, "relay": 1, "upstream_wait": 300, "head_to_first_token": 20}
+    assert phases.verdict(p, rtt_ms=250) == phases.UPSTREAM_NETWORK
+    assert phases.verdict(p, rtt_ms=5) == phases.UPSTREAM_WAIT
+    assert phases.verdict(p) == phases.UPSTREAM_WAIT
+    # Prefill after an early head is the upstream's wait too.
+    assert phases.verdict({"upstream_wait": 20, "head_to_first_token": 400}, rtt_ms=10) == phases.UPSTREAM_WAIT
+
+
+def test_verdict_near_tie_goes_to_the_handshake():
+    # A fresh TLS connection to a far upstream: the handshake and the request cost one round trip each.
+    p = {"client_upload": 1, "relay": 1, "upstream_connect": 1, "upstream_tls": 203, "upstream_wait": 255}
+    assert phases.verdict(p, rtt_ms=205) == phases.UPSTREAM_TLS
+
+
+@pytest.mark.parametrize("phase, words", [
+    ("client_upload", phases.CLIENT_UPLOAD), ("relay", phases.RELAY),
+    ("upstream_connect", phases.UPSTREAM_CONNECT), ("upstream_tls", phases.UPSTREAM_TLS),
+])
+def test_verdict_names_the_dominant_phase(phase, words):
+    p = {"client_upload": 5, "relay": 5, "upstream_wait": 5, phase: 500}
+    assert phases.verdict(p) == words
+
+
+def test_stall_only_counts_when_it_cannot_be_prefill():
+    m = stream_marks(first_byte=61.0, first_token=461.0)
+    assert phases.stall_ms(m, 400.0) == 0.0  # fits between first byte and first token
+    assert phases.stall_ms(m, 900.0) == 900.0
+    assert phases.stall_ms({"first_byte": 1.0}, 900.0) == 0.0  # no token at all
+    p = phases.compute(stream_marks(), tokens_expected=True)
+    assert phases.verdict(p, stall=phases.stall_ms(stream_marks(), 600.0)) == phases.STREAM_STALL
+
+
+def test_error_verdicts_name_the_phase():
+    assert phases.verdict({}, error="boom", error_phase="upstream_tls") == "error in upstream TLS"
+    assert phases.verdict({}, error="x", error_phase="upstream_wait", client_aborted=True) == "client aborted in upstream wait"
+
+
+@pytest.mark.parametrize("marks, tls, expected", [
+    ({}, True, "client_upload"),
+    ({"request_body": 1}, True, "relay"),
+    ({"request_body": 1, "forwarded": 2, "upstream_connect_start": 2}, True, "upstream_connect"),
+    ({"request_body": 1, "forwarded": 2, "upstream_connect_start": 2, "upstream_tcp": 3}, True, "upstream_tls"),
+    ({"request_body": 1, "forwarded": 2, "upstream_connect_start": 2, "upstream_tcp": 3}, False, "upstream_wait"),
+    ({"request_body": 1, "forwarded": 2}, True, "upstream_wait"),
+    ({"request_body": 1, "forwarded": 2, "response_head": 3}, True, "head_to_first_token"),
+    ({"request_body": 1, "forwarded": 2, "response_head": 3, "first_token": 4}, True, "stream"),
+])
+def test_error_phase_is_the_first_unfinished(marks, tls, expected):
+    assert phases.error_phase(marks, tls_expected=tls, tokens_expected=True) == expected
+
+
+def test_server_timing_has_only_head_time_phases():
+    p = phases.compute(stream_marks(), tokens_expected=True)
+    assert phases.server_timing(p) == "client_upload;dur=2.0, relay;dur=1.0, upstream_wait;dur=57.0"
