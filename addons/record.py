@@ -1,0 +1,209 @@
+"""The timing record: one per flow, its schema, its text forms, and the JSONL writer.
+
+A record holds timings, counts and names only: never header values, bodies or
+keys, so a timing log can be shared. Bump `SCHEMA` whenever a key changes
+meaning or goes away (adding keys is compatible).
+
+    schema              int, this schema's version
+    id                  mitmproxy flow id
+    ts                  request head arrival, Unix seconds
+    api                 API shape (`scope.API_SHAPES`)
+    model               model the request named, or null
+    stream              the client asked for a streamed answer
+    status              response status code, or null
+    upstream            upstream host (":port" unless 80/443)
+    marks               {mark: ms since request head}, see `phases.MARKS`
+    phases              {phase: ms}, see `phases.PHASES`; absent when unknown
+    ttft_ms             time to first token (to full response when not streamed), or null
+    reused_connection   the upstream connection served an earlier request; null when none was made
+    rtt_ms              upstream round-trip estimate behind the verdict, or null
+    max_gap_ms          longest silence between response chunks, or null
+    chunks              response chunks seen by the stream watcher, or null
+    bytes               response body bytes seen by the stream watcher, or null
+    output_tokens_per_s output tokens / (last_token - first_token), or null
+    prompt_tokens       prompt tokens counted by the relay, or null
+    usage               {input_tokens, output_tokens, cached_tokens, reasoning_tokens} as
+                        reported by the upstream, or null
+    verdict             the dominant phase in words (`phases.verdict`)
+    error               what went wrong (transport error, stream error event, HTTP status), or null
+    error_phase         the phase it went wrong in, or null
+    client_aborted      the client went away before the answer was complete
+    trim                what trimming did (owned by the trim addon), or null
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from . import phases
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1
+ERROR_MAX = 300
+"""Error texts are cut to this many characters: an upstream error event may be long."""
+
+
+def build_record(
+    *,
+    id: str,
+    ts: float,
+    api: str,
+    model: str | None,
+    stream: bool,
+    status: int | None,
+    upstream: str,
+    marks: Mapping[str, float],
+    tokens_expected: bool,
+    tls_expected: bool,
+    reused_connection: bool | None,
+    rtt_ms: float | None,
+    max_gap_ms: float | None = None,
+    chunks: int | None = None,
+    bytes: int | None = None,
+    token_events: int | None = None,
+    prompt_tokens: int | None = None,
+    usage: Mapping[str, Any] | None = None,
+    error: str | None = None,
+    error_phase: str | None = None,
+    client_aborted: bool = False,
+    trim: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The record of one flow, from plain data (marks relative, in ms).
+
+    `tokens_expected`: the answer was streamed as events, so `first_token`
+    decides ttft; `tls_expected`: the upstream speaks https, so a connection
+    without a handshake mark failed in TLS. `token_events` is the rate's fallback when the upstream
+    reported no output token count.
+    """
+    p = phases.compute(marks, tokens_expected=tokens_expected)
+    if (error or client_aborted) and error_phase is None:
+        error_phase = phases.error_phase(
+            marks, tls_expected=tls_expected, tokens_expected=tokens_expected
+        )
+    output_tokens = (usage or {}).get("output_tokens") or token_events
+    stream_s = p.get("stream", 0.0) / 1000
+    return {
+        "schema": SCHEMA,
+        "id": id,
+        "ts": round(ts, 3),
+        "api": api,
+        "model": model,
+        "stream": stream,
+        "status": status,
+        "upstream": upstream,
+        "marks": dict(marks),
+        "phases": p,
+        "ttft_ms": p.get("ttft"),
+        "reused_connection": reused_connection,
+        "rtt_ms": None if rtt_ms is None else round(rtt_ms, 3),
+        "max_gap_ms": None if max_gap_ms is None else round(max_gap_ms, 3),
+        "chunks": chunks,
+        "bytes": bytes,
+        "output_tokens_per_s": round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
+        "prompt_tokens": prompt_tokens,
+        "usage": dict(usage) if usage else None,
+        "verdict": phases.verdict(
+            p,
+            rtt_ms=rtt_ms,
+            stall=phases.stall_ms(marks, max_gap_ms),
+            error=error,
+            error_phase=error_phase,
+            client_aborted=client_aborted,
+        ),
+        "error": error[:ERROR_MAX] if error else None,
+        "error_phase": error_phase,
+        "client_aborted": client_aborted,
+        "trim": dict(trim) if trim else None,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def top_phases(rec: Mapping[str, Any], n: int = 3) -> list[tuple[str, float]]:
+    """The `n` largest critical-path phases, largest first."""
+    p = rec.get("phases") or {}
+    ranked = sorted(
+        ((name, p[name]) for name in phases.CRITICAL_PHASES if p.get(name)),
+        key=lambda item: -item[1],
+    )
+    return ranked[:n]
+
+
+def summary_line(rec: Mapping[str, Any]) -> str:
+    """One line for the console: who, ttft, the biggest phases, the verdict."""
+    biggest = ", ".join(f"{name} {ms:.0f}" for name, ms in top_phases(rec))
+    return (
+        f"{rec.get('upstream')} {rec.get('api')} {rec.get('model') or '?'} "
+        f"{rec.get('status') or 'ERR'} ttft {_ms(rec.get('ttft_ms'))}"
+        f" [{biggest}] → {rec.get('verdict')}"
+    )
+
+
+def comment(rec: Mapping[str, Any]) -> str:
+    """The breakdown shown as the flow's comment in mitmweb."""
+    lines = [f"ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}"]
+    for name, ms in (rec.get("phases") or {}).items():
+        lines.append(f"  {name:<20} {ms:>9.1f} ms")
+    conn = {True: "reused", False: "new", None: "none"}[rec.get("reused_connection")]
+    lines.append(f"connection {conn}, rtt {_ms(rec.get('rtt_ms'))}")
+    if rec.get("chunks") is not None:
+        rate = rec.get("output_tokens_per_s")
+        lines.append(
+            f"{rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}"
+            + (f", {rate} tok/s" if rate else "")
+        )
+    if rec.get("error"):
+        lines.append(f"error ({rec.get('error_phase')}): {rec['error']}")
+    return "\n".join(lines)
+
+
+_CLOSE = object()
+
+
+class RecordWriter:
+    """Appends records as JSON lines to `path` from a background thread.
+
+    The event loop only serialises and enqueues; the thread writes whatever has
+    queued up and flushes after each batch, so a reader of the log sees records
+    within moments. `close()` writes everything still queued before returning.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")
+        self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
+        self._thread.start()
+
+    def write(self, rec: Mapping[str, Any]) -> None:
+        self._queue.put(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_CLOSE)
+            self._thread.join()
+
+    def _run(self) -> None:
+        closing = False
+        while not closing:
+            batch = [self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            closing = _CLOSE in batch
+            try:
+                self._file.write(b"".join(line for line in batch if line is not _CLOSE))
+                self._file.flush()
+            except OSError as e:
+                logger.error("cannot write timing records to %s: %s", self.path, e)
+        self._file.close()

@@ -1,0 +1,98 @@
+"""The record schema, its text forms and the JSONL writer."""
+
+import threading
+
+import orjson
+
+from addons import phases, record
+
+KEYS = {
+    "schema", "id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",
+    "ttft_ms", "reused_connection", "rtt_ms", "max_gap_ms", "chunks", "bytes",
+    "output_tokens_per_s", "prompt_tokens", "usage", "verdict", "error", "error_phase",
+    "client_aborted", "trim",
+}
+
+MARKS = {
+    "request_body": 1.0, "forwarded": 2.0, "upstream_connect_start": 2.5, "upstream_tcp": 3.0,
+    "upstream_tls": 203.0, "response_head": 450.0, "first_byte": 451.0, "first_event": 451.0,
+    "first_token": 460.0, "last_token": 1460.0, "end": 1461.0,
+}
+
+
+def make(**overrides):
+    kwargs = dict(
+        id="f1", ts=1700000000.12345, api="openai.chat", model="gpt-x", stream=True, status=200,
+        upstream="api.example.com", marks=MARKS, tokens_expected=True, tls_expected=True,
+        reused_connection=False, rtt_ms=200.0, max_gap_ms=30.0, chunks=120, bytes=9000,
+        token_events=100, prompt_tokens=1234,
+        usage={"input_tokens": 1234, "output_tokens": 200, "cached_tokens": 0, "reasoning_tokens": 0},
+    )
+    kwargs.update(overrides)
+    return record.build_record(**kwargs)
+
+
+def test_record_has_every_key_and_plain_json_values():
+    rec = make()
+    assert set(rec) == KEYS
+    assert rec["schema"] == record.SCHEMA
+    assert orjson.loads(orjson.dumps(rec)) == rec
+    assert rec["ts"] == 1700000000.123
+    assert rec["ttft_ms"] == 460.0
+    assert rec["phases"]["upstream_tls"] == 200.0
+    assert rec["output_tokens_per_s"] == 200.0  # 200 tokens over one second
+    assert rec["verdict"] == phases.UPSTREAM_TLS
+
+
+def test_rate_falls_back_to_token_events():
+    assert make(usage=None)["output_tokens_per_s"] == 100.0
+
+
+def test_error_phase_is_derived_when_not_given():
+    rec = make(marks={"request_body": 1.0, "forwarded": 2.0, "upstream_connect_start": 2.5, "upstream_tcp": 3.0},
+               status=None, error="TLS handshake failed")
+    assert rec["error_phase"] == "upstream_tls"
+    assert rec["verdict"] == "error in upstream TLS"
+    assert rec["ttft_ms"] is None
+
+
+def test_client_abort_mid_stream():
+    marks = {k: v for k, v in MARKS.items() if k not in ("last_token", "end")}
+    rec = make(marks=marks, client_aborted=True, error="Client disconnected.")
+    assert rec["verdict"] == "client aborted in stream"
+
+
+def test_long_errors_are_cut():
+    assert len(make(error="x" * 5000)["error"]) == record.ERROR_MAX
+
+
+def test_summary_line_and_comment():
+    rec = make()
+    line = record.summary_line(rec)
+    assert "ttft 460 ms" in line and "upstream_wait 247" in line and line.endswith(phases.UPSTREAM_TLS)
+    text = record.comment(rec)
+    assert text.splitlines()[0] == "ttft 460 ms → upstream TLS"
+    assert "connection new, rtt 200 ms" in text
+    assert "120 chunks" in text
+
+
+def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_path):
+    path = tmp_path / "deep" / "er" / "timing.jsonl"
+    writer = record.RecordWriter(path)
+    threads = [
+        threading.Thread(target=lambda n=n: [writer.write({"n": n, "i": i}) for i in range(500)])
+        for n in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.close()
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert len(lines) == 2000
+    assert {(x["n"], x["i"]) for x in lines} == {(n, i) for n in range(4) for i in range(500)}
+    # Appends, never truncates.
+    writer = record.RecordWriter(path)
+    writer.write({"n": -1})
+    writer.close()
+    assert len(path.read_bytes().splitlines()) == 2001
