@@ -1,0 +1,89 @@
+import gzip
+import zlib
+
+import brotli
+import pytest
+from mitmproxy import http
+from mitmproxy.net import encoding
+
+from addons import streaming
+
+
+class RecordingWatcher:
+    def __init__(self):
+        self.fed = []
+
+    def feed(self, chunk, now):
+        self.fed.append(chunk)
+
+
+def headers(**kv) -> http.Headers:
+    return http.Headers(**{k.replace("_", "-"): v for k, v in kv.items()})
+
+
+@pytest.mark.parametrize(
+    "hdrs, asked, expected",
+    [
+        (headers(content_type="text/event-stream; charset=utf-8", content_length="10"), False, True),
+        (headers(content_type="application/json", transfer_encoding="chunked"), False, True),
+        (headers(content_type="application/json"), False, True),  # HTTP/2: no length
+        (headers(content_type="application/json", content_length="12"), False, False),
+        (headers(content_type="application/json", content_length="12"), True, True),
+    ],
+)
+def test_should_stream(hdrs, asked, expected):
+    assert streaming.should_stream(hdrs, asked) is expected
+
+
+def test_tap_passes_chunks_through_unchanged_and_feeds_watcher():
+    w = RecordingWatcher()
+    tap = streaming.StreamTap(w, None, view_max=1024)
+    chunks = [b"data: 1\n\n", b"data: 2\n", b"\n"]
+    assert [tap(c) for c in chunks] == chunks
+    assert tap(b"") == b""  # end of message passes as end of message
+    assert w.fed == chunks
+    assert tap.stored_body() == b"".join(chunks)
+
+
+def test_tap_bounds_the_stored_body():
+    tap = streaming.StreamTap(RecordingWatcher(), None, view_max=5)
+    assert tap(b"abc") == b"abc"
+    assert tap(b"defgh") == b"defgh"  # the client still gets everything
+    assert tap(b"ijk") == b"ijk"
+    assert tap.stored_body().startswith(b"abcde")
+    assert tap.stored_body().endswith(streaming.TRUNCATED_NOTE)
+
+
+def _compressors():
+    def zstd_stream(data):
+        return encoding.encode_zstd(data)
+
+    return {
+        "gzip": lambda d: gzip.compress(d),
+        "deflate": lambda d: zlib.compress(d),
+        "br": lambda d: brotli.compress(d),
+        "zstd": zstd_stream,
+    }
+
+
+@pytest.mark.parametrize("enc", ["gzip", "deflate", "br", "zstd"])
+def test_incremental_decoding_emits_data_before_the_end(enc):
+    body = b"".join(b"data: {\"n\": %d}\n\n" % i for i in range(200))
+    compressed = _compressors()[enc](body)
+    tap = streaming.StreamTap(RecordingWatcher(), streaming.incremental_decoder(enc), view_max=1 << 20)
+    out = []
+    for i in range(0, len(compressed), 7):
+        res = tap(compressed[i : i + 7])
+        out.extend([res] if isinstance(res, bytes) else res)
+        assert res != b""  # never an empty chunk mid-stream: clients read it as the end
+    assert b"".join(out) == body
+
+
+def test_unknown_encoding_has_no_decoder():
+    assert streaming.incremental_decoder("compress") is None
+
+
+def test_corrupt_compressed_stream_is_passed_on_not_raised():
+    tap = streaming.StreamTap(RecordingWatcher(), streaming.incremental_decoder("gzip"), view_max=10)
+    assert tap(b"definitely not gzip") == b"definitely not gzip"
+    assert tap.decoder is None
