@@ -1,0 +1,63 @@
+"""A private asyncio event loop in a background thread, so synchronous tests can run servers.
+
+Both the fake upstream and the delaying forwarder are asyncio servers; tests and
+benchmarks are mostly synchronous. `LoopThread` owns one loop and one thread and
+shuts both down completely: every task still running at `stop()` is cancelled,
+so a stalled connection can never keep a test process alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+STOP_TIMEOUT_S = 5.0
+
+
+class LoopThread:
+    """Runs an event loop in a daemon thread until `stop()`."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = STOP_TIMEOUT_S) -> T:
+        """Run `coro` on the loop and wait for its result in the calling thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Schedule `fn` on the loop from any thread; a no-op once the loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # loop already closed: nothing left to wake
+            pass
+
+    def stop(self) -> None:
+        """Cancel every task on the loop, stop it, join the thread and close the loop."""
+        if not self._thread.is_alive():
+            return
+        self.run(self._cancel_all_tasks())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(STOP_TIMEOUT_S)
+
+    async def _cancel_all_tasks(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()

@@ -1,0 +1,130 @@
+"""What the fake upstream answers to each API request, before any knob shapes the delivery.
+
+The bodies come from `tests/sse_samples.py`, so the fake and the parser tests
+agree on the wire format; the request's model is echoed back. A streamed reply is
+a list of SSE events (the fake writes one per HTTP chunk); a non-streamed reply is
+one JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from tests import sse_samples
+
+OPENAI_CHAT = "openai.chat"
+OPENAI_RESPONSES = "openai.responses"
+ANTHROPIC_MESSAGES = "anthropic.messages"
+GEMINI = "gemini"
+"""API shape names, spelled as `addons/scope.py` spells them (the fakes do not import the relay)."""
+
+_GEMINI_PATH = re.compile(r"^/v1beta/models/([^/:]+):(streamGenerateContent|generateContent)$")
+
+
+def answer_pieces(count: int) -> list[str]:
+    """The text pieces the fake streams: "Hello", " t1", " t2", ... (`count` of them).
+
+    The first piece is unique in every body so the fake can find the first event
+    that carries answer text (where the prefill delay goes).
+    """
+    return ["Hello"][:count] + [f" t{i}" for i in range(1, count)]
+
+
+def answer_text(count: int) -> str:
+    """The full answer text a client should assemble from a reply of `count` pieces."""
+    return "".join(answer_pieces(count))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A response to send: status, content type and the body in the chunks it is written in."""
+
+    status: int
+    content_type: str
+    chunks: list[bytes]
+    streamed: bool
+    first_token_chunk: int = 0
+    """Index of the first chunk carrying answer text (the prefill delay goes before it); 0 if none does."""
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    api: str
+    stream_body: Callable[..., list[bytes]]
+    json_body: Callable[..., dict]
+
+
+_ENDPOINTS = {
+    "/v1/chat/completions": _Endpoint(OPENAI_CHAT, sse_samples.openai_chat_stream, sse_samples.openai_chat_completion),
+    "/v1/responses": _Endpoint(OPENAI_RESPONSES, sse_samples.responses_stream, sse_samples.responses_response),
+    "/v1/messages": _Endpoint(ANTHROPIC_MESSAGES, sse_samples.anthropic_stream, sse_samples.anthropic_message),
+}
+_GEMINI_ENDPOINT = _Endpoint(GEMINI, sse_samples.gemini_stream, sse_samples.gemini_response)
+
+_MODELS_LIST = {
+    "object": "list",
+    "data": [
+        {"id": model, "object": "model", "created": sse_samples.CREATED, "owned_by": "fake-upstream"}
+        for model in (sse_samples.OPENAI_MODEL, sse_samples.ANTHROPIC_MODEL, sse_samples.GEMINI_MODEL)
+    ],
+}
+
+
+def json_reply(status: int, body: Any) -> Reply:
+    """A non-streamed `application/json` reply."""
+    return Reply(status, "application/json", [json.dumps(body).encode()], streamed=False)
+
+
+def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None) -> Reply:
+    """The reply to one request. `status` >= 400 answers with an error body in the API's own format
+    (`error_body` verbatim when given); other statuses send the normal body with that status."""
+    split = urlsplit(target)
+    gemini = _GEMINI_PATH.match(split.path)
+    if method == "GET" and split.path == "/v1/models":
+        return json_reply(200, _MODELS_LIST)
+    if method != "POST" or not (split.path in _ENDPOINTS or gemini):
+        return json_reply(404, sse_samples.error_body(OPENAI_CHAT, f"No fake route for {method} {split.path}", 404))
+
+    endpoint = _GEMINI_ENDPOINT if gemini else _ENDPOINTS[split.path]
+    if status >= 400:
+        error = error_body.encode() if error_body is not None else json.dumps(_error(endpoint.api, status)).encode()
+        return Reply(status, "application/json", [error], streamed=False)
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return json_reply(400, sse_samples.error_body(endpoint.api, "The request body is not valid JSON.", 400))
+    if not isinstance(request, dict):
+        return json_reply(400, sse_samples.error_body(endpoint.api, "The request body must be a JSON object.", 400))
+
+    if gemini:
+        model, streamed = gemini.group(1), gemini.group(2) == "streamGenerateContent"
+        # Gemini streams SSE only with ?alt=sse; without it, it sends a JSON array, which this fake does not.
+        if streamed and parse_qs(split.query).get("alt") != ["sse"]:
+            return json_reply(400, sse_samples.error_body(GEMINI, "This fake streams only with ?alt=sse.", 400))
+    else:
+        model, streamed = request.get("model"), request.get("stream") is True
+    model_kw = {"model": model} if isinstance(model, str) else {}
+
+    if not streamed:
+        return Reply(status, "application/json", [json.dumps(endpoint.json_body(pieces, **model_kw)).encode()],
+                     streamed=False)
+    events = endpoint.stream_body(pieces, **model_kw)
+    return Reply(status, "text/event-stream; charset=utf-8", events, streamed=True,
+                 first_token_chunk=_first_chunk_with(events, pieces))
+
+
+def _error(api: str, status: int) -> dict:
+    message = "Rate limit reached for requests (fake)." if status == 429 else f"Fake upstream error {status}."
+    return sse_samples.error_body(api, message, status)
+
+
+def _first_chunk_with(chunks: list[bytes], pieces: Sequence[str]) -> int:
+    if not pieces:
+        return 0
+    marker = json.dumps(pieces[0], ensure_ascii=False)[1:-1].encode()
+    return next((i for i, chunk in enumerate(chunks) if marker in chunk), 0)

@@ -1,0 +1,597 @@
+"""`FakeUpstream`: an OpenAI / Anthropic / Gemini look-alike HTTP/1.1 server for tests and benchmarks.
+
+It runs on its own event loop in a background thread, so synchronous tests can
+use it, and speaks the real wire formats (bodies from `tests/sse_samples.py`) well
+enough for the official SDKs. Streamed replies go out one SSE event per HTTP
+chunk, flushed each time, so a relay's buffering is observable.
+
+Endpoints: POST /v1/chat/completions, /v1/responses, /v1/messages (stream or not,
+per the body's `"stream": true`), POST /v1beta/models/{m}:streamGenerateContent?alt=sse
+and :generateContent; GET /v1/models; anything else gets a 404 JSON error.
+
+Behaviour knobs (`Behaviour`) are set as instance defaults (`fake.behaviour.gap_ms = 20`)
+or per request with `x-fake-<knob>` headers, underscores as dashes
+(`x-fake-prefill-ms: 300`), so a subprocess client can drive them too. An
+unknown or unparsable `x-fake-*` header is answered with 400.
+
+A *chunk* below is one written HTTP chunk of the body: one SSE event of a streamed
+reply (chunk 0 is the first event), or the whole body of a non-streamed reply.
+Timeline of one reply:
+
+    request read -> [head_delay_ms] -> head (dribbled over slow_headers_ms)
+    -> chunks before the first answer text, back to back (e.g. Anthropic message_start)
+    -> [prefill_ms + prefill_ms_per_1k_tokens * request tokens / 1000] -> first text chunk
+    -> [gap_ms] -> next chunk -> ... -> end of body
+
+Run as a program for benchmarks: `python -m tests.fakes.upstream --port 0 [--tls]
+[--certs-dir DIR] [--prefill-ms 50 ...]` prints `listening <base_url>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import http
+import itertools
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+import types
+import typing
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from typing import Any
+
+from tests.fakes._loop import LoopThread
+from tests.fakes.certs import TestCerts
+from tests.fakes.http_wire import BadRequest, Inbound, RequestHead, find_header, header_has_token, read_request
+from tests.fakes.replies import Reply, answer_pieces, build_reply, json_reply
+
+KNOB_HEADER_PREFIX = "x-fake-"
+LISTEN_BACKLOG = 1024  # the default 100 makes bursts of hundreds of connections wait for SYN retransmits
+SLOW_HEADER_SLICES = 16
+CHARS_PER_TOKEN = 4  # the usual rough estimate; good enough to make prefill grow with prompt size
+
+
+@dataclass
+class Behaviour:
+    """How the fake delivers its replies. Delays are in milliseconds; `*_chunks` count written chunks."""
+
+    head_delay_ms: float = 0
+    """Wait after reading the request, before sending the response head (queueing, "time to headers")."""
+    prefill_ms: float = 0
+    """Wait between the response head and the first chunk carrying answer text."""
+    prefill_ms_per_1k_tokens: float = 0
+    """Extra prefill per 1000 request tokens (request body bytes / 4): prefill that grows with the prompt."""
+    gap_ms: float = 0
+    """Wait before every later chunk."""
+    chunks: int = 5
+    """Number of answer text pieces ("Hello", " t1", ...); see `replies.answer_text`."""
+    status: int = 200
+    """Response status. >= 400 answers with a JSON error in the API's format instead of the answer."""
+    error_body: str | None = None
+    """Verbatim error body for `status` >= 400 (default: the API's own error format)."""
+    reset_before_headers: bool = False
+    """Read the request, then reset the TCP connection without answering."""
+    reset_after_chunks: int | None = None
+    """Reset the connection after this many chunks (0: right after the head)."""
+    stall_after_chunks: int | None = None
+    """After this many chunks, send nothing (connection open) until `release_stalls()` or `stop()`."""
+    slow_headers_ms: float = 0
+    """Dribble the response head out in small slices over this long."""
+    gzip: bool = False
+    """gzip the body if the request's Accept-Encoding allows it (streams: flushed per chunk)."""
+
+    def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
+        """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
+        hints = typing.get_type_hints(Behaviour)
+        changes: dict[str, Any] = {}
+        for name, value in headers:
+            if name.lower().startswith(KNOB_HEADER_PREFIX):
+                knob = name.lower().removeprefix(KNOB_HEADER_PREFIX).replace("-", "_")
+                if knob not in hints:
+                    raise ValueError(f"unknown knob header {name!r}")
+                changes[knob] = parse_knob(hints[knob], value)
+        return dataclasses.replace(self, **changes)
+
+    def prefill_for(self, request_body: bytes) -> float:
+        tokens = len(request_body) / CHARS_PER_TOKEN
+        return self.prefill_ms + self.prefill_ms_per_1k_tokens * tokens / 1000
+
+
+def parse_knob(kind: Any, text: str) -> Any:
+    """Parse a knob value given as text (header or CLI) into the field's type."""
+    text = text.strip()
+    if isinstance(kind, types.UnionType):  # `X | None`
+        if text.lower() in ("", "none"):
+            return None
+        (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {text!r}")
+    return kind(text)
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request as the fake read it, in arrival order; `conn_id` numbers connections from 1."""
+
+    method: str
+    path: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    conn_id: int
+    chunked: bool
+    """The body came with chunked transfer coding."""
+    at: float
+    """`time.time()` when the request was fully read."""
+
+    def header(self, name: str) -> str | None:
+        return find_header(self.headers, name)
+
+
+@dataclass
+class Sent:
+    """What the fake sent for one request (same index as in `received`)."""
+
+    request: Received
+    status: int | None = None
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    """The body bytes written so far, de-chunked but still content-encoded (gzip)."""
+    chunks_sent: int = 0
+    outcome: str | None = None
+    """None while in progress, then "complete", "reset" (a reset knob), "client_closed" or "stopped"."""
+
+    def decoded_body(self) -> bytes:
+        """`body` with any gzip content coding removed (a partial gzip stream decodes as far as it goes)."""
+        if find_header(self.headers, "content-encoding") != "gzip":
+            return self.body
+        return zlib.decompressobj(wbits=31).decompress(self.body)
+
+
+class Gate:
+    """Holds a streamed reply before one chunk until the test calls `set()` (threading.Event-like)."""
+
+    def __init__(self, loop_thread: LoopThread) -> None:
+        self._loop_thread = loop_thread
+        self._flag = threading.Event()
+        self._released = asyncio.Event()  # binds to the server loop on first wait
+
+    def set(self) -> None:
+        self._flag.set()
+        self._loop_thread.call_soon(self._released.set)
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    async def wait_released(self) -> None:
+        await self._released.wait()
+
+
+class StreamWatch:
+    """Gates and observes one streamed reply: the next one the fake starts after the watch was armed.
+
+    Lets a test prove causality without clocks: hold chunk k, wait until chunk k-1
+    was sent, check the client already has it, release chunk k.
+    """
+
+    def __init__(self, loop_thread: LoopThread) -> None:
+        self._loop_thread = loop_thread
+        self._gates: dict[int, Gate] = {}
+        self._changed = threading.Condition()
+        self._sent = 0
+        self._done = False
+
+    def hold_before_chunk(self, index: int) -> Gate:
+        """The gate the reply waits on before writing chunk `index` (0-based)."""
+        with self._changed:
+            return self._gates.setdefault(index, Gate(self._loop_thread))
+
+    def wait_chunk_sent(self, index: int, timeout: float) -> bool:
+        """Block until chunk `index` has been written and flushed; False on timeout or if the reply
+        ended (reset, client gone) before it."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._sent > index or self._done, timeout)
+            return self._sent > index
+
+    def wait_done(self, timeout: float) -> bool:
+        """Block until the reply has ended, however it ended."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._done, timeout)
+
+    # Server side, called on the fake's loop.
+
+    async def pass_gate(self, index: int) -> None:
+        with self._changed:
+            gate = self._gates.get(index)
+        if gate is not None:
+            await gate.wait_released()
+
+    def note_sent(self) -> None:
+        with self._changed:
+            self._sent += 1
+            self._changed.notify_all()
+
+    def note_done(self) -> None:
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+
+
+class _ContentCoding:
+    """Identity or gzip coding of a body written in chunks; gzip is sync-flushed per chunk so a
+    streaming reader can decode each chunk as it arrives."""
+
+    def __init__(self, gzip: bool) -> None:
+        self._compressor = zlib.compressobj(wbits=31) if gzip else None
+
+    @property
+    def name(self) -> str | None:
+        return "gzip" if self._compressor else None
+
+    def encode(self, data: bytes) -> bytes:
+        if self._compressor is None:
+            return data
+        return self._compressor.compress(data) + self._compressor.flush(zlib.Z_SYNC_FLUSH)
+
+    def finish(self) -> bytes:
+        return self._compressor.flush() if self._compressor else b""
+
+
+class FakeUpstream:
+    """The fake API server. Use as a context manager or call `start()` / `stop()`."""
+
+    def __init__(
+        self,
+        tls: bool = False,
+        certs: TestCerts | None = None,
+        *,
+        port: int = 0,
+        behaviour: Behaviour | None = None,
+    ) -> None:
+        self.tls = tls
+        self.certs = certs
+        self.behaviour = behaviour or Behaviour()
+        self.port = port
+        self._requested_port = port
+        self._tempdir: tempfile.TemporaryDirectory[str] | None = None
+        self._loop_thread = LoopThread("fake-upstream")
+        self._server: asyncio.Server | None = None
+        self._changed = threading.Condition()
+        self._received: list[Received] = []
+        self._sent: list[Sent] = []
+        self._open_connections = 0
+        self._conn_ids = itertools.count(1)
+        self._pending_watch: StreamWatch | None = None
+        self._latest_watch: StreamWatch | None = None
+        self._stall_release = asyncio.Event()
+
+    # --- lifecycle ---------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"https://localhost:{self.port}" if self.tls else f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeUpstream:
+        if self.tls and self.certs is None:
+            self._tempdir = tempfile.TemporaryDirectory(prefix="fake-upstream-certs-")
+            self.certs = TestCerts.create(self._tempdir.name)
+        self._loop_thread.start()
+        self._server = self._loop_thread.run(self._listen())
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _listen(self) -> asyncio.Server:
+        ssl_context = self.certs.server_context() if self.certs and self.tls else None
+        return await asyncio.start_server(
+            self._serve_connection, "127.0.0.1", self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
+        )
+
+    def stop(self) -> None:
+        """Close the listener and every connection (stalled or gated ones too) and end the thread."""
+        if self._server is not None:
+            self._loop_thread.call_soon(self._server.close)
+            self._server = None
+        self._loop_thread.stop()
+        if self._tempdir is not None:
+            self._tempdir.cleanup()
+            self._tempdir = None
+
+    def __enter__(self) -> FakeUpstream:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- records ---------------------------------------------------------------
+
+    @property
+    def received(self) -> list[Received]:
+        """Every request read so far, in arrival order (a copy)."""
+        with self._changed:
+            return list(self._received)
+
+    @property
+    def sent(self) -> list[Sent]:
+        """What was sent per request, same order as `received` (snapshot copies)."""
+        with self._changed:
+            return [dataclasses.replace(s, headers=list(s.headers)) for s in self._sent]
+
+    @property
+    def sent_bodies(self) -> list[bytes]:
+        """The body bytes sent per request (de-chunked, content-encoded as sent)."""
+        return [s.body for s in self.sent]
+
+    @property
+    def open_connections(self) -> int:
+        with self._changed:
+            return self._open_connections
+
+    def wait_received(self, count: int, timeout: float = 10) -> bool:
+        """Block until at least `count` requests have been read."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._received) >= count, timeout)
+
+    def wait_finished(self, count: int, timeout: float = 10) -> bool:
+        """Block until at least `count` replies have ended (any outcome)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: sum(s.outcome is not None for s in self._sent) >= count, timeout)
+
+    def wait_connections(self, count: int, timeout: float = 10) -> bool:
+        """Block until exactly `count` client connections are open (e.g. 0: the relay let go)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._open_connections == count, timeout)
+
+    # --- gates and stalls -----------------------------------------------------
+
+    def next_stream(self) -> StreamWatch:
+        """The watch for the next streamed reply the fake starts (created on first call, then shared)."""
+        with self._changed:
+            if self._pending_watch is None:
+                self._pending_watch = self._latest_watch = StreamWatch(self._loop_thread)
+            return self._pending_watch
+
+    def hold_before_chunk(self, index: int) -> Gate:
+        """Hold the next streamed reply before chunk `index` until the returned gate is `set()`."""
+        return self.next_stream().hold_before_chunk(index)
+
+    def wait_chunk_sent(self, index: int, timeout: float = 10) -> bool:
+        """Wait for chunk `index` of the reply watched by the latest `next_stream()` /
+        `hold_before_chunk()` (arm one before sending the request)."""
+        with self._changed:
+            watch = self._latest_watch
+        return (watch or self.next_stream()).wait_chunk_sent(index, timeout)
+
+    def release_stalls(self) -> None:
+        """Let every reply stalled by `stall_after_chunks` carry on; later stalls stall again."""
+        self._loop_thread.call_soon(self._release_stalls)
+
+    def _release_stalls(self) -> None:
+        self._stall_release.set()
+        self._stall_release = asyncio.Event()
+
+    def _claim_watch(self) -> StreamWatch:
+        with self._changed:
+            watch, self._pending_watch = self._pending_watch, None
+        return watch or StreamWatch(self._loop_thread)
+
+    # --- serving ---------------------------------------------------------------
+
+    def _count_connection(self, delta: int) -> None:
+        with self._changed:
+            self._open_connections += delta
+            self._changed.notify_all()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn_id = next(self._conn_ids)
+        inbound = Inbound(reader)
+        self._count_connection(+1)
+        try:
+            keep_alive = True
+            while keep_alive:
+                request = await read_request(inbound, writer)
+                if request is None:
+                    break
+                keep_alive = await self._exchange(conn_id, *request, inbound, writer)
+            writer.close()
+        except BadRequest as exc:
+            body = f"fake upstream: bad request: {exc}".encode()
+            writer.write(_head(400, [("Content-Length", str(len(body))), ("Connection", "close")]) + body)
+            writer.close()
+        except ConnectionError:
+            writer.transport.abort()
+        except asyncio.CancelledError:
+            writer.transport.abort()  # stop(): a graceful close could wait forever on a client that does not read
+            raise
+        finally:
+            inbound.close()
+            self._count_connection(-1)
+
+    async def _exchange(
+        self, conn_id: int, head: RequestHead, body: bytes, chunked: bool, inbound: Inbound, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answer one request; True if the connection may carry another."""
+        received = Received(head.method, head.target, head.headers, body, conn_id, chunked, time.time())
+        sent = Sent(received)
+        with self._changed:
+            self._received.append(received)
+            self._sent.append(sent)
+            self._changed.notify_all()
+
+        try:
+            behaviour = self.behaviour.overridden_by(head.headers)
+            reply = build_reply(
+                head.method, head.target, body, answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body
+            )
+        except ValueError as exc:
+            behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
+        watch = self._claim_watch() if reply.streamed else StreamWatch(self._loop_thread)
+        keep_alive = head.wants_keep_alive()
+
+        responding = asyncio.ensure_future(self._respond(head, body, reply, behaviour, keep_alive, sent, watch, writer))
+        hangup = asyncio.ensure_future(inbound.wait_hangup())
+        try:
+            await asyncio.wait({responding, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            hangup.cancel()
+            if not responding.done():
+                responding.cancel()
+                outcome = "client_closed"
+            else:
+                try:
+                    outcome = responding.result()
+                except ConnectionError:
+                    outcome = "client_closed"
+        except asyncio.CancelledError:
+            responding.cancel()
+            hangup.cancel()
+            self._finish(sent, watch, "stopped")
+            raise
+        self._finish(sent, watch, outcome)
+        return keep_alive and outcome == "complete"
+
+    def _finish(self, sent: Sent, watch: StreamWatch, outcome: str) -> None:
+        with self._changed:
+            sent.outcome = outcome
+            self._changed.notify_all()
+        watch.note_done()
+
+    async def _respond(
+        self,
+        head: RequestHead,
+        body: bytes,
+        reply: Reply,
+        behaviour: Behaviour,
+        keep_alive: bool,
+        sent: Sent,
+        watch: StreamWatch,
+        writer: asyncio.StreamWriter,
+    ) -> str:
+        """Write the reply shaped by the knobs; returns the outcome ("complete" or "reset")."""
+        if behaviour.reset_before_headers:
+            _reset(writer)
+            return "reset"
+        await _sleep_ms(behaviour.head_delay_ms)
+
+        gzip = behaviour.gzip and header_has_token(head.headers, "accept-encoding", "gzip")
+        coding = _ContentCoding(gzip)
+        wire_chunks = [coding.encode(chunk) for chunk in reply.chunks]
+        tail = coding.finish()
+        if not reply.streamed:  # one body with a known length
+            wire_chunks, tail = [b"".join(wire_chunks) + tail], b""
+        headers = _response_headers(reply, coding.name, keep_alive, len(wire_chunks[0]) if not reply.streamed else None)
+        with self._changed:
+            sent.status, sent.headers = reply.status, headers
+        await _write_head(writer, _head(reply.status, headers), behaviour.slow_headers_ms)
+
+        for index in range(len(wire_chunks) + 1):
+            if index == behaviour.reset_after_chunks:
+                _reset(writer)
+                return "reset"
+            if index == behaviour.stall_after_chunks:
+                await self._stall_release.wait()
+            if index == len(wire_chunks):
+                break
+            if index == reply.first_token_chunk:
+                await _sleep_ms(behaviour.prefill_for(body))
+            elif index > 0:
+                await _sleep_ms(behaviour.gap_ms)
+            await watch.pass_gate(index)
+            payload = wire_chunks[index]
+            writer.write(_chunk_frame(payload) if reply.streamed else payload)
+            await writer.drain()
+            with self._changed:
+                sent.body += payload
+                sent.chunks_sent += 1
+            watch.note_sent()
+
+        if reply.streamed:
+            writer.write((_chunk_frame(tail) if tail else b"") + b"0\r\n\r\n")
+            await writer.drain()
+            with self._changed:
+                sent.body += tail
+        return "complete"
+
+
+def _response_headers(reply: Reply, coding: str | None, keep_alive: bool, length: int | None) -> list[tuple[str, str]]:
+    headers = [("Date", formatdate(usegmt=True)), ("Content-Type", reply.content_type)]
+    if coding:
+        headers.append(("Content-Encoding", coding))
+    if length is None:
+        headers += [("Transfer-Encoding", "chunked"), ("Cache-Control", "no-cache")]
+    else:
+        headers.append(("Content-Length", str(length)))
+    headers.append(("Connection", "keep-alive" if keep_alive else "close"))
+    return headers
+
+
+def _head(status: int, headers: list[tuple[str, str]]) -> bytes:
+    try:
+        reason = http.HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Unknown"
+    lines = [f"HTTP/1.1 {status} {reason}"] + [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _chunk_frame(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+async def _write_head(writer: asyncio.StreamWriter, head: bytes, spread_ms: float) -> None:
+    if spread_ms <= 0:
+        writer.write(head)
+        await writer.drain()
+        return
+    size = -(-len(head) // SLOW_HEADER_SLICES)
+    for start in range(0, len(head), size):
+        if start:
+            await _sleep_ms(spread_ms / SLOW_HEADER_SLICES)
+        writer.write(head[start : start + size])
+        await writer.drain()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Abort the connection with a TCP RST (SO_LINGER 0), not a FIN: what a crashed upstream looks like."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def _sleep_ms(ms: float) -> None:
+    if ms > 0:
+        await asyncio.sleep(ms / 1000)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM / SIGINT; print `listening <base_url>` once ready."""
+    parser = argparse.ArgumentParser(prog="python -m tests.fakes.upstream", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tls", action="store_true", help="serve HTTPS with a test certificate")
+    parser.add_argument("--certs-dir", help="where to write ca.pem/cert.pem/key.pem (with --tls); default: a temp dir")
+    hints = typing.get_type_hints(Behaviour)
+    for knob in hints:
+        parser.add_argument("--" + knob.replace("_", "-"), dest=knob, metavar="VALUE")
+    args = parser.parse_args(argv)
+    knobs = {knob: parse_knob(kind, getattr(args, knob)) for knob, kind in hints.items() if getattr(args, knob) is not None}
+    certs = TestCerts.create(args.certs_dir) if args.tls and args.certs_dir else None
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with FakeUpstream(tls=args.tls, certs=certs, port=args.port, behaviour=Behaviour(**knobs)) as fake:
+        print(f"listening {fake.base_url}", flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
