@@ -54,7 +54,7 @@ def incremental_decoder(encoding: str) -> _Decompressor | None:
     if encoding == "br":
         import brotli  # mitmproxy depends on it
 
-        return brotli.Decompressor()
+        return _BrotliDecoder(brotli.Decompressor())
     if encoding == "zstd":
         try:
             from compression import zstd  # Python >= 3.14
@@ -62,6 +62,15 @@ def incremental_decoder(encoding: str) -> _Decompressor | None:
             from backports import zstd  # what mitmproxy uses before 3.14
         return zstd.ZstdDecompressor()
     return None
+
+
+class _BrotliDecoder:
+    """brotli's Decompressor names its method `process`."""
+
+    __slots__ = ("decompress",)
+
+    def __init__(self, decompressor) -> None:
+        self.decompress = decompressor.process
 
 
 class StreamTap:
