@@ -1,0 +1,248 @@
+"""Timing: where each LLM call's time went, one record per flow.
+
+The addon collects marks on the flow's timeline from mitmproxy's timestamps, its
+own `request` hook and the stream watcher, and when the flow ends (`response`,
+or `error` for failures and client aborts) turns them into one record
+(`record.build_record`): appended to `relay_timing_log`, logged as a console
+line, shown as the flow's comment in mitmweb (slow flows marked), and kept as
+plain data in `flow.metadata["ttft_relay"]`, which survives saving flows. A
+`Server-Timing` header tells the client the phases known when the head leaves.
+
+Ordering: the `request` hook marks `forwarded`, the moment the request leaves
+the relay's hands, so this addon must come after every addon that works on the
+request (trim) in relay.py's list.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from mitmproxy import command, ctx, flow, http
+from mitmproxy.proxy import server_hooks
+
+from . import phases, record, sse, state
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOG = Path(__file__).resolve().parent.parent / "logs" / "timing.jsonl"
+METADATA_KEY = "ttft_relay"
+SLOW_MARKER = ":turtle:"
+CLIENT_GONE = ("client disconnected", "stream reset by client")
+"""mitmproxy's error messages (HTTP/1, HTTP/2) for a client that went away."""
+RTT_WEIGHT = 0.3
+"""Weight of a new round-trip sample in an upstream's remembered estimate."""
+
+
+class Timing:
+    def __init__(self) -> None:
+        self.writer: record.RecordWriter | None = None
+        self.slow_ms = 0
+        self.console = True
+        self.server_timing = True
+        self.rtt_ms: dict[str, float] = {}
+        """Smoothed round trip per upstream, learned from new connections, used for all."""
+        self.used_connections: set[str] = set()
+        """Ids of open upstream connections that already carried a request."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_timing_log",
+            str,
+            str(DEFAULT_LOG),
+            "Append one JSON timing record per LLM call to this file (created if "
+            "missing); empty to keep no log.",
+        )
+        loader.add_option(
+            "relay_slow_ms",
+            int,
+            3000,
+            "Mark flows in mitmweb whose time to first token is at least this many ms; 0 marks none.",
+        )
+        loader.add_option(
+            "relay_timing_console", bool, True, "Log a one-line timing summary per LLM call."
+        )
+        loader.add_option(
+            "relay_server_timing",
+            bool,
+            True,
+            "Add a Server-Timing header with the relay's phases to responses.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_timing_log" in updated:
+            self._close_writer()
+            if path := ctx.options.relay_timing_log:
+                self.writer = record.RecordWriter(path)
+        if "relay_slow_ms" in updated:
+            self.slow_ms = ctx.options.relay_slow_ms
+        if "relay_timing_console" in updated:
+            self.console = ctx.options.relay_timing_console
+        if "relay_server_timing" in updated:
+            self.server_timing = ctx.options.relay_server_timing
+
+    def done(self) -> None:
+        self._close_writer()
+
+    def _close_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        state.mark(flow, "forwarded", time.time())
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or flow.response is None:
+            return
+        self._connection_marks(flow, st)
+        if self.server_timing:
+            marks = phases.relative_marks(self._marks(flow, st), flow.request.timestamp_start)
+            value = phases.server_timing(phases.compute(marks, tokens_expected=False))
+            if value:
+                flow.response.headers["server-timing"] = value
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.used_connections.discard(data.server.id)
+
+    @command.command("relay.summary")
+    def summary(self, flows: Sequence[flow.Flow]) -> str:
+        """The timing summary of each selected flow, one line per flow."""
+        lines = []
+        for f in flows:
+            rec = f.metadata.get(METADATA_KEY)
+            lines.append(record.summary_line(rec) if rec else f"{f.id}: no timing record (in flight, or not an LLM call)")
+        text = "\n".join(lines)
+        logger.info(text)
+        return text
+
+    def _connection_marks(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+        """Mark the upstream connect and handshake if this flow's request is the
+        first the connection carried; learn the upstream's round trip from them.
+
+        Read late (response head or error): mitmproxy replaces `flow.server_conn`
+        when it picks the connection after the request hooks. With HTTP/2
+        multiplexing the first flow to get its response head claims a new
+        connection.
+        """
+        conn = flow.server_conn
+        if conn.timestamp_start is None or "upstream_connect_start" in st.marks:
+            return
+        if conn.id in self.used_connections:
+            return
+        self.used_connections.add(conn.id)
+        state.mark(flow, "upstream_connect_start", conn.timestamp_start)
+        if conn.timestamp_tcp_setup is not None:
+            state.mark(flow, "upstream_tcp", conn.timestamp_tcp_setup)
+        if conn.timestamp_tls_setup is not None:
+            state.mark(flow, "upstream_tls", conn.timestamp_tls_setup)
+        marks = phases.relative_marks(st.marks, flow.request.timestamp_start)
+        sample = phases.handshake_rtt_ms(marks, conn.tls_version)
+        if sample is not None:
+            host = upstream_name(flow)
+            old = self.rtt_ms.get(host)
+            self.rtt_ms[host] = sample if old is None else old + RTT_WEIGHT * (sample - old)
+
+    def _marks(self, flow: http.HTTPFlow, st: state.FlowState) -> dict[str, float]:
+        """The flow's absolute marks so far: mitmproxy's timestamps, the relay's, the watcher's."""
+        marks = dict(st.marks)
+        if flow.request.timestamp_end is not None:
+            marks.setdefault("request_body", flow.request.timestamp_end)
+        if flow.response is not None:
+            marks.setdefault("response_head", flow.response.timestamp_start)
+        if (w := st.watcher) is not None:
+            for name in ("first_byte", "first_event", "first_token", "last_token"):
+                if (t := getattr(w, name)) is not None:
+                    marks.setdefault(name, t)
+        return marks
+
+    def _finish(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or st.recorded:
+            return
+        st.recorded = True
+        self._connection_marks(flow, st)
+        marks = self._marks(flow, st)
+        if flow.error is not None:
+            marks.setdefault("end", flow.error.timestamp)
+        elif flow.response is not None and flow.response.timestamp_end is not None:
+            marks.setdefault("end", flow.response.timestamp_end)
+        rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
+        flow.metadata[METADATA_KEY] = rec
+        flow.comment = record.comment(rec)
+        if self.slow_ms and (rec["ttft_ms"] or 0) >= self.slow_ms:
+            flow.marked = SLOW_MARKER
+        if self.writer is not None:
+            self.writer.write(rec)
+        if self.console:
+            logger.info(record.summary_line(rec))
+
+    def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
+        status = flow.response.status_code if flow.response is not None else None
+        w = st.watcher
+        error, error_phase = st.error, st.error_phase
+        client_aborted = st.client_aborted
+        if flow.error is not None:
+            error = error or flow.error.msg
+            client_aborted = client_aborted or flow.error.msg.lower().startswith(CLIENT_GONE)
+        if w is not None and w.error:
+            error = error or w.error
+        if status is not None and status >= 400 and not error:
+            # The upstream (or the relay) answered with a failure instead of waiting on.
+            error, error_phase = f"HTTP {status}", error_phase or "upstream_wait"
+        upstream = upstream_name(flow)
+        return record.build_record(
+            id=flow.id,
+            ts=flow.request.timestamp_start,
+            api=st.api,
+            model=st.model,
+            stream=st.stream,
+            status=status,
+            upstream=upstream,
+            marks=marks,
+            tokens_expected=st.stream and w is not None,
+            tls_expected=flow.request.scheme == "https",
+            reused_connection=None if flow.server_conn.timestamp_start is None else "upstream_connect_start" not in marks,
+            rtt_ms=self.rtt_ms.get(upstream),
+            max_gap_ms=w.max_gap * 1000 if w is not None else None,
+            chunks=w.chunks if w is not None else None,
+            bytes=w.bytes if w is not None else None,
+            token_events=w.token_events if w is not None else None,
+            prompt_tokens=st.prompt_tokens,
+            usage=w.usage if w is not None else body_usage(st.api, flow.response),
+            error=error,
+            error_phase=error_phase,
+            client_aborted=client_aborted,
+            trim=st.trim,
+        )
+
+
+def upstream_name(flow: http.HTTPFlow) -> str:
+    """The upstream as "host", or "host:port" on a non-default port."""
+    req = flow.request
+    default = 443 if req.scheme == "https" else 80
+    return req.host if req.port == default else f"{req.host}:{req.port}"
+
+
+def body_usage(api: str, response: http.Response | None) -> dict[str, int] | None:
+    """Usage from a response body that was not streamed (and so is at hand)."""
+    if response is None or response.raw_content is None:
+        return None
+    if "json" not in response.headers.get("content-type", ""):
+        return None
+    try:
+        body = orjson.loads(response.get_content(strict=False) or b"null")
+    except orjson.JSONDecodeError:
+        return None
+    return sse.usage_from_body(api, body)

@@ -1,0 +1,145 @@
+"""The Timing addon's hooks on hand-made flows (no proxy, no network)."""
+
+import orjson
+import pytest
+from mitmproxy.proxy import server_hooks
+from mitmproxy.test import taddons, tflow
+
+from addons import phases, sse, state, timing
+from tests import sse_samples
+
+T0 = 1_700_000_000.0
+
+
+def make_flow(*, stream: bool = True, new_connection: bool = True, status: int = 200):
+    f = tflow.tflow(resp=True)
+    f.request.scheme, f.request.host, f.request.port = "https", "api.example.com", 443
+    f.request.path = "/v1/chat/completions"
+    f.request.timestamp_start, f.request.timestamp_end = T0, T0 + 0.010
+    conn = f.server_conn
+    conn.tls_version = "TLSv1.3"
+    conn.timestamp_start, conn.timestamp_tcp_setup, conn.timestamp_tls_setup = (
+        (T0 + 0.012, T0 + 0.013, T0 + 0.213) if new_connection else (T0 - 60, T0 - 59.9, T0 - 59.8)
+    )
+    f.response.status_code = status
+    f.response.timestamp_start, f.response.timestamp_end = T0 + 0.5, T0 + 2.0
+    st = state.attach(f, state.FlowState(api="openai.chat", model="gpt-x", stream=stream))
+    st.marks["forwarded"] = T0 + 0.011
+    return f, st
+
+
+@pytest.fixture
+def addon(tmp_path):
+    t = timing.Timing()
+    with taddons.context(t) as tctx:
+        tctx.configure(t, relay_timing_log=str(tmp_path / "logs" / "t.jsonl"), relay_slow_ms=100)
+        yield t
+
+
+def records(addon):
+    path = addon.writer.path
+    addon.writer.close()
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_streamed_flow_gets_one_record_everywhere(addon):
+    f, st = make_flow()
+    addon.responseheaders(f)
+    assert f.response.headers["server-timing"] == (
+        "client_upload;dur=10.0, relay;dur=2.0, upstream_connect;dur=1.0, upstream_tls;dur=200.0, upstream_wait;dur=287.0"
+    )
+    st.watcher = w = sse.StreamWatcher("openai.chat")
+    for i, chunk in enumerate(sse_samples.openai_chat_stream(["Hel", "lo"])):
+        w.feed(chunk, T0 + 0.6 + i * 0.01)
+    addon.response(f)
+    addon.response(f)  # a second call must not write a second record
+    (rec,) = records(addon)
+    assert rec == f.metadata[timing.METADATA_KEY]
+    assert rec["reused_connection"] is False
+    assert rec["rtt_ms"] == pytest.approx(200.0)
+    assert rec["marks"]["upstream_tls"] == pytest.approx(213.0)
+    assert rec["phases"]["upstream_tls"] == pytest.approx(200.0)
+    assert f.comment.startswith("ttft ")
+    assert f.marked == timing.SLOW_MARKER
+
+
+def test_second_request_on_the_connection_is_reused_and_uses_the_remembered_rtt(addon):
+    f1, _ = make_flow(stream=False)
+    addon.response(f1)
+    f2, _ = make_flow(stream=False)
+    f2.server_conn = f1.server_conn
+    f2.response.timestamp_end = T0 + 0.51
+    addon.response(f2)
+    r1, r2 = records(addon)
+    assert r1["reused_connection"] is False and r2["reused_connection"] is True
+    assert "upstream_tls" not in r2["phases"] and "upstream_connect" not in r2["marks"]
+    assert r2["rtt_ms"] == pytest.approx(200.0)
+    # The far upstream's round trip is named, not a slow upstream.
+    assert r2["verdict"] == phases.UPSTREAM_NETWORK
+
+
+def test_disconnected_connection_is_forgotten(addon):
+    f1, _ = make_flow(stream=False)
+    addon.response(f1)
+    addon.server_disconnected(server_hooks.ServerConnectionHookData(server=f1.server_conn, client=f1.client_conn))
+    assert addon.used_connections == set()
+
+
+def test_client_abort_mid_stream_is_recorded_once(addon):
+    f, st = make_flow()
+    st.watcher = sse.StreamWatcher("openai.chat")
+    st.watcher.feed(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', T0 + 0.6)
+    f.response.timestamp_end = None
+    f.error = tflow.terr("Client disconnected.")
+    f.error.timestamp = T0 + 0.9
+    addon.error(f)
+    addon.response(f)
+    (rec,) = records(addon)
+    assert rec["client_aborted"] is True
+    assert rec["verdict"] == "client aborted in stream"
+    assert rec["marks"]["end"] == pytest.approx(900.0)
+
+
+def test_http_error_is_an_error_in_upstream_wait(addon):
+    f, _ = make_flow(stream=False, status=429)
+    f.response.headers["content-type"] = "application/json"
+    addon.response(f)
+    (rec,) = records(addon)
+    assert rec["error"] == "HTTP 429" and rec["verdict"] == "error in upstream wait"
+
+
+def test_non_streamed_usage_from_the_body(addon):
+    f, _ = make_flow(stream=False)
+    f.response.headers["content-type"] = "application/json"
+    f.response.content = orjson.dumps({"usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}})
+    addon.response(f)
+    (rec,) = records(addon)
+    assert rec["usage"]["input_tokens"] == 12 and rec["usage"]["output_tokens"] == 3
+
+
+def test_records_hold_no_header_values(addon):
+    f, _ = make_flow(stream=False)
+    f.request.headers["authorization"] = "Bearer sk-secret-123"
+    f.request.headers["x-api-key"] = "sk-ant-secret-456"
+    addon.response(f)
+    raw = orjson.dumps(records(addon))
+    assert b"secret" not in raw
+
+
+def test_out_of_scope_flows_are_left_alone(addon):
+    f = tflow.tflow(resp=True)
+    addon.request(f)
+    addon.responseheaders(f)
+    addon.response(f)
+    assert "server-timing" not in f.response.headers
+    assert timing.METADATA_KEY not in f.metadata
+
+
+def test_summary_command(addon):
+    f, _ = make_flow(stream=False)
+    addon.response(f)
+    other = tflow.tflow(resp=True)
+    text = addon.summary([f, other])
+    first, second = text.splitlines()
+    assert "api.example.com openai.chat gpt-x 200" in first
+    assert "no timing record" in second
