@@ -68,7 +68,7 @@ def test_second_request_on_the_connection_is_reused_and_uses_the_remembered_rtt(
     addon.response(f1)
     f2, _ = make_flow(stream=False)
     f2.server_conn = f1.server_conn
-    f2.response.timestamp_end = T0 + 0.51
+    f2.response.timestamp_start, f2.response.timestamp_end = T0 + 0.25, T0 + 0.26
     addon.response(f2)
     r1, r2 = records(addon)
     assert r1["reused_connection"] is False and r2["reused_connection"] is True
