@@ -25,6 +25,8 @@ DEFAULT_CONF = REPO_ROOT / "mitm.conf"
 CONF_ENV = "TTFT_RELAY_CONF"
 """Environment variable naming another config file (empty: none)."""
 
+LISTENER_OPTIONS = {"mode", "listen_host", "listen_port"}
+
 _PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy": cmdline.mitmproxy}
 
 
@@ -93,6 +95,12 @@ class RelayConfig:
         logger.debug("applied %s from %s", ", ".join(self.applied) or "nothing", self.path)
 
     def running(self) -> None:
+        # mitmproxy binds its listeners before it loads scripts (mitmdump defers the
+        # load), so listener options from mitm.conf reach a proxy server that has
+        # already started. Setting them again now that it runs makes it rebind.
+        rebind = {k: getattr(ctx.options, k) for k in LISTENER_OPTIONS & set(self.applied)}
+        if rebind:
+            ctx.options.update(**rebind)
         unknown = sorted(set(self.applied) & set(ctx.options.deferred))
         if unknown:
             logger.warning("%s names unknown options (ignored): %s", self.path, ", ".join(unknown))
