@@ -1,0 +1,93 @@
+"""scripts/report.py: reading logs, percentiles, grouping, the prompt-size fit."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from addons import record
+from scripts import report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=None, error=None, ts=1000.0):
+    wait = 100 + 0.5 * prompt if wait is None else wait  # 100 ms base + 500 ms per 1k tokens
+    marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 2.0 + wait, "first_byte": 2.0 + wait,
+             "first_token": 2.0 + wait, "last_token": 50.0 + wait, "end": 51.0 + wait}
+    if error:
+        marks = {"request_body": 1.0, "forwarded": 2.0, "end": 9.0}
+    return record.build_record(
+        id=f"f{i}", ts=ts + i, api="openai.chat", model=model, stream=True, status=None if error else 200,
+        upstream=upstream, marks=marks, tokens_expected=True, tls_expected=True, reused_connection=True,
+        rtt_ms=None, prompt_tokens=prompt, error=error,
+    )
+
+
+def write_log(path: Path, records) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return path
+
+
+def test_percentile_interpolates():
+    assert report.percentile([], 50) is None
+    assert report.percentile([5.0], 99) == 5.0
+    assert report.percentile([1, 2, 3, 4], 50) == 2.5
+    assert report.percentile(list(range(101)), 90) == 90
+
+
+def test_fit_recovers_base_and_slope():
+    fit = report.fit_wait_vs_prompt([rec(i, prompt=p) for i, p in enumerate([500, 1000, 4000, 8000, 16000])])
+    assert fit["ms_per_1k_prompt_tokens"] == pytest.approx(500.0)
+    assert fit["base_ms"] == pytest.approx(100.0)
+    assert fit["r2"] == pytest.approx(1.0)
+
+
+def test_fit_needs_spread():
+    assert report.fit_wait_vs_prompt([rec(i, prompt=1000) for i in range(5)]) is None
+    assert report.fit_wait_vs_prompt([rec(0), rec(1, prompt=2)]) is None
+
+
+def test_fit_takes_the_round_trip_out():
+    far = [r | {"rtt_ms": 300.0} for r in (rec(i, prompt=p, wait=300 + 0.5 * p) for i, p in enumerate([1000, 2000, 3000]))]
+    fit = report.fit_wait_vs_prompt(far)
+    assert fit["base_ms"] == pytest.approx(0.0, abs=0.01)
+
+
+def test_read_filters_and_skips_broken_lines(tmp_path):
+    log = write_log(tmp_path / "a.jsonl", [rec(0, ts=100), rec(1, ts=200, model="other")])
+    with open(log, "ab") as f:
+        f.write(b'{"cut short\n')
+    records, bad = report.read_records([log])
+    assert len(records) == 2 and bad == 1
+    assert [r["id"] for r in report.read_records([log], since=150)[0]] == ["f1"]
+    assert [r["id"] for r in report.read_records([log], model="gpt-x")[0]] == ["f0"]
+
+
+def test_since_accepts_durations_and_iso():
+    assert report.parse_since("2h", now=10_000) == 10_000 - 7200
+    assert report.parse_since("2024-01-01T00:00:00+00:00") == 1704067200
+    with pytest.raises(Exception):
+        report.parse_since("yesterday")
+
+
+def test_summary_groups_by_upstream_and_model():
+    records = [rec(i) for i in range(10)] + [rec(10, error="connection refused"), rec(11, upstream="b.example", model="m")]
+    out = report.summarize(records, slowest=3)
+    assert list(out) == ["api.example.com · gpt-x", "b.example · m"]
+    g = out["api.example.com · gpt-x"]
+    assert g["requests"] == 11 and g["errors"] == 1
+    assert g["errors_by_phase"] == {"upstream_wait": 1}
+    assert g["stats"]["ttft_ms"]["p50"] == pytest.approx(602.0)
+    assert len(g["slowest"]) == 3 and g["slowest"][0]["verdict"] == "upstream wait (prefill/queue)"
+
+
+def test_cli_text_and_json(tmp_path):
+    log = write_log(tmp_path / "t.jsonl", [rec(i, prompt=500 * (i + 1)) for i in range(6)])
+    script = REPO / "scripts" / "report.py"
+    text = subprocess.run([sys.executable, script, log], capture_output=True, text=True, check=True).stdout
+    assert "api.example.com · gpt-x: 6 requests" in text and "per 1k prompt tokens" in text
+    js = subprocess.run([sys.executable, script, log, "--json"], capture_output=True, check=True).stdout
+    assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 6
