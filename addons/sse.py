@@ -152,9 +152,10 @@ class SSEParser:
                 self._type = ""
 
     def _add_data(self, value: bytes) -> None:
-        if self._truncated:
-            return
         room = self.max_event_bytes - self._size
+        if room <= 0 and self._data:
+            self._truncated = True
+            return
         if len(value) > room:
             value = value[: max(room, 0)]
             self._truncated = True
