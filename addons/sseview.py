@@ -1,0 +1,97 @@
+"""A mitmproxy / mitmweb contentview for `text/event-stream` bodies.
+
+Shows one event per line (`event: {compact JSON data}`), then the assistant's answer
+assembled from the deltas: text, reasoning and tool calls, for OpenAI chat
+completions, OpenAI Responses, Anthropic Messages and Gemini. mitmproxy 12.3 ships
+no event-stream view, and a raw stream of deltas is unreadable.
+
+Add `SSEView()` to the addon list to make the view available.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from mitmproxy import contentviews
+from mitmproxy import http
+from mitmproxy.addonmanager import Loader
+from mitmproxy.contentviews import Contentview
+from mitmproxy.contentviews import Metadata
+
+from addons import scope
+from addons import sse
+
+logger = logging.getLogger(__name__)
+
+_SSE_FIELD_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
+
+
+def _event_line(event: sse.Event) -> str:
+    """One line for one event: its name, then its data as compact JSON when it is JSON."""
+    try:
+        data = orjson.dumps(orjson.loads(event.data)).decode()
+    except ValueError:  # not JSON (e.g. [DONE]), or not UTF-8
+        data = event.data.decode("utf-8", "backslashreplace").replace("\n", "\\n")
+    if event.truncated:
+        data += " …(truncated)"
+    return f"{event.event}: {data}" if event.event else data
+
+
+def _api_of(metadata: Metadata, events: list[sse.Event]) -> str:
+    """The API shape from the request path if the flow is known, else guessed from the events."""
+    if isinstance(metadata.flow, http.HTTPFlow):
+        api = scope.api_shape(metadata.flow.request.path)
+        if api != scope.OTHER:
+            return api
+    return sse.detect_api(events)
+
+
+def _transcript_lines(api: str, events: list[sse.Event]) -> list[str]:
+    answer = sse.transcript(api, events)
+    lines = []
+    if answer.reasoning:
+        lines += ["── reasoning ──", answer.reasoning]
+    if answer.text:
+        lines += ["── assistant ──", answer.text]
+    for call in answer.tool_calls:
+        handle = f" ({call.id})" if call.id else ""
+        lines += [f"── tool call {call.name}{handle} ──", call.arguments]
+    return lines
+
+
+class EventStreamContentview(Contentview):
+    """Server-sent events, one per line, and the assembled answer of an LLM stream."""
+
+    name = "Event stream"
+
+    def prettify(self, data: bytes, metadata: Metadata) -> str:
+        parser = sse.SSEParser()
+        # A stored streamed body may be cut short: end it so its last event still shows.
+        events = parser.feed(data) + parser.feed(b"\n\n")
+        lines = [_event_line(e) for e in events]
+        api = _api_of(metadata, events)
+        if answer := _transcript_lines(api, events):
+            lines += ["", f"═══ {api}: {len(events)} events ═══", *answer]
+        return "\n".join(lines)
+
+    def render_priority(self, data: bytes, metadata: Metadata) -> float:
+        if metadata.content_type == "text/event-stream":
+            return 2  # above every built-in view, JSON included
+        if data.lstrip(b"\xef\xbb\xbf").startswith(_SSE_FIELD_STARTS):
+            return 0.5  # looks like SSE without saying so: better than raw (0.1)
+        return -1
+
+
+event_stream_view = EventStreamContentview()
+
+
+class SSEView:
+    """Addon: registers the event-stream contentview when loaded.
+
+    mitmproxy 12.3 has no public way to unregister a contentview; registering again
+    (a script reload) replaces the view of the same name.
+    """
+
+    def load(self, loader: Loader) -> None:
+        contentviews.add(event_stream_view)
