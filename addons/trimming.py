@@ -398,35 +398,37 @@ def _trim(
             tokens_before_lower_bound=bool(units), tokens_after=minimum,
         )  # fmt: skip
         return None
-    notice_cost = 0
-    if notice:
-        # Priced as a message of its own saying the largest possible count: an upper bound.
-        notice_cost = counter.message({"role": "user", "content": NOTICE.format(n=len(units))})
-        if notice_cost <= room:
-            room -= notice_cost
-        else:
-            notice, notice_cost = False, 0
-
     # Older turns, newest first, while they fit; the first that does not fit and all older
     # ones are dropped, and none of those older ones gets encoded.
-    kept_tokens = 0
-    first_kept = len(units)
+    kept: list[int] = []  # tokens of each kept older turn, newest first
+    kept_total = 0
     for u in range(len(units) - 1, -1, -1):
         unit_tokens, counted = 0, 0
         for i in reversed(units[u]):
             unit_tokens += counter.message(items[i])
             counted += 1
-            if kept_tokens + unit_tokens > room:
+            if kept_total + unit_tokens > room:
                 break
-        if kept_tokens + unit_tokens > room:
+        if kept_total + unit_tokens > room:
             complete = u == 0 and counted == len(units[u])
-            stats.update(tokens_before=minimum + kept_tokens + unit_tokens, tokens_before_lower_bound=not complete)
+            stats.update(tokens_before=minimum + kept_total + unit_tokens, tokens_before_lower_bound=not complete)
             break
-        kept_tokens += unit_tokens
-        first_kept = u
+        kept.append(unit_tokens)
+        kept_total += unit_tokens
     else:
-        stats.update(reason="fits", tokens_before=minimum + kept_tokens, tokens_after=minimum + kept_tokens)
+        stats.update(reason="fits", tokens_before=minimum + kept_total, tokens_after=minimum + kept_total)
         return None
+
+    notice_cost = 0
+    if notice:
+        # Priced as a message of its own saying the largest possible count: an upper bound.
+        notice_cost = counter.message({"role": "user", "content": NOTICE.format(n=len(units))})
+        if notice_cost <= room:
+            while kept_total + notice_cost > room:
+                kept_total -= kept.pop()  # make room by dropping the oldest kept turn
+        else:
+            notice, notice_cost = False, 0
+    first_kept = len(units) - len(kept)
 
     dropped = {i for unit in units[:first_kept] for i in unit}
     first = units[first_kept][0] if first_kept < len(units) else newest[0]
@@ -440,7 +442,7 @@ def _trim(
     stats.update(
         trimmed=True,
         messages_after=len(new_items),
-        tokens_after=minimum + kept_tokens + notice_cost,
+        tokens_after=minimum + kept_total + notice_cost,
         dropped_units=first_kept,
         dropped_messages=len(dropped),
     )
