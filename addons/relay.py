@@ -24,10 +24,12 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import config, scope, streaming  # noqa: E402
+from addons import config, scope, streaming, timing, trim  # noqa: E402
 
 addons = [
     config.RelayConfig(),
     scope.Scope(),
     streaming.Streaming(),
+    trim.Trim(),
+    timing.Timing(),
 ]

@@ -1,0 +1,205 @@
+"""End to end: a real mitmdump with the relay, a fake upstream, real clients.
+
+"No buffering" is proved by causality, not by clocks: the fake upstream holds a
+later chunk back, and the client must already have everything sent before it,
+first token included, while the chunk is still held.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import anthropic
+import openai
+import pytest
+
+from addons import scope, sse
+from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
+from tests.fakes import client
+from tests.fakes.replies import answer_text
+
+HELD_CHUNK = 6  # every API's stream carries its first token before its seventh event
+CHUNKS = 8
+WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
+
+REQUESTS = {
+    scope.OPENAI_CHAT: ("/v1/chat/completions", {
+        "model": "gpt-4o-mini", "stream": True,
+        "messages": [{"role": "user", "content": "Say hello"}]}),
+    scope.OPENAI_RESPONSES: ("/v1/responses", {"model": "gpt-4.1", "stream": True, "input": "Say hello"}),
+    scope.ANTHROPIC_MESSAGES: ("/v1/messages", {
+        "model": "claude-opus-4-6", "stream": True, "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Say hello"}]}),
+    scope.GEMINI: ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse",
+                   {"contents": [{"role": "user", "parts": [{"text": "Say hello"}]}]}),
+}
+
+
+def read_exactly(chunks, expected: bytes) -> bytes:
+    got = b""
+    while len(got) < len(expected):
+        got += next(chunks).data
+    return got
+
+
+@pytest.mark.parametrize("api", list(REQUESTS))
+def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, start_relay):
+    fake.behaviour.chunks = CHUNKS
+    relay = start_relay(reverse_to(fake))
+    path, body = REQUESTS[api]
+    gate = fake.hold_before_chunk(HELD_CHUNK)
+
+    conn, resp = client.request("POST", relay.url() + path, body, timeout=WAIT)
+    with conn:
+        assert resp.status == 200
+        assert resp.header("x-accel-buffering") == "no"
+        assert fake.wait_chunk_sent(HELD_CHUNK - 1, WAIT)
+        sent_so_far = fake.sent[-1].body
+        chunks = resp.chunks()
+        before_release = read_exactly(chunks, sent_so_far)
+        # The client has every byte sent so far, and the upstream still holds the rest.
+        assert before_release == sent_so_far
+        assert not gate.is_set()
+        watcher = sse.StreamWatcher(api)
+        watcher.feed(before_release, 0.0)
+        assert watcher.first_token is not None, "the first token reached the client"
+
+        gate.set()
+        rest = b"".join(c.data for c in chunks)
+    # Byte for byte what the upstream sent, request body untouched on the way up.
+    assert before_release + rest == fake.sent[-1].body
+    assert fake.received[-1].body == client._encode_body(body)
+
+
+def test_out_of_scope_traffic_is_untouched(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    conn, resp = client.request("POST", relay.url() + "/other/chat/completions",
+                                {"model": "m", "stream": True, "messages": []})
+    with conn:
+        resp.read()
+        assert resp.header("x-accel-buffering") is None
+    assert fake.received[-1].header("accept-encoding") is None
+
+
+def test_streamed_requests_ask_upstream_for_identity_encoding(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    path, body = REQUESTS[scope.OPENAI_CHAT]
+    got = b"".join(c.data for c in client.stream_post(
+        relay.url() + path, body, {"accept-encoding": "gzip"}))
+    assert fake.received[-1].header("accept-encoding") == "identity"
+    assert got == fake.sent[-1].body and b"[DONE]" in got
+
+
+def test_mitm_conf_is_below_the_command_line(fake, start_relay, tmp_path):
+    conf = tmp_path / "mitm.conf"
+    conf.write_text("relay_scope: '^/never/'\n")
+    path, body = REQUESTS[scope.OPENAI_CHAT]
+
+    relay = start_relay(reverse_to(fake), relay_conf=conf)
+    conn, resp = client.request("POST", relay.url() + path, body)
+    with conn:
+        resp.read()
+        assert resp.header("x-accel-buffering") is None  # mitm.conf took the path out of scope
+
+    relay = start_relay(reverse_to(fake), relay_conf=conf, relay_scope="^/v1/")
+    conn, resp = client.request("POST", relay.url() + path, body)
+    with conn:
+        resp.read()
+        assert resp.header("x-accel-buffering") == "no"  # --set won over mitm.conf
+
+
+# --- the official SDKs, reverse mode and HTTPS-proxy mode -------------------------
+
+
+def _openai_client(relay, upstream, mode: str) -> openai.OpenAI:
+    if mode == "reverse":
+        return openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
+    return openai.OpenAI(
+        base_url=upstream.base_url + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0,
+        http_client=openai.DefaultHttpxClient(
+            proxy=relay.url(), verify=ssl.create_default_context(cafile=str(relay.ca_pem))),
+    )
+
+
+def _anthropic_client(relay, upstream, mode: str) -> anthropic.Anthropic:
+    if mode == "reverse":
+        return anthropic.Anthropic(base_url=relay.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0)
+    return anthropic.Anthropic(
+        base_url=upstream.base_url, api_key=FAKE_ANTHROPIC_KEY, max_retries=0,
+        http_client=anthropic.DefaultHttpxClient(
+            proxy=relay.url(), verify=ssl.create_default_context(cafile=str(relay.ca_pem))),
+    )
+
+
+@pytest.fixture(params=["reverse", "regular"])
+def sdk_setup(request, fake, fake_tls, start_relay):
+    """(mode, relay, upstream): reverse mode over plain HTTP, or the relay as an HTTPS
+    proxy in front of a TLS upstream, the client trusting the relay's CA."""
+    if request.param == "reverse":
+        return "reverse", start_relay(reverse_to(fake)), fake
+    return "regular", start_relay("regular@0"), fake_tls
+
+
+def _first_token_arrives_while_held(upstream, texts) -> str:
+    """Consume `texts` (text deltas as the SDK yields them); at the first one, the
+    upstream must still be holding chunk HELD_CHUNK."""
+    gate = upstream.hold_before_chunk(HELD_CHUNK)
+    collected = []
+    for text in texts:
+        if not collected:
+            assert not gate.is_set() and upstream.sent[-1].chunks_sent <= HELD_CHUNK
+            gate.set()
+        collected.append(text)
+    return "".join(collected)
+
+
+def test_openai_sdk_chat_stream(sdk_setup):
+    mode, relay, upstream = sdk_setup
+    upstream.behaviour.chunks = CHUNKS
+    sdk = _openai_client(relay, upstream, mode)
+
+    def texts():
+        stream = sdk.chat.completions.create(
+            model="gpt-4o-mini", stream=True, messages=[{"role": "user", "content": "Say hello"}])
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                yield chunk.choices[0].delta.content
+
+    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+    assert upstream.received[-1].header("authorization") == f"Bearer {FAKE_OPENAI_KEY}"
+
+
+def test_openai_sdk_responses_stream(sdk_setup):
+    mode, relay, upstream = sdk_setup
+    upstream.behaviour.chunks = CHUNKS
+    sdk = _openai_client(relay, upstream, mode)
+
+    def texts():
+        for event in sdk.responses.create(model="gpt-4.1", input="Say hello", stream=True):
+            if event.type == "response.output_text.delta":
+                yield event.delta
+
+    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+
+
+def test_anthropic_sdk_messages_stream(sdk_setup):
+    mode, relay, upstream = sdk_setup
+    upstream.behaviour.chunks = CHUNKS
+    sdk = _anthropic_client(relay, upstream, mode)
+
+    def texts():
+        with sdk.messages.stream(model="claude-opus-4-6", max_tokens=64,
+                                 messages=[{"role": "user", "content": "Say hello"}]) as stream:
+            yield from stream.text_stream
+
+    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+    got = upstream.received[-1]
+    # The SDK sends its key as x-api-key or, in newer versions, as a Bearer token.
+    assert FAKE_ANTHROPIC_KEY in (got.header("x-api-key"), got.header("authorization").removeprefix("Bearer "))
+
+
+def test_non_streamed_sdk_calls_still_work(sdk_setup):
+    mode, relay, upstream = sdk_setup
+    sdk = _openai_client(relay, upstream, mode)
+    reply = sdk.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == answer_text(upstream.behaviour.chunks)
