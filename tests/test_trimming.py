@@ -200,13 +200,15 @@ def check_policy(conv: Conversation, budget: Budget, notice: bool = False) -> tr
     new = conv.__class__(result.body, conv.api)
     kept = [i for i in new.items]
     changed = [i for i in kept if not any(i is o for o in conv.items)]
-    if notice:
+    notice_cost = FakeCounter().message({"role": "user", "content": trimming.NOTICE.format(n=len(conv.turns) - 1)})
+    if notice and changed:
         # one user message carries the notice; everything else is the original object
         assert len(changed) == 1 and changed[0]["role"] == "user"
         assert "earlier turns" in orjson.dumps(changed[0]).decode()
         kept = [conv.items[_index_like(conv.items, i)] if i is changed[0] else i for i in kept]
     else:
         assert not changed
+        assert not notice or minimum + notice_cost > budget.tokens, "notice left out though it fits"
     positions = [next(n for n, o in enumerate(conv.items) if o is i) for i in kept]
     assert positions == sorted(positions), "not an in-order subsequence"
     kept_ids = {id(i) for i in kept}
@@ -226,9 +228,12 @@ def check_policy(conv: Conversation, budget: Budget, notice: bool = False) -> tr
     if not notice:
         assert recount == stats["tokens_after"]
         assert stats["tokens_after"] + sum(FakeCounter().message(i) for i in conv.turns[dropped - 1]) > budget.tokens
-    # the turns older than the last one looked at were never counted
+    # counting went from the newest turn back and stopped at the first that did not fit
     counted = set(counter.counted)
-    assert not any(id(i) in counted for turn in conv.turns[: dropped - 1] for i in turn)
+    looked_at = [any(id(i) in counted for i in turn) for turn in conv.turns]
+    oldest_looked_at = looked_at.index(True)
+    assert all(looked_at[oldest_looked_at:])
+    assert oldest_looked_at == dropped - 1 or (notice and oldest_looked_at < dropped)
     assert stats["tokens_before"] <= full
     return result
 
