@@ -107,7 +107,13 @@ class SSEParser:
                 lines[0] = bytes(self._line)
                 self._line.clear()
             for line in lines:
-                self._take_line(line, events)
+                # The blank line is half of all lines: handled here rather than in a call.
+                if line:
+                    self._take_field(line)
+                elif self._data:
+                    events.append(self._dispatch())
+                else:
+                    self._type = ""
         if tail is not None:
             self._keep_partial_line(tail)
         return events
@@ -129,16 +135,16 @@ class SSEParser:
             self._truncated = True
         self._line += tail
 
-    def _take_line(self, line: bytes, events: list[Event]) -> None:
-        if not line:
-            if self._data:
-                data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
-                events.append(Event(self._type, data, self._truncated))
-                self._data = []
-                self._size = 0
-                self._truncated = False
-            self._type = ""
-            return
+    def _dispatch(self) -> Event:
+        data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+        event = Event(self._type, data, self._truncated)
+        self._type = ""
+        self._data = []
+        self._size = 0
+        self._truncated = False
+        return event
+
+    def _take_field(self, line: bytes) -> None:
         if line.startswith(b"data:"):
             self._add_data(line[6:] if line[5:6] == b" " else line[5:])
         elif line.startswith(b"event:"):
@@ -326,7 +332,7 @@ class _OpenAIChat(_Reader):
     _TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
     # A non-empty string in a delta field, or a tool call (name or arguments).
     _TOKEN = re.compile(rb'"(?:content|reasoning_content|reasoning|refusal|arguments|name)"\s*:\s*"[^"]')
-    _USAGE = re.compile(rb'"usage"\s*:\s*\{')
+    _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
     def is_token(self, event: Event) -> bool:
         for choice in _choices(_loads(event.data)):
@@ -340,12 +346,15 @@ class _OpenAIChat(_Reader):
         return False
 
     def looks_like_token(self, event: Event) -> bool:
-        return self._TOKEN.search(event.data) is not None
+        # Start at the delta: halves the scan, the id/model/fingerprint come first.
+        data = event.data
+        return self._TOKEN.search(data, max(data.find(b'"delta"'), 0)) is not None
 
     def observe(self, event: Event, watcher: StreamWatcher) -> None:
         data = event.data
         # With include_usage every chunk says "usage":null; only the last one has an object.
-        if b'"usage"' in data and self._USAGE.search(data):
+        at = data.find(b'"usage"')
+        if at >= 0 and self._USAGE_OBJECT.match(data, at):
             watcher.keep_usage("final", data)
         super().observe(event, watcher)
 
