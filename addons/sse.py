@@ -112,8 +112,8 @@ class SSEParser:
                     self._take_field(line)
                 elif self._data:
                     events.append(self._dispatch())
-                else:
-                    self._type = ""
+                else:  # an event without data is dropped, and forgotten
+                    self._type, self._truncated = "", False
         if tail is not None:
             self._keep_partial_line(tail)
         return events

@@ -106,6 +106,10 @@ class TestParserBounds:
         (event,) = parser.feed(b"\n")
         assert event.truncated and len(event.data) <= 100
 
+    def test_overlong_comment_does_not_mark_the_next_event(self):
+        # The comment's line overflows while it waits for its end, in an event that then has no data.
+        assert parse(b": " + b"x" * 100, b"\n\ndata: 1\n\n", max_event_bytes=64) == [Event("", b"1")]
+
     def test_event_at_the_cap_is_whole(self):
         assert parse(b"data: " + b"x" * 64 + b"\n\n", max_event_bytes=64) == [Event("", b"x" * 64)]
 
