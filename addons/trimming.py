@@ -330,14 +330,21 @@ def trim(
 ) -> TrimResult:
     """Drop the oldest turns of `body` until it fits `budget`.
 
-    Stats keys: trimmed, reason (why untouched, else None), messages_before, messages_after,
-    tokens_before, tokens_before_lower_bound, tokens_after, dropped_units, dropped_messages,
-    budget, budget_source, encoding, over_budget, trim_ms.
+    Stats keys: see `untouched_stats`; `reason` says why the body is untouched (None when
+    trimmed), `tokens_before_lower_bound` that counting stopped early.
     """
     started = time.perf_counter()
-    stats: dict[str, Any] = {
+    stats = untouched_stats(None, budget, counter.label)
+    new_body = _trim(body, api, budget, counter, notice, stats)
+    stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    return TrimResult(new_body, stats)
+
+
+def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: str | None = None) -> dict[str, Any]:
+    """Stats with every key, for a request left untouched because of `reason`."""
+    return {
         "trimmed": False,
-        "reason": None,
+        "reason": reason,
         "messages_before": None,
         "messages_after": None,
         "tokens_before": None,
@@ -347,13 +354,10 @@ def trim(
         "dropped_messages": 0,
         "budget": budget.tokens if budget else None,
         "budget_source": budget.source if budget else None,
-        "encoding": counter.label,
+        "encoding": encoding,
         "over_budget": False,
         "trim_ms": 0.0,
     }
-    new_body = _trim(body, api, budget, counter, notice, stats)
-    stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
-    return TrimResult(new_body, stats)
 
 
 def _trim(

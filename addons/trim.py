@@ -1,0 +1,147 @@
+"""Addon: trims oversized conversation histories before they go upstream.
+
+The model reads the whole prompt before its first token, so a long history means a slow
+first token, a high bill, or a "context length exceeded" error. This addon keeps each
+OpenAI chat / Responses and Anthropic Messages request within the model's context window
+(minus the output it reserves), or within a smaller budget the user sets, by dropping the
+oldest whole turns (see `trimming`). It fails open: when nothing is trimmed, or anything
+goes wrong, the client's exact bytes go upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import orjson
+from mitmproxy import addonmanager, ctx, exceptions, http
+
+from . import state, tokens, trimming
+
+logger = logging.getLogger(__name__)
+
+HEADER = "X-Relay-Trim"
+"""Response header telling the client what was trimmed; value: `trimming.summary`."""
+
+
+class Trim:
+    def __init__(self) -> None:
+        self.tokenizers = tokens.TokenizerLoader()
+        self.counts = tokens.CountCache()
+        self.windows = trimming.ContextWindows()
+        self._running = False
+        self._failures_logged: set[str] = set()
+
+    def load(self, loader: addonmanager.Loader) -> None:
+        loader.add_option("relay_trim", bool, True, "Trim oversized conversation histories before they go upstream.")
+        loader.add_option(
+            "relay_trim_max_tokens",
+            int,
+            0,
+            """
+            Prompt token budget per request, on top of the model's context window (the smaller
+            one wins). 0: the context window only.
+            """,
+        )
+        loader.add_option(
+            "relay_trim_reserve_tokens",
+            int,
+            trimming.DEFAULT_RESERVE_TOKENS,
+            """
+            Output tokens to keep free in the context window when a request sets none of
+            max_tokens, max_completion_tokens, max_output_tokens.
+            """,
+        )
+        loader.add_option(
+            "relay_trim_notice",
+            bool,
+            False,
+            "Tell the model, in front of the first kept user message, that earlier turns were left out.",
+        )
+        loader.add_option(
+            "relay_tiktoken_file",
+            str | None,
+            None,
+            """
+            Local o200k_base.tiktoken file, for counting gpt-4o/4.1/5 and o-series tokens
+            without internet access. Without it the relay tries tiktoken's cache and download,
+            then falls back to cl100k_base.
+            """,
+        )
+        loader.add_option(
+            "relay_context_windows",
+            Sequence[str],
+            [],
+            """
+            Context window overrides as "model-prefix=tokens", e.g. "gpt-4o=128000"; the
+            longest matching prefix wins; 0 makes a prefix unknown (user budget only).
+            """,
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_context_windows" in updated:
+            try:
+                overrides = trimming.parse_context_windows(ctx.options.relay_context_windows)
+            except ValueError as e:
+                raise exceptions.OptionsError(f"relay_context_windows: {e}") from e
+            self.windows = trimming.ContextWindows(overrides)
+        if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
+            self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
+            if self._running:
+                self.tokenizers.start()
+
+    def running(self) -> None:
+        # Loading takes a while and may touch the network: never on the request path.
+        self._running = True
+        self.tokenizers.start()
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if not ctx.options.relay_trim or st is None or st.api not in trimming.SHAPES or st.request_json is None:
+            return
+        try:
+            self._trim(flow, st)
+        except Exception as e:  # trimming must never fail a request: the original bytes go on
+            self._log_failure_once(e)
+            st.trim = trimming.untouched_stats(f"error: {type(e).__name__}: {e}")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        line = trimming.summary(st.trim) if st is not None and st.trim else None
+        if line is not None and flow.response is not None:
+            flow.response.headers[HEADER] = line
+
+    def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+        counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
+        if counter is None:
+            st.trim = trimming.untouched_stats("tokenizer loading")
+            return
+        budget = trimming.budget_for(
+            st.model,
+            st.request_json,
+            windows=self.windows,
+            user_max=ctx.options.relay_trim_max_tokens,
+            default_reserve=ctx.options.relay_trim_reserve_tokens,
+        )
+        result = trimming.trim(st.request_json, st.api, budget, counter, notice=ctx.options.relay_trim_notice)
+        if result.body is not None:
+            # Re-encoded to the request's Content-Encoding; Content-Length follows.
+            flow.request.content = orjson.dumps(result.body)
+        st.trim = result.stats
+        st.prompt_tokens = result.stats["tokens_after"]
+
+    def _log_failure_once(self, e: Exception) -> None:
+        # One line per place of failure, not per message text: that set stays small.
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb else "?"
+        key = f"{type(e).__name__} at {where}"
+        if key not in self._failures_logged:
+            self._failures_logged.add(key)
+            logger.warning(
+                "Trimming failed, forwarding the request unchanged (%s: %s, at %s); "
+                "further failures of this kind are not logged.",
+                type(e).__name__, e, where,
+                exc_info=e,
+            )  # fmt: skip
