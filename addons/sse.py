@@ -217,6 +217,13 @@ def _error_text(error: Any) -> str:
     return text[:MAX_ERROR_CHARS]
 
 
+def _reported_error(event: Event) -> Any:
+    """What an `error` event reports: its "error" object (Anthropic nests it there), else
+    the whole JSON (OpenAI Responses puts code and message at the top), else its text."""
+    obj = _loads(event.data)
+    return _get(obj, "error") or obj or event.data.decode("utf-8", "replace")
+
+
 def _event_type(event: Event) -> str:
     """The event's type: its `event:` field, else the `"type"` its JSON starts with.
 
@@ -294,8 +301,7 @@ class _Reader:
         if event.data[:6] == b"[DONE]":
             watcher.done = True
         elif event.event == "error":
-            error = _loads(event.data)
-            watcher.set_error(_get(error, "error") or error or event.data.decode("utf-8", "replace"))
+            watcher.set_error(_reported_error(event))
         else:
             self.observe_top_level_error(event, watcher)
 
@@ -430,9 +436,7 @@ class _OpenAIResponses(_Reader):
             if kind == "response.failed":
                 watcher.set_error(_get(_loads(event.data), "response", "error") or "response.failed")
         elif kind == "error":
-            error = _loads(event.data)
-            # Documented as top-level code/message; some versions nest them under "error".
-            watcher.set_error(_get(error, "error") or error or event.data.decode("utf-8", "replace"))
+            watcher.set_error(_reported_error(event))
 
     def usage(self, source: str, obj: Any) -> dict | None:
         return _get(obj, "response", "usage")
@@ -485,8 +489,7 @@ class _AnthropicMessages(_Reader):
         elif kind == "message_stop":
             watcher.done = True
         elif kind == "error":
-            error = _loads(event.data)
-            watcher.set_error(_get(error, "error") or error or event.data.decode("utf-8", "replace"))
+            watcher.set_error(_reported_error(event))
 
     def usage(self, source: str, obj: Any) -> dict | None:
         return _get(obj, "message", "usage") if source == "message_start" else _get(obj, "usage")
