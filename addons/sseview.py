@@ -10,8 +10,6 @@ Add `SSEView()` to the addon list to make the view available.
 
 from __future__ import annotations
 
-import logging
-
 import orjson
 from mitmproxy import contentviews
 from mitmproxy import http
@@ -21,8 +19,6 @@ from mitmproxy.contentviews import Metadata
 
 from addons import scope
 from addons import sse
-
-logger = logging.getLogger(__name__)
 
 _SSE_FIELD_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
 
