@@ -24,7 +24,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import config, scope, streaming, timing, trim  # noqa: E402
+from addons import config, scope, sseview, streaming, timing, trim  # noqa: E402
 
 addons = [
     config.RelayConfig(),
@@ -32,4 +32,5 @@ addons = [
     streaming.Streaming(),
     trim.Trim(),
     timing.Timing(),
+    sseview.SSEView(),
 ]
