@@ -25,6 +25,14 @@ HEADER = "X-Relay-Trim"
 
 
 class Trim:
+    """Drops the oldest turns of oversized chat requests before they go upstream.
+
+    Options: relay_trim, relay_trim_max_tokens, relay_trim_reserve_tokens, relay_trim_notice,
+    relay_tiktoken_file, relay_context_windows. Per flow it fills `FlowState.trim` (the stats
+    of `trimming.trim`) and `FlowState.prompt_tokens`, and answers with an X-Relay-Trim header
+    when it trimmed or found the newest turn alone over budget.
+    """
+
     def __init__(self) -> None:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
