@@ -447,19 +447,16 @@ def test_forwarder_connect_delay(fake: FakeUpstream) -> None:
 
 
 def test_cli_serves_with_knobs_until_terminated(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.upstream", "--port", "0", "--tls", "--certs-dir", str(tmp_path),
-         "--chunks", "3", "--gzip", "false"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        line = proc.stdout.readline().split()
-        assert line[0] == "listening" and line[1].startswith("https://localhost:")
-        chunks = list(stream_post(line[1] + "/v1/messages", {"stream": True}, ca=tmp_path / "ca.pem"))
-        assert b"".join(c.data for c in chunks) == b"".join(sse_samples.anthropic_stream(answer_pieces(3)))
-    finally:
-        proc.terminate()
-    assert proc.wait(WAIT) == 0
+    command = [sys.executable, "-m", "tests.fakes.upstream", "--port", "0", "--tls", "--certs-dir", str(tmp_path)]
+    with subprocess.Popen(command + ["--chunks", "3", "--gzip", "false"], cwd=REPO, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            line = proc.stdout.readline().split()
+            assert line[0] == "listening" and line[1].startswith("https://localhost:")
+            chunks = list(stream_post(line[1] + "/v1/messages", {"stream": True}, ca=tmp_path / "ca.pem"))
+            assert b"".join(c.data for c in chunks) == b"".join(sse_samples.anthropic_stream(answer_pieces(3)))
+        finally:
+            proc.terminate()
+        assert proc.wait(WAIT) == 0
 
 
 def test_cli_rejects_a_bad_knob_value() -> None:
