@@ -6,6 +6,7 @@ default `connection_strategy=eager`, reverse mode (and regular mode on CONNECT)
 opens the upstream connection as soon as the client connects, and mitmproxy
 reads the client's request only once that connection is ready.
 
+    client_connect          client connection accepted (only with an early connect, below)
     request_body            last request body byte from the client
     forwarded               every request hook has run (trimming included)
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
@@ -25,15 +26,21 @@ each hop is responsible for. They do not overlap, and for a streamed answer
         + upstream_wait + head_to_first_token == ttft
 
 The client's wait starts at the request head, except for the request that got a
-connection opened before its head (eager strategy): its head was held back by
-that connect, so its wait starts at `upstream_connect_start`, and the time
-before the head that the connect did not cover counts as client time (client
-TLS handshake, sending the head). A connect or handshake that ran while the
-client was still uploading is not on the critical path; only the part that
-outlasted `forwarded` is. A reused connection has no connect or TLS phase.
+connection opened before its head (eager strategy): mitmproxy did not read that
+request until the connect was done, so its wait starts when its connection was
+accepted, `client_connect` (the client is assumed to send as soon as it has
+connected). Before the head, connect and client upload ran side by side; the
+critical path goes through the one that finished last. If the body was complete
+as soon as the head was read (`BUFFERED_MS`), the client had sent it all and
+waited: accept → connect start is the relay's, the connect and handshake count,
+the rest of the pre-head time (client TLS handshake) is the client's. If the body kept arriving after the head, the
+client was still sending: the whole pre-head time is the client's upload. A
+lazy connect that overlapped the upload counts only where it outlasted
+`forwarded`. A reused connection has no connect or TLS phase.
 
     client_upload        client's link: head (and pre-head client time) → last body byte
     relay                last body byte → forwarded, plus forwarded → connect start
+                         (or accept → early connect start)
     upstream_connect     critical part of DNS + TCP connect
     upstream_tls         critical part of the upstream TLS handshake
     upstream_wait        max(forwarded, connection ready) → response head: one network
@@ -52,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 MARKS = (
+    "client_connect",
     "request_body",
     "forwarded",
     "upstream_connect_start",
@@ -103,6 +111,9 @@ PHASE_WORDS = {
     "stream": "stream",
 }
 
+BUFFERED_MS = 5.0
+"""A body complete within this long after its head was already waiting in the buffer."""
+
 NEAR_TIE = 0.05
 """A later contributor must beat the leader by more than this fraction to win."""
 
@@ -133,18 +144,24 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
 
     new_connection = conn0 is not None and tcp is not None
-    start = min(0.0, conn0) if new_connection else 0.0
-    # Before the head: what the early connect covered, the rest is the client's.
-    pre_connect = _overlap(start, 0.0, conn0, tcp) if new_connection else 0.0
-    pre_tls = _overlap(start, 0.0, tcp, tls) if new_connection and tls is not None else 0.0
-    pre_client = -start - pre_connect - pre_tls
+    early = new_connection and conn0 < 0
+    start = min(conn0, m.get("client_connect", conn0)) if early else 0.0
+    # Before the head, the client's sending and the early connect ran side by side,
+    # and the one that finished last is on the critical path: if the whole body was
+    # there the moment the head was read, the client had been waiting on the connect;
+    # otherwise it was still sending, and the connect hid behind its upload.
+    connect_gated = early and body is not None and body <= BUFFERED_MS
+    pre_relay = conn0 - start if connect_gated else 0.0
+    pre_connect = _overlap(start, 0.0, conn0, tcp) if connect_gated else 0.0
+    pre_tls = _overlap(start, 0.0, tcp, tls) if connect_gated and tls is not None else 0.0
+    pre_client = -start - pre_relay - pre_connect - pre_tls
 
     p: dict[str, float] = {}
     if body is not None:
         p["client_upload"] = pre_client + max(0.0, body)
     sent = None
     if body is not None and fwd is not None:
-        relay = max(0.0, fwd - body)
+        relay = pre_relay + max(0.0, fwd - body)
         sent = fwd
         if new_connection:
             ready = tls if tls is not None else tcp

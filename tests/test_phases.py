@@ -56,13 +56,24 @@ def test_lazy_connect_after_forwarded_is_on_the_critical_path():
 
 def test_eager_connect_before_head_holds_the_head_back():
     # Connect at -300 ms, TCP at -280, TLS at -80; the client's head parsed at 0.
-    m = stream_marks(upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
+    m = stream_marks(client_connect=-301.0, upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
     p = phases.compute(m, tokens_expected=True)
+    assert p["relay"] == 1.0 + 1.0  # accept → connect start, body → forwarded
     assert p["upstream_connect"] == 20.0
     assert p["upstream_tls"] == 200.0
     assert p["client_upload"] == 80.0 + 2.0  # pre-head client time + the body
     assert p["upstream_wait"] == 57.0
-    assert p["ttft"] == 370.0
+    assert p["ttft"] == 371.0
+
+
+def test_eager_connect_hidden_behind_a_slow_upload_is_the_clients():
+    # The client kept sending for 300 ms after its head was read: it was the slow one.
+    m = stream_marks(request_body=300.0, forwarded=301.0, upstream_connect_start=-50.0, upstream_tcp=-40.0,
+                     upstream_tls=-1.0, response_head=360.0, first_token=370.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["client_upload"] == 350.0
+    assert p["upstream_connect"] == p["upstream_tls"] == 0.0
+    assert p["ttft"] == 420.0
 
 
 def test_connect_overlapping_the_upload_counts_only_past_forwarded():
@@ -95,10 +106,12 @@ ms = st.floats(min_value=0, max_value=5000, allow_nan=False)
 
 
 @given(body=ms, relay=ms, conn_at=st.floats(-5000, 5000), connect=ms, tls=ms, tls_on=st.booleans(),
-       new=st.booleans(), wait=ms, prefill=ms)
-def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_on, new, wait, prefill):
+       new=st.booleans(), wait=ms, prefill=ms, accept=ms)
+def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_on, new, wait, prefill, accept):
     fwd = body + relay
     m = {"request_body": body, "forwarded": fwd}
+    if new and conn_at < 0:
+        m["client_connect"] = conn_at - accept
     ready = fwd
     if new:
         m["upstream_connect_start"] = conn_at
