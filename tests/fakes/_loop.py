@@ -22,18 +22,26 @@ class LoopThread:
     """Runs an event loop in a daemon thread until `stop()`."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.name = name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, args=(self.loop,), name=self.name, daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = STOP_TIMEOUT_S) -> T:
         """Run `coro` on the loop and wait for its result in the calling thread."""
+        assert self.loop is not None, "start() first"
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call_soon(self, fn: Callable[[], object]) -> None:
-        """Schedule `fn` on the loop from any thread; a no-op once the loop is closed."""
+        """Schedule `fn` on the loop from any thread. Before `start()` nothing can be waiting on the
+        loop, so `fn` runs at once; after `stop()` there is nothing left to wake, so it is dropped."""
+        if self.loop is None:
+            fn()
+            return
         try:
             self.loop.call_soon_threadsafe(fn)
         except RuntimeError:  # loop already closed: nothing left to wake
@@ -41,7 +49,7 @@ class LoopThread:
 
     def stop(self) -> None:
         """Cancel every task on the loop, stop it, join the thread and close the loop."""
-        if not self._thread.is_alive():
+        if self.loop is None or self._thread is None or not self._thread.is_alive():
             return
         self.run(self._cancel_all_tasks())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -54,10 +62,11 @@ class LoopThread:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
         try:
-            self.loop.run_forever()
+            loop.run_forever()
         finally:
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()

@@ -28,6 +28,8 @@ READ_SIZE = 64 * 1024
 
 @dataclass(frozen=True)
 class TimedChunk:
+    """A piece of a response body and when it arrived."""
+
     at: float
     """`time.time()` when the chunk was complete."""
     data: bytes

@@ -34,12 +34,15 @@ def header_has_token(headers: Iterable[tuple[str, str]], name: str, token: str) 
 
 @dataclass(frozen=True)
 class RequestHead:
+    """Request line and header fields (in order, names as sent)."""
+
     method: str
     target: str
     version: str
     headers: tuple[tuple[str, str], ...]
 
     def wants_keep_alive(self) -> bool:
+        """HTTP/1.1 keeps the connection unless told `close`; HTTP/1.0 only if told `keep-alive`."""
         if header_has_token(self.headers, "connection", "close"):
             return False
         return self.version == "HTTP/1.1" or header_has_token(self.headers, "connection", "keep-alive")

@@ -70,7 +70,7 @@ class Behaviour:
     prefill_ms_per_1k_tokens: float = 0
     """Extra prefill per 1000 request tokens (request body bytes / 4): prefill that grows with the prompt."""
     gap_ms: float = 0
-    """Wait before every later chunk."""
+    """Wait before every chunk after the first, except the first text chunk (which waits the prefill)."""
     chunks: int = 5
     """Number of answer text pieces ("Hello", " t1", ...); see `replies.answer_text`."""
     status: int = 200
@@ -127,8 +127,11 @@ class Received:
 
     method: str
     path: str
+    """The request target as sent, query string included."""
     headers: tuple[tuple[str, str], ...]
+    """In order, names as sent; `header(name)` looks one up case-insensitively."""
     body: bytes
+    """De-chunked, not decompressed."""
     conn_id: int
     chunked: bool
     """The body came with chunked transfer coding."""
@@ -249,7 +252,11 @@ class _ContentCoding:
 
 
 class FakeUpstream:
-    """The fake API server. Use as a context manager or call `start()` / `stop()`."""
+    """The fake API server. Use as a context manager or call `start()` / `stop()` (once each).
+
+    Binds 127.0.0.1 (`port` 0: any free port). With `tls` and no `certs`, it makes
+    its own in a temporary directory (`fake.certs.ca_pem` is the CA to trust).
+    """
 
     def __init__(
         self,
@@ -366,8 +373,8 @@ class FakeUpstream:
         return self.next_stream().hold_before_chunk(index)
 
     def wait_chunk_sent(self, index: int, timeout: float = 10) -> bool:
-        """Wait for chunk `index` of the reply watched by the latest `next_stream()` /
-        `hold_before_chunk()` (arm one before sending the request)."""
+        """Wait for chunk `index` of the latest streamed reply, or of the next one if a watch is armed
+        (`next_stream()` / `hold_before_chunk()`); arm one first when the request is not sent yet."""
         with self._changed:
             watch = self._latest_watch
         return (watch or self.next_stream()).wait_chunk_sent(index, timeout)
@@ -382,8 +389,9 @@ class FakeUpstream:
 
     def _claim_watch(self) -> StreamWatch:
         with self._changed:
-            watch, self._pending_watch = self._pending_watch, None
-        return watch or StreamWatch(self._loop_thread)
+            watch = self._pending_watch or StreamWatch(self._loop_thread)
+            self._pending_watch, self._latest_watch = None, watch
+        return watch
 
     # --- serving ---------------------------------------------------------------
 
@@ -577,7 +585,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.fakes.upstream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a test certificate")
-    parser.add_argument("--certs-dir", help="where to write ca.pem/cert.pem/key.pem (with --tls); default: a temp dir")
+    parser.add_argument(
+        "--certs-dir", help="with --tls: write ca.pem/cert.pem/key.pem here, so clients can trust ca.pem"
+    )
     hints = typing.get_type_hints(Behaviour)
     for knob in hints:
         parser.add_argument("--" + knob.replace("_", "-"), dest=knob, metavar="VALUE")
