@@ -6,6 +6,8 @@ meaning or goes away (adding keys is compatible).
 
     schema              int, this schema's version
     id                  mitmproxy flow id
+    request_id          the client's `x-request-id` header (a correlation id, not a secret:
+                        `scripts/diagnose` joins its probes by it), cut to REQUEST_ID_MAX, or null
     ts                  request head arrival, Unix seconds
     api                 API shape (`scope.API_SHAPES`)
     model               model the request named, or null
@@ -49,6 +51,8 @@ logger = logging.getLogger(__name__)
 SCHEMA = 1
 ERROR_MAX = 300
 """Error texts are cut to this many characters: an upstream error event may be long."""
+REQUEST_ID_MAX = 128
+"""A client's request id is kept for joining, not as evidence: longer ones are cut."""
 
 
 def build_record(
@@ -75,6 +79,7 @@ def build_record(
     error_phase: str | None = None,
     client_aborted: bool = False,
     trim: Mapping[str, Any] | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
     """The record of one flow, from plain data (marks relative, in ms).
 
@@ -93,6 +98,7 @@ def build_record(
     return {
         "schema": SCHEMA,
         "id": id,
+        "request_id": request_id[:REQUEST_ID_MAX] if request_id else None,
         "ts": round(ts, 3),
         "api": api,
         "model": model,

@@ -228,6 +228,7 @@ class Timing:
             error_phase=error_phase,
             client_aborted=client_aborted,
             trim=st.trim,
+            request_id=flow.request.headers.get("x-request-id"),
         )
 
 

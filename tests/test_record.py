@@ -7,7 +7,7 @@ import orjson
 from addons import phases, record
 
 KEYS = {
-    "schema", "id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",
+    "schema", "id", "request_id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",
     "ttft_ms", "reused_connection", "rtt_ms", "max_gap_ms", "chunks", "bytes",
     "output_tokens_per_s", "prompt_tokens", "usage", "verdict", "error", "error_phase",
     "client_aborted", "trim",
