@@ -209,6 +209,7 @@ class TokenizerLoader:
         # One dict assignment each: readers on the event loop see a complete entry or none.
         self._loaded[O200K] = fallback
         self._loaded[CL100K] = fallback
+        logger.info("tokenizer ready: cl100k_base (trimming on)")
         o200k, failures = self._load_o200k()
         if o200k is not None:
             self._loaded[O200K] = Loaded(o200k, O200K)

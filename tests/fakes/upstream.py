@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
 
+from mitmproxy.net import encoding as mitmproxy_encoding
+
 from tests.fakes._loop import LoopThread
 from tests.fakes.certs import TestCerts
 from tests.fakes.http_wire import BadRequest, Inbound, RequestHead, find_header, header_has_token, read_request
@@ -103,6 +105,12 @@ class Behaviour:
     def prefill_for(self, request_body: bytes) -> float:
         tokens = len(request_body) / CHARS_PER_TOKEN
         return self.prefill_ms + self.prefill_ms_per_1k_tokens * tokens / 1000
+
+
+def decode_request_body(headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+    """The request body without its content coding, as a real API server reads it."""
+    coding = (find_header(headers, "content-encoding") or "identity").strip().lower()
+    return body if coding == "identity" else mitmproxy_encoding.decode(body, coding)
 
 
 def parse_knob(kind: Any, text: str) -> Any:
@@ -439,7 +447,8 @@ class FakeUpstream:
         try:
             behaviour = self.behaviour.overridden_by(head.headers)
             reply = build_reply(
-                head.method, head.target, body, answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body
+                head.method, head.target, decode_request_body(head.headers, body),
+                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
             )
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
