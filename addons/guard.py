@@ -1,0 +1,433 @@
+"""Guard: who may use the relay, and where its secrets may go.
+
+A relay sits between its users and a paid API key. Three addons keep it that way:
+
+    Exposure        refuses to start (or to take an option change) that would serve
+                    other machines without authentication: a non-loopback listener
+                    without proxyauth (proxies) or relay access keys (reverse
+                    listeners), or mitmweb on a non-loopback web_host without
+                    web_password. `relay_allow_open_proxy` overrides the listener
+                    check for relays firewalled elsewhere.
+    AccessKeys      reverse listeners: clients present a relay access key where their
+                    SDK puts the API key; the relay checks it and swaps in the
+                    upstream key from the environment, so a relay can be shared
+                    without sharing the upstream key.
+    SecretRedaction credentials are replaced by "REDACTED" in every flow once its
+                    request has gone upstream, before mitmproxy's console dumper,
+                    flow savers and mitmweb see the finished flow.
+
+Keys are never written in options: `env:NAME` and `file:PATH` point at them, so
+they stay out of mitm.conf, command lines and mitmweb's option editor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import re
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import orjson
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy import mode_specs
+
+from . import scope, state
+
+logger = logging.getLogger(__name__)
+
+REDACTED = "REDACTED"
+SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "x-goog-api-key", "cookie")
+"""Request headers whose values never outlive the request."""
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+"""Where API clients put their key: OpenAI and Anthropic (Bearer), Anthropic, Azure, Gemini."""
+KEY_PARAM = "key"
+"""Gemini's `?key=` query parameter, the one credential that travels in the URL."""
+QUERY_SLOT = "?" + KEY_PARAM
+
+DEFAULT_UPSTREAM_KEYS = [
+    "api.openai.com=env:OPENAI_API_KEY",
+    "api.anthropic.com=env:ANTHROPIC_API_KEY",
+    "generativelanguage.googleapis.com=env:GEMINI_API_KEY",
+]
+MIN_ACCESS_KEY_LENGTH = 16
+HTTP_REVERSE_SCHEMES = ("http", "https", "http3")
+
+OPENAI, ANTHROPIC, GEMINI = "openai", "anthropic", "gemini"
+"""API families, for the format of the relay's own error answers."""
+
+
+# --- exposure ---------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is this machine only. "" means every interface; names
+    other than localhost are not resolved (and so count as exposed)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_http_reverse(mode: mode_specs.ProxyMode) -> bool:
+    return isinstance(mode, mode_specs.ReverseMode) and mode.scheme in HTTP_REVERSE_SCHEMES
+
+
+def required_protection(mode: mode_specs.ProxyMode) -> str | None:
+    """The option that protects a listener of this kind from strangers, or None
+    when the relay has nothing to protect it with (transparent, DNS, raw TCP/UDP
+    reverse, WireGuard: mitmproxy's own keys, not checked here)."""
+    if is_http_reverse(mode):
+        # proxyauth would demand Basic credentials here and reject SDKs' API keys.
+        return "relay_access_keys"
+    if isinstance(mode, (mode_specs.RegularMode, mode_specs.UpstreamMode, mode_specs.Socks5Mode)):
+        return "proxyauth"
+    return None
+
+
+def unprotected_listeners(
+    modes: Sequence[str], listen_host: str, proxyauth: str | None, access_keys: bool
+) -> list[str]:
+    """One line per listener that would serve other machines without authentication."""
+    protected = {
+        "proxyauth": bool(proxyauth) and proxyauth != "any",  # "any" accepts every password
+        "relay_access_keys": access_keys,
+    }
+    found = []
+    for spec in modes:
+        mode = mode_specs.ProxyMode.parse(spec)
+        if mode.listen_port() is None:  # local/tun modes: no network listener
+            continue
+        host = mode.listen_host(listen_host)
+        if is_loopback(host):
+            continue
+        needed = required_protection(mode)
+        if needed is None or not protected[needed]:
+            remedy = f"set {needed}" if needed else "the relay cannot protect this kind of listener"
+            found.append(f"{spec} on {host or 'all interfaces'} ({remedy})")
+    return found
+
+
+def web_ui_problem(web_host: str, web_password: str) -> str | None:
+    """Why mitmweb's UI would be unsafe on `web_host`, or None.
+
+    mitmweb always requires a password or, without one, a random token; but that
+    token is printed to the console at every start, so anyone who reads the logs can
+    drive a UI that shows every request and answer and can replay them.
+    """
+    if is_loopback(web_host) or web_password:
+        return None
+    return (
+        f"mitmweb on web_host {web_host or 'all interfaces'} needs web_password "
+        "(preferably an argon2 hash; without it the UI token is printed to the console)"
+    )
+
+
+class Exposure:
+    """Refuses to serve other machines without authentication. Checked in
+    `configure`, so it covers options from the command line, mitm.conf (applied
+    before this addon loads) and later changes alike: at start an OptionsError
+    makes mitmproxy exit, later it rejects the change."""
+
+    WATCHED = {"mode", "listen_host", "proxyauth", "relay_access_keys", "relay_allow_open_proxy",
+               "web_host", "web_password"}
+
+    def __init__(self) -> None:
+        self.last_warning = ""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_allow_open_proxy",
+            bool,
+            False,
+            "Serve non-loopback listeners without proxyauth / relay_access_keys. Only "
+            "for relays that a firewall protects.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & self.WATCHED:
+            return
+        opts = ctx.options
+        if "web_host" in opts and (problem := web_ui_problem(opts.web_host, opts.web_password)):
+            raise exceptions.OptionsError(f"refusing to start: {problem}")
+        exposed = unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys))
+        if exposed and not opts.relay_allow_open_proxy:
+            raise exceptions.OptionsError(
+                "refusing to start as an open proxy: " + "; ".join(exposed) + ". Listen on 127.0.0.1, "
+                "or set relay_allow_open_proxy=true if a firewall protects these listeners."
+            )
+        warning = ""
+        if exposed:
+            warning = "serving without authentication (relay_allow_open_proxy): " + "; ".join(exposed)
+        elif opts.proxyauth and any(is_http_reverse(mode_specs.ProxyMode.parse(m)) for m in opts.mode):
+            warning = ("proxyauth applies to reverse listeners too, where it demands Basic credentials "
+                       "and so rejects API keys; protect reverse listeners with relay_access_keys instead")
+        if warning and warning != self.last_warning:
+            logger.warning(warning)
+        self.last_warning = warning
+
+
+# --- access keys --------------------------------------------------------------------
+
+
+def read_secret(source: str, option: str) -> str:
+    """The text behind `env:NAME` or `file:PATH`. Error messages name the source, never a value."""
+    kind, _, where = source.partition(":")
+    if kind == "env" and where:
+        value = os.environ.get(where)
+        if value is None:
+            raise exceptions.OptionsError(f"{option}: environment variable {where} is not set")
+        return value
+    if kind == "file" and where:
+        try:
+            return Path(where).expanduser().read_text(encoding="utf8")
+        except OSError as e:
+            raise exceptions.OptionsError(f"{option}: cannot read {where}: {e.strerror}") from e
+    # Do not echo the entry: it may be a key someone pasted in.
+    raise exceptions.OptionsError(f"{option}: entries must be env:NAME or file:PATH")
+
+
+def parse_keys(text: str) -> list[str]:
+    """Keys separated by whitespace, commas or lines; `#` starts a comment."""
+    return [key for line in text.splitlines() for key in re.split(r"[\s,]+", line.split("#", 1)[0]) if key]
+
+
+def key_digest(key: str) -> bytes:
+    # Comparing fixed-size digests keeps the comparison constant-time whatever the
+    # lengths, and works for any characters a client sends.
+    return hashlib.sha256(key.encode("utf8", "surrogateescape")).digest()
+
+
+def load_access_keys(sources: Sequence[str]) -> list[str]:
+    keys = [key for source in sources for key in parse_keys(read_secret(source, "relay_access_keys"))]
+    if sources and not keys:
+        raise exceptions.OptionsError("relay_access_keys: the sources hold no keys")
+    if any(len(key) < MIN_ACCESS_KEY_LENGTH for key in keys):
+        raise exceptions.OptionsError(f"relay_access_keys: keys must be at least {MIN_ACCESS_KEY_LENGTH} characters")
+    return keys
+
+
+def load_upstream_keys(hosts: Iterable[str], entries: Sequence[str]) -> dict[str, str]:
+    """The upstream key for each host in `hosts`, from `HOST=env:NAME|file:PATH` entries."""
+    sources: dict[str, str] = {}
+    for entry in entries:
+        host, sep, source = entry.partition("=")
+        if not sep:
+            raise exceptions.OptionsError("relay_upstream_keys: entries must be HOST=env:NAME or HOST=file:PATH")
+        sources[host.strip().lower()] = source.strip()
+    keys = {}
+    for host in hosts:
+        if host not in sources:
+            raise exceptions.OptionsError(
+                f"relay_upstream_keys: no key for {host}, the upstream of a reverse listener (add {host}=env:NAME)"
+            )
+        keys[host] = read_secret(sources[host], "relay_upstream_keys").strip()
+        if not keys[host]:
+            raise exceptions.OptionsError(f"relay_upstream_keys: the key for {host} ({sources[host]}) is empty")
+    return keys
+
+
+def reverse_upstream_hosts(modes: Sequence[str]) -> set[str]:
+    hosts = set()
+    for spec in modes:
+        mode = mode_specs.ProxyMode.parse(spec)
+        if is_http_reverse(mode):
+            hosts.add(mode.address[0].lower())
+    return hosts
+
+
+def presented_credentials(request: http.Request) -> dict[str, str]:
+    """{slot: credential} for each place the request carries one: a header name, or
+    QUERY_SLOT. A Bearer token counts without its scheme; other schemes count whole
+    (and so never match a relay key)."""
+    found = {}
+    for name in CREDENTIAL_HEADERS:
+        if (value := request.headers.get(name)) is not None:
+            scheme, _, token = value.partition(" ")
+            found[name] = token.strip() if name == "authorization" and scheme.lower() == "bearer" else value
+    if KEY_PARAM in request.query:
+        found[QUERY_SLOT] = request.query[KEY_PARAM]
+    return found
+
+
+def rejection(credentials: dict[str, str], digests: Sequence[bytes]) -> str | None:
+    """Why the credentials do not admit the request, or None. Every credential
+    presented must be a relay key: a request that mixes in anything else is
+    ambiguous about which one the upstream should see."""
+    if not credentials:
+        return "missing relay access key (send it where your SDK sends its API key)"
+    for credential in credentials.values():
+        presented = key_digest(credential)
+        # A list, not a generator: no early exit, every key is compared.
+        if not any([hmac.compare_digest(presented, digest) for digest in digests]):
+            return "relay access key not accepted"
+    return None
+
+
+def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: str) -> None:
+    """Put the upstream key where the client put its relay key, in the same form:
+    each SDK already presents keys the way its API expects them."""
+    for slot in slots:
+        if slot == QUERY_SLOT:
+            request.query[KEY_PARAM] = upstream_key
+        elif slot == "authorization":
+            request.headers[slot] = f"Bearer {upstream_key}"
+        else:
+            request.headers[slot] = upstream_key
+
+
+def api_family(request: http.Request) -> str:
+    """Which API's error format a client expects. Read from the request itself: this
+    runs before the scope addon, and covers paths outside its scope too."""
+    shape = scope.api_shape(request.path)
+    if shape == scope.ANTHROPIC_MESSAGES or "anthropic-version" in request.headers:
+        return ANTHROPIC
+    if shape == scope.GEMINI or "x-goog-api-key" in request.headers:
+        return GEMINI
+    return OPENAI
+
+
+def error_response(family: str, status: int, message: str) -> http.Response:
+    """An error answer in the API's own format, so SDKs raise their usual exception."""
+    auth = status == 401
+    if family == ANTHROPIC:
+        body = {"type": "error", "error": {"type": "authentication_error" if auth else "api_error", "message": message}}
+    elif family == GEMINI:
+        body = {"error": {"code": status, "message": message, "status": "UNAUTHENTICATED" if auth else "UNAVAILABLE"}}
+    else:
+        body = {"error": {"message": message, "type": "invalid_request_error" if auth else "server_error",
+                          "param": None, "code": "invalid_api_key" if auth else None}}
+    headers = {"content-type": "application/json"}
+    if auth:
+        headers["www-authenticate"] = 'Bearer realm="ttft-relay"'
+    return http.Response.make(status, orjson.dumps(body), headers)
+
+
+class AccessKeys:
+    """Relay access keys for reverse listeners. When `relay_access_keys` is set,
+    every request on a reverse HTTP listener, in scope or not, must present a relay
+    key; the relay swaps in the upstream key of the listener's host
+    (`relay_upstream_keys`) or answers 401 in the API's error format. Proxy
+    listeners are unaffected: there clients send their own keys, and proxyauth
+    guards the proxy."""
+
+    def __init__(self) -> None:
+        self.digests: list[bytes] = []
+        self.upstream_keys: dict[str, str] = {}
+        self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+        """Why the relay answered a flow itself, for its timing record."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_access_keys",
+            Sequence[str],
+            [],
+            "Relay access keys that reverse listeners require (empty: none required). "
+            "Entries: env:NAME or file:PATH, each holding keys separated by whitespace, "
+            f"commas or lines (# comments); keys have at least {MIN_ACCESS_KEY_LENGTH} characters.",
+        )
+        loader.add_option(
+            "relay_upstream_keys",
+            Sequence[str],
+            DEFAULT_UPSTREAM_KEYS,
+            "With relay_access_keys: the key sent upstream, per upstream host of a reverse "
+            "listener, as HOST=env:NAME or HOST=file:PATH. Every reverse listener's host needs one.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & {"relay_access_keys", "relay_upstream_keys", "mode"}:
+            return
+        keys = load_access_keys(ctx.options.relay_access_keys)
+        upstream_keys = {}
+        if keys:
+            upstream_keys = load_upstream_keys(reverse_upstream_hosts(ctx.options.mode), ctx.options.relay_upstream_keys)
+        self.digests = [key_digest(key) for key in keys]
+        self.upstream_keys = upstream_keys
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        mode = flow.client_conn.proxy_mode
+        if not self.digests or flow.response is not None or not is_http_reverse(mode):
+            return
+        credentials = presented_credentials(flow.request)
+        status, reason = 401, rejection(credentials, self.digests)
+        upstream_key = self.upstream_keys.get(mode.address[0].lower())
+        if reason is None and upstream_key is None:
+            # A connection still open on a listener that an option change removed.
+            status, reason = 502, "the relay has no upstream key for this listener"
+        if reason is not None:
+            self.refused[flow] = reason
+            flow.response = error_response(api_family(flow.request), status, reason)
+            return
+        swap_credentials(flow.request, credentials, upstream_key)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        # Runs after the scope addon attached the flow's state (in requestheaders),
+        # so the timing record can say the relay refused it, not the upstream.
+        st = state.get(flow)
+        if st is not None and (reason := self.refused.get(flow)) is not None:
+            st.error, st.error_phase = reason, "relay"
+
+
+# --- redaction ----------------------------------------------------------------------
+
+
+def redacted_value(name: str, value: str) -> str:
+    """A header value with its secret replaced; an auth scheme stays readable."""
+    scheme, sep, _ = value.partition(" ")
+    return f"{scheme} {REDACTED}" if sep and name.endswith("authorization") else REDACTED
+
+
+def redact_flow(flow: http.HTTPFlow) -> None:
+    """Replace every credential the flow holds: secret request headers, the `?key=`
+    query parameter, and the password proxyauth keeps in the metadata."""
+    headers = flow.request.headers
+    for name in SECRET_HEADERS:
+        if values := headers.get_all(name):
+            headers.set_all(name, [redacted_value(name, v) for v in values])
+    if values := flow.request.query.get_all(KEY_PARAM):
+        flow.request.query.set_all(KEY_PARAM, [REDACTED] * len(values))
+    if (auth := flow.metadata.get("proxyauth")) is not None:
+        flow.metadata["proxyauth"] = (auth[0], REDACTED)
+
+
+class SecretRedaction:
+    """Redacts credentials in each flow once its request has gone upstream: at
+    `response` and `error`, or at shutdown for flows still in flight (the flow
+    saver writes those too). Script addons come before mitmproxy's console dumper
+    (flow_detail >= 2 prints headers), savers (save_stream_file, HAR) and mitmweb's
+    view in the addon chain, so all of them get the redacted flow. mitmweb does show
+    a request's headers while it is in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.add(flow)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        redact_flow(flow)
+        self.in_flight.discard(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.response(flow)
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        redact_flow(flow)  # the dumper prints failed CONNECTs, Proxy-Authorization included
+
+    def done(self) -> None:
+        for flow in list(self.in_flight):
+            self.response(flow)
+
+
+class Guard:
+    """The three guards as one addon, for relay.py's list."""
+
+    def __init__(self) -> None:
+        self.addons = [Exposure(), AccessKeys(), SecretRedaction()]
