@@ -188,7 +188,7 @@ class Timing:
             flow.marked = SLOW_MARKER
         if self.writer is not None:
             self.writer.write(rec)
-        if self.console:
+        if self.console and logger.isEnabledFor(logging.INFO):
             logger.info(record.summary_line(rec))
 
     def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
