@@ -1,0 +1,218 @@
+"""Why is my first token slow? Probe direct and through the relay, tiny and long prompts; say why.
+
+    scripts/diagnose [--upstream https://api.openai.com] [--relay http://127.0.0.1:8001
+                     [--relay-mode base-url|proxy] [--relay-log logs/timing.jsonl]]
+                     [--api openai.chat|openai.responses|anthropic.messages] [--model M]
+                     [--repeat 5] [--long-tokens 8000 | --body-file request.json]
+                     [--timeout 30] [--ca mitmproxy-ca-cert.pem] [--json]
+
+A warm-up probe per path comes first and is dropped if it succeeds (one-time costs
+would skew medians). Probes then run in rounds, one of each kind per round, so drift
+over time touches every kind alike; a kind stops repeating after its first failure. The API key comes
+from OPENAI_API_KEY / ANTHROPIC_API_KEY and never appears in the output. Exit
+status: 0 with a verdict, 2 when the upstream or the relay cannot be reached, 1
+on bad arguments. See scripts/diagnosis.py for the findings and their thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts import diagnosis, probe, probe_requests  # noqa: E402
+
+logger = logging.getLogger("diagnose")
+
+RELAY_LOG_WAIT_S = 5.0
+"""How long to wait for the relay's writer thread to append the last probes' records."""
+REDACTED = "[redacted]"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="scripts/diagnose", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--api", choices=sorted(probe_requests.API_SHAPES), default="openai.chat")
+    parser.add_argument("--upstream", help="upstream base URL (default: the API's public one)")
+    parser.add_argument("--relay", help="the relay: its base URL (base-url mode) or proxy URL (proxy mode)")
+    parser.add_argument("--relay-mode", choices=("base-url", "proxy"), default="base-url")
+    parser.add_argument("--relay-log", type=Path, help="the relay's timing JSONL, joined by request id")
+    parser.add_argument("--no-direct", action="store_true", help="skip the direct probes (no direct path)")
+    parser.add_argument("--model", help="model to ask (default: a small one of the API)")
+    parser.add_argument("--repeat", type=int, default=5, help="probes per kind (default 5)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--long-tokens", type=int, default=8000, help="long prompt size in tokens (default 8000)")
+    size.add_argument("--body-file", type=Path, help="your own request body (JSON) as the long probe")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens to ask for (default 16)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per probe, all phases (default 30)")
+    parser.add_argument("--ca", action="append", default=[], help="extra CA file to trust (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.timeout <= 0 or args.long_tokens < 1:
+        parser.error("--repeat, --timeout and --long-tokens must be positive")
+    if args.no_direct and not args.relay:
+        parser.error("--no-direct needs --relay: there would be nothing to probe")
+    return args
+
+
+class Redactor(logging.Filter):
+    """Replaces secrets in text, and in every log line on the way out."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, REDACTED)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = self(record.getMessage()), None
+        return True
+
+
+class RelayLog:
+    """The relay's timing log, read from where it ended when probing began."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def records(self, request_ids: set[str], wait_s: float = RELAY_LOG_WAIT_S) -> dict[str, dict[str, Any]]:
+        """The new records carrying one of `request_ids`, waiting a little for the last ones."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self._read(request_ids)
+            if set(found) >= request_ids or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if request_ids and not found:
+            logger.warning("no record in %s carries the probes' request ids (a relay records no request "
+                           "it could not read; else check it writes here and records `request_id`)", self.path)
+        return found
+
+    def _read(self, request_ids: set[str]) -> dict[str, dict[str, Any]]:
+        if not self.path.exists():
+            return {}
+        with open(self.path, "rb") as f:
+            f.seek(self.offset if self.path.stat().st_size >= self.offset else 0)  # rotated: read it all
+            found = {}
+            for line in f:
+                try:
+                    rec = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue  # a line still being written
+                if isinstance(rec, dict) and rec.get("request_id") in request_ids:
+                    found[rec["request_id"]] = rec
+            return found
+
+
+class Prober:
+    """Runs the probes of one diagnosis: which routes, which requests, in what order."""
+
+    def __init__(self, args: argparse.Namespace, shape: probe_requests.ApiShape, key: str | None) -> None:
+        self.args = args
+        self.shape = shape
+        upstream = probe.Endpoint.parse(args.upstream or shape.default_upstream)
+        self.routes: dict[str, probe.Route] = {} if args.no_direct else {"direct": probe.Route(upstream)}
+        if args.relay:
+            relay = probe.Endpoint.parse(args.relay)
+            self.routes["relayed"] = probe.Route(upstream, proxy=relay) if args.relay_mode == "proxy" else probe.Route(relay)
+        self.user_body = orjson.loads(args.body_file.read_bytes()) if args.body_file else None
+        model = args.model or (self.user_body or {}).get("model") or shape.default_model
+        self.factory = probe_requests.PromptFactory(shape, model, args.max_tokens, key)
+        self.tls = probe.tls_context(args.ca)
+
+    def request(self, prompt: str) -> probe_requests.ProbeRequest:
+        if prompt == "tiny":
+            return self.factory.tiny()
+        if self.user_body is not None:
+            return self.factory.from_user_body(self.user_body, self.args.model)
+        return self.factory.long(self.args.long_tokens)
+
+    def probe(self, path: str, prompt: str) -> diagnosis.ProbeResult:
+        return probe.run_probe(
+            self.routes[path], self.request(prompt), path=path, prompt=prompt,
+            api=self.shape.name, timeout=self.args.timeout, tls_context=self.tls,
+        )
+
+    def warm_up(self) -> list[diagnosis.ProbeResult]:
+        """One tiny probe per path, dropped if it succeeds: one-time costs (DNS cache, the
+        relay's certificate for a host, its tokenizer) would skew medians and spreads.
+        A failure is kept, and its path is not probed further."""
+        failures = []
+        for path in self.routes:
+            result = self.probe(path, "tiny")
+            if not result.ok:
+                logger.warning("warm-up %s failed in %s: %s", path, result.error_phase, result.error)
+                failures.append(result)
+        return failures
+
+    def run(self) -> list[diagnosis.ProbeResult]:
+        results = self.warm_up()
+        dead_paths = {r.path for r in results}
+        kinds = [(path, prompt) for path in self.routes if path not in dead_paths for prompt in diagnosis.PROMPTS]
+        stopped: set[tuple[str, str]] = set()
+        for round_ in range(1, self.args.repeat + 1):
+            for path, prompt in kinds:
+                if (path, prompt) in stopped:
+                    continue
+                result = self.probe(path, prompt)
+                results.append(result)
+                if result.ok:
+                    logger.info("%d/%d %s: first token %.0f ms", round_, self.args.repeat, result.kind,
+                                result.marks["first_token"])
+                else:
+                    stopped.add((path, prompt))
+                    logger.warning("%d/%d %s failed in %s: %s (not repeated)", round_, self.args.repeat,
+                                   result.kind, result.error_phase, result.error)
+        return results
+
+
+def collect(args: argparse.Namespace, shape: probe_requests.ApiShape, key: str | None) -> diagnosis.Evidence:
+    """Runs the probes and joins the relay's records to them."""
+    prober = Prober(args, shape, key)
+    relay_log = RelayLog(args.relay_log) if args.relay_log and args.relay else None
+    probes = prober.run()
+    records = relay_log.records({p.request_id for p in probes if p.path == "relayed"}) if relay_log else {}
+    return diagnosis.Evidence(probes, records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = probe_requests.API_SHAPES[args.api]
+    key = os.environ.get(shape.key_env)
+    redact = Redactor([key] if key else [])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(redact)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s",
+                        handlers=[handler])
+    if not key:
+        logger.warning("%s is not set: probing without a key", shape.key_env)
+    try:
+        evidence = collect(args, shape, key)
+    except (ValueError, OSError) as e:
+        logger.error("%s", e)
+        return 1
+    result = diagnosis.diagnose(evidence)
+    if args.json:
+        text = orjson.dumps(diagnosis.as_json(evidence, result), option=orjson.OPT_INDENT_2).decode()
+    else:
+        text = diagnosis.render(evidence, result)
+    print(redact(text))
+    return 2 if result.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

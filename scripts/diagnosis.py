@@ -1,0 +1,587 @@
+"""Why is the first token slow? Probe timings (+ the relay's records) → findings → a verdict (pure).
+
+Probes come in four kinds: `direct` (to the upstream) or `relayed` (through the
+relay), each with a `tiny` or a `long` prompt. A probe's marks are ms since it
+began (`PROBE_MARKS`, the curl `-w` vocabulary plus the first token); its phases
+are the slices between consecutive marks (`PROBE_PHASES`). A relayed probe whose
+request id shows up in the relay's timing log is *joined* with that record, which
+splits the relay's side of the wait (`RelaySplit`).
+
+Findings, each in ms of the client's wait for the first token (medians over repeats):
+
+    network to the relay      relayed ttft − what the relay's record accounts for
+                              (without a record: the connection setup to the relay only)
+    relay→upstream network    the relay's upstream connect + TLS + one round trip
+    relay overhead            relayed ttft − direct ttft − network to the relay
+                              − (relay→upstream network − direct network to the upstream)
+    context length            long − tiny wait for the first token, also as ms per 1k tokens
+    upstream queueing/instability  the largest spread (max − min) of the wait within a kind
+    upstream's own wait       the upstream's wait for a tiny prompt, minus one round trip
+    unreachable / failing     every probe of a path failed: the verdict, whatever else
+
+A finding is *significant* from its threshold (`THRESHOLDS_MS`) on; the verdict is
+the first fatal finding, else the significant finding that costs the most.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from addons import phases
+
+PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "first_token", "end")
+"""dns lookup done, TCP up, proxy tunnel up (CONNECT), TLS up, request written,
+first response byte (curl's starttransfer), first token, end of the answer."""
+
+PROBE_STEPS = (
+    ("dns", "dns"),
+    ("tcp", "tcp"),
+    ("tunnel", "tunnel"),
+    ("tls", "tls"),
+    ("send", "sent"),
+    ("wait", "head"),
+    ("head_to_first_token", "first_token"),
+)
+"""(phase, the mark that ends it): each phase runs from the previous mark present."""
+
+PROBE_PHASES = tuple(name for name, _ in PROBE_STEPS) + ("ttft", "total")
+SETUP_MARKS = ("tcp", "tunnel", "tls")
+PATHS = ("direct", "relayed")
+PROMPTS = ("tiny", "long")
+KINDS = tuple(f"{path} {prompt}" for path in PATHS for prompt in PROMPTS)
+
+NETWORK_TO_RELAY = "network to the relay"
+RELAY_UPSTREAM_NETWORK = "relay→upstream network"
+RELAY_OVERHEAD = "relay overhead"
+RELAY_PATH = "relay and relay→upstream network (unsplit)"
+CONTEXT_LENGTH = "context length"
+UPSTREAM_INSTABILITY = "upstream queueing/instability"
+UPSTREAM_OWN_WAIT = "upstream's own wait"
+DIRECT_NETWORK = "network to the upstream"
+UPSTREAM_UNREACHABLE = "upstream unreachable"
+UPSTREAM_ERRORS = "upstream answers with errors"
+RELAY_UNREACHABLE = "relay unreachable"
+RELAY_FAILING = "relay failing"
+NO_DIRECT_PATH = "no direct path to the upstream"
+SOME_PROBES_FAILED = "some probes failed"
+
+THRESHOLDS_MS = {
+    NETWORK_TO_RELAY: 100.0,
+    RELAY_UPSTREAM_NETWORK: 100.0,
+    RELAY_OVERHEAD: 50.0,  # streaming mitmproxy adds a few ms; tens of ms mean trouble
+    RELAY_PATH: 100.0,
+    CONTEXT_LENGTH: 100.0,
+    UPSTREAM_INSTABILITY: 200.0,
+    UPSTREAM_OWN_WAIT: 800.0,  # providers' usual tiny-prompt wait is a few hundred ms
+    DIRECT_NETWORK: 100.0,
+}
+INSTABILITY_RELATIVE = 0.5
+"""A spread is instability only if it is also at least this fraction of the kind's median."""
+MIN_REPEATS_FOR_SPREAD = 3
+GATEWAY_ERRORS = (502, 503, 504)
+
+ADVICE = {
+    NETWORK_TO_RELAY: "Run the client close to the relay (same region or LAN), drop extra proxies/VPNs "
+    "in between, and keep client connections alive (reuse one HTTP client) so setup is paid once.",
+    RELAY_UPSTREAM_NETWORK: "The relay host is far from the upstream: move the relay near the upstream's "
+    "region. Let clients keep their connection to the relay alive: mitmproxy reuses an upstream "
+    "connection per client connection, which saves the connect and TLS handshake on every request.",
+    RELAY_OVERHEAD: "The relay itself adds time: check its CPU (mitmproxy runs on one core; bursts of new "
+    "connections queue), that it runs with streaming on (scripts/relay, not bare mitmdump), and the "
+    "`relay` phase in scripts/report over real traffic.",
+    RELAY_PATH: "Something between the relay and the upstream adds this: pass --relay-log with the "
+    "relay's timing log to split relay overhead from the relay's network to the upstream.",
+    CONTEXT_LENGTH: "Prompt length drives the first-token time: trim history (relay_trim, "
+    "relay_trim_max_tokens), keep a stable prefix so the provider's prompt cache hits, summarise old "
+    "turns. scripts/report fits the same ms per 1k tokens over real traffic.",
+    UPSTREAM_INSTABILITY: "The same request waits very differently from one try to the next: queueing or "
+    "load at the provider. Try another region/deployment or a tier with capacity guarantees, and use "
+    "client timeouts with a retry.",
+    UPSTREAM_OWN_WAIT: "Nothing on the path is slow: the provider takes this long even for a tiny prompt. "
+    "Try a faster model or another region, and check the provider's status page.",
+    DIRECT_NETWORK: "This machine is far from the upstream: keep connections alive so the handshakes are "
+    "paid once, or run the client (or a relay) in a region near the upstream.",
+    UPSTREAM_UNREACHABLE: "Check the upstream URL, DNS and firewall from this machine and from the relay "
+    "host (the relay's log names the phase that failed), and the provider's status page.",
+    UPSTREAM_ERRORS: "The upstream is reachable but refuses the probes: check the key, the model name "
+    "(--model), the quota, and the error message above.",
+    RELAY_UNREACHABLE: "Check that the relay runs and listens where --relay points (scripts/relay), and "
+    "that no firewall is in the way.",
+    RELAY_FAILING: "The relay is reachable but its requests fail: read the errors above and the relay's "
+    "console; for the proxy mode, --ca must name the mitmproxy CA.",
+    NO_DIRECT_PATH: "Comparisons with the direct path are skipped; the relay is your only way out.",
+    SOME_PROBES_FAILED: "Intermittent failures: run again with --repeat 10, and look at errors in "
+    "scripts/report.",
+}
+
+
+@dataclass
+class ProbeResult:
+    """One probe as measured: which kind, its marks (ms since it began), and how it ended."""
+
+    path: str
+    prompt: str
+    request_id: str
+    prompt_tokens: int
+    body_bytes: int
+    marks: dict[str, float] = field(default_factory=dict)
+    status: int | None = None
+    tls_version: str | None = None
+    error: str | None = None
+    error_phase: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return f"{self.path} {self.prompt}"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and "first_token" in self.marks
+
+    def phases(self) -> dict[str, float]:
+        """Durations in ms: each step from the previous mark present, plus ttft and total."""
+        out, previous = {}, 0.0
+        for name, mark in PROBE_STEPS:
+            if mark in self.marks:
+                out[name] = round(self.marks[mark] - previous, 3)
+                previous = self.marks[mark]
+        if "first_token" in self.marks:
+            out["ttft"] = self.marks["first_token"]
+        if "end" in self.marks:
+            out["total"] = self.marks["end"]
+        return out
+
+    @property
+    def setup_ms(self) -> float:
+        """DNS, TCP, tunnel and TLS: everything before the request could be sent."""
+        return max((self.marks[m] for m in SETUP_MARKS if m in self.marks), default=0.0)
+
+    @property
+    def wait_ms(self) -> float:
+        """Connection ready → first token: the request's upload, a round trip, the answer's wait."""
+        return self.marks["first_token"] - self.setup_ms
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """One round trip to the server this probe connected to, from its handshakes."""
+        m = self.marks
+        relative = {"upstream_connect_start": m.get("dns"), "upstream_tcp": m.get("tcp"), "upstream_tls": m.get("tls")}
+        return phases.handshake_rtt_ms({k: v for k, v in relative.items() if v is not None}, self.tls_version)
+
+    @property
+    def network_ms(self) -> float:
+        """Setup plus the round trip every request pays: what the network costs this probe."""
+        return self.setup_ms + (self.rtt_ms or 0.0)
+
+
+@dataclass(frozen=True)
+class RelaySplit:
+    """The relay's side of one relayed probe, from its timing record (`phases.contributions`)."""
+
+    relay: float
+    upstream_connect: float
+    upstream_tls: float
+    upstream_rtt: float
+    upstream_own: float
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> RelaySplit:
+        c = phases.contributions(rec.get("phases") or {}, rtt_ms=rec.get("rtt_ms"))
+        return cls(
+            relay=c[phases.RELAY],
+            upstream_connect=c[phases.UPSTREAM_CONNECT],
+            upstream_tls=c[phases.UPSTREAM_TLS],
+            upstream_rtt=c[phases.UPSTREAM_NETWORK],
+            upstream_own=c[phases.UPSTREAM_WAIT],
+        )
+
+    @property
+    def upstream_network(self) -> float:
+        return self.upstream_connect + self.upstream_tls + self.upstream_rtt
+
+    @property
+    def accounted(self) -> float:
+        """The part of the first-token wait the relay saw from its side (client upload excluded)."""
+        return self.relay + self.upstream_network + self.upstream_own
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of repeated measurements."""
+
+    n: int
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread | None:
+        values = sorted(values)
+        if not values:
+            return None
+        return cls(len(values), round(statistics.median(values), 1), round(values[0], 1), round(values[-1], 1))
+
+    @property
+    def spread(self) -> float:
+        return round(self.high - self.low, 1)
+
+
+@dataclass
+class Finding:
+    """One thing the diagnosis found: what it costs the first token, the numbers, what to do."""
+
+    cause: str
+    ms: float
+    detail: str
+    significant: bool
+    fatal: bool = False
+    numbers: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def advice(self) -> str:
+        return ADVICE.get(self.cause, "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "advice": self.advice}
+
+
+def measured(cause: str, ms: float, detail: str, threshold: float | None = None, **numbers: float | None) -> Finding:
+    """A finding whose significance comes from its threshold."""
+    limit = THRESHOLDS_MS[cause] if threshold is None else threshold
+    return Finding(cause, round(ms, 1), detail, ms >= limit, numbers={k: _round(v) for k, v in numbers.items()})
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+class Evidence:
+    """The probes, the relay records joined to them by request id, and medians over both."""
+
+    def __init__(self, probes: list[ProbeResult], records: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self.probes = probes
+        self.records = {p.request_id: records[p.request_id] for p in probes if records and p.request_id in records}
+
+    def of(self, kind: str) -> list[ProbeResult]:
+        return [p for p in self.probes if p.kind == kind]
+
+    def ok(self, kind: str) -> list[ProbeResult]:
+        return [p for p in self.of(kind) if p.ok]
+
+    def path_probes(self, path: str) -> list[ProbeResult]:
+        return [p for p in self.probes if p.path == path]
+
+    def median(self, kind: str, metric: Callable[[ProbeResult], float | None]) -> float | None:
+        values = [v for p in self.ok(kind) if (v := metric(p)) is not None]
+        return statistics.median(values) if values else None
+
+    def split(self, probe: ProbeResult) -> RelaySplit | None:
+        rec = self.records.get(probe.request_id)
+        return RelaySplit.from_record(rec) if rec and rec.get("phases") else None
+
+    def first_kind(self, *kinds: str) -> str | None:
+        """The first of `kinds` with a successful probe."""
+        return next((k for k in kinds if self.ok(k)), None)
+
+    def joined(self, kind: str) -> list[tuple[ProbeResult, RelaySplit]]:
+        return [(p, s) for p in self.ok(kind) if (s := self.split(p)) is not None]
+
+
+def table(ev: Evidence) -> dict[str, dict[str, Spread]]:
+    """Per probe kind (with any success), per phase: median and range over its successful probes."""
+    out: dict[str, dict[str, Spread]] = {}
+    for kind in KINDS:
+        probes = ev.ok(kind)
+        if not probes:
+            continue
+        rows = {name: Spread.of(p.phases()[name] for p in probes if name in p.phases()) for name in PROBE_PHASES}
+        out[kind] = {name: s for name, s in rows.items() if s is not None}
+    return out
+
+
+def relay_table(ev: Evidence) -> dict[str, dict[str, Spread]]:
+    """Per relayed kind: the relay's side of the wait, from the joined records."""
+    out = {}
+    for kind in ("relayed tiny", "relayed long"):
+        splits = [s for _, s in ev.joined(kind)]
+        if splits:
+            out[kind] = {
+                name: Spread.of(getattr(s, name) for s in splits)
+                for name in ("relay", "upstream_connect", "upstream_tls", "upstream_rtt", "upstream_own")
+            }
+    return out
+
+
+# --- findings --------------------------------------------------------------------------
+
+
+def _errors(probes: list[ProbeResult]) -> str:
+    """The distinct errors of failed probes, most common first: "error (in phase) k/n"."""
+    failed = Counter((p.error, p.error_phase) for p in probes if not p.ok)
+    return "; ".join(f"{error or 'no token'} (in {phase}) {k}/{len(probes)}" for (error, phase), k in failed.most_common())
+
+
+def reachability(ev: Evidence) -> list[Finding]:
+    """Fatal findings when every probe of a path failed; a note when only some did."""
+    direct, relayed = ev.path_probes("direct"), ev.path_probes("relayed")
+    direct_down = bool(direct) and not any(p.ok for p in direct)
+    relay_down = bool(relayed) and not any(p.ok for p in relayed)
+    relay_refused = relay_down and all(p.error_phase in ("dns", "tcp") for p in relayed)
+    # A relay answering 502/503/504 to everything could not get an answer from the upstream either.
+    relay_gateway_errors = relay_down and all(p.status in GATEWAY_ERRORS for p in relayed)
+    direct_answers = direct_down and all(p.status is not None for p in direct)
+    relay_says = sorted({rec.get("verdict") for rec in ev.records.values() if rec.get("error")})
+    relay_note = f"; the relay's records say: {', '.join(relay_says)}" if relay_says else ""
+    out = []
+    if relay_refused:
+        out.append(Finding(RELAY_UNREACHABLE, 0.0, f"via relay: {_errors(relayed)}", True, fatal=True))
+    elif (direct_down or not direct) and (relay_down or not relayed):
+        cause = UPSTREAM_ERRORS if direct_answers else UPSTREAM_UNREACHABLE
+        if not direct and not relay_gateway_errors:
+            cause = RELAY_FAILING
+        paths = [f"direct: {_errors(direct)}"] if direct else []
+        paths += [f"via relay: {_errors(relayed)}{relay_note}"] if relayed else []
+        out.append(Finding(cause, 0.0, "; ".join(paths), True, fatal=True))
+    elif relay_down:
+        out.append(Finding(RELAY_FAILING, 0.0, f"via relay: {_errors(relayed)}{relay_note}", True, fatal=True))
+    elif direct_down:
+        out.append(Finding(NO_DIRECT_PATH, 0.0, f"direct: {_errors(direct)}", False))
+    partial = [p for p in (direct if not direct_down else []) + (relayed if not relay_down else []) if not p.ok]
+    if partial:
+        detail = "; ".join(f"{path}: {_errors(ev.path_probes(path))}" for path in PATHS
+                           if any(p.path == path for p in partial))
+        out.append(Finding(SOME_PROBES_FAILED, 0.0, detail, True))
+    return out
+
+
+def network_to_relay(ev: Evidence) -> Finding | None:
+    """The client↔relay hop: the relayed probe's ttft minus what the relay accounts for."""
+    kind = ev.first_kind("relayed tiny", "relayed long")
+    if kind is None:
+        return None
+    setup = ev.median(kind, lambda p: p.setup_ms)
+    joined = ev.joined(kind)
+    if not joined:
+        return measured(NETWORK_TO_RELAY, setup, f"connection setup to the relay {setup:.0f} ms ({kind}; "
+                        "setup only: pass --relay-log for the full figure)", setup_ms=setup)
+    ms = statistics.median(p.marks["first_token"] - s.accounted for p, s in joined)
+    ttft = ev.median(kind, lambda p: p.marks["first_token"])
+    return measured(
+        NETWORK_TO_RELAY, ms,
+        f"{ms:.0f} ms of the {ttft:.0f} ms first token ({kind}) passed between this machine and the relay "
+        f"(connection setup {setup:.0f} ms, the rest carrying request and answer)",
+        setup_ms=setup, ttft_ms=ttft,
+    )
+
+
+def direct_network(ev: Evidence) -> float | None:
+    kind = ev.first_kind("direct tiny", "direct long")
+    return ev.median(kind, lambda p: p.network_ms) if kind else None
+
+
+def relay_upstream_network(ev: Evidence) -> Finding | None:
+    """The relay's own network to the upstream: connect, TLS, one round trip (its records)."""
+    splits = [s for kind in ("relayed tiny", "relayed long") for _, s in ev.joined(kind)]
+    if not splits:
+        return None
+    part = {name: statistics.median(getattr(s, name) for s in splits)
+            for name in ("upstream_connect", "upstream_tls", "upstream_rtt", "upstream_network")}
+    mine = direct_network(ev)
+    compare = f"; from this machine directly: {mine:.0f} ms" if mine is not None else ""
+    return measured(
+        RELAY_UPSTREAM_NETWORK, part["upstream_network"],
+        f"relay→upstream connect {part['upstream_connect']:.0f} ms + TLS {part['upstream_tls']:.0f} ms "
+        f"+ round trip {part['upstream_rtt']:.0f} ms = {part['upstream_network']:.0f} ms per new connection{compare}",
+        connect_ms=part["upstream_connect"], tls_ms=part["upstream_tls"], rtt_ms=part["upstream_rtt"],
+        direct_network_ms=mine,
+    )
+
+
+def relay_overhead(ev: Evidence, to_relay: Finding | None, to_upstream: Finding | None) -> Finding | None:
+    """What the relay adds beyond the networks: relayed − direct, minus the network difference."""
+    relayed_kind = ev.first_kind("relayed tiny", "relayed long")
+    if relayed_kind is None:
+        return None
+    direct_kind = relayed_kind.replace("relayed", "direct")
+    relayed_ttft = ev.median(relayed_kind, lambda p: p.marks["first_token"])
+    direct_ttft = ev.median(direct_kind, lambda p: p.marks["first_token"])
+    own = statistics.median(s.relay for _, s in ev.joined(relayed_kind)) if ev.joined(relayed_kind) else None
+    if direct_ttft is None:
+        if own is None:
+            return None
+        return measured(RELAY_OVERHEAD, own, f"the relay's own phase {own:.0f} ms (no direct probe to compare)",
+                        relay_phase_ms=own)
+    extra = relayed_ttft - direct_ttft
+    to_relay_ms = to_relay.ms if to_relay else 0.0
+    if to_upstream is None:
+        ms = extra - to_relay_ms
+        return measured(RELAY_PATH, ms, f"relayed {relayed_ttft:.0f} ms − direct {direct_ttft:.0f} ms − setup to "
+                        f"the relay {to_relay_ms:.0f} ms = {ms:.0f} ms ({relayed_kind})", extra_ms=extra)
+    network_difference = to_upstream.ms - (direct_network(ev) or 0.0)
+    ms = extra - to_relay_ms - network_difference
+    return measured(
+        RELAY_OVERHEAD, ms,
+        f"relayed {relayed_ttft:.0f} ms − direct {direct_ttft:.0f} ms − network to the relay {to_relay_ms:.0f} ms "
+        f"− network difference {network_difference:.0f} ms = {ms:.0f} ms; the relay's own phase {own:.0f} ms",
+        extra_ms=extra, network_difference_ms=network_difference, relay_phase_ms=own,
+    )
+
+
+def context_length(ev: Evidence) -> Finding | None:
+    """What a long prompt adds before the first token, in total and per 1k prompt tokens."""
+    for path in PATHS:
+        tiny, long = f"{path} tiny", f"{path} long"
+        if ev.ok(tiny) and ev.ok(long):
+            break
+    else:
+        return None
+    tiny_wait, long_wait = ev.median(tiny, lambda p: p.wait_ms), ev.median(long, lambda p: p.wait_ms)
+    tokens = ev.median(long, lambda p: p.prompt_tokens) - ev.median(tiny, lambda p: p.prompt_tokens)
+    extra = long_wait - tiny_wait
+    per_1k = extra / (tokens / 1000) if tokens > 0 else None
+    rate = f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else ""
+    return measured(
+        CONTEXT_LENGTH, extra,
+        f"long prompt (≈{tokens:.0f} tokens more) waits {long_wait:.0f} ms for its first token, tiny {tiny_wait:.0f} ms: "
+        f"{extra:+.0f} ms{rate} ({path})",
+        ms_per_1k_tokens=per_1k, extra_tokens=tokens, tiny_wait_ms=tiny_wait, long_wait_ms=long_wait,
+    )
+
+
+def upstream_instability(ev: Evidence) -> Finding | None:
+    """The largest spread of the wait for the first token among repeats of one kind."""
+    spreads = {kind: s for kind in KINDS
+               if len(ev.ok(kind)) >= MIN_REPEATS_FOR_SPREAD and (s := Spread.of(p.wait_ms for p in ev.ok(kind)))}
+    if not spreads:
+        return None
+    kind, worst = max(spreads.items(), key=lambda item: item[1].spread)
+    finding = measured(
+        UPSTREAM_INSTABILITY, worst.spread,
+        f"{kind}: the wait for the first token ranged {worst.low:.0f}–{worst.high:.0f} ms "
+        f"(median {worst.median:.0f} ms, {worst.n} tries)",
+        median_ms=worst.median, low_ms=worst.low, high_ms=worst.high,
+    )
+    finding.significant = finding.significant and worst.spread >= INSTABILITY_RELATIVE * worst.median
+    return finding
+
+
+def upstream_own_wait(ev: Evidence) -> Finding | None:
+    """The upstream's wait for a tiny prompt, one round trip removed."""
+    direct = ev.ok("direct tiny")
+    if direct:
+        ms = max(0.0, statistics.median(p.marks["first_token"] - p.marks["sent"] - (p.rtt_ms or 0.0) for p in direct))
+        where = "direct tiny"
+    elif joined := ev.joined("relayed tiny"):
+        ms = statistics.median(s.upstream_own for _, s in joined)
+        where = "relayed tiny, the relay's record"
+    else:
+        return None
+    return measured(UPSTREAM_OWN_WAIT, ms, f"{ms:.0f} ms from request to first token beyond the round trip ({where})")
+
+
+def direct_network_finding(ev: Evidence) -> Finding | None:
+    """This machine's own network to the upstream; a finding only when no relay is probed."""
+    mine = direct_network(ev)
+    if mine is None or ev.path_probes("relayed"):
+        return None
+    kind = ev.first_kind("direct tiny", "direct long")
+    setup, rtt = ev.median(kind, lambda p: p.setup_ms), ev.median(kind, lambda p: p.rtt_ms)
+    return measured(DIRECT_NETWORK, mine, f"connection setup {setup:.0f} ms + round trip {rtt or 0:.0f} ms",
+                    setup_ms=setup, rtt_ms=rtt)
+
+
+@dataclass
+class Diagnosis:
+    """All findings, and the one that answers the question."""
+
+    findings: list[Finding]
+
+    @property
+    def verdict(self) -> Finding | None:
+        fatal = [f for f in self.findings if f.fatal]
+        if fatal:
+            return fatal[0]
+        significant = [f for f in self.findings if f.significant and f.ms > 0]
+        return max(significant, key=lambda f: f.ms) if significant else None
+
+    @property
+    def failed(self) -> bool:
+        return any(f.fatal for f in self.findings)
+
+
+def diagnose(ev: Evidence) -> Diagnosis:
+    """Every finding the probes (and the relay's records joined to them) support."""
+    findings = reachability(ev)
+    to_relay = network_to_relay(ev)
+    to_upstream = relay_upstream_network(ev)
+    findings += [
+        f for f in (
+            to_relay,
+            to_upstream,
+            relay_overhead(ev, to_relay, to_upstream),
+            context_length(ev),
+            upstream_instability(ev),
+            upstream_own_wait(ev),
+            direct_network_finding(ev),
+        ) if f is not None
+    ]
+    return Diagnosis(findings)
+
+
+# --- output ----------------------------------------------------------------------------
+
+
+def _cell(s: Spread | None) -> str:
+    return "-" if s is None else f"{s.median:.0f} ({s.low:.0f}–{s.high:.0f})"
+
+
+def render_table(rows: Mapping[str, Mapping[str, Spread]], names: Iterable[str], title: str) -> list[str]:
+    """A text table: one row per phase, one column per kind, "median (low–high)" in ms."""
+    kinds = list(rows)
+    names = [n for n in names if any(n in rows[k] for k in kinds)]
+    if not kinds:
+        return []
+    width = max(len(_cell(rows[k].get(n))) for k in kinds for n in names) if names else 8
+    width = max(width, *(len(k) for k in kinds))
+    lines = [f"{title:<22}" + "".join(f"{k:>{width + 2}}" for k in kinds)]
+    lines += [f"  {n:<20}" + "".join(f"{_cell(rows[k].get(n)):>{width + 2}}" for k in kinds) for n in names]
+    return lines
+
+
+def render(ev: Evidence, diagnosis: Diagnosis) -> str:
+    """The whole human report: probe table, the relay's view, findings, verdict."""
+    counts = ", ".join(f"{k} {len(ev.ok(k))}/{len(ev.of(k))}" for k in KINDS if ev.of(k))
+    lines = [f"probes ok: {counts}; relay records joined: {len(ev.records)}", ""]
+    lines += render_table(table(ev), PROBE_PHASES, "ms, median (min–max)")
+    relay_rows = relay_table(ev)
+    if relay_rows:
+        lines += [""] + render_table(relay_rows, next(iter(relay_rows.values())).keys(), "the relay's side")
+    lines += ["", "findings:"]
+    for f in diagnosis.findings:
+        flag = "!!" if f.fatal else "! " if f.significant else "  "
+        lines.append(f" {flag} {f.cause}: {f.ms:.0f} ms — {f.detail}" if not f.fatal else f" {flag} {f.cause}: {f.detail}")
+    lines.append("")
+    v = diagnosis.verdict
+    if v is None:
+        lines.append("verdict: nothing stands out — every finding is below its threshold.")
+    else:
+        size = "" if v.fatal else f" ({v.ms:.0f} ms)"
+        lines += [f"verdict: {v.cause}{size}", f"  what to do: {v.advice}"]
+    return "\n".join(lines)
+
+
+def as_json(ev: Evidence, diagnosis: Diagnosis) -> dict[str, Any]:
+    """The same report for machines."""
+    v = diagnosis.verdict
+    return {
+        "probes": [asdict(p) | {"phases": p.phases()} for p in ev.probes],
+        "table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in table(ev).items()},
+        "relay_table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in relay_table(ev).items()},
+        "relay_records_joined": len(ev.records),
+        "findings": [f.as_dict() for f in diagnosis.findings],
+        "verdict": v.as_dict() if v else None,
+    }

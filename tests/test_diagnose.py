@@ -1,0 +1,250 @@
+"""scripts/diagnose: the probe, the prompts, the findings, and the verdict end to end.
+
+The end-to-end tests inject one cause at a time (a far upstream behind a delaying
+forwarder, prefill that grows with the prompt, a slow hop to the relay, a dead
+upstream) and check that the verdict names it, with its size within a stated
+tolerance. Injected delays are a few hundred ms so scheduling noise on a busy
+machine cannot decide; no test asserts an absolute time on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from scripts import diagnose, diagnosis, probe, probe_requests
+from scripts.diagnosis import ProbeResult
+from tests.conftest import FAKE_OPENAI_KEY, reverse_to
+from tests.fakes import DelayingForwarder
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_WAY_MS = 100
+"""Injected one-way delay: a round trip costs 2 x this."""
+SLACK_MS = 120
+"""What a measured delay may exceed the injected one by (a busy 2-core machine, mitmproxy's own time)."""
+
+
+# --- pure parts ---------------------------------------------------------------------------
+
+
+def test_chunked_decoder_handles_every_split_point():
+    wire = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n"
+    for split in range(len(wire) + 1):
+        decoder = probe.ChunkedDecoder()
+        body = decoder.feed(wire[:split]) + decoder.feed(wire[split:])
+        assert body == b"hello, world" and decoder.done
+
+
+def test_endpoint_takes_base_urls_with_or_without_v1():
+    e = probe.Endpoint.parse("https://api.openai.com/v1/")
+    assert (e.host, e.port, e.prefix, e.authority) == ("api.openai.com", 443, "", "api.openai.com")
+    assert probe.Endpoint.parse("http://127.0.0.1:8001/gw/v1").url("/v1/x") == "http://127.0.0.1:8001/gw/v1/x"
+
+
+def test_request_goes_absolute_through_a_plain_http_proxy_and_relative_elsewhere():
+    req = probe_requests.ProbeRequest("/v1/chat/completions", [("a", "b")], b"{}", "id", 1)
+    target = probe.Endpoint.parse("http://up:9000")
+    proxied = probe.request_bytes(probe.Route(target, proxy=probe.Endpoint.parse("http://p:8080")), req)
+    assert proxied.startswith(b"POST http://up:9000/v1/chat/completions HTTP/1.1\r\nhost: up:9000\r\n")
+    assert probe.request_bytes(probe.Route(target), req).startswith(b"POST /v1/chat/completions HTTP/1.1")
+
+
+def test_long_prompt_has_the_asked_size_and_a_fresh_prefix_each_time():
+    factory = probe_requests.PromptFactory(probe_requests.API_SHAPES["openai.chat"], "m", 16, None)
+    a, b = factory.long(2000), factory.long(2000)
+    assert abs(a.prompt_tokens - 2000) <= 5
+    assert a.body[:80] != b.body[:80]  # no shared prefix for a prompt cache to hit
+    body = orjson.loads(a.body)
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert (a.headers[4][0], a.headers[4][1][:10]) == ("x-request-id", "ttft-diag-")
+
+
+def test_user_body_is_streamed_and_only_its_prompt_counted():
+    factory = probe_requests.PromptFactory(probe_requests.API_SHAPES["anthropic.messages"], "m", 16, "k")
+    req = factory.from_user_body({"model": "claude-x", "system": "be brief", "max_tokens": 99,
+                                  "messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]},
+                                 model_override=None)
+    body = orjson.loads(req.body)
+    assert body["stream"] is True and body["model"] == "claude-x" and body["max_tokens"] == 99
+    assert req.prompt_tokens == factory.count("be brief") + factory.count("hi there")
+    assert ("x-api-key", "k") in req.headers
+
+
+def probe_result(path: str, prompt: str, ttft: float, *, sent: float = 1.0, tokens: int = 10, **kw) -> ProbeResult:
+    marks = {"dns": 0.1, "tcp": 0.5, "sent": sent, "head": ttft - 1, "first_token": ttft, "end": ttft + 5}
+    return ProbeResult(path, prompt, f"{path}-{prompt}-{ttft}", tokens, tokens * 4, marks, 200, **kw)
+
+
+def test_probe_phases_run_between_consecutive_marks():
+    p = probe_result("direct", "tiny", 100.0)
+    assert p.phases() == {"dns": 0.1, "tcp": 0.4, "send": 0.5, "wait": 98.0, "head_to_first_token": 1.0,
+                          "ttft": 100.0, "total": 105.0}
+
+
+def test_context_length_finding_in_ms_per_1k_tokens():
+    probes = [probe_result("direct", "tiny", 100 + i, tokens=10) for i in range(3)]
+    probes += [probe_result("direct", "long", 900 + i, tokens=8010) for i in range(3)]
+    result = diagnosis.diagnose(diagnosis.Evidence(probes))
+    assert result.verdict.cause == diagnosis.CONTEXT_LENGTH
+    assert result.verdict.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+
+
+def test_network_to_relay_is_what_the_relay_record_does_not_account_for():
+    probes = [probe_result("relayed", "tiny", 350 + i) for i in range(3)]
+    records = {p.request_id: {"phases": {"relay": 1.0, "upstream_wait": 48.0}, "rtt_ms": 2.0} for p in probes}
+    result = diagnosis.diagnose(diagnosis.Evidence(probes, records))
+    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert result.verdict.ms == pytest.approx(301, abs=1)
+
+
+def test_instability_needs_a_spread_large_against_the_median():
+    steady = [probe_result("direct", "tiny", 2000 + 150 * i) for i in range(3)]  # 300 ms on 2 s: not unstable
+    shaky = [probe_result("direct", "tiny", 100 + 200 * i) for i in range(3)]  # 400 ms on 300 ms
+    assert not diagnosis.upstream_instability(diagnosis.Evidence(steady)).significant
+    assert diagnosis.upstream_instability(diagnosis.Evidence(shaky)).significant
+
+
+def test_every_probe_failing_is_the_verdict():
+    refused = ProbeResult("direct", "tiny", "r1", 2, 8, {"dns": 0.1, "end": 0.3}, error="Connection refused",
+                          error_phase="tcp")
+    gateway = ProbeResult("relayed", "tiny", "r2", 2, 8, {"dns": 0.1, "end": 3.0}, status=502,
+                          error="HTTP 502: bad gateway", error_phase="wait")
+    result = diagnosis.diagnose(diagnosis.Evidence([refused, gateway]))
+    assert result.failed and result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    assert "Connection refused (in tcp) 1/1" in result.verdict.detail
+    only_relay = diagnosis.diagnose(diagnosis.Evidence([gateway]))
+    assert only_relay.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+
+
+def test_redactor_hides_the_key_in_text_and_log_lines():
+    redact = diagnose.Redactor(["sk-secret"])
+    assert redact("Incorrect API key provided: sk-secret.") == "Incorrect API key provided: [redacted]."
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+
+def run_diagnosis(*argv: str, key: str | None = FAKE_OPENAI_KEY) -> tuple[diagnosis.Evidence, diagnosis.Diagnosis]:
+    """The CLI's own collect step in-process; the findings from the pure functions."""
+    args = diagnose.parse_args(list(argv))
+    evidence = diagnose.collect(args, probe_requests.API_SHAPES[args.api], key)
+    return evidence, diagnosis.diagnose(evidence)
+
+
+def finding(result: diagnosis.Diagnosis, cause: str) -> diagnosis.Finding:
+    return next(f for f in result.findings if f.cause == cause)
+
+
+def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(start_relay, fake_tls, certs, tmp_path):
+    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as far:
+        relay = start_relay(f"reverse:https://127.0.0.1:{far.port}@0")
+        evidence, result = run_diagnosis(
+            "--upstream", fake_tls.base_url, "--ca", str(certs.ca_pem), "--relay", relay.url(),
+            "--relay-log", str(tmp_path / "timing.jsonl"), "--repeat", "3", "--long-tokens", "1000",
+        )
+    print(diagnosis.render(evidence, result))
+    assert len(evidence.records) == 6
+    v = result.verdict
+    round_trip = 2 * ONE_WAY_MS
+    assert v.cause == diagnosis.RELAY_UPSTREAM_NETWORK
+    assert round_trip <= v.numbers["tls_ms"] < round_trip + SLACK_MS
+    assert round_trip <= v.numbers["rtt_ms"] < round_trip + SLACK_MS
+    assert 2 * round_trip <= v.ms < 2 * round_trip + SLACK_MS
+    overhead = finding(result, diagnosis.RELAY_OVERHEAD)
+    assert abs(overhead.ms) < SLACK_MS  # the network difference explains the relayed-minus-direct gap
+
+
+def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(start_relay, fake, tmp_path):
+    per_1k_fake_tokens = 50  # the fake counts body bytes / 4 as tokens
+    fake.behaviour.prefill_ms_per_1k_tokens = per_1k_fake_tokens
+    relay = start_relay(reverse_to(fake))
+    evidence, result = run_diagnosis(
+        "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(tmp_path / "timing.jsonl"),
+        "--repeat", "3", "--long-tokens", "8000",
+    )
+    print(diagnosis.render(evidence, result))
+    tiny, long = evidence.ok("direct tiny")[0], evidence.ok("direct long")[0]
+    expected = per_1k_fake_tokens * ((long.body_bytes - tiny.body_bytes) / 4) / (long.prompt_tokens - tiny.prompt_tokens)
+    v = result.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.numbers["ms_per_1k_tokens"] == pytest.approx(expected, rel=0.15)  # ±15 %: ≈ ±60 ms on 400 ms
+
+
+def test_slow_hop_to_the_relay_is_named_with_its_round_trip(start_relay, fake, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    with DelayingForwarder("127.0.0.1", relay.port, ONE_WAY_MS) as slow_hop:
+        evidence, result = run_diagnosis(
+            "--upstream", fake.base_url, "--relay", f"http://127.0.0.1:{slow_hop.port}",
+            "--relay-log", str(tmp_path / "timing.jsonl"), "--repeat", "3", "--long-tokens", "1000",
+        )
+    print(diagnosis.render(evidence, result))
+    v = result.verdict
+    assert v.cause == diagnosis.NETWORK_TO_RELAY
+    assert 2 * ONE_WAY_MS <= v.ms < 2 * ONE_WAY_MS + SLACK_MS
+
+
+def test_through_the_relay_as_https_proxy(start_relay, fake_tls, certs, tmp_path):
+    relay = start_relay("regular@0")
+    evidence, result = run_diagnosis(
+        "--upstream", fake_tls.base_url, "--ca", str(certs.ca_pem), "--ca", str(relay.ca_pem),
+        "--relay", relay.url(), "--relay-mode", "proxy", "--relay-log", str(tmp_path / "timing.jsonl"),
+        "--repeat", "2", "--long-tokens", "500",
+    )
+    print(diagnosis.render(evidence, result))
+    assert len(evidence.ok("relayed tiny")) == 2 and len(evidence.records) == 4
+    assert all("tunnel" in p.marks and p.tls_version for p in evidence.ok("relayed tiny"))
+    assert not result.failed
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OPENAI_API_KEY": FAKE_OPENAI_KEY}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "diagnose.py"), *argv],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+
+
+def test_dead_upstream_gives_a_verdict_and_exit_2_not_a_hang(start_relay, tmp_path):
+    dead = f"http://127.0.0.1:{closed_port()}"
+    relay = start_relay(f"reverse:{dead}@0")
+    started = time.monotonic()
+    done = run_cli("--upstream", dead, "--relay", relay.url(), "--relay-log", str(tmp_path / "timing.jsonl"),
+                   "--timeout", "10")
+    print(done.stdout, done.stderr)
+    assert done.returncode == 2
+    assert "verdict: upstream unreachable" in done.stdout
+    assert "direct: Connection refused (in tcp) 1/1; via relay: " in done.stdout
+    assert time.monotonic() - started < 30  # a failed warm-up ends its path's probing
+
+
+def test_silent_upstream_times_out_in_the_wait(fake):
+    fake.behaviour.head_delay_ms = 10_000
+    evidence, result = run_diagnosis("--upstream", fake.base_url, "--timeout", "0.5", "--repeat", "2")
+    (timed_out,) = evidence.probes  # the warm-up, and no more
+    assert (timed_out.error, timed_out.error_phase) == ("timed out after 0.5 s", "wait")
+    assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+
+
+def test_the_key_never_appears_in_the_output(start_relay, fake):
+    leak = orjson.dumps({"error": {"message": f"Incorrect API key provided: {FAKE_OPENAI_KEY}", "type": "auth"}})
+    fake.behaviour.status, fake.behaviour.error_body = 401, leak.decode()
+    relay = start_relay(reverse_to(fake))
+    for fmt in ([], ["--json"]):
+        done = run_cli("--upstream", fake.base_url, "--relay", relay.url(), "--repeat", "1", "-v", *fmt)
+        assert done.returncode == 2
+        assert "Incorrect API key provided: [redacted]" in done.stdout + done.stderr
+        assert FAKE_OPENAI_KEY not in done.stdout + done.stderr
+    assert all(r.header("authorization") == f"Bearer {FAKE_OPENAI_KEY}" for r in fake.received)  # it was sent
+    report = orjson.loads(done.stdout)
+    assert report["verdict"]["cause"] == diagnosis.UPSTREAM_ERRORS
