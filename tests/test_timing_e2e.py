@@ -216,3 +216,17 @@ def test_records_hold_no_secrets_and_one_line_per_flow(fake, relay_at, log):
         assert rec["schema"] == 1 and rec["status"] == 200 and rec["stream"] is True
         assert rec["usage"] and rec["usage"]["output_tokens"] > 0
         assert rec["chunks"] > 0 and rec["ttft_ms"] is not None
+
+
+@pytest.mark.parametrize("strategy", ["eager", "lazy"])
+def test_regular_proxy_mode_https_through_connect(fake_tls, relay_at, log, strategy):
+    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
+        relay = relay_at("regular@0", connection_strategy=strategy)
+        with HttpConnection(f"https://localhost:{forwarder.port}", proxy=relay.url(), ca=relay.ca_pem) as conn:
+            post(conn, "openai.chat")
+            post(conn, "openai.chat")
+        first, second = read_log(log, 2)
+    assert first["upstream"] == f"localhost:{forwarder.port}"
+    assert_within(first["phases"]["upstream_tls"], 2 * ONE_WAY_MS, "upstream_tls")
+    assert first["verdict"] == phases.UPSTREAM_TLS, first
+    assert second["reused_connection"] is True and second["verdict"] == phases.UPSTREAM_NETWORK, second
