@@ -423,10 +423,11 @@ def relay_overhead(ev: Evidence, to_relay: Finding | None, to_upstream: Finding 
                         f"the relay {to_relay_ms:.0f} ms = {ms:.0f} ms ({relayed_kind})", extra_ms=extra)
     network_difference = to_upstream.ms - (direct_network(ev) or 0.0)
     ms = extra - to_relay_ms - network_difference
+    own_text = f"; the relay's own phase {own:.0f} ms" if own is not None else ""
     return measured(
         RELAY_OVERHEAD, ms,
         f"relayed {relayed_ttft:.0f} ms − direct {direct_ttft:.0f} ms − network to the relay {to_relay_ms:.0f} ms "
-        f"− network difference {network_difference:.0f} ms = {ms:.0f} ms; the relay's own phase {own:.0f} ms",
+        f"− network difference {network_difference:.0f} ms = {ms:.0f} ms{own_text}",
         extra_ms=extra, network_difference_ms=network_difference, relay_phase_ms=own,
     )
 
@@ -563,7 +564,8 @@ def render(ev: Evidence, diagnosis: Diagnosis) -> str:
     lines += ["", "findings:"]
     for f in diagnosis.findings:
         flag = "!!" if f.fatal else "! " if f.significant else "  "
-        lines.append(f" {flag} {f.cause}: {f.ms:.0f} ms — {f.detail}" if not f.fatal else f" {flag} {f.cause}: {f.detail}")
+        size = "" if f.fatal else f" {f.ms:.0f} ms —"
+        lines.append(f" {flag} {f.cause}:{size} {f.detail}")
     lines.append("")
     v = diagnosis.verdict
     if v is None:

@@ -17,6 +17,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -217,7 +218,7 @@ class _Probe:
             headers[name.strip().lower()] = value.strip()
         return status, headers, rest
 
-    def body_chunks(self, headers: dict[str, str], first: bytes):
+    def body_chunks(self, headers: dict[str, str], first: bytes) -> Iterator[bytes]:
         """The response body as it arrives, framing removed, until its end."""
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = None if chunked else headers.get("content-length")
@@ -327,7 +328,7 @@ def run_probe(
     return result
 
 
-def _limited(chunks, limit: int):
+def _limited(chunks: Iterator[bytes], limit: int) -> Iterator[bytes]:
     """Chunks up to about `limit` bytes: an error body is read for its message only."""
     seen = 0
     for chunk in chunks:

@@ -142,6 +142,15 @@ def finding(result: diagnosis.Diagnosis, cause: str) -> diagnosis.Finding:
     return next(f for f in result.findings if f.cause == cause)
 
 
+@pytest.mark.parametrize("api", sorted(probe_requests.API_SHAPES))
+def test_every_api_shape_finds_its_first_token(fake, api):
+    fake.behaviour.prefill_ms = 50
+    evidence, result = run_diagnosis("--api", api, "--upstream", fake.base_url, "--repeat", "2", "--long-tokens", "200")
+    assert len(evidence.ok("direct tiny")) == len(evidence.ok("direct long")) == 2
+    assert all(p.phases()["head_to_first_token"] >= 50 for p in evidence.probes)  # the prefill, not the head
+    assert fake.received[0].path == probe_requests.API_SHAPES[api].path and not result.failed
+
+
 def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(start_relay, fake_tls, certs, tmp_path):
     with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as far:
         relay = start_relay(f"reverse:https://127.0.0.1:{far.port}@0")
