@@ -291,3 +291,179 @@ def test_redaction_waits_for_the_request_to_leave_and_covers_flows_in_flight():
         assert in_flight.request.headers["authorization"] == f"Bearer {FAKE_OPENAI_KEY}"
         redaction.done()  # shutdown: the flow saver writes flows still in flight
         assert in_flight.request.headers["authorization"] == "Bearer REDACTED"
+
+
+# --- end to end: relay access keys -----------------------------------------------------
+
+
+GEMINI_STREAM_PATH = "/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse"
+GEMINI_BODY = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+
+
+@pytest.fixture
+def keyed_relay(fake, start_relay, monkeypatch, tmp_path):
+    """A relay whose reverse listener (to the fake) requires RELAY_KEY or OTHER_RELAY_KEY
+    and sends UPSTREAM_KEY upstream."""
+    keys = tmp_path / "relay-keys"
+    keys.write_text(f"{RELAY_KEY}  # alice\n{OTHER_RELAY_KEY}  # bob\n")
+    monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    return start_relay(reverse_to(fake), relay_access_keys=f"file:{keys}",
+                       relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY")
+
+
+def _relay_key_never_sent(upstream) -> None:
+    for got in upstream.received:
+        assert RELAY_KEY not in got.path and OTHER_RELAY_KEY not in got.path
+        assert all(RELAY_KEY not in v and OTHER_RELAY_KEY not in v for _, v in got.headers)
+
+
+def test_sdks_with_a_relay_key_reach_the_upstream_with_its_key(keyed_relay, fake):
+    sdk = openai.OpenAI(base_url=keyed_relay.url() + "/v1", api_key=RELAY_KEY, max_retries=0)
+    stream = sdk.chat.completions.create(model="gpt-4o-mini", stream=True, messages=CHAT["messages"])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert fake.received[-1].header("authorization") == f"Bearer {UPSTREAM_KEY}"
+
+    sdk = anthropic.Anthropic(base_url=keyed_relay.url(), api_key=OTHER_RELAY_KEY, max_retries=0)
+    with sdk.messages.stream(model="claude-opus-4-6", max_tokens=64, messages=CHAT["messages"]) as stream:
+        assert "".join(stream.text_stream)
+    got = fake.received[-1]
+    # Whichever slot this SDK version uses (x-api-key, or Bearer), the upstream key is in it.
+    assert UPSTREAM_KEY in (got.header("x-api-key"), (got.header("authorization") or "").removeprefix("Bearer "))
+
+    # Gemini's ?key= travels in the URL: swapped there, the rest of the query kept.
+    conn, resp = client.request("POST", f"{keyed_relay.url()}{GEMINI_STREAM_PATH}&key={RELAY_KEY}", GEMINI_BODY)
+    with conn:
+        assert resp.status == 200 and resp.read()
+    assert fake.received[-1].path == f"{GEMINI_STREAM_PATH}&key={UPSTREAM_KEY}"
+    _relay_key_never_sent(fake)
+
+
+def test_wrong_or_missing_relay_keys_get_401_in_the_apis_own_format(keyed_relay, fake, tmp_path):
+    sdk = openai.OpenAI(base_url=keyed_relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        sdk.chat.completions.create(model="gpt-4o-mini", messages=CHAT["messages"])
+    assert e.value.code == "invalid_api_key" and e.value.type == "invalid_request_error"
+
+    sdk = anthropic.Anthropic(base_url=keyed_relay.url(), api_key=RELAY_KEY[:-1], max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        sdk.messages.create(model="claude-opus-4-6", max_tokens=64, messages=CHAT["messages"])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+
+    conn, resp = client.request("POST", keyed_relay.url() + GEMINI_STREAM_PATH, GEMINI_BODY,
+                                {"x-goog-api-key": "not-a-relay-key"})
+    with conn:
+        assert resp.status == 401 and resp.json()["error"]["status"] == "UNAUTHENTICATED"
+    # Paths outside the relay's scope need the key too: the listener forwards everything.
+    for headers in ({}, {"authorization": f"Bearer {RELAY_KEY}", "x-api-key": FAKE_ANTHROPIC_KEY}):
+        conn, resp = client.request("GET", keyed_relay.url() + "/health", headers=headers)
+        with conn:
+            assert resp.status == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert fake.received == []  # nothing reached the upstream
+
+    keyed_relay.stop()
+    records = [json.loads(line) for line in (tmp_path / "timing.jsonl").read_text().splitlines()]
+    assert len(records) == 3  # the in-scope calls; /health is not an LLM call
+    assert all(r["status"] == 401 and r["error_phase"] == "relay" for r in records)
+    assert {r["error"] for r in records} == {"relay access key not accepted"}
+
+
+# --- end to end: no secret in any output --------------------------------------------------
+
+
+def _free_port() -> int:
+    """A loopback port nobody listens on (a listener's own, or one that refuses connections)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_flows(path: Path) -> list:
+    from mitmproxy import io
+
+    with path.open("rb") as f:
+        return list(io.FlowReader(f).stream())
+
+
+def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_relay, monkeypatch, tmp_path):
+    """Every way a key can arrive, through relays printing full flows (flow_detail=3) and saving
+    them (-w): afterwards no output holds a key. All fake secrets contain FAKEKEY."""
+    detail = {"flow_detail": 3}
+    proxy_creds = "user:" + FAKE_PROXY_PASSWORD
+    basic = "Basic " + __import__("base64").b64encode(proxy_creds.encode()).decode()
+    secrets = ["FAKEKEY", basic.split()[1]]
+
+    # 1. A plain relay: the clients' own keys pass through, in every slot and mode.
+    # Distinct ports: mitmproxy refuses two listeners on 127.0.0.1:0.
+    plain = start_relay(reverse_to(fake), f"regular@{_free_port()}", f"reverse:http://127.0.0.1:{_free_port()}@{_free_port()}",
+                        save_stream_file=tmp_path / "plain.flows", connection_strategy="lazy", **detail)
+    sdk = openai.OpenAI(base_url=plain.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
+    assert list(sdk.chat.completions.create(model="gpt-4o-mini", stream=True, messages=CHAT["messages"]))
+    sdk = anthropic.Anthropic(base_url=plain.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0)
+    assert sdk.messages.create(model="claude-opus-4-6", max_tokens=64, messages=CHAT["messages"]).content
+    import ssl
+
+    sdk = openai.OpenAI(base_url=fake_tls.base_url + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0,
+                        http_client=openai.DefaultHttpxClient(
+                            proxy=plain.url(1), verify=ssl.create_default_context(cafile=str(plain.ca_pem))))
+    assert sdk.chat.completions.create(model="gpt-4o-mini", messages=CHAT["messages"]).choices
+    every_slot = {"x-api-key": FAKE_ANTHROPIC_KEY, "api-key": FAKE_AZURE_KEY, "x-goog-api-key": FAKE_GEMINI_KEY,
+                  "cookie": FAKE_COOKIE}
+    conn, resp = client.request("POST", f"{plain.url()}{GEMINI_STREAM_PATH}&key={FAKE_GEMINI_KEY}", GEMINI_BODY,
+                                every_slot)
+    with conn:
+        assert resp.status == 200 and resp.read()
+    conn, resp = client.request("POST", plain.url(2) + "/v1/chat/completions", CHAT,
+                                {"authorization": f"Bearer {FAKE_OPENAI_KEY}"})
+    with conn:
+        assert resp.status == 502  # connection refused (a lazy connect, so the request was read): an error flow
+    # A stream still running when the relay stops: saved at shutdown.
+    watch = fake.next_stream()
+    conn, resp = client.request("POST", plain.url() + "/v1/chat/completions", CHAT,
+                                {"authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-fake-stall-after-chunks": "1",
+                                 "x-test-marker": "in-flight"})
+    with conn:
+        assert watch.wait_chunk_sent(0, timeout=10)
+        plain.stop()
+    assert all(FAKE_GEMINI_KEY in got.path or got.header("authorization") or got.header("x-api-key")
+               for got in fake.received)  # the upstream did get the keys
+
+    # 2. A relay with access keys: neither the relay key nor the upstream key shows.
+    keys = tmp_path / "relay-keys"
+    keys.write_text(RELAY_KEY + "\n")
+    monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    keyed = start_relay(reverse_to(fake), relay_access_keys=f"file:{keys}",
+                        relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY",
+                        save_stream_file=tmp_path / "keyed.flows", **detail)
+    sdk = openai.OpenAI(base_url=keyed.url() + "/v1", api_key=RELAY_KEY, max_retries=0)
+    assert list(sdk.chat.completions.create(model="gpt-4o-mini", stream=True, messages=CHAT["messages"]))
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0).models.list()
+    keyed.stop()
+
+    # 3. A proxy with proxyauth: mitmproxy keeps the password in the flow's metadata.
+    authed = start_relay("regular@0", proxyauth=proxy_creds, save_stream_file=tmp_path / "authed.flows", **detail)
+    for creds in (basic, "Basic d3Jvbmc6RkFLRUtFWQ=="):  # right, then wrong ("wrong:FAKEKEY")
+        conn, resp = client.request("POST", fake.base_url + "/v1/chat/completions", CHAT,
+                                    {"proxy-authorization": creds}, proxy=authed.url())
+        with conn:
+            assert resp.status in (200, 407) and resp.read() is not None
+    authed.stop()
+
+    outputs = {
+        "console": "\n".join(r.text() for r in (plain, keyed, authed)).encode(),
+        "timing log": (tmp_path / "timing.jsonl").read_bytes(),
+        **{name: (tmp_path / f"{name}.flows").read_bytes() for name in ("plain", "keyed", "authed")},
+    }
+    for name, data in outputs.items():
+        for secret in secrets:
+            assert secret.encode() not in data, f"{secret} in the {name}"
+    for secret in (RELAY_KEY, UPSTREAM_KEY, proxy_creds):
+        assert not any(secret.encode() in data for data in outputs.values())
+    # ...and not because nothing was written:
+    assert outputs["console"].count(b"Bearer REDACTED") >= 5 and b"x-goog-api-key: REDACTED" in outputs["console"]
+    assert len(outputs["timing log"].splitlines()) >= 6
+    saved = _read_flows(tmp_path / "plain.flows")
+    assert len(saved) == 6
+    in_flight = next(f for f in saved if f.request.headers.get("x-test-marker") == "in-flight")
+    assert in_flight.request.headers["authorization"] == "Bearer REDACTED"
+    assert list(_read_flows(tmp_path / "authed.flows")[0].metadata["proxyauth"]) == ["user", "REDACTED"]
