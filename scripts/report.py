@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from addons import phases  # noqa: E402
 
 QUANTILES = (50, 90, 99)
-METRICS = ("ttft_ms",) + phases.PHASES
+METRICS = phases.PHASES
+"""Every phase, ttft included."""
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -76,10 +77,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def metric(rec: Mapping[str, Any], name: str) -> float | None:
-    return rec.get("ttft_ms") if name == "ttft_ms" else (rec.get("phases") or {}).get(name)
-
-
 def upstream_own_wait(rec: Mapping[str, Any]) -> float | None:
     """The upstream's own share of the wait (network round trip taken out), as in the verdict."""
     p = rec.get("phases") or {}
@@ -127,7 +124,7 @@ def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> d
     errors = [r for r in records if r.get("error") or r.get("client_aborted")]
     stats = {}
     for name in METRICS:
-        values = [v for r in records if (v := metric(r, name)) is not None]
+        values = [v for r in records if (v := (r.get("phases") or {}).get(name)) is not None]
         if values:
             stats[name] = {f"p{q}": round(percentile(values, q), 1) for q in QUANTILES} | {"n": len(values)}
     ranked = sorted((r for r in records if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])

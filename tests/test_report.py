@@ -80,7 +80,7 @@ def test_summary_groups_by_upstream_and_model():
     g = out["api.example.com · gpt-x"]
     assert g["requests"] == 11 and g["errors"] == 1
     assert g["errors_by_phase"] == {"upstream_wait": 1}
-    assert g["stats"]["ttft_ms"]["p50"] == pytest.approx(602.0)
+    assert g["stats"]["ttft"]["p50"] == pytest.approx(602.0)
     assert len(g["slowest"]) == 3 and g["slowest"][0]["verdict"] == "upstream wait (prefill/queue)"
 
 
