@@ -95,13 +95,18 @@ class Trim:
             self.windows = trimming.ContextWindows(overrides)
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
-            if self._running:
-                self.tokenizers.start()
+        if self._running:
+            self._start_loading()
 
     def running(self) -> None:
-        # Loading takes a while and may touch the network: never on the request path.
         self._running = True
-        self.tokenizers.start()
+        self._start_loading()
+
+    def _start_loading(self) -> None:
+        # Loading takes a while, holds the GIL for ~0.5 s and may touch the network:
+        # never on the request path, and not at all while trimming is off.
+        if ctx.options.relay_trim:
+            self.tokenizers.start()
 
     def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)

@@ -217,3 +217,15 @@ def test_running_starts_loading_without_waiting(monkeypatch):
         tctx.configure(trim, relay_tiktoken_file="/nonexistent/o200k_base.tiktoken")
         assert trim.tokenizers.o200k_file == "/nonexistent/o200k_base.tiktoken"
         assert trim.tokenizers.wait(60) and trim.tokenizers.ready
+
+
+def test_no_tokenizer_loading_while_trimming_is_off(monkeypatch):
+    trim = Trim()
+    started = []
+    monkeypatch.setattr(trim.tokenizers, "start", lambda: started.append(True))
+    with taddons.context(trim) as tctx:
+        tctx.configure(trim, relay_trim=False)
+        trim.running()
+        assert started == []
+        tctx.configure(trim, relay_trim=True)  # switched on while running: load now
+        assert started == [True]
