@@ -202,7 +202,7 @@ def parse_keys(text: str) -> list[str]:
 def key_digest(key: str) -> bytes:
     # Comparing fixed-size digests keeps the comparison constant-time whatever the
     # lengths, and works for any characters a client sends.
-    return hashlib.sha256(key.encode("utf8", "surrogateescape")).digest()
+    return hashlib.sha256(key.encode("utf8", "surrogatepass")).digest()
 
 
 def load_access_keys(sources: Sequence[str]) -> list[str]:
