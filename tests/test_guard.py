@@ -7,8 +7,10 @@ must refuse to start or stop right away, and no traffic goes to them.
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from mitmproxy import exceptions
+from mitmproxy import exceptions, http, io
 from mitmproxy.addons import proxyauth
 from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
@@ -24,7 +26,7 @@ from mitmproxy.test import taddons, tflow
 from addons import guard, scope, state
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
-from tests.harness import MitmdumpProcess
+from tests.harness import REPO, MitmdumpProcess
 
 RELAY_KEY = "relay-key-0123456789-alice"
 OTHER_RELAY_KEY = "relay-key-0123456789-bob"
@@ -173,7 +175,7 @@ def test_rejection_needs_every_credential_to_be_a_relay_key():
     assert "missing" in guard.rejection({}, digests)
     assert "not accepted" in guard.rejection({"x-api-key": RELAY_KEY[:-1]}, digests)
     assert "not accepted" in guard.rejection({"authorization": RELAY_KEY, "x-api-key": FAKE_OPENAI_KEY}, digests)
-    assert "not accepted" in guard.rejection({"x-api-key": "ключ\udcff"}, digests)  # any characters
+    assert "not accepted" in guard.rejection({"x-api-key": "ключ\udcff\ud800"}, digests)  # any characters
 
 
 def test_swap_puts_the_upstream_key_where_the_relay_key_was():
@@ -377,9 +379,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read_flows(path: Path) -> list:
-    from mitmproxy import io
-
+def _read_flows(path: Path) -> list[http.HTTPFlow]:
     with path.open("rb") as f:
         return list(io.FlowReader(f).stream())
 
@@ -389,7 +389,7 @@ def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_
     them (-w): afterwards no output holds a key. All fake secrets contain FAKEKEY."""
     detail = {"flow_detail": 3}
     proxy_creds = "user:" + FAKE_PROXY_PASSWORD
-    basic = "Basic " + __import__("base64").b64encode(proxy_creds.encode()).decode()
+    basic = "Basic " + base64.b64encode(proxy_creds.encode()).decode()
     secrets = ["FAKEKEY", basic.split()[1]]
 
     # 1. A plain relay: the clients' own keys pass through, in every slot and mode.
@@ -400,8 +400,6 @@ def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_
     assert list(sdk.chat.completions.create(model="gpt-4o-mini", stream=True, messages=CHAT["messages"]))
     sdk = anthropic.Anthropic(base_url=plain.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0)
     assert sdk.messages.create(model="claude-opus-4-6", max_tokens=64, messages=CHAT["messages"]).content
-    import ssl
-
     sdk = openai.OpenAI(base_url=fake_tls.base_url + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0,
                         http_client=openai.DefaultHttpxClient(
                             proxy=plain.url(1), verify=ssl.create_default_context(cafile=str(plain.ca_pem))))
@@ -467,3 +465,81 @@ def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_
     in_flight = next(f for f in saved if f.request.headers.get("x-test-marker") == "in-flight")
     assert in_flight.request.headers["authorization"] == "Bearer REDACTED"
     assert list(_read_flows(tmp_path / "authed.flows")[0].metadata["proxyauth"]) == ["user", "REDACTED"]
+
+
+# --- end to end: refusing to start as an open proxy -----------------------------------------
+
+MITMWEB = Path(sys.executable).parent / "mitmweb"
+
+
+def _process(confdir, modes, *args: str, relay_conf: Path | None = None, tool: Path | None = None) -> MitmdumpProcess:
+    proc = MitmdumpProcess(list(modes), confdir, extra_args=list(args), relay_conf=relay_conf)
+    if tool is not None:
+        proc.args[0] = str(tool)
+    return proc
+
+
+def _refused(proc: MitmdumpProcess) -> str:
+    """Runs a relay that must refuse to start; returns its output."""
+    done = subprocess.run(proc.args, env=proc.env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    return output
+
+
+@pytest.mark.parametrize(("modes", "args", "conf", "expected"), [
+    (["regular@0"], ["--listen-host", "0.0.0.0"], None, "regular@0 on 0.0.0.0 (set proxyauth)"),
+    ([f"regular@0.0.0.0:{_free_port()}"], [], None, "(set proxyauth)"),
+    # mitm.conf's listeners (the command line names none), applied before the guard loads.
+    ([], [], "mode: ['regular@0.0.0.0:0']\n", "regular@0.0.0.0:0 on 0.0.0.0 (set proxyauth)"),
+    (["regular@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=any"], None, "(set proxyauth)"),
+    (["reverse:https://api.openai.com@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=u:p"], None,
+     "(set relay_access_keys)"),
+])
+def test_an_open_listener_stops_the_relay(confdir, tmp_path, modes, args, conf, expected):
+    relay_conf = None
+    if conf is not None:
+        relay_conf = tmp_path / "mitm.conf"
+        relay_conf.write_text(conf)
+    output = _refused(_process(confdir, modes, *args, relay_conf=relay_conf))
+    assert "refusing to start as an open proxy" in output and expected in output
+
+
+@pytest.mark.parametrize("args", [
+    ["--set", "proxyauth=user:secret-pass"],
+    ["--set", "relay_allow_open_proxy=true"],
+])
+def test_a_protected_or_allowed_listener_starts(confdir, args):
+    relay = _process(confdir, ["regular@0"], "--listen-host", "0.0.0.0", *args).start()
+    output = relay.stop()
+    assert "refusing" not in output
+    assert ("serving without authentication" in output) == ("relay_allow_open_proxy=true" in args)
+
+
+def test_a_reverse_listener_with_access_keys_starts(confdir, monkeypatch):
+    monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", UPSTREAM_KEY)
+    relay = _process(confdir, ["reverse:https://api.openai.com@0"], "--listen-host", "0.0.0.0",
+                     "--set", "relay_access_keys=env:RELAY_TEST_KEYS").start()
+    assert "refusing" not in relay.stop()
+
+
+def test_missing_upstream_key_stops_the_relay(confdir, monkeypatch):
+    monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    output = _refused(_process(confdir, ["reverse:https://api.anthropic.com@0"],
+                               "--set", "relay_access_keys=env:RELAY_TEST_KEYS"))
+    assert "environment variable ANTHROPIC_API_KEY is not set" in output
+
+
+def test_mitmweb_off_loopback_needs_a_password(confdir):
+    web = ["--web-host", "0.0.0.0", "--web-port", str(_free_port()), "--set", "web_open_browser=false"]
+    output = _refused(_process(confdir, ["regular@0"], *web, tool=MITMWEB))
+    assert "mitmweb on web_host 0.0.0.0 needs web_password" in output
+
+    relay = _process(confdir, ["regular@0"], *web, "--set", "web_password=correct-horse-battery", tool=MITMWEB)
+    relay.start()
+    try:
+        relay.wait_for_output("Web server listening")
+    finally:
+        relay.stop()
