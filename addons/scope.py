@@ -91,7 +91,8 @@ class Scope:
 
     def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if st is None:
+        if st is None or flow.response is not None:
+            # Already answered by the relay (e.g. refused): no body work for it.
             return
         st.request_json = parse_json_body(flow.request)
         st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)

@@ -83,3 +83,14 @@ def test_invalid_scope_regex_is_an_options_error():
     with taddons.context(sc) as tctx:
         with pytest.raises(Exception, match="relay_scope"):
             tctx.configure(sc, relay_scope="(")
+
+
+def test_answered_requests_are_not_parsed():
+    sc = scope.Scope()
+    with taddons.context(sc):
+        f = _flow("/v1/chat/completions", b'{"model":"gpt-4o"}')
+        sc.requestheaders(f)
+        f.response = tflow.tresp(status_code=401)
+        sc.request(f)
+        st = state.get(f)
+        assert st is not None and st.request_json is None and st.model is None
