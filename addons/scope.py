@@ -1,8 +1,9 @@
-"""Which LLM API a request speaks, and what it asks for (pure).
+"""Which LLM API a request speaks, and what it asks for.
 
 The relay only touches flows whose path matches its scope; within scope the path
 decides the API shape, which in turn decides how the body is trimmed and how the
-response stream is read.
+response stream is read. The functions are pure; the `Scope` addon at the end
+applies them to flows and attaches the per-flow state the other addons share.
 """
 
 from __future__ import annotations
