@@ -15,7 +15,8 @@ Findings, each in ms of the client's wait for the first token (medians over repe
     relay overhead            relayed ttft − direct ttft − network to the relay
                               − (relay→upstream network − direct network to the upstream)
     context length            long − tiny wait for the first token, also as ms per 1k tokens
-    upstream queueing/instability  the largest spread (max − min) of the wait within a kind
+    upstream queueing/instability  the largest spread of the wait within a kind, the single
+                              lowest and highest try left out (one outlier is not instability)
     upstream's own wait       the upstream's wait for a tiny prompt, minus one round trip
     unreachable / failing     every probe of a path failed: the verdict, whatever else
 
@@ -81,7 +82,8 @@ THRESHOLDS_MS = {
 }
 INSTABILITY_RELATIVE = 0.5
 """A spread is instability only if it is also at least this fraction of the kind's median."""
-MIN_REPEATS_FOR_SPREAD = 3
+MIN_REPEATS_FOR_SPREAD = 5
+"""Tries a kind needs before its spread means anything: the extremes are left out of it."""
 GATEWAY_ERRORS = (502, 503, 504)
 
 ADVICE = {
@@ -454,19 +456,24 @@ def context_length(ev: Evidence) -> Finding | None:
 
 
 def upstream_instability(ev: Evidence) -> Finding | None:
-    """The largest spread of the wait for the first token among repeats of one kind."""
-    spreads = {kind: s for kind in KINDS
-               if len(ev.ok(kind)) >= MIN_REPEATS_FOR_SPREAD and (s := Spread.of(p.wait_ms for p in ev.ok(kind)))}
+    """The largest spread of the wait for the first token among repeats of one kind,
+    without its single lowest and highest try: a lone spike (a lost packet, a busy
+    moment on this machine) is reported, but is not instability."""
+    spreads = {}
+    for kind in KINDS:
+        waits = sorted(p.wait_ms for p in ev.ok(kind))
+        if len(waits) >= MIN_REPEATS_FOR_SPREAD:
+            spreads[kind] = (Spread.of(waits[1:-1]), Spread.of(waits))
     if not spreads:
         return None
-    kind, worst = max(spreads.items(), key=lambda item: item[1].spread)
+    kind, (middle, whole) = max(spreads.items(), key=lambda item: item[1][0].spread)
     finding = measured(
-        UPSTREAM_INSTABILITY, worst.spread,
-        f"{kind}: the wait for the first token ranged {worst.low:.0f}–{worst.high:.0f} ms "
-        f"(median {worst.median:.0f} ms, {worst.n} tries)",
-        median_ms=worst.median, low_ms=worst.low, high_ms=worst.high,
+        UPSTREAM_INSTABILITY, middle.spread,
+        f"{kind}: the wait for the first token ranged {middle.low:.0f}–{middle.high:.0f} ms without the extremes "
+        f"({whole.low:.0f}–{whole.high:.0f} ms with them; median {whole.median:.0f} ms, {whole.n} tries)",
+        median_ms=whole.median, low_ms=whole.low, high_ms=whole.high,
     )
-    finding.significant = finding.significant and worst.spread >= INSTABILITY_RELATIVE * worst.median
+    finding.significant = finding.significant and middle.spread >= INSTABILITY_RELATIVE * whole.median
     return finding
 
 

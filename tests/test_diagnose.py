@@ -104,11 +104,15 @@ def test_network_to_relay_is_what_the_relay_record_does_not_account_for():
     assert result.verdict.ms == pytest.approx(301, abs=1)
 
 
-def test_instability_needs_a_spread_large_against_the_median():
-    steady = [probe_result("direct", "tiny", 2000 + 150 * i) for i in range(3)]  # 300 ms on 2 s: not unstable
-    shaky = [probe_result("direct", "tiny", 100 + 200 * i) for i in range(3)]  # 400 ms on 300 ms
-    assert not diagnosis.upstream_instability(diagnosis.Evidence(steady)).significant
-    assert diagnosis.upstream_instability(diagnosis.Evidence(shaky)).significant
+def test_instability_needs_a_spread_large_against_the_median_and_more_than_one_outlier():
+    def spread_of(*ttfts: float) -> diagnosis.Finding | None:
+        return diagnosis.upstream_instability(diagnosis.Evidence([probe_result("direct", "tiny", t) for t in ttfts]))
+
+    assert not spread_of(2000, 2100, 2200, 2300, 2400).significant  # 200 ms on 2.2 s (the middle three)
+    assert spread_of(100, 110, 300, 500, 600).significant  # 390 ms on 300 ms
+    assert not spread_of(100, 110, 120, 130, 3000).significant  # one slow try in five is not enough
+    assert spread_of(100, 110, 120, 130, 3000).numbers["high_ms"] == pytest.approx(3000, abs=1)  # but reported
+    assert spread_of(100, 500, 900) is None  # too few tries to tell
 
 
 def test_every_probe_failing_is_the_verdict():
@@ -147,8 +151,19 @@ def test_every_api_shape_finds_its_first_token(fake, api):
     fake.behaviour.prefill_ms = 50
     evidence, result = run_diagnosis("--api", api, "--upstream", fake.base_url, "--repeat", "2", "--long-tokens", "200")
     assert len(evidence.ok("direct tiny")) == len(evidence.ok("direct long")) == 2
-    assert all(p.phases()["head_to_first_token"] >= 50 for p in evidence.probes)  # the prefill, not the head
+    for p in evidence.probes:  # the token comes after the prefill, well after the head
+        assert p.phases()["ttft"] >= 50 and p.phases()["head_to_first_token"] >= 25
     assert fake.received[0].path == probe_requests.API_SHAPES[api].path and not result.failed
+
+
+def test_users_own_body_is_the_long_probe(fake, tmp_path):
+    body_file = tmp_path / "request.json"
+    body_file.write_bytes(orjson.dumps({"model": "my-model", "messages": [{"role": "user", "content": "x " * 3000}]}))
+    evidence, _ = run_diagnosis("--upstream", fake.base_url, "--body-file", str(body_file), "--repeat", "1")
+    (long,) = evidence.ok("direct long")
+    sent = orjson.loads(fake.received[-1].body)
+    assert sent["model"] == "my-model" and sent["stream"] is True and long.prompt_tokens >= 3000
+    assert orjson.loads(fake.received[0].body)["model"] == "my-model"  # the tiny probe asks the same model
 
 
 def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(start_relay, fake_tls, certs, tmp_path):
