@@ -156,20 +156,23 @@ def summary_line(rec: Mapping[str, Any]) -> str:
 
 
 def comment(rec: Mapping[str, Any]) -> str:
-    """The breakdown shown as the flow's comment in mitmweb."""
-    lines = [f"ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}"]
-    for name, ms in (rec.get("phases") or {}).items():
-        lines.append(f"  {name:<20} {ms:>9.1f} ms")
+    """The breakdown shown as the flow's comment in mitmweb.
+
+    One short sentence per line: mitmweb collapses line breaks and runs of
+    spaces, so the text must read as well run together as on separate lines.
+    """
+    lines = [f"ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."]
+    phase_list = " · ".join(f"{name} {ms:.1f}" for name, ms in (rec.get("phases") or {}).items())
+    if phase_list:
+        lines.append(f"Phases (ms): {phase_list}.")
     conn = {True: "reused", False: "new", None: "none"}[rec.get("reused_connection")]
-    lines.append(f"connection {conn}, rtt {_ms(rec.get('rtt_ms'))}")
+    stream = ""
     if rec.get("chunks") is not None:
         rate = rec.get("output_tokens_per_s")
-        lines.append(
-            f"{rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}"
-            + (f", {rate} tok/s" if rate else "")
-        )
+        stream = f"; {rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}" + (f", {rate} tok/s" if rate else "")
+    lines.append(f"Connection {conn}, rtt {_ms(rec.get('rtt_ms'))}{stream}.")
     if rec.get("error"):
-        lines.append(f"error ({rec.get('error_phase')}): {rec['error']}")
+        lines.append(f"Error ({rec.get('error_phase')}): {rec['error']}")
     return "\n".join(lines)
 
 

@@ -71,9 +71,9 @@ def test_summary_line_and_comment():
     line = record.summary_line(rec)
     assert "ttft 460 ms" in line and "upstream_wait 247" in line and line.endswith(phases.UPSTREAM_TLS)
     text = record.comment(rec)
-    assert text.splitlines()[0] == "ttft 460 ms → upstream TLS"
-    assert "connection new, rtt 200 ms" in text
-    assert "120 chunks" in text
+    assert text.splitlines()[0] == "ttft 460 ms → upstream TLS."
+    assert "upstream_wait 247" in text.splitlines()[1]
+    assert "Connection new, rtt 200 ms; 120 chunks" in text
 
 
 def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_path):
