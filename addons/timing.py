@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,8 @@ METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":turtle:"
 CLIENT_GONE = ("client disconnected", "stream reset by client")
 """mitmproxy's error messages (HTTP/1, HTTP/2) for a client that went away."""
-RTT_WEIGHT = 0.3
-"""Weight of a new round-trip sample in an upstream's remembered estimate."""
+RTT_SAMPLES = 16
+"""Handshakes per upstream whose round trips are remembered; the estimate is their minimum."""
 
 
 class Timing:
@@ -44,8 +45,11 @@ class Timing:
         self.slow_ms = 0
         self.console = True
         self.server_timing = True
-        self.rtt_ms: dict[str, float] = {}
-        """Smoothed round trip per upstream, learned from new connections, used for all."""
+        self.rtt_samples: dict[str, deque[float]] = {}
+        """Recent handshake round trips per upstream, learned from new connections, used for all.
+        Their minimum is the estimate: a handshake can only take longer than the path's
+        round trip (a busy event loop, a slow server), never shorter, as TCP's own
+        min-RTT filter assumes."""
         self.used_connections: set[str] = set()
         """Ids of open upstream connections that already carried a request."""
 
@@ -154,8 +158,7 @@ class Timing:
         sample = phases.handshake_rtt_ms(marks, conn.tls_version)
         if sample is not None:
             host = upstream_name(flow)
-            old = self.rtt_ms.get(host)
-            self.rtt_ms[host] = sample if old is None else old + RTT_WEIGHT * (sample - old)
+            self.rtt_samples.setdefault(host, deque(maxlen=RTT_SAMPLES)).append(sample)
 
     def _marks(self, flow: http.HTTPFlow, st: state.FlowState) -> dict[str, float]:
         """The flow's absolute marks so far: mitmproxy's timestamps, the relay's, the watcher's."""
@@ -217,7 +220,7 @@ class Timing:
             tokens_expected=st.stream and w is not None,
             tls_expected=flow.request.scheme == "https",
             reused_connection=None if flow.server_conn.timestamp_start is None else "upstream_connect_start" not in marks,
-            rtt_ms=self.rtt_ms.get(upstream),
+            rtt_ms=min(self.rtt_samples[upstream]) if upstream in self.rtt_samples else None,
             max_gap_ms=w.max_gap * 1000 if w is not None else None,
             chunks=w.chunks if w is not None else None,
             bytes=w.bytes if w is not None else None,

@@ -78,6 +78,17 @@ def test_second_request_on_the_connection_is_reused_and_uses_the_remembered_rtt(
     assert r2["verdict"] == phases.UPSTREAM_NETWORK
 
 
+def test_one_slow_handshake_does_not_raise_the_round_trip_estimate(addon):
+    f1, _ = make_flow(stream=False)
+    addon.response(f1)  # a 200 ms TLS 1.3 handshake
+    f2, _ = make_flow(stream=False)
+    conn = f2.server_conn
+    conn.timestamp_tls_setup = conn.timestamp_tcp_setup + 0.900  # e.g. the event loop was busy
+    addon.response(f2)
+    r1, r2 = records(addon)
+    assert r1["rtt_ms"] == pytest.approx(200.0) and r2["rtt_ms"] == pytest.approx(200.0)
+
+
 def test_disconnected_connection_is_forgotten(addon):
     f1, _ = make_flow(stream=False)
     addon.response(f1)
