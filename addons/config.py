@@ -69,6 +69,22 @@ def read_conf(path: Path) -> dict[str, Any]:
     return data
 
 
+def conf_values(path: Path, argv: list[str], opts: optmanager.OptManager) -> dict[str, Any]:
+    """What the config file at `path` contributes: its values for the options that
+    the command line `argv` does not set (`opts` has the command line applied).
+    Also used by scripts/workers.py to see the options its workers will see."""
+    explicit = command_line_options(argv, opts)
+    applied = {
+        name: value
+        for name, value in read_conf(path).items()
+        if name not in explicit and name not in opts.deferred  # the command line wins
+    }
+    if "scripts" in applied:
+        # Loading scripts from the config that loads us would load us twice.
+        raise exceptions.OptionsError(f"{path}: 'scripts' belongs on the command line")
+    return applied
+
+
 class RelayConfig:
     """Applies mitm.conf under the command line. Must come first in the addon list,
     so that the values are in place before the other addons declare their options."""
@@ -81,17 +97,8 @@ class RelayConfig:
     def load(self, loader) -> None:
         if self.path is None:
             return
-        conf = read_conf(self.path)
-        opts = ctx.options
-        explicit = command_line_options(self.argv, opts)
-        for name, value in conf.items():
-            if name in explicit or name in opts.deferred:  # the command line wins
-                continue
-            self.applied[name] = value
-        if "scripts" in self.applied:
-            # Loading scripts from the config that loads us would load us twice.
-            raise exceptions.OptionsError(f"{self.path}: 'scripts' belongs on the command line")
-        opts.update_defer(**self.applied)
+        self.applied = conf_values(self.path, self.argv, ctx.options)
+        ctx.options.update_defer(**self.applied)
         logger.debug("applied %s from %s", ", ".join(self.applied) or "nothing", self.path)
 
     def running(self) -> None:
