@@ -8,11 +8,15 @@ addons; each concern lives in its own module under `addons/`:
     scope      which flows are LLM API calls, and which API shape
     streaming  every response chunk to the client as it arrives
     trim       oversized message histories cut to a token budget
+    faults     bounded waits, and upstream failures answered in the API's format
     timing     per-phase marks, one record per flow, verdicts
+    metrics    the records as Prometheus metrics (after timing: it reads the record)
     sseview    an event-stream view for mitmweb
 
 The order matters: scope attaches the per-flow state the others read, and timing
 comes after trim so its `request` hook marks the moment the request leaves.
+The faults addons that touch a failed flow's marks and state (FailedConnects,
+Deadlines) come before timing, which writes the record in the same `error` hook.
 """
 
 import sys
@@ -25,7 +29,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import config, guard, scope, sseview, streaming, timing, trim  # noqa: E402
+from addons import config, faults, guard, metrics, scope, sseview, streaming, timing, trim  # noqa: E402
 
 addons = [
     config.RelayConfig(),
@@ -33,6 +37,10 @@ addons = [
     scope.Scope(),
     streaming.Streaming(),
     trim.Trim(),
+    faults.FailedConnects(),
+    faults.Deadlines(),
     timing.Timing(),
+    faults.ErrorReplies(),
+    metrics.Metrics(),
     sseview.SSEView(),
 ]

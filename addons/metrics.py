@@ -1,0 +1,238 @@
+"""Metrics: the timing records as Prometheus histograms, for dashboards that exist already.
+
+One scrape endpoint (`relay_metrics_listen`, loopback by default) serves, per finished
+LLM call (each timing record):
+
+    gen_ai_server_time_to_first_token_seconds    successful calls: request head → first token
+    gen_ai_server_time_per_output_token_seconds  successful calls: (total - ttft) / (output tokens - 1)
+    gen_ai_client_operation_duration_seconds     every call: request head → end (error_type label)
+    gen_ai_client_token_usage                    tokens the upstream reported, gen_ai_token_type=input|output
+    ttft_relay_<phase>_seconds                   the relay's phases: upstream_connect, upstream_tls,
+                                                 upstream_wait, client_upload, relay
+    ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
+
+Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
+(gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
+Labels: gen_ai_operation_name, gen_ai_provider_name (from the API shape),
+gen_ai_request_model, server_address (upstream host), api, status_class (2xx, 4xx,
+5xx, or "none" when no response came). Models and upstream hosts beyond the first
+`relay_metrics_max_values` distinct ones fold into "other", so a client cannot grow
+the series without bound.
+
+The addon reads the finished record from `flow.metadata["ttft_relay"]`, so it must come
+after Timing in relay.py's list. Under `scripts/workers.py` (environment variable
+`TTFT_RELAY_WORKER` set) each worker records into prometheus-client's multiprocess
+directory (`PROMETHEUS_MULTIPROC_DIR`) and the supervisor serves the one endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mitmproxy import ctx, exceptions, http
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess, start_http_server
+
+from . import scope
+from .timing import METADATA_KEY
+
+logger = logging.getLogger(__name__)
+
+WORKER_ENV = "TTFT_RELAY_WORKER"
+"""Set by scripts/workers.py in each worker: record, but leave serving to the supervisor."""
+DEFAULT_LISTEN = "127.0.0.1:9464"
+OTHER = "other"
+
+# Explicit bucket boundaries of the semantic conventions.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+
+RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upload", "relay")
+LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
+          "status_class")
+SEMCONV = {
+    scope.OPENAI_CHAT: ("chat", "openai"),
+    scope.OPENAI_RESPONSES: ("chat", "openai"),
+    scope.ANTHROPIC_MESSAGES: ("chat", "anthropic"),
+    scope.GEMINI: ("generate_content", "gcp.gemini"),
+}
+"""API shape → (gen_ai.operation.name, gen_ai.provider.name)."""
+
+
+class BoundedValues:
+    """Label values as they come, until `limit` distinct ones are known; later ones are "other"."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.known: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        if value is None:
+            return OTHER
+        if value in self.known:
+            return value
+        if len(self.known) < self.limit:
+            self.known.add(value)
+            return value
+        return OTHER
+
+
+def status_class(status: int | None) -> str:
+    return f"{status // 100}xx" if status else "none"
+
+
+class RelayMetrics:
+    """The relay's instruments in one registry, and how a timing record feeds them (pure)."""
+
+    def __init__(self, registry: CollectorRegistry, max_values: int) -> None:
+        self.registry = registry
+        self.models = BoundedValues(max_values)
+        self.hosts = BoundedValues(max_values)
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
+                              "Time to first token of successful LLM calls, from the request head reaching the relay.",
+                              LABELS, registry=registry, buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
+                              "Time per output token after the first, of successful LLM calls.",
+                              LABELS, registry=registry, buckets=TPOT_BUCKETS)
+        self.duration = Histogram("gen_ai_client_operation_duration_seconds",
+                                  "LLM call duration through the relay, request head to end; error_type names the "
+                                  "phase a failed call failed in.",
+                                  (*LABELS, "error_type"), registry=registry, buckets=DURATION_BUCKETS)
+        self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per LLM call, as reported by the upstream.",
+                                (*LABELS, "gen_ai_token_type"), registry=registry, buckets=TOKEN_BUCKETS)
+        self.phases = {
+            name: Histogram(f"ttft_relay_{name}_seconds", f"The relay's {name} phase (see addons/phases.py).",
+                            LABELS, registry=registry, buckets=TTFT_BUCKETS)
+            for name in RELAY_PHASES
+        }
+        self.trimmed = Counter("ttft_relay_trimmed_tokens", "Prompt tokens removed by trimming.",
+                               LABELS, registry=registry)
+
+    def observe(self, rec: Mapping[str, Any]) -> None:
+        api = rec["api"]
+        operation, provider = SEMCONV.get(api, (OTHER, OTHER))
+        labels = (operation, provider, self.models(rec["model"]), self.hosts(rec["upstream"]), api,
+                  status_class(rec["status"]))
+        phases = rec["phases"]
+        failed = bool(rec["error"] or rec["client_aborted"])
+        self.duration.labels(*labels, rec["error_phase"] or ("client_aborted" if failed else "")).observe(
+            phases.get("total", 0.0) / 1000)
+        for name in RELAY_PHASES:
+            if (ms := phases.get(name)) is not None:
+                self.phases[name].labels(*labels).observe(ms / 1000)
+        usage = rec["usage"] or {}
+        for kind in ("input", "output"):
+            if (n := usage.get(f"{kind}_tokens")) is not None:
+                self.tokens.labels(*labels, kind).observe(n)
+        if (trim := rec["trim"]) and (before := trim.get("tokens_before")) and (after := trim.get("tokens_after")):
+            if before > after:
+                self.trimmed.labels(*labels).inc(before - after)
+        if failed or (rec["status"] or 0) >= 400 or (ttft := rec["ttft_ms"]) is None:
+            return
+        self.ttft.labels(*labels).observe(ttft / 1000)
+        out = usage.get("output_tokens")
+        if out and out > 1 and (total := phases.get("total")) is not None:
+            self.tpot.labels(*labels).observe((total - ttft) / 1000 / (out - 1))
+
+
+def multiprocess_registry(path: str | Path) -> CollectorRegistry:
+    """A registry that reads what every process wrote into the multiprocess directory."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(path))
+    return registry
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """"host:port" (IPv6 as "[::1]:port") → (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port, got {listen!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def serve(listen: str, registry: CollectorRegistry):
+    """Serve `registry` at http://listen/metrics from a background thread; returns the
+    (host, port) bound and the server (for `shutdown()`)."""
+    host, port = parse_listen(listen)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_address[:2], server
+
+
+class Metrics:
+    """Turns each finished timing record into Prometheus metrics and serves them."""
+
+    def __init__(self) -> None:
+        self.metrics: RelayMetrics | None = None
+        self.server = None
+        self.listen = ""
+        self.counted: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_metrics_listen",
+            str,
+            DEFAULT_LISTEN,
+            "Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, logged); "
+            "empty: no metrics.",
+        )
+        loader.add_option(
+            "relay_metrics_max_values",
+            int,
+            50,
+            "Distinct models (and upstream hosts) given their own metric label; later ones count as \"other\".",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & {"relay_metrics_listen", "relay_metrics_max_values"}:
+            return
+        listen = ctx.options.relay_metrics_listen
+        if listen:
+            try:
+                parse_listen(listen)
+            except ValueError as e:
+                raise exceptions.OptionsError(f"relay_metrics_listen: {e}") from e
+        if "relay_metrics_max_values" in updated or self.metrics is None:
+            # A registry of its own: instruments are per instance, not process globals.
+            self.metrics = RelayMetrics(CollectorRegistry(), ctx.options.relay_metrics_max_values)
+        if listen != self.listen or "relay_metrics_max_values" in updated:
+            self._stop_server()
+            self.listen = listen
+            if listen and WORKER_ENV not in os.environ:
+                self._start_server()
+
+    def _start_server(self) -> None:
+        try:
+            (host, port), self.server = serve(self.listen, self.metrics.registry)
+        except OSError as e:
+            # Not fatal: the relay's job is relaying. (An error at start-up would stop mitmdump.)
+            logger.warning("metrics endpoint not started on %s: %s", self.listen, e.strerror or e)
+            return
+        logger.info("metrics at http://%s:%s/metrics", host, port)
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def done(self) -> None:
+        self._stop_server()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._count(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._count(flow)
+
+    def _count(self, flow: http.HTTPFlow) -> None:
+        if not self.listen or flow in self.counted:
+            return
+        if (rec := flow.metadata.get(METADATA_KEY)) is not None:
+            self.counted.add(flow)
+            self.metrics.observe(rec)
