@@ -118,6 +118,11 @@ class SSEParser:
             self._keep_partial_line(tail)
         return events
 
+    @property
+    def at_event_boundary(self) -> bool:
+        """No event or line is half read: bytes appended now start a new event."""
+        return not (self._line or self._data or self._type)
+
     def _skip_bom(self, data: bytes) -> bytes:
         head = bytes(self._line) + data if self._line else data
         if len(head) < len(_BOM) and _BOM.startswith(head):
@@ -670,6 +675,16 @@ class StreamWatcher:
                 self.last_token = now
                 self.token_events += 1
             reader.observe(event, self)
+
+    @property
+    def last_chunk(self) -> float | None:
+        """When the latest chunk arrived."""
+        return self._last_chunk
+
+    @property
+    def at_event_boundary(self) -> bool:
+        """The stream so far ends between events (see `SSEParser.at_event_boundary`)."""
+        return self._parser.at_event_boundary
 
     def keep_usage(self, source: str, data: bytes) -> None:
         """Remember the (latest) event of kind `source` that carries usage; decoded on demand."""

@@ -33,7 +33,10 @@ class FlowState:
     watcher: Any = None
     """`sse.StreamWatcher` of a streamed response, fed by the stream callable."""
     error: str | None = None
+    """What the relay found wrong (e.g. a timeout); takes precedence over mitmproxy's message."""
     error_phase: str | None = None
+    error_status: int | None = None
+    """Status of the relay's own error reply to the client (504 for its timeouts); None: 502."""
     client_aborted: bool = False
     recorded: bool = False
     """The timing record has been written: each flow gets exactly one."""

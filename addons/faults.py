@@ -1,0 +1,369 @@
+"""Upstream faults: the client gets the API's own error, the record names the phase.
+
+- `error_reply` / `error_event` (pure) shape an error the way each API does:
+  a JSON error body before the response head, a last SSE error event after it.
+- `ErrorReplies` installs `seams` (the one place mitmproxy decides what a client
+  sees when the upstream fails) and renders those errors for in-scope flows;
+  out-of-scope flows keep mitmproxy's behaviour.
+- `FailedConnects` gives a flow whose upstream connect or TLS handshake failed
+  the marks of that connection: with `connection_strategy=lazy` mitmproxy keeps
+  the failed connection off `flow.server_conn`, and the record would blame the
+  wrong phase.
+- `Deadlines` bounds every wait: connect, response head, first token, idle stream.
+  A deadline that passes closes the upstream connection; the ordinary failure
+  path then answers the client (through `ErrorReplies`) and writes the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from mitmproxy import connection, ctx, http
+from mitmproxy.proxy import server_hooks
+from mitmproxy.tls import TlsData
+
+from . import scope, seams, state
+
+logger = logging.getLogger(__name__)
+
+ERROR_HEADER = "x-relay-error"
+"""Set on the relay's own error replies, so a client can tell them from the upstream's."""
+MESSAGE_PREFIX = "ttft-relay: "
+
+
+# --- pure: the API's error formats ---------------------------------------------------
+
+
+def error_code(status: int) -> str:
+    return "upstream_timeout" if status == 504 else "upstream_error"
+
+
+def error_object(api: str, status: int, message: str) -> dict[str, Any]:
+    """The API's error JSON for a relay failure (what its own servers send)."""
+    if api == scope.ANTHROPIC_MESSAGES:
+        kind = "timeout_error" if status == 504 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if api == scope.GEMINI:
+        grpc = "DEADLINE_EXCEEDED" if status == 504 else "UNAVAILABLE"
+        return {"error": {"code": status, "message": message, "status": grpc}}
+    # OpenAI, and the shape most OpenAI-compatible servers copy for everything else.
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": error_code(status)}}
+
+
+def error_reply(api: str, status: int, message: str) -> http.Response:
+    """A complete JSON error response in the API's format."""
+    body = orjson.dumps(error_object(api, status, message))
+    return http.Response.make(
+        status,
+        body,
+        {
+            "content-type": "application/json",
+            ERROR_HEADER: error_code(status),
+            # After a failed eager connect mitmproxy keeps the error on the client
+            # connection: a new one retries the upstream.
+            "connection": "close",
+        },
+    )
+
+
+def error_event(api: str, status: int, message: str) -> bytes:
+    """The last event of a stream that broke: the API's in-stream error."""
+    if api == scope.ANTHROPIC_MESSAGES:
+        return b"event: error\ndata: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
+    if api == scope.OPENAI_RESPONSES:
+        data = {"type": "error", "code": error_code(status), "message": message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+    # Chat Completions and Gemini: a data-only event whose object is the error.
+    return b"data: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
+
+
+def can_append_event(response: http.Response, watcher: Any) -> bool:
+    """Whether an SSE event can end this streamed body: an event stream, framed
+    by chunks or by the close (not a length), not compressed, between events."""
+    headers = response.headers
+    return (
+        headers.get("content-type", "").lower().startswith("text/event-stream")
+        and "content-length" not in headers
+        and "content-encoding" not in headers
+        and watcher is not None
+        and watcher.at_event_boundary
+    )
+
+
+# --- the error replies ---------------------------------------------------------------
+
+
+class ErrorReplies:
+    """Answers upstream failures of in-scope flows in the API's format: an HTTP
+    error with the API's JSON error body before the response head went out, a
+    final SSE error event and a clean end after it. Out-of-scope flows, and
+    bodies an event cannot end cleanly (JSON, compressed), keep mitmproxy's
+    behaviour: an HTML error page, or a cut connection."""
+
+    def load(self, loader) -> None:
+        seams.install(self.render)
+
+    def done(self) -> None:
+        seams.uninstall()
+
+    def render(self, flow: http.HTTPFlow, message: str, head_sent: bool) -> tuple[http.Response | None, bytes] | None:
+        st = state.get(flow)
+        if st is None:
+            return None
+        status = st.error_status or 502
+        text = MESSAGE_PREFIX + (st.error or message)
+        if not head_sent:
+            reply = error_reply(st.api, status, text)
+            return reply, reply.raw_content or b""
+        if flow.response is not None and can_append_event(flow.response, st.watcher):
+            return None, error_event(st.api, status, text)
+        return None
+
+
+class FailedConnects:
+    """Puts the marks of a failed upstream connection (refused, DNS, connect
+    timeout, TLS) on the flow that waited for it, so its record blames the right
+    phase. mitmproxy fails the flow with the connection's own error text, which
+    is how the two are matched."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, connection.Server] = {}
+        """The last upstream connection that failed, per client connection id."""
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.failed[data.client.id] = data.server
+
+    def tls_failed_server(self, data: TlsData) -> None:
+        if isinstance(data.conn, connection.Server):
+            self.failed[data.context.client.id] = data.conn
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.failed.pop(client.id, None)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is None or flow.error is None or flow.response is not None:
+            return
+        server = self.failed.get(flow.client_conn.id)
+        if server is None or server is flow.server_conn or server.error != flow.error.msg:
+            return  # an eager connection is flow.server_conn: timing reads it itself
+        if server.timestamp_start is not None:
+            state.mark(flow, "upstream_connect_start", server.timestamp_start)
+        if server.timestamp_tcp_setup is not None:
+            state.mark(flow, "upstream_tcp", server.timestamp_tcp_setup)
+
+
+# --- bounded waits -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Seconds; 0 turns a bound off."""
+
+    head: float = 0
+    first_token: float = 0
+    idle: float = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a flow has received so far (absolute `time.time()` seconds, None: not yet)."""
+
+    started: float
+    streamed: bool
+    head: float | None = None
+    first_token: float | None = None
+    last_chunk: float | None = None
+
+
+def next_deadline(p: Progress, limits: Limits, now: float) -> tuple[float, str | None] | None:
+    """The next moment a flow's waits must be checked, and the failure it means
+    if nothing happened by then (None: only a check), or None for no more waits.
+
+    - head: from forwarding to the response head;
+    - first token: from forwarding to the first visible token, for streamed requests;
+    - idle: the longest silence in a response body once its first token (or, for a
+      body without tokens, its head) arrived.
+
+    A first token arrives without a hook, so while a stream waits for it with an
+    idle bound set, the flow is checked every `idle` seconds as well: the idle bound
+    then starts on time.
+    """
+    due: list[tuple[float, str | None]] = []
+    if p.head is None and limits.head:
+        due.append((p.started + limits.head, f"no response head after {limits.head:g} s"))
+    if p.streamed and p.first_token is None and limits.first_token:
+        due.append((p.started + limits.first_token, f"first token timeout after {limits.first_token:g} s"))
+    if limits.idle and p.head is not None:
+        if p.streamed and p.first_token is None:
+            due.append((now + limits.idle, None))
+        else:
+            quiet_since = max(t for t in (p.head, p.first_token, p.last_chunk) if t is not None)
+            due.append((quiet_since + limits.idle, f"stream idle for {limits.idle:g} s"))
+    return min(due, key=lambda d: d[0]) if due else None
+
+
+def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
+    """Close the upstream connection `flow` waits on, through the connection handler
+    that owns it; the HTTP layer then fails the flow as for any broken connection.
+
+    With HTTP/2 to the upstream this closes the connection other flows share.
+    """
+    proxyserver = ctx.master.addons.get("proxyserver")
+    handler = proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
+    if handler is None:
+        return False
+    target = flow.server_conn if flow.server_conn in handler.transports else None
+    if target is None:
+        # A lazy connect still in progress is not on the flow yet: find it by address.
+        address = (flow.request.host, flow.request.port)
+        target = next(
+            (c for c in handler.transports if isinstance(c, connection.Server) and not c.connected and c.address == address),
+            None,
+        )
+    if target is None:
+        return False
+    logger.info("%s: closing upstream connection: %s", flow.request.host, reason)
+    handler.close_connection(target)
+    return True
+
+
+CONNECT_TIMEOUT = "upstream connect timeout after {:g} s"
+
+
+class Deadlines:
+    """Bounds the waits of in-scope flows (see `next_deadline`) and of upstream
+    connects. One timer per flow (or connect) at a time, rescheduled as the flow
+    progresses, cancelled when it ends: nothing on the streaming hot path."""
+
+    def __init__(self) -> None:
+        self.limits = Limits()
+        self.connect_timeout = 0.0
+        self.timers: dict[http.HTTPFlow, tuple[float, asyncio.TimerHandle]] = {}
+        """Per waiting flow: when it was forwarded, its next check."""
+        self.connect_timers: dict[connection.Server, asyncio.TimerHandle] = {}
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_connect_timeout", int, 10,
+            "Seconds an upstream connect (DNS and TCP) may take; 0: the operating system's limit.",
+        )
+        loader.add_option(
+            "relay_head_timeout", int, 600,
+            "Seconds from forwarding a request to the upstream's response head (a "
+            "non-streamed answer sends its head when it is complete); 0: no limit.",
+        )
+        loader.add_option(
+            "relay_first_token_timeout", int, 300,
+            "Seconds from forwarding a streamed request to the first visible token; 0: no limit.",
+        )
+        loader.add_option(
+            "relay_idle_timeout", int, 120,
+            "Seconds a response body may stay silent once its first token (or head) "
+            "arrived; 0: no limit.",
+        )
+
+    def configure(self, updated) -> None:
+        if updated & {"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"}:
+            o = ctx.options
+            self.limits = Limits(
+                max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0)
+            )
+        if "relay_connect_timeout" in updated:
+            self.connect_timeout = max(ctx.options.relay_connect_timeout, 0)
+
+    def done(self) -> None:
+        for _, timer in self.timers.values():
+            timer.cancel()
+        for timer in self.connect_timers.values():
+            timer.cancel()
+        self.timers.clear()
+        self.connect_timers.clear()
+
+    # flows
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is not None and (self.limits.head or self.limits.first_token or self.limits.idle):
+            self._check(flow, time.time())
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow in self.timers:
+            self._check(flow)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._forget(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._forget(flow)
+        st = state.get(flow)
+        if st is not None and flow.error is not None and flow.error.msg == CONNECT_TIMEOUT.format(self.connect_timeout):
+            st.error_status = 504
+
+    def _forget(self, flow: http.HTTPFlow) -> None:
+        if entry := self.timers.pop(flow, None):
+            entry[1].cancel()
+
+    def _check(self, flow: http.HTTPFlow, started: float | None = None) -> None:
+        if started is None:
+            started = self.timers[flow][0]
+        self._forget(flow)
+        st = state.get(flow)
+        if st is None or not flow.live:
+            return
+        w = st.watcher
+        progress = Progress(
+            started=started,
+            streamed=st.stream,
+            head=flow.response.timestamp_start if flow.response is not None else None,
+            first_token=w.first_token if w is not None else None,
+            last_chunk=w.last_chunk if w is not None else None,
+        )
+        now = time.time()
+        due = next_deadline(progress, self.limits, now)
+        if due is None:
+            return
+        at, failure = due
+        if at > now:
+            timer = asyncio.get_running_loop().call_later(at - now, self._check, flow)
+            self.timers[flow] = (started, timer)
+        elif failure is not None:
+            self._fail(flow, st, failure)
+
+    def _fail(self, flow: http.HTTPFlow, st: state.FlowState, failure: str) -> None:
+        st.error, st.error_status = failure, 504
+        if not close_upstream(flow, failure) and flow.killable:
+            flow.kill()
+
+    # connects
+
+    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+        if self.connect_timeout and data.server.address is not None:
+            loop = asyncio.get_running_loop()
+            self.connect_timers[data.server] = loop.call_later(self.connect_timeout, self._connect_timed_out, data)
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._connect_over(data.server)
+
+    def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._connect_over(data.server)
+
+    def _connect_over(self, server: connection.Server) -> None:
+        if timer := self.connect_timers.pop(server, None):
+            timer.cancel()
+
+    def _connect_timed_out(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.connect_timers.pop(data.server, None)
+        proxyserver = ctx.master.addons.get("proxyserver")
+        handler = proxyserver.connections.get(data.client.id) if proxyserver else None
+        io = handler.transports.get(data.server) if handler else None
+        if io is None or io.handler is None:
+            return
+        # Cancelling the connect task with a message makes that message the
+        # connection's error, which mitmproxy passes on to the flows waiting for it.
+        logger.info("upstream connect to %s timed out", data.server.address)
+        io.handler.cancel(CONNECT_TIMEOUT.format(self.connect_timeout))

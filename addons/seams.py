@@ -1,0 +1,142 @@
+"""The relay's two patches into mitmproxy 12.3.1, for failures hooks cannot shape.
+
+mitmproxy pinned ==12.3.1 (requirements.txt); `tests/test_seams.py` fails loudly
+if the code patched here changes shape. Everything else the relay does uses hooks.
+
+1. Upstream failures reach the client as mitmproxy's own error, not the API's.
+   When the upstream side fails (connect, DNS, TLS, reset, a connection the relay
+   closed on a timeout) the HTTP layer fires the `error` hook and then hands the
+   client side a `ResponseProtocolError`: HTTP/1 answers it with an HTML 502 page
+   before the response head and with a bare close after it; HTTP/2 likewise
+   (HTML, or RST_STREAM). Setting `flow.response` in the `error` hook changes
+   none of that. The seam chosen is the one place both protocols share:
+   `HttpStream.handle_protocol_error`, which sends that event. The wrap lets the
+   original run unchanged (error hook, kill check, stream bookkeeping) and only
+   replaces its `SendHttp(ResponseProtocolError, client)` by ordinary response
+   events (`ResponseHeaders` / `ResponseData` / `ResponseEndOfMessage`), which
+   `Http1Server` and `Http2Server` already know how to send: a complete error
+   response before the head, or a last body chunk and a clean end after it.
+   What to send is asked of a `Renderer`; None keeps mitmproxy's behaviour.
+   (The per-protocol alternative, `Http1Server.send` plus the HTTP/2 equivalent,
+   would be two patches that see a request but not its flow.)
+
+2. An eager upstream connect that fails (refused, DNS, connect timeout) makes
+   mitmproxy's `ReverseProxy` close the client connection before a request is
+   read: no response, no flow, no record. Its top layer is made directly, not
+   through the `next_layer` hook, so no hook can swap it. The wrap of
+   `DestinationKnown.finish_start` carries on into the HTTP layer instead, for
+   reverse proxies only: the request is read, and the HTTP layer's own
+   connection lookup reports the failed connection's error on that flow, as a
+   lazy connect would (`HttpLayer.get_connection`: `self.context.server.error`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mitmproxy import http
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers.http import HttpStream, ResponseData, ResponseEndOfMessage, ResponseHeaders, SendHttp
+from mitmproxy.proxy.layers.http._events import ResponseProtocolError
+
+logger = logging.getLogger(__name__)
+
+Renderer = Callable[[http.HTTPFlow, str, bool], "tuple[http.Response | None, bytes] | None"]
+"""`render(flow, message, head_sent)`: what the client gets instead of mitmproxy's error.
+
+`(response, body)` before the head (a complete response, `body` its content);
+`(None, body)` after it (`body` is sent as the last piece of the streamed body);
+None to leave mitmproxy's behaviour. `message` is mitmproxy's error text.
+"""
+
+_ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
+_ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
+_renderer: Renderer | None = None
+
+
+def install(renderer: Renderer) -> None:
+    """Patch both seams; `renderer` decides the client's error replies."""
+    global _renderer
+    _renderer = renderer
+    HttpStream.handle_protocol_error = _handle_protocol_error
+    modes.DestinationKnown.finish_start = _finish_start
+
+
+def uninstall() -> None:
+    global _renderer
+    _renderer = None
+    HttpStream.handle_protocol_error = _ORIGINAL_HANDLE_PROTOCOL_ERROR
+    modes.DestinationKnown.finish_start = _ORIGINAL_FINISH_START
+
+
+def installed() -> bool:
+    return HttpStream.handle_protocol_error is _handle_protocol_error
+
+
+def _handle_protocol_error(self: HttpStream, event: Any) -> layer.CommandGenerator[None]:
+    return _replacing(_ORIGINAL_HANDLE_PROTOCOL_ERROR(self, event), lambda command: _client_reply(self, command))
+
+
+def _replacing(
+    commands: layer.CommandGenerator[None], replace: Callable[[Any], Iterable[Any] | None]
+) -> layer.CommandGenerator[None]:
+    """Run a layer's command generator, with some commands replaced by others.
+
+    Values the layer sends back (hook results) go to the original generator.
+    """
+    reply = None
+    while True:
+        try:
+            command = commands.send(reply)
+        except StopIteration:
+            return
+        replacement = replace(command)
+        if replacement is None:
+            reply = yield command
+        else:
+            yield from replacement
+            reply = None
+
+
+def _client_reply(stream: HttpStream, command: Any) -> list[SendHttp] | None:
+    """The events that replace mitmproxy's error to the client, or None to keep it."""
+    if not (
+        isinstance(command, SendHttp)
+        and isinstance(command.event, ResponseProtocolError)
+        and command.connection is stream.context.client
+        and _renderer is not None
+    ):
+        return None
+    if stream.server_state == stream.state_stream_response_body:
+        head_sent = True
+    elif stream.server_state in (stream.state_wait_for_response_headers, stream.state_consume_response_body):
+        head_sent = False
+    else:  # done or already failed: nothing of ours to say
+        return None
+    try:
+        reply = _renderer(stream.flow, command.event.message, head_sent)
+    except Exception:  # the patch must never cost the client its error
+        logger.exception("rendering the error reply failed; mitmproxy's own error goes out")
+        return None
+    if reply is None:
+        return None
+    response, body = reply
+    sid, client = stream.stream_id, stream.context.client
+    out = [] if response is None else [SendHttp(ResponseHeaders(sid, response, end_stream=False), client)]
+    if body:
+        out.append(SendHttp(ResponseData(sid, body), client))
+    out.append(SendHttp(ResponseEndOfMessage(sid), client))
+    return out
+
+
+def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:
+    err = yield from _ORIGINAL_FINISH_START(self)
+    if err and isinstance(self, modes.ReverseProxy) and _renderer is not None:
+        logger.debug("eager upstream connect failed (%s); reading the request to answer it", err)
+        self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
+        yield from self.child_layer.handle_event(events.Start())
+        return None
+    return err

@@ -1,0 +1,345 @@
+"""Upstream faults end to end, through a real mitmdump: what the client gets, what the record says.
+
+Before the response head went out the client gets an HTTP error whose JSON body is
+in the API's own format; after it, a last SSE error event in the API's format and a
+clean end of the body (for chunked HTTP/1.1, the last chunk). Every case writes
+exactly one record, with `error` and the phase it failed in. The official SDKs raise
+their own error classes, not a decoding error.
+
+Timeouts are set to 1 s (the options take whole seconds); nothing else waits on a
+clock: the fake's stalls and gates hold the upstream until the relay gives up.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import anthropic
+import certifi
+import openai
+import orjson
+import pytest
+
+from addons import faults, scope
+from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
+from tests.fakes import client
+
+WAIT = 20  # seconds: turns a hang into a failure
+
+REQUESTS = {
+    scope.OPENAI_CHAT: ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    scope.ANTHROPIC_MESSAGES: ("/v1/messages", {"model": "claude-sonnet-4", "max_tokens": 64,
+                                                "messages": [{"role": "user", "content": "hi"}]}),
+}
+APIS = list(REQUESTS)
+TIMEOUTS_1S = {"relay_head_timeout": 1, "relay_first_token_timeout": 1, "relay_idle_timeout": 1}
+
+
+def body_for(api: str, stream: bool) -> tuple[str, dict]:
+    path, body = REQUESTS[api]
+    return path, {**body, "stream": stream}
+
+
+def records(tmp_path: Path) -> list[dict]:
+    """The timing log, read after the relay stopped (stopping flushes it)."""
+    log = tmp_path / "timing.jsonl"
+    return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+
+
+def one_record(relay, tmp_path: Path) -> dict:
+    relay.stop()
+    recs = records(tmp_path)
+    assert len(recs) == 1, recs
+    return recs[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_api_error_body(api: str, response: client.RawResponse, status: int) -> str:
+    """The body is the API's error JSON; returns its message."""
+    assert response.status == status, response.read()[:300]
+    assert response.header("content-type") == "application/json"
+    assert response.header(faults.ERROR_HEADER) == faults.error_code(status)
+    body = orjson.loads(response.read())
+    if api == scope.ANTHROPIC_MESSAGES:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]["message"]
+
+
+def read_stream(response: client.RawResponse) -> bytes:
+    """The whole streamed body; fails unless it ended cleanly (last chunk received)."""
+    body = b"".join(chunk.data for chunk in response.chunks())
+    assert response.complete
+    return body
+
+
+def last_event(api: str, body: bytes) -> dict:
+    """The final SSE event of `body`, which must be the API's error event."""
+    event = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    lines = event.split(b"\n")
+    data = orjson.loads(lines[-1].removeprefix(b"data: "))
+    if api == scope.ANTHROPIC_MESSAGES:
+        assert lines[0] == b"event: error"
+        assert data["type"] == "error" and data["error"]["type"] in ("api_error", "timeout_error")
+    else:
+        assert len(lines) == 1 and set(data["error"]) == {"message", "type", "param", "code"}
+    return data["error"]
+
+
+def post(relay, api: str, stream: bool, headers: dict | None = None):
+    path, body = body_for(api, stream)
+    return client.request("POST", relay.url() + path, body, headers, timeout=WAIT)
+
+
+# --- before the response head: an HTTP error in the API's format ------------------------
+
+
+@pytest.mark.parametrize("strategy", ["eager", "lazy"])
+@pytest.mark.parametrize("api", APIS)
+def test_connection_refused(api, strategy, start_relay, tmp_path):
+    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0", connection_strategy=strategy)
+    conn, response = post(relay, api, stream=True)
+    with conn:
+        assert "Connect call failed" in assert_api_error_body(api, response, 502)
+    rec = one_record(relay, tmp_path)
+    assert rec["error_phase"] == "upstream_connect" and "Connect call failed" in rec["error"]
+    assert rec["status"] is None and rec["verdict"] == "error in upstream connect"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_dns_failure(api, start_relay, tmp_path):
+    relay = start_relay("reverse:http://nonexistent.invalid:80@0")
+    conn, response = post(relay, api, stream=False)
+    with conn:
+        assert_api_error_body(api, response, 502)
+    rec = one_record(relay, tmp_path)
+    assert rec["error_phase"] == "upstream_connect" and rec["error"]
+
+
+@pytest.mark.parametrize("strategy", ["eager", "lazy"])
+@pytest.mark.parametrize("api", APIS)
+def test_tls_failure(api, strategy, fake_tls, start_relay, tmp_path):
+    # Public CAs only: the fake's test certificate is not trusted.
+    relay = start_relay(reverse_to(fake_tls), ssl_verify_upstream_trusted_ca=certifi.where(), connection_strategy=strategy)
+    conn, response = post(relay, api, stream=True)
+    with conn:
+        assert "certificate verify failed" in assert_api_error_body(api, response, 502).lower()
+    rec = one_record(relay, tmp_path)
+    assert rec["error_phase"] == "upstream_tls" and "verify failed" in rec["error"].lower()
+    assert fake_tls.received == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("api", APIS)
+def test_reset_before_headers(api, stream, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream, {"x-fake-reset-before-headers": "1"})
+    with conn:
+        assert_api_error_body(api, response, 502)
+    rec = one_record(relay, tmp_path)
+    assert rec["error_phase"] == "upstream_wait" and rec["error"]
+    assert fake.sent[-1].outcome == "reset"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_slow_headers_hit_the_head_timeout(api, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=False, headers={"x-fake-slow-headers-ms": "30000"})
+    with conn:
+        assert "no response head after 1 s" in assert_api_error_body(api, response, 504)
+    assert fake.wait_finished(1, WAIT)
+    assert fake.sent[-1].outcome == "client_closed"  # the relay let go of the upstream
+    rec = one_record(relay, tmp_path)
+    assert rec["error"] == "no response head after 1 s" and rec["error_phase"] == "upstream_wait"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_connect_timeout(api, start_relay, tmp_path):
+    # A listener whose accept queue is full drops further SYNs: the connect hangs.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(4):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+                fillers.append(s)
+            relay = start_relay(f"reverse:http://127.0.0.1:{port}@0", relay_connect_timeout=1,
+                                connection_strategy="lazy")
+            conn, response = post(relay, api, stream=True)
+            with conn:
+                assert "upstream connect timeout after 1 s" in assert_api_error_body(api, response, 504)
+            rec = one_record(relay, tmp_path)
+        finally:
+            for s in fillers:
+                s.close()
+    assert rec["error"] == "upstream connect timeout after 1 s" and rec["error_phase"] == "upstream_connect"
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+@pytest.mark.parametrize("api", APIS)
+def test_upstream_error_status_passes_through_unchanged(api, status, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream=True, headers={"x-fake-status": str(status)})
+    with conn:
+        assert response.status == status
+        assert response.header(faults.ERROR_HEADER) is None
+        assert response.read() == fake.sent[-1].body
+    rec = one_record(relay, tmp_path)
+    assert rec["status"] == status and rec["error"] == f"HTTP {status}" and rec["error_phase"] == "upstream_wait"
+
+
+# --- after the head: a last SSE error event and a clean end -----------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_reset_mid_stream(api, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream=True, headers={"x-fake-reset-after-chunks": "4"})
+    with conn:
+        assert response.status == 200
+        body = read_stream(response)
+    sent = fake.sent[-1]
+    assert sent.outcome == "reset" and body.startswith(sent.body)
+    error = last_event(api, body[len(sent.body):])
+    assert "ttft-relay" in error["message"]
+    rec = one_record(relay, tmp_path)
+    assert rec["status"] == 200 and rec["error"] and rec["error_phase"] == "stream"
+    assert not rec["client_aborted"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_stall_before_first_token_hits_the_first_token_timeout(api, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "0"})
+    with conn:
+        assert response.status == 200
+        body = read_stream(response)
+    assert "first token timeout after 1 s" in last_event(api, body)["message"]
+    assert fake.wait_finished(1, WAIT) and fake.sent[-1].outcome == "client_closed"
+    rec = one_record(relay, tmp_path)
+    assert rec["error"] == "first token timeout after 1 s" and rec["error_phase"] == "head_to_first_token"
+    assert rec["verdict"] == "error in upstream wait (head to first token)" or rec["verdict"].startswith("error in")
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "4"})
+    with conn:
+        body = read_stream(response)
+    sent = fake.sent[-1]
+    assert body.startswith(sent.body)
+    assert "stream idle for 1 s" in last_event(api, body[len(sent.body):])["message"]
+    assert sent.outcome == "client_closed"
+    rec = one_record(relay, tmp_path)
+    assert rec["error"] == "stream idle for 1 s" and rec["error_phase"] == "stream"
+    assert rec["ttft_ms"] is not None
+
+
+def test_a_failure_leaves_the_client_connection_usable(fake, start_relay, tmp_path):
+    """The error reply closes the connection (so a new one retries the upstream);
+    the relay serves the next connection normally."""
+    relay = start_relay(reverse_to(fake))
+    conn, response = post(relay, scope.OPENAI_CHAT, True, {"x-fake-reset-before-headers": "1"})
+    with conn:
+        assert response.status == 502 and response.header("connection") == "close"
+    conn, response = post(relay, scope.OPENAI_CHAT, True)
+    with conn:
+        assert response.status == 200 and read_stream(response).endswith(b"data: [DONE]\n\n")
+    relay.stop()
+    assert [r["error"] is not None for r in records(tmp_path)] == [True, False]
+
+
+# --- the SDKs see their own errors -------------------------------------------------------
+
+
+def openai_client(relay) -> openai.OpenAI:
+    return openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0, timeout=WAIT)
+
+
+def anthropic_client(relay) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=relay.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0, timeout=WAIT)
+
+
+def chat(sdk: openai.OpenAI, stream: bool):
+    result = sdk.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=stream)
+    return list(result) if stream else result
+
+
+def message(sdk: anthropic.Anthropic, stream: bool):
+    result = sdk.messages.create(model="claude-sonnet-4", max_tokens=64,
+                                 messages=[{"role": "user", "content": "hi"}], stream=stream)
+    return list(result) if stream else result
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_openai_sdk_raises_its_status_error_before_the_head(stream, start_relay):
+    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0")
+    with pytest.raises(openai.InternalServerError) as caught:
+        chat(openai_client(relay), stream)
+    assert caught.value.status_code == 502 and "ttft-relay" in caught.value.message
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_anthropic_sdk_raises_its_status_error_before_the_head(stream, start_relay):
+    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0")
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        message(anthropic_client(relay), stream)
+    assert caught.value.status_code == 502 and caught.value.body["error"]["type"] == "api_error"
+
+
+def test_openai_sdk_raises_api_error_from_the_stream(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    fake.behaviour.reset_after_chunks = 3
+    with pytest.raises(openai.APIError) as caught:
+        chat(openai_client(relay), stream=True)
+    assert "ttft-relay" in caught.value.message and not isinstance(caught.value, openai.APIConnectionError)
+
+
+def test_anthropic_sdk_raises_api_error_from_the_stream(fake, start_relay):
+    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
+    fake.behaviour.stall_after_chunks = 4
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        message(anthropic_client(relay), stream=True)
+    assert "stream idle for 1 s" in str(caught.value)
+
+
+def test_sdks_raise_rate_limit_errors_unchanged(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    fake.behaviour.status = 429
+    with pytest.raises(openai.RateLimitError):
+        chat(openai_client(relay), stream=True)
+    with pytest.raises(anthropic.RateLimitError):
+        message(anthropic_client(relay), stream=False)
+
+
+# --- the client goes away ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stall", [False, True])
+def test_client_gone_mid_stream_closes_the_upstream(stall, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    headers = {"x-fake-stall-after-chunks": "3"} if stall else {}
+    gate = None if stall else fake.hold_before_chunk(3)
+    conn, response = post(relay, scope.OPENAI_CHAT, True, headers)
+    assert response.status == 200
+    assert fake.wait_chunk_sent(2, WAIT)
+    conn.close()
+    assert fake.wait_finished(1, WAIT)
+    assert fake.sent[-1].outcome == "client_closed"
+    assert fake.wait_connections(0, WAIT)  # nothing of the upstream connection is left
+    if gate is not None:
+        gate.set()
+    rec = one_record(relay, tmp_path)
+    assert rec["client_aborted"] is True and rec["verdict"].startswith("client aborted")
