@@ -5,12 +5,13 @@ error counts, the slowest requests with their verdict, and a least-squares fit
 of the upstream's own wait against prompt tokens (ms per 1k prompt tokens plus a
 base), which tells context-length slowness from a slow or far-away upstream.
 
-    scripts/report logs/timing.jsonl [more.jsonl ...] [--since 2h] [--model gpt-4o] [--slowest 5] [--json]
+    scripts/report logs/timing.jsonl [more.jsonl ...|'logs/timing*.jsonl'] [--since 2h] [--model gpt-4o] [--slowest 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import re
 import sys
 import time
@@ -64,6 +65,15 @@ def read_records(
                     continue
                 out.append(rec)
     return out, bad
+
+
+def expand_globs(paths: Iterable[str]) -> list[str]:
+    """Paths as given, except a pattern naming no file, which stands for the files it matches."""
+    out = []
+    for path in paths:
+        matches = [] if Path(path).exists() else sorted(glob.glob(path))
+        out += matches or [path]
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -177,14 +187,16 @@ def format_text(report: Mapping[str, Mapping[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("logs", nargs="+", help="JSONL timing logs (relay_timing_log)")
+    ap.add_argument("logs", nargs="+",
+                    help="JSONL timing logs (relay_timing_log), or quoted glob patterns: 'logs/timing*.jsonl' "
+                         "reads the single relay's log and every worker's (scripts/relay --workers N)")
     ap.add_argument("--since", type=parse_since, help="only requests since: 30m, 2h, 7d or an ISO time")
     ap.add_argument("--model", help="only requests for this model")
     ap.add_argument("--slowest", type=int, default=5, metavar="N", help="list the N slowest requests per group")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     try:
-        records, bad = read_records(args.logs, since=args.since, model=args.model)
+        records, bad = read_records(expand_globs(args.logs), since=args.since, model=args.model)
     except OSError as e:
         print(f"report: {e}", file=sys.stderr)
         return 1

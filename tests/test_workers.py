@@ -1,0 +1,159 @@
+"""scripts/workers.py: options as the workers see them, the generated HAProxy setup, and
+N real workers behind a real HAProxy (skipped where haproxy is not installed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from scripts import workers
+from tests.conftest import reverse_to
+from tests.fakes import client
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
+
+
+def test_listener_options_are_stripped_in_every_spelling():
+    args = ["--mode", "a", "-p8080", "--set", "mode=x", "--set=relay_timing_log=y", "--set", "relay_trim=false",
+            "-m=b", "--listen-host", "0.0.0.0", "--listen-port=1", "-q"]
+    assert workers.strip_options(args, workers.OVERRIDDEN) == ["--set", "relay_trim=false", "-q"]
+
+
+def test_mitm_conf_is_under_the_command_line(tmp_path, monkeypatch):
+    conf = tmp_path / "mitm.conf"
+    conf.write_text("mode: [regular@9100, 'reverse:https://api.openai.com@9101']\nrelay_trim: false\n"
+                    "relay_metrics_listen: 127.0.0.1:9999\n")
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(conf))
+    opts = workers.effective_options(["--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"])
+    assert opts.mode == ["regular@9100", "reverse:https://api.openai.com@9101"]
+    assert opts.relay_trim is False
+    assert opts.relay_metrics_listen == ""
+    opts = workers.effective_options(["--mode", "regular@9200", "--set", f"confdir={tmp_path}"])
+    assert opts.mode == ["regular@9200"]
+
+
+def test_haproxy_config_and_worker_modes():
+    listeners = [workers.Listener("reverse:https://api.openai.com@8001", "127.0.0.1", 8001, [5001, 5002])]
+    cfg = workers.haproxy_config(listeners, [6001, 6002], Path("/run/x.sock"))
+    assert "mode tcp" in cfg and "balance leastconn" in cfg
+    assert "bind 127.0.0.1:8001 backlog" in cfg
+    assert "server w1 127.0.0.1:5002 check port 6002" in cfg
+    assert listeners[0].worker_spec(1) == "reverse:https://api.openai.com@127.0.0.1:5002"
+    assert workers.worker_log("logs/timing.jsonl", 3) == "logs/timing.3.jsonl"
+
+
+def test_listeners_haproxy_cannot_carry_are_refused():
+    opts = workers.effective_options(["--mode", "wireguard@51820"])
+    with pytest.raises(SystemExit, match="--workers 1"):
+        workers.listeners(opts, 2)
+
+
+def test_workers_flag():
+    assert workers.split_workers(["--workers", "3", "-q"]) == (3, ["-q"])
+    assert workers.split_workers(["--workers=1"]) == (1, [])
+    assert workers.split_workers(["-q"]) == (None, ["-q"])
+
+
+# --- end to end -----------------------------------------------------------------------
+
+
+class Supervised:
+    """`scripts/workers.py` as a subprocess, its stderr and stdout collected."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "workers.py"), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env={**os.environ, "TTFT_RELAY_CONF": ""}, process_group=0,
+        )
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line.rstrip("\n"))
+                self.changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match:
+        rx = re.compile(pattern)
+        with self.changed:
+            found = self.changed.wait_for(lambda: next((m for ln in self.lines if (m := rx.search(ln))), None),
+                                          timeout)
+        assert found, f"no line matches {pattern!r}:\n" + "\n".join(self.lines)
+        return found
+
+    def children(self, name: str) -> list[int]:
+        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(ln.split()[0]) for ln in out.stdout.splitlines() if name in ln]
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None,
+                    reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+def test_workers_behind_haproxy(fake, tmp_path, confdir):
+    port, metrics_port = workers.free_port(), workers.free_port()
+    sup = Supervised(["--workers", "2", "--mode", reverse_to(fake).replace("@0", f"@{port}"),
+                      "--listen-host", "127.0.0.1", "--set", f"confdir={confdir}",
+                      "--set", f"relay_timing_log={tmp_path / 'timing.jsonl'}", "--set", "relay_trim=false",
+                      "--set", f"relay_metrics_listen=127.0.0.1:{metrics_port}"])
+    try:
+        sup.wait_for(r"2 workers behind haproxy")
+
+        def run(n: int) -> list[int]:
+            statuses = []
+            for _ in range(n):
+                conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
+                                            timeout=20)
+                with conn:
+                    resp.read()
+                    statuses.append(resp.status)
+            return statuses
+
+        assert run(6) == [200] * 6
+        pids = sup.children("mitmdump")
+        assert len(pids) == 2 and len(sup.children("haproxy")) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        sup.wait_for(r"worker \d exited .* out of rotation")
+        assert run(4) == [200] * 4  # the other worker serves meanwhile
+        sup.wait_for(r"worker \d back in rotation", timeout=60)
+        assert len(sup.children("mitmdump")) == 2
+        assert run(4) == [200] * 4
+
+        logs = sorted(tmp_path.glob("timing.*.jsonl"))
+        assert [p.name for p in logs] == ["timing.0.jsonl", "timing.1.jsonl"]
+        deadline = time.time() + 10
+        while sum(len(p.read_bytes().splitlines()) for p in logs) < 14 and time.time() < deadline:
+            time.sleep(0.05)
+        counts = [len(p.read_bytes().splitlines()) for p in logs]
+        assert all(counts), counts  # both workers served
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        scraped = sum(float(m) for m in re.findall(r"^gen_ai_client_operation_duration_seconds_count\{.*\} (\S+)$",
+                                                   text, re.M))
+        # The killed worker may have died before its last records reached its log; its
+        # metrics were in shared memory already.
+        assert scraped == 14 >= sum(counts)
+
+        report = subprocess.run([sys.executable, "scripts/report.py", str(tmp_path / "timing*.jsonl"), "--json"],
+                                cwd=REPO, capture_output=True, check=True)
+        (group,) = orjson.loads(report.stdout).values()
+        assert group["requests"] == sum(counts)
+    finally:
+        children = sup.children("mitmdump") + sup.children("haproxy")
+        sup.proc.send_signal(signal.SIGINT)  # as Ctrl-C
+        assert sup.proc.wait(30) == 0
+    for pid in children:  # all stopped and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
