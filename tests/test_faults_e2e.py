@@ -145,7 +145,7 @@ def test_reset_before_headers(api, stream, fake, start_relay, tmp_path):
         assert_api_error_body(api, response, 502)
     rec = one_record(relay, tmp_path)
     assert rec["error_phase"] == "upstream_wait" and rec["error"]
-    assert fake.sent[-1].outcome == "reset"
+    assert fake.wait_finished(1, WAIT) and fake.sent[-1].outcome == "reset"
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -194,7 +194,9 @@ def test_upstream_error_status_passes_through_unchanged(api, status, fake, start
     with conn:
         assert response.status == status
         assert response.header(faults.ERROR_HEADER) is None
-        assert response.read() == fake.sent[-1].body
+        body = response.read()
+    assert fake.wait_finished(1, WAIT)
+    assert body == fake.sent[-1].body
     rec = one_record(relay, tmp_path)
     assert rec["status"] == status and rec["error"] == f"HTTP {status}" and rec["error_phase"] == "upstream_wait"
 
@@ -209,6 +211,7 @@ def test_reset_mid_stream(api, fake, start_relay, tmp_path):
     with conn:
         assert response.status == 200
         body = read_stream(response)
+    assert fake.wait_finished(1, WAIT)
     sent = fake.sent[-1]
     assert sent.outcome == "reset" and body.startswith(sent.body)
     error = last_event(api, body[len(sent.body):])
@@ -238,6 +241,7 @@ def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path
     conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "4"})
     with conn:
         body = read_stream(response)
+    assert fake.wait_finished(1, WAIT)
     sent = fake.sent[-1]
     assert body.startswith(sent.body)
     assert "stream idle for 1 s" in last_event(api, body[len(sent.body):])["message"]
