@@ -35,9 +35,11 @@ meaning or goes away (adding keys is compatible).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -177,14 +179,57 @@ def comment(rec: Mapping[str, Any]) -> str:
 
 
 _CLOSE = object()
+WRITE_BATCH_S = 0.05
+"""The writer thread lets records gather this long before it writes them: one thread
+wake-up (and GIL hand-over) per batch instead of one per record under load."""
+CONSOLE_BATCH_S = 0.25
+"""Console lines closer together than this go out as one log record."""
+
+
+class ConsoleLines:
+    """Logs summary lines at INFO: at once when the console has been quiet for
+    CONSOLE_BATCH_S, else gathered and logged together when that time is up.
+
+    In mitmproxy every log record costs far more than its line (the termlog print,
+    and an `add_log` event dispatched to every addon: ~0.4 ms per flow under
+    load). Gathering keeps one line per flow while the record count stays bounded
+    at a few per second. `flush()` logs whatever is gathered."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.pending: list[str] = []
+        self.last = 0.0
+
+    def add(self, line: str) -> None:
+        if self.pending:
+            self.pending.append(line)
+            return
+        wait = self.last + CONSOLE_BATCH_S - time.monotonic()
+        if wait <= 0:
+            self.last = time.monotonic()
+            self.log.info(line)
+            return
+        try:
+            asyncio.get_running_loop().call_later(wait, self.flush)
+        except RuntimeError:  # no event loop (a script or a unit test): no one to flush later
+            self.log.info(line)
+            return
+        self.pending.append(line)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.log.info("\n".join(self.pending))
+            self.pending.clear()
+        self.last = time.monotonic()
 
 
 class RecordWriter:
     """Appends records as JSON lines to `path` from a background thread.
 
     The event loop only serialises and enqueues; the thread writes whatever has
-    queued up and flushes after each batch, so a reader of the log sees records
-    within moments. `close()` writes everything still queued before returning.
+    queued up within WRITE_BATCH_S and flushes after each batch, so a reader of the
+    log sees records within moments. `close()` writes everything still queued
+    before returning.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -207,6 +252,8 @@ class RecordWriter:
         closing = False
         while not closing:
             batch = [self._queue.get()]
+            if batch[0] is not _CLOSE:
+                time.sleep(WRITE_BATCH_S)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             closing = _CLOSE in batch

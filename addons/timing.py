@@ -44,6 +44,7 @@ class Timing:
         self.writer: record.RecordWriter | None = None
         self.slow_ms = 0
         self.console = True
+        self.console_lines = record.ConsoleLines(logger)
         self.server_timing = True
         self.rtt_samples: dict[str, deque[float]] = {}
         """Recent handshake round trips per upstream, learned from new connections, used for all.
@@ -90,6 +91,7 @@ class Timing:
             self.server_timing = ctx.options.relay_server_timing
 
     def done(self) -> None:
+        self.console_lines.flush()
         self._close_writer()
 
     def _close_writer(self) -> None:
@@ -192,7 +194,7 @@ class Timing:
         if self.writer is not None:
             self.writer.write(rec)
         if self.console and logger.isEnabledFor(logging.INFO):
-            logger.info(record.summary_line(rec))
+            self.console_lines.add(record.summary_line(rec))
 
     def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
         status = flow.response.status_code if flow.response is not None else None
