@@ -7,6 +7,7 @@ opens the upstream connection as soon as the client connects, and mitmproxy
 reads the client's request only once that connection is ready.
 
     client_connect          client connection accepted (only with an early connect, below)
+    client_tls              client's TLS handshake with the relay done (same condition)
     request_body            last request body byte from the client
     forwarded               every request hook has run (trimming included)
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
@@ -30,11 +31,13 @@ connection opened before its head (eager strategy): mitmproxy did not read that
 request until the connect was done, so its wait starts when its connection was
 accepted, `client_connect` (the client is assumed to send as soon as it has
 connected). Before the head, connect and client upload ran side by side; the
-critical path goes through the one that finished last. If the body was complete
-as soon as the head was read (`BUFFERED_MS`), the client had sent it all and
-waited: accept → connect start is the relay's, the connect and handshake count,
-the rest of the pre-head time (client TLS handshake) is the client's. If the body kept arriving after the head, the
-client was still sending: the whole pre-head time is the client's upload. A
+critical path goes through the one that finished last. The client waited on the
+connect if its own TLS handshake ended after the upstream connection was ready
+(it could not send before), or if the body was complete as soon as the head was
+read (`BUFFERED_MS`: it had all been sent): then accept → connect start is the
+relay's, the connect and handshake count, and the rest of the pre-head time
+(client TLS handshake) is the client's. Otherwise the client was still sending:
+the whole pre-head time is the client's upload. A
 lazy connect that overlapped the upload counts only where it outlasted
 `forwarded`. A reused connection has no connect or TLS phase.
 
@@ -60,6 +63,7 @@ from collections.abc import Mapping
 
 MARKS = (
     "client_connect",
+    "client_tls",
     "request_body",
     "forwarded",
     "upstream_connect_start",
@@ -150,7 +154,14 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     # and the one that finished last is on the critical path: if the whole body was
     # there the moment the head was read, the client had been waiting on the connect;
     # otherwise it was still sending, and the connect hid behind its upload.
-    connect_gated = early and body is not None and body <= BUFFERED_MS
+    # A TLS client (CONNECT, or an HTTPS listener) cannot send before its own
+    # handshake, which mitmproxy finishes only after the upstream's: then the
+    # connect gated the client whatever the body timing says.
+    client_tls, ready = m.get("client_tls"), (tls if tls is not None else tcp)
+    connect_gated = early and (
+        (client_tls is not None and ready is not None and client_tls >= ready)
+        or (body is not None and body <= BUFFERED_MS)
+    )
     pre_relay = conn0 - start if connect_gated else 0.0
     pre_connect = _overlap(start, 0.0, conn0, tcp) if connect_gated else 0.0
     pre_tls = _overlap(start, 0.0, tcp, tls) if connect_gated and tls is not None else 0.0

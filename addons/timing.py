@@ -151,6 +151,8 @@ class Timing:
         if conn.timestamp_start < flow.request.timestamp_start:
             # Connected eagerly: this request's wait began when its client connected.
             state.mark(flow, "client_connect", flow.client_conn.timestamp_start)
+            if flow.client_conn.timestamp_tls_setup is not None:
+                state.mark(flow, "client_tls", flow.client_conn.timestamp_tls_setup)
         state.mark(flow, "upstream_connect_start", conn.timestamp_start)
         if conn.timestamp_tcp_setup is not None:
             state.mark(flow, "upstream_tcp", conn.timestamp_tcp_setup)

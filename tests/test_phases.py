@@ -76,6 +76,17 @@ def test_eager_connect_hidden_behind_a_slow_upload_is_the_clients():
     assert p["ttft"] == 420.0
 
 
+def test_tls_client_could_not_send_before_the_eager_connect_whatever_its_body_timing():
+    # CONNECT + TLS: the client's handshake ended (-70) after the upstream's (-80), so
+    # it could not send earlier; its body arriving 30 ms after the head (a second TCP
+    # segment read late on a busy loop) does not make the connect the client's.
+    m = stream_marks(client_connect=-301.0, client_tls=-70.0, request_body=30.0, forwarded=31.0,
+                     upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["upstream_connect"] == 20.0 and p["upstream_tls"] == 200.0
+    assert p["client_upload"] == 80.0 + 30.0
+
+
 def test_connect_overlapping_the_upload_counts_only_past_forwarded():
     # A slow upload (0 → 500) while the connect ran from 100 to 600.
     m = stream_marks(request_body=500.0, forwarded=501.0, upstream_connect_start=100.0, upstream_tcp=150.0,
