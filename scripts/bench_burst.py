@@ -1,0 +1,210 @@
+"""Burst benchmark: what a burst of concurrent new streams does to the first token.
+
+For each burst size, every setup gets the same burst (all requests started at once,
+each on a new connection) against one fake OpenAI upstream (a subprocess, backlog
+1024), setups taking turns round after round so that drift on a shared machine hits
+all alike:
+
+    direct        client → upstream
+    bare          client → mitmdump -s <script that only turns streaming on>
+    relay-1       client → scripts/relay --workers 1 (mitmdump -s addons/relay.py)
+    relay-N       client → scripts/relay --workers N (N mitmdump workers behind HAProxy)
+
+Per setup and burst size: first-token p50/p99 over all rounds (from the start of the
+burst to the first answer text), failures (errors, non-200, timeouts) and the relay's
+CPU seconds per burst (all its processes: workers and haproxy).
+
+Mind the listen backlogs: mitmproxy listens with asyncio's fixed default of 100, so
+in a burst larger than that, connections the kernel cannot queue wait for a SYN
+retransmit (1 s, then 3 s). HAProxy's listeners here queue 4096 (capped by
+net.core.somaxconn); behind it, HAProxy's own retries absorb a worker's full queue.
+
+    scripts/bench-burst [--bursts 100,200,500] [--rounds 3] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts import workers  # noqa: E402
+from tests.harness import MitmdumpProcess  # noqa: E402
+
+BARE_SCRIPT = """
+def responseheaders(flow):
+    flow.response.stream = True
+"""
+BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
+FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
+TIMEOUT = 60.0
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def one_stream(host: str, port: int, start: float) -> float:
+    """ms from `start` to the first answer text; raises on any failure."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(BODY), BODY))
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+        seen, first = b"", None
+        while data := await reader.read(65536):
+            if first is None:
+                seen = seen[-len(FIRST_PIECE):] + data
+                if FIRST_PIECE in seen:
+                    first = time.perf_counter()
+        if first is None:
+            raise RuntimeError("no answer text")
+        return (first - start) * 1000
+    finally:
+        writer.close()
+
+
+async def burst(url: str, size: int) -> tuple[list[float], int]:
+    u = urlsplit(url)
+    start = time.perf_counter()
+    results = await asyncio.gather(
+        *(asyncio.wait_for(one_stream(u.hostname, u.port, start), TIMEOUT) for _ in range(size)),
+        return_exceptions=True,
+    )
+    ok = [r for r in results if isinstance(r, float)]
+    return ok, size - len(ok)
+
+
+class Supervised:
+    """scripts/workers.py with N workers on a free port; its process tree for CPU."""
+
+    def __init__(self, upstream: str, n: int, tmp: Path) -> None:
+        self.port = workers.free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "workers.py"), "--workers", str(n),
+             "--mode", f"reverse:{upstream}@{self.port}", "--listen-host", "127.0.0.1",
+             "--set", f"confdir={tmp}", "--set", f"relay_timing_log={tmp / 'timing-n.jsonl'}",
+             "--set", "relay_metrics_listen=127.0.0.1:0", "--set", "flow_detail=0"],
+            cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for line in self.proc.stderr:
+            if "workers behind haproxy" in line:
+                break
+        else:
+            raise SystemExit("scripts/workers.py did not start")
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pids(self) -> list[int]:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return [self.proc.pid, *map(int, out.stdout.split())]
+
+    def stop(self) -> None:
+        self.proc.send_signal(2)
+        self.proc.wait(30)
+
+
+def pct(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bursts", default="100,200,500", help="burst sizes, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="bursts per setup and size")
+    ap.add_argument("--workers", type=int, default=workers.default_workers(), help="N for relay-N")
+    ap.add_argument("--prefill-ms", type=float, default=50)
+    ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--gap-ms", type=float, default=10)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.bursts.split(",")]
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-burst-"))
+    (tmp / "bare.py").write_text(BARE_SCRIPT)
+    fake = subprocess.Popen(
+        [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0",
+         "--prefill-ms", str(args.prefill_ms), "--chunks", str(args.chunks), "--gap-ms", str(args.gap_ms)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    upstream = fake.stdout.readline().split()[1]
+    mode = f"reverse:{upstream}@0"
+    singles = {
+        "bare": MitmdumpProcess([mode], tmp, script=tmp / "bare.py", options={"flow_detail": 0}),
+        "relay-1": MitmdumpProcess([mode], tmp, options={"flow_detail": 0, "relay_timing_log": tmp / "timing-1.jsonl",
+                                                         "relay_metrics_listen": "127.0.0.1:0"}),
+    }
+    multi = None
+    try:
+        for proc in singles.values():
+            proc.start()
+        if args.workers > 1:
+            multi = Supervised(upstream, args.workers, tmp)
+        setups = {"direct": (upstream, list)} | {
+            name: (proc.url(), lambda p=proc: [p.proc.pid]) for name, proc in singles.items()}
+        if multi:
+            setups[f"relay-{args.workers}"] = (multi.url(), multi.pids)
+        time.sleep(2)  # start-up work (tokenizer loading) out of the way
+        for url, _ in setups.values():
+            asyncio.run(burst(url, 20))  # warm-up
+        first = {(name, n): [] for name in setups for n in sizes}
+        failed = {(name, n): 0 for name in setups for n in sizes}
+        cpu = {(name, n): 0.0 for name in setups for n in sizes}
+        for n in sizes:
+            for _ in range(args.rounds):
+                for name, (url, pids) in setups.items():
+                    c0 = cpu_seconds(pids())
+                    ok, bad = asyncio.run(burst(url, n))
+                    cpu[name, n] += cpu_seconds(pids()) - c0
+                    first[name, n] += ok
+                    failed[name, n] += bad
+                    time.sleep(0.5)  # let connections close before the next burst
+    finally:
+        for proc in singles.values():
+            proc.stop()
+        if multi:
+            multi.stop()
+        fake.terminate()
+        fake.wait(10)
+
+    print(f"fake upstream: prefill {args.prefill_ms:g} ms, {args.chunks} chunks {args.gap_ms:g} ms apart; "
+          f"{args.rounds} bursts per setup and size, new connection per stream; {os.cpu_count()} cores")
+    print(f"{'burst':>5} {'setup':<9} {'first token p50':>16} {'p99':>9} {'failures':>9} {'relay CPU s/burst':>18}")
+    for n in sizes:
+        for name in setups:
+            ft = first[name, n]
+            cpu_s = "" if name == "direct" else f"{cpu[name, n] / args.rounds:.2f}"
+            print(f"{n:>5} {name:<9} {statistics.median(ft) if ft else float('nan'):>13.0f} ms "
+                  f"{pct(ft, 99):>6.0f} ms {failed[name, n]:>9} {cpu_s:>18}")
+        multi_name = f"relay-{args.workers}"
+        if multi_name in setups and first[multi_name, n] and first["relay-1", n]:
+            print(f"{'':>5} p99 relay-1 / {multi_name}: {pct(first['relay-1', n], 99) / pct(first[multi_name, n], 99):.2f}x"
+                  f" (goal at 500: >= 1.5x); relay-1 / bare p99: "
+                  f"{pct(first['relay-1', n], 99) / pct(first['bare', n], 99):.2f}x (goal <= 1)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
