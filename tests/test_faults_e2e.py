@@ -232,7 +232,7 @@ def test_stall_before_first_token_hits_the_first_token_timeout(api, fake, start_
     assert fake.wait_finished(1, WAIT) and fake.sent[-1].outcome == "client_closed"
     rec = one_record(relay, tmp_path)
     assert rec["error"] == "first token timeout after 1 s" and rec["error_phase"] == "head_to_first_token"
-    assert rec["verdict"] == "error in upstream wait (head to first token)" or rec["verdict"].startswith("error in")
+    assert rec["verdict"].startswith("error in")
 
 
 @pytest.mark.parametrize("api", APIS)
