@@ -390,6 +390,23 @@ class Supervisor:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def single_process_args(args: list[str]) -> list[str]:
+    """`args` with the effective listener options spelled out, so that mitmdump binds
+    the listeners of mitm.conf from its first moment (it binds before it loads the
+    relay, which would otherwise rebind them a few ms later). Where the arguments
+    do not parse, they go to mitmdump unchanged, for it to say what is wrong."""
+    try:
+        opts = effective_options(args)
+    except (SystemExit, Exception):
+        return args
+    listen = ["--listen-host", opts.listen_host]
+    for mode in opts.mode:
+        listen += ["--mode", mode]
+    if opts.listen_port is not None:
+        listen += ["--listen-port", str(opts.listen_port)]
+    return strip_options(args, config.LISTENER_OPTIONS) + listen
+
+
 def split_workers(argv: list[str]) -> tuple[int | None, list[str]]:
     """`--workers N` (or `--workers=N`) out of the command line; the rest is mitmdump's."""
     ap = argparse.ArgumentParser(add_help=False)
@@ -412,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({HAPROXY_INSTALL}); --workers 1 silences this note.")
         workers = 1
     if workers == 1:
-        os.execv(MITMDUMP, [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *args])
+        os.execv(MITMDUMP, [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *single_process_args(args)])
     return Supervisor(args, workers).run()
 
 

@@ -44,6 +44,21 @@ def test_mitm_conf_is_under_the_command_line(tmp_path, monkeypatch):
     assert opts.mode == ["regular@9200"]
 
 
+def test_single_process_gets_the_effective_listeners_on_its_command_line(tmp_path, monkeypatch):
+    conf = tmp_path / "mitm.conf"
+    conf.write_text("listen_host: 127.0.0.1\nmode: [regular@9100, 'reverse:https://api.openai.com@9101']\n")
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(conf))
+    args = workers.single_process_args(["-q", "--set", f"confdir={tmp_path}"])
+    assert args == ["-q", "--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1",
+                    "--mode", "regular@9100", "--mode", "reverse:https://api.openai.com@9101"]
+    # The command line still wins over mitm.conf.
+    args = workers.single_process_args(["-p", "9300", "--set", f"confdir={tmp_path}"])
+    assert args == ["--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1", "--mode", "regular@9100",
+                    "--mode", "reverse:https://api.openai.com@9101", "--listen-port", "9300"]
+    # Arguments mitmdump would reject go to it unchanged, for it to say so.
+    assert workers.single_process_args(["--no-such-flag"]) == ["--no-such-flag"]
+
+
 def test_haproxy_config_and_worker_modes():
     listeners = [workers.Listener("reverse:https://api.openai.com@8001", "127.0.0.1", 8001, [5001, 5002])]
     cfg = workers.haproxy_config(listeners, [6001, 6002], Path("/run/x.sock"))
