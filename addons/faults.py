@@ -1,7 +1,8 @@
 """Upstream faults: the client gets the API's own error, the record names the phase.
 
-- `error_reply` / `error_event` (pure) shape an error the way each API does:
-  a JSON error body before the response head, a last SSE error event after it.
+- `error_reply` (pure) is the relay's answer before the response head, a JSON
+  error in the API's format (`apierrors`); after the head, the stream ends with
+  the API's error event.
 - `ErrorReplies` installs `seams` (the one place mitmproxy decides what a client
   sees when the upstream fails) and renders those errors for in-scope flows;
   out-of-scope flows keep mitmproxy's behaviour.
@@ -22,12 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from . import scope, seams, state
+from . import apierrors, seams, state
 
 logger = logging.getLogger(__name__)
 
@@ -36,50 +36,22 @@ ERROR_HEADER = "x-relay-error"
 MESSAGE_PREFIX = "ttft-relay: "
 
 
-# --- pure: the API's error formats ---------------------------------------------------
-
-
-def error_code(status: int) -> str:
-    return "upstream_timeout" if status == 504 else "upstream_error"
-
-
-def error_object(api: str, status: int, message: str) -> dict[str, Any]:
-    """The API's error JSON for a relay failure (what its own servers send)."""
-    if api == scope.ANTHROPIC_MESSAGES:
-        kind = "timeout_error" if status == 504 else "api_error"
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    if api == scope.GEMINI:
-        grpc = "DEADLINE_EXCEEDED" if status == 504 else "UNAVAILABLE"
-        return {"error": {"code": status, "message": message, "status": grpc}}
-    # OpenAI, and the shape most OpenAI-compatible servers copy for everything else.
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": error_code(status)}}
+# --- pure ------------------------------------------------------------------------------
 
 
 def error_reply(api: str, status: int, message: str) -> http.Response:
-    """A complete JSON error response in the API's format."""
-    body = orjson.dumps(error_object(api, status, message))
-    return http.Response.make(
+    """The relay's answer to an upstream failure before the response head."""
+    return apierrors.error_response(
+        api,
         status,
-        body,
+        message,
         {
-            "content-type": "application/json",
-            ERROR_HEADER: error_code(status),
+            ERROR_HEADER: apierrors.error_code(status),
             # After a failed eager connect mitmproxy keeps the error on the client
             # connection: a new one retries the upstream.
             "connection": "close",
         },
     )
-
-
-def error_event(api: str, status: int, message: str) -> bytes:
-    """The last event of a stream that broke: the API's in-stream error."""
-    if api == scope.ANTHROPIC_MESSAGES:
-        return b"event: error\ndata: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
-    if api == scope.OPENAI_RESPONSES:
-        data = {"type": "error", "code": error_code(status), "message": message, "param": None}
-        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
-    # Chat Completions and Gemini: a data-only event whose object is the error.
-    return b"data: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
 
 
 def can_append_event(response: http.Response, watcher: Any) -> bool:
@@ -121,7 +93,7 @@ class ErrorReplies:
             reply = error_reply(st.api, status, text)
             return reply, reply.raw_content or b""
         if flow.response is not None and can_append_event(flow.response, st.watcher):
-            return None, error_event(st.api, status, text)
+            return None, apierrors.error_event(st.api, status, text)
         return None
 
 

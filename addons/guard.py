@@ -32,11 +32,10 @@ import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import orjson
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
-from . import scope, state
+from . import apierrors, scope, state
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ DEFAULT_UPSTREAM_KEYS = [
 MIN_ACCESS_KEY_LENGTH = 16
 HTTP_REVERSE_SCHEMES = ("http", "https", "http3")
 
-OPENAI, ANTHROPIC, GEMINI = "openai", "anthropic", "gemini"
 """API families, for the format of the relay's own error answers."""
 
 
@@ -283,31 +281,21 @@ def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: 
             request.headers[slot] = upstream_key
 
 
-def api_family(request: http.Request) -> str:
+def api_shape(request: http.Request) -> str:
     """Which API's error format a client expects. Read from the request itself: this
     runs before the scope addon, and covers paths outside its scope too."""
     shape = scope.api_shape(request.path)
     if shape == scope.ANTHROPIC_MESSAGES or "anthropic-version" in request.headers:
-        return ANTHROPIC
+        return scope.ANTHROPIC_MESSAGES
     if shape == scope.GEMINI or "x-goog-api-key" in request.headers:
-        return GEMINI
-    return OPENAI
+        return scope.GEMINI
+    return scope.OPENAI_CHAT
 
 
-def error_response(family: str, status: int, message: str) -> http.Response:
-    """An error answer in the API's own format, so SDKs raise their usual exception."""
-    auth = status == 401
-    if family == ANTHROPIC:
-        body = {"type": "error", "error": {"type": "authentication_error" if auth else "api_error", "message": message}}
-    elif family == GEMINI:
-        body = {"error": {"code": status, "message": message, "status": "UNAUTHENTICATED" if auth else "UNAVAILABLE"}}
-    else:
-        body = {"error": {"message": message, "type": "invalid_request_error" if auth else "server_error",
-                          "param": None, "code": "invalid_api_key" if auth else None}}
-    headers = {"content-type": "application/json"}
-    if auth:
-        headers["www-authenticate"] = 'Bearer realm="ttft-relay"'
-    return http.Response.make(status, orjson.dumps(body), headers)
+def refusal(api: str, status: int, message: str) -> http.Response:
+    """The relay's own answer to a request it does not let through."""
+    headers = {"www-authenticate": 'Bearer realm="ttft-relay"'} if status == 401 else None
+    return apierrors.error_response(api, status, message, headers)
 
 
 class AccessKeys:
@@ -363,7 +351,7 @@ class AccessKeys:
             status, reason = 502, "the relay has no upstream key for this listener"
         if reason is not None:
             self.refused[flow] = reason
-            flow.response = error_response(api_family(flow.request), status, reason)
+            flow.response = refusal(api_shape(flow.request), status, reason)
             return
         swap_credentials(flow.request, credentials, upstream_key)
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from addons import faults, scope, sse, state
+from addons import apierrors, faults, scope, sse, state
 
 APIS = [scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES, scope.GEMINI, scope.OTHER]
 
@@ -20,7 +20,7 @@ def test_error_reply_is_the_apis_json(api, status):
     reply = faults.error_reply(api, status, "ttft-relay: boom")
     assert reply.status_code == status
     assert reply.headers["content-type"] == "application/json"
-    assert reply.headers[faults.ERROR_HEADER] == faults.error_code(status)
+    assert reply.headers[faults.ERROR_HEADER] == apierrors.error_code(status)
     body = orjson.loads(reply.content)
     if api == scope.ANTHROPIC_MESSAGES:
         assert body == {"type": "error", "error": {"type": "timeout_error" if status == 504 else "api_error",
@@ -29,12 +29,12 @@ def test_error_reply_is_the_apis_json(api, status):
         assert body["error"]["code"] == status and body["error"]["message"] == "ttft-relay: boom"
     else:
         assert body == {"error": {"message": "ttft-relay: boom", "type": "server_error", "param": None,
-                                  "code": faults.error_code(status)}}
+                                  "code": apierrors.error_code(status)}}
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_error_event_is_one_event_the_relays_own_watcher_reads_as_an_error(api):
-    event = faults.error_event(api, 502, "ttft-relay: cut")
+    event = apierrors.error_event(api, 502, "ttft-relay: cut")
     events = sse.SSEParser().feed(event)
     assert len(events) == 1 and event.endswith(b"\n\n")
     watcher = sse.StreamWatcher(api)

@@ -21,7 +21,7 @@ import openai
 import orjson
 import pytest
 
-from addons import faults, scope
+from addons import apierrors, faults, scope
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 
@@ -64,7 +64,7 @@ def assert_api_error_body(api: str, response: client.RawResponse, status: int) -
     """The body is the API's error JSON; returns its message."""
     assert response.status == status, response.read()[:300]
     assert response.header("content-type") == "application/json"
-    assert response.header(faults.ERROR_HEADER) == faults.error_code(status)
+    assert response.header(faults.ERROR_HEADER) == apierrors.error_code(status)
     body = orjson.loads(response.read())
     if api == scope.ANTHROPIC_MESSAGES:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}

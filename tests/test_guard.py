@@ -188,30 +188,30 @@ def test_swap_puts_the_upstream_key_where_the_relay_key_was():
     assert req.headers["anthropic-version"] == "1"
 
 
-@pytest.mark.parametrize(("headers", "path", "family"), [
-    ({}, "/v1/chat/completions", guard.OPENAI),
-    ({}, "/v1/responses", guard.OPENAI),
-    ({}, "/v1/messages", guard.ANTHROPIC),
-    ({"anthropic-version": "2023-06-01"}, "/v1/models", guard.ANTHROPIC),
-    ({}, "/v1beta/models/gemini-2.0-flash:generateContent", guard.GEMINI),
-    ({"x-goog-api-key": "k"}, "/v1beta/models", guard.GEMINI),
-    ({}, "/anything", guard.OPENAI),
+@pytest.mark.parametrize(("headers", "path", "api"), [
+    ({}, "/v1/chat/completions", scope.OPENAI_CHAT),
+    ({}, "/v1/responses", scope.OPENAI_CHAT),
+    ({}, "/v1/messages", scope.ANTHROPIC_MESSAGES),
+    ({"anthropic-version": "2023-06-01"}, "/v1/models", scope.ANTHROPIC_MESSAGES),
+    ({}, "/v1beta/models/gemini-2.0-flash:generateContent", scope.GEMINI),
+    ({"x-goog-api-key": "k"}, "/v1beta/models", scope.GEMINI),
+    ({}, "/anything", scope.OPENAI_CHAT),
 ])
-def test_api_family(headers, path, family):
-    assert guard.api_family(_request(headers, path)) == family
+def test_api_shape_for_errors(headers, path, api):
+    assert guard.api_shape(_request(headers, path)) == api
 
 
-def test_error_responses_in_each_api_format():
-    openai_body = json.loads(guard.error_response(guard.OPENAI, 401, "m").content)
+def test_refusals_in_each_api_format():
+    openai_body = json.loads(guard.refusal(scope.OPENAI_CHAT, 401, "m").content)
     assert openai_body == {"error": {"message": "m", "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}
-    anthropic_resp = guard.error_response(guard.ANTHROPIC, 401, "m")
+    anthropic_resp = guard.refusal(scope.ANTHROPIC_MESSAGES, 401, "m")
     assert json.loads(anthropic_resp.content) == {"type": "error", "error": {"type": "authentication_error", "message": "m"}}
     assert anthropic_resp.headers["content-type"] == "application/json"
     assert anthropic_resp.headers["www-authenticate"].startswith("Bearer")
-    gemini_body = json.loads(guard.error_response(guard.GEMINI, 401, "m").content)
+    gemini_body = json.loads(guard.refusal(scope.GEMINI, 401, "m").content)
     assert gemini_body == {"error": {"code": 401, "message": "m", "status": "UNAUTHENTICATED"}}
-    assert json.loads(guard.error_response(guard.OPENAI, 502, "m").content)["error"]["type"] == "server_error"
+    assert json.loads(guard.refusal(scope.OPENAI_CHAT, 502, "m").content)["error"]["type"] == "server_error"
 
 
 # --- access keys (addon) ---------------------------------------------------------------

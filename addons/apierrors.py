@@ -1,0 +1,54 @@
+"""Errors in each API's own format (pure), for the replies the relay makes itself.
+
+SDKs turn a JSON error in their API's shape into their usual exception classes
+(authentication, rate limit, server error); anything else becomes a decode error
+the user cannot act on. Used by the guard (refused keys) and by faults (upstream
+failures before and after the response head).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from mitmproxy import http
+
+from . import scope
+
+
+def error_code(status: int) -> str:
+    """OpenAI-style `code` for a relay error of this status."""
+    return {401: "invalid_api_key", 504: "upstream_timeout"}.get(status, "upstream_error")
+
+
+def error_object(api: str, status: int, message: str) -> dict[str, Any]:
+    """The API's error JSON for `status` (what its own servers send)."""
+    if api == scope.ANTHROPIC_MESSAGES:
+        kind = {401: "authentication_error", 504: "timeout_error"}.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    if api == scope.GEMINI:
+        grpc = {401: "UNAUTHENTICATED", 504: "DEADLINE_EXCEEDED"}.get(status, "UNAVAILABLE")
+        return {"error": {"code": status, "message": message, "status": grpc}}
+    # OpenAI, and the shape most OpenAI-compatible servers copy for everything else.
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": error_code(status)}}
+
+
+def error_response(api: str, status: int, message: str, headers: dict[str, str] | None = None) -> http.Response:
+    """A complete JSON error response in the API's format."""
+    return http.Response.make(
+        status,
+        orjson.dumps(error_object(api, status, message)),
+        {"content-type": "application/json", **(headers or {})},
+    )
+
+
+def error_event(api: str, status: int, message: str) -> bytes:
+    """The last event of a stream that broke: the API's in-stream error."""
+    if api == scope.ANTHROPIC_MESSAGES:
+        return b"event: error\ndata: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
+    if api == scope.OPENAI_RESPONSES:
+        data = {"type": "error", "code": error_code(status), "message": message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+    # Chat Completions and Gemini: a data-only event whose object is the error.
+    return b"data: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
