@@ -112,8 +112,9 @@ class Supervised:
         return found
 
     def children(self, name: str) -> list[int]:
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(ln.split()[0]) for ln in out.stdout.splitlines() if name in ln]
+        # By command name: arguments (paths, the test's own name) may contain anything.
+        out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(pid) for pid, comm in (ln.split(None, 1) for ln in out.stdout.splitlines()) if comm.strip() == name]
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None,
