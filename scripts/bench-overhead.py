@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,12 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.fakes.client import stream_post  # noqa: E402
-from tests.harness import MitmdumpProcess  # noqa: E402
-
-BARE_SCRIPT = """
-def responseheaders(flow):
-    flow.response.stream = True
-"""
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
 
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
 import importlib.util, sys
@@ -49,20 +43,6 @@ addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
-
-
-def start_fake(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0",
-         "--prefill-ms", str(args.prefill_ms), "--chunks", str(args.chunks), "--gap-ms", str(args.gap_ms)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout
-    line = proc.stdout.readline().split()
-    if line[:1] != ["listening"]:
-        proc.kill()
-        raise SystemExit(f"fake upstream did not start: {line}")
-    return proc, line[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -95,13 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    (tmp / "bare.py").write_text(BARE_SCRIPT)
     (tmp / "relay_without_timing.py").write_text(RELAY_WITHOUT_TIMING_SCRIPT)
-    fake, upstream = start_fake(args)
+    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, chunks=args.chunks, gap_ms=args.gap_ms)
     mode = f"reverse:{upstream}@0"
     common = {"relay_trim": "false", "flow_detail": 0} | dict(kv.split("=", 1) for kv in args.set)
     variants = {
-        "bare": MitmdumpProcess([mode], tmp, script=tmp / "bare.py", options={"flow_detail": 0}),
+        "bare": MitmdumpProcess([mode], tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0}),
         "relay-timing": MitmdumpProcess([mode], tmp, script=tmp / "relay_without_timing.py", options=common),
         "relay": MitmdumpProcess([mode], tmp, options=common | {"relay_timing_log": tmp / "timing.jsonl"}),
     }

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,22 +29,9 @@ sys.path.insert(0, str(REPO))
 
 from addons import scope, sse  # noqa: E402
 from tests.fakes import client  # noqa: E402
-from tests.harness import MitmdumpProcess  # noqa: E402
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
-
-
-def start_fake(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.upstream", "--port", "0",
-         "--prefill-ms", str(args.prefill_ms), "--gap-ms", str(args.gap_ms), "--chunks", str(args.chunks)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    line = proc.stdout.readline().split()
-    if len(line) != 2 or line[0] != "listening":
-        proc.kill()
-        raise SystemExit(f"fake upstream did not start: {line}")
-    return proc, line[1]
 
 
 def one_request(base_url: str) -> tuple[float, float]:
@@ -78,12 +64,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
 
-    fake, upstream = start_fake(args)
+    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, gap_ms=args.gap_ms, chunks=args.chunks)
     tmp = Path(tempfile.mkdtemp(prefix="ttft-bench-"))
     mode = f"reverse:{upstream}@0"
     relays = {
         "mitmdump": MitmdumpProcess([mode], tmp, script=None),
-        "mitmdump+stream": MitmdumpProcess([mode], tmp, script=REPO / "scripts" / "baseline_stream.py"),
+        "mitmdump+stream": MitmdumpProcess([mode], tmp, script=BASELINE_SCRIPT),
         "relay": MitmdumpProcess([mode], tmp, options={"relay_timing_log": tmp / "timing.jsonl",
                                                       "relay_timing_console": "false"}),
     }

@@ -41,12 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts import workers  # noqa: E402
-from tests.harness import MitmdumpProcess  # noqa: E402
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
 
-BARE_SCRIPT = """
-def responseheaders(flow):
-    flow.response.stream = True
-"""
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
 TIMEOUT = 60.0
@@ -144,15 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.bursts.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-burst-"))
-    (tmp / "bare.py").write_text(BARE_SCRIPT)
-    fake = subprocess.Popen(
-        [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0",
-         "--prefill-ms", str(args.prefill_ms), "--chunks", str(args.chunks), "--gap-ms", str(args.gap_ms)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)
-    upstream = fake.stdout.readline().split()[1]
+    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, chunks=args.chunks, gap_ms=args.gap_ms)
     mode = f"reverse:{upstream}@0"
     singles = {
-        "bare": MitmdumpProcess([mode], tmp, script=tmp / "bare.py", options={"flow_detail": 0}),
+        "bare": MitmdumpProcess([mode], tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0}),
         "relay-1": MitmdumpProcess([mode], tmp, options={"flow_detail": 0, "relay_timing_log": tmp / "timing-1.jsonl",
                                                          "relay_metrics_listen": "127.0.0.1:0"}),
     }

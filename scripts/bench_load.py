@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.fakes.replies import answer_pieces, build_reply  # noqa: E402
-from tests.harness import MitmdumpProcess  # noqa: E402
+from tests.harness import MitmdumpProcess, start_fake_upstream  # noqa: E402
 
 PATH = "/v1/chat/completions"
 
@@ -144,20 +143,6 @@ def wait_for_records(log: Path, total: int, timeout: float = 30) -> dict[str, in
         time.sleep(0.1)
 
 
-def start_fake(prefill_ms: int, chunks: int) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0",
-         "--prefill-ms", str(prefill_ms), "--chunks", str(chunks)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout
-    line = proc.stdout.readline().split()
-    if line[:1] != ["listening"]:
-        proc.kill()
-        raise SystemExit(f"fake upstream did not start: {line}")
-    return proc, line[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=500)
@@ -167,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-slack-mib", type=float, default=30, help="allowed RSS growth after round 1")
     args = parser.parse_args(argv)
 
-    fake, fake_url = start_fake(args.prefill_ms, args.chunks)
+    fake, fake_url = start_fake_upstream(prefill_ms=args.prefill_ms, chunks=args.chunks)
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         log = Path(tmp) / "timing.jsonl"
         relay = MitmdumpProcess([f"reverse:{fake_url}@0"], Path(tmp) / "conf",

@@ -17,6 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RELAY_SCRIPT = REPO / "addons" / "relay.py"
+BASELINE_SCRIPT = REPO / "scripts" / "baseline_stream.py"
+"""A mitmproxy script that streams every response and does nothing else: what
+benchmarks measure the relay against."""
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
 
 _LISTENING = re.compile(r"listening at (?:\*|[\d.]+|\[[^\]]*\]):(\d+)")
@@ -134,3 +137,19 @@ class MitmdumpProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:
+    """`tests.fakes.upstream` as its own process (so it does not share the load
+    generator's interpreter), with behaviour knobs as keyword arguments
+    (`prefill_ms=50, chunks=20`). Returns the process and its base URL."""
+    args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0"]
+    for knob, value in knobs.items():
+        args += [f"--{knob.replace('_', '-')}", str(value)]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout
+    line = proc.stdout.readline().split()
+    if line[:1] != ["listening"]:
+        proc.kill()
+        raise RuntimeError(f"fake upstream did not start: {line}")
+    return proc, line[1]
