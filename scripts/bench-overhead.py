@@ -18,7 +18,6 @@ user + system time over the run, per flow.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.fakes.client import stream_post  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream  # noqa: E402
 
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
 import importlib.util, sys
@@ -43,12 +42,6 @@ addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def first_token_ms(url: str) -> float:

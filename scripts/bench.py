@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from addons import scope, sse  # noqa: E402
 from tests.fakes import client  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream  # noqa: E402
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -48,11 +48,6 @@ def one_request(base_url: str) -> tuple[float, float]:
     if watcher.first_token is None:
         raise RuntimeError("no token in the response")
     return (watcher.first_token - start) * 1000, (end - start) * 1000
-
-
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 def main() -> None:
@@ -95,7 +90,7 @@ def main() -> None:
         total = [s[1] for s in samples]
         rows[name] = {
             "first_token_p50_ms": round(statistics.median(ft), 1),
-            "first_token_p90_ms": round(pct(ft, 90), 1),
+            "first_token_p90_ms": round(percentile(ft, 90), 1),
             "total_p50_ms": round(statistics.median(total), 1),
             "first_token_vs_direct": round(statistics.median(ft) / base_ft, 2),
         }

@@ -41,22 +41,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts import workers  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, start_fake_upstream  # noqa: E402
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, percentile, start_fake_upstream  # noqa: E402
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
 TIMEOUT = 60.0
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 async def one_stream(host: str, port: int, start: float) -> float:
@@ -123,11 +112,6 @@ class Supervised:
         self.proc.wait(30)
 
 
-def pct(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bursts", default="100,200,500", help="burst sizes, comma-separated")
@@ -166,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             for _ in range(args.rounds):
                 for name, (url, pids) in setups.items():
-                    c0 = cpu_seconds(pids())
+                    c0 = cpu_seconds(*pids())
                     ok, bad = asyncio.run(burst(url, n))
-                    cpu[name, n] += cpu_seconds(pids()) - c0
+                    cpu[name, n] += cpu_seconds(*pids()) - c0
                     first[name, n] += ok
                     failed[name, n] += bad
                     time.sleep(0.5)  # let connections close before the next burst
@@ -188,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             ft = first[name, n]
             cpu_s = "" if name == "direct" else f"{cpu[name, n] / args.rounds:.2f}"
             print(f"{n:>5} {name:<9} {statistics.median(ft) if ft else float('nan'):>13.0f} ms "
-                  f"{pct(ft, 99):>6.0f} ms {failed[name, n]:>9} {cpu_s:>18}")
+                  f"{percentile(ft, 99):>6.0f} ms {failed[name, n]:>9} {cpu_s:>18}")
         multi_name = f"relay-{args.workers}"
         if multi_name in setups and first[multi_name, n] and first["relay-1", n]:
-            print(f"{'':>5} p99 relay-1 / {multi_name}: {pct(first['relay-1', n], 99) / pct(first[multi_name, n], 99):.2f}x"
+            print(f"{'':>5} p99 relay-1 / {multi_name}: {percentile(first['relay-1', n], 99) / percentile(first[multi_name, n], 99):.2f}x"
                   f" (goal at 500: >= 1.5x); relay-1 / bare p99: "
-                  f"{pct(first['relay-1', n], 99) / pct(first['bare', n], 99):.2f}x (goal <= 1)")
+                  f"{percentile(first['relay-1', n], 99) / percentile(first['bare', n], 99):.2f}x (goal <= 1)")
     return 0
 
 

@@ -8,6 +8,7 @@ streaming test measure the wrong thing).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -153,3 +154,21 @@ def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:
         proc.kill()
         raise RuntimeError(f"fake upstream did not start: {line}")
     return proc, line[1]
+
+
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU time of processes, from /proc (Linux); ones gone count 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile of `values` (NaN for none)."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else math.nan
