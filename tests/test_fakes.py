@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from http.client import IncompleteRead
 from pathlib import Path
 
@@ -45,17 +44,6 @@ JSON_APIS = {
 }
 CHAT = "/v1/chat/completions"
 CHAT_STREAM = {"model": "gpt-test", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="session")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestCerts:
-    return TestCerts.create(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeUpstream]:
-    with FakeUpstream() as server:
-        yield server
 
 
 def model_of(api: str, body: dict) -> str:
