@@ -1,4 +1,4 @@
-"""The relay's two patches into mitmproxy 12.3.1, for failures hooks cannot shape.
+"""The relay's patches into mitmproxy 12.3.1, for what hooks cannot shape.
 
 mitmproxy pinned ==12.3.1 (requirements.txt); `tests/test_seams.py` fails loudly
 if the code patched here changes shape. Everything else the relay does uses hooks.
@@ -28,16 +28,29 @@ if the code patched here changes shape. Everything else the relay does uses hook
    reverse proxies only: the request is read, and the HTTP layer's own
    connection lookup reports the failed connection's error on that flow, as a
    lazy connect would (`HttpLayer.get_connection`: `self.context.server.error`).
+
+3. mitmproxy listens with asyncio's default backlog of 100. In a burst of new
+   connections larger than that, while the one event loop is busy, the kernel's
+   accept queue overflows and the clients it drops wait for a SYN retransmit:
+   1 s, then 3 s, added to their first token. No option sets the backlog. The wrap
+   of `AsyncioServerInstance.listen` (every TCP listener, at every (re)start) calls
+   `listen()` again on the new sockets with a larger backlog, which Linux and the
+   BSDs apply to a socket that is already listening; the kernel caps it at
+   `net.core.somaxconn`. mitmdump starts its listeners before it loads scripts, so
+   those already running are found through the proxyserver addon's public
+   `servers` and each instance's `_servers` (pinned by `AsyncioServerInstance._start`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from mitmproxy import http
-from mitmproxy.proxy import events, layer
+from mitmproxy.proxy import events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpStream, ResponseData, ResponseEndOfMessage, ResponseHeaders, SendHttp
 from mitmproxy.proxy.layers.http._events import ResponseProtocolError
@@ -54,7 +67,11 @@ None to leave mitmproxy's behaviour. `message` is mitmproxy's error text.
 
 _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
+_ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 _renderer: Renderer | None = None
+_listen_backlog = 0
+ASYNCIO_DEFAULT_BACKLOG = 100
+"""What `asyncio.start_server` listens with, and so mitmproxy."""
 
 
 def install(renderer: Renderer) -> None:
@@ -140,3 +157,30 @@ def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | 
         yield from self.child_layer.handle_event(events.Start())
         return None
     return err
+
+
+def set_listen_backlog(backlog: int, running: Iterable[Any] = ()) -> None:
+    """TCP listeners queue up to `backlog` new connections: those of the server
+    instances in `running` at once, every listener (re)started later when it starts.
+    0 gives mitmproxy's own listen back."""
+    global _listen_backlog
+    _listen_backlog = backlog
+    mode_servers.AsyncioServerInstance.listen = _listen if backlog > 0 else _ORIGINAL_LISTEN  # type: ignore[method-assign]
+    for instance in running:
+        if isinstance(instance, mode_servers.AsyncioServerInstance):
+            _relisten(instance._servers, backlog or ASYNCIO_DEFAULT_BACKLOG)
+
+
+async def _listen(self: mode_servers.AsyncioServerInstance, host: str, port: int) -> list[Any]:
+    servers = await _ORIGINAL_LISTEN(self, host, port)
+    _relisten(servers, _listen_backlog)
+    return servers
+
+
+def _relisten(servers: Iterable[Any], backlog: int) -> None:
+    for server in servers:
+        for listening in getattr(server, "sockets", ()):  # asyncio servers; UDP ones have none
+            if listening.type == socket.SOCK_STREAM:
+                # a duplicate descriptor of the same socket: listen() applies to both
+                with socket.socket(fileno=os.dup(listening.fileno())) as same:
+                    same.listen(backlog)

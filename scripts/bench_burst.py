@@ -14,10 +14,10 @@ Per setup and burst size: first-token p50/p99 over all rounds (from the start of
 burst to the first answer text), failures (errors, non-200, timeouts) and the relay's
 CPU seconds per burst (all its processes: workers and haproxy).
 
-Mind the listen backlogs: mitmproxy listens with asyncio's fixed default of 100, so
-in a burst larger than that, connections the kernel cannot queue wait for a SYN
-retransmit (1 s, then 3 s). HAProxy's listeners here queue 4096 (capped by
-net.core.somaxconn); behind it, HAProxy's own retries absorb a worker's full queue.
+Mind the listen backlogs: bare mitmproxy listens with asyncio's fixed default of
+100, so in a burst larger than that, connections the kernel cannot queue wait for
+a SYN retransmit (1 s, then 3 s). The relay's workers and HAProxy queue 4096
+(`relay_listen_backlog`; the kernel caps it at net.core.somaxconn).
 
     scripts/bench-burst [--bursts 100,200,500] [--rounds 3] [--workers N]
 """

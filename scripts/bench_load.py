@@ -11,9 +11,10 @@ mixing of streams would show) and checks that
   round, so nothing (flows, streamed bodies, timers) is retained.
 
 The fake's prefill holds every stream open until all have connected, so the
-streams really are concurrent. mitmproxy listens with a backlog of 100: in a burst
-of hundreds of connects some clients wait for a SYN retransmit (about 1 s),
-which costs time, not streams.
+streams really are concurrent. Bare mitmproxy listens with a backlog of 100 (the
+relay raises it, `relay_listen_backlog`): in a burst of hundreds of connects some
+clients of a bare mitmdump wait for a SYN retransmit (about 1 s), which costs
+time, not streams.
 
     scripts/bench-load [--streams 500] [--rounds 5] [--prefill-ms 1500] [--chunks 20]
 """

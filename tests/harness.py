@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
 import threading
@@ -172,3 +174,32 @@ def percentile(values: list[float], q: float) -> float:
     """The nearest-rank q-th percentile of `values` (NaN for none)."""
     xs = sorted(values)
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else math.nan
+
+
+def connect_many(port: int, n: int) -> list[socket.socket]:
+    """`n` non-blocking connects to a loopback listener, not waited for."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def handshakes_completed(sockets: list[socket.socket]) -> list[socket.socket]:
+    """Those of `sockets` whose connect completed, i.e. the listener's kernel queue
+    took them even if nobody accepts them yet. A connect whose SYN the kernel dropped
+    (queue full) is not retried for 1 s; loopback handshakes complete at once, so
+    half a second with nothing new ends the wait."""
+    poller = select.poll()
+    by_fd = {s.fileno(): s for s in sockets}
+    for fd in by_fd:
+        poller.register(fd, select.POLLOUT)
+    done = []
+    while len(done) < len(sockets) and (ready := poller.poll(500)):
+        for fd, _ in ready:
+            poller.unregister(fd)
+            if not by_fd[fd].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                done.append(by_fd[fd])
+    return done

@@ -6,16 +6,22 @@ named here, check the reasoning in seams.py still holds, then update the digests
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import inspect
 
+import pytest
 from mitmproxy import version
+from mitmproxy.proxy import mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Connection
+from mitmproxy.test import taddons
 
 from addons import seams
+from tests.harness import connect_many, handshakes_completed
 
 # sha256 (first 16 hex digits) of the source of every function the seams patch or rely on.
 PINNED = {
@@ -24,6 +30,8 @@ PINNED = {
     "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
     "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
     "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
+    "AsyncioServerInstance.listen": (seams._ORIGINAL_LISTEN, "7670a9038b44170d"),
+    "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
 }
 
 
@@ -47,6 +55,9 @@ def test_the_lines_the_seams_depend_on():
     # 2: a failed eager connect ends the layer; the HTTP layer reports a context server's error.
     assert "self._handle_event = self.done" in inspect.getsource(seams._ORIGINAL_FINISH_START)
     assert "(None, self.context.server.error)" in inspect.getsource(HttpLayer.get_connection)
+    # 3: every TCP listener comes from `listen`, and a running instance keeps its servers in `_servers`.
+    assert "self._servers = await self.listen(host, port)" in inspect.getsource(mode_servers.AsyncioServerInstance._start)
+    assert "asyncio.start_server(self.handle_stream, host, port)" in inspect.getsource(seams._ORIGINAL_LISTEN)
 
 
 def test_install_and_uninstall_restore_mitmproxys_code():
@@ -81,3 +92,40 @@ def test_replacing_passes_hook_replies_to_the_original_generator():
     except StopIteration:
         pass
     assert got == ["reply", "reply 2"]
+
+
+# --- 3: the listen backlog ------------------------------------------------------------
+
+
+class _NoConnections:
+    connections: dict = {}
+
+    @contextlib.contextmanager
+    def register_connection(self, connection_id, handler):
+        yield
+
+
+@pytest.mark.parametrize("backlog", [0, 300])
+def test_listeners_started_after_install_queue_the_backlog(backlog):
+    async def queued() -> int:
+        with taddons.context():
+            instance = mode_servers.ServerInstance.make("reverse:http://127.0.0.1:9@127.0.0.1:0", _NoConnections())
+            seams.set_listen_backlog(backlog)
+            try:
+                await instance.start()
+                # No await from here on: the event loop accepts nothing while we connect.
+                sockets = connect_many(instance.listen_addrs[0][1], 250)
+                try:
+                    return len(handshakes_completed(sockets))
+                finally:
+                    for s in sockets:
+                        s.close()
+            finally:
+                seams.set_listen_backlog(0)
+                await instance.stop()
+
+    got = asyncio.run(queued())
+    if backlog:
+        assert got == 250
+    else:  # mitmproxy's own: asyncio's 100 (the kernel queues one more)
+        assert seams.ASYNCIO_DEFAULT_BACKLOG <= got <= seams.ASYNCIO_DEFAULT_BACKLOG + 1

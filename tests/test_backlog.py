@@ -1,0 +1,64 @@
+"""The listen backlog, end to end: a burst of new connections larger than mitmproxy's backlog is queued, then served.
+
+The relay process is frozen (SIGSTOP) while the burst connects, as an event loop
+busy with other flows would be: only the kernel's accept queue decides who gets in.
+Bare mitmdump, frozen the same way, shows what the relay fixes: it queues 101 and
+leaves the rest to SYN retransmits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.test import taddons
+
+from addons import backlog, seams
+from tests.conftest import reverse_to
+from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
+
+BURST = 300
+WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
+
+
+def burst_while_frozen(pid: int, port: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sockets = connect_many(port, BURST)
+        return sockets, handshakes_completed(sockets)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_burst_beyond_mitmproxys_backlog_is_queued_and_served(fake, start_relay):
+    relay = start_relay(reverse_to(fake), termlog_verbosity="debug")
+    relay.wait_for_output("the running listeners queue up to 4096 new connections")
+    sockets, queued = burst_while_frozen(relay.proc.pid, relay.port)
+    try:
+        assert len(queued) == BURST
+        for s in queued:
+            s.setblocking(True)
+            s.settimeout(WAIT)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+        for s in queued:
+            assert s.recv(12).startswith(b"HTTP/1.1 "), "a queued connection was not served"
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_bare_mitmdump_queues_only_its_backlog(fake, start_relay):
+    bare = start_relay(reverse_to(fake), script=BASELINE_SCRIPT)
+    sockets, queued = burst_while_frozen(bare.proc.pid, bare.port)
+    for s in sockets:
+        s.close()
+    assert len(queued) <= seams.ASYNCIO_DEFAULT_BACKLOG + 1
+
+
+def test_a_negative_backlog_is_refused():
+    with taddons.context(backlog.ListenBacklog()) as tctx:
+        with pytest.raises(exceptions.OptionsError, match="relay_listen_backlog"):
+            tctx.configure(tctx.master.addons.get("listenbacklog"), relay_listen_backlog=-1)
