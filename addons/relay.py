@@ -4,7 +4,7 @@ Load with `mitmdump -s addons/relay.py` (or mitmweb). This file only composes th
 addons; each concern lives in its own module under `addons/`:
 
     config     mitm.conf under the command line
-    backlog    a burst of new connections queued, not dropped
+    capacity   a burst of streams: connections queued, cheaper hook dispatch
     guard      no open proxy, relay access keys, credentials redacted
     scope      which flows are LLM API calls, and which API shape
     streaming  every response chunk to the client as it arrives
@@ -30,11 +30,12 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import backlog, config, faults, guard, metrics, scope, sseview, streaming, timing, trim  # noqa: E402
+from addons import capacity, config, faults, guard, metrics, scope, sseview, streaming, timing, trim  # noqa: E402
 
 addons = [
     config.RelayConfig(),
-    backlog.ListenBacklog(),
+    capacity.ListenBacklog(),
+    capacity.HookPlans(),
     guard.Guard(),
     scope.Scope(),
     streaming.Streaming(),

@@ -1,4 +1,5 @@
-"""Pins the mitmproxy code `addons/seams.py` patches: fails loudly if mitmproxy changes it.
+"""The patches in `addons/seams.py`: each behaves as documented, and the mitmproxy code
+under them is pinned, so a change there fails loudly.
 
 mitmproxy is pinned ==12.3.1. On an upgrade, read the new versions of the functions
 named here, check the reasoning in seams.py still holds, then update the digests.
@@ -12,15 +13,15 @@ import hashlib
 import inspect
 
 import pytest
-from mitmproxy import version
+from mitmproxy import addonmanager, exceptions, version
 from mitmproxy.proxy import mode_servers
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
+from mitmproxy.proxy.layers.http import HttpLayer, HttpRequestHook, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Connection
-from mitmproxy.test import taddons
+from mitmproxy.test import taddons, tflow
 
-from addons import seams
+from addons import capacity, seams
 from tests.harness import connect_many, handshakes_completed
 
 # sha256 (first 16 hex digits) of the source of every function the seams patch or rely on.
@@ -32,6 +33,14 @@ PINNED = {
     "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
     "AsyncioServerInstance.listen": (seams._ORIGINAL_LISTEN, "7670a9038b44170d"),
     "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
+    "AddonManager.trigger_event": (seams._ORIGINAL_TRIGGER_EVENT, "b763c59bc4992e33"),
+    "AddonManager.register": (seams._ORIGINAL_REGISTER, "01ddcca314eebbd3"),
+    "AddonManager.invoke_addon": (addonmanager.AddonManager.invoke_addon, "13180532440359de"),
+    "AddonManager._iter_hooks": (addonmanager.AddonManager._iter_hooks, "350b419ab7284091"),
+    "AddonManager.remove": (addonmanager.AddonManager.remove, "2e93aab2204a39f6"),
+    "AddonManager.clear": (addonmanager.AddonManager.clear, "5fd484329fa05882"),
+    "AddonManager.add": (addonmanager.AddonManager.add, "6c26295c4f0f4eb9"),
+    "addonmanager.traverse": (addonmanager.traverse, "bad3d9f88bdf9269"),
 }
 
 
@@ -129,3 +138,120 @@ def test_listeners_started_after_install_queue_the_backlog(backlog):
         assert got == 250
     else:  # mitmproxy's own: asyncio's 100 (the kernel queues one more)
         assert seams.ASYNCIO_DEFAULT_BACKLOG <= got <= seams.ASYNCIO_DEFAULT_BACKLOG + 1
+
+
+# --- 4: hook dispatch from plans ------------------------------------------------------
+
+
+class Recorder:
+    """An addon whose `request` hook notes its name, and may fail or halt."""
+
+    def __init__(self, name: str, log: list, *, then: type[BaseException] | None = None, children=()) -> None:
+        self.name, self.log, self.then = name, log, then
+        if children:
+            self.addons = list(children)
+
+    def request(self, flow) -> None:
+        self.log.append(self.name)
+        if self.then:
+            raise self.then(self.name)
+
+
+class AsyncRecorder(Recorder):
+    async def request(self, flow) -> None:
+        await asyncio.sleep(0)
+        Recorder.request(self, flow)
+
+
+class NotAHook:
+    request = "not callable"
+
+    def __repr__(self) -> str:
+        return "NotAHook()"
+
+
+def dispatch(addons_for_log, plans: bool, caplog) -> tuple[list, list[str]]:
+    """Trigger one `request` event over the addons `addons_for_log(log)` builds: the
+    order of the calls and the addon errors mitmproxy logged."""
+    log: list = []
+    caplog.clear()
+
+    async def run() -> None:
+        with taddons.context(*addons_for_log(log)) as tctx:
+            try:
+                await tctx.master.addons.trigger_event(HttpRequestHook(tflow.tflow()))
+            finally:
+                await tctx.master.done()  # its log handler must not outlive this loop
+
+    seams.install_hook_plans(plans)
+    try:
+        asyncio.run(run())
+    finally:
+        seams.install_hook_plans(False)
+    return log, [r.getMessage() for r in caplog.records if r.getMessage().startswith("Addon error")]
+
+
+SCENARIOS = {
+    "order, nesting and async": lambda log: [
+        Recorder("a", log, children=[Recorder("a.1", log), AsyncRecorder("a.2", log, children=[Recorder("a.2.i", log)])]),
+        AsyncRecorder("b", log), Recorder("c", log)],
+    "an error skips the rest of that addon's tree only": lambda log: [
+        Recorder("a", log, children=[Recorder("a.1", log, then=ValueError), Recorder("a.2", log)]), Recorder("b", log)],
+    "AddonHalt ends the event": lambda log: [
+        Recorder("a", log), Recorder("b", log, then=exceptions.AddonHalt), Recorder("c", log)],
+    "a non-callable hook attribute is mitmproxy's error": lambda log: [
+        Recorder("a", log), NotAHook(), Recorder("c", log)],
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_plans_call_what_mitmproxy_calls_in_its_order(scenario, caplog):
+    mitmproxys = dispatch(SCENARIOS[scenario], False, caplog)
+    assert dispatch(SCENARIOS[scenario], True, caplog) == mitmproxys
+    assert mitmproxys[0]  # the scenario ran
+
+
+def test_plans_follow_the_addon_tree_as_it_changes():
+    log: list = []
+
+    async def run() -> list[list]:
+        seen = []
+        plans = capacity.HookPlans()
+        parent = Recorder("parent", log, children=[Recorder("child", log)])
+        with taddons.context(plans, parent) as tctx:
+            try:
+                tctx.configure(plans, relay_hook_plans=True)
+                assert seams.hook_plans_installed()
+
+                async def event() -> None:
+                    log.clear()
+                    await tctx.master.addons.trigger_event(HttpRequestHook(tflow.tflow()))
+                    seen.append(list(log))
+
+                await event()
+                late = Recorder("late", log)
+                tctx.master.addons.add(late)  # a new top-level addon
+                await event()
+                tctx.master.addons.remove(late)
+                await event()
+                nested = Recorder("nested", log)
+                parent.addons.append(nested)  # a managing addon registers what it adds
+                tctx.master.addons.register(nested)
+                await event()
+                parent.addons.reverse()  # as the script loader reorders scripts, on an option change
+                tctx.options.update(showhost=True)
+                await event()
+                tctx.configure(plans, relay_hook_plans=False)
+                assert not seams.hook_plans_installed()
+            finally:
+                seams.install_hook_plans(False)
+                await tctx.master.done()
+        return seen
+
+    assert asyncio.run(run()) == [
+        ["parent", "child"],
+        ["parent", "child", "late"],
+        ["parent", "child"],
+        ["parent", "child", "nested"],
+        ["parent", "nested", "child"],
+    ]

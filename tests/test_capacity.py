@@ -16,7 +16,7 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-from addons import backlog, seams
+from addons import capacity, seams
 from tests.conftest import reverse_to
 from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
 
@@ -59,6 +59,6 @@ def test_bare_mitmdump_queues_only_its_backlog(fake, start_relay):
 
 
 def test_a_negative_backlog_is_refused():
-    with taddons.context(backlog.ListenBacklog()) as tctx:
+    with taddons.context(capacity.ListenBacklog()) as tctx:
         with pytest.raises(exceptions.OptionsError, match="relay_listen_backlog"):
             tctx.configure(tctx.master.addons.get("listenbacklog"), relay_listen_backlog=-1)
