@@ -40,21 +40,24 @@ if the code patched here changes shape. Everything else the relay does uses hook
    those already running are found through the proxyserver addon's public
    `servers` and each instance's `_servers` (pinned by `AsyncioServerInstance._start`).
 
-4. mitmproxy dispatches every event (each flow hook, and the `update` event after
-   each) by walking its whole addon tree: per top-level addon (≈ 45 of them) a
-   coroutine, a context manager, two nested generators and a `getattr`, and the
-   event's arguments rebuilt from its dataclass fields for every function called,
-   whether or not any addon implements the hook. That walk was ≈ 30 % of a bare
-   mitmdump's CPU per streamed flow. The wrap of `AddonManager.trigger_event` walks
-   the tree once per hook name and keeps the plan: per top-level addon, the hook
-   functions of it and its children, in mitmproxy's order. It then calls them as
+4. mitmproxy dispatches every event (each flow hook, the `update` event after
+   each, every log record as an `add_log` event) by walking its whole addon tree:
+   per top-level addon (≈ 45 of them) a context manager, nested generators, a
+   `getattr` (and for `trigger_event` a coroutine), and the event's arguments rebuilt
+   from its dataclass fields for every function called, whether or not any addon
+   implements the hook. That walk was the largest single cost of a bare streaming
+   mitmdump under py-spy. The wraps of `AddonManager.trigger_event` and `trigger`
+   walk the tree once per hook name and keep the plan: per top-level addon, the
+   hook functions of it and its children, in mitmproxy's order. They call them as
    mitmproxy does: each top-level addon's functions under `safecall` (an exception
    is logged and skips the rest of that addon's tree), awaiting what returns an
    awaitable, `AddonHalt` ending the event. Plans are dropped when the tree can
    change: an addon registered or removed (`AddonManager.register`, a new chain
-   list) and any option change (`forget_hook_plans`, e.g. scripts
-   reordered). A non-callable attribute named like the hook leaves that event to
-   mitmproxy's own dispatch, which reports it.
+   list) and any option change (`forget_hook_plans`, e.g. scripts reordered).
+   An addon added while an event runs sees the next one. mitmproxy's own dispatch
+   still runs the lifecycle events (load, configure, running, done: rare, and when
+   scripts load during the walk), a hook some addon names with a non-callable
+   attribute, and a coroutine hook fired synchronously (mitmproxy reports both).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ import socket
 import types
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import addonmanager, exceptions, hooks, http
@@ -88,6 +92,7 @@ _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
 _ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 _ORIGINAL_TRIGGER_EVENT = addonmanager.AddonManager.trigger_event
+_ORIGINAL_TRIGGER = addonmanager.AddonManager.trigger
 _ORIGINAL_REGISTER = addonmanager.AddonManager.register
 _renderer: Renderer | None = None
 _listen_backlog = 0
@@ -207,9 +212,18 @@ def _relisten(servers: Iterable[Any], backlog: int) -> None:
                     same.listen(backlog)
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one event calls: per top-level addon that has any, its hook functions."""
+
+    funcs: list[list[Callable]]
+    sync: bool
+    """No coroutine functions among them: the synchronous `trigger` may use the plan."""
+
+
 class _HookPlans:
-    """Per hook name, the functions to call: one list per top-level addon that has any.
-    None for a hook some addon names with a non-callable attribute."""
+    """The plans of one addon tree, by hook name; None where mitmproxy's own dispatch
+    must run (lifecycle events, a non-callable attribute named like the hook)."""
 
     __slots__ = ("chain", "by_name")
 
@@ -217,17 +231,21 @@ class _HookPlans:
         # The list itself, not its id: `remove` and `clear` make a new list (and `add`
         # goes through `register`).
         self.chain = chain
-        self.by_name: dict[str, list[list[Callable]] | None] = {}
+        self.by_name: dict[str, _Plan | None] = {}
 
 
 _hook_plans: weakref.WeakKeyDictionary[addonmanager.AddonManager, _HookPlans] = weakref.WeakKeyDictionary()
+_LIFECYCLE = frozenset({"load", "configure", "running", "done"})
+"""Rare, and when the tree changes (scripts load) while mitmproxy's lazy walk runs."""
 
 
 def install_hook_plans(on: bool) -> None:
     """Dispatch events from plans (see 4. above); False gives mitmproxy's dispatch back."""
     forget_hook_plans()
-    addonmanager.AddonManager.trigger_event = _trigger_event if on else _ORIGINAL_TRIGGER_EVENT  # type: ignore[method-assign]
-    addonmanager.AddonManager.register = _register if on else _ORIGINAL_REGISTER  # type: ignore[method-assign]
+    manager = addonmanager.AddonManager
+    manager.trigger_event = _trigger_event if on else _ORIGINAL_TRIGGER_EVENT  # type: ignore[method-assign]
+    manager.trigger = _trigger if on else _ORIGINAL_TRIGGER  # type: ignore[method-assign]
+    manager.register = _register if on else _ORIGINAL_REGISTER  # type: ignore[method-assign]
 
 
 def hook_plans_installed() -> bool:
@@ -243,41 +261,62 @@ def _register(self: addonmanager.AddonManager, addon: Any) -> Any:
     return _ORIGINAL_REGISTER(self, addon)
 
 
-def _plan(chain: list[Any], name: str) -> list[list[Callable]] | None:
-    plan = []
+def _plan_for(manager: addonmanager.AddonManager, name: str) -> _Plan | None:
+    plans = _hook_plans.get(manager)
+    if plans is None or plans.chain is not manager.chain:
+        plans = _hook_plans[manager] = _HookPlans(manager.chain)
+    try:
+        return plans.by_name[name]
+    except KeyError:
+        plan = plans.by_name[name] = None if name in _LIFECYCLE else _plan(manager.chain, name)
+        return plan
+
+
+def _plan(chain: list[Any], name: str) -> _Plan | None:
+    funcs = []
     for top in chain:
-        funcs = []
+        of_top = []
         for addon in addonmanager.traverse([top]):
             func = getattr(addon, name, None)
             if not func or isinstance(func, types.ModuleType):  # mitmproxy skips both
                 continue
             if not callable(func):
                 return None
-            funcs.append(func)
-        if funcs:
-            plan.append(funcs)
-    return plan
+            of_top.append(func)
+        if of_top:
+            funcs.append(of_top)
+    return _Plan(funcs, sync=not any(inspect.iscoroutinefunction(f) for of_top in funcs for f in of_top))
 
 
 async def _trigger_event(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
-    plans = _hook_plans.get(self)
-    if plans is None or plans.chain is not self.chain:
-        plans = _hook_plans[self] = _HookPlans(self.chain)
-    try:
-        plan = plans.by_name[event.name]
-    except KeyError:
-        plan = plans.by_name[event.name] = _plan(self.chain, event.name)
+    plan = _plan_for(self, event.name)
     if plan is None:
         return await _ORIGINAL_TRIGGER_EVENT(self, event)
-    if not plan:
+    if not plan.funcs:
         return
     args = event.args()
-    for funcs in plan:
+    for funcs in plan.funcs:
         try:
             with addonmanager.safecall():
                 for func in funcs:
                     result = func(*args)
                     if result is not None and inspect.isawaitable(result):
                         await result
+        except exceptions.AddonHalt:
+            return
+
+
+def _trigger(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
+    plan = _plan_for(self, event.name)
+    if plan is None or not plan.sync:  # mitmproxy reports a coroutine hook called synchronously
+        return _ORIGINAL_TRIGGER(self, event)
+    if not plan.funcs:
+        return
+    args = event.args()
+    for funcs in plan.funcs:
+        try:
+            with addonmanager.safecall():
+                for func in funcs:
+                    func(*args)
         except exceptions.AddonHalt:
             return

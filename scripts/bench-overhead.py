@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, proc in variants.items():
                 latency[name].append(first_token_ms(proc.url()))
         cpu = {name: (cpu_seconds(proc.proc.pid) - cpu0[name]) / args.requests * 1000 for name, proc in variants.items()}
-        records = len((tmp / "timing.jsonl").read_bytes().splitlines())
     finally:
         for proc in variants.values():
-            proc.stop()
+            proc.stop()  # the relays write their last records as they stop
         fake.terminate()
         fake.wait(10)
+    records = len((tmp / "timing.jsonl").read_bytes().splitlines())
 
     p50 = {name: statistics.median(v) for name, v in latency.items()}
     print(f"{args.requests} streamed requests per variant, fake upstream prefill {args.prefill_ms:g} ms, "

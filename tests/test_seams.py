@@ -35,6 +35,8 @@ PINNED = {
     "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
     "AddonManager.trigger_event": (seams._ORIGINAL_TRIGGER_EVENT, "b763c59bc4992e33"),
     "AddonManager.register": (seams._ORIGINAL_REGISTER, "01ddcca314eebbd3"),
+    "AddonManager.trigger": (seams._ORIGINAL_TRIGGER, "b19e37ceb2096421"),
+    "AddonManager.invoke_addon_sync": (addonmanager.AddonManager.invoke_addon_sync, "212818268a95797b"),
     "AddonManager.invoke_addon": (addonmanager.AddonManager.invoke_addon, "13180532440359de"),
     "AddonManager._iter_hooks": (addonmanager.AddonManager._iter_hooks, "350b419ab7284091"),
     "AddonManager.remove": (addonmanager.AddonManager.remove, "2e93aab2204a39f6"),
@@ -156,6 +158,9 @@ class Recorder:
         if self.then:
             raise self.then(self.name)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
 
 class AsyncRecorder(Recorder):
     async def request(self, flow) -> None:
@@ -170,16 +175,20 @@ class NotAHook:
         return "NotAHook()"
 
 
-def dispatch(addons_for_log, plans: bool, caplog) -> tuple[list, list[str]]:
-    """Trigger one `request` event over the addons `addons_for_log(log)` builds: the
-    order of the calls and the addon errors mitmproxy logged."""
+def dispatch(addons_for_log, plans: bool, sync: bool, caplog) -> tuple[list, list[str]]:
+    """Trigger one `request` event (with `trigger_event`, or the synchronous `trigger`)
+    over the addons `addons_for_log(log)` builds: the order of the calls and the
+    addon errors mitmproxy logged."""
     log: list = []
     caplog.clear()
 
     async def run() -> None:
         with taddons.context(*addons_for_log(log)) as tctx:
             try:
-                await tctx.master.addons.trigger_event(HttpRequestHook(tflow.tflow()))
+                if sync:
+                    tctx.master.addons.trigger(HttpRequestHook(tflow.tflow()))
+                else:
+                    await tctx.master.addons.trigger_event(HttpRequestHook(tflow.tflow()))
             finally:
                 await tctx.master.done()  # its log handler must not outlive this loop
 
@@ -204,10 +213,11 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["trigger_event", "trigger"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_plans_call_what_mitmproxy_calls_in_its_order(scenario, caplog):
-    mitmproxys = dispatch(SCENARIOS[scenario], False, caplog)
-    assert dispatch(SCENARIOS[scenario], True, caplog) == mitmproxys
+def test_plans_call_what_mitmproxy_calls_in_its_order(scenario, sync, caplog):
+    mitmproxys = dispatch(SCENARIOS[scenario], False, sync, caplog)
+    assert dispatch(SCENARIOS[scenario], True, sync, caplog) == mitmproxys
     assert mitmproxys[0]  # the scenario ran
 
 
