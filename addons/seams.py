@@ -288,14 +288,22 @@ def _plan(chain: list[Any], name: str) -> _Plan | None:
     return _Plan(funcs, sync=not any(inspect.iscoroutinefunction(f) for of_top in funcs for f in of_top))
 
 
+def _planned(manager: addonmanager.AddonManager, event: hooks.Hook, sync: bool) -> tuple[list[list[Callable]], list[Any]] | None:
+    """The hook functions per top-level addon and the event's arguments; None leaves
+    the event to mitmproxy (see `_plan_for`; a coroutine hook fired synchronously,
+    which mitmproxy reports)."""
+    plan = _plan_for(manager, event.name)
+    if plan is None or (sync and not plan.sync):
+        return None
+    return plan.funcs, event.args() if plan.funcs else []
+
+
 async def _trigger_event(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
-    plan = _plan_for(self, event.name)
-    if plan is None:
+    planned = _planned(self, event, sync=False)
+    if planned is None:
         return await _ORIGINAL_TRIGGER_EVENT(self, event)
-    if not plan.funcs:
-        return
-    args = event.args()
-    for funcs in plan.funcs:
+    funcs_by_addon, args = planned
+    for funcs in funcs_by_addon:
         try:
             with addonmanager.safecall():
                 for func in funcs:
@@ -307,13 +315,11 @@ async def _trigger_event(self: addonmanager.AddonManager, event: hooks.Hook) -> 
 
 
 def _trigger(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
-    plan = _plan_for(self, event.name)
-    if plan is None or not plan.sync:  # mitmproxy reports a coroutine hook called synchronously
+    planned = _planned(self, event, sync=True)
+    if planned is None:
         return _ORIGINAL_TRIGGER(self, event)
-    if not plan.funcs:
-        return
-    args = event.args()
-    for funcs in plan.funcs:
+    funcs_by_addon, args = planned
+    for funcs in funcs_by_addon:
         try:
             with addonmanager.safecall():
                 for func in funcs:
