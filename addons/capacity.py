@@ -24,6 +24,9 @@ from . import seams
 
 logger = logging.getLogger(__name__)
 
+MAX_BACKLOG = 65535
+"""Beyond any net.core.somaxconn in use; the kernel caps the backlog there anyway."""
+
 
 class ListenBacklog:
     """Every TCP listener queues `relay_listen_backlog` new connections."""
@@ -40,8 +43,8 @@ class ListenBacklog:
 
     def configure(self, updated: set[str]) -> None:
         if "relay_listen_backlog" in updated:
-            if ctx.options.relay_listen_backlog < 0:
-                raise exceptions.OptionsError("relay_listen_backlog must be 0 or more")
+            if not 0 <= ctx.options.relay_listen_backlog <= MAX_BACKLOG:
+                raise exceptions.OptionsError(f"relay_listen_backlog must be between 0 and {MAX_BACKLOG}")
             self._apply()
 
     def running(self) -> None:
@@ -75,6 +78,7 @@ class HookPlans:
     def configure(self, updated: set[str]) -> None:
         if "relay_hook_plans" in updated:
             seams.install_hook_plans(ctx.options.relay_hook_plans)
+            logger.debug("events dispatched %s", "from hook plans" if ctx.options.relay_hook_plans else "by mitmproxy")
         else:
             # Any option change may change the addon tree (scripts added, reordered).
             seams.forget_hook_plans()

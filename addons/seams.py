@@ -42,7 +42,7 @@ if the code patched here changes shape. Everything else the relay does uses hook
 
 4. mitmproxy dispatches every event (each flow hook, the `update` event after
    each, every log record as an `add_log` event) by walking its whole addon tree:
-   per top-level addon (≈ 45 of them) a context manager, nested generators, a
+   per top-level addon (36 in mitmdump, 40 in mitmweb) a context manager, nested generators, a
    `getattr` (and for `trigger_event` a coroutine), and the event's arguments rebuilt
    from its dataclass fields for every function called, whether or not any addon
    implements the hook. That walk was the largest single cost of a bare streaming
@@ -54,7 +54,9 @@ if the code patched here changes shape. Everything else the relay does uses hook
    awaitable, `AddonHalt` ending the event. Plans are dropped when the tree can
    change: an addon registered or removed (`AddonManager.register`, a new chain
    list) and any option change (`forget_hook_plans`, e.g. scripts reordered).
-   An addon added while an event runs sees the next one. mitmproxy's own dispatch
+   An event already running
+   when a script reloads keeps the functions it started with (mitmproxy's lazy
+   walk would reach the new ones). mitmproxy's own dispatch
    still runs the lifecycle events (load, configure, running, done: rare, and when
    scripts load during the walk), a hook some addon names with a non-callable
    attribute, and a coroutine hook fired synchronously (mitmproxy reports both).
@@ -67,7 +69,6 @@ import logging
 import os
 import socket
 import types
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +189,7 @@ def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | 
 def set_listen_backlog(backlog: int, running: Iterable[Any] = ()) -> None:
     """TCP listeners queue up to `backlog` new connections: those of the server
     instances in `running` at once, every listener (re)started later when it starts.
-    0 gives mitmproxy's own listen back."""
+    0: mitmproxy's own backlog, for both."""
     global _listen_backlog
     _listen_backlog = backlog
     mode_servers.AsyncioServerInstance.listen = _listen if backlog > 0 else _ORIGINAL_LISTEN  # type: ignore[method-assign]
@@ -199,17 +200,21 @@ def set_listen_backlog(backlog: int, running: Iterable[Any] = ()) -> None:
 
 async def _listen(self: mode_servers.AsyncioServerInstance, host: str, port: int) -> list[Any]:
     servers = await _ORIGINAL_LISTEN(self, host, port)
-    _relisten(servers, _listen_backlog)
+    _relisten(servers, _listen_backlog or ASYNCIO_DEFAULT_BACKLOG)  # set to 0 while we awaited
     return servers
 
 
 def _relisten(servers: Iterable[Any], backlog: int) -> None:
     for server in servers:
         for listening in getattr(server, "sockets", ()):  # asyncio servers; UDP ones have none
-            if listening.type == socket.SOCK_STREAM:
+            if listening.type != socket.SOCK_STREAM:
+                continue
+            try:
                 # a duplicate descriptor of the same socket: listen() applies to both
                 with socket.socket(fileno=os.dup(listening.fileno())) as same:
                     same.listen(backlog)
+            except OSError as e:  # the patch must never cost a listener
+                logger.warning("cannot set the listen backlog of %s to %d: %s", listening.getsockname(), backlog, e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,16 +230,20 @@ class _HookPlans:
     """The plans of one addon tree, by hook name; None where mitmproxy's own dispatch
     must run (lifecycle events, a non-callable attribute named like the hook)."""
 
-    __slots__ = ("chain", "by_name")
+    __slots__ = ("chain", "generation", "by_name")
 
-    def __init__(self, chain: list[Any]) -> None:
+    def __init__(self, chain: list[Any], generation: int) -> None:
         # The list itself, not its id: `remove` and `clear` make a new list (and `add`
         # goes through `register`).
         self.chain = chain
+        self.generation = generation
         self.by_name: dict[str, _Plan | None] = {}
 
 
-_hook_plans: weakref.WeakKeyDictionary[addonmanager.AddonManager, _HookPlans] = weakref.WeakKeyDictionary()
+_PLANS_ATTRIBUTE = "_ttft_relay_hook_plans"
+"""Where a manager keeps its plans: on itself, so they live and die with it."""
+_generation = 0
+"""Bumped whenever some addon tree may have changed; older plans are dropped."""
 _LIFECYCLE = frozenset({"load", "configure", "running", "done"})
 """Rare, and when the tree changes (scripts load) while mitmproxy's lazy walk runs."""
 
@@ -253,23 +262,35 @@ def hook_plans_installed() -> bool:
 
 
 def forget_hook_plans() -> None:
-    _hook_plans.clear()
+    global _generation
+    _generation += 1
 
 
 def _register(self: addonmanager.AddonManager, addon: Any) -> Any:
-    _hook_plans.pop(self, None)
-    return _ORIGINAL_REGISTER(self, addon)
+    # Forget after, not before: the tree changes only once this returns (`add`
+    # appends the addon, a script addon sets its module), and events fired meanwhile
+    # (from `load`, or `configure` of deferred options) may have planned the old one.
+    try:
+        return _ORIGINAL_REGISTER(self, addon)
+    finally:
+        forget_hook_plans()
 
 
 def _plan_for(manager: addonmanager.AddonManager, name: str) -> _Plan | None:
-    plans = _hook_plans.get(manager)
-    if plans is None or plans.chain is not manager.chain:
-        plans = _hook_plans[manager] = _HookPlans(manager.chain)
+    plans = getattr(manager, _PLANS_ATTRIBUTE, None)
+    if plans is None or plans.generation != _generation or plans.chain is not manager.chain:
+        plans = _HookPlans(manager.chain, _generation)
+        setattr(manager, _PLANS_ATTRIBUTE, plans)
     try:
         return plans.by_name[name]
     except KeyError:
-        plan = plans.by_name[name] = None if name in _LIFECYCLE else _plan(manager.chain, name)
-        return plan
+        pass
+    try:
+        plan = None if name in _LIFECYCLE else _plan(manager.chain, name)
+    except Exception:  # an addon's attribute raised: mitmproxy's walk reports it
+        plan = None
+    plans.by_name[name] = plan
+    return plan
 
 
 def _plan(chain: list[Any], name: str) -> _Plan | None:

@@ -1,8 +1,8 @@
 """End to end in mitmweb: a relayed stream is listed with its timing and shown as events.
 
 "Watched in mitmweb" is how users look at the relay, and mitmweb's own addons (its
-flow view, its push updates) ride on the same hook dispatch the relay replaces with
-plans (`relay_hook_plans`), so both dispatches are checked.
+flow view among them) ride on the hook dispatch the relay replaces with plans
+(`relay_hook_plans`), so both dispatches are checked.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def test_mitmweb_shows_a_relayed_stream(plans, fake, confdir, tmp_path):
     web_port = free_port()
     relay = MitmdumpProcess([reverse_to(fake)], confdir, options={
         "web_port": web_port, "web_open_browser": "false", "web_password": PASSWORD,
-        "relay_hook_plans": str(plans).lower(), "relay_timing_log": tmp_path / "timing.jsonl"})
+        "relay_hook_plans": str(plans).lower(), "relay_timing_log": tmp_path / "timing.jsonl",
+        "termlog_verbosity": "debug"})
     relay.args[0] = str(MITMWEB)
     with relay.start():
         relay.wait_for_output("Web server listening")
+        relay.wait_for_output("events dispatched " + ("from hook plans" if plans else "by mitmproxy"))
         streamed = b"".join(chunk.data for chunk in client.stream_post(relay.url() + "/v1/chat/completions", BODY))
         assert b"Hello" in streamed
 

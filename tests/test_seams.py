@@ -13,7 +13,9 @@ import hashlib
 import inspect
 
 import pytest
-from mitmproxy import addonmanager, exceptions, version
+from mitmproxy import addonmanager, ctx, exceptions, master, version
+from mitmproxy.addons import script
+from mitmproxy.hooks import UpdateHook
 from mitmproxy.proxy import mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpLayer, HttpRequestHook, HttpStream
@@ -43,6 +45,11 @@ PINNED = {
     "AddonManager.clear": (addonmanager.AddonManager.clear, "5fd484329fa05882"),
     "AddonManager.add": (addonmanager.AddonManager.add, "6c26295c4f0f4eb9"),
     "addonmanager.traverse": (addonmanager.traverse, "bad3d9f88bdf9269"),
+    # how the tree changes under plans (register, then the module set) and when
+    # listeners start (before `running`, where the backlog reaches them)
+    "Script.loadscript": (script.Script.loadscript, "f2972abb206ff2fe"),
+    "ScriptLoader.configure": (script.ScriptLoader.configure, "d76470344008804a"),
+    "Master.run": (master.Master.run, "45c44c14f8f79349"),
 }
 
 
@@ -175,12 +182,19 @@ class NotAHook:
         return "NotAHook()"
 
 
-def dispatch(addons_for_log, plans: bool, sync: bool, caplog) -> tuple[list, list[str]]:
+def dispatch(addons_for_log, plans: bool, sync: bool, caplog) -> tuple[list, list[str], bool]:
     """Trigger one `request` event (with `trigger_event`, or the synchronous `trigger`)
-    over the addons `addons_for_log(log)` builds: the order of the calls and the
-    addon errors mitmproxy logged."""
+    over the addons `addons_for_log(log)` builds: the order of the calls, the addon
+    errors mitmproxy logged, and whether a plan served the event."""
     log: list = []
+    left_to_mitmproxy: list[str] = []
     caplog.clear()
+
+    def counted(original):
+        def dispatch_by_mitmproxy(self, event):
+            left_to_mitmproxy.append(event.name)
+            return original(self, event)
+        return dispatch_by_mitmproxy
 
     async def run() -> None:
         with taddons.context(*addons_for_log(log)) as tctx:
@@ -193,11 +207,15 @@ def dispatch(addons_for_log, plans: bool, sync: bool, caplog) -> tuple[list, lis
                 await tctx.master.done()  # its log handler must not outlive this loop
 
     seams.install_hook_plans(plans)
+    originals = seams._ORIGINAL_TRIGGER_EVENT, seams._ORIGINAL_TRIGGER
+    seams._ORIGINAL_TRIGGER_EVENT, seams._ORIGINAL_TRIGGER = map(counted, originals)
     try:
         asyncio.run(run())
     finally:
+        seams._ORIGINAL_TRIGGER_EVENT, seams._ORIGINAL_TRIGGER = originals
         seams.install_hook_plans(False)
-    return log, [r.getMessage() for r in caplog.records if r.getMessage().startswith("Addon error")]
+    errors = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Addon error")]
+    return log, errors, plans and "request" not in left_to_mitmproxy
 
 
 SCENARIOS = {
@@ -216,9 +234,12 @@ SCENARIOS = {
 @pytest.mark.parametrize("sync", [False, True], ids=["trigger_event", "trigger"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_plans_call_what_mitmproxy_calls_in_its_order(scenario, sync, caplog):
-    mitmproxys = dispatch(SCENARIOS[scenario], False, sync, caplog)
-    assert dispatch(SCENARIOS[scenario], True, sync, caplog) == mitmproxys
-    assert mitmproxys[0]  # the scenario ran
+    log, errors, _ = dispatch(SCENARIOS[scenario], False, sync, caplog)
+    assert log  # the scenario ran
+    planned_log, planned_errors, planned = dispatch(SCENARIOS[scenario], True, sync, caplog)
+    assert (planned_log, planned_errors) == (log, errors)
+    # Plans serve the event, but where mitmproxy must report an error of its own.
+    assert planned == ("non-callable" not in scenario and not (sync and "async" in scenario))
 
 
 def test_plans_follow_the_addon_tree_as_it_changes():
@@ -265,3 +286,34 @@ def test_plans_follow_the_addon_tree_as_it_changes():
         ["parent", "child", "nested"],
         ["parent", "nested", "child"],
     ]
+
+
+class TriggersOnLoad:
+    """Fires an event while mitmproxy registers it: before it is in the tree."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def load(self, loader) -> None:
+        ctx.master.addons.trigger(UpdateHook([]))
+
+    def update(self, flows) -> None:
+        self.log.append("update")
+
+
+def test_an_event_fired_while_an_addon_registers_plans_nothing_stale():
+    log: list = []
+
+    async def run() -> None:
+        with taddons.context() as tctx:
+            seams.install_hook_plans(True)
+            try:
+                tctx.master.addons.trigger(UpdateHook([]))  # a plan for `update` without the addon
+                tctx.master.addons.add(TriggersOnLoad(log))
+                tctx.master.addons.trigger(UpdateHook([]))
+            finally:
+                seams.install_hook_plans(False)
+                await tctx.master.done()
+
+    asyncio.run(run())
+    assert log == ["update"]
