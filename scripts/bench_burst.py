@@ -11,8 +11,10 @@ all alike:
     relay-N       client → scripts/relay --workers N (N mitmdump workers behind HAProxy)
 
 Per setup and burst size: first-token p50/p99 over all rounds (from the start of the
-burst to the first answer text), failures (errors, non-200, timeouts) and the relay's
-CPU seconds per burst (all its processes: workers and haproxy).
+burst to the first answer text), failures (errors, non-200, timeouts), the relay's
+CPU seconds per burst (all its processes: workers and haproxy), and the connections
+the kernel dropped from a full listen queue during its bursts (Linux's TcpExt
+ListenOverflows: machine-wide, but the bursts run one at a time).
 
 Mind the listen backlogs: bare mitmproxy listens with asyncio's fixed default of
 100, so in a burst larger than that, connections the kernel cannot queue wait for
@@ -68,6 +70,18 @@ async def one_stream(host: str, port: int, start: float) -> float:
         return (first - start) * 1000
     finally:
         writer.close()
+
+
+def listen_overflows() -> int:
+    """Linux's count of connections dropped from full accept queues (0 elsewhere)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return 0
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            return dict(zip(names.split()[1:], map(int, values.split()[1:]))).get("ListenOverflows", 0)
+    return 0
 
 
 async def burst(url: str, size: int) -> tuple[list[float], int]:
@@ -147,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         first = {(name, n): [] for name in setups for n in sizes}
         failed = {(name, n): 0 for name in setups for n in sizes}
         cpu = {(name, n): 0.0 for name in setups for n in sizes}
+        dropped = {(name, n): 0 for name in setups for n in sizes}
         for n in sizes:
             for _ in range(args.rounds):
                 for name, (url, pids) in setups.items():
-                    c0 = cpu_seconds(*pids())
+                    c0, d0 = cpu_seconds(*pids()), listen_overflows()
                     ok, bad = asyncio.run(burst(url, n))
                     cpu[name, n] += cpu_seconds(*pids()) - c0
+                    dropped[name, n] += listen_overflows() - d0
                     first[name, n] += ok
                     failed[name, n] += bad
                     time.sleep(0.5)  # let connections close before the next burst
@@ -166,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"fake upstream: prefill {args.prefill_ms:g} ms, {args.chunks} chunks {args.gap_ms:g} ms apart; "
           f"{args.rounds} bursts per setup and size, new connection per stream; {os.cpu_count()} cores")
-    print(f"{'burst':>5} {'setup':<9} {'first token p50':>16} {'p99':>9} {'failures':>9} {'relay CPU s/burst':>18}")
+    print(f"{'burst':>5} {'setup':<9} {'first token p50':>16} {'p99':>9} {'failures':>9} {'relay CPU s/burst':>18}"
+          f" {'full-queue drops/burst':>23}")
     for n in sizes:
         for name in setups:
             ft = first[name, n]
             cpu_s = "" if name == "direct" else f"{cpu[name, n] / args.rounds:.2f}"
             print(f"{n:>5} {name:<9} {statistics.median(ft) if ft else float('nan'):>13.0f} ms "
-                  f"{percentile(ft, 99):>6.0f} ms {failed[name, n]:>9} {cpu_s:>18}")
+                  f"{percentile(ft, 99):>6.0f} ms {failed[name, n]:>9} {cpu_s:>18} {dropped[name, n] / args.rounds:>23.0f}")
         multi_name = f"relay-{args.workers}"
         if multi_name in setups and first[multi_name, n] and first["relay-1", n]:
             print(f"{'':>5} p99 relay-1 / {multi_name}: {percentile(first['relay-1', n], 99) / percentile(first[multi_name, n], 99):.2f}x"
