@@ -27,7 +27,7 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from . import apierrors, seams, state
+from . import apierrors, scope, seams, state
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,17 @@ class FailedConnects:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.failed.pop(client.id, None)
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        # Regular proxy mode connects upstream when the client's CONNECT arrives; if
+        # that fails, mitmproxy answers the CONNECT with 502 and the requests the
+        # tunnel was for never come. The CONNECT is then the flow to record (timing
+        # reads the failed connection's marks from it). A CONNECT refused without a
+        # connect attempt (proxy authentication) has no connection error.
+        if flow.server_conn.error is None or state.get(flow) is not None:
+            return
+        st = state.attach(flow, state.FlowState(api=scope.OTHER))
+        st.error, st.error_phase = flow.server_conn.error, "upstream_connect"
 
     def error(self, flow: http.HTTPFlow) -> None:
         if state.get(flow) is None or flow.error is None or flow.response is not None:

@@ -230,6 +230,9 @@ class Metrics:
     def error(self, flow: http.HTTPFlow) -> None:
         self._count(flow)
 
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        self._count(flow)
+
     def _count(self, flow: http.HTTPFlow) -> None:
         if not self.listen or flow in self.counted:
             return

@@ -119,6 +119,9 @@ class Timing:
     def error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)
 
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)  # a failed CONNECT that faults.FailedConnects took in
+
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.used_connections.discard(data.server.id)
 
@@ -199,7 +202,9 @@ class Timing:
             self.console_lines.add(record.summary_line(rec))
 
     def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
-        status = flow.response.status_code if flow.response is not None else None
+        # A CONNECT's response is the proxy's own, never the upstream's.
+        upstream_answered = flow.response is not None and flow.request.method != "CONNECT"
+        status = flow.response.status_code if upstream_answered else None
         w = st.watcher
         error, error_phase = st.error, st.error_phase
         client_aborted = st.client_aborted

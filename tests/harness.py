@@ -16,7 +16,10 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 RELAY_SCRIPT = REPO / "addons" / "relay.py"
@@ -203,3 +206,22 @@ def handshakes_completed(sockets: list[socket.socket]) -> list[socket.socket]:
             if not by_fd[fd].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                 done.append(by_fd[fd])
     return done
+
+
+def metrics_url(relay: MitmdumpProcess) -> str:
+    """The scrape URL a relay with `relay_metrics_listen` reported."""
+    return re.search(r"(http://\S+/metrics)", relay.wait_for_output(r"metrics at http://")).group(1)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sample name + sorted labels → value, from the text exposition at `url`."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        s.name + repr(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
+def total(samples: dict[str, float], name: str, **labels: str) -> float:
+    want = [f"('{k}', '{v}')" for k, v in labels.items()]
+    return sum(v for k, v in samples.items() if k.startswith(name + "[") and all(w in k for w in want))

@@ -24,6 +24,7 @@ import pytest
 from addons import apierrors, faults, scope
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
+from tests.harness import metrics_url, scrape, total
 
 WAIT = 20  # seconds: turns a hang into a failure
 
@@ -111,6 +112,34 @@ def test_connection_refused(api, strategy, start_relay, tmp_path):
     rec = one_record(relay, tmp_path)
     assert rec["error_phase"] == "upstream_connect" and "Connect call failed" in rec["error"]
     assert rec["status"] is None and rec["verdict"] == "error in upstream connect"
+
+
+def connect_through(relay, port: int) -> bytes:
+    """The status line a CONNECT to 127.0.0.1:`port` through `relay` gets."""
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=WAIT) as s:
+        s.sendall(b"CONNECT 127.0.0.1:%d HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (port, port))
+        return s.makefile("rb").readline()
+
+
+def test_a_failed_connect_in_https_proxy_mode_is_recorded_and_counted(start_relay, tmp_path):
+    # Regular mode connects upstream on CONNECT (eager): no request ever comes.
+    relay = start_relay("regular@0", relay_metrics_listen="127.0.0.1:0")
+    port = closed_port()
+    assert connect_through(relay, port).startswith(b"HTTP/1.1 502")
+    # The hook that records and counts runs before mitmproxy answers the CONNECT.
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "gen_ai_client_operation_duration_seconds_count", error_type="upstream_connect") == 1
+    rec = one_record(relay, tmp_path)
+    assert rec["error_phase"] == "upstream_connect" and "Connect call failed" in rec["error"]
+    assert rec["status"] is None and rec["verdict"] == "error in upstream connect"
+    assert rec["upstream"] == f"127.0.0.1:{port}"
+
+
+def test_a_connect_refused_for_proxy_auth_is_not_a_failure_to_record(start_relay, tmp_path):
+    relay = start_relay("regular@0", proxyauth="user:secret")
+    assert connect_through(relay, closed_port()).startswith(b"HTTP/1.1 407")
+    relay.stop()
+    assert records(tmp_path) == []
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -3,18 +3,16 @@ through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from addons import metrics, record, scope
 from tests.conftest import reverse_to
 from tests.fakes import client
+from tests.harness import metrics_url, scrape, total
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -77,23 +75,9 @@ def test_listen_addresses():
         metrics.parse_listen("9464x")
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Sample name + sorted labels → value, from the text exposition at `url`."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {
-        s.name + repr(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
-    }
-
-
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
-    want = [f"('{k}', '{v}')" for k, v in labels.items()]
-    return sum(v for k, v in samples.items() if k.startswith(name + "[") and all(w in k for w in want))
-
-
 def test_scrape_during_a_run_matches_the_records(fake, start_relay, tmp_path):
     relay = start_relay(reverse_to(fake), relay_metrics_listen="127.0.0.1:0")
-    url = re.search(r"(http://\S+/metrics)", relay.wait_for_output(r"metrics at http://")).group(1)
+    url = metrics_url(relay)
     assert url.startswith("http://127.0.0.1:")
 
     def one(status: int = 200) -> None:
