@@ -191,8 +191,8 @@ class ConsoleLines:
     CONSOLE_BATCH_S, else gathered and logged together when that time is up.
 
     In mitmproxy every log record costs far more than its line (the termlog print,
-    and an `add_log` event dispatched to every addon: ~0.4 ms per flow under
-    load). Gathering keeps one line per flow while the record count stays bounded
+    and an `add_log` event for the addons: ~0.4 ms per flow under load, measured
+    before the relay dispatched events from plans). Gathering keeps one line per flow while the record count stays bounded
     at a few per second. `flush()` logs whatever is gathered."""
 
     def __init__(self, log: logging.Logger) -> None:
