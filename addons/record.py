@@ -192,8 +192,9 @@ class ConsoleLines:
 
     In mitmproxy every log record costs far more than its line (the termlog print,
     and an `add_log` event for the addons: ~0.4 ms per flow under load, measured
-    before the relay dispatched events from plans). Gathering keeps one line per flow while the record count stays bounded
-    at a few per second. `flush()` logs whatever is gathered."""
+    before the relay dispatched events from plans). Gathering keeps one line per
+    flow while the record count stays bounded at a few per second. `flush()` logs
+    whatever is gathered."""
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log

@@ -42,24 +42,24 @@ if the code patched here changes shape. Everything else the relay does uses hook
 
 4. mitmproxy dispatches every event (each flow hook, the `update` event after
    each, every log record as an `add_log` event) by walking its whole addon tree:
-   per top-level addon (36 in mitmdump, 40 in mitmweb) a context manager, nested generators, a
-   `getattr` (and for `trigger_event` a coroutine), and the event's arguments rebuilt
-   from its dataclass fields for every function called, whether or not any addon
-   implements the hook. That walk was the largest single cost of a bare streaming
-   mitmdump under py-spy. The wraps of `AddonManager.trigger_event` and `trigger`
-   walk the tree once per hook name and keep the plan: per top-level addon, the
-   hook functions of it and its children, in mitmproxy's order. They call them as
-   mitmproxy does: each top-level addon's functions under `safecall` (an exception
-   is logged and skips the rest of that addon's tree), awaiting what returns an
-   awaitable, `AddonHalt` ending the event. Plans are dropped when the tree can
-   change: an addon registered or removed (`AddonManager.register`, a new chain
-   list) and any option change (`forget_hook_plans`, e.g. scripts reordered).
-   An event already running
-   when a script reloads keeps the functions it started with (mitmproxy's lazy
-   walk would reach the new ones). mitmproxy's own dispatch
-   still runs the lifecycle events (load, configure, running, done: rare, and when
-   scripts load during the walk), a hook some addon names with a non-callable
-   attribute, and a coroutine hook fired synchronously (mitmproxy reports both).
+   per top-level addon (36 in mitmdump, 40 in mitmweb) a context manager, nested
+   generators, a `getattr` (and for `trigger_event` a coroutine), and the event's
+   arguments rebuilt from its dataclass fields for every function called, whether
+   or not any addon implements the hook. That walk was the largest single cost of a
+   bare streaming mitmdump under py-spy. The wraps of `AddonManager.trigger_event`
+   and `trigger` walk the tree once per hook name and keep the plan: per top-level
+   addon, the hook functions of it and its children, in mitmproxy's order. They
+   call them as mitmproxy does: each top-level addon's functions under `safecall`
+   (an exception is logged and skips the rest of that addon's tree), awaiting what
+   returns an awaitable, `AddonHalt` ending the event. Plans are dropped when the
+   tree can change: an addon registered or removed (`AddonManager.register`, a new
+   chain list) and any option change (`forget_hook_plans`, e.g. scripts
+   reordered). An event already running when a script reloads keeps the functions
+   it started with (mitmproxy's lazy walk would reach the new ones). mitmproxy's
+   own dispatch still runs the lifecycle events (load, configure, running, done:
+   rare, and when scripts load during the walk), a hook some addon names with a
+   non-callable attribute, and a coroutine hook fired synchronously (mitmproxy
+   reports both).
 """
 
 from __future__ import annotations
