@@ -27,6 +27,7 @@ BASELINE_SCRIPT = REPO / "scripts" / "baseline_stream.py"
 """A mitmproxy script that streams every response and does nothing else: what
 benchmarks measure the relay against."""
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
+MITMWEB = Path(sys.executable).parent / "mitmweb"
 
 _LISTENING = re.compile(r"listening at (?:\*|[\d.]+|\[[^\]]*\]):(\d+)")
 _SCRIPT_ERROR = re.compile(r"error in script|Traceback|mitmproxy has crashed", re.I)

@@ -10,7 +10,6 @@ machine cannot decide; no test asserts an absolute time on its own.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from scripts import diagnose, diagnosis, probe, probe_requests
 from scripts.diagnosis import ProbeResult
+from scripts.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import DelayingForwarder
 
@@ -225,12 +225,6 @@ def test_through_the_relay_as_https_proxy(start_relay, fake_tls, certs, tmp_path
     assert len(evidence.ok("relayed tiny")) == 2 and len(evidence.records) == 4
     assert all("tunnel" in p.marks and p.tls_version for p in evidence.ok("relayed tiny"))
     assert not result.failed
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from addons import apierrors, faults, scope
+from scripts.workers import free_port as closed_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total
@@ -53,12 +54,6 @@ def one_record(relay, tmp_path: Path) -> dict:
     recs = records(tmp_path)
     assert len(recs) == 1, recs
     return recs[0]
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_api_error_body(api: str, response: client.RawResponse, status: int) -> str:

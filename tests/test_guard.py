@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 
 import anthropic
@@ -24,9 +22,10 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
 
 from addons import guard, scope, state
+from scripts.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
-from tests.harness import REPO, MitmdumpProcess
+from tests.harness import MITMWEB, REPO, MitmdumpProcess
 
 RELAY_KEY = "relay-key-0123456789-alice"
 OTHER_RELAY_KEY = "relay-key-0123456789-bob"
@@ -372,13 +371,6 @@ def test_wrong_or_missing_relay_keys_get_401_in_the_apis_own_format(keyed_relay,
 # --- end to end: no secret in any output --------------------------------------------------
 
 
-def _free_port() -> int:
-    """A loopback port nobody listens on (a listener's own, or one that refuses connections)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read_flows(path: Path) -> list[http.HTTPFlow]:
     with path.open("rb") as f:
         return list(io.FlowReader(f).stream())
@@ -394,7 +386,7 @@ def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_
 
     # 1. A plain relay: the clients' own keys pass through, in every slot and mode.
     # Distinct ports: mitmproxy refuses two listeners on 127.0.0.1:0.
-    plain = start_relay(reverse_to(fake), f"regular@{_free_port()}", f"reverse:http://127.0.0.1:{_free_port()}@{_free_port()}",
+    plain = start_relay(reverse_to(fake), f"regular@{free_port()}", f"reverse:http://127.0.0.1:{free_port()}@{free_port()}",
                         save_stream_file=tmp_path / "plain.flows", connection_strategy="lazy", **detail)
     sdk = openai.OpenAI(base_url=plain.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
     assert list(sdk.chat.completions.create(model="gpt-4o-mini", stream=True, messages=CHAT["messages"]))
@@ -469,9 +461,6 @@ def test_no_secret_reaches_console_records_or_saved_flows(fake, fake_tls, start_
 
 # --- end to end: refusing to start as an open proxy -----------------------------------------
 
-MITMWEB = Path(sys.executable).parent / "mitmweb"
-
-
 def _process(confdir, modes, *args: str, relay_conf: Path | None = None, tool: Path | None = None) -> MitmdumpProcess:
     proc = MitmdumpProcess(list(modes), confdir, extra_args=list(args), relay_conf=relay_conf)
     if tool is not None:
@@ -489,7 +478,7 @@ def _refused(proc: MitmdumpProcess) -> str:
 
 @pytest.mark.parametrize(("modes", "args", "conf", "expected"), [
     (["regular@0"], ["--listen-host", "0.0.0.0"], None, "regular@0 on 0.0.0.0 (set proxyauth)"),
-    ([f"regular@0.0.0.0:{_free_port()}"], [], None, "(set proxyauth)"),
+    ([f"regular@0.0.0.0:{free_port()}"], [], None, "(set proxyauth)"),
     # mitm.conf's listeners (the command line names none), applied before the guard loads.
     ([], [], "mode: ['regular@0.0.0.0:0']\n", "regular@0.0.0.0:0 on 0.0.0.0 (set proxyauth)"),
     (["regular@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=any"], None, "(set proxyauth)"),
@@ -533,7 +522,7 @@ def test_missing_upstream_key_stops_the_relay(confdir, monkeypatch):
 
 
 def test_mitmweb_off_loopback_needs_a_password(confdir):
-    web = ["--web-host", "0.0.0.0", "--web-port", str(_free_port()), "--set", "web_open_browser=false"]
+    web = ["--web-host", "0.0.0.0", "--web-port", str(free_port()), "--set", "web_open_browser=false"]
     output = _refused(_process(confdir, ["regular@0"], *web, tool=MITMWEB))
     assert "mitmweb on web_host 0.0.0.0 needs web_password" in output
 

@@ -7,10 +7,8 @@ flow view among them) ride on the hook dispatch the relay replaces with plans
 
 from __future__ import annotations
 
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import orjson
 import pytest
@@ -18,9 +16,8 @@ import pytest
 from scripts.workers import free_port
 from tests.conftest import reverse_to
 from tests.fakes import client
-from tests.harness import MitmdumpProcess
+from tests.harness import MITMWEB, MitmdumpProcess
 
-MITMWEB = Path(sys.executable).parent / "mitmweb"
 PASSWORD = "correct-horse-battery"
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
