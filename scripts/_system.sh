@@ -1,0 +1,24 @@
+# Sourced by scripts/test: the system programs the end-to-end tests drive as real parts —
+# HAProxy (workers), Prometheus (metrics scraped for real), Chromium (pages a person looks
+# at) — installed from Debian's packages when missing, where we are root with apt-get (CI,
+# a fresh VPS or container). Elsewhere nothing is installed and those tests skip, each
+# saying which program it lacks. TTFT_RELAY_NO_INSTALL=1 turns the install off.
+
+SYSTEM_PACKAGES=(haproxy:haproxy prometheus:prometheus chromium:chromium)
+# program:package pairs
+
+ensure_system_packages() {
+    local pair missing=()
+    for pair in "${SYSTEM_PACKAGES[@]}"; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ -n "${TTFT_RELAY_NO_INSTALL:-}" ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "[ttft-relay] not installing ${missing[*]} (needs root and apt-get; TTFT_RELAY_NO_INSTALL unset): their tests skip" >&2
+        return 0
+    fi
+    echo "[ttft-relay] installing ${missing[*]} (Debian packages) for the end-to-end tests" >&2
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } \
+        >/tmp/ttft-relay-apt.log 2>&1 \
+        || echo "[ttft-relay] apt-get install ${missing[*]} failed (see /tmp/ttft-relay-apt.log): their tests skip" >&2
+}
