@@ -30,46 +30,19 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
-
-import orjson
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts import workers  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, percentile, start_fake_upstream  # noqa: E402
+from scripts.bench_streams import one_stream  # noqa: E402
+from tests.harness import BenchSetups, cpu_seconds, percentile  # noqa: E402
 
-BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
-FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
 TIMEOUT = 60.0
-
-
-async def one_stream(host: str, port: int, start: float) -> float:
-    """ms from `start` to the first answer text; raises on any failure."""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
-                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(BODY), BODY))
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
-        seen, first = b"", None
-        while data := await reader.read(65536):
-            if first is None:
-                seen = seen[-len(FIRST_PIECE):] + data
-                if FIRST_PIECE in seen:
-                    first = time.perf_counter()
-        if first is None:
-            raise RuntimeError("no answer text")
-        return (first - start) * 1000
-    finally:
-        writer.close()
 
 
 def listen_overflows() -> int:
@@ -84,46 +57,20 @@ def listen_overflows() -> int:
     return 0
 
 
+async def first_token_ms(host: str, port: int, start: float) -> float:
+    """ms from `start` to the first answer text of one new stream; raises on any failure."""
+    return (await one_stream(host, port, start, None))[0]
+
+
 async def burst(url: str, size: int) -> tuple[list[float], int]:
     u = urlsplit(url)
     start = time.perf_counter()
     results = await asyncio.gather(
-        *(asyncio.wait_for(one_stream(u.hostname, u.port, start), TIMEOUT) for _ in range(size)),
+        *(asyncio.wait_for(first_token_ms(u.hostname, u.port, start), TIMEOUT) for _ in range(size)),
         return_exceptions=True,
     )
     ok = [r for r in results if isinstance(r, float)]
     return ok, size - len(ok)
-
-
-class Supervised:
-    """scripts/workers.py with N workers on a free port; its process tree for CPU."""
-
-    def __init__(self, upstream: str, n: int, tmp: Path) -> None:
-        self.port = workers.free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "workers.py"), "--workers", str(n),
-             "--mode", f"reverse:{upstream}@{self.port}", "--listen-host", "127.0.0.1",
-             "--set", f"confdir={tmp}", "--set", f"relay_timing_log={tmp / 'timing-n.jsonl'}",
-             "--set", "relay_metrics_listen=127.0.0.1:0", "--set", "flow_detail=0"],
-            cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
-        )
-        for line in self.proc.stderr:
-            if "workers behind haproxy" in line:
-                break
-        else:
-            raise SystemExit("scripts/workers.py did not start")
-
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def pids(self) -> list[int]:
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        return [self.proc.pid, *map(int, out.stdout.split())]
-
-    def stop(self) -> None:
-        self.proc.send_signal(2)
-        self.proc.wait(30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,24 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.bursts.split(",")]
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-burst-"))
-    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, chunks=args.chunks, gap_ms=args.gap_ms)
-    mode = f"reverse:{upstream}@0"
-    singles = {
-        "bare": MitmdumpProcess([mode], tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0}),
-        "relay-1": MitmdumpProcess([mode], tmp, options={"flow_detail": 0, "relay_timing_log": tmp / "timing-1.jsonl",
-                                                         "relay_metrics_listen": "127.0.0.1:0"}),
-    }
-    multi = None
-    try:
-        for proc in singles.values():
-            proc.start()
-        if args.workers > 1:
-            multi = Supervised(upstream, args.workers, tmp)
-        setups = {"direct": (upstream, list)} | {
-            name: (proc.url(), lambda p=proc: [p.proc.pid]) for name, proc in singles.items()}
-        if multi:
-            setups[f"relay-{args.workers}"] = (multi.url(), multi.pids)
+    knobs = {"prefill_ms": args.prefill_ms, "chunks": args.chunks, "gap_ms": args.gap_ms}
+    with BenchSetups(knobs, workers=args.workers) as bench:
+        setups = {name: (url, lambda p=processes: list(p().values())) for name, (url, processes) in bench.setups.items()}
         time.sleep(2)  # start-up work (tokenizer loading) out of the way
         for url, _ in setups.values():
             asyncio.run(burst(url, 20))  # warm-up
@@ -172,13 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                     first[name, n] += ok
                     failed[name, n] += bad
                     time.sleep(0.5)  # let connections close before the next burst
-    finally:
-        for proc in singles.values():
-            proc.stop()
-        if multi:
-            multi.stop()
-        fake.terminate()
-        fake.wait(10)
 
     print(f"fake upstream: prefill {args.prefill_ms:g} ms, {args.chunks} chunks {args.gap_ms:g} ms apart; "
           f"{args.rounds} bursts per setup and size, new connection per stream; {os.cpu_count()} cores")

@@ -15,8 +15,10 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -144,6 +146,111 @@ class MitmdumpProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RelayWorkers:
+    """`scripts/workers.py` (the relay as N workers behind HAProxy) in reverse mode to
+    `upstream` on a free port, for benchmarks; `processes()` names its process tree."""
+
+    def __init__(self, upstream: str, n: int, tmp: Path, options: dict[str, object] | None = None) -> None:
+        from scripts import workers  # the supervisor's module imports mitmproxy: only when used
+
+        self.port = workers.free_port()
+        args = [sys.executable, str(REPO / "scripts" / "workers.py"), "--workers", str(n),
+                "--mode", f"reverse:{upstream}@{self.port}", "--listen-host", "127.0.0.1"]
+        options = {"confdir": tmp, "relay_timing_log": tmp / "timing-n.jsonl",
+                   "relay_metrics_listen": "127.0.0.1:0", "flow_detail": 0, **(options or {})}
+        for name, value in options.items():
+            args += ["--set", f"{name}={value}"]
+        self.args = args
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> RelayWorkers:
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for line in self.proc.stderr:
+            if "workers behind haproxy" in line:
+                break
+        else:
+            raise RuntimeError("scripts/workers.py did not start")
+        # Drain the rest, or a worker blocks once the pipe fills.
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        return self
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def processes(self) -> dict[str, int]:
+        """"supervisor", "haproxy", "worker 1", "worker 2", ... → pid."""
+        out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        found = {"supervisor": self.proc.pid}
+        workers = 0
+        for pid, comm in (line.split(None, 1) for line in out.stdout.splitlines()):
+            if comm.strip() == "haproxy":
+                found["haproxy"] = int(pid)
+            else:
+                workers += 1
+                found[f"worker {workers}"] = int(pid)
+        return found
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(2)
+            self.proc.wait(30)
+
+
+class BenchSetups:
+    """The setups the benchmarks compare, against one fake upstream subprocess:
+
+        direct    the fake upstream itself
+        bare      mitmdump -s scripts/baseline_stream.py (streaming, nothing else)
+        relay-1   the relay as one mitmdump process
+        relay-N   scripts/workers.py: N workers behind HAProxy (only if N > 1)
+
+    `setups` maps each name to (url, processes), `processes()` naming the pids whose
+    CPU counts for it (none for direct). A context manager: everything stops on exit.
+    """
+
+    def __init__(self, knobs: dict[str, object], *, workers: int, relay_options: dict[str, object] | None = None,
+                 names: tuple[str, ...] = ("direct", "bare", "relay-1", "relay-N")) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-"))
+        self.knobs = knobs
+        self.workers = workers
+        self.relay_options = {"flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0", **(relay_options or {})}
+        self.names = names
+        self.setups: dict[str, tuple[str, Callable[[], dict[str, int]]]] = {}
+        self._stoppers: list[Callable[[], object]] = []
+
+    def __enter__(self) -> BenchSetups:
+        try:
+            fake, upstream = start_fake_upstream(**self.knobs)
+            self._stoppers.append(lambda: (fake.terminate(), fake.wait(10)))
+            mode = f"reverse:{upstream}@0"
+            if "direct" in self.names:
+                self.setups["direct"] = (upstream, dict)
+            singles = {}
+            if "bare" in self.names:
+                singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0})
+            if "relay-1" in self.names:
+                singles["relay-1"] = MitmdumpProcess(
+                    [mode], self.tmp, options={**self.relay_options, "relay_timing_log": self.tmp / "timing-1.jsonl"})
+            for name, proc in singles.items():
+                self._stoppers.append(proc.stop)
+                proc.start()
+                self.setups[name] = (proc.url(), lambda p=proc: {"mitmdump": p.proc.pid})
+            if "relay-N" in self.names and self.workers > 1:
+                multi = RelayWorkers(upstream, self.workers, self.tmp, self.relay_options)
+                self._stoppers.append(multi.stop)
+                self.setups[f"relay-{self.workers}"] = (multi.start().url(), multi.processes)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stop in reversed(self._stoppers):
+            stop()
+        self._stoppers.clear()
 
 
 def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:

@@ -1,0 +1,220 @@
+"""Long streams arriving open-loop: how many a setup carries before its first tokens and gaps suffer.
+
+Real-shaped load: each stream is a chat completion with a 50 ms prefill, then 200 SSE
+events 20 ms apart (a 4 s answer at 50 tokens/s), new streams started at a fixed rate
+whatever the setup's state (open loop: a slow setup does not slow the arrivals), each
+on a new connection. At R streams/s about R x 4.1 are live at once. Setups take turns
+within each rate, round after round, so that drift on a shared machine hits all alike:
+
+    direct        client → fake upstream
+    bare          client → mitmdump -s <script that only turns streaming on>
+    relay-1       client → the relay as one process (console off, trimming on)
+    relay-N       client → scripts/relay --workers N (N workers behind HAProxy)
+
+Per setup and rate: first token p50/p99 (from the moment the stream was due to its
+first answer text), worst inter-chunk gap per stream p50/p99 (after the first token),
+failures (errors, non-200, timeouts, missing events), and CPU microseconds per
+streamed event of each relay process (its CPU over the window / events the clients
+received through that setup). A setup *sustains* a rate when it has no failures, its
+first token p99 is within direct's + 100 ms and its worst-gap p99 within 2 x direct's
+at that rate (and it sustained every lower rate).
+
+The load generator, the fake upstream and the relay share the machine's cores: the
+load average is printed with the figures. Run benchmarks under
+`flock /tmp/ttft-cpu.lock` on a shared machine.
+
+    scripts/bench-streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts import workers  # noqa: E402
+from tests.harness import BenchSetups, cpu_seconds, percentile  # noqa: E402
+
+BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
+FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
+STREAM_TIMEOUT = 60.0
+FIRST_TOKEN_SLACK_MS = 100.0
+GAP_FACTOR = 2.0
+
+
+@dataclass
+class Window:
+    """What one setup did with one rate's arrivals, summed over rounds."""
+
+    first_ms: list[float] = field(default_factory=list)
+    worst_gap_ms: list[float] = field(default_factory=list)
+    failures: int = 0
+    streams: int = 0
+    events: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)
+    load: list[float] = field(default_factory=list)
+
+
+async def one_stream(host: str, port: int, due: float, expected_events: int | None) -> tuple[float, float, int]:
+    """(ms from `due` to the first answer text, worst gap in ms after it, events); raises on failure."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(BODY), BODY))
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+        seen, first, last, worst, events = b"", None, 0.0, 0.0, 0
+        while data := await reader.read(65536):
+            now = time.perf_counter()
+            events += data.count(b"data:")
+            if first is None:
+                seen = seen[-len(FIRST_PIECE):] + data
+                if FIRST_PIECE in seen:
+                    first = now
+            else:
+                worst = max(worst, now - last)
+            last = now
+        if first is None:
+            raise RuntimeError("no answer text")
+        if expected_events is not None and events < expected_events:
+            raise RuntimeError(f"{events} of {expected_events} events")
+        return (first - due) * 1000, worst * 1000, events
+    finally:
+        writer.close()
+
+
+async def arrivals(url: str, rate: float, seconds: float, expected_events: int | None, into: Window) -> None:
+    """Start `rate` streams per second for `seconds`, on schedule; wait for all to end."""
+    u = urlsplit(url)
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter() + 0.05
+    tasks = []
+
+    async def run(due: float) -> None:
+        try:
+            first, gap, events = await asyncio.wait_for(one_stream(u.hostname, u.port, due, expected_events),
+                                                        STREAM_TIMEOUT)
+        except Exception:  # every failure is counted, none stops the window
+            into.failures += 1
+            return
+        into.first_ms.append(first)
+        into.worst_gap_ms.append(gap)
+        into.events += events
+
+    for i in range(int(rate * seconds)):
+        due = start + i / rate
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(loop.create_task(run(due)))
+    into.streams += len(tasks)
+    await asyncio.gather(*tasks)
+
+
+def cpu_of(processes: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench-streams", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="rates 5,25, 6 s each, one round (about 2 minutes)")
+    ap.add_argument("--rates", default="5,15,25,40", help="new streams per second, comma-separated")
+    ap.add_argument("--seconds", type=float, default=10, help="arrival window per setup, rate and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=max(2, workers.default_workers()), help="N for relay-N")
+    ap.add_argument("--prefill-ms", type=float, default=50)
+    ap.add_argument("--events", type=int, default=200, help="answer events per stream")
+    ap.add_argument("--gap-ms", type=float, default=20)
+    ap.add_argument("--setups", default="direct,bare,relay-1,relay-N", help="which setups, comma-separated")
+    ap.add_argument("--relay-set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an option for the relay setups (repeatable), e.g. relay_hook_plans=false")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rates, args.seconds, args.rounds = "5,25", 6.0, 1
+    rates = [float(r) for r in args.rates.split(",")]
+
+    knobs = {"prefill_ms": args.prefill_ms, "chunks": args.events, "gap_ms": args.gap_ms}
+    relay_options = {"relay_timing_console": "false", **dict(kv.split("=", 1) for kv in args.relay_set)}
+    with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
+                     names=tuple(args.setups.split(","))) as bench:
+        setups = bench.setups
+        time.sleep(2)  # start-up work (tokenizer loading) out of the way
+        expected = None
+        for url, _ in setups.values():  # warm-up; the direct stream's events are what every stream must carry
+            warm = Window()
+            asyncio.run(arrivals(url, 5, 1, None, warm))
+            expected = expected or (min(warm.events // max(1, len(warm.first_ms)), args.events) if warm.first_ms else None)
+        results = {(name, r): Window() for name in setups for r in rates}
+        for rate in rates:
+            for _ in range(args.rounds):
+                for name, (url, processes) in setups.items():
+                    w = results[name, rate]
+                    procs = processes()
+                    c0 = cpu_of(procs)
+                    w.load.append(os.getloadavg()[0])
+                    asyncio.run(arrivals(url, rate, args.seconds, expected, w))
+                    for pname, c in cpu_of(procs).items():
+                        w.cpu[pname] = w.cpu.get(pname, 0.0) + c - c0[pname]
+                    time.sleep(0.5)  # let connections close before the next window
+
+    report(args, rates, setups, results)
+    return 0
+
+
+def report(args, rates: list[float], setups: dict, results: dict[tuple[str, float], Window]) -> None:
+    loads = [x for w in results.values() for x in w.load]
+    print(f"fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
+          f"{args.seconds:g} s of arrivals x {args.rounds} round(s) per setup and rate; {os.cpu_count()} cores; "
+          f"load average (1 min) during the run {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'worst gap p50':>13} {'p99':>7} "
+          f"{'fail':>5} {'streams':>7}  CPU µs per event")
+    sustained = {name: None for name in setups}
+    broken = set()
+    for rate in rates:
+        direct = results.get(("direct", rate))
+        for name in setups:
+            w = results[name, rate]
+            ft99, gap99 = percentile(w.first_ms, 99), percentile(w.worst_gap_ms, 99)
+            cpu = ""
+            if w.cpu and w.events:
+                per = {p: s * 1e6 / w.events for p, s in w.cpu.items()}
+                worker_names = [p for p in per if p.startswith("worker")]
+                parts = [f"all {sum(per.values()):.0f}"]
+                if worker_names:
+                    parts.append(f"per worker {sum(per[p] for p in worker_names):.0f}")
+                    parts += [f"{p} {per[p]:.0f}" for p in per if not p.startswith("worker")]
+                cpu = ", ".join(parts)
+            print(f"{rate:>6g} {name:<9} {median(w.first_ms):>12.0f} ms {ft99:>4.0f} ms {median(w.worst_gap_ms):>10.0f} ms "
+                  f"{gap99:>4.0f} ms {w.failures:>5} {w.streams:>7}  {cpu}")
+            if direct is not None and name != "direct" and name not in broken:
+                ok = (w.failures == 0 and w.first_ms
+                      and ft99 <= percentile(direct.first_ms, 99) + FIRST_TOKEN_SLACK_MS
+                      and gap99 <= GAP_FACTOR * percentile(direct.worst_gap_ms, 99))
+                if ok:
+                    sustained[name] = rate
+                else:
+                    broken.add(name)
+    stream_s = (args.prefill_ms + args.events * args.gap_ms) / 1000
+    print(f"highest rate sustained (no failures, first token p99 <= direct + {FIRST_TOKEN_SLACK_MS:g} ms, "
+          f"worst gap p99 <= {GAP_FACTOR:g} x direct):")
+    for name, rate in sustained.items():
+        if name != "direct":
+            print(f"  {name:<9} {'none of the rates' if rate is None else f'{rate:g} streams/s (~{rate * stream_s:.0f} live)'}")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
