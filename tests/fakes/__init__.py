@@ -1,15 +1,20 @@
 """Fake upstream servers and network helpers shared by the tests and benchmarks.
 
-- `FakeUpstream` (upstream.py): OpenAI / Anthropic / Gemini look-alike with delay, fault and gate knobs.
+- `FakeUpstream` (upstream.py): OpenAI / Anthropic / Gemini look-alike with delay, fault and gate knobs;
+  the Responses API over WebSocket too (websocket.py: `SocketSession`, `SocketTurn`).
+- `RefusingProxy` (refusing_proxy.py): an HTTP(S) proxy that refuses every host, for clients that call home.
 - `TestCerts` (certs.py): a test CA and a localhost server certificate.
 - `DelayingForwarder` (forwarder.py): a TCP forwarder that makes an upstream far away.
-- client.py: raw HTTP/1.1 client helpers that never buffer (`stream_post`, `slow_upload`, ...).
+- client.py: raw HTTP/1.1 client helpers that never buffer (`stream_post`, `slow_upload`, ...) and a
+  WebSocket client (`WebSocketClient`, permessage-deflate, one Responses `turn()` at a time).
 """
 
 from tests.fakes.certs import TestCerts
 from tests.fakes.forwarder import DelayingForwarder
+from tests.fakes.refusing_proxy import RefusingProxy
 from tests.fakes.replies import answer_pieces, answer_text
 from tests.fakes.upstream import Behaviour, FakeUpstream, Gate, Received, Sent, StreamWatch
+from tests.fakes.websocket import SocketSession, SocketTurn
 
 __all__ = [
     "Behaviour",
@@ -17,7 +22,10 @@ __all__ = [
     "FakeUpstream",
     "Gate",
     "Received",
+    "RefusingProxy",
     "Sent",
+    "SocketSession",
+    "SocketTurn",
     "StreamWatch",
     "TestCerts",
     "answer_pieces",

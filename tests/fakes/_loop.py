@@ -1,5 +1,7 @@
 """A private asyncio event loop in a background thread, so synchronous tests can run servers.
 
+`LoopServer` is the small TCP server built on it (the forwarder, the refusing proxy).
+
 Both the fake upstream and the delaying forwarder are asyncio servers; tests and
 benchmarks are mostly synchronous. `LoopThread` owns one loop and one thread and
 shuts both down completely: every task still running at `stop()` is cancelled,
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -70,3 +72,39 @@ class LoopThread:
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+
+
+class LoopServer:
+    """A TCP server on 127.0.0.1 (any free port) served by its own `LoopThread`.
+
+    Subclasses implement `_serve(reader, writer)` for each accepted connection.
+    Use as a context manager or call `start()` / `stop()`.
+    """
+
+    thread_name = "loop-server"
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._loop_thread = LoopThread(self.thread_name)
+        self._server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        self._loop_thread.start()
+        self._server = self._loop_thread.run(asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=1024))
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._loop_thread.call_soon(self._server.close)
+            self._server = None
+        self._loop_thread.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

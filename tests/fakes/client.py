@@ -1,4 +1,4 @@
-"""Raw HTTP/1.1 client helpers for tests: every body chunk is seen the moment it arrives.
+"""Raw HTTP/1.1 (and WebSocket) client helpers for tests: every body chunk is seen the moment it arrives.
 
 SDKs and `requests` buffer, retry and decode; these helpers do none of that, so a
 test can time each chunk, see the exact bytes (still content-encoded), send a
@@ -18,6 +18,10 @@ from http.client import IncompleteRead
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, RejectConnection, RejectData, Request, TextMessage
+from wsproto.extensions import PerMessageDeflate
 
 from tests.fakes.http_wire import find_header, header_has_token
 
@@ -298,3 +302,100 @@ def _split(payload: bytes, pieces: int) -> list[bytes]:
         return []
     size = -(-len(payload) // max(1, pieces))
     return [payload[i : i + size] for i in range(0, len(payload), size)]
+
+
+RESPONSES_TERMINAL_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
+
+
+class WebSocketRefused(ConnectionError):
+    """The server answered the upgrade with something other than 101."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"WebSocket upgrade refused: HTTP {status}: {body[:300]!r}")
+        self.status = status
+        self.body = body
+
+
+class WebSocketClient:
+    """A blocking WebSocket client (wsproto), offering permessage-deflate like Codex does.
+
+    `ws://host:port/path` only (put a relay in reverse mode in front for anything else).
+    `turn()` runs one Responses turn: send a `response.create`, read events to the terminal one.
+    """
+
+    def __init__(
+        self, url: str, headers: Headers | None = None, *, deflate: bool = True, timeout: float = 30.0
+    ) -> None:
+        target = urlsplit(url)
+        self.sock = socket.create_connection((target.hostname, target.port or 80), timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        self._events: list[object] = []
+        self._text: list[str] = []
+        header_list = list(headers.items()) if isinstance(headers, dict) else list(headers or [])
+        self.sock.sendall(self._ws.send(Request(
+            host=target.netloc, target=target.path + (f"?{target.query}" if target.query else ""),
+            extensions=[PerMessageDeflate()] if deflate else [],
+            extra_headers=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in header_list],
+        )))
+        answer = self._next_event()
+        if isinstance(answer, RejectConnection):
+            body, finished = b"", not answer.has_body
+            while not finished:
+                part = self._next_event()
+                assert isinstance(part, RejectData), part
+                body, finished = body + part.data, part.body_finished
+            self.close()
+            raise WebSocketRefused(answer.status_code, body)
+        assert isinstance(answer, AcceptConnection), answer
+        self.accepted = answer
+        """The server's 101: `accepted.extensions` lists what was agreed (permessage-deflate)."""
+
+    def _next_event(self) -> object:
+        while not self._events:
+            data = self.sock.recv(READ_SIZE)
+            self._ws.receive_data(data or None)
+            self._events.extend(self._ws.events())
+            if not data and not self._events:
+                raise ConnectionError("connection closed by the server")
+        return self._events.pop(0)
+
+    def send_json(self, message: Any) -> None:
+        self.sock.sendall(self._ws.send(TextMessage(data=json.dumps(message))))
+
+    def receive_json(self) -> tuple[float, Any]:
+        """The next whole text message, parsed, and `time.time()` when it was complete.
+        Raises ConnectionError when the server closes instead."""
+        while True:
+            event = self._next_event()
+            if isinstance(event, TextMessage):
+                self._text.append(event.data)
+                if event.message_finished:
+                    text, self._text = "".join(self._text), []
+                    return time.time(), json.loads(text)
+            elif isinstance(event, CloseConnection):
+                raise ConnectionError(f"WebSocket closed by the server: {event.code} {event.reason}")
+
+    def turn(self, create: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
+        """Send `create` (its `type` set to response.create) and return the timed events up to the terminal one."""
+        self.send_json({"type": "response.create", **create})
+        events = []
+        while True:
+            events.append(self.receive_json())
+            if events[-1][1].get("type") in RESPONSES_TERMINAL_EVENTS:
+                return events
+
+    def close(self) -> None:
+        try:
+            if self._ws.state.name == "OPEN":
+                self.sock.sendall(self._ws.send(CloseConnection(code=1000)))
+        except OSError:
+            pass  # the server is gone already (a reset): nothing to say goodbye to
+        finally:
+            self.sock.close()
+
+    def __enter__(self) -> WebSocketClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

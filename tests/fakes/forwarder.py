@@ -17,22 +17,22 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tests.fakes._loop import LoopThread
+from tests.fakes._loop import LoopServer
 
 READ_SIZE = 64 * 1024
 
 
-class DelayingForwarder:
+class DelayingForwarder(LoopServer):
     """Forwards 127.0.0.1:`port` to `target_host`:`target_port`, delaying each direction by `delay_ms`."""
 
+    thread_name = "delaying-forwarder"
+
     def __init__(self, target_host: str, target_port: int, delay_ms: float, *, connect_delay_ms: float = 0) -> None:
+        super().__init__()
         self.target_host = target_host
         self.target_port = target_port
         self.delay_ms = delay_ms
         self.connect_delay_ms = connect_delay_ms
-        self.port = 0
-        self._loop_thread = LoopThread("delaying-forwarder")
-        self._server: asyncio.Server | None = None
         self._lock = threading.Lock()
         self._connections = 0
 
@@ -42,25 +42,7 @@ class DelayingForwarder:
         with self._lock:
             return self._connections
 
-    def start(self) -> DelayingForwarder:
-        self._loop_thread.start()
-        self._server = self._loop_thread.run(asyncio.start_server(self._forward, "127.0.0.1", 0, backlog=1024))
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._loop_thread.call_soon(self._server.close)
-            self._server = None
-        self._loop_thread.stop()
-
-    def __enter__(self) -> DelayingForwarder:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    async def _forward(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self._connections += 1
         writers = [client_writer]

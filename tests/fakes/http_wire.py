@@ -9,6 +9,8 @@ plain `StreamReader` cannot tell without consuming the next request's bytes.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,6 +74,14 @@ class Inbound:
         self._pending = None
         self._buffer += data
         return bool(data)
+
+    async def read_some(self) -> bytes:
+        """Whatever is buffered, else the next read; b"" at end of stream."""
+        if not self._buffer:
+            await self._fill()
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        return data
 
     async def wait_hangup(self) -> None:
         """Return once the client has closed its side of the connection."""
@@ -151,3 +161,15 @@ async def _read_chunked_body(inbound: Inbound) -> bytes:
     while await inbound.read_until(b"\r\n", MAX_HEAD_BYTES) not in (b"\r\n", None):
         pass  # trailer fields: not needed by any test
     return bytes(body)
+
+
+def reset_connection(writer: asyncio.StreamWriter) -> None:
+    """Abort the connection with a TCP RST (SO_LINGER 0), not a FIN: what a crashed upstream looks like."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def sleep_ms(ms: float) -> None:
+    if ms > 0:
+        await asyncio.sleep(ms / 1000)

@@ -23,6 +23,9 @@ ANTHROPIC_MESSAGES = "anthropic.messages"
 GEMINI = "gemini"
 """API shape names, spelled as `addons/scope.py` spells them (the fakes do not import the relay)."""
 
+THINKING_PIECES = ("Pondering", " the greeting.")
+"""The thinking block's pieces, for requests that ask for thinking (see `_thinking_pieces`)."""
+
 _GEMINI_PATH = re.compile(r"^/v1beta/models/([^/:]+):(streamGenerateContent|generateContent)$")
 
 
@@ -49,7 +52,7 @@ class Reply:
     chunks: list[bytes]
     streamed: bool
     first_token_chunk: int = 0
-    """Index of the first chunk carrying answer text (the prefill delay goes before it); 0 if none does."""
+    """Index of the first chunk carrying answer text or thinking (the prefill delay goes before it); 0 if none does."""
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,19 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     if not streamed:
         return Reply(status, "application/json", [json.dumps(endpoint.json_body(pieces, **model_kw)).encode()],
                      streamed=False)
-    events = endpoint.stream_body(pieces, **model_kw)
+    thinking = _thinking_pieces(endpoint.api, request)
+    events = endpoint.stream_body(pieces, **model_kw, **({"thinking": thinking} if thinking else {}))
     return Reply(status, "text/event-stream; charset=utf-8", events, streamed=True,
-                 first_token_chunk=_first_chunk_with(events, pieces))
+                 first_token_chunk=_first_chunk_with(events, thinking or pieces))
+
+
+def _thinking_pieces(api: str, request: dict) -> list[str]:
+    """A streamed Anthropic request with extended thinking on (Claude Code asks for `adaptive`) is
+    answered with a thinking block before the text, as the API does; its first piece is the first token."""
+    thinking = request.get("thinking")
+    if api == ANTHROPIC_MESSAGES and isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"):
+        return list(THINKING_PIECES)
+    return []
 
 
 def _error(api: str, status: int) -> dict:

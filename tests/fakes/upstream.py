@@ -7,7 +7,9 @@ chunk, flushed each time, so a relay's buffering is observable.
 
 Endpoints: POST /v1/chat/completions, /v1/responses, /v1/messages (stream or not,
 per the body's `"stream": true`), POST /v1beta/models/{m}:streamGenerateContent?alt=sse
-and :generateContent; GET /v1/models; anything else gets a 404 JSON error.
+and :generateContent; GET /v1/models; anything else gets a 404 JSON error. A
+WebSocket upgrade on GET /v1/responses serves the Responses API over WebSocket
+(`tests/fakes/websocket.py`; recorded in `sockets`).
 
 Behaviour knobs (`Behaviour`) are set as instance defaults (`fake.behaviour.gap_ms = 20`)
 or per request with `x-fake-<knob>` headers, underscores as dashes
@@ -35,8 +37,6 @@ import dataclasses
 import http
 import itertools
 import signal
-import socket
-import struct
 import tempfile
 import threading
 import time
@@ -47,13 +47,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any
+from urllib.parse import urlsplit
 
 from mitmproxy.net import encoding as mitmproxy_encoding
 
 from tests.fakes._loop import LoopThread
 from tests.fakes.certs import TestCerts
-from tests.fakes.http_wire import BadRequest, Inbound, RequestHead, find_header, header_has_token, read_request
+from tests.fakes.http_wire import (
+    BadRequest,
+    Inbound,
+    RequestHead,
+    find_header,
+    header_has_token,
+    read_request,
+    reset_connection,
+    sleep_ms,
+)
 from tests.fakes.replies import Reply, answer_pieces, build_reply, json_reply
+from tests.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
 
 KNOB_HEADER_PREFIX = "x-fake-"
 LISTEN_BACKLOG = 1024  # the default 100 makes bursts of hundreds of connections wait for SYN retransmits
@@ -161,7 +172,10 @@ class Sent:
     """The body bytes written so far, de-chunked but still content-encoded (gzip)."""
     chunks_sent: int = 0
     outcome: str | None = None
-    """None while in progress, then "complete", "reset" (a reset knob), "client_closed" or "stopped"."""
+    """None while in progress, then "complete", "reset" (a reset knob), "client_closed" or "stopped";
+    a WebSocket also "protocol_error" (`SocketSession.protocol_error` says what)."""
+    first_token_at: float | None = None
+    """`time.time()` right after the chunk with the first answer text was written (None until then)."""
 
     def decoded_body(self) -> bytes:
         """`body` with any gzip content coding removed (a partial gzip stream decodes as far as it goes)."""
@@ -290,6 +304,9 @@ class FakeUpstream:
         self._pending_watch: StreamWatch | None = None
         self._latest_watch: StreamWatch | None = None
         self._stall_release = asyncio.Event()
+        self._sockets: list[SocketSession] = []
+        self._known_responses: set[str] = set()
+        self._response_ids = itertools.count(1)
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -346,6 +363,22 @@ class FakeUpstream:
     def sent_bodies(self) -> list[bytes]:
         """The body bytes sent per request (de-chunked, content-encoded as sent)."""
         return [s.body for s in self.sent]
+
+    @property
+    def sockets(self) -> list[SocketSession]:
+        """Every WebSocket upgrade the fake answered, in arrival order (snapshot copies)."""
+        with self._changed:
+            return [
+                dataclasses.replace(s, messages=list(s.messages), turns=[dataclasses.replace(t) for t in s.turns])
+                for s in self._sockets
+            ]
+
+    def wait_socket_turns(self, count: int, timeout: float = 10) -> bool:
+        """Block until at least `count` WebSocket turns (response.create, any socket) have ended."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: sum(t.outcome is not None for s in self._sockets for t in s.turns) >= count, timeout
+            )
 
     @property
     def open_connections(self) -> int:
@@ -444,6 +477,13 @@ class FakeUpstream:
             self._sent.append(sent)
             self._changed.notify_all()
 
+        if is_websocket_upgrade(head) and urlsplit(head.target).path == RESPONSES_SOCKET_PATH:
+            try:
+                behaviour = self.behaviour.overridden_by(head.headers)
+            except ValueError:
+                behaviour = dataclasses.replace(Behaviour(), status=400)  # refuse the upgrade, as for HTTP
+            await self._serve_socket(conn_id, head, behaviour, sent, inbound, writer)
+            return False
         try:
             behaviour = self.behaviour.overridden_by(head.headers)
             reply = build_reply(
@@ -476,6 +516,29 @@ class FakeUpstream:
         self._finish(sent, watch, outcome)
         return keep_alive and outcome == "complete"
 
+    async def _serve_socket(
+        self, conn_id: int, head: RequestHead, behaviour: Behaviour, sent: Sent, inbound: Inbound,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        session = SocketSession(conn_id, head.target, head.headers)
+        with self._changed:
+            self._sockets.append(session)
+        server = ResponsesSocket(
+            session, behaviour, self._changed, self._known_responses, self._new_response_id,
+            lambda: self._stall_release.wait(),
+        )
+        outcome = "stopped"
+        try:
+            outcome = await server.serve(head, inbound, writer)
+        finally:
+            with self._changed:
+                sent.status = session.status
+                sent.outcome = outcome
+                self._changed.notify_all()
+
+    def _new_response_id(self) -> str:
+        return f"resp_fake{next(self._response_ids)}"
+
     def _finish(self, sent: Sent, watch: StreamWatch, outcome: str) -> None:
         with self._changed:
             sent.outcome = outcome
@@ -495,9 +558,9 @@ class FakeUpstream:
     ) -> str:
         """Write the reply shaped by the knobs; returns the outcome ("complete" or "reset")."""
         if behaviour.reset_before_headers:
-            _reset(writer)
+            reset_connection(writer)
             return "reset"
-        await _sleep_ms(behaviour.head_delay_ms)
+        await sleep_ms(behaviour.head_delay_ms)
 
         gzip = behaviour.gzip and header_has_token(head.headers, "accept-encoding", "gzip")
         coding = _ContentCoding(gzip)
@@ -512,16 +575,16 @@ class FakeUpstream:
 
         for index in range(len(wire_chunks) + 1):
             if index == behaviour.reset_after_chunks:
-                _reset(writer)
+                reset_connection(writer)
                 return "reset"
             if index == behaviour.stall_after_chunks:
                 await self._stall_release.wait()
             if index == len(wire_chunks):
                 break
             if index == reply.first_token_chunk:
-                await _sleep_ms(behaviour.prefill_for(body))
+                await sleep_ms(behaviour.prefill_for(body))
             elif index > 0:
-                await _sleep_ms(behaviour.gap_ms)
+                await sleep_ms(behaviour.gap_ms)
             await watch.pass_gate(index)
             payload = wire_chunks[index]
             writer.write(_chunk_frame(payload) if reply.streamed else payload)
@@ -529,6 +592,8 @@ class FakeUpstream:
             with self._changed:
                 sent.body += payload
                 sent.chunks_sent += 1
+                if index == reply.first_token_chunk:
+                    sent.first_token_at = time.time()
             watch.note_sent()
 
         if reply.streamed:
@@ -572,21 +637,9 @@ async def _write_head(writer: asyncio.StreamWriter, head: bytes, spread_ms: floa
     size = -(-len(head) // SLOW_HEADER_SLICES)
     for start in range(0, len(head), size):
         if start:
-            await _sleep_ms(spread_ms / SLOW_HEADER_SLICES)
+            await sleep_ms(spread_ms / SLOW_HEADER_SLICES)
         writer.write(head[start : start + size])
         await writer.drain()
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Abort the connection with a TCP RST (SO_LINGER 0), not a FIN: what a crashed upstream looks like."""
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-async def _sleep_ms(ms: float) -> None:
-    if ms > 0:
-        await asyncio.sleep(ms / 1000)
 
 
 def main(argv: list[str] | None = None) -> None:
