@@ -157,13 +157,19 @@ def summary_line(rec: Mapping[str, Any]) -> str:
     )
 
 
-def comment(rec: Mapping[str, Any]) -> str:
-    """The breakdown shown as the flow's comment in mitmweb.
+SLOW_WORD = "SLOW"
+"""Leads a slow flow's comment: plain letters read in mitmweb's list with any font."""
+
+
+def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
+    """The breakdown shown as the flow's comment in mitmweb (and in its flow list's
+    Comment column, which shows the start of it: ttft and verdict come first).
 
     One short sentence per line: mitmweb collapses line breaks and runs of
     spaces, so the text must read as well run together as on separate lines.
     """
-    lines = [f"ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."]
+    lead = f"{SLOW_WORD} " if slow else ""
+    lines = [f"{lead}ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."]
     phase_list = " · ".join(f"{name} {ms:.1f}" for name, ms in (rec.get("phases") or {}).items())
     if phase_list:
         lines.append(f"Phases (ms): {phase_list}.")

@@ -13,6 +13,7 @@ addons; each concern lives in its own module under `addons/`:
     timing     per-phase marks, one record per flow, verdicts
     metrics    the records as Prometheus metrics (after timing: it reads the record)
     sseview    an event-stream view for mitmweb
+    webcolumns the timing comment as a column of mitmweb's flow list
 
 The order matters: scope attaches the per-flow state the others read, and timing
 comes after trim so its `request` hook marks the moment the request leaves.
@@ -30,7 +31,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import capacity, config, faults, guard, metrics, scope, sseview, streaming, timing, trim  # noqa: E402
+from addons import capacity, config, faults, guard, metrics, scope, sseview, streaming, timing, trim, webcolumns  # noqa: E402
 
 addons = [
     config.RelayConfig(),
@@ -46,4 +47,5 @@ addons = [
     faults.ErrorReplies(),
     metrics.Metrics(),
     sseview.SSEView(),
+    webcolumns.CommentColumn(),
 ]

@@ -5,6 +5,10 @@ assembled from the deltas: text, reasoning and tool calls, for OpenAI chat
 completions, OpenAI Responses, Anthropic Messages and Gemini. mitmproxy 12.3 ships
 no event-stream view, and a raw stream of deltas is unreadable.
 
+For a stream the relay passed on (while it holds the flow: arrival times are not
+saved with it), each line starts with the event's arrival in ms since the request
+head reached the relay, from the stream tap's `arrivals`.
+
 Add `SSEView()` to the addon list to make the view available.
 """
 
@@ -19,6 +23,7 @@ from mitmproxy.contentviews import Metadata
 
 from addons import scope
 from addons import sse
+from addons import streaming
 
 _SSE_FIELD_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
 
@@ -56,16 +61,38 @@ def _transcript_lines(api: str, events: list[sse.Event]) -> list[str]:
     return lines
 
 
+def timed_events(data: bytes, flow: object) -> list[tuple[float | None, sse.Event]]:
+    """The events of `data`, each with its arrival in ms since the request head, or
+    None where the relay's stream tap did not time the chunk that completed it."""
+    parser = sse.SSEParser()
+    out: list[tuple[float | None, sse.Event]] = []
+    start = 0
+    tap = flow.response.stream if isinstance(flow, http.HTTPFlow) and flow.response else None
+    if isinstance(tap, streaming.StreamTap) and data.startswith(tap.view):
+        t0 = flow.request.timestamp_start
+        for i in range(0, len(tap.arrivals), 2):
+            end = int(tap.arrivals[i])
+            ms = (tap.arrivals[i + 1] - t0) * 1000
+            out += [(ms, e) for e in parser.feed(data[start:end])]
+            start = end
+    # A stored streamed body may be cut short: end it so its last event still shows.
+    out += [(None, e) for e in parser.feed(data[start:]) + parser.feed(b"\n\n")]
+    return out
+
+
 class EventStreamContentview(Contentview):
-    """Server-sent events, one per line, and the assembled answer of an LLM stream."""
+    """Server-sent events, one per line (with arrival times where known), and the
+    assembled answer of an LLM stream."""
 
     name = "Event stream"
 
     def prettify(self, data: bytes, metadata: Metadata) -> str:
-        parser = sse.SSEParser()
-        # A stored streamed body may be cut short: end it so its last event still shows.
-        events = parser.feed(data) + parser.feed(b"\n\n")
-        lines = [_event_line(e) for e in events]
+        timed = timed_events(data, metadata.flow)
+        events = [e for _, e in timed]
+        if any(ms is not None for ms, _ in timed):
+            lines = [("" if ms is None else f"+{ms:.1f} ms").rjust(12) + "  " + _event_line(e) for ms, e in timed]
+        else:
+            lines = [_event_line(e) for e in events]
         api = _api_of(metadata, events)
         if answer := _transcript_lines(api, events):
             lines += ["", f"═══ {api}: {len(events)} events ═══", *answer]

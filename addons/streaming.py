@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from array import array
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -23,6 +24,8 @@ from . import sse, state
 logger = logging.getLogger(__name__)
 
 TRUNCATED_NOTE = b"\n: [ttft-relay: body view truncated at relay_stream_view_max]\n\n"
+ARRIVALS_MAX = 8192
+"""Chunks of the body view whose arrival time is kept (for the event-stream view): 128 KiB at most."""
 
 
 def should_stream(response_headers: http.Headers, client_asked_stream: bool) -> bool:
@@ -75,13 +78,15 @@ class _BrotliDecoder:
 
 class StreamTap:
     """The stream callable for one response: passes chunks on, feeds the watcher,
-    keeps up to `view_max` bytes for the flow's stored body.
+    keeps up to `view_max` bytes for the flow's stored body, and when the first
+    ARRIVALS_MAX chunks of it arrived (`arrivals`: view length after the chunk,
+    Unix time; flat pairs).
 
     It never returns `b""` for a non-empty chunk: an empty chunk on an HTTP/1
     chunked response is read by the client as end of body.
     """
 
-    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated")
+    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated", "arrivals")
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class StreamTap:
         self.view = bytearray()
         self.view_max = view_max
         self.truncated = False
+        self.arrivals = array("d")
 
     def __call__(self, chunk: bytes) -> bytes | Iterable[bytes]:
         if self.decoder is not None and chunk:
@@ -107,7 +113,8 @@ class StreamTap:
             if not chunk:
                 return []  # the decoder needs more input before it can emit anything
         if chunk:
-            self.watcher.feed(chunk, time.time())
+            now = time.time()
+            self.watcher.feed(chunk, now)
             if not self.truncated:
                 room = self.view_max - len(self.view)
                 if len(chunk) <= room:
@@ -115,6 +122,9 @@ class StreamTap:
                 else:
                     self.view += chunk[: max(room, 0)]
                     self.truncated = True
+                if len(self.arrivals) < 2 * ARRIVALS_MAX:
+                    self.arrivals.append(len(self.view))
+                    self.arrivals.append(now)
         return chunk
 
     def stored_body(self) -> bytes:

@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LOG = Path(__file__).resolve().parent.parent / "logs" / "timing.jsonl"
 METADATA_KEY = "ttft_relay"
-SLOW_MARKER = ":turtle:"
+SLOW_MARKER = ":warning:"
+"""mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
+ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
 CLIENT_GONE = ("client disconnected", "stream reset by client")
 """mitmproxy's error messages (HTTP/1, HTTP/2) for a client that went away."""
 RTT_SAMPLES = 16
@@ -193,13 +195,18 @@ class Timing:
             marks.setdefault("end", flow.response.timestamp_end)
         rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
         flow.metadata[METADATA_KEY] = rec
-        flow.comment = record.comment(rec)
-        if self.slow_ms and (rec["ttft_ms"] or 0) >= self.slow_ms:
+        slow = self.is_slow(rec)
+        flow.comment = record.comment(rec, slow=slow)
+        if slow:
             flow.marked = SLOW_MARKER
         if self.writer is not None:
             self.writer.write(rec)
         if self.console and logger.isEnabledFor(logging.INFO):
             self.console_lines.add(record.summary_line(rec))
+
+    def is_slow(self, rec: dict[str, Any]) -> bool:
+        """A first token at least `relay_slow_ms` late; a prewarm turn asks for no token."""
+        return bool(self.slow_ms) and not rec.get("prewarm") and (rec["ttft_ms"] or 0) >= self.slow_ms
 
     def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
         # A CONNECT's response is the proxy's own, never the upstream's.

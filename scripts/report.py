@@ -4,8 +4,15 @@ Grouped by upstream host and model: p50/p90/p99 of every phase and of ttft,
 error counts, the slowest requests with their verdict, and a least-squares fit
 of the upstream's own wait against prompt tokens (ms per 1k prompt tokens plus a
 base), which tells context-length slowness from a slow or far-away upstream.
+WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
+turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
+token asked for) stay out of the phase statistics, the fit and the slowest list.
 
-    scripts/report logs/timing.jsonl [more.jsonl ...|'logs/timing*.jsonl'] [--since 2h] [--model gpt-4o] [--slowest 5] [--json]
+    scripts/report logs/timing.jsonl [more.jsonl ...|'logs/timing*.jsonl'] [--since 2h] [--model gpt-4o]
+                   [--slowest 5] [--json] [--html report.html]
+
+`--html` also writes the report as one self-contained page of waterfalls and
+plots (scripts/report_html.py).
 """
 
 from __future__ import annotations
@@ -95,6 +102,39 @@ def upstream_own_wait(rec: Mapping[str, Any]) -> float | None:
     return phases.contributions(p, rtt_ms=rec.get("rtt_ms"))[phases.UPSTREAM_WAIT]
 
 
+def is_handshake(rec: Mapping[str, Any]) -> bool:
+    """The record of a WebSocket's opening handshake (turn 0), not of a turn."""
+    return rec.get("transport") == "websocket" and rec.get("turn") == 0
+
+
+def is_prewarm(rec: Mapping[str, Any]) -> bool:
+    """A Responses turn with `generate: false`: it asks for no token."""
+    return bool(rec.get("prewarm"))
+
+
+def counts_as_first_token(rec: Mapping[str, Any]) -> bool:
+    """A request or WebSocket turn that waited for a first token."""
+    return not is_handshake(rec) and not is_prewarm(rec)
+
+
+def group_key(rec: Mapping[str, Any]) -> str:
+    return f"{rec.get('upstream')} · {rec.get('model') or '?'}"
+
+
+def websocket_counts(records: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+    """WebSocket turns (prewarm among them) and handshakes (failed among them), or None without any."""
+    ws = [r for r in records if r.get("transport") == "websocket"]
+    if not ws:
+        return None
+    handshakes = [r for r in ws if is_handshake(r)]
+    return {
+        "turns": len(ws) - len(handshakes),
+        "prewarm": sum(1 for r in ws if is_prewarm(r)),
+        "handshakes": len(handshakes),
+        "failed_handshakes": sum(1 for r in handshakes if r.get("error") or r.get("client_aborted")),
+    }
+
+
 def prompt_tokens(rec: Mapping[str, Any]) -> int | None:
     """Prompt tokens as the relay counted them, else as the upstream reported them."""
     return rec.get("prompt_tokens") or (rec.get("usage") or {}).get("input_tokens")
@@ -132,14 +172,16 @@ def fit_wait_vs_prompt(records: Iterable[Mapping[str, Any]]) -> dict[str, float]
 
 def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> dict[str, Any]:
     errors = [r for r in records if r.get("error") or r.get("client_aborted")]
+    timed = [r for r in records if counts_as_first_token(r)]
     stats = {}
     for name in METRICS:
-        values = [v for r in records if (v := (r.get("phases") or {}).get(name)) is not None]
+        values = [v for r in timed if (v := (r.get("phases") or {}).get(name)) is not None]
         if values:
             stats[name] = {f"p{q}": round(percentile(values, q), 1) for q in QUANTILES} | {"n": len(values)}
-    ranked = sorted((r for r in records if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])
+    ranked = sorted((r for r in timed if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])
     return {
         "requests": len(records),
+        "websocket": websocket_counts(records),
         "errors": len(errors),
         "client_aborted": sum(1 for r in records if r.get("client_aborted")),
         "errors_by_phase": dict(Counter(r.get("error_phase") or "unknown" for r in errors)),
@@ -150,7 +192,7 @@ def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> d
             {k: r.get(k) for k in ("id", "ts", "ttft_ms", "verdict", "prompt_tokens", "status")}
             for r in ranked[:slowest]
         ],
-        "wait_vs_prompt": fit_wait_vs_prompt(records),
+        "wait_vs_prompt": fit_wait_vs_prompt(timed),
     }
 
 
@@ -158,7 +200,7 @@ def summarize(records: Iterable[Mapping[str, Any]], slowest: int = 5) -> dict[st
     """Per "upstream · model" group, the group's summary."""
     groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for rec in records:
-        groups[f"{rec.get('upstream')} · {rec.get('model') or '?'}"].append(rec)
+        groups[group_key(rec)].append(rec)
     return {key: summarize_group(groups[key], slowest) for key in sorted(groups)}
 
 
@@ -167,6 +209,9 @@ def format_text(report: Mapping[str, Mapping[str, Any]]) -> str:
     for key, g in report.items():
         out.append(f"== {key}: {g['requests']} requests, {g['errors']} errors"
                    f" ({g['client_aborted']} client aborts), {g['reused_connections']} on reused connections")
+        if ws := g.get("websocket"):
+            out.append(f"   WebSocket: {ws['turns']} turns ({ws['prewarm']} prewarm), {ws['handshakes']} handshakes"
+                       f" ({ws['failed_handshakes']} failed)")
         if g["errors_by_phase"]:
             out.append("   errors by phase: " + ", ".join(f"{k} {v}" for k, v in g["errors_by_phase"].items()))
         out.append(f"   {'ms':<22}{'p50':>10}{'p90':>10}{'p99':>10}{'n':>7}")
@@ -192,8 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "reads the single relay's log and every worker's (scripts/relay --workers N)")
     ap.add_argument("--since", type=parse_since, help="only requests since: 30m, 2h, 7d or an ISO time")
     ap.add_argument("--model", help="only requests for this model")
-    ap.add_argument("--slowest", type=int, default=5, metavar="N", help="list the N slowest requests per group")
+    ap.add_argument("--slowest", type=int, metavar="N", help="list the N slowest requests per group (default 5)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--html", type=Path, metavar="FILE",
+                    help="also write the report as one self-contained HTML page: waterfalls of the --slowest "
+                         "requests (10 if not given) and of any picked from its table, first token over time, "
+                         "upstream wait vs prompt tokens, phase percentiles")
     args = ap.parse_args(argv)
     try:
         records, bad = read_records(expand_globs(args.logs), since=args.since, model=args.model)
@@ -202,7 +251,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if bad:
         print(f"report: skipped {bad} unreadable line(s)", file=sys.stderr)
-    report = summarize(records, args.slowest)
+    report = summarize(records, 5 if args.slowest is None else args.slowest)
+    if args.html:
+        from scripts import report_html  # the page's code is loaded only when asked for
+
+        data = report_html.report_data(records, report, slowest=10 if args.slowest is None else args.slowest,
+                                       title=f"ttft-relay report: {', '.join(Path(p).name for p in args.logs)}")
+        try:
+            args.html.write_text(report_html.page(data), encoding="utf8")
+        except OSError as e:
+            print(f"report: {e}", file=sys.stderr)
+            return 1
+        print(f"report: wrote {args.html} ({len(records)} records)", file=sys.stderr)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     else:

@@ -74,6 +74,7 @@ def test_summary_line_and_comment():
     assert text.splitlines()[0] == "ttft 460 ms → upstream TLS."
     assert "upstream_wait 247" in text.splitlines()[1]
     assert "Connection new, rtt 200 ms; 120 chunks" in text
+    assert record.comment(rec, slow=True).startswith("SLOW ttft 460 ms → ")
 
 
 def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_path):

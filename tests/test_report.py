@@ -91,3 +91,21 @@ def test_cli_text_and_json(tmp_path):
     assert "api.example.com · gpt-x: 6 requests" in text and "per 1k prompt tokens" in text
     js = subprocess.run([sys.executable, script, log, "--json"], capture_output=True, check=True).stdout
     assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 6
+
+
+def test_websocket_turns_and_failed_handshakes_are_counted_apart():
+    turns = [rec(i, prompt=1000 * (i + 1)) | {"transport": "websocket", "turn": i + 1, "prewarm": False} for i in range(4)]
+    prewarm = rec(9, wait=50_000) | {"transport": "websocket", "turn": 5, "prewarm": True}
+    handshakes = [rec(10) | {"transport": "websocket", "turn": 0},
+                  rec(11, error="websocket handshake timed out") | {"transport": "websocket", "turn": 0,
+                                                                     "verdict": "websocket handshake failed"}]
+    http_requests = [rec(20 + i) | {"transport": "http", "turn": None} for i in range(3)]
+    g = report.summarize(turns + [prewarm] + handshakes + http_requests)["api.example.com · gpt-x"]
+    assert g["requests"] == 10
+    assert g["websocket"] == {"turns": 5, "prewarm": 1, "handshakes": 2, "failed_handshakes": 1}
+    assert g["stats"]["ttft"]["n"] == 7  # neither the prewarm turn nor the handshakes wait for a token
+    assert all(s["id"] not in ("f9", "f10", "f11") for s in g["slowest"])
+    assert g["verdicts"]["websocket handshake failed"] == 1
+    text = report.format_text({"k": g})
+    assert "WebSocket: 5 turns (1 prewarm), 2 handshakes (1 failed)" in text
+    assert report.summarize(http_requests)["api.example.com · gpt-x"]["websocket"] is None

@@ -8,7 +8,7 @@ from mitmproxy.contentviews import Metadata
 from mitmproxy.test import taddons
 from mitmproxy.test import tflow
 
-from addons import sseview
+from addons import sse, sseview, streaming
 from tests import sse_samples as samples
 
 view = sseview.event_stream_view
@@ -81,3 +81,32 @@ def test_registered_by_the_addon_and_chosen_for_event_streams():
         result = contentviews.prettify_message(flow.response, flow)
     assert result.view_name == "Event stream"
     assert "── assistant ──\nHello" in result.text
+
+
+def test_events_carry_their_arrival_time_from_the_stream_tap():
+    chunks = STREAMS["/v1/chat/completions"]
+    flow = sse_flow("/v1/chat/completions", b"")
+    tap = streaming.StreamTap(sse.StreamWatcher("openai.chat"), None, view_max=1 << 20)
+    head, rest = b"".join(chunks[:2]), b"".join(chunks[2:])
+    tap(head[:-1])  # an event completed only by the next chunk gets that chunk's time
+    tap(head[-1:] + rest)
+    flow.response.stream = tap
+    flow.response.content = tap.stored_body()
+    flow.request.timestamp_start = 1000.0
+    tap.arrivals[1], tap.arrivals[3] = 1000.0125, 1000.3
+    lines = view.prettify(flow.response.content, Metadata(flow=flow, content_type="text/event-stream")).splitlines()
+    assert lines[0].lstrip().startswith("+12.5 ms  ")  # the first event, done in the first chunk
+    assert lines[1].lstrip().startswith("+300.0 ms  ")  # the second, done by the second
+    assert lines[len(chunks) - 1] == "   +300.0 ms  [DONE]"
+    assert "── assistant ──\nHello" in "\n".join(lines)
+
+
+def test_arrival_times_are_bounded_and_skipped_when_the_body_is_not_the_tap_s():
+    tap = streaming.StreamTap(sse.StreamWatcher("openai.chat"), None, view_max=1 << 20)
+    for _ in range(streaming.ARRIVALS_MAX + 5):
+        tap(b": ping\n\n")
+    assert len(tap.arrivals) == 2 * streaming.ARRIVALS_MAX
+    flow = sse_flow("/v1/chat/completions", b"")
+    flow.response.stream = tap
+    other = b"".join(STREAMS["/v1/chat/completions"])  # e.g. the body edited in mitmweb
+    assert not view.prettify(other, Metadata(flow=flow, content_type="text/event-stream")).startswith(" ")

@@ -1,0 +1,109 @@
+"""The HTML report opened in a real headless Chromium: the waterfall bars of a known
+request, the plots, the table that picks any request, and nothing fetched.
+
+Screenshots land in test-artifacts/ (gitignored) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from tests import browser, report_samples
+from tests.harness import REPO
+
+pytestmark = pytest.mark.skipif(not browser.available(), reason=browser.SKIP_REASON)
+
+KNOWN = "known-slow"
+
+
+def known_record() -> dict:
+    """The slowest request of the log, with phases the test can check bar by bar."""
+    marks = {"request_body": 3.0, "forwarded": 5.0, "upstream_connect_start": 5.5, "upstream_tcp": 40.0,
+             "upstream_tls": 75.0, "response_head": 9075.0, "first_byte": 9076.0, "first_event": 9076.0,
+             "first_token": 9400.0, "last_token": 12000.0, "end": 12002.0}
+    return report_samples.build(KNOWN, report_samples.DAY_START + 40000, "api.openai.com", "gpt-4o-mini", marks,
+                                prompt=30000, rtt=35.0, max_gap=900.0, new_connection=True)
+
+
+@pytest.fixture(scope="module")
+def report_page(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report")
+    records = report_samples.day(400) + [known_record()]
+    log = tmp / "timing.jsonl"
+    log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    out = tmp / "report.html"
+    subprocess.run([sys.executable, REPO / "scripts" / "report.py", log, "--html", out, "--slowest", "8"],
+                   check=True, capture_output=True)
+    with browser.Browser(tmp / "profile") as chromium:
+        page = chromium.open(out.as_uri())
+        page.wait_for("document.body.dataset.rendered")
+        yield page, records
+
+
+def bars(page, selector: str) -> dict[str, dict]:
+    return page.evaluate(f"""Object.fromEntries([...document.querySelectorAll({selector!r} + ' rect.bar:not(.unfinished)')].map(
+        (r) => [r.dataset.phase, {{ms: +r.dataset.ms, x: +r.getAttribute('x'), w: +r.getAttribute('width')}}]))""")
+
+
+def test_the_slowest_waterfall_shows_the_known_request_bar_by_bar(report_page):
+    page, records = report_page
+    rec = next(r for r in records if r["id"] == KNOWN)
+    rows = page.evaluate("[...document.querySelectorAll('section svg.waterfall')[0].querySelectorAll('.wf-row')].map((g) => g.dataset.id)")
+    assert len(rows) == 8 and rows[0] == KNOWN
+    first_row = f'section svg.waterfall .wf-row[data-id="{KNOWN}"]'
+    got = bars(page, first_row)
+    expected = {name: ms for name, ms in rec["phases"].items() if name not in ("ttft", "total") and ms > 0}
+    assert {k: v["ms"] for k, v in got.items()} == pytest.approx(expected, abs=0.05)
+    # One shared time axis: widths are in proportion to the durations, bars follow each other.
+    scale = got["upstream_wait"]["w"] / got["upstream_wait"]["ms"]
+    assert got["stream"]["w"] / got["stream"]["ms"] == pytest.approx(scale, rel=0.01)
+    assert got["upstream_tls"]["x"] + got["upstream_tls"]["w"] == pytest.approx(got["upstream_wait"]["x"], abs=0.5)
+    tick = page.evaluate(f"+document.querySelector('{first_row} line.tick.first_token').dataset.ms")
+    assert tick == pytest.approx(rec["marks"]["first_token"], abs=0.05)
+    verdict = page.evaluate(f"document.querySelector('{first_row} text.verdict').textContent")
+    assert verdict == rec["verdict"]
+    assert page.evaluate(f"!!document.querySelector('{first_row} path.gap')")  # the 900 ms gap is drawn
+
+
+def test_plots_draw_every_request_and_every_group(report_page):
+    page, records = report_page
+    dots = page.evaluate("+document.getElementById('ttft-over-time').dataset.points")
+    assert dots == sum(1 for r in records if not r.get("prewarm") and (r["ttft_ms"] is not None or "end" in r["marks"]))
+    groups = {f"{r['upstream']} · {r['model']}" for r in records}
+    bar_groups = page.evaluate("[...new Set([...document.querySelectorAll('svg.percentiles .pbar')].map((g) => g.dataset.group))]")
+    assert set(bar_groups) == groups
+    legend = page.evaluate("[...document.querySelectorAll('section .legend')].map((l) => l.textContent).join(' | ')")
+    assert "ms per 1k tokens" in legend and "websocket handshake failed (1)" in legend
+    assert page.evaluate("document.querySelectorAll('svg.buckets g.bucket').length") > 10
+
+
+def test_a_request_picked_from_the_table_gets_its_own_waterfall(report_page):
+    page, records = report_page
+    target = next(r for r in records if r["id"] == "hs-failed")
+    page.evaluate("""(() => { const i = document.querySelector('.controls input'); i.value = 'hs-failed';
+                     i.dispatchEvent(new Event('input')); })()""")
+    assert page.evaluate("document.querySelectorAll('#requests tbody tr').length") == 1
+    page.click("#requests tbody tr")
+    picked = page.wait_for("document.querySelector('section svg.waterfall .wf-row.picked') && "
+                           "[...document.querySelectorAll('section')].find((s) => s.querySelector('h2').textContent === "
+                           "'Request hs-failed') !== undefined")
+    assert picked
+    got = bars(page, "section:nth-of-type(2) svg.waterfall .wf-row")
+    assert {k: v["ms"] for k, v in got.items()} == pytest.approx(
+        {k: v for k, v in target["phases"].items() if k not in ("ttft", "total") and v > 0}, abs=0.05)
+    assert page.evaluate("!!document.querySelector('section:nth-of-type(2) path.err')")  # the failure is marked
+    unfinished = page.evaluate("(({dataset}) => [dataset.phase, +dataset.ms])("
+                               "document.querySelector('section:nth-of-type(2) rect.bar.unfinished'))")
+    spent = sum(v for k, v in target["phases"].items() if k not in ("ttft", "total"))
+    assert unfinished == [target["error_phase"], pytest.approx(target["marks"]["end"] - spent, abs=0.1)]
+    browser.ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(browser.ARTIFACTS / "report.png")
+
+
+def test_the_page_fetches_nothing(report_page):
+    page, _ = report_page
+    assert page.evaluate("performance.getEntriesByType('resource').length") == 0
