@@ -13,6 +13,8 @@
 - `Deadlines` bounds every wait: connect, response head, first token, idle stream.
   A deadline that passes closes the upstream connection; the ordinary failure
   path then answers the client (through `ErrorReplies`) and writes the record.
+- `Shutdown` ends the flows in flight at a clean stop through that same path, so
+  each client hears why and each flow gets its record.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from . import apierrors, scope, seams, state
+from . import apierrors, scope, seams, state, timing
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ class ErrorReplies:
         st = state.get(flow)
         if st is None:
             return None
+        _replying.discard(flow)  # a stop waiting for this reply may go on once it is written
         status = st.error_status or 502
         text = MESSAGE_PREFIX + (st.error or message)
         if not head_sent:
@@ -349,3 +353,94 @@ class Deadlines:
         # connection's error, which mitmproxy passes on to the flows waiting for it.
         logger.info("upstream connect to %s timed out", data.server.address)
         io.handler.cancel(CONNECT_TIMEOUT.format(self.connect_timeout))
+
+
+# --- a clean stop ------------------------------------------------------------------------
+
+
+SHUTDOWN_STATUS = 503
+CUT_WAIT_S = 5.0
+POLL_S = 0.01
+"""How long a stop waits for the flows it cut to be answered and recorded (they take
+milliseconds); what is left then is recorded by timing's `done` all the same."""
+
+
+_replying: set[http.HTTPFlow] = set()
+"""Flows a stop has ended whose client reply `ErrorReplies.render` has not yet made.
+The reply is written in the same step of the event loop as it is made, so once this
+is empty the clients have their errors: mitmproxy's `error` hook runs before it."""
+
+
+class Shutdown:
+    """A clean stop (SIGTERM, SIGINT, `scripts/relay` stopping a worker) ends every
+    in-scope flow in flight the way an upstream failure would: its client gets the
+    API's error ("relay shutting down": a 503 before the response head, the API's
+    error event and a clean end after it) and its record is written before the log
+    closes. mitmproxy would run the `done` hooks first (the log closes) and only then
+    cancel the connections, cutting each client off without a word or a record.
+
+    `relay_shutdown_grace` lets flows in flight finish on their own first; requests
+    arriving meanwhile get the 503. Flows still uploading their request (nothing
+    forwarded, nothing to end cleanly) are recorded by timing's `done` and cut.
+    Must come before timing in relay.py's list: timing's `done` closes the log.
+    """
+
+    def __init__(self) -> None:
+        self.grace = 0
+        self.stopping = False
+        self.in_flight: set[http.HTTPFlow] = set()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_shutdown_grace", int, 0,
+            "Seconds a clean stop lets requests in flight finish on their own before it "
+            "ends them with the API's error; 0: end them at once.",
+        )
+
+    def configure(self, updated) -> None:
+        if "relay_shutdown_grace" in updated:
+            self.grace = max(ctx.options.relay_shutdown_grace, 0)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or flow.response is not None:
+            return
+        if self.stopping:
+            st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
+            flow.response = error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR)
+            return
+        self.in_flight.add(flow)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.discard(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.discard(flow)
+
+    async def done(self) -> None:
+        self.stopping = True
+        if self.grace and (waiting := self._live()):
+            logger.info("stopping: waiting up to %d s for %d flow(s) in flight", self.grace, len(waiting))
+            await _until(lambda: not self._live(), self.grace)
+        for flow in self._live():
+            st = state.get(flow)
+            if st is None or "forwarded" not in st.marks:
+                continue  # still uploading: timing records it
+            st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
+            _replying.add(flow)
+            if not close_upstream(flow, timing.SHUTDOWN_ERROR):
+                _replying.discard(flow)
+        if _replying:
+            logger.info("stopping: ending %d flow(s) in flight", len(_replying))
+            await _until(lambda: not _replying, CUT_WAIT_S)
+            _replying.clear()
+
+    def _live(self) -> list[http.HTTPFlow]:
+        return [f for f in self.in_flight if f.live]
+
+
+async def _until(condition: Callable[[], bool], seconds: float) -> None:
+    """Wait until `condition()` holds, checking it every few ms, at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)

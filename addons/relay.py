@@ -17,6 +17,7 @@ addons; each concern lives in its own module under `addons/`:
 
 The order matters: scope attaches the per-flow state the others read, and timing
 comes after trim so its `request` hook marks the moment the request leaves.
+faults.Shutdown comes before timing too: timing's `done` closes the log.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
 """
@@ -41,6 +42,7 @@ addons = [
     scope.Scope(),
     streaming.Streaming(),
     trim.Trim(),
+    faults.Shutdown(),
     faults.FailedConnects(),
     faults.Deadlines(),
     timing.Timing(),

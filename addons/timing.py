@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,8 @@ SLOW_MARKER = ":warning:"
 ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
 CLIENT_GONE = ("client disconnected", "stream reset by client")
 """mitmproxy's error messages (HTTP/1, HTTP/2) for a client that went away."""
+SHUTDOWN_ERROR = "relay shutting down"
+"""The error of a flow the relay ended because it stops (`faults.Shutdown`)."""
 RTT_SAMPLES = 16
 """Handshakes per upstream whose round trips are remembered; the estimate is their minimum."""
 
@@ -55,6 +58,8 @@ class Timing:
         min-RTT filter assumes."""
         self.used_connections: set[str] = set()
         """Ids of open upstream connections that already carried a request."""
+        self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+        """In-scope flows without a record yet: at `done` each gets one."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -93,6 +98,14 @@ class Timing:
             self.server_timing = ctx.options.relay_server_timing
 
     def done(self) -> None:
+        # mitmproxy runs `done` before it cancels the connections, whose flows would
+        # only then reach `error`: record them now, while the writer is open.
+        # `faults.Shutdown` (earlier in the chain) has ended what it could end cleanly.
+        for flow in list(self.in_flight):
+            if (st := state.get(flow)) is not None:
+                st.error, st.error_phase = st.error or SHUTDOWN_ERROR, st.error_phase or "relay"
+                state.mark(flow, "end", time.time())
+                self._finish(flow)
         self.console_lines.flush()
         self._close_writer()
 
@@ -100,6 +113,10 @@ class Timing:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is not None:
+            self.in_flight.add(flow)
 
     def request(self, flow: http.HTTPFlow) -> None:
         state.mark(flow, "forwarded", time.time())
@@ -187,6 +204,7 @@ class Timing:
         if st is None or st.recorded:
             return
         st.recorded = True
+        self.in_flight.discard(flow)
         self._connection_marks(flow, st)
         marks = self._marks(flow, st)
         if flow.error is not None:

@@ -18,7 +18,8 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   `scripts/report 'logs/timing*.jsonl'` reads them together.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
   this process serves the one scrape endpoint (`relay_metrics_listen`).
-- Ctrl-C (SIGINT) or SIGTERM stops HAProxy and every worker (workers flush their logs).
+- Ctrl-C (SIGINT) or SIGTERM stops every worker, each answering and recording its flows
+  in flight, while HAProxy soft-stops (no new connections; what is under way goes on).
 
 With `--workers 1`, or without haproxy on PATH, it runs the single process exactly as
 `mitmdump -s addons/relay.py` (exec, nothing in between).
@@ -197,6 +198,10 @@ def haproxy_config(listeners: list[Listener], health_ports: list[int], runtime_s
         # the upstream have their own timeouts.
         "    timeout client 1h",
         "    timeout server 1h",
+        # Once a worker has closed its side (it stopped, or closed an idle keep-alive
+        # connection), the client has this long to close its own: a stop is not held
+        # up for an hour by pooled connections.
+        "    timeout client-fin 5s",
         # A connect refused by a worker that just died goes to another one.
         "    option redispatch",
         "    retries 3",
@@ -373,13 +378,16 @@ class Supervisor:
 
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Workers first: each answers its flows in flight ("relay shutting down") and
+        # records them. HAProxy soft-stops meanwhile (SIGUSR1: it stops listening and
+        # passes on what is under way), so those answers still reach the clients.
         if self.haproxy.proc is not None and self.haproxy.proc.poll() is None:
-            self.haproxy.proc.terminate()
+            self.haproxy.proc.send_signal(signal.SIGUSR1)
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGINT)  # as Ctrl-C: done hooks run, logs are flushed
         deadline = time.monotonic() + STOP_TIMEOUT
-        for proc in [self.haproxy.proc, *(w.proc for w in self.workers)]:
+        for proc in [*(w.proc for w in self.workers), self.haproxy.proc]:
             if proc is None:
                 continue
             try:

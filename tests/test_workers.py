@@ -173,3 +173,32 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
     for pid in children:  # all stopped and reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None,
+                    reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+def test_ctrl_c_with_streams_in_flight_records_and_tells_every_one(fake, tmp_path, confdir):
+    port = workers.free_port()
+    fake.behaviour.stall_after_chunks = 2
+    sup = Supervised(["--workers", "2", "--mode", reverse_to(fake).replace("@0", f"@{port}"),
+                      "--listen-host", "127.0.0.1", "--set", f"confdir={confdir}",
+                      "--set", f"relay_timing_log={tmp_path / 'timing.jsonl'}", "--set", "relay_trim=false",
+                      "--set", "relay_metrics_listen="])
+    streams = []
+    try:
+        sup.wait_for(r"2 workers behind haproxy")
+        for _ in range(8):
+            conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, timeout=20)
+            chunks = resp.chunks()
+            streams.append((conn, resp, chunks, next(chunks).data))
+        sup.proc.send_signal(signal.SIGINT)  # as Ctrl-C
+        for conn, resp, chunks, first in streams:
+            with conn:
+                body = first + b"".join(chunk.data for chunk in chunks)
+            assert resp.complete, body
+            assert b"ttft-relay: relay shutting down" in body.rsplit(b"\n\n", 2)[-2]
+    finally:
+        sup.proc.send_signal(signal.SIGINT)
+        assert sup.proc.wait(30) == 0
+    recs = [orjson.loads(line) for p in tmp_path.glob("timing.*.jsonl") for line in p.read_bytes().splitlines()]
+    assert len(recs) == len(streams) and all(r["error"] == "relay shutting down" for r in recs), recs

@@ -1,0 +1,97 @@
+"""A clean stop with streams in flight, through a real mitmdump: every flow in flight
+gets its record and its client gets the API's error event, then a clean end.
+
+The fake upstream stalls each stream after a few events (connection open), so the
+streams are in flight for as long as the test wants; the test signals the relay once
+every client has its first events.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import orjson
+import pytest
+from mitmproxy.test import taddons, tflow
+
+from addons import scope, state, timing
+from tests.conftest import reverse_to
+from tests.fakes import client
+from tests.test_faults_e2e import WAIT, body_for, last_event, records
+
+STREAMS = {
+    scope.OPENAI_CHAT: 3,
+    scope.ANTHROPIC_MESSAGES: 2,
+}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_clean_stop_records_and_tells_every_stream_in_flight(signum, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    fake.behaviour.stall_after_chunks = 2
+    open_streams = []
+    for api, count in STREAMS.items():
+        for _ in range(count):
+            path, body = body_for(api, stream=True)
+            conn, response = client.request("POST", relay.url() + path, body, timeout=WAIT)
+            assert response.status == 200
+            chunks = response.chunks()
+            first = next(chunks).data  # the relay has forwarded the stream's head and first event
+            open_streams.append((api, conn, response, chunks, first))
+    assert fake.wait_received(len(open_streams), WAIT)
+
+    relay.proc.send_signal(signum)
+    assert relay.proc.wait(WAIT) == 0
+
+    for api, conn, response, chunks, first in open_streams:
+        with conn:
+            body = first + b"".join(chunk.data for chunk in chunks)
+        assert response.complete, body  # a clean end, not a cut
+        assert "relay shutting down" in last_event(api, body)["message"]
+    recs = records(tmp_path)
+    assert len(recs) == len(open_streams), recs
+    for rec in recs:
+        assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay", rec
+        assert rec["verdict"] == "error in relay" and rec["client_aborted"] is False
+        assert rec["status"] == 200  # what the client got: the head went out before the stop
+
+
+def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), relay_shutdown_grace=30)
+    fake.behaviour.stall_after_chunks = 2
+    path, body = body_for(scope.OPENAI_CHAT, stream=True)
+    conn, response = client.request("POST", relay.url() + path, body, timeout=WAIT)
+    chunks = response.chunks()
+    next(chunks)
+    relay.proc.send_signal(signal.SIGTERM)
+    relay.wait_for_output(r"stopping: waiting up to 30 s for 1 flow")
+    late_conn, late = client.request("POST", relay.url() + path, body, timeout=WAIT)
+    with late_conn:
+        assert late.status == 503
+        assert "relay shutting down" in orjson.loads(late.read())["error"]["message"]
+    fake.release_stalls()  # the stream in flight may finish within the grace period
+    with conn:
+        rest = b"".join(chunk.data for chunk in chunks)
+    assert response.complete and b"[DONE]" in rest
+    assert relay.proc.wait(WAIT) == 0
+    recs = {rec["status"]: rec for rec in records(tmp_path)}
+    assert set(recs) == {200, 503}
+    assert recs[200]["error"] is None
+    assert recs[503]["error"] == "relay shutting down" and recs[503]["error_phase"] == "relay"
+
+
+def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
+    # No clean end is possible before the request is in: the record is written at
+    # `done`, before the log closes (mitmproxy's `error` for it would come after).
+    t = timing.Timing()
+    with taddons.context(t) as tctx:
+        tctx.configure(t, relay_timing_log=str(tmp_path / "timing.jsonl"))
+        f = tflow.tflow()
+        f.request.timestamp_end = None
+        state.attach(f, state.FlowState(api=scope.OPENAI_CHAT, model="gpt-x", stream=True))
+        t.requestheaders(f)
+        t.done()
+        t.error(f)  # what mitmproxy does once it cancels the connection: no second record
+    (rec,) = records(tmp_path)
+    assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay"
+    assert rec["verdict"] == "error in relay" and rec["status"] is None
