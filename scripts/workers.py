@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from mitmproxy import addons as mitmproxy_addons  # noqa: E402
-from mitmproxy import optmanager, options  # noqa: E402
+from mitmproxy import ctx, optmanager, options  # noqa: E402
 from mitmproxy.proxy import mode_specs  # noqa: E402
 from mitmproxy.tools import cmdline  # noqa: E402
 from mitmproxy.tools.main import process_options  # noqa: E402
@@ -104,6 +104,9 @@ def effective_options(args: list[str]) -> optmanager.OptManager:
 
     opts = options.Options()
     loader = _OptionsLoader(opts)
+    # Some `load` hooks read the options they are loaded with (as in mitmdump, where
+    # the master sets ctx.options before any addon loads).
+    ctx.options = opts
     for addon in mitmproxy_addons.default_addons() + relay.addons:
         if not isinstance(addon, config.RelayConfig):  # its work is done below, without ctx
             loader.declare(addon)
