@@ -3,11 +3,13 @@
 A relay sits between its users and a paid API key. Three addons keep it that way:
 
     Exposure        refuses to start (or to take an option change) that would serve
-                    other machines without authentication: a non-loopback listener
-                    without proxyauth (proxies) or relay access keys (reverse
-                    listeners), or mitmweb on a non-loopback web_host without
-                    web_password. `relay_allow_open_proxy` overrides the listener
-                    check for relays firewalled elsewhere.
+                    other machines without authentication or TLS: a non-loopback
+                    listener without proxyauth (proxies) or relay access keys (reverse
+                    listeners), or without a TLS certificate (`certs`, addons/tls.py)
+                    unless `relay_client_tls` is optional; or mitmweb on a
+                    non-loopback web_host without web_password.
+                    `relay_allow_open_proxy` overrides the listener check for relays
+                    firewalled elsewhere.
     AccessKeys      reverse listeners: clients present a relay access key where their
                     SDK puts the API key; the relay checks it and swaps in the
                     upstream key from the environment, so a relay can be shared
@@ -90,10 +92,25 @@ def required_protection(mode: mode_specs.ProxyMode) -> str | None:
     return None
 
 
+CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_ALL, CLIENT_TLS_OPTIONAL = "off-loopback", "all", "optional"
+"""`relay_client_tls` (addons/tls.py): which listeners accept only TLS clients."""
+TLS_CAPABLE = (mode_specs.ReverseMode, mode_specs.RegularMode, mode_specs.UpstreamMode)
+"""Listener kinds on which mitmproxy terminates a client's TLS (socks5 cannot)."""
+
+
+def requires_tls(client_tls: str, loopback: bool) -> bool:
+    """Whether a listener accepts only TLS clients under the `relay_client_tls` policy."""
+    return client_tls == CLIENT_TLS_ALL or (client_tls == CLIENT_TLS_OFF_LOOPBACK and not loopback)
+
+
 def unprotected_listeners(
-    modes: Sequence[str], listen_host: str, proxyauth: str | None, access_keys: bool
+    modes: Sequence[str], listen_host: str, proxyauth: str | None, access_keys: bool,
+    client_tls: str = CLIENT_TLS_OFF_LOOPBACK, certs: bool = False,
 ) -> list[str]:
-    """One line per listener that would serve other machines without authentication."""
+    """One line per listener that would serve other machines without authentication,
+    or without TLS: off loopback a listener needs both (or `client_tls` optional, the
+    explicit opt-out for TLS that ends in front of the relay). TLS means a certificate
+    from mitmproxy's `certs`, not one from mitmproxy's own CA."""
     protected = {
         "proxyauth": bool(proxyauth) and proxyauth != "any",  # "any" accepts every password
         "relay_access_keys": access_keys,
@@ -107,10 +124,26 @@ def unprotected_listeners(
         if is_loopback(host):
             continue
         needed = required_protection(mode)
-        if needed is None or not protected[needed]:
-            remedy = f"set {needed}" if needed else "the relay cannot protect this kind of listener"
-            found.append(f"{spec} on {host or 'all interfaces'} ({remedy})")
+        if needed is None:
+            found.append(f"{spec} on {host or 'all interfaces'} (the relay cannot protect this kind of listener)")
+            continue
+        problems = [] if protected[needed] else [f"(set {needed})"]
+        if requires_tls(client_tls, loopback=False):
+            if not isinstance(mode, TLS_CAPABLE):
+                problems.append("without TLS (this kind cannot have it: set relay_client_tls=optional)")
+            elif not certs:
+                problems.append("without TLS (set certs)")
+        if problems:
+            found.append(f"{spec} on {host or 'all interfaces'} {' '.join(problems)}")
     return found
+
+
+def plain_http_listeners(modes: Sequence[str], listen_host: str, client_tls: str) -> list[str]:
+    """Listeners off loopback that accept plain HTTP (relay_client_tls=optional)."""
+    if client_tls != CLIENT_TLS_OPTIONAL:
+        return []
+    return [spec for spec in modes if (mode := mode_specs.ProxyMode.parse(spec)).listen_port() is not None
+            and not is_loopback(mode.listen_host(listen_host))]
 
 
 def web_ui_problem(web_host: str, web_password: str) -> str | None:
@@ -135,7 +168,7 @@ class Exposure:
     makes mitmproxy exit, later it rejects the change."""
 
     WATCHED = {"mode", "listen_host", "proxyauth", "relay_access_keys", "relay_allow_open_proxy",
-               "web_host", "web_password"}
+               "web_host", "web_password", "relay_client_tls", "certs"}
 
     def __init__(self) -> None:
         self.last_warning = ""
@@ -155,7 +188,9 @@ class Exposure:
         opts = ctx.options
         if "web_host" in opts and (problem := web_ui_problem(opts.web_host, opts.web_password)):
             raise exceptions.OptionsError(f"refusing to start: {problem}")
-        exposed = unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys))
+        client_tls = opts.relay_client_tls if "relay_client_tls" in opts else CLIENT_TLS_OFF_LOOPBACK
+        exposed = unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
+                                        client_tls, bool(opts.certs))
         if exposed and not opts.relay_allow_open_proxy:
             raise exceptions.OptionsError(
                 "refusing to start as an open proxy: " + "; ".join(exposed) + ". Listen on 127.0.0.1, "
@@ -164,6 +199,9 @@ class Exposure:
         warning = ""
         if exposed:
             warning = "serving without authentication (relay_allow_open_proxy): " + "; ".join(exposed)
+        elif plain := plain_http_listeners(opts.mode, opts.listen_host, client_tls):
+            warning = ("accepting plain HTTP off loopback (relay_client_tls=optional), safe only where TLS ends "
+                       "in front of the relay: " + "; ".join(plain))
         elif opts.proxyauth and any(is_http_reverse(mode_specs.ProxyMode.parse(m)) for m in opts.mode):
             warning = ("proxyauth applies to reverse listeners too, where it demands Basic credentials "
                        "and so rejects API keys; protect reverse listeners with relay_access_keys instead")

@@ -37,16 +37,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
-from . import phases
+from . import logrotation, phases
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
 
 
 _CLOSE = object()
+_REOPEN = object()
 WRITE_BATCH_S = 0.05
 """The writer thread lets records gather this long before it writes them: one thread
 wake-up (and GIL hand-over) per batch instead of one per record under load."""
@@ -237,12 +239,20 @@ class RecordWriter:
     queued up within WRITE_BATCH_S and flushes after each batch, so a reader of the
     log sees records within moments. `close()` writes everything still queued
     before returning.
+
+    With a `rotation` (addons/logrotation.py) the thread rotates the log between two
+    records, never inside one, and compresses and expires rotated files in
+    another thread. `reopen()` makes it write to a new file at `path` after the
+    records queued so far: for logrotate, which renames the log and signals.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, rotation: logrotation.Rotation | None = None) -> None:
         self.path = Path(path)
+        self.rotation = rotation or logrotation.Rotation()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
+        self._file: BinaryIO | None = None
+        self._open()
+        self._housekeeping: threading.Thread | None = None
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
         self._thread.start()
@@ -250,10 +260,25 @@ class RecordWriter:
     def write(self, rec: Mapping[str, Any]) -> None:
         self._queue.put(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
 
+    def reopen(self) -> None:
+        self._queue.put(_REOPEN)
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(_CLOSE)
             self._thread.join()
+        if self._housekeeping is not None:
+            self._housekeeping.join()
+
+    def _open(self) -> None:
+        """Open `path` for appending; the file open before (if any) is closed only once
+        the new one is open, so a failure leaves the writer writing where it was."""
+        file = open(self.path, "ab")
+        if self._file is not None:
+            self._file.close()
+        self._file = file
+        stat = os.fstat(file.fileno())
+        self._size, self._last_write = stat.st_size, stat.st_mtime
 
     def _run(self) -> None:
         closing = False
@@ -264,9 +289,62 @@ class RecordWriter:
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             closing = _CLOSE in batch
-            try:
-                self._file.write(b"".join(line for line in batch if line is not _CLOSE))
-                self._file.flush()
-            except OSError as e:
-                logger.error("cannot write timing records to %s: %s", self.path, e)
+            lines: list[bytes] = []
+            for item in batch:
+                if item is _REOPEN:
+                    self._write(lines)
+                    lines = []
+                    try:
+                        self._open()
+                    except OSError as e:
+                        logger.error("cannot reopen timing log %s, still writing to the old file: %s", self.path, e)
+                elif item is not _CLOSE:
+                    lines.append(item)
+            self._write(lines)
         self._file.close()
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Append whole lines, rotating between two of them where the policy says so."""
+        now = time.time()
+        start, pending = 0, 0
+        for i, line in enumerate(lines):
+            if self.rotation.due(self._size + pending, len(line), self._last_write, now):
+                self._append(lines[start:i], now)
+                try:
+                    self._rotate(now)
+                except OSError as e:
+                    logger.error("cannot rotate timing log %s, still writing to it: %s", self.path, e)
+                start, pending = i, 0
+            pending += len(line)
+        self._append(lines[start:], now)
+
+    def _append(self, lines: list[bytes], now: float) -> None:
+        if not lines:
+            return
+        data = b"".join(lines)
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except OSError as e:
+            logger.error("cannot write timing records to %s: %s", self.path, e)
+            return
+        self._size += len(data)
+        self._last_write = now
+
+    def _rotate(self, now: float) -> None:
+        # Renaming an open file is fine on POSIX: the last batch is flushed, and the
+        # new file is opened before the old one is closed.
+        rotated = logrotation.rotate(self.path, now)
+        self._open()
+        if self._housekeeping is not None:
+            self._housekeeping.join()  # one at a time: expiring must see the last compression done
+        self._housekeeping = threading.Thread(target=self._compress_and_expire, args=(rotated,),
+                                              name="ttft-relay-log-rotation", daemon=True)
+        self._housekeeping.start()
+
+    def _compress_and_expire(self, rotated: Path) -> None:
+        try:
+            logrotation.compress(rotated)
+            logrotation.remove_expired(self.path, self.rotation.keep)
+        except OSError as e:
+            logger.error("cannot compress or expire rotated timing log %s: %s", rotated, e)

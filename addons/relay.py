@@ -5,7 +5,9 @@ addons; each concern lives in its own module under `addons/`:
 
     config     mitm.conf under the command line
     capacity   a burst of streams: connections queued, cheaper hook dispatch
+    tls        listeners that accept only TLS (the user's certificate), plain HTTP refused
     guard      no open proxy, relay access keys, credentials redacted
+    reload     SIGHUP: timing log reopened, certificates and key files re-read
     scope      which flows are LLM API calls, and which API shape
     streaming  every response chunk to the client as it arrives
     trim       oversized message histories cut to a token budget
@@ -15,8 +17,9 @@ addons; each concern lives in its own module under `addons/`:
     sseview    an event-stream view for mitmweb
     webcolumns the timing comment as a column of mitmweb's flow list
 
-The order matters: scope attaches the per-flow state the others read, and timing
-comes after trim so its `request` hook marks the moment the request leaves.
+The order matters: tls refuses plain HTTP before guard looks at a key; scope attaches
+the per-flow state the others read, and timing comes after trim so its `request` hook
+marks the moment the request leaves.
 faults.Shutdown comes before timing too: timing's `done` closes the log.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
@@ -32,13 +35,16 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import capacity, config, faults, guard, metrics, scope, sseview, streaming, timing, trim, webcolumns  # noqa: E402
+from addons import (capacity, config, faults, guard, metrics, reload, scope, sseview, streaming, timing,  # noqa: E402
+                    tls, trim, webcolumns)
 
 addons = [
     config.RelayConfig(),
     capacity.ListenBacklog(),
     capacity.HookPlans(),
+    tls.ClientTLS(),
     guard.Guard(),
+    reload.Reload(),
     scope.Scope(),
     streaming.Streaming(),
     trim.Trim(),

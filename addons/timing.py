@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from mitmproxy import command, ctx, flow, http
+from mitmproxy import command, ctx, exceptions, flow, http
 from mitmproxy.proxy import server_hooks
+from mitmproxy.utils import human
 
-from . import phases, record, sse, state
+from . import logrotation, phases, record, sse, state
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,26 @@ class Timing:
             str,
             str(DEFAULT_LOG),
             "Append one JSON timing record per LLM call to this file (created if "
-            "missing); empty to keep no log.",
+            "missing); empty to keep no log. Setting it again (SIGHUP does) reopens the file.",
+        )
+        loader.add_option(
+            "relay_timing_log_max_size",
+            str,
+            "0",
+            "Rotate the timing log before it grows past this size (e.g. 100m, 1g); 0: never by size.",
+        )
+        loader.add_option(
+            "relay_timing_log_rotate_every",
+            str,
+            "",
+            "Rotate the timing log at each UTC boundary of this period (e.g. 1d: midnight UTC, 6h); "
+            "empty: never by time.",
+        )
+        loader.add_option(
+            "relay_timing_log_keep",
+            int,
+            30,
+            "Rotated timing logs (gzip-compressed) kept, oldest deleted first; 0 keeps all.",
         )
         loader.add_option(
             "relay_slow_ms",
@@ -86,16 +106,34 @@ class Timing:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_timing_log" in updated:
-            self._close_writer()
-            if path := ctx.options.relay_timing_log:
-                self.writer = record.RecordWriter(path)
+        if updated & self.LOG_OPTIONS:
+            self._configure_log()
         if "relay_slow_ms" in updated:
             self.slow_ms = ctx.options.relay_slow_ms
         if "relay_timing_console" in updated:
             self.console = ctx.options.relay_timing_console
         if "relay_server_timing" in updated:
             self.server_timing = ctx.options.relay_server_timing
+
+    LOG_OPTIONS = {"relay_timing_log", "relay_timing_log_max_size", "relay_timing_log_rotate_every",
+                   "relay_timing_log_keep"}
+
+    def _configure_log(self) -> None:
+        opts = ctx.options
+        try:
+            rotation = logrotation.Rotation(human.parse_size(opts.relay_timing_log_max_size) or 0,
+                                            logrotation.parse_duration(opts.relay_timing_log_rotate_every),
+                                            opts.relay_timing_log_keep)
+        except ValueError as e:
+            raise exceptions.OptionsError(f"timing log rotation: {e}") from e
+        path = opts.relay_timing_log
+        writer = self.writer
+        if writer is not None and path and Path(path) == writer.path and rotation == writer.rotation:
+            writer.reopen()  # the same log named again: logrotate may have renamed it
+            return
+        self._close_writer()
+        if path:
+            self.writer = record.RecordWriter(path, rotation)
 
     def done(self) -> None:
         # mitmproxy runs `done` before it cancels the connections, whose flows would

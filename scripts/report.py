@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import re
 import sys
 import time
@@ -26,7 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -38,6 +39,7 @@ METRICS = phases.PHASES
 """Every phase, ttft included."""
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def parse_since(text: str, now: float | None = None) -> float:
@@ -51,13 +53,22 @@ def parse_since(text: str, now: float | None = None) -> float:
         raise argparse.ArgumentTypeError(f"not a duration (30m, 2h, 7d) or ISO time: {text!r}") from None
 
 
+def open_log(path: str | Path) -> BinaryIO:
+    """A timing log for reading: plain, or gzip-compressed (a rotated `.gz`, told by its
+    magic bytes, whatever its name)."""
+    f = open(path, "rb")
+    if f.peek(2)[:2] == GZIP_MAGIC:
+        return gzip.open(f)
+    return f
+
+
 def read_records(
     paths: Iterable[str | Path], *, since: float | None = None, model: str | None = None
 ) -> tuple[list[dict[str, Any]], int]:
     """The records of the logs that pass the filters, and the number of unreadable lines."""
     out, bad = [], 0
     for path in paths:
-        with open(path, "rb") as f:
+        with open_log(path) as f:
             for line in f:
                 if not line.strip():
                     continue

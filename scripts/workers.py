@@ -20,6 +20,10 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   this process serves the one scrape endpoint (`relay_metrics_listen`).
 - Ctrl-C (SIGINT) or SIGTERM stops every worker, each answering and recording its flows
   in flight, while HAProxy soft-stops (no new connections; what is under way goes on).
+- SIGHUP goes on to every worker (each reopens its log and re-reads certificates).
+- TLS to clients ends in the workers (HAProxy passes TCP): where HAProxy listens off
+  loopback, the workers get `relay_client_tls=all`, since their own listeners are on
+  loopback.
 
 With `--workers 1`, or without haproxy on PATH, it runs the single process exactly as
 `mitmdump -s addons/relay.py` (exec, nothing in between).
@@ -258,6 +262,16 @@ class HAProxy:
 # --- workers ----------------------------------------------------------------------
 
 
+def worker_client_tls(opts: optmanager.OptManager, listeners: list[Listener]) -> str | None:
+    """The `relay_client_tls` a worker needs: workers listen on loopback, so where HAProxy
+    listens off loopback, "off-loopback" must become "all" for them (None: leave it).
+    Reverse listeners on loopback then accept only TLS too."""
+    if opts.relay_client_tls == guard.CLIENT_TLS_OFF_LOOPBACK and any(
+            not guard.is_loopback(lst.host) for lst in listeners):
+        return guard.CLIENT_TLS_ALL
+    return None
+
+
 def worker_log(path: str, worker: int) -> str:
     """`logs/timing.jsonl` → `logs/timing.<worker>.jsonl`."""
     p = Path(path)
@@ -299,7 +313,8 @@ class Supervisor:
     def __init__(self, user_args: list[str], workers: int) -> None:
         self.opts = effective_options(user_args)
         exposed = guard.unprotected_listeners(
-            self.opts.mode, self.opts.listen_host, self.opts.proxyauth, bool(self.opts.relay_access_keys)
+            self.opts.mode, self.opts.listen_host, self.opts.proxyauth, bool(self.opts.relay_access_keys),
+            self.opts.relay_client_tls, bool(self.opts.certs),
         )
         if exposed and not self.opts.relay_allow_open_proxy:
             # The workers listen on loopback and cannot see HAProxy's addresses: check here.
@@ -323,6 +338,8 @@ class Supervisor:
                 args += ["--mode", lst.worker_spec(i)]
             args += ["--mode", f"regular@{WORKER_LISTEN_HOST}:{health_ports[i]}"]
             args += ["--set", f"relay_timing_log={worker_log(self.opts.relay_timing_log, i) if self.opts.relay_timing_log else ''}"]
+            if client_tls := worker_client_tls(self.opts, self.listeners):
+                args += ["--set", f"relay_client_tls={client_tls}"]
             env = {**os.environ, metrics.WORKER_ENV: str(i), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
             self.workers.append(Worker(i, args, env, health_ports[i]))
         self.stopping = False
@@ -330,6 +347,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGHUP, self._reload)
         try:
             for w in self.workers:
                 w.start()
@@ -378,6 +396,12 @@ class Supervisor:
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
+
+    def _reload(self, signum, frame) -> None:
+        # Each worker reopens its own log and re-reads certificates (addons/reload.py).
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGHUP)
 
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

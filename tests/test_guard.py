@@ -21,7 +21,7 @@ from mitmproxy.addons import proxyauth
 from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
 
-from addons import guard, scope, state
+from addons import guard, scope, state, tls
 from scripts.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
@@ -53,23 +53,49 @@ def test_loopback_listeners_need_no_protection():
     assert guard.unprotected_listeners(modes, "127.0.0.1", None, False) == []
     # A mode's own host wins over listen_host, in both directions.
     assert guard.unprotected_listeners(["regular@127.0.0.1:8080"], "", None, False) == []
-    assert guard.unprotected_listeners(["regular@0.0.0.0:8080"], "127.0.0.1", None, False) == [
+    assert guard.unprotected_listeners(["regular@0.0.0.0:8080"], "127.0.0.1", None, False, certs=True) == [
         "regular@0.0.0.0:8080 on 0.0.0.0 (set proxyauth)"]
 
 
 def test_each_exposed_listener_names_its_protection():
     modes = ["regular@8080", "reverse:https://api.openai.com@8001", "transparent@8082", "local"]
-    assert guard.unprotected_listeners(modes, "", None, False) == [
+    assert guard.unprotected_listeners(modes, "", None, False, certs=True) == [
         "regular@8080 on all interfaces (set proxyauth)",
         "reverse:https://api.openai.com@8001 on all interfaces (set relay_access_keys)",
         "transparent@8082 on all interfaces (the relay cannot protect this kind of listener)",
     ]  # local mode has no network listener
-    assert guard.unprotected_listeners(modes[:2], "", "u:p", True) == []
+    assert guard.unprotected_listeners(modes[:2], "", "u:p", True, certs=True) == []
     # proxyauth does not stand in for access keys (it breaks Bearer keys), nor the reverse.
-    assert len(guard.unprotected_listeners(modes[:2], "", "u:p", False)) == 1
-    assert len(guard.unprotected_listeners(modes[:2], "", None, True)) == 1
+    assert len(guard.unprotected_listeners(modes[:2], "", "u:p", False, certs=True)) == 1
+    assert len(guard.unprotected_listeners(modes[:2], "", None, True, certs=True)) == 1
     # "any" accepts every password: no protection.
-    assert len(guard.unprotected_listeners(["socks5@1080"], "0.0.0.0", "any", False)) == 1
+    assert len(guard.unprotected_listeners(["socks5@1080"], "0.0.0.0", "any", False, "optional")) == 1
+
+
+def test_off_loopback_authentication_needs_tls_too_unless_opted_out():
+    modes = ["regular@8080", "reverse:https://api.openai.com@8001", "socks5@1080"]
+    assert guard.unprotected_listeners(modes, "0.0.0.0", "u:p", True) == [
+        "regular@8080 on 0.0.0.0 without TLS (set certs)",
+        "reverse:https://api.openai.com@8001 on 0.0.0.0 without TLS (set certs)",
+        "socks5@1080 on 0.0.0.0 without TLS (this kind cannot have it: set relay_client_tls=optional)",
+    ]
+    assert guard.unprotected_listeners(modes[:2], "0.0.0.0", "u:p", True, "all", certs=True) == []
+    assert guard.unprotected_listeners(modes, "0.0.0.0", "u:p", True, "optional") == []
+    assert guard.unprotected_listeners(modes[1:2], "0.0.0.0", None, False) == [
+        "reverse:https://api.openai.com@8001 on 0.0.0.0 (set relay_access_keys) without TLS (set certs)"]
+    # Loopback needs neither, whatever the policy.
+    assert guard.unprotected_listeners(modes, "127.0.0.1", None, False, "all") == []
+    assert guard.plain_http_listeners(modes, "0.0.0.0", "optional") == modes
+    assert guard.plain_http_listeners(modes, "0.0.0.0", "off-loopback") == []
+    assert guard.plain_http_listeners(["regular@127.0.0.1:8080"], "", "optional") == []
+
+
+@pytest.mark.parametrize(("policy", "loopback", "required"), [
+    ("off-loopback", True, False), ("off-loopback", False, True), ("all", True, True), ("all", False, True),
+    ("optional", True, False), ("optional", False, False),
+])
+def test_which_listeners_accept_only_tls(policy, loopback, required):
+    assert guard.requires_tls(policy, loopback) is required
 
 
 def test_web_ui_needs_a_password_off_loopback():
@@ -84,7 +110,9 @@ def test_web_ui_needs_a_password_off_loopback():
 
 def _guarded(tctx: taddons.context) -> guard.Guard:
     g = guard.Guard()
-    tctx.master.addons.add(proxyauth.ProxyAuth(), g)  # the relay reads proxyauth's option
+    # The relay reads proxyauth's option and relay_client_tls.
+    tctx.master.addons.add(proxyauth.ProxyAuth(), tls.ClientTLS(), g)
+    tctx.options.update(listen_host="127.0.0.1")  # taddons' default is every interface
     return g
 
 
@@ -95,7 +123,7 @@ def test_exposure_rejects_an_open_listener_and_takes_the_override(caplog):
         with pytest.raises(exceptions.OptionsError, match="refusing to start as an open proxy"):
             tctx.options.update(listen_host="0.0.0.0")
         assert tctx.options.listen_host == "127.0.0.1"  # the change was rejected
-        tctx.options.update(listen_host="0.0.0.0", proxyauth="user:secret")
+        tctx.options.update(listen_host="0.0.0.0", proxyauth="user:secret", relay_client_tls="optional")
         tctx.options.update(proxyauth=None, relay_allow_open_proxy=True)
     assert "serving without authentication (relay_allow_open_proxy): regular@0 on 0.0.0.0" in caplog.text
 
@@ -484,6 +512,9 @@ def _refused(proc: MitmdumpProcess) -> str:
     (["regular@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=any"], None, "(set proxyauth)"),
     (["reverse:https://api.openai.com@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=u:p"], None,
      "(set relay_access_keys)"),
+    # Authentication alone is not enough off loopback: keys and prompts would cross in clear.
+    (["regular@0"], ["--listen-host", "0.0.0.0", "--set", "proxyauth=u:secret-pass"], None,
+     "regular@0 on 0.0.0.0 without TLS (set certs)"),
 ])
 def test_an_open_listener_stops_the_relay(confdir, tmp_path, modes, args, conf, expected):
     relay_conf = None
@@ -495,21 +526,23 @@ def test_an_open_listener_stops_the_relay(confdir, tmp_path, modes, args, conf, 
 
 
 @pytest.mark.parametrize("args", [
-    ["--set", "proxyauth=user:secret-pass"],
+    ["--set", "proxyauth=user:secret-pass", "--set", "certs={cert}"],
+    ["--set", "proxyauth=user:secret-pass", "--set", "relay_client_tls=optional"],
     ["--set", "relay_allow_open_proxy=true"],
 ])
-def test_a_protected_or_allowed_listener_starts(confdir, args):
+def test_a_protected_or_allowed_listener_starts(confdir, certs, args):
+    args = [arg.format(cert=f"localhost={certs.cert_and_key_pem}") for arg in args]
     relay = _process(confdir, ["regular@0"], "--listen-host", "0.0.0.0", *args).start()
     output = relay.stop()
     assert "refusing" not in output
     assert ("serving without authentication" in output) == ("relay_allow_open_proxy=true" in args)
 
 
-def test_a_reverse_listener_with_access_keys_starts(confdir, monkeypatch):
+def test_a_reverse_listener_with_access_keys_and_tls_starts(confdir, certs, monkeypatch):
     monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
     monkeypatch.setenv("OPENAI_API_KEY", UPSTREAM_KEY)
     relay = _process(confdir, ["reverse:https://api.openai.com@0"], "--listen-host", "0.0.0.0",
-                     "--set", "relay_access_keys=env:RELAY_TEST_KEYS").start()
+                     "--set", "relay_access_keys=env:RELAY_TEST_KEYS", "--set", f"certs={certs.cert_and_key_pem}").start()
     assert "refusing" not in relay.stop()
 
 

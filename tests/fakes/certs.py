@@ -37,6 +37,12 @@ class TestCerts:
     cert_pem: Path
     key_pem: Path
 
+    @property
+    def cert_and_key_pem(self) -> Path:
+        """The certificate followed by its key in one file, as mitmproxy's `certs` option
+        reads it (`cat fullchain.pem privkey.pem`)."""
+        return self.cert_pem.with_name("cert-and-key.pem")
+
     @classmethod
     def create(cls, dirpath: str | Path) -> TestCerts:
         """Write ca.pem, cert.pem and key.pem into `dirpath` (created if missing)."""
@@ -55,6 +61,7 @@ class TestCerts:
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
         )
+        certs.cert_and_key_pem.write_bytes(certs.cert_pem.read_bytes() + certs.key_pem.read_bytes())
         return certs
 
     def server_context(self) -> ssl.SSLContext:
