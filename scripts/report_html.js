@@ -194,6 +194,13 @@
     return tSpan > 86400 ? iso.slice(5, 10) + " " + iso.slice(11, 16) : tSpan < 600 ? iso.slice(11, 19) : iso.slice(11, 16);
   };
 
+  function timeTicks(spanS, count) {
+    // On the wall clock's round minutes and hours (UTC), not at round offsets from the first record.
+    const step = [1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400].find((st) => spanS / st <= count) || 86400 * 7;
+    const out = [];
+    for (let t = Math.ceil(D.t0 / step) * step - D.t0; t <= spanS; t += step) out.push(t);
+    return out;
+  }
   function ttftOverTime(s) {
     const W = 1180, H = 300, box = [60, 10, W - 10, H - 24];
     const [c, g] = canvas(W, H);
@@ -207,7 +214,7 @@
     }
     const size = D.buckets.size_s;
     const xs = linear(0, Math.max(tmax, size), box[0], box[2], 10);
-    xs.ticks = niceTicks(0, xs.hi, 10).filter((v) => v >= 0);
+    xs.ticks = timeTicks(xs.hi, 10);
     const ys = logScale(ymin, ymax, box[3], box[1]);
     axes(g, xs, ys, box, timeLabel, fmtMs);
     const pts = { i: [], x: [], y: [] };

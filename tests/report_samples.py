@@ -10,6 +10,7 @@ some reused connections, stalls, errors, client aborts, and WebSocket turns
 from __future__ import annotations
 
 import random
+import uuid
 from typing import Any
 
 from addons import record
@@ -55,7 +56,8 @@ def one(rng: random.Random, i: int, ts: float, *, peak: float) -> dict[str, Any]
     extra = {}
     if model == "gpt-5" and rng.random() < 0.3:
         extra = {"transport": "websocket", "turn": 1 + i % 7, "prewarm": rng.random() < 0.1}
-    return build(f"r{i:06d}", ts, upstream, model, m, prompt=prompt, rtt=rtt, max_gap=max_gap,
+    flow_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))  # as long as mitmproxy's flow ids
+    return build(flow_id, ts, upstream, model, m, prompt=prompt, rtt=rtt, max_gap=max_gap,
                  new_connection=new_connection, error=error, client_aborted=bool(client_aborted)) | extra
 
 
