@@ -23,8 +23,8 @@ KNOWN = "known-slow"
 def known_record() -> dict:
     """The slowest request of the log, with phases the test can check bar by bar."""
     marks = {"request_body": 3.0, "forwarded": 5.0, "upstream_connect_start": 5.5, "upstream_tcp": 40.0,
-             "upstream_tls": 75.0, "response_head": 9075.0, "first_byte": 9076.0, "first_event": 9076.0,
-             "first_token": 9400.0, "last_token": 12000.0, "end": 12002.0}
+             "upstream_tls": 75.0, "response_head": 60075.0, "first_byte": 60076.0, "first_event": 60076.0,
+             "first_token": 60400.0, "last_token": 63000.0, "end": 63002.0}
     return report_samples.build(KNOWN, report_samples.DAY_START + 40000, "api.openai.com", "gpt-4o-mini", marks,
                                 prompt=30000, rtt=35.0, max_gap=900.0, new_connection=True)
 
@@ -61,7 +61,10 @@ def test_the_slowest_waterfall_shows_the_known_request_bar_by_bar(report_page):
     # One shared time axis: widths are in proportion to the durations, bars follow each other.
     scale = got["upstream_wait"]["w"] / got["upstream_wait"]["ms"]
     assert got["stream"]["w"] / got["stream"]["ms"] == pytest.approx(scale, rel=0.01)
-    assert got["upstream_tls"]["x"] + got["upstream_tls"]["w"] == pytest.approx(got["upstream_wait"]["x"], abs=0.5)
+    # (a bar is at least 1 px wide, so where the next one starts says more than where this one ends)
+    assert got["upstream_wait"]["x"] - got["upstream_tls"]["x"] == pytest.approx(got["upstream_tls"]["ms"] * scale, abs=0.5)
+    assert got["stream"]["x"] - got["upstream_wait"]["x"] == pytest.approx(
+        (got["upstream_wait"]["ms"] + got["head_to_first_token"]["ms"]) * scale, abs=0.5)
     tick = page.evaluate(f"+document.querySelector('{first_row} line.tick.first_token').dataset.ms")
     assert tick == pytest.approx(rec["marks"]["first_token"], abs=0.05)
     verdict = page.evaluate(f"document.querySelector('{first_row} text.verdict').textContent")
