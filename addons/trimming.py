@@ -1,34 +1,63 @@
-"""Which parts of an oversized conversation to drop, per API shape (pure, sans-IO).
+"""What to leave out of an oversized conversation, per API shape (pure, sans-IO).
 
-The policy:
-- System and developer messages (and `system` / `instructions`, and tool definitions) are
-  always kept.
-- The newest turn, from the last user message to the end, is always kept: it is what the
-  user is asking now. If that minimum alone exceeds the budget the request is left alone
-  (`over_budget`): never cut the user's newest message.
-- Older turns are dropped oldest first, each as a whole: a turn starts at a user message and
-  runs to the next one, so an assistant's tool calls go with all their results and
-  reasoning/thinking stays with what it led to. What remains is therefore still a valid
-  request (Anthropic: it starts with a user message and roles keep alternating).
-- Tokens are counted from the newest message backwards, and counting stops where the budget
-  is spent: what is dropped need not be encoded. `tokens_before` is then a lower bound.
+A request over budget is cut down in this order, each step oldest first, until it fits
+`LOW_WATER` of the budget:
 
-`trim` never raises on malformed input: anything it does not understand is left untouched,
+1. **Shrink.** The bodies of old tool results, then old tool-call arguments, then old
+   images are replaced by a short placeholder saying how much was removed (what
+   Anthropic's server-side `clear_tool_uses` does). Every message, block and id stays,
+   so calls stay paired and roles alternate as before. The newest round (the last tool
+   results and the calls they answer) stays whole.
+2. **Drop.** Whole turns — a turn starts at a user prompt, and a call and its results
+   never straddle a cut — from the middle: the oldest ones after the pinned head first
+   ("middle-out").
+
+Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
+developer message, wherever it is (Anthropic's mid-conversation system messages too);
+context items (Codex's `<environment_context>`, `<user_instructions>`, AGENTS.md); the
+pinned head (the leading system/developer/user messages before the first answer: the
+opening context and first prompt); the newest user prompt; reasoning, thinking and
+redacted-thinking blocks with their signatures, server tool blocks, and anything the
+relay does not recognise, which is carried as it is.
+
+**Cache-stable cuts.** A provider's prompt cache hits on an identical prefix. A cut made
+to just fit the budget moves on every turn and misses the cache every time; instead the
+cut goes to `LOW_WATER` of the budget, and the plan (how far shrinking reached, where the
+drop ends) is remembered per conversation — recognised by a hash of its pinned head, no
+server state — in a bounded `PlanCache`. The conversation's next requests get the same
+plan as long as it keeps them within the budget, so each one sends its predecessor's
+body plus its own new items.
+
+**Bounded counting.** Items are counted newest first; once the count passes
+`COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
+then a lower bound). The tokenizer estimates huge strings (`tokens.ESTIMATE_ABOVE`).
+
+`trim` never raises on malformed input: what it does not understand is left untouched,
 with the reason in the stats.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import orjson
 
 from . import scope
 from .tokens import longest_prefix
 
 DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
+    # OpenAI
     "gpt-5": 400_000,
+    "gpt-5-chat": 128_000,
+    "gpt-5.1-chat": 128_000,
+    "gpt-5.2-chat": 128_000,
+    "codex-mini": 200_000,
     "gpt-4.1": 1_047_576,
     "gpt-4.5": 128_000,
     "gpt-4o": 128_000,
@@ -39,18 +68,58 @@ DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
     "gpt-4-32k": 32_768,
     "gpt-4": 8_192,
     "gpt-3.5-turbo": 16_385,
+    "gpt-oss": 131_072,
     "o1": 200_000,
     "o1-mini": 128_000,
     "o1-preview": 128_000,
     "o3": 200_000,
     "o4-mini": 200_000,
+    # Anthropic: 200k; 1M with the context-1m beta header (`LONG_CONTEXT_WINDOWS`)
     "claude-": 200_000,
+    # Google
     "gemini-": 1_048_576,
+    "gemini-1.5-pro": 2_097_152,
 }
 """Context window (input + output tokens) by model name prefix; the longest prefix wins."""
 
+MAX_INPUT_TOKENS: dict[str, int] = {"gpt-5": 272_000, "gpt-5-chat": 128_000, "gpt-5.1-chat": 128_000, "gpt-5.2-chat": 128_000}
+"""Models whose API takes fewer input tokens than window minus output (GPT-5: 400k
+window, at most 272k of it input)."""
+
+LONG_CONTEXT_BETA = "context-1m-"
+"""Start of the `anthropic-beta` value that opens Claude's 1M-token window."""
+LONG_CONTEXT_WINDOWS: dict[str, int] = {"claude-": 1_000_000}
+"""Windows with the long-context beta header."""
+
+KNOWN_MODELS = (
+    "claude-opus-4-6", "claude-opus-4-5-20251101", "claude-opus-4-1-20250805", "claude-opus-4-20250514",
+    "claude-sonnet-4-5-20250929", "claude-sonnet-4-20250514", "claude-haiku-4-5-20251001",
+    "claude-3-7-sonnet-latest", "claude-3-5-haiku-latest",
+    "gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-5-codex", "gpt-5-chat-latest", "gpt-5-pro",
+    "gpt-5.1", "gpt-5.1-codex", "gpt-5.1-codex-max", "gpt-5.1-codex-mini", "gpt-5.2", "gpt-5.2-codex",
+    "gpt-4.1", "gpt-4.1-mini", "gpt-4o", "gpt-4o-mini", "codex-mini-latest", "gpt-oss-120b",
+    "o1", "o3", "o3-mini", "o3-pro", "o4-mini",
+    "gemini-2.0-flash", "gemini-2.5-pro", "gemini-2.5-flash", "gemini-2.5-flash-lite",
+    "gemini-3-pro-preview", "gemini-3-flash-preview",
+)  # fmt: skip
+"""Models in use today: tests/test_trimming.py fails if one of them has no window."""
+
 DEFAULT_RESERVE_TOKENS = 4096
 """Output tokens kept free when the request does not say how many it wants."""
+
+LOW_WATER = 0.6
+"""A new cut brings the request down to this share of the budget, so that the next turns
+of the conversation fit below the budget with the same cut (and the same prefix)."""
+
+COUNT_LIMIT = 4
+"""Counting stops once this many budgets are counted; older items are dropped uncounted."""
+
+UNBUDGETED_COUNT_LIMIT = 2_000_000
+"""Without a budget (unknown model, no relay_trim_max_tokens) prompts are still counted,
+for the record, up to this many tokens."""
+
+SHRINK_MIN_CHARS = 256
+"""Parts shorter than this are not worth a placeholder."""
 
 NOTICE = "[ttft-relay: {n} earlier turns of this conversation were left out to fit the context budget]"
 
@@ -77,14 +146,16 @@ class ContextWindows:
     """Context window per model name prefix: the defaults, updated by `overrides`.
 
     An override of 0 removes a prefix, so its models count as unknown (user budget only).
+    Overrides apply with and without the long-context header.
     """
 
     def __init__(self, overrides: Mapping[str, int] | None = None) -> None:
-        table = {**DEFAULT_CONTEXT_WINDOWS, **{k.lower(): v for k, v in (overrides or {}).items()}}
-        self.table = {prefix: tokens for prefix, tokens in table.items() if tokens > 0}
+        overrides = {k.lower(): v for k, v in (overrides or {}).items()}
+        self.table = {p: t for p, t in {**DEFAULT_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
+        self.long_table = {p: t for p, t in {**self.table, **LONG_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
 
-    def lookup(self, model: str | None) -> int | None:
-        return longest_prefix(self.table, model)
+    def lookup(self, model: str | None, *, long_context: bool = False) -> int | None:
+        return longest_prefix(self.long_table if long_context else self.table, model)
 
 
 def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
@@ -97,6 +168,13 @@ def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
             raise ValueError(f"expected 'model-prefix=tokens', got {entry!r}")
         table[prefix] = int(tokens)
     return table
+
+
+def long_context(api: str, anthropic_beta: str | None) -> bool:
+    """The request opens Claude's 1M window (`anthropic-beta: context-1m-2025-08-07`)."""
+    return api == scope.ANTHROPIC_MESSAGES and any(
+        b.strip().startswith(LONG_CONTEXT_BETA) for b in (anthropic_beta or "").split(",")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +192,17 @@ def budget_for(
     windows: ContextWindows,
     user_max: int = 0,
     default_reserve: int = DEFAULT_RESERVE_TOKENS,
+    long_context: bool = False,
 ) -> Budget | None:
-    """The smaller of (context window - reserved output) and `user_max` (0 = none).
-
-    None when neither applies (unknown model, no user budget): nothing to trim to.
-    """
+    """The smallest of (context window - reserved output), the model's input limit and
+    `user_max` (0 = none). None when none applies (unknown model, no user budget)."""
     candidates = []
-    window = windows.lookup(model)
+    window = windows.lookup(model, long_context=long_context)
     if window is not None:
-        candidates.append(Budget(max(window - _reserved_output(body, default_reserve), 0), "window"))
+        room = max(window - _reserved_output(body, default_reserve), 0)
+        if (max_input := longest_prefix(MAX_INPUT_TOKENS, model)) is not None:
+            room = min(room, max_input)
+        candidates.append(Budget(room, "window"))
     if user_max > 0:
         candidates.append(Budget(user_max, "user"))
     return min(candidates, key=lambda b: b.tokens, default=None)
@@ -139,28 +219,86 @@ def _reserved_output(body: Any, default: int) -> int:
 
 # --- API shapes ------------------------------------------------------------------------
 
+RESULTS, ARGUMENTS, IMAGES = "tool results", "tool-call arguments", "images"
+SHRINK_KINDS = (RESULTS, ARGUMENTS, IMAGES)
+"""What shrinking replaces, in this order."""
+
+CONTEXT_MARKERS = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions")
+"""How Codex marks the user messages that carry context rather than a question."""
+
+_PINNED_ROLES = frozenset({"system", "developer"})
+
+
+def placeholder(what: str, removed_chars: int) -> str:
+    """What replaces a shrunk part: says what was there and how much of it."""
+    return f"[ttft-relay: {what} removed to fit the context budget ({removed_chars:,} characters)]"
+
+
+def _size(value: Any) -> int:
+    """Characters of a part as the model would read it."""
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:
+        return SHRINK_MIN_CHARS
+
+
+def _first_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        text = content[0].get("text")
+        return text if isinstance(text, str) else ""
+    return ""
+
+
+def _ids(values: Any, key: str) -> Iterator[str]:
+    for v in values if isinstance(values, list) else ():
+        if isinstance(v, dict) and key in v:
+            yield v[key]
+
+
+def _id_problem(values: Any, *keys: str) -> str | None:
+    for v in values if isinstance(values, list) else ():
+        for key in keys:
+            if isinstance(v, dict) and key in v and not isinstance(v[key], str):
+                return f"{key} is not a string"
+    return None
+
 
 class _Shape:
-    """How one API lays out a conversation. Subclasses answer per item."""
+    """How one API lays out a conversation. Subclasses answer per item (a dict)."""
 
     items_key: str
     """Body key of the conversation list."""
     fixed_keys: tuple[str, ...]
     """Body keys of request-level parts that are always sent (and counted)."""
     text_part_type: str
-    """Content part type of plain text, for the notice."""
+    """Content part type of plain text (notice, image placeholders)."""
+    image_part_types: frozenset[str]
 
-    def malformed(self, item: Any) -> str | None:
-        """Why `item` is not an item this shape understands, or None if it is."""
-        raise NotImplementedError
+    def problem(self, item: Any) -> str | None:
+        """Why `item` cannot be trimmed around (ids that cannot be paired), or None."""
+        if not isinstance(item, dict):
+            return "item is not an object"
+        if "role" in item and not isinstance(item["role"], str):
+            return "role is not a string"
+        return None
+
+    def role(self, item: dict) -> str | None:
+        """The role of a message; None for other items (calls, reasoning, ...)."""
+        role = item.get("role")
+        return role if isinstance(role, str) else None
 
     def pinned(self, item: dict) -> bool:
-        """Always kept (system / developer)."""
-        return item.get("role") in ("system", "developer")
+        """Always kept as it is: system/developer messages and context items."""
+        role = self.role(item)
+        return role in _PINNED_ROLES or (role == "user" and _first_text(item.get("content")).lstrip().startswith(CONTEXT_MARKERS))
 
-    def starts_turn(self, item: dict) -> bool:
-        """A user message that asks something (not just tool results)."""
-        return item.get("role") == "user"
+    def is_prompt(self, item: dict) -> bool:
+        """A user message that asks something (not one carrying tool results)."""
+        return self.role(item) == "user" and not any(self.results(item))
 
     def calls(self, item: dict) -> Iterator[str]:
         """Ids of tool calls this item makes."""
@@ -169,6 +307,25 @@ class _Shape:
     def results(self, item: dict) -> Iterator[str]:
         """Ids of tool calls this item answers."""
         raise NotImplementedError
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        """`item` with its parts of `kind` replaced by placeholders; None if it has none."""
+        if kind == IMAGES and self.role(item) == "user":
+            content = self._without_images(item.get("content"))
+            return None if content is None else {**item, "content": content}
+        return None
+
+    def _without_images(self, content: Any) -> list | None:
+        """`content` with each image part replaced by a text part; None if it has none."""
+        if not isinstance(content, list) or not any(self._is_image(p) for p in content):
+            return None
+        return [self._image_placeholder(p) if self._is_image(p) else p for p in content]
+
+    def _is_image(self, part: Any) -> bool:
+        return isinstance(part, dict) and part.get("type") in self.image_part_types
+
+    def _image_placeholder(self, part: dict) -> dict:
+        return {"type": self.text_part_type, "text": placeholder("image", _size(part))}
 
     def with_notice(self, item: dict, notice: str) -> dict:
         """`item` (a user message) with the notice in front of its content."""
@@ -180,37 +337,26 @@ class _Shape:
         return {**item, "content": content}
 
 
-def _content_malformed(content: Any) -> str | None:
-    if content is None or isinstance(content, str):
-        return None
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        return None
-    return f"content is {type(content).__name__}"
-
-
-def _ids(values: Any, key: str) -> Iterator[str]:
-    """`value[key]` of each dict in a list (malformed() has checked they are strings)."""
-    for v in values if isinstance(values, list) else ():
-        if isinstance(v, dict) and key in v:
-            yield v[key]
+def _json_placeholder(what: str, removed_chars: int) -> str:
+    """A placeholder that is still a JSON object, for arguments given as JSON text."""
+    return orjson.dumps({"ttft_relay": placeholder(what, removed_chars)}).decode()
 
 
 class _OpenAIChat(_Shape):
     items_key = "messages"
     fixed_keys = ("tools", "functions")
     text_part_type = "text"
+    image_part_types = frozenset({"image_url", "input_audio", "file"})
 
-    def malformed(self, item: Any) -> str | None:
-        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-            return "message without a role"
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
         calls = item.get("tool_calls")
-        if calls is not None and not (
-            isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in calls)
-        ):
-            return "tool_calls without ids"
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return "tool_calls is not a list of objects"
         if "tool_call_id" in item and not isinstance(item["tool_call_id"], str):
             return "tool_call_id is not a string"
-        return _content_malformed(item.get("content"))
+        return _id_problem(calls, "id")
 
     def calls(self, item: dict) -> Iterator[str]:
         return _ids(item.get("tool_calls"), "id")
@@ -218,6 +364,24 @@ class _OpenAIChat(_Shape):
     def results(self, item: dict) -> Iterator[str]:
         if item.get("role") == "tool" and "tool_call_id" in item:
             yield item["tool_call_id"]
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        role = item.get("role")
+        if kind == RESULTS and role in ("tool", "function"):
+            content = item.get("content")
+            if _size(content) >= SHRINK_MIN_CHARS:
+                return {**item, "content": placeholder("tool result", _size(content))}
+        elif kind == ARGUMENTS and role == "assistant" and isinstance(item.get("tool_calls"), list):
+            calls, changed = [], False
+            for call in item["tool_calls"]:
+                fn = call.get("function")
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
+                    call = {**call, "function": {**fn, "arguments": _json_placeholder("arguments", len(args))}}
+                    changed = True
+                calls.append(call)
+            return {**item, "tool_calls": calls} if changed else None
+        return super().shrink(item, kind)
 
 
 class _OpenAIResponses(_Shape):
@@ -227,29 +391,23 @@ class _OpenAIResponses(_Shape):
     items_key = "input"
     fixed_keys = ("instructions", "tools")
     text_part_type = "input_text"
+    image_part_types = frozenset({"input_image", "input_file"})
 
-    def malformed(self, item: Any) -> str | None:
-        if not isinstance(item, dict):
-            return "input item is not an object"
-        kind = item.get("type", "message")
-        if not isinstance(kind, str):
+    _SHRUNK_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
+    """Outputs whose `output` is text (or content parts) the model read; others (e.g. a
+    computer call's screenshot object) keep the structure their API requires."""
+
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
+        if not isinstance(item.get("type", "message"), str):
             return "input item type is not a string"
-        if kind == "message":
-            if not isinstance(item.get("role"), str):
-                return "message without a role"
-            return _content_malformed(item.get("content"))
         if "call_id" in item and not isinstance(item["call_id"], str):
             return "call_id is not a string"
         return None
 
-    def _is_message(self, item: dict) -> bool:
-        return item.get("type", "message") == "message"
-
-    def pinned(self, item: dict) -> bool:
-        return self._is_message(item) and super().pinned(item)
-
-    def starts_turn(self, item: dict) -> bool:
-        return self._is_message(item) and super().starts_turn(item)
+    def role(self, item: dict) -> str | None:
+        return super().role(item) if item.get("type", "message") == "message" else None
 
     def calls(self, item: dict) -> Iterator[str]:
         if item.get("type", "").endswith("_call") and "call_id" in item:
@@ -259,46 +417,82 @@ class _OpenAIResponses(_Shape):
         if item.get("type", "").endswith("_call_output") and "call_id" in item:
             yield item["call_id"]
 
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        kind_of_item = item.get("type")
+        if kind == RESULTS and kind_of_item in self._SHRUNK_OUTPUTS:
+            output = item.get("output")
+            if _size(output) >= SHRINK_MIN_CHARS:
+                return {**item, "output": placeholder("tool result", _size(output))}
+        elif kind == ARGUMENTS and kind_of_item == "function_call":
+            args = item.get("arguments")
+            if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
+                return {**item, "arguments": _json_placeholder("arguments", len(args))}
+        elif kind == ARGUMENTS and kind_of_item == "custom_tool_call":
+            text = item.get("input")
+            if isinstance(text, str) and len(text) >= SHRINK_MIN_CHARS:
+                return {**item, "input": placeholder("input", len(text))}
+        return super().shrink(item, kind)
+
 
 class _AnthropicMessages(_Shape):
-    """`system` is top-level; tool results arrive in user messages, so a user message made
-    only of tool results continues a turn instead of starting one."""
+    """`system` is top-level, and mid-conversation system messages may sit in `messages`;
+    tool results arrive as blocks in user messages, so a user message with tool results
+    continues a turn instead of starting one. Server tool blocks (`server_tool_use`,
+    `web_search_tool_result`, ...) pair up inside one assistant message."""
 
     items_key = "messages"
     fixed_keys = ("system", "tools")
     text_part_type = "text"
+    image_part_types = frozenset({"image", "document"})
 
-    def malformed(self, item: Any) -> str | None:
-        if not isinstance(item, dict) or item.get("role") not in ("user", "assistant"):
-            return "message role is not user or assistant"
-        content = item.get("content")
-        if isinstance(content, str):
-            return None
-        if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-            return f"content is {type(content).__name__}"
-        for block in content:
-            for key in ("id", "tool_use_id"):
-                if key in block and not isinstance(block[key], str):
-                    return f"{key} is not a string"
-        return None
-
-    def pinned(self, item: dict) -> bool:
-        return False
-
-    def starts_turn(self, item: dict) -> bool:
-        content = item.get("content")
-        return item.get("role") == "user" and (
-            isinstance(content, str) or any(b.get("type") != "tool_result" for b in content)
-        )
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
+        return _id_problem(item.get("content"), "id", "tool_use_id")
 
     def calls(self, item: dict) -> Iterator[str]:
         # tool_use, server_tool_use, mcp_tool_use: all answered by a block naming their id
-        for block in item["content"] if isinstance(item["content"], list) else ():
-            if block.get("type", "").endswith("tool_use") and "id" in block:
+        for block in item.get("content") if isinstance(item.get("content"), list) else ():
+            if isinstance(block, dict) and str(block.get("type", "")).endswith("tool_use") and "id" in block:
                 yield block["id"]
 
     def results(self, item: dict) -> Iterator[str]:
-        return _ids(item["content"], "tool_use_id")
+        return _ids(item.get("content"), "tool_use_id")
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        content = item.get("content")
+        if not isinstance(content, list):
+            return None
+        role = item.get("role")
+        blocks, changed = [], False
+        for block in content:
+            new = None
+            if isinstance(block, dict):
+                new = self._shrink_block(block, kind, role)
+            blocks.append(block if new is None else new)
+            changed = changed or new is not None
+        return {**item, "content": blocks} if changed else None
+
+    def _shrink_block(self, block: dict, kind: str, role: Any) -> dict | None:
+        kind_of_block = block.get("type")
+        if kind == RESULTS and kind_of_block == "tool_result":
+            inner = block.get("content")
+            if _size(inner) >= SHRINK_MIN_CHARS:
+                return {**block, "content": placeholder("tool result", _size(inner))}
+        elif kind == ARGUMENTS and kind_of_block == "tool_use" and role == "assistant":
+            args = block.get("input")
+            if _size(args) >= SHRINK_MIN_CHARS:
+                return {**block, "input": {"ttft_relay": placeholder("arguments", _size(args))}}
+        elif kind == IMAGES and role == "user":
+            if self._is_image(block):
+                return self._image_placeholder(block)
+            if kind_of_block == "tool_result" and (inner := self._without_images(block.get("content"))):
+                return {**block, "content": inner}
+        return None
+
+    def _image_placeholder(self, part: dict) -> dict:
+        text = super()._image_placeholder(part)
+        return {**text, "cache_control": part["cache_control"]} if "cache_control" in part else text
 
 
 SHAPES: dict[str, _Shape] = {
@@ -309,7 +503,118 @@ SHAPES: dict[str, _Shape] = {
 """API shapes `trim` understands; requests of any other shape are left alone."""
 
 
-# --- selection -------------------------------------------------------------------------
+# --- conversation layout ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where a conversation's parts are (indexes into its item list)."""
+
+    always: list[bool]
+    """Kept as it is: pinned items and the head."""
+    head_end: int
+    """Items before this are the pinned head."""
+    cuts: list[int]
+    """Where a drop may end: prompts after the head at which no call waits for its result."""
+    newest: int
+    """Start of the newest turn, never dropped (a cut, or head_end)."""
+    protect_from: int
+    """Items from here on are never shrunk: the newest round and what follows."""
+
+
+def layout(items: list[dict], shape: _Shape) -> Layout:
+    n = len(items)
+    always = [shape.pinned(item) for item in items]
+    head_end = 0
+    while head_end < n and (always[head_end] or shape.is_prompt(items[head_end])):
+        always[head_end] = True
+        head_end += 1
+    caller: dict[str, int] = {}
+    answered_at: dict[str, int] = {}
+    for i, item in enumerate(items):
+        for call_id in shape.calls(item):
+            caller.setdefault(call_id, i)
+        for call_id in shape.results(item):
+            answered_at[call_id] = i
+    # A prompt is a cut unless a call made before it is answered at or after it (a call
+    # that is never answered holds nothing up: the client sent it that way).
+    reach_at = [-1] * (n + 1)  # latest answer to a call made before index i
+    for call_id, i in caller.items():
+        if call_id in answered_at:
+            reach_at[i + 1] = max(reach_at[i + 1], answered_at[call_id])
+    cuts, reach = [], -1
+    for i, item in enumerate(items):
+        reach = max(reach, reach_at[i])
+        if i > head_end and reach < i and not always[i] and shape.is_prompt(item):
+            cuts.append(i)
+    newest = cuts[-1] if cuts else head_end
+    last_round = max(answered_at.values(), default=None)
+    protect_from = n - 1
+    if last_round is not None:
+        protect_from = min(
+            (caller[c] for c, at in answered_at.items() if at == last_round and c in caller), default=last_round
+        )
+    return Layout(always, head_end, cuts, newest, max(min(protect_from, n - 1), 0))
+
+
+# --- plans -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to leave out of one conversation, in item indexes (stable as it grows)."""
+
+    shrunk: int
+    """Items before this index (and from `cut` on) are shrunk."""
+    cut: int
+    """Items from the head up to here are dropped (except pinned ones); head_end: none."""
+    anchor: bytes
+    """Digest of the item at `cut` when the plan was made: the same conversation has it there."""
+
+
+def _digest(obj: Any) -> bytes:
+    """Content digest, blind to `cache_control` (Claude Code moves its markers each turn)."""
+    return hashlib.blake2b(orjson.dumps(_without_cache_control(obj)), digest_size=16).digest()
+
+
+def _without_cache_control(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without_cache_control(v) for k, v in obj.items() if k != "cache_control"}
+    if isinstance(obj, list):
+        return [_without_cache_control(v) for v in obj]
+    return obj
+
+
+def conversation_key(api: str, body: dict, shape: _Shape, items: list[dict], head_end: int) -> bytes:
+    """Who a request belongs to: its API, model, request-level text and pinned head."""
+    fixed = [body.get(k) for k in shape.fixed_keys if k != "tools"]
+    return _digest([api, body.get("model"), fixed, items[:head_end]])
+
+
+class PlanCache:
+    """Least-recently-used map from conversation key to its current `Plan` (bounded)."""
+
+    def __init__(self, maxsize: int = 4096) -> None:
+        self.maxsize = maxsize
+        self._plans: OrderedDict[bytes, Plan] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: bytes) -> Plan | None:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: bytes, plan: Plan) -> None:
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        if len(self._plans) > self.maxsize:
+            self._plans.popitem(last=False)
+
+
+# --- trimming --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,26 +623,6 @@ class TrimResult:
     """The trimmed request body, or None: forward the original bytes."""
     stats: dict[str, Any]
     """For the timing record: see `trim`."""
-
-
-def trim(
-    body: Any,
-    api: str,
-    budget: Budget | None,
-    counter: TokenCounter,
-    *,
-    notice: bool = False,
-) -> TrimResult:
-    """Drop the oldest turns of `body` until it fits `budget`.
-
-    Stats keys: see `untouched_stats`; `reason` says why the body is untouched (None when
-    trimmed), `tokens_before_lower_bound` that counting stopped early.
-    """
-    started = time.perf_counter()
-    stats = untouched_stats(None, budget, counter.label)
-    new_body = _trim(body, api, budget, counter, notice, stats)
-    stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
-    return TrimResult(new_body, stats)
 
 
 def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: str | None = None) -> dict[str, Any]:
@@ -352,6 +637,8 @@ def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: 
         "tokens_after": None,
         "dropped_units": 0,
         "dropped_messages": 0,
+        "shrunk_messages": 0,
+        "plan": None,
         "budget": budget.tokens if budget else None,
         "budget_source": budget.source if budget else None,
         "encoding": encoding,
@@ -360,129 +647,208 @@ def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: 
     }
 
 
-def _trim(
-    body: Any, api: str, budget: Budget | None, counter: TokenCounter, notice: bool, stats: dict[str, Any]
-) -> dict | None:
-    """The new body, or None with stats["reason"] saying why not."""
-    shape = SHAPES.get(api)
-    if shape is None:
-        stats["reason"] = f"api {api} is not trimmed"
-        return None
-    if not isinstance(body, dict):
-        stats["reason"] = "malformed: body is not an object"
-        return None
-    items = body.get(shape.items_key)
-    if isinstance(items, str):  # Responses `input` as one string: a single user message
-        stats["reason"] = "single message"
-        return None
-    if not isinstance(items, list):
-        stats["reason"] = f"malformed: {shape.items_key} is not a list"
-        return None
-    for item in items:
-        if problem := shape.malformed(item):
-            stats["reason"] = f"malformed: {problem}"
-            return None
-    stats["messages_before"] = stats["messages_after"] = len(items)
-    if budget is None:
-        stats["reason"] = "no budget: unknown model and relay_trim_max_tokens is 0"
-        return None
+def trim(
+    body: Any,
+    api: str,
+    budget: Budget | None,
+    counter: TokenCounter,
+    *,
+    plans: PlanCache | None = None,
+    notice: bool = False,
+) -> TrimResult:
+    """Bring `body` within `budget` (see the module docstring).
 
-    pinned = [shape.pinned(item) for item in items]
-    units = _units(items, shape, pinned)
-    fixed = counter.request_overhead
-    fixed += sum(counter.value(body[k]) for k in shape.fixed_keys if body.get(k) is not None)
-    fixed += sum(counter.message(item) for item, keep in zip(items, pinned) if keep)
-    newest = units.pop() if units else []
-    minimum = fixed + sum(counter.message(items[i]) for i in newest)
-
-    room = budget.tokens - minimum
-    if room < 0:
-        stats.update(
-            reason="over_budget", over_budget=True, tokens_before=minimum,
-            tokens_before_lower_bound=bool(units), tokens_after=minimum,
-        )  # fmt: skip
-        return None
-    # Older turns, newest first, while they fit; the first that does not fit and all older
-    # ones are dropped, and none of those older ones gets encoded.
-    kept: list[int] = []  # tokens of each kept older turn, newest first
-    kept_total = 0
-    for u in range(len(units) - 1, -1, -1):
-        unit_tokens, counted = 0, 0
-        for i in reversed(units[u]):
-            unit_tokens += counter.message(items[i])
-            counted += 1
-            if kept_total + unit_tokens > room:
-                break
-        if kept_total + unit_tokens > room:
-            complete = u == 0 and counted == len(units[u])
-            stats.update(tokens_before=minimum + kept_total + unit_tokens, tokens_before_lower_bound=not complete)
-            break
-        kept.append(unit_tokens)
-        kept_total += unit_tokens
-    else:
-        stats.update(reason="fits", tokens_before=minimum + kept_total, tokens_after=minimum + kept_total)
-        return None
-
-    notice_cost = 0
-    if notice:
-        # Priced as a message of its own saying the largest possible count: an upper bound.
-        notice_cost = counter.message({"role": "user", "content": NOTICE.format(n=len(units))})
-        if notice_cost <= room:
-            while kept_total + notice_cost > room:
-                kept_total -= kept.pop()  # make room by dropping the oldest kept turn
-        else:
-            notice, notice_cost = False, 0
-    first_kept = len(units) - len(kept)
-
-    dropped = {i for unit in units[:first_kept] for i in unit}
-    first = units[first_kept][0] if first_kept < len(units) else newest[0]
-    new_items = []
-    for i, item in enumerate(items):
-        if i in dropped:
-            continue
-        if i == first and notice:
-            item = shape.with_notice(item, NOTICE.format(n=first_kept))
-        new_items.append(item)
-    stats.update(
-        trimmed=True,
-        messages_after=len(new_items),
-        tokens_after=minimum + kept_total + notice_cost,
-        dropped_units=first_kept,
-        dropped_messages=len(dropped),
-    )
-    return {**body, shape.items_key: new_items}
-
-
-def _units(items: list[dict], shape: _Shape, pinned: list[bool]) -> list[list[int]]:
-    """Indexes of the droppable (not pinned) items, grouped in turns, oldest first.
-
-    A turn starts at a user message that asks something, unless a tool call is still waiting
-    for its result: then the call, the result and everything between stay in one turn.
-    Items before the first user message form a turn of their own.
+    Stats keys: see `untouched_stats`. `reason` says why the body is untouched (None when
+    trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused); tokens
+    are counted even without a budget, so `tokens_after` is the prompt size either way.
     """
-    units: list[list[int]] = []
-    waiting: set[str] = set()
-    for i, item in enumerate(items):
-        if not units or (not waiting and shape.starts_turn(item)):
-            units.append([])
-        if not pinned[i]:
-            units[-1].append(i)
-        waiting.update(shape.calls(item))
-        waiting.difference_update(shape.results(item))
-    return [unit for unit in units if unit]
+    started = time.perf_counter()
+    stats = untouched_stats(None, budget, counter.label)
+    new_body = _Trimmer(body, api, budget, counter, plans, notice, stats).run()
+    stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    return TrimResult(new_body, stats)
+
+
+class _Trimmer:
+    """One request's trim: the counts and versions of its items while plans are tried."""
+
+    def __init__(self, body, api, budget, counter, plans, notice, stats) -> None:
+        self.body, self.api, self.budget, self.counter = body, api, budget, counter
+        self.plans, self.notice, self.stats = plans, notice, stats
+        self.items: list[dict] = []
+        self.versions: list[dict] = []
+        """The item list as it would be sent: `items`, some of them shrunk."""
+        self._counts: dict[int, int] = {}
+
+    def count(self, i: int) -> int:
+        n = self._counts.get(i)
+        if n is None:
+            n = self._counts[i] = self.counter.message(self.versions[i])
+        return n
+
+    def replace(self, i: int, item: dict) -> int:
+        """Put a new version of item `i`; returns the change in tokens."""
+        before = self.count(i)
+        self.versions[i] = item
+        del self._counts[i]
+        return self.count(i) - before
+
+    def run(self) -> dict | None:
+        body, stats = self.body, self.stats
+        shape = SHAPES.get(self.api)
+        if shape is None:
+            stats["reason"] = f"api {self.api} is not trimmed"
+            return None
+        if not isinstance(body, dict):
+            stats["reason"] = "malformed: body is not an object"
+            return None
+        items = body.get(shape.items_key)
+        if isinstance(items, str):  # Responses `input` as one string: a single user message
+            items = [{"role": "user", "content": items}]
+        if not isinstance(items, list):
+            stats["reason"] = f"malformed: {shape.items_key} is not a list"
+            return None
+        for item in items:
+            if problem := shape.problem(item):
+                stats["reason"] = f"malformed: {problem}"
+                return None
+        self.items, self.versions = items, list(items)
+        n = len(items)
+        stats["messages_before"] = stats["messages_after"] = n
+        lay = layout(items, shape)
+        fixed = self.counter.request_overhead
+        fixed += sum(self.counter.value(body[k]) for k in shape.fixed_keys if body.get(k) is not None)
+        fixed += sum(self.count(i) for i in range(n) if lay.always[i])
+
+        # Count newest first, never stopping inside the newest turn.
+        budget = self.budget
+        limit = COUNT_LIMIT * budget.tokens if budget else UNBUDGETED_COUNT_LIMIT
+        total, counted_from = fixed, n
+        for i in range(n - 1, lay.head_end - 1, -1):
+            if lay.always[i]:
+                continue
+            if total > limit and i < lay.newest:
+                break
+            total += self.count(i)
+            counted_from = i
+        uncounted = any(not lay.always[i] for i in range(lay.head_end, counted_from))
+        stats.update(tokens_before=total, tokens_before_lower_bound=uncounted, tokens_after=total)
+        if budget is None:
+            stats["reason"] = "no budget: unknown model and relay_trim_max_tokens is 0"
+            return None
+        if total <= budget.tokens and not uncounted:
+            stats["reason"] = "fits"
+            return None
+        # The earliest cut that keeps nothing uncounted.
+        floor = min((c for c in lay.cuts if c >= counted_from), default=lay.head_end) if uncounted else lay.head_end
+
+        key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
+        plan = self.plans.get(key) if key is not None else None
+        kept = plan is not None and self._valid(plan, lay, floor)
+        if kept:
+            kept_total = self._apply(plan, lay, fixed, shape)
+            kept = kept_total <= budget.tokens
+        if kept:
+            stats["plan"] = "kept"
+            total = kept_total
+        else:
+            self._restore()
+            plan, total = self._new_plan(lay, floor, fixed, shape)
+            if total > budget.tokens:
+                stats.update(reason="over_budget", over_budget=True)
+                return None
+            stats["plan"] = "new"
+            if key is not None:
+                self.plans.put(key, plan)
+
+        dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
+        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not items[i])
+        if self.notice and dropped_units and plan.cut < n:
+            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
+            if total + delta <= budget.tokens:
+                total += delta
+            else:
+                self.replace(plan.cut, items[plan.cut])
+        new_items = [self.versions[i] for i in range(n) if lay.always[i] or i >= plan.cut]
+        stats.update(
+            trimmed=True,
+            messages_after=len(new_items),
+            tokens_after=total,
+            dropped_units=dropped_units,
+            dropped_messages=n - len(new_items),
+            shrunk_messages=shrunk,
+        )
+        return {**body, shape.items_key: new_items}
+
+    def _restore(self) -> None:
+        """Every item back to its original, keeping the counts of those that were."""
+        self._counts = {i: c for i, c in self._counts.items() if self.versions[i] is self.items[i]}
+        self.versions = list(self.items)
+
+    def _valid(self, plan: Plan, lay: Layout, floor: int) -> bool:
+        """`plan` still fits this conversation: same cut item, nothing shrunk in its newest round."""
+        if plan.cut != lay.head_end and plan.cut not in lay.cuts:
+            return False
+        if not floor <= plan.cut <= lay.newest or plan.shrunk > lay.protect_from:
+            return False
+        return plan.cut >= len(self.items) or _digest(self.items[plan.cut]) == plan.anchor
+
+    def _apply(self, plan: Plan, lay: Layout, fixed: int, shape: _Shape) -> int:
+        """Tokens of the request with `plan` applied; stops counting once over budget."""
+        total = fixed
+        for i in range(len(self.versions) - 1, plan.cut - 1, -1):
+            if lay.always[i]:
+                continue
+            if i < plan.shrunk and (new := _shrunk(shape, self.versions[i])) is not None:
+                self.versions[i] = new
+                self._counts.pop(i, None)
+            total += self.count(i)
+            if total > self.budget.tokens:
+                break
+        return total
+
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: _Shape) -> tuple[Plan, int]:
+        """Shrink, then drop, oldest first, until the request fits the low-water mark."""
+        target = math.floor(self.budget.tokens * LOW_WATER)
+        n = len(self.versions)
+        cut = floor
+        total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
+        shrunk = cut
+        for i in range(cut, lay.protect_from):
+            if total <= target:
+                break
+            if not lay.always[i] and (new := _shrunk(shape, self.versions[i])) is not None:
+                total += self.replace(i, new)
+            shrunk = i + 1
+        for c in lay.cuts:
+            if total <= target:
+                break
+            if cut < c <= lay.newest:
+                total -= sum(self.count(i) for i in range(cut, c) if not lay.always[i])
+                cut = c
+        return Plan(shrunk, cut, _digest(self.items[cut]) if cut < n else b""), total
+
+
+def _shrunk(shape: _Shape, item: dict) -> dict | None:
+    """`item` with every kind of part shrunk that it has, or None if it has none."""
+    new = item
+    for kind in SHRINK_KINDS:
+        new = shape.shrink(new, kind) or new
+    return None if new is item else new
 
 
 def summary(stats: dict[str, Any]) -> str | None:
     """One line for the X-Relay-Trim header and the mitmweb comment; None if nothing to say.
 
-    Trimmed:     "dropped=3; messages=120->40; tokens=130512+->31870; budget=32000"
+    Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000"
                  ("+" after tokens before: at least that many, counting stopped early)
     Over budget: "over_budget; tokens=150000+; budget=120000"
     """
     before = f"{stats['tokens_before']}{'+' if stats['tokens_before_lower_bound'] else ''}"
     if stats.get("trimmed"):
         return (
-            f"dropped={stats['dropped_units']}; messages={stats['messages_before']}->{stats['messages_after']}; "
+            f"dropped={stats['dropped_units']}; shrunk={stats['shrunk_messages']}; "
+            f"messages={stats['messages_before']}->{stats['messages_after']}; "
             f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}"
         )
     if stats.get("over_budget"):

