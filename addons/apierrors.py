@@ -18,13 +18,13 @@ from . import scope
 
 def error_code(status: int) -> str:
     """OpenAI-style `code` for a relay error of this status."""
-    return {401: "invalid_api_key", 504: "upstream_timeout"}.get(status, "upstream_error")
+    return {401: "invalid_api_key", 413: "request_too_large", 504: "upstream_timeout"}.get(status, "upstream_error")
 
 
 def error_object(api: str, status: int, message: str) -> dict[str, Any]:
     """The API's error JSON for `status` (what its own servers send)."""
     if api == scope.ANTHROPIC_MESSAGES:
-        kind = {401: "authentication_error", 504: "timeout_error"}.get(status, "api_error")
+        kind = {401: "authentication_error", 413: "request_too_large", 504: "timeout_error"}.get(status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
     if api == scope.GEMINI:
         grpc = {401: "UNAUTHENTICATED", 504: "DEADLINE_EXCEEDED"}.get(status, "UNAVAILABLE")

@@ -9,12 +9,13 @@ applies them to flows and attaches the per-flow state the other addons share.
 from __future__ import annotations
 
 import re
+import zlib
 from typing import Any
 
 import orjson
 from mitmproxy import ctx, exceptions, http
 
-from . import state
+from . import apierrors, state
 
 OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"
@@ -95,17 +96,92 @@ class Scope:
         if st is None or flow.response is not None:
             # Already answered by the relay (e.g. refused): no body work for it.
             return
-        st.request_json = parse_json_body(flow.request)
+        try:
+            st.request_json = parse_json_body(flow.request)
+        except BodyTooLarge as e:
+            flow.response = apierrors.error_response(st.api, 413, str(e))
+            return
         st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)
 
 
-def parse_json_body(request: http.Request) -> Any:
-    """The request body as parsed JSON, or None when it is absent, undecodable or
-    not JSON: the relay then forwards it untouched."""
+MAX_DECODED_BODY = 64 * 1024 * 1024
+"""Largest request body (bytes, after decompression) the relay parses as JSON. A body
+beyond it is not parsed (forwarded untouched, never trimmed); a compressed one is never
+expanded beyond it (a 1.7 KB brotli body can expand to 1 GB): it is refused with 413."""
+
+
+class BodyTooLarge(ValueError):
+    """A compressed request body that expands beyond the limit."""
+
+
+def parse_json_body(request: http.Request, max_bytes: int = MAX_DECODED_BODY) -> Any:
+    """The request body as parsed JSON, or None when it is absent, undecodable, larger
+    than `max_bytes` or not JSON: the relay then forwards it untouched.
+
+    Raises BodyTooLarge for a compressed body that would expand beyond `max_bytes`; it
+    is decompressed no further than that.
+    """
     if request.raw_content is None:  # streamed request body: not ours to read
         return None
+    encoding = request.headers.get("content-encoding", "").strip().lower()
     try:
-        body = request.get_content(strict=True)
-        return orjson.loads(body) if body else None
-    except ValueError:  # bad Content-Encoding or bad JSON (orjson.JSONDecodeError)
+        body = request.raw_content if encoding in ("", "identity") else decompress(request.raw_content, encoding, max_bytes)
+    except BodyTooLarge:
+        raise
+    except Exception:  # unknown or corrupt encoding: zlib.error, brotli.error, ZstdError, ValueError
         return None
+    if not body or len(body) > max_bytes:
+        return None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def decompress(data: bytes, encoding: str, max_bytes: int) -> bytes:
+    """`data` decoded as mitmproxy would (gzip/zlib, deflate, br, zstd), but never to more
+    than `max_bytes`: BodyTooLarge beyond, ValueError for an encoding it does not know or
+    a body that ends early."""
+    too_large = BodyTooLarge(f"request body expands beyond {max_bytes // (1024 * 1024)} MiB when decompressed")
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        # gzip: zlib's header auto-detection, as mitmproxy; deflate: zlib-wrapped, else raw
+        attempts = (47,) if encoding != "deflate" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+        for i, wbits in enumerate(attempts):
+            decoder = zlib.decompressobj(wbits)
+            try:
+                out = decoder.decompress(data, max_bytes + 1)
+            except zlib.error:
+                if i + 1 < len(attempts):
+                    continue
+                raise
+            if len(out) > max_bytes or decoder.unconsumed_tail:
+                raise too_large
+            if not decoder.eof:
+                raise ValueError("compressed body ends early")
+            return out
+    if encoding == "br":
+        import brotli  # mitmproxy depends on it
+
+        decoder = brotli.Decompressor()
+        out = decoder.process(data, output_buffer_limit=max_bytes + 1)
+        if len(out) > max_bytes or not decoder.can_accept_more_data():
+            raise too_large
+        if not decoder.is_finished():
+            raise ValueError("compressed body ends early")
+        return out
+    if encoding == "zstd":
+        try:
+            from compression import zstd  # Python >= 3.14
+        except ImportError:
+            from backports import zstd  # what mitmproxy uses before 3.14
+        out, rest = bytearray(), data
+        while rest:  # one decompressor per frame, as zstd.decompress does
+            decoder = zstd.ZstdDecompressor()
+            out += decoder.decompress(rest, max_bytes + 1 - len(out))
+            if len(out) > max_bytes or not decoder.needs_input and not decoder.eof:
+                raise too_large
+            if not decoder.eof:
+                raise ValueError("compressed body ends early")
+            rest = decoder.unused_data
+        return bytes(out)
+    raise ValueError(f"unknown content-encoding {encoding!r}")
