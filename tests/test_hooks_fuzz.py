@@ -8,6 +8,7 @@ may raise, whatever arrives, and every in-scope flow gets exactly one record.
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import orjson
 import pytest
@@ -72,25 +73,25 @@ async def _run_flow(tmp_path, loaded, path, method, body, req_headers, status, r
         tctx.configure(addons[5], relay_timing_log=str(log))
         tctx.configure(addons[2], relay_trim_max_tokens=budget)
 
-        def hook(name: str, f: http.HTTPFlow) -> None:
+        async def hook(name: str, f: http.HTTPFlow) -> None:
             for addon in addons:
-                if fn := getattr(addon, name, None):
-                    fn(f)
+                if (fn := getattr(addon, name, None)) and inspect.isawaitable(result := fn(f)):
+                    await result  # as mitmproxy does
 
         f = tflow.tflow()
         f.request.method, f.request.path = method, path
         f.request.headers.clear()
         f.request.headers.update(req_headers)
         f.request.raw_content = body
-        hook("requestheaders", f)
-        hook("request", f)
+        await hook("requestheaders", f)
+        await hook("request", f)
         if ending == "before head":
             f.error = mflow.Error("Connection refused")
-            hook("error", f)
+            await hook("error", f)
         else:
             f.response = http.Response.make(status, b"", resp_headers)
             f.response.raw_content = None
-            hook("responseheaders", f)
+            await hook("responseheaders", f)
             tap = f.response.stream
             for piece in pieces:
                 if callable(tap):
@@ -100,10 +101,10 @@ async def _run_flow(tmp_path, loaded, path, method, body, req_headers, status, r
                 if callable(tap):
                     tap(b"")
                 f.response.timestamp_end = f.response.timestamp_start
-                hook("response", f)
+                await hook("response", f)
             else:
                 f.error = mflow.Error("Client disconnected." if ending == "client gone" else "peer reset")
-                hook("error", f)
+                await hook("error", f)
             st = state.get(f)
             if st is not None:
                 # What the seam would ask for: never raises, and is the API's error or nothing.
@@ -128,7 +129,6 @@ def loop():
 
 @pytest.fixture(scope="module")
 def loaded_tokenizers() -> tokens.TokenizerLoader:
-    loader = tokens.TokenizerLoader(download=None)
-    loader.start()
-    assert loader.wait(60)
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
     return loader
