@@ -21,6 +21,7 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpLayer, HttpRequestHook, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Connection
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.test import taddons, tflow
 
 from addons import capacity, seams
@@ -50,6 +51,9 @@ PINNED = {
     "Script.loadscript": (script.Script.loadscript, "f2972abb206ff2fe"),
     "ScriptLoader.configure": (script.ScriptLoader.configure, "d76470344008804a"),
     "Master.run": (master.Master.run, "45c44c14f8f79349"),
+    # 5: the response head is read from the buffer the wrap takes interim heads out of
+    "Http1Client.read_headers": (seams._ORIGINAL_READ_RESPONSE_HEADERS, "415454c5fa8b5981"),
+    "ReceiveBuffer.maybe_extract_at_most": (ReceiveBuffer.maybe_extract_at_most, "a283b372f1fb7393"),
 }
 
 
@@ -317,3 +321,30 @@ def test_an_event_fired_while_an_addon_registers_plans_nothing_stale():
 
     asyncio.run(run())
     assert log == ["update"]
+
+
+@pytest.mark.parametrize(
+    "data, size",
+    [
+        (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\n", 40),
+        (b"HTTP/1.1 100 Continue\r\n\r\n", 25),
+        (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n", 0),  # not complete yet
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", 0),  # the answer of an upgrade
+        (b"HTTP/1.1 200 OK\r\n\r\n", 0),
+        (b"HTTP/1.1 199 Whatever\r\n\r\n", 25),
+        (b"garbage", 0),
+    ],
+)
+def test_interim_heads_are_recognised(data, size):
+    assert seams.interim_head_size(data) == size
+
+
+def test_the_interim_skip_installs_and_uninstalls():
+    from mitmproxy.proxy.layers.http._http1 import Http1Client
+
+    seams.install_interim_skip()
+    try:
+        assert Http1Client.read_headers is seams._read_response_headers
+    finally:
+        seams.uninstall_interim_skip()
+    assert Http1Client.read_headers is seams._ORIGINAL_READ_RESPONSE_HEADERS
