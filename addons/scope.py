@@ -15,34 +15,57 @@ from typing import Any
 import orjson
 from mitmproxy import ctx, exceptions, http
 
-from . import apierrors, state
+from . import apierrors, record, state
 
 OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"
+OPENAI_REALTIME = "openai.realtime"
+"""The Realtime API: a WebSocket only (its turns are timed like Responses WebSocket turns)."""
 ANTHROPIC_MESSAGES = "anthropic.messages"
 GEMINI = "gemini"
 OTHER = "other"
 """In scope (e.g. /v1/embeddings) but no shape the relay understands: streamed and timed, never trimmed."""
 
-API_SHAPES = (OPENAI_CHAT, OPENAI_RESPONSES, ANTHROPIC_MESSAGES, GEMINI, OTHER)
+API_SHAPES = (OPENAI_CHAT, OPENAI_RESPONSES, OPENAI_REALTIME, ANTHROPIC_MESSAGES, GEMINI, OTHER)
 
-DEFAULT_SCOPE = r"^/v1/|:streamGenerateContent"
+DEFAULT_SCOPE = (
+    r"/v1(?:beta|alpha)?/"
+    r"|/chat/completions/?(?:\?|$)"
+    r"|/responses/?(?:\?|$)"
+    r"|/messages/?(?:\?|$)"
+    r"|/realtime/?(?:\?|$)"
+    r"|:(?:stream)?[gG]enerateContent"
+)
+"""Where LLM APIs live: a version segment anywhere in the path (`/v1/`, OpenRouter's
+`/api/v1/`, Azure's `/openai/v1/`, Gemini's `/v1beta/`), or an API's endpoint under
+any prefix (Azure's `/openai/deployments/<d>/chat/completions`, Codex with a ChatGPT
+sign-in at `/backend-api/codex/responses`, the Anthropic-compatible base URLs
+providers give, like `/anthropic/v1/messages`), or Gemini's native methods."""
 
 _GEMINI_PATH = re.compile(r"/models/([^/:?]+):(stream)?[gG]enerateContent")
 
 
 def api_shape(path: str) -> str:
-    """The API shape of a request path (query string allowed)."""
+    """The API shape of a request path (query string allowed), by the endpoint it
+    ends in, whatever prefix the provider puts in front of it."""
     path = path.split("?", 1)[0].rstrip("/")
     if path.endswith("/chat/completions"):
         return OPENAI_CHAT
     if path.endswith("/responses"):
         return OPENAI_RESPONSES
-    if path.endswith("/messages"):
+    if path.endswith("/realtime"):
+        return OPENAI_REALTIME
+    if path.endswith("/messages") and "/threads/" not in path:
+        # (OpenAI's Assistants API has /v1/threads/<id>/messages: not Anthropic's shape.)
         return ANTHROPIC_MESSAGES
     if _GEMINI_PATH.search(path):
         return GEMINI
     return OTHER
+
+
+def is_websocket_upgrade(headers: http.Headers) -> bool:
+    """An upgrade request to a WebSocket (RFC 6455: `Upgrade: websocket`)."""
+    return "websocket" in headers.get("upgrade", "").lower()
 
 
 def model_and_stream(api: str, path: str, body: Any) -> tuple[str | None, bool]:
@@ -89,7 +112,9 @@ class Scope:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         path = flow.request.path
         if self.pattern.search(path):
-            state.attach(flow, state.FlowState(api=api_shape(path)))
+            st = state.attach(flow, state.FlowState(api=api_shape(path)))
+            if is_websocket_upgrade(flow.request.headers):
+                st.transport = record.WEBSOCKET
 
     def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -102,6 +127,8 @@ class Scope:
             flow.response = apierrors.error_response(st.api, 413, str(e))
             return
         st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)
+        if st.model is None and st.transport == record.WEBSOCKET:
+            st.model = flow.request.query.get("model")  # the Realtime API's ?model=
 
 
 MAX_DECODED_BODY = 64 * 1024 * 1024

@@ -24,6 +24,8 @@ class FlowState:
     model: str | None = None
     stream: bool = False
     """The client asked for a streamed response (`"stream": true` or a streaming path)."""
+    transport: str = "http"
+    """`record.HTTP`, or `record.WEBSOCKET` for an upgrade request: the flow is the handshake."""
     marks: dict[str, float] = field(default_factory=dict)
     """Phase marks as absolute `time.time()` seconds, the clock of mitmproxy's timestamps."""
     request_json: Any = None

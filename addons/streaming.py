@@ -1,10 +1,19 @@
-"""Streaming: every chunk of an in-scope response reaches the client as it arrives.
+"""Streaming: every chunk of a response stream reaches the client as it arrives.
 
 Bare mitmproxy reads a whole response before sending it on, so the first token
-of a streamed completion arrives with the last. This addon turns streaming on
-for the relay's flows in `responseheaders` (later is too late), passes each chunk
-through unchanged, shows it to the flow's `sse.StreamWatcher` for timing, and
-keeps a bounded copy so mitmweb can still show the body.
+of a streamed completion arrives with the last. This addon turns streaming on in
+`responseheaders` (later is too late) for every response that is a stream — an
+event stream, a body of unknown length, or the answer to a request that asked for
+a stream — whether or not the relay knows its API: the relay must never be the
+reason a stream is buffered. For the relay's own flows (in scope) each chunk is
+also shown to the flow's `sse.StreamWatcher` for timing, and a bounded copy is
+kept so mitmweb can still show the body; other streams pass exactly as a bare
+streaming mitmproxy passes them.
+
+Responses that are not a body at all are never touched: a `101 Switching
+Protocols` (the WebSocket upgrade: after it come frames, not a body, and any
+framing header added here would corrupt them) and any other 1xx, a `204`, a `304`,
+the answer to a `HEAD` or a `CONNECT`.
 """
 
 from __future__ import annotations
@@ -17,15 +26,27 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from mitmproxy import ctx, http
+from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
-from . import sse, state
+from . import seams, sse, state
 
 logger = logging.getLogger(__name__)
 
 TRUNCATED_NOTE = b"\n: [ttft-relay: body view truncated at relay_stream_view_max]\n\n"
 ARRIVALS_MAX = 8192
 """Chunks of the body view whose arrival time is kept (for the event-stream view): 128 KiB at most."""
+
+
+def carries_body(request: http.Request, response: http.Response) -> bool:
+    """Whether a response has a body to stream: not an upgrade or other 1xx, not a
+    204 or 304, not the answer to HEAD or CONNECT (HTTP/1.1's rules, RFC 9112 6.3,
+    as mitmproxy reads them). A response whose framing headers mitmproxy cannot read
+    is left to mitmproxy as well."""
+    try:
+        return http1.expected_http_body_size(request, response) != 0
+    except ValueError:
+        return False
 
 
 def should_stream(response_headers: http.Headers, client_asked_stream: bool) -> bool:
@@ -132,19 +153,22 @@ class StreamTap:
 
 
 class Streaming:
-    """Turns response streaming on for the relay's flows and keeps proxies in front
-    of the relay from buffering again."""
+    """Turns response streaming on for every response stream, watches the relay's
+    own, and keeps proxies in front of the relay from buffering them again."""
 
     def __init__(self) -> None:
         self.enabled = True
         self.view_max = 256 * 1024
 
     def load(self, loader) -> None:
+        # An interim 1xx from the upstream must not take the real answer's place (seam 5).
+        seams.install_interim_skip()
         loader.add_option(
             "relay_stream",
             bool,
             True,
-            "Stream in-scope responses chunk by chunk instead of buffering them.",
+            "Stream responses that are streams (event streams, bodies of unknown length, "
+            "answers to streamed requests) chunk by chunk instead of buffering them.",
         )
         loader.add_option(
             "relay_stream_view_max",
@@ -153,6 +177,9 @@ class Streaming:
             "How much of each streamed body to keep for viewing in mitmweb "
             "(e.g. 256k, 1m; 0 keeps nothing). Bounds the relay's memory per flow.",
         )
+
+    def done(self) -> None:
+        seams.uninstall_interim_skip()
 
     def configure(self, updated) -> None:
         if "relay_stream" in updated:
@@ -168,11 +195,15 @@ class Streaming:
             flow.request.headers["accept-encoding"] = "identity"
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        st = state.get(flow)
-        if st is None or not self.enabled or flow.response is None:
+        if not self.enabled or flow.response is None or not carries_body(flow.request, flow.response):
             return
+        st = state.get(flow)
         headers = flow.response.headers
-        if not should_stream(headers, st.stream):
+        if not should_stream(headers, st is not None and st.stream):
+            return
+        if st is None:
+            # No API the relay knows: streamed, and otherwise exactly as mitmproxy passes it.
+            flow.response.stream = True
             return
         decoder = None
         if encoding := headers.get("content-encoding"):

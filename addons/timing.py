@@ -1,12 +1,17 @@
-"""Timing: where each LLM call's time went, one record per flow.
+"""Timing: where each LLM call's time went, one record per flow (or WebSocket turn).
 
 The addon collects marks on the flow's timeline from mitmproxy's timestamps, its
 own `request` hook and the stream watcher, and when the flow ends (`response`,
 or `error` for failures and client aborts) turns them into one record
-(`record.build_record`): appended to `relay_timing_log`, logged as a console
-line, shown as the flow's comment in mitmweb (slow flows marked), and kept as
-plain data in `flow.metadata["ttft_relay"]`, which survives saving flows. A
-`Server-Timing` header tells the client the phases known when the head leaves.
+(`record.build_record`), shown as the flow's comment in mitmweb (slow flows
+marked) and kept as plain data in `flow.metadata["ttft_relay"]`, which survives
+saving flows. A `Server-Timing` header tells the client the phases known when
+the head leaves.
+
+Every record — an HTTP flow's, a WebSocket handshake's, each WebSocket turn's
+(`addons/websocket.py`) — leaves through `Timing.publish`: appended to
+`relay_timing_log`, logged as a console line, and handed to every addon that
+implements the `timing_record(record, flow)` hook (metrics).
 
 Ordering: the `request` hook marks `forwarded`, the moment the request leaves
 the relay's hands, so this addon must come after every addon that works on the
@@ -20,17 +25,29 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
-from mitmproxy import command, ctx, exceptions, flow, http
+from mitmproxy import command, ctx, exceptions, flow, hooks, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.utils import human
 
-from . import logrotation, phases, record, sse, state
+from . import logrotation, phases, record, sse, state, streaming
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TimingRecordHook(hooks.Hook):
+    """A timing record is finished. `record` is plain data (the schema in
+    addons/record.py); `flow` the HTTP flow it describes, or the WebSocket flow a
+    turn ran on. Each record is published exactly once."""
+
+    record: dict[str, Any]
+    flow: http.HTTPFlow
+
 
 DEFAULT_LOG = Path(__file__).resolve().parent.parent / "logs" / "timing.jsonl"
 METADATA_KEY = "ttft_relay"
@@ -164,7 +181,8 @@ class Timing:
         if st is None or flow.response is None:
             return
         self._connection_marks(flow, st)
-        if self.server_timing:
+        if self.server_timing and streaming.carries_body(flow.request, flow.response):
+            # Not on an upgrade or a bodiless answer: those pass exactly as received.
             marks = phases.relative_marks(self._marks(flow, st), flow.request.timestamp_start)
             value = phases.server_timing(phases.compute(marks, tokens_expected=False))
             if value:
@@ -255,10 +273,20 @@ class Timing:
         flow.comment = record.comment(rec, slow=slow)
         if slow:
             flow.marked = SLOW_MARKER
+        self.publish(rec, flow)
+
+    def publish(self, rec: dict[str, Any], flow: http.HTTPFlow) -> None:
+        """Send a finished record to every sink: the log, the console, the `timing_record` hook."""
         if self.writer is not None:
             self.writer.write(rec)
         if self.console and logger.isEnabledFor(logging.INFO):
             self.console_lines.add(record.summary_line(rec))
+        ctx.master.addons.trigger(TimingRecordHook(rec, flow))
+
+    def upstream_rtt_ms(self, upstream: str) -> float | None:
+        """The round-trip estimate for an upstream ("host[:port]"), or None before any handshake."""
+        samples = self.rtt_samples.get(upstream)
+        return min(samples) if samples else None
 
     def is_slow(self, rec: dict[str, Any]) -> bool:
         """A first token at least `relay_slow_ms` late; a prewarm turn asks for no token."""
@@ -280,6 +308,7 @@ class Timing:
             # The upstream (or the relay) answered with a failure instead of waiting on.
             error, error_phase = f"HTTP {status}", error_phase or "upstream_wait"
         upstream = upstream_name(flow)
+        websocket = st.transport == record.WEBSOCKET
         return record.build_record(
             id=flow.id,
             ts=flow.request.timestamp_start,
@@ -292,7 +321,7 @@ class Timing:
             tokens_expected=st.stream and w is not None,
             tls_expected=flow.request.scheme == "https",
             reused_connection=None if flow.server_conn.timestamp_start is None else "upstream_connect_start" not in marks,
-            rtt_ms=min(self.rtt_samples[upstream]) if upstream in self.rtt_samples else None,
+            rtt_ms=self.upstream_rtt_ms(upstream),
             max_gap_ms=w.max_gap * 1000 if w is not None else None,
             chunks=w.chunks if w is not None else None,
             bytes=w.bytes if w is not None else None,
@@ -304,6 +333,10 @@ class Timing:
             client_aborted=client_aborted,
             trim=st.trim,
             request_id=flow.request.headers.get("x-request-id"),
+            transport=st.transport,
+            turn=0 if websocket else None,
+            upstream_request_id=upstream_request_id(flow.response),
+            upstream_processing_ms=upstream_processing_ms(flow.response),
         )
 
 
@@ -312,6 +345,27 @@ def upstream_name(flow: http.HTTPFlow) -> str:
     req = flow.request
     default = 443 if req.scheme == "https" else 80
     return req.host if req.port == default else f"{req.host}:{req.port}"
+
+
+UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
+"""OpenAI (and most OpenAI-compatible APIs), Anthropic."""
+
+
+def upstream_request_id(response: http.Response | None) -> str | None:
+    """The upstream's own id for the request, from its response head."""
+    if response is None:
+        return None
+    return next((v for name in UPSTREAM_REQUEST_ID_HEADERS if (v := response.headers.get(name))), None)
+
+
+def upstream_processing_ms(response: http.Response | None) -> float | None:
+    """How long the upstream says it worked before its head (`openai-processing-ms`)."""
+    value = response.headers.get("openai-processing-ms") if response is not None else None
+    try:
+        ms = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return ms if ms is not None and 0 <= ms < 1e9 else None
 
 
 def body_usage(api: str, response: http.Response | None) -> dict[str, int] | None:

@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,6 +252,9 @@ class BenchSetups:
         for stop in reversed(self._stoppers):
             stop()
         self._stoppers.clear()
+def read_records(log: Path) -> list[dict]:
+    """The timing records in a relay's JSONL log (none if it was never written)."""
+    return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
 
 
 def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:

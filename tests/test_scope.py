@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from mitmproxy.test import taddons, tflow
 
@@ -14,6 +16,14 @@ from addons import scope, state
         ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", scope.GEMINI),
         ("/v1/embeddings", scope.OTHER),
         ("/v1/responses/resp_123", scope.OTHER),
+        # The same endpoints under the prefixes providers put in front of them.
+        ("/backend-api/codex/responses", scope.OPENAI_RESPONSES),
+        ("/openai/deployments/my-gpt4o/chat/completions?api-version=2024-10-21", scope.OPENAI_CHAT),
+        ("/openai/v1/responses", scope.OPENAI_RESPONSES),
+        ("/api/v1/chat/completions", scope.OPENAI_CHAT),
+        ("/v1beta/openai/chat/completions", scope.OPENAI_CHAT),
+        ("/anthropic/v1/messages", scope.ANTHROPIC_MESSAGES),
+        ("/v1/threads/thread_1/messages", scope.OTHER),  # OpenAI Assistants, not Anthropic's shape
     ],
 )
 def test_api_shape(path, shape):
@@ -94,3 +104,36 @@ def test_answered_requests_are_not_parsed():
         sc.request(f)
         st = state.get(f)
         assert st is not None and st.request_json is None and st.model is None
+
+
+@pytest.mark.parametrize(
+    "path, inside",
+    [
+        ("/v1/chat/completions", True),
+        ("/backend-api/codex/responses", True),
+        ("/openai/deployments/d/chat/completions?api-version=1", True),
+        ("/openai/v1/responses", True),
+        ("/api/v1/chat/completions", True),
+        ("/v1beta/openai/chat/completions", True),
+        ("/anthropic/v1/messages", True),
+        ("/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse", True),
+        ("/v1/realtime?model=gpt-realtime", True),
+        ("/health", False),
+        ("/", False),
+        ("/v2/models", False),
+        ("/static/messages-page.js", False),
+    ],
+)
+def test_default_scope_knows_where_llm_apis_live(path, inside):
+    assert bool(re.search(scope.DEFAULT_SCOPE, path)) is inside
+
+
+def test_an_upgrade_request_is_a_websocket_flow():
+    sc = scope.Scope()
+    with taddons.context(sc):
+        f = _flow("/v1/responses", b"", upgrade="websocket", connection="Upgrade")
+        sc.requestheaders(f)
+        assert state.get(f).transport == "websocket"
+        g = _flow("/v1/responses", b"{}")
+        sc.requestheaders(g)
+        assert state.get(g).transport == "http"

@@ -87,3 +87,67 @@ def test_corrupt_compressed_stream_is_passed_on_not_raised():
     tap = streaming.StreamTap(RecordingWatcher(), streaming.incremental_decoder("gzip"), view_max=10)
     assert tap(b"definitely not gzip") == b"definitely not gzip"
     assert tap.decoder is None
+
+
+def _flow_with_response(method="POST", path="/v1/responses", status=200, in_scope=True, **response_headers):
+    from mitmproxy.test import tflow
+
+    from addons import state
+
+    f = tflow.tflow(resp=True)
+    f.request.method, f.request.path = method, path
+    f.response.status_code = status
+    f.response.headers.clear()
+    f.response.headers.update({k.replace("_", "-"): v for k, v in response_headers.items()})
+    if in_scope:
+        state.attach(f, state.FlowState(api="openai.responses", stream=True))
+    return f
+
+
+@pytest.mark.parametrize(
+    "method, status, hdrs",
+    [
+        ("GET", 101, {"upgrade": "websocket", "connection": "Upgrade", "sec_websocket_accept": "x"}),
+        ("POST", 204, {}),
+        ("POST", 304, {"content_type": "text/event-stream"}),
+        ("HEAD", 200, {"content_type": "text/event-stream"}),
+        ("POST", 103, {"link": "</a>; rel=preload"}),
+    ],
+)
+def test_responses_without_a_body_pass_exactly_as_received(method, status, hdrs):
+    from mitmproxy.test import taddons
+
+    addon = streaming.Streaming()
+    with taddons.context(addon):
+        f = _flow_with_response(method=method, status=status, **hdrs)
+        before = f.response.headers.fields
+        addon.responseheaders(f)
+        assert f.response.headers.fields == before  # no chunked framing, no buffering hints
+        assert f.response.stream is False
+        assert not streaming.carries_body(f.request, f.response)
+
+
+def test_event_streams_out_of_scope_are_streamed_and_left_alone():
+    from mitmproxy.test import taddons
+
+    addon = streaming.Streaming()
+    with taddons.context(addon):
+        f = _flow_with_response(path="/events", in_scope=False, content_type="text/event-stream",
+                                transfer_encoding="chunked")
+        before = f.response.headers.fields
+        addon.responseheaders(f)
+        assert f.response.stream is True and f.response.headers.fields == before
+        sized = _flow_with_response(path="/page", in_scope=False, content_type="text/html", content_length="5")
+        addon.responseheaders(sized)
+        assert sized.response.stream is False  # a body of known length that is no stream: mitmproxy's way
+
+
+def test_relay_stream_off_streams_nothing():
+    from mitmproxy.test import taddons
+
+    addon = streaming.Streaming()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, relay_stream=False)
+        f = _flow_with_response(path="/events", in_scope=False, content_type="text/event-stream")
+        addon.responseheaders(f)
+        assert f.response.stream is False

@@ -17,6 +17,7 @@ from addons import scope, sse
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.fakes.replies import answer_text
+from tests.harness import read_records
 
 HELD_CHUNK = 6  # every API's stream carries its first token before its seventh event
 CHUNKS = 8
@@ -47,12 +48,39 @@ def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, start_
     fake.behaviour.chunks = CHUNKS
     relay = start_relay(reverse_to(fake))
     path, body = REQUESTS[api]
-    gate = fake.hold_before_chunk(HELD_CHUNK)
+    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, api)
+    assert resp.header("x-accel-buffering") == "no"
 
-    conn, resp = client.request("POST", relay.url() + path, body, timeout=WAIT)
+
+PROVIDER_PATHS = {
+    "/backend-api/codex/responses": scope.OPENAI_RESPONSES,  # Codex CLI signed in with ChatGPT
+    "/openai/deployments/my-gpt-4o/chat/completions?api-version=2024-10-21": scope.OPENAI_CHAT,  # Azure
+    "/openai/v1/responses": scope.OPENAI_RESPONSES,  # Azure's v1 API
+    "/api/v1/chat/completions": scope.OPENAI_CHAT,  # OpenRouter
+    "/v1beta/openai/chat/completions": scope.OPENAI_CHAT,  # Gemini's OpenAI-compatible API
+    "/anthropic/v1/messages": scope.ANTHROPIC_MESSAGES,  # the Anthropic-compatible base URLs providers give
+}
+
+
+def test_streams_under_every_provider_prefix_are_unbuffered_and_recorded(fake, start_relay, tmp_path):
+    fake.behaviour.chunks = CHUNKS
+    relay = start_relay(reverse_to(fake))
+    for path, api in PROVIDER_PATHS.items():
+        assert_streamed_unbuffered(fake, relay.url() + path, REQUESTS[api][1], api)
+    relay.stop()
+    recs = read_records(tmp_path / "timing.jsonl")
+    assert [(r["api"], r["status"], r["stream"]) for r in recs] == [(api, 200, True) for api in PROVIDER_PATHS.values()]
+    assert all(r["ttft_ms"] is not None and r["transport"] == "http" for r in recs)
+
+
+def assert_streamed_unbuffered(fake, url: str, body, api: str):
+    """POST `body` to `url` (through a relay) while the fake holds chunk HELD_CHUNK back: the
+    client must already have every byte sent before it, first token included; then the rest,
+    byte for byte. Returns the response."""
+    gate = fake.hold_before_chunk(HELD_CHUNK)
+    conn, resp = client.request("POST", url, body, timeout=WAIT)
     with conn:
-        assert resp.status == 200
-        assert resp.header("x-accel-buffering") == "no"
+        assert resp.status == 200, url
         assert fake.wait_chunk_sent(HELD_CHUNK - 1, WAIT)
         sent_so_far = fake.sent[-1].body
         chunks = resp.chunks()
@@ -69,16 +97,32 @@ def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, start_
     # Byte for byte what the upstream sent, request body untouched on the way up.
     assert before_release + rest == fake.sent[-1].body
     assert fake.received[-1].body == client._encode_body(body)
+    return resp
 
 
-def test_out_of_scope_traffic_is_untouched(fake, start_relay):
-    relay = start_relay(reverse_to(fake))
-    conn, resp = client.request("POST", relay.url() + "/other/chat/completions",
-                                {"model": "m", "stream": True, "messages": []})
-    with conn:
-        resp.read()
-        assert resp.header("x-accel-buffering") is None
+def test_out_of_scope_streams_are_streamed_and_otherwise_untouched(fake, start_relay, tmp_path):
+    fake.behaviour.chunks = CHUNKS
+    relay = start_relay(reverse_to(fake), relay_scope="^/v1/")
+    path, body = "/other/chat/completions", REQUESTS[scope.OPENAI_CHAT][1]
+    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, scope.OPENAI_CHAT)
+    assert resp.header("x-accel-buffering") is None and resp.header("server-timing") is None
     assert fake.received[-1].header("accept-encoding") is None
+    relay.stop()
+    assert read_records(tmp_path / "timing.jsonl") == []
+
+
+def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    path, body = REQUESTS[scope.OPENAI_CHAT]
+    with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
+        for method, status in [("POST", 204), ("POST", 304), ("HEAD", 200)]:
+            resp = conn.request(method, path, body, {"x-fake-status": str(status)})
+            assert resp.status == status
+            assert resp.header("transfer-encoding") is None and resp.header("x-accel-buffering") is None
+            assert resp.read() == b""
+        # h11 and httpx read a stray "0\r\n\r\n" here as an illegal status line.
+        resp = conn.request("POST", path, body)
+        assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
 
 
 def test_streamed_requests_ask_upstream_for_identity_encoding(fake, start_relay):
@@ -203,3 +247,17 @@ def test_non_streamed_sdk_calls_still_work(sdk_setup):
     sdk = _openai_client(relay, upstream, mode)
     reply = sdk.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content == answer_text(upstream.behaviour.chunks)
+
+
+@pytest.mark.parametrize("interim", [100, 103])
+def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interim, fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    path, body = REQUESTS[scope.OPENAI_CHAT]
+    with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
+        resp = conn.request("POST", path, body, {"x-fake-interim-status": str(interim)})
+        assert resp.status == 200  # (the raw client skips interim answers, as h11 and httpx do)
+        assert resp.read() == fake.sent[-1].body
+        resp = conn.request("POST", path, body)  # and the connection carries on
+        assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
+    relay.stop()
+    assert [r["status"] for r in read_records(tmp_path / "timing.jsonl")] == [200, 200]

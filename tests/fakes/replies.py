@@ -26,7 +26,7 @@ GEMINI = "gemini"
 THINKING_PIECES = ("Pondering", " the greeting.")
 """The thinking block's pieces, for requests that ask for thinking (see `_thinking_pieces`)."""
 
-_GEMINI_PATH = re.compile(r"^/v1beta/models/([^/:]+):(streamGenerateContent|generateContent)$")
+_GEMINI_PATH = re.compile(r"/models/([^/:]+):(streamGenerateContent|generateContent)$")
 
 
 def answer_pieces(count: int) -> list[str]:
@@ -63,10 +63,17 @@ class _Endpoint:
 
 
 _ENDPOINTS = {
-    "/v1/chat/completions": _Endpoint(OPENAI_CHAT, sse_samples.openai_chat_stream, sse_samples.openai_chat_completion),
-    "/v1/responses": _Endpoint(OPENAI_RESPONSES, sse_samples.responses_stream, sse_samples.responses_response),
-    "/v1/messages": _Endpoint(ANTHROPIC_MESSAGES, sse_samples.anthropic_stream, sse_samples.anthropic_message),
+    "/chat/completions": _Endpoint(OPENAI_CHAT, sse_samples.openai_chat_stream, sse_samples.openai_chat_completion),
+    "/responses": _Endpoint(OPENAI_RESPONSES, sse_samples.responses_stream, sse_samples.responses_response),
+    "/messages": _Endpoint(ANTHROPIC_MESSAGES, sse_samples.anthropic_stream, sse_samples.anthropic_message),
 }
+"""By the path's last segments, under any prefix: /v1/..., as providers also serve them
+(/openai/deployments/<d>/chat/completions, /backend-api/codex/responses, /anthropic/v1/messages)."""
+BODILESS_STATUSES = (204, 304)
+
+
+def _endpoint(path: str) -> _Endpoint | None:
+    return next((e for suffix, e in _ENDPOINTS.items() if path.endswith(suffix)), None)
 _GEMINI_ENDPOINT = _Endpoint(GEMINI, sse_samples.gemini_stream, sse_samples.gemini_response)
 
 _MODELS_LIST = {
@@ -87,13 +94,16 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
     (`error_body` verbatim when given); other statuses send the normal body with that status."""
     split = urlsplit(target)
-    gemini = _GEMINI_PATH.match(split.path)
+    gemini = _GEMINI_PATH.search(split.path)
     if method == "GET" and split.path == "/v1/models":
         return json_reply(200, _MODELS_LIST)
-    if method != "POST" or not (split.path in _ENDPOINTS or gemini):
+    endpoint = _GEMINI_ENDPOINT if gemini else _endpoint(split.path)
+    if method == "HEAD" and endpoint is not None:  # a head like a stream's, and (as for any HEAD) no body
+        return Reply(200, "text/event-stream; charset=utf-8", [], streamed=False)
+    if method != "POST" or endpoint is None:
         return json_reply(404, sse_samples.error_body(OPENAI_CHAT, f"No fake route for {method} {split.path}", 404))
-
-    endpoint = _GEMINI_ENDPOINT if gemini else _ENDPOINTS[split.path]
+    if status in BODILESS_STATUSES:
+        return Reply(status, "application/json", [], streamed=False)
     if status >= 400:
         error = error_body.encode() if error_body is not None else json.dumps(_error(endpoint.api, status)).encode()
         return Reply(status, "application/json", [error], streamed=False)

@@ -100,6 +100,8 @@ class Behaviour:
     """Dribble the response head out in small slices over this long."""
     gzip: bool = False
     """gzip the body if the request's Accept-Encoding allows it (streams: flushed per chunk)."""
+    interim_status: int = 0
+    """Send an interim (1xx) response, e.g. 103 Early Hints, before the real one; 0: none."""
 
     def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
         """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
@@ -561,6 +563,8 @@ class FakeUpstream:
             reset_connection(writer)
             return "reset"
         await sleep_ms(behaviour.head_delay_ms)
+        if behaviour.interim_status:
+            writer.write(_head(behaviour.interim_status, [("Link", "</style.css>; rel=preload")]))
 
         gzip = behaviour.gzip and header_has_token(head.headers, "accept-encoding", "gzip")
         coding = _ContentCoding(gzip)
