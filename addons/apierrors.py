@@ -43,12 +43,41 @@ def error_response(api: str, status: int, message: str, headers: dict[str, str] 
     )
 
 
-def error_event(api: str, status: int, message: str) -> bytes:
-    """The last event of a stream that broke: the API's in-stream error."""
-    if api == scope.ANTHROPIC_MESSAGES:
-        return b"event: error\ndata: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
+RELAY_RESPONSE_ID = "resp_ttft_relay_error"
+"""The id of a failed response whose own id the relay never saw."""
+
+
+def stream_error(api: str, status: int, message: str, response_id: str | None = None) -> dict[str, Any]:
+    """The event that ends a response which broke mid-stream, as the API itself ends one.
+
+    Responses: `response.failed` with the error object — the terminal event clients act
+    on (Codex reads a bare `error` event as a stream that closed before
+    `response.completed`, and retries); Realtime: an `error` event.
+    """
     if api == scope.OPENAI_RESPONSES:
-        data = {"type": "error", "code": error_code(status), "message": message, "param": None}
-        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+        return {
+            "type": "response.failed",
+            "response": {
+                "id": response_id or RELAY_RESPONSE_ID,
+                "object": "response",
+                "status": "failed",
+                "error": {"code": error_code(status), "message": message},
+                "incomplete_details": None,
+                "output": [],
+            },
+        }
+    if api == scope.OPENAI_REALTIME:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return {"type": "error", "error": {"type": kind, "code": error_code(status), "message": message}}
+    return error_object(api, status, message)
+
+
+def error_event(api: str, status: int, message: str, response_id: str | None = None) -> bytes:
+    """The last SSE event of a stream that broke: the API's in-stream error."""
+    data = orjson.dumps(stream_error(api, status, message, response_id))
+    if api == scope.ANTHROPIC_MESSAGES:
+        return b"event: error\ndata: " + data + b"\n\n"
+    if api == scope.OPENAI_RESPONSES:
+        return b"event: response.failed\ndata: " + data + b"\n\n"
     # Chat Completions and Gemini: a data-only event whose object is the error.
-    return b"data: " + orjson.dumps(error_object(api, status, message)) + b"\n\n"
+    return b"data: " + data + b"\n\n"

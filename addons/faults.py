@@ -97,7 +97,7 @@ class ErrorReplies:
             reply = error_reply(st.api, status, text)
             return reply, reply.raw_content or b""
         if flow.response is not None and can_append_event(flow.response, st.watcher):
-            return None, apierrors.error_event(st.api, status, text)
+            return None, apierrors.error_event(st.api, status, text, st.watcher.response_id)
         return None
 
 

@@ -19,8 +19,8 @@ gen_ai_request_model, server_address (upstream host), api, status_class (2xx, 4x
 `relay_metrics_max_values` distinct ones fold into "other", so a client cannot grow
 the series without bound.
 
-The addon reads the finished record from `flow.metadata["ttft_relay"]`, so it must come
-after Timing in relay.py's list. Under `scripts/workers.py` (environment variable
+The addon takes each record from timing's `timing_record` hook (once per record, HTTP
+flows and WebSocket turns alike). Under `scripts/workers.py` (environment variable
 `TTFT_RELAY_WORKER` set) each worker records into prometheus-client's multiprocess
 directory (`PROMETHEUS_MULTIPROC_DIR`) and the supervisor serves the one endpoint.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,6 @@ from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess, start_http_server
 
 from . import scope
-from .timing import METADATA_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +57,7 @@ LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model
 SEMCONV = {
     scope.OPENAI_CHAT: ("chat", "openai"),
     scope.OPENAI_RESPONSES: ("chat", "openai"),
+    scope.OPENAI_REALTIME: ("chat", "openai"),
     scope.ANTHROPIC_MESSAGES: ("chat", "anthropic"),
     scope.GEMINI: ("generate_content", "gcp.gemini"),
 }
@@ -171,7 +170,6 @@ class Metrics:
         self.metrics: RelayMetrics | None = None
         self.server = None
         self.listen = ""
-        self.counted: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -224,18 +222,6 @@ class Metrics:
     def done(self) -> None:
         self._stop_server()
 
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._count(flow)
-
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._count(flow)
-
-    def http_connect_error(self, flow: http.HTTPFlow) -> None:
-        self._count(flow)
-
-    def _count(self, flow: http.HTTPFlow) -> None:
-        if not self.listen or flow in self.counted:
-            return
-        if (rec := flow.metadata.get(METADATA_KEY)) is not None:
-            self.counted.add(flow)
-            self.metrics.observe(rec)
+    def timing_record(self, record: Mapping[str, Any], flow: http.HTTPFlow) -> None:
+        if self.listen:
+            self.metrics.observe(record)

@@ -237,18 +237,23 @@ def stall_ms(marks: Mapping[str, float], max_gap_ms: float | None) -> float:
 
 
 def contributions(
-    phases: Mapping[str, float], *, rtt_ms: float | None, stall: float = 0.0
+    phases: Mapping[str, float], *, rtt_ms: float | None, upstream_ms: float | None = None, stall: float = 0.0
 ) -> dict[str, float]:
     """What each hop cost the client, in verdict words, in timeline order.
 
     The upstream wait always holds one network round trip (the request out, the
-    head back): with a round-trip estimate it is split into network and the
-    upstream's own wait, which is how a far-away upstream differs from a slow one.
-    The time from head to first token is the upstream's too (prefill after an
-    early head).
+    head back): it is split into network and the upstream's own wait, which is how
+    a far-away upstream differs from a slow one. Where the upstream says how long it
+    worked on the request before its head (`upstream_ms`, OpenAI's
+    `openai-processing-ms`), the rest of the wait is network; otherwise the
+    round-trip estimate is. The time from head to first token is the upstream's too
+    (prefill after an early head).
     """
     wait = phases.get("upstream_wait", 0.0)
-    network = min(rtt_ms, wait) if rtt_ms else 0.0
+    if upstream_ms is not None:
+        network = max(0.0, wait - upstream_ms)
+    else:
+        network = min(rtt_ms, wait) if rtt_ms else 0.0
     return {
         CLIENT_UPLOAD: phases.get("client_upload", 0.0),
         RELAY: phases.get("relay", 0.0),
@@ -298,6 +303,7 @@ def verdict(
     phases: Mapping[str, float],
     *,
     rtt_ms: float | None = None,
+    upstream_ms: float | None = None,
     stall: float = 0.0,
     error: str | None = None,
     error_phase: str | None = None,
@@ -318,7 +324,7 @@ def verdict(
         return f"client aborted in {where}"
     if error:
         return f"error in {where}"
-    return dominant(contributions(phases, rtt_ms=rtt_ms, stall=stall))
+    return dominant(contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall))
 
 
 def server_timing(phases: Mapping[str, float]) -> str:

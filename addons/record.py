@@ -31,6 +31,15 @@ meaning or goes away (adding keys is compatible).
     error_phase         the phase it went wrong in, or null
     client_aborted      the client went away before the answer was complete
     trim                what trimming did (owned by the trim addon), or null
+    transport           "http", or "websocket" for a WebSocket's handshake and its turns
+    turn                null for HTTP; on a WebSocket 0 is the handshake (upgrade request →
+                        101 or its failure), 1, 2, ... each turn (a Responses `response.create`)
+    prewarm             a turn that only prepares a response (Responses `"generate": false`): no
+                        output is expected, so its first token is not a slow one
+    upstream_request_id the upstream's own request id (`x-request-id`, `request-id`): what
+                        providers ask for in support tickets, or null
+    upstream_processing_ms  the upstream's own processing time as it reports it
+                        (`openai-processing-ms`), or null
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ ERROR_MAX = 300
 """Error texts are cut to this many characters: an upstream error event may be long."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
+HTTP = "http"
+WEBSOCKET = "websocket"
+WEBSOCKET_HANDSHAKE_FAILED = "websocket handshake failed"
 
 
 def build_record(
@@ -83,21 +95,43 @@ def build_record(
     client_aborted: bool = False,
     trim: Mapping[str, Any] | None = None,
     request_id: str | None = None,
+    transport: str = HTTP,
+    turn: int | None = None,
+    prewarm: bool = False,
+    upstream_request_id: str | None = None,
+    upstream_processing_ms: float | None = None,
 ) -> dict[str, Any]:
-    """The record of one flow, from plain data (marks relative, in ms).
+    """The record of one flow (or WebSocket turn), from plain data (marks relative, in ms).
 
     `tokens_expected`: the answer was streamed as events, so `first_token`
     decides ttft; `tls_expected`: the upstream speaks https, so a connection
     without a handshake mark failed in TLS. `token_events` is the rate's fallback when the upstream
-    reported no output token count.
+    reported no output token count. A WebSocket handshake (`turn` 0) has no first
+    token of its own: its phases end at the `101`.
     """
+    handshake = transport == WEBSOCKET and turn == 0
     p = phases.compute(marks, tokens_expected=tokens_expected)
+    if handshake or prewarm:
+        # Neither is an answer: their time is in the phases, never a (slow) first token.
+        p.pop("ttft", None)
     if (error or client_aborted) and error_phase is None:
         error_phase = phases.error_phase(
             marks, tls_expected=tls_expected, tokens_expected=tokens_expected
         )
     output_tokens = (usage or {}).get("output_tokens") or token_events
     stream_s = p.get("stream", 0.0) / 1000
+    verdict = phases.verdict(
+        p,
+        rtt_ms=rtt_ms,
+        upstream_ms=upstream_processing_ms,
+        stall=phases.stall_ms(marks, max_gap_ms),
+        error=error,
+        error_phase=error_phase,
+        client_aborted=client_aborted,
+    )
+    if handshake and (error or client_aborted):
+        # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
+        verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {verdict}"
     return {
         "schema": SCHEMA,
         "id": id,
@@ -119,18 +153,16 @@ def build_record(
         "output_tokens_per_s": round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
         "prompt_tokens": prompt_tokens,
         "usage": dict(usage) if usage else None,
-        "verdict": phases.verdict(
-            p,
-            rtt_ms=rtt_ms,
-            stall=phases.stall_ms(marks, max_gap_ms),
-            error=error,
-            error_phase=error_phase,
-            client_aborted=client_aborted,
-        ),
+        "verdict": verdict,
         "error": error[:ERROR_MAX] if error else None,
         "error_phase": error_phase,
         "client_aborted": client_aborted,
         "trim": dict(trim) if trim else None,
+        "transport": transport,
+        "turn": turn,
+        "prewarm": prewarm,
+        "upstream_request_id": upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
+        "upstream_processing_ms": upstream_processing_ms,
     }
 
 

@@ -13,7 +13,8 @@ addons; each concern lives in its own module under `addons/`:
     trim       oversized message histories cut to a token budget
     faults     bounded waits, and upstream failures answered in the API's format
     timing     per-phase marks, one record per flow, verdicts
-    metrics    the records as Prometheus metrics (after timing: it reads the record)
+    websocket  one record per turn of a Responses / Realtime WebSocket
+    metrics    the records as Prometheus metrics (from timing's timing_record hook)
     sseview    an event-stream view for mitmweb
     webcolumns the timing comment as a column of mitmweb's flow list
 
@@ -36,8 +37,9 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from addons import (capacity, config, faults, guard, metrics, reload, scope, sseview, streaming, timing,  # noqa: E402
-                    tls, trim, webcolumns)
+                    tls, trim, webcolumns, websocket)
 
+timings = timing.Timing()
 addons = [
     config.RelayConfig(),
     capacity.ListenBacklog(),
@@ -51,7 +53,8 @@ addons = [
     faults.Shutdown(),
     faults.FailedConnects(),
     faults.Deadlines(),
-    timing.Timing(),
+    timings,
+    websocket.WebSocketTurns(timings),
     faults.ErrorReplies(),
     metrics.Metrics(),
     sseview.SSEView(),

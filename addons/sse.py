@@ -241,8 +241,14 @@ def _event_type(event: Event) -> str:
     return m.group(1).decode("utf-8", "replace") if m else ""
 
 
+def event_type(data: bytes) -> str:
+    """The `"type"` a JSON event payload starts with (a WebSocket message's), or ""."""
+    return _event_type(Event("", data))
+
+
 _FIRST_TYPE = re.compile(rb'"type"\s*:\s*"([^"]*)"')
 _TOP_LEVEL_ERROR = re.compile(rb'^\s*\{\s*"error"\s*:')
+_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"]{1,200})"')
 
 
 @dataclass(slots=True)
@@ -435,7 +441,10 @@ class _OpenAIResponses(_Reader):
 
     def observe(self, event: Event, watcher: StreamWatcher) -> None:
         kind = _event_type(event)
-        if kind in self.TERMINAL_TYPES:
+        if kind == "response.created" and watcher.response_id is None:
+            m = _RESPONSE_ID.search(event.data)
+            watcher.response_id = m.group(1).decode("utf-8", "replace") if m else None
+        elif kind in self.TERMINAL_TYPES:
             watcher.done = True
             watcher.keep_usage("final", event.data)
             if kind == "response.failed":
@@ -466,6 +475,42 @@ class _OpenAIResponses(_Reader):
                 call.name, call.id = _str(_get(obj, "item", "name")), _str(_get(obj, "item", "call_id"))
         elif event_type in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
             out.call(_str(obj.get("item_id"))).arguments += _str(delta)
+
+
+class _OpenAIRealtime(_OpenAIResponses):
+    """The Realtime API's WebSocket (`/v1/realtime`): a turn's server events end in
+    `response.done`; output is text, audio or an audio transcript, in the GA names
+    and the beta's."""
+
+    TOKEN_TYPES = frozenset(
+        {
+            "response.output_text.delta",
+            "response.output_audio.delta",
+            "response.output_audio_transcript.delta",
+            "response.text.delta",
+            "response.audio.delta",
+            "response.audio_transcript.delta",
+            "response.function_call_arguments.delta",
+        }
+    )
+    TERMINAL_TYPES = frozenset({"response.done"})
+
+    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+        kind = _event_type(event)
+        if kind in self.TERMINAL_TYPES:
+            watcher.done = True
+            watcher.keep_usage("final", event.data)
+            if _get(_loads(event.data), "response", "status") == "failed":
+                watcher.set_error(_get(_loads(event.data), "response", "status_details", "error") or "response failed")
+        elif kind == "error":
+            watcher.set_error(_reported_error(event))
+
+    def normalize(self, raw: dict) -> dict[str, int] | None:
+        return _counts(
+            input_tokens=_int(raw.get("input_tokens")),
+            output_tokens=_int(raw.get("output_tokens")),
+            cached_tokens=_int(_get(raw, "input_token_details", "cached_tokens")),
+        )
 
 
 class _AnthropicMessages(_Reader):
@@ -599,6 +644,7 @@ def _gemini_parts(obj: Any) -> list[dict]:
 _READERS: dict[str, _Reader] = {
     "openai.chat": _OpenAIChat(),
     "openai.responses": _OpenAIResponses(),
+    "openai.realtime": _OpenAIRealtime(),
     "anthropic.messages": _AnthropicMessages(),
     "gemini": _Gemini(),
 }
@@ -639,6 +685,8 @@ class StreamWatcher:
         """The first in-stream error the upstream reported, as "type: message"."""
         self.done = False
         """The API's terminal event was seen: the stream ended as designed."""
+        self.response_id: str | None = None
+        """The upstream's id of the response being streamed (Responses API), once seen."""
         self._reader = _reader(api)
         self._parser = SSEParser(max_event_bytes)
         self._last_chunk: float | None = None
@@ -649,17 +697,29 @@ class StreamWatcher:
     def feed(self, chunk: bytes, now: float) -> None:
         if not chunk:
             return
+        self._arrived(len(chunk), now)
+        try:
+            self._read(self._parser.feed(chunk), now)
+        except Exception:  # a bug here must cost a mark, never the stream
+            logger.exception("SSE watcher failed on a %s stream; marks may be incomplete", self.api)
+
+    def feed_event(self, data: bytes, now: float) -> None:
+        """One event that arrived whole, not as SSE bytes: a WebSocket message whose
+        payload is what an SSE event's `data:` would carry (its type inside the JSON)."""
+        self._arrived(len(data), now)
+        try:
+            self._read([Event("", data)], now)
+        except Exception:  # as in feed
+            logger.exception("SSE watcher failed on a %s event; marks may be incomplete", self.api)
+
+    def _arrived(self, size: int, now: float) -> None:
         self.chunks += 1
-        self.bytes += len(chunk)
+        self.bytes += size
         if self._last_chunk is None:
             self.first_byte = now
         elif now - self._last_chunk > self.max_gap:
             self.max_gap = now - self._last_chunk
         self._last_chunk = now
-        try:
-            self._read(self._parser.feed(chunk), now)
-        except Exception:  # a bug here must cost a mark, never the stream
-            logger.exception("SSE watcher failed on a %s stream; marks may be incomplete", self.api)
 
     def _read(self, events: list[Event], now: float) -> None:
         if not events:

@@ -84,6 +84,11 @@ def last_event(api: str, body: bytes) -> dict:
     if api == scope.ANTHROPIC_MESSAGES:
         assert lines[0] == b"event: error"
         assert data["type"] == "error" and data["error"]["type"] in ("api_error", "timeout_error")
+    elif api == scope.OPENAI_RESPONSES:  # as the API ends a failed response: what Codex acts on
+        assert lines[0] == b"event: response.failed"
+        assert data["type"] == "response.failed" and data["response"]["status"] == "failed"
+        assert set(data["response"]["error"]) == {"code", "message"}
+        return data["response"]["error"]
     else:
         assert len(lines) == 1 and set(data["error"]) == {"message", "type", "param", "code"}
     return data["error"]

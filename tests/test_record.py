@@ -10,7 +10,7 @@ KEYS = {
     "schema", "id", "request_id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",
     "ttft_ms", "reused_connection", "rtt_ms", "max_gap_ms", "chunks", "bytes",
     "output_tokens_per_s", "prompt_tokens", "usage", "verdict", "error", "error_phase",
-    "client_aborted", "trim",
+    "client_aborted", "trim", "transport", "turn", "prewarm", "upstream_request_id", "upstream_processing_ms",
 }
 
 MARKS = {
@@ -30,6 +30,33 @@ def make(**overrides):
     )
     kwargs.update(overrides)
     return record.build_record(**kwargs)
+
+
+def test_a_websocket_handshake_has_no_first_token_and_its_failure_names_the_transport():
+    marks = {"request_body": 0.5, "forwarded": 1.0, "response_head": 30.0, "end": 30.0}
+    ok = make(transport=record.WEBSOCKET, turn=0, marks=marks, tokens_expected=False, stream=False, status=101)
+    assert ok["ttft_ms"] is None and "ttft" not in ok["phases"] and ok["phases"]["upstream_wait"] == 29.0
+    assert not ok["verdict"].startswith(record.WEBSOCKET_HANDSHAKE_FAILED)
+    failed = make(transport=record.WEBSOCKET, turn=0, marks=marks, tokens_expected=False, status=404,
+                  error="HTTP 404", error_phase="upstream_wait")
+    assert failed["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: error in upstream wait"
+    hung = make(transport=record.WEBSOCKET, turn=0, marks={"request_body": 0.5, "forwarded": 1.0, "end": 15000.0},
+                tokens_expected=False, status=None, client_aborted=True)
+    assert hung["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: client aborted in upstream wait"
+    assert hung["phases"]["total"] == 15000.0  # the time it cost
+    turn = make(transport=record.WEBSOCKET, turn=1)
+    assert turn["ttft_ms"] == 460.0 and turn["turn"] == 1
+
+
+def test_the_upstreams_own_processing_time_splits_its_wait_from_the_network():
+    # 440 ms from sending to the head; the upstream says it worked 40 ms of them: the rest is network.
+    far = make(upstream_processing_ms=40.0, rtt_ms=None, reused_connection=True,
+               marks={"request_body": 1.0, "forwarded": 2.0, "response_head": 442.0, "first_token": 443.0})
+    assert far["verdict"] == phases.UPSTREAM_NETWORK
+    busy = make(upstream_processing_ms=430.0, rtt_ms=None, reused_connection=True,
+                marks={"request_body": 1.0, "forwarded": 2.0, "response_head": 442.0, "first_token": 443.0})
+    assert busy["verdict"] == phases.UPSTREAM_WAIT
+    assert make(upstream_request_id="req_" + "x" * 500)["upstream_request_id"] == ("req_" + "x" * 500)[:128]
 
 
 def test_record_has_every_key_and_plain_json_values():

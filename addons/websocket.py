@@ -1,0 +1,294 @@
+"""WebSocket turns: one timing record per turn of an LLM API's WebSocket.
+
+Codex CLI talks to the Responses API over a WebSocket by default: one upgrade
+(`GET /v1/responses`, `Upgrade: websocket`) per session, then per turn one
+`response.create` text message from the client, answered by the events an SSE
+stream would carry, one JSON text message each (`response.created`, ...,
+`response.output_text.delta`, ..., `response.completed`). The Realtime API
+(`/v1/realtime`) works the same way, its turns ending in `response.done`.
+
+The handshake is the flow itself: scope marks it `transport: websocket`,
+streaming and timing leave its `101` exactly as it came, and timing records it
+as turn 0 (upgrade request → 101, upstream connect and TLS included; a refused
+or hung handshake gets the time it cost and a "websocket handshake failed"
+verdict). This addon records every turn after it, with marks relative to the
+moment the client's `response.create` reached the relay:
+
+    request_body   0: the message arrived whole
+    forwarded      the relay passed it on (every hook done)
+    response_head  the turn's first server event (`response.created`): the upstream
+                   wait is one round trip plus the upstream's queueing, as for HTTP
+    first_token    the first visible output, by the SSE watcher's rule (`sse.py`)
+    last_token, end  the terminal event, or the close that cut the turn
+
+A prewarm (`"generate": false`) is recorded as such, without a first token. The
+first-token and idle bounds of `faults.Deadlines` apply to turns as well: a turn
+that passes one is ended for the client with the API's own failure event
+(`response.failed`), and the upstream side of the socket is closed, so the client
+reconnects rather than waits on a response it was told has failed.
+
+mitmproxy keeps every message of a WebSocket flow in `flow.websocket.messages` for
+the life of the flow, so one coding-agent session would hold every request and
+every event; only the newest `relay_websocket_messages` are kept (mitmweb shows
+them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from mitmproxy import ctx, http
+from mitmproxy.websocket import WebSocketMessage
+
+from . import apierrors, faults, phases, record, scope, sse, state
+from .timing import Timing, upstream_name
+
+logger = logging.getLogger(__name__)
+
+TURN_APIS = (scope.OPENAI_RESPONSES, scope.OPENAI_REALTIME)
+"""APIs whose WebSocket carries turns the relay understands; other sockets only pass."""
+TURN_START = b'"response.create"'
+TURN_CREATED = "response.created"
+TYPE_SCAN = 256
+"""A turn's type is its message's first key: only this many bytes are searched for it."""
+CLOSED_EARLY = "WebSocket closed before the turn ended"
+
+
+# --- pure ------------------------------------------------------------------------------
+
+
+def parse_turn_request(content: bytes) -> dict[str, Any] | None:
+    """The client message's JSON if it starts a turn (`response.create`), else None."""
+    if TURN_START not in content[:TYPE_SCAN]:
+        return None
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) and body.get("type") == "response.create" else None
+
+
+def turn_model(body: dict[str, Any]) -> str | None:
+    """The model a `response.create` names: at the top (Responses) or in `response` (Realtime)."""
+    model = body.get("model")
+    if model is None and isinstance(body.get("response"), dict):
+        model = body["response"].get("model")
+    return model if isinstance(model, str) else None
+
+
+def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: float | None) -> dict[str, float]:
+    """A turn's marks in ms since its message reached the relay (see the module docstring)."""
+    absolute = {
+        "request_body": started,
+        "forwarded": forwarded,
+        "response_head": w.first_event,
+        "first_byte": w.first_byte,
+        "first_event": w.first_event,
+        "first_token": w.first_token,
+        "last_token": w.last_token,
+        "end": end,
+    }
+    return phases.relative_marks(absolute, started)
+
+
+# --- the addon -------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    number: int
+    started: float
+    forwarded: float
+    model: str | None
+    prewarm: bool
+    watcher: sse.StreamWatcher
+    timer: asyncio.TimerHandle | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One WebSocket flow's turns."""
+
+    api: str
+    turns: int = 0
+    turn: Turn | None = None
+    closing: bytes | None = None
+    """The failure event injected for a turn that passed a deadline: once it goes out, the
+    upstream side is closed."""
+    limits: faults.Limits = field(default_factory=faults.Limits)
+
+
+class WebSocketTurns:
+    """Times each turn of a Responses (or Realtime) WebSocket and publishes one
+    record per turn through `timing`; bounds what mitmproxy keeps of the socket."""
+
+    def __init__(self, timing: Timing) -> None:
+        self.timing = timing
+        self.sessions: dict[http.HTTPFlow, Session] = {}
+        self.keep = 100
+        self.limits = faults.Limits()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_websocket_messages",
+            int,
+            100,
+            "WebSocket messages kept per flow for viewing (mitmweb); older ones are "
+            "dropped so a long agent session does not hold every message. Negative: keep all.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_websocket_messages" in updated:
+            self.keep = ctx.options.relay_websocket_messages
+        # The bounds are the Deadlines addon's options: one setting for HTTP and WebSocket turns.
+        if updated & {"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"}:
+            o = ctx.options
+            self.limits = faults.Limits(
+                max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0)
+            )
+
+    def done(self) -> None:
+        for session in self.sessions.values():
+            if session.turn is not None and session.turn.timer is not None:
+                session.turn.timer.cancel()
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is not None and st.api in TURN_APIS:
+            self.sessions[flow] = Session(st.api, limits=self.limits)
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        assert flow.websocket is not None
+        messages = flow.websocket.messages
+        session = self.sessions.get(flow)
+        if session is not None:
+            self._observe(flow, session, messages[-1])
+        if 0 <= self.keep < len(messages):
+            del messages[: len(messages) - self.keep]
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        session = self.sessions.pop(flow, None)
+        if session is None or session.turn is None:
+            return
+        ws = flow.websocket
+        code = f" (close code {ws.close_code})" if ws is not None and ws.close_code is not None else ""
+        self._finish(flow, session, error=CLOSED_EARLY + code,
+                     client_aborted=bool(ws is not None and ws.closed_by_client))
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        if flow.websocket is not None:
+            self.websocket_end(flow)
+
+    def _observe(self, flow: http.HTTPFlow, session: Session, message: WebSocketMessage) -> None:
+        if message.injected:
+            if session.closing is not None and message.content == session.closing:
+                # The client gets the failure event as this hook returns; then the socket ends.
+                session.closing = None
+                faults.close_upstream(flow, "websocket turn deadline passed")
+            return
+        if not message.is_text:
+            return
+        if message.from_client:
+            body = parse_turn_request(message.content)
+            if body is not None:
+                self._start(flow, session, message.timestamp, turn_model(body), body.get("generate") is False)
+            return
+        if session.turn is None:
+            # The Realtime API starts turns of its own (voice activity): from their first event.
+            if sse.event_type(message.content) != TURN_CREATED:
+                return
+            self._start(flow, session, message.timestamp, None, False)
+        turn = session.turn
+        assert turn is not None
+        # Progress needs no timer work here: a deadline's timer rechecks the turn when it fires.
+        turn.watcher.feed_event(message.content, message.timestamp)
+        if turn.watcher.done or turn.watcher.error:
+            self._finish(flow, session)
+
+    def _start(self, flow: http.HTTPFlow, session: Session, at: float, model: str | None, prewarm: bool) -> None:
+        if session.turn is not None:
+            # A new turn before the last one ended: the client gave up on it.
+            self._finish(flow, session, error="superseded by the next turn", client_aborted=True)
+        session.turns += 1
+        session.turn = Turn(session.turns, at, time.time(), model, prewarm, sse.StreamWatcher(session.api))
+        self._check(flow, session)
+
+    def _check(self, flow: http.HTTPFlow, session: Session) -> None:
+        """(Re)arm the turn's deadline, or fail it if it passed."""
+        turn = session.turn
+        if turn is None:
+            return
+        if turn.timer is not None:
+            turn.timer.cancel()
+            turn.timer = None
+        w = turn.watcher
+        progress = faults.Progress(
+            started=turn.forwarded,
+            streamed=not turn.prewarm,
+            head=w.first_event,
+            first_token=w.first_token,
+            last_chunk=w.last_chunk,
+        )
+        now = time.time()
+        due = faults.next_deadline(progress, session.limits, now)
+        if due is None:
+            return
+        at, failure = due
+        if at > now:
+            turn.timer = asyncio.get_running_loop().call_later(at - now, self._check, flow, session)
+        elif failure is not None:
+            self._fail(flow, session, failure)
+
+    def _fail(self, flow: http.HTTPFlow, session: Session, failure: str) -> None:
+        turn = session.turn
+        assert turn is not None
+        text = faults.MESSAGE_PREFIX + failure
+        event = orjson.dumps(apierrors.stream_error(session.api, 504, text, turn.watcher.response_id))
+        self._finish(flow, session, error=failure)
+        if flow.live:
+            session.closing = event
+            ctx.master.commands.call("inject.websocket", flow, True, event, True)
+
+    def _finish(self, flow: http.HTTPFlow, session: Session, *, error: str | None = None,
+                client_aborted: bool = False) -> None:
+        turn, session.turn = session.turn, None
+        if turn is None:
+            return
+        if turn.timer is not None:
+            turn.timer.cancel()
+        w = turn.watcher
+        end = w.last_chunk if (w.done or w.error) and error is None else time.time()
+        marks = turn_marks(turn.started, turn.forwarded, w, end)
+        upstream = upstream_name(flow)
+        rec = record.build_record(
+            id=f"{flow.id}#{turn.number}",
+            ts=turn.started,
+            api=session.api,
+            model=turn.model or (state.get(flow).model if state.get(flow) else None),
+            stream=True,
+            status=flow.response.status_code if flow.response is not None else None,
+            upstream=upstream,
+            marks=marks,
+            tokens_expected=not turn.prewarm,
+            tls_expected=flow.request.scheme == "https",
+            reused_connection=True,
+            rtt_ms=self.timing.upstream_rtt_ms(upstream),
+            max_gap_ms=w.max_gap * 1000,
+            chunks=w.chunks,
+            bytes=w.bytes,
+            token_events=w.token_events,
+            usage=w.usage,
+            error=error or w.error,
+            client_aborted=client_aborted,
+            request_id=flow.request.headers.get("x-request-id"),
+            transport=record.WEBSOCKET,
+            turn=turn.number,
+            prewarm=turn.prewarm,
+        )
+        self.timing.publish(rec, flow)

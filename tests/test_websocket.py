@@ -1,0 +1,154 @@
+"""WebSocket turns: the pure parts, and the addon's hooks on mitmproxy's test flows."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from mitmproxy.test import taddons, tflow
+from mitmproxy.websocket import WebSocketMessage
+from wsproto.frame_protocol import Opcode
+
+from addons import faults, scope, state, timing, websocket
+
+
+class Records:
+    """A sink on timing's `timing_record` hook."""
+
+    def __init__(self) -> None:
+        self.got: list[dict] = []
+
+    def timing_record(self, record, flow) -> None:
+        self.got.append(record)
+
+
+def responses_events(text_pieces=("Hel", "lo"), response_id="resp_1") -> list[dict]:
+    created = {"type": "response.created", "response": {"id": response_id, "status": "in_progress"}}
+    deltas = [{"type": "response.output_text.delta", "item_id": "msg_1", "delta": p} for p in text_pieces]
+    done = {"type": "response.completed", "response": {"id": response_id, "status": "completed",
+                                                        "usage": {"input_tokens": 12, "output_tokens": 2}}}
+    return [created, {"type": "response.in_progress"}, *deltas, done]
+
+
+@pytest.fixture
+def relay():
+    t = timing.Timing()
+    deadlines = faults.Deadlines()
+    turns = websocket.WebSocketTurns(t)
+    sink = Records()
+    with taddons.context(t, deadlines, turns, sink) as tctx:
+        tctx.configure(t, relay_timing_log="", relay_timing_console=False)
+        # No event loop here for the deadlines' timers: their bounds are tested end to end.
+        tctx.configure(deadlines, relay_head_timeout=0, relay_first_token_timeout=0, relay_idle_timeout=0)
+        yield turns, sink
+
+
+def socket_flow(path="/v1/responses", api=scope.OPENAI_RESPONSES):
+    f = tflow.twebsocketflow(messages=False)
+    f.request.path = path
+    state.attach(f, state.FlowState(api=api, transport="websocket"))
+    return f
+
+
+def send(turns, flow, payload: dict | bytes, *, from_client: bool, at: float) -> WebSocketMessage:
+    content = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    msg = WebSocketMessage(Opcode.TEXT, from_client, content, timestamp=at)
+    flow.websocket.messages.append(msg)
+    turns.websocket_message(flow)
+    return msg
+
+
+def test_parse_turn_request():
+    assert websocket.parse_turn_request(b'{"type":"response.create","model":"gpt-5.1"}')["model"] == "gpt-5.1"
+    assert websocket.parse_turn_request(b'{"type":"response.processed"}') is None
+    assert websocket.parse_turn_request(b'{"type":"response.create",') is None  # not JSON: not ours
+    assert websocket.turn_model({"type": "response.create", "response": {"model": "gpt-realtime"}}) == "gpt-realtime"
+
+
+def test_each_turn_gets_one_record_with_its_own_marks_and_usage(relay):
+    turns, sink = relay
+    f = socket_flow()
+    turns.websocket_start(f)
+    t0 = 1000.0
+    send(turns, f, {"type": "response.create", "model": "gpt-5.1-codex", "generate": False}, from_client=True, at=t0)
+    send(turns, f, {"type": "response.created", "response": {"id": "resp_0"}}, from_client=False, at=t0 + 0.03)
+    send(turns, f, {"type": "response.completed", "response": {"id": "resp_0", "usage": {}}},
+         from_client=False, at=t0 + 0.04)
+    t1 = 1010.0
+    send(turns, f, {"type": "response.create", "model": "gpt-5.1-codex", "previous_response_id": "resp_0",
+                    "input": [{"type": "message", "role": "user", "content": "hi"}]}, from_client=True, at=t1)
+    for i, event in enumerate(responses_events()):
+        send(turns, f, event, from_client=False, at=t1 + 0.05 + 0.01 * i)
+    prewarm, turn = sink.got
+    assert (prewarm["turn"], prewarm["prewarm"], prewarm["ttft_ms"]) == (1, True, None)
+    assert prewarm["id"] == f"{f.id}#1" and prewarm["transport"] == "websocket" and prewarm["error"] is None
+    assert (turn["turn"], turn["prewarm"], turn["model"], turn["api"]) == (2, False, "gpt-5.1-codex", "openai.responses")
+    assert turn["ts"] == t1 and turn["marks"]["response_head"] == 50.0
+    assert turn["ttft_ms"] == pytest.approx(70.0) and turn["phases"]["head_to_first_token"] == pytest.approx(20.0)
+    assert turn["usage"] == {"input_tokens": 12, "output_tokens": 2}
+    assert turn["error"] is None and turn["reused_connection"] is True
+
+
+def test_a_socket_closed_mid_turn_records_the_cut_turn(relay):
+    turns, sink = relay
+    f = socket_flow()
+    turns.websocket_start(f)
+    send(turns, f, {"type": "response.create", "model": "m"}, from_client=True, at=1.0)
+    send(turns, f, responses_events()[0], from_client=False, at=1.1)
+    f.websocket.close_code, f.websocket.closed_by_client = 1006, False
+    turns.websocket_end(f)
+    turns.websocket_end(f)  # once only
+    (rec,) = sink.got
+    assert rec["error"].startswith(websocket.CLOSED_EARLY) and "1006" in rec["error"]
+    assert rec["error_phase"] == "head_to_first_token" and not rec["client_aborted"]
+
+
+def test_an_upstream_error_event_ends_the_turn(relay):
+    turns, sink = relay
+    f = socket_flow()
+    turns.websocket_start(f)
+    send(turns, f, {"type": "response.create", "model": "m", "previous_response_id": "resp_gone"},
+         from_client=True, at=1.0)
+    send(turns, f, {"type": "error", "error": {"type": "invalid_request_error", "code": "previous_response_not_found",
+                                               "message": "Previous response not found."}}, from_client=False, at=1.2)
+    (rec,) = sink.got
+    assert "previous_response_not_found" in rec["error"] or "Previous response" in rec["error"]
+
+
+def test_realtime_turns_end_in_response_done_and_may_start_on_the_server(relay):
+    turns, sink = relay
+    f = socket_flow("/v1/realtime?model=gpt-realtime", scope.OPENAI_REALTIME)
+    turns.websocket_start(f)
+    send(turns, f, {"type": "session.created", "session": {}}, from_client=False, at=0.5)
+    send(turns, f, {"type": "response.created", "response": {"id": "resp_r"}}, from_client=False, at=1.0)
+    send(turns, f, {"type": "response.output_audio_transcript.delta", "delta": "Hi"}, from_client=False, at=1.2)
+    send(turns, f, {"type": "response.done", "response": {"status": "completed",
+                                                          "usage": {"input_tokens": 3, "output_tokens": 1}}},
+         from_client=False, at=1.3)
+    (rec,) = sink.got
+    assert rec["api"] == "openai.realtime" and rec["ttft_ms"] == pytest.approx(200.0)
+    assert rec["usage"] == {"input_tokens": 3, "output_tokens": 1}
+
+
+def test_other_sockets_and_binary_messages_are_only_passed(relay):
+    turns, sink = relay
+    f = socket_flow("/v1/other", scope.OTHER)
+    turns.websocket_start(f)
+    send(turns, f, {"type": "response.create"}, from_client=True, at=1.0)
+    g = socket_flow()
+    turns.websocket_start(g)
+    g.websocket.messages.append(WebSocketMessage(Opcode.BINARY, True, b"\x00\x01", timestamp=1.0))
+    turns.websocket_message(g)
+    turns.websocket_end(f)
+    turns.websocket_end(g)
+    assert sink.got == []
+
+
+def test_only_the_newest_messages_are_kept(relay):
+    turns, sink = relay
+    with taddons.context(turns) as tctx:
+        tctx.configure(turns, relay_websocket_messages=3)
+        f = socket_flow()
+        turns.websocket_start(f)
+        sent = [send(turns, f, {"type": "response.create", "model": "m", "n": i}, from_client=True, at=float(i))
+                for i in range(10)]
+        assert f.websocket.messages == sent[-3:]
