@@ -21,7 +21,8 @@ addons; each concern lives in its own module under `addons/`:
 The order matters: tls refuses plain HTTP before guard looks at a key; scope attaches
 the per-flow state the others read, and timing comes after trim so its `request` hook
 marks the moment the request leaves.
-faults.Shutdown comes before timing too: timing's `done` closes the log.
+faults.Shutdown and websocket come before timing too: timing's `done` closes the log,
+and theirs record what is still in flight.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
 """
@@ -53,8 +54,8 @@ addons = [
     faults.Shutdown(),
     faults.FailedConnects(),
     faults.Deadlines(),
-    timings,
     websocket.WebSocketTurns(timings),
+    timings,
     faults.ErrorReplies(),
     metrics.Metrics(),
     sseview.SSEView(),

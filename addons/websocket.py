@@ -46,7 +46,7 @@ from mitmproxy import ctx, http
 from mitmproxy.websocket import WebSocketMessage
 
 from . import apierrors, faults, phases, record, scope, sse, state
-from .timing import Timing, upstream_name
+from .timing import SHUTDOWN_ERROR, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,11 @@ class WebSocketTurns:
             )
 
     def done(self) -> None:
-        for session in self.sessions.values():
-            if session.turn is not None and session.turn.timer is not None:
-                session.turn.timer.cancel()
+        # Turns still open when the relay stops are recorded while the log is open:
+        # this addon's `done` runs before timing's (relay.py's order).
+        for flow, session in list(self.sessions.items()):
+            self._finish(flow, session, error=SHUTDOWN_ERROR)
+        self.sessions.clear()
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)

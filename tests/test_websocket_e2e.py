@@ -1,0 +1,134 @@
+"""End to end: a Responses WebSocket (Codex CLI's transport) through a real mitmdump with the
+relay, against the fake upstream's WebSocket. The upgrade passes untouched, every message
+arrives whole in both directions, the upstream sees each `response.create` once, and each
+turn gets one record whose first token matches the upstream's injected prefill."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from wsproto.extensions import PerMessageDeflate
+
+from tests.conftest import FAKE_OPENAI_KEY, reverse_to
+from tests.fakes.ws_client import HandshakeRefused, WebSocketClient
+from tests.harness import read_records
+
+WAIT = 20
+PREFILL_MS = 200
+
+
+def turn(client: WebSocketClient, body: dict) -> tuple[float, list[dict]]:
+    """Send one `response.create`; the events up to its terminal one, and when it was sent."""
+    sent = client.send_text(json.dumps({"type": "response.create", **body}))
+    events = []
+    while (msg := client.receive(WAIT)) is not None:
+        events.append({**json.loads(msg.text), "_at": msg.at})
+        if events[-1]["type"] in ("response.completed", "response.failed", "response.incomplete", "error"):
+            break
+    return sent, events
+
+
+def text_of(events: list[dict]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def ws_url(relay) -> str:
+    return relay.url().replace("http://", "ws://") + "/v1/responses"
+
+
+HEADERS = {"authorization": f"Bearer {FAKE_OPENAI_KEY}", "openai-beta": "responses_websockets=2026-02-06",
+           "x-fake-prefill-ms": str(PREFILL_MS)}
+
+
+@pytest.mark.parametrize("mode", ["reverse", "regular"])
+def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake, fake_tls, start_relay, tmp_path):
+    if mode == "reverse":
+        upstream, relay = fake, start_relay(reverse_to(fake))
+        client = WebSocketClient(ws_url(relay), headers=HEADERS)
+    else:
+        upstream, relay = fake_tls, start_relay("regular@0")
+        client = WebSocketClient(fake_tls.base_url.replace("https://", "wss://") + "/v1/responses",
+                                 headers=HEADERS, proxy=relay.url(), ca=relay.ca_pem)
+    with client:
+        assert client.accepted is not None
+        assert any(isinstance(e, PerMessageDeflate) for e in client.accepted.extensions)  # compressed frames
+        _, prewarm = turn(client, {"model": "gpt-5.1-codex", "generate": False, "input": []})
+        previous = prewarm[-1]["response"]["id"]
+        sent, events = turn(client, {"model": "gpt-5.1-codex", "previous_response_id": previous,
+                                     "input": [{"type": "message", "role": "user", "content": "Say hello"}]})
+        assert events[-1]["type"] == "response.completed" and text_of(events)
+    relay.stop()
+
+    (session,) = upstream.sockets  # one socket: no reconnect, no fallback
+    assert [t.request.get("generate", True) for t in session.turns] == [False, True]  # each turn exactly once
+    assert [t.outcome for t in session.turns] == ["complete", "complete"]
+    recs = read_records(tmp_path / "timing.jsonl")
+    handshake, first, second = sorted(recs, key=lambda r: r["turn"])
+    assert (handshake["turn"], handshake["status"], handshake["ttft_ms"], handshake["error"]) == (0, 101, None, None)
+    assert handshake["transport"] == first["transport"] == second["transport"] == "websocket"
+    assert handshake["upstream_request_id"] == session.header("x-request-id") or handshake["upstream_request_id"]
+    assert (first["prewarm"], first["ttft_ms"]) == (True, None)
+    assert (second["prewarm"], second["model"], second["api"]) == (False, "gpt-5.1-codex", "openai.responses")
+    assert second["error"] is None and second["usage"]["output_tokens"] > 0
+    # The first token as the relay timed it is the prefill the upstream injected, as it happened
+    # (±10 % or ±5 ms; on a busy machine the fake's own sleep runs late), and no more than the
+    # client's own wait.
+    upstream_turn = session.turns[1]
+    injected_ms = (upstream_turn.first_token_at - upstream_turn.at) * 1000
+    assert injected_ms >= PREFILL_MS
+    assert abs(second["ttft_ms"] - injected_ms) <= max(0.1 * injected_ms, 5), (injected_ms, second["phases"])
+    client_ms = (next(e["_at"] for e in events if e["type"] == "response.output_text.delta") - sent) * 1000
+    assert second["ttft_ms"] <= client_ms + 1
+    assert second["marks"]["response_head"] < second["marks"]["first_token"]
+
+
+def test_a_refused_handshake_is_recorded_as_a_failing_websocket(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    with pytest.raises(HandshakeRefused) as refused:
+        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-status": "404"})
+    assert refused.value.status == 404 and b"error" in refused.value.body  # the upstream's answer, unchanged
+    relay.stop()
+    (rec,) = read_records(tmp_path / "timing.jsonl")
+    assert (rec["turn"], rec["status"], rec["transport"]) == (0, 404, "websocket")
+    assert rec["verdict"].startswith("websocket handshake failed")
+
+
+def test_a_hung_handshake_is_recorded_with_the_time_it_cost(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    started = time.time()
+    with pytest.raises(OSError):  # TimeoutError: the client gives up, as Codex does after 15 s
+        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-head-delay-ms": "30000"}, timeout=1.0)
+    waited_ms = (time.time() - started) * 1000
+    relay.stop()
+    (rec,) = read_records(tmp_path / "timing.jsonl")
+    assert rec["client_aborted"] and rec["verdict"] == "websocket handshake failed: client aborted in upstream wait"
+    # The second the client waited, less however late a busy relay read the head.
+    assert 500 <= rec["phases"]["total"] <= waited_ms + 1000, rec["marks"]
+
+
+def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), relay_first_token_timeout=1)
+    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-prefill-ms": "20000"}) as client:
+        _, events = turn(client, {"model": "gpt-5.1-codex", "input": [{"type": "message", "role": "user",
+                                                                       "content": "hi"}]})
+        assert events[-1]["type"] == "response.failed"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and "first token timeout after 1 s" in failed["error"]["message"]
+        assert failed["id"] == events[0]["response"]["id"]  # the response the client was waiting on
+        assert client.receive(WAIT) is None and client.closed is not None  # then the socket ends
+    relay.stop()
+    turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
+    assert [(r["turn"], r["error"]) for r in turns] == [(1, "first token timeout after 1 s")]
+    assert turns[0]["verdict"] == "error in head to first token"
+
+
+def test_a_turn_in_flight_when_the_relay_stops_is_recorded(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-prefill-ms": "20000"}) as client:
+        client.send_text(json.dumps({"type": "response.create", "model": "gpt-5.1-codex", "input": []}))
+        assert client.receive(WAIT) is not None  # response.created: the turn is under way
+        relay.stop()
+    turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
+    assert [(r["turn"], r["error"]) for r in turns] == [(1, "relay shutting down")]
