@@ -166,3 +166,46 @@ def test_summary_command(addon):
     first, second = text.splitlines()
     assert "api.example.com openai.chat gpt-x 200" in first
     assert "no timing record" in second
+
+
+def test_the_upstreams_own_request_id_and_processing_time_are_recorded(addon):
+    f, st = make_flow(stream=False)
+    f.response.headers["x-request-id"] = "req_0123abc"
+    f.response.headers["openai-processing-ms"] = "270"
+    addon.response(f)
+    g, _ = make_flow(stream=False, new_connection=False)
+    g.response.headers["request-id"] = "req_anthropic_1"  # Anthropic's spelling
+    g.response.headers["openai-processing-ms"] = "not a number"
+    addon.response(g)
+    first, second = records(addon)
+    assert (first["upstream_request_id"], first["upstream_processing_ms"]) == ("req_0123abc", 270.0)
+    assert (second["upstream_request_id"], second["upstream_processing_ms"]) == ("req_anthropic_1", None)
+
+
+def test_records_reach_every_timing_record_hook_once(tmp_path):
+    class Sink:
+        def __init__(self):
+            self.got = []
+
+        def timing_record(self, record, flow):
+            self.got.append((record["id"], flow))
+
+    t, sink = timing.Timing(), Sink()
+    with taddons.context(t, sink) as tctx:
+        tctx.configure(t, relay_timing_log="")
+        f, _ = make_flow()
+        t.response(f)
+        t.error(f)
+        assert sink.got == [(f.id, f)]
+
+
+def test_a_websocket_handshake_gets_no_server_timing_header(addon):
+    f, st = make_flow(stream=False, status=101)
+    f.request.method = "GET"
+    f.response.headers.update({"upgrade": "websocket", "connection": "Upgrade"})
+    st.transport = "websocket"
+    addon.responseheaders(f)
+    assert "server-timing" not in f.response.headers
+    addon.response(f)
+    (rec,) = records(addon)
+    assert (rec["transport"], rec["turn"], rec["status"], rec["ttft_ms"]) == ("websocket", 0, 101, None)
