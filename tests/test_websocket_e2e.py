@@ -51,6 +51,9 @@ def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake,
         upstream, relay = fake_tls, start_relay("regular@0")
         client = WebSocketClient(fake_tls.base_url.replace("https://", "wss://") + "/v1/responses",
                                  headers=HEADERS, proxy=relay.url(), ca=relay.ca_pem)
+    # Tokenizers load in the background after start and hold the GIL while they do (a cold
+    # start the relay still has): the turns below measure a relay that is up.
+    relay.wait_for_output(r"tokenizer")
     with client:
         assert client.accepted is not None
         assert any(isinstance(e, PerMessageDeflate) for e in client.accepted.extensions)  # compressed frames
