@@ -407,7 +407,7 @@ class Shutdown:
             return
         if self.stopping:
             st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
-            flow.response = error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR)
+            seams.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
             return
         self.in_flight.add(flow)
 

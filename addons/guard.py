@@ -1,6 +1,6 @@
 """Guard: who may use the relay, and where its secrets may go.
 
-A relay sits between its users and a paid API key. Three addons keep it that way:
+A relay sits between its users and a paid API key. These addons keep it that way:
 
     Exposure        refuses to start (or to take an option change) that would serve
                     other machines without authentication or TLS: a non-loopback
@@ -14,6 +14,10 @@ A relay sits between its users and a paid API key. Three addons keep it that way
                     SDK puts the API key; the relay checks it and swaps in the
                     upstream key from the environment, so a relay can be shared
                     without sharing the upstream key.
+    ClientLimits    before any authentication: a deadline for each request head
+                    (slowloris), a bounded number of client connections.
+    OriginForm      reverse listeners send the configured upstream's origin-form
+                    target, never a client's absolute-form one.
     SecretRedaction credentials are replaced by "REDACTED" in every flow once its
                     request has gone upstream, before mitmproxy's console dumper,
                     flow savers and mitmweb see the finished flow.
@@ -24,20 +28,23 @@ they stay out of mitm.conf, command lines and mitmweb's option editor.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
 import logging
 import os
 import re
+import resource
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import connection, ctx, exceptions, http
+from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from . import apierrors, scope, state
+from . import apierrors, scope, seams, state
 
 logger = logging.getLogger(__name__)
 
@@ -376,6 +383,11 @@ class AccessKeys:
             upstream_keys = load_upstream_keys(reverse_upstream_hosts(ctx.options.mode), ctx.options.relay_upstream_keys)
         self.digests = [key_digest(key) for key in keys]
         self.upstream_keys = upstream_keys
+        # Keyed listeners open no upstream connection before a request's key is checked.
+        seams.defer_eager_connects(is_http_reverse if keys else None)
+
+    def done(self) -> None:
+        seams.defer_eager_connects(None)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         mode = flow.client_conn.proxy_mode
@@ -389,16 +401,167 @@ class AccessKeys:
             status, reason = 502, "the relay has no upstream key for this listener"
         if reason is not None:
             self.refused[flow] = reason
-            flow.response = refusal(api_shape(flow.request), status, reason)
+            # On the head: the body is never read, however large it says it is.
+            seams.answer_now(flow, refusal(api_shape(flow.request), status, reason))
             return
         swap_credentials(flow.request, credentials, upstream_key)
 
-    def request(self, flow: http.HTTPFlow) -> None:
-        # Runs after the scope addon attached the flow's state (in requestheaders),
-        # so the timing record can say the relay refused it, not the upstream.
+    def error(self, flow: http.HTTPFlow) -> None:
+        # A refused flow ends here (answered, then killed). The scope addon has
+        # attached its state meanwhile, so the timing record (written in the same
+        # hook, later in the chain) says the relay refused it, not the upstream.
         st = state.get(flow)
         if st is not None and (reason := self.refused.get(flow)) is not None:
             st.error, st.error_phase = reason, "relay"
+
+
+class OriginForm:
+    """A reverse listener sends every request to its configured upstream, so the
+    target it sends is that upstream's origin-form path. mitmproxy connects to the
+    configured upstream but keeps an absolute-form target (`POST
+    https://evil.example/v1/…`) in the request line it sends: with relay keys that
+    request would carry the upstream key, addressed to someone else. (HTTP/2's
+    `:authority` is the Host header, which mitmproxy sets to the upstream already.)"""
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        request = flow.request
+        if request.authority and request.http_version.startswith("HTTP/1") and is_http_reverse(
+            flow.client_conn.proxy_mode
+        ):
+            request.authority = ""
+
+
+# --- limits before authentication ---------------------------------------------------
+
+RESERVED_FDS = 100
+"""Descriptors kept for everything but client connections: listeners, logs, the
+tokenizer files, a metrics scrape."""
+
+
+def default_connection_limit(fd_limit: int) -> int:
+    """Client connections the relay takes with `fd_limit` descriptors: each client
+    connection may hold one upstream connection too."""
+    return max(1, (fd_limit - RESERVED_FDS) // 2)
+
+
+def raise_fd_limit() -> int:
+    """The soft limit on open descriptors raised to the hard one (as nginx and Go
+    do); returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+CONNECTION_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+    b"retry-after: 1\r\ncontent-length: 48\r\n\r\nttft-relay: connection limit reached, try again\n"
+)
+
+
+class ClientLimits:
+    """What a client gets before any authentication: bounded time for each request
+    head, and a bounded number of connections.
+
+    - `relay_header_timeout`: a client connection must deliver each request head
+      within this many seconds of connecting (or of its previous answer ending);
+      otherwise it is closed. mitmproxy's own `tcp_timeout` only bounds silence,
+      so a head dribbled one byte at a time (slowloris) held a connection forever.
+      Tunnels (CONNECT), WebSockets and HTTP/2 connections with streams in flight
+      are not timed.
+    - `relay_max_connections`: beyond this many client connections a new one gets
+      `503 … connection limit reached` and is closed. At the descriptor limit,
+      accepting fails in a loop (a traceback per attempt) and nobody gets an answer;
+      the default keeps below that limit (which the relay raises to the hard one).
+    """
+
+    def __init__(self) -> None:
+        self.header_timeout = 0
+        self.max_connections = 0
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        """Per client connection id waiting for a request head: its deadline."""
+        self.active: dict[str, int] = {}
+        """Flows in flight per client connection id."""
+        self.refused = 0
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_header_timeout", int, 30,
+            "Seconds a client connection has for each request head, from connecting or "
+            "from its previous answer; 0: no limit.",
+        )
+        loader.add_option(
+            "relay_max_connections", int, 0,
+            "Client connections served at once; more are refused with a 503. 0: as many as "
+            "the limit on open files allows (raised to its hard limit at start).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_header_timeout" in updated:
+            self.header_timeout = max(ctx.options.relay_header_timeout, 0)
+        if "relay_max_connections" in updated:
+            limit = ctx.options.relay_max_connections
+            self.max_connections = limit if limit > 0 else default_connection_limit(raise_fd_limit())
+
+    def client_connected(self, client: connection.Client) -> None:
+        proxyserver = ctx.master.addons.get("proxyserver")
+        handler = proxyserver.connections.get(client.id) if proxyserver else None
+        if handler is not None and len(proxyserver.connections) > self.max_connections:
+            if not self.refused:
+                logger.warning("connection limit (%d) reached: refusing new connections", self.max_connections)
+            self.refused += 1
+            client.error = "connection limit reached"
+            if (io := handler.transports.get(client)) is not None and io.writer is not None:
+                io.writer.write(CONNECTION_REFUSAL)  # mitmproxy closes it next; the close sends this first
+            return
+        if self.refused and len(proxyserver.connections) <= self.max_connections // 2:
+            logger.info("connection limit: %d connections refused, accepting again", self.refused)
+            self.refused = 0
+        self._arm(client)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self._disarm(client)
+        self.active.pop(client.id, None)
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        self._disarm(flow.client_conn)  # a tunnel: what it carries is timed by its own flows
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self._disarm(flow.client_conn)
+        self.active[flow.client_conn.id] = self.active.get(flow.client_conn.id, 0) + 1
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        client = flow.client_conn
+        left = self.active.get(client.id, 1) - 1
+        self.active[client.id] = left
+        if left <= 0 and flow.websocket is None and flow.live is not False and client.connected:
+            self._arm(client)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.response(flow)
+
+    def _arm(self, client: connection.Client) -> None:
+        self._disarm(client)
+        if self.header_timeout:
+            loop = asyncio.get_running_loop()
+            self.timers[client.id] = loop.call_later(self.header_timeout, self._timed_out, client)
+
+    def _disarm(self, client: connection.Client) -> None:
+        if timer := self.timers.pop(client.id, None):
+            timer.cancel()
+
+    def _timed_out(self, client: connection.Client) -> None:
+        self.timers.pop(client.id, None)
+        proxyserver = ctx.master.addons.get("proxyserver")
+        handler = proxyserver.connections.get(client.id) if proxyserver else None
+        if handler is not None and client in handler.transports:
+            logger.info("%s: no request head within %d s, closing", human.format_address(client.peername),
+                        self.header_timeout)
+            handler.close_connection(client)
 
 
 # --- redaction ----------------------------------------------------------------------
@@ -453,7 +616,7 @@ class SecretRedaction:
 
 
 class Guard:
-    """The three guards as one addon, for relay.py's list."""
+    """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [Exposure(), AccessKeys(), SecretRedaction()]
+        self.addons = [Exposure(), ClientLimits(), OriginForm(), AccessKeys(), SecretRedaction()]

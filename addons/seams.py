@@ -29,6 +29,20 @@ if the code patched here changes shape. Everything else the relay does uses hook
    connection lookup reports the failed connection's error on that flow, as a
    lazy connect would (`HttpLayer.get_connection`: `self.context.server.error`).
 
+2b. The same wrap skips the eager connect for the listeners `defer_eager_connects`
+   names (reverse listeners with relay access keys): no client gets an upstream
+   connection opened for it before its request's key was checked. Those flows
+   connect as `connection_strategy=lazy` would, after the request hooks.
+
+2c. A request the relay refuses on its head (no relay key, the relay stopping)
+   would still have its whole body read first: mitmproxy sends a response set in
+   `requestheaders` only after the body, however large. Killing the flow there
+   stops the body (`HttpStream.check_killed` after the hook), but the client gets
+   a closed connection and no answer. The wrap of `check_killed` sends the
+   response of a flow given to `answer_now` instead of that bare close, then
+   closes the connection (HTTP/1; HTTP/2 ends the stream), so the body is never
+   read into memory.
+
 3. mitmproxy listens with asyncio's default backlog of 100. In a burst of new
    connections larger than that, while the one event loop is busy, the kernel's
    accept queue overflows and the clients it drops wait for a SYN retransmit:
@@ -80,6 +94,7 @@ import logging
 import os
 import socket
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +103,8 @@ from mitmproxy import addonmanager, exceptions, hooks, http
 from mitmproxy.proxy import events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpStream, ResponseData, ResponseEndOfMessage, ResponseHeaders, SendHttp
+from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Client
-from mitmproxy.proxy.layers.http._events import ResponseProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +118,16 @@ None to leave mitmproxy's behaviour. `message` is mitmproxy's error text.
 
 _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
+_ORIGINAL_CHECK_KILLED = HttpStream.check_killed
 _ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 _ORIGINAL_TRIGGER_EVENT = addonmanager.AddonManager.trigger_event
 _ORIGINAL_TRIGGER = addonmanager.AddonManager.trigger
 _ORIGINAL_REGISTER = addonmanager.AddonManager.register
 _ORIGINAL_READ_RESPONSE_HEADERS = Http1Client.read_headers
 _renderer: Renderer | None = None
+_deferred_connects: Callable[[Any], bool] | None = None
+"""Whether a listener (its proxy mode) must not connect upstream before a request."""
+_answer_now: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
 _listen_backlog = 0
 ASYNCIO_DEFAULT_BACKLOG = 100
 """What `asyncio.start_server` listens with, and so mitmproxy."""
@@ -126,7 +145,8 @@ def uninstall() -> None:
     global _renderer
     _renderer = None
     HttpStream.handle_protocol_error = _ORIGINAL_HANDLE_PROTOCOL_ERROR
-    modes.DestinationKnown.finish_start = _ORIGINAL_FINISH_START
+    if _deferred_connects is None:
+        modes.DestinationKnown.finish_start = _ORIGINAL_FINISH_START
 
 
 def installed() -> bool:
@@ -138,18 +158,19 @@ def _handle_protocol_error(self: HttpStream, event: Any) -> layer.CommandGenerat
 
 
 def _replacing(
-    commands: layer.CommandGenerator[None], replace: Callable[[Any], Iterable[Any] | None]
-) -> layer.CommandGenerator[None]:
+    commands: layer.CommandGenerator[Any], replace: Callable[[Any], Iterable[Any] | None]
+) -> layer.CommandGenerator[Any]:
     """Run a layer's command generator, with some commands replaced by others.
 
-    Values the layer sends back (hook results) go to the original generator.
+    Values the layer sends back (hook results) go to the original generator; its
+    return value is returned.
     """
     reply = None
     while True:
         try:
             command = commands.send(reply)
-        except StopIteration:
-            return
+        except StopIteration as end:
+            return end.value
         replacement = replace(command)
         if replacement is None:
             reply = yield command
@@ -189,7 +210,57 @@ def _client_reply(stream: HttpStream, command: Any) -> list[SendHttp] | None:
     return out
 
 
+def defer_eager_connects(listener: Callable[[Any], bool] | None) -> None:
+    """Skip the eager upstream connect on listeners for which `listener(proxy_mode)`
+    holds (None: on none). See 2b above."""
+    global _deferred_connects
+    _deferred_connects = listener
+    if listener is not None or _renderer is not None:
+        modes.DestinationKnown.finish_start = _finish_start
+    else:
+        modes.DestinationKnown.finish_start = _ORIGINAL_FINISH_START
+
+
+def answer_now(flow: http.HTTPFlow, response: http.Response) -> None:
+    """From `requestheaders`: answer `flow` with `response` at once, without reading
+    its body, and close the client connection (see 2c above)."""
+    flow.response = response
+    _answer_now.add(flow)
+    HttpStream.check_killed = _check_killed
+    flow.kill()
+
+
+def _check_killed(self: HttpStream, emit_error_hook: bool) -> layer.CommandGenerator[bool]:
+    return (yield from _replacing(_ORIGINAL_CHECK_KILLED(self, emit_error_hook), lambda c: _answer(self, c)))
+
+
+def _answer(stream: HttpStream, command: Any) -> list[SendHttp] | None:
+    flow = stream.flow
+    if not (
+        isinstance(command, SendHttp)
+        and isinstance(command.event, ResponseProtocolError)
+        and command.event.code == ErrorCode.KILL
+        and flow in _answer_now
+        and flow.response is not None
+    ):
+        return None
+    _answer_now.discard(flow)
+    sid, client = stream.stream_id, stream.context.client
+    body = flow.response.raw_content or b""
+    return [
+        SendHttp(ResponseHeaders(sid, flow.response, end_stream=False), client),
+        *([SendHttp(ResponseData(sid, body), client)] if body else []),
+        SendHttp(ResponseEndOfMessage(sid), client),
+        command,  # after a complete response: HTTP/1 closes the connection, HTTP/2 sends nothing more
+    ]
+
+
 def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:
+    if _deferred_connects is not None and _deferred_connects(self.context.client.proxy_mode):
+        # What the original does without an eager connect.
+        self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
+        yield from self.child_layer.handle_event(events.Start())
+        return None
     err = yield from _ORIGINAL_FINISH_START(self)
     if err and isinstance(self, modes.ReverseProxy) and _renderer is not None:
         logger.debug("eager upstream connect failed (%s); reading the request to answer it", err)

@@ -256,7 +256,7 @@ def test_access_keys_hooks(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", UPSTREAM_KEY)
     with taddons.context() as tctx:
         g = _guarded(tctx)
-        access = g.addons[1]
+        access = next(a for a in g.addons if isinstance(a, guard.AccessKeys))
         tctx.options.update(mode=["reverse:https://api.openai.com@8001"], relay_access_keys=["env:RELAY_KEYS_TEST"])
 
         ok = _reverse_flow({"authorization": f"Bearer {RELAY_KEY}"})
@@ -267,7 +267,8 @@ def test_access_keys_hooks(monkeypatch):
         access.requestheaders(wrong)
         assert wrong.response.status_code == 401
         state.attach(wrong, state.FlowState(api=scope.OPENAI_CHAT))  # as the scope addon would
-        access.request(wrong)
+        access.error(wrong)  # a refused flow is answered on its head, then killed
+        assert wrong.error is not None and wrong.error.msg == "Connection killed."
         assert state.get(wrong).error_phase == "relay" and "not accepted" in state.get(wrong).error
 
         proxied = tflow.tflow()  # regular mode: the client's own key goes on untouched
@@ -309,7 +310,7 @@ def test_redact_flow_replaces_every_credential():
 
 def test_redaction_waits_for_the_request_to_leave_and_covers_flows_in_flight():
     with taddons.context() as tctx:
-        redaction = _guarded(tctx).addons[2]
+        redaction = next(a for a in _guarded(tctx).addons if isinstance(a, guard.SecretRedaction))
         done, in_flight = tflow.tflow(resp=True), tflow.tflow()
         for f in (done, in_flight):
             f.request.headers["authorization"] = f"Bearer {FAKE_OPENAI_KEY}"

@@ -31,6 +31,8 @@ from tests.harness import connect_many, handshakes_completed
 PINNED = {
     "HttpStream.handle_protocol_error": (seams._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
     "DestinationKnown.finish_start": (seams._ORIGINAL_FINISH_START, "91f47432073a2bf6"),
+    "HttpStream.check_killed": (seams._ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
+    "HttpStream.state_wait_for_request_headers": (HttpStream.state_wait_for_request_headers, "3706d5d5ce01dcd4"),
     "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
     "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
     "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
@@ -77,12 +79,22 @@ def test_the_lines_the_seams_depend_on():
     # 2: a failed eager connect ends the layer; the HTTP layer reports a context server's error.
     assert "self._handle_event = self.done" in inspect.getsource(seams._ORIGINAL_FINISH_START)
     assert "(None, self.context.server.error)" in inspect.getsource(HttpLayer.get_connection)
+    # 2b: without an eager connect, finish_start only hands the start to its child layer.
+    assert inspect.getsource(seams._ORIGINAL_FINISH_START).rstrip().endswith(
+        "self._handle_event = self.child_layer.handle_event  # type: ignore\n"
+        "        yield from self.child_layer.handle_event(events.Start())\n        return None")
+    # 2c: a flow killed in requestheaders ends in check_killed, before any body is read.
+    src = inspect.getsource(HttpStream.state_wait_for_request_headers)
+    assert src.index("yield HttpRequestHeadersHook(self.flow)") < src.index("if (yield from self.check_killed(True)):")
+    assert src.index("if (yield from self.check_killed(True)):") < src.index("self.client_state = self.state_consume_request_body")
+    assert "ResponseProtocolError(self.stream_id, \"killed\", ErrorCode.KILL)" in inspect.getsource(seams._ORIGINAL_CHECK_KILLED)
     # 3: every TCP listener comes from `listen`, and a running instance keeps its servers in `_servers`.
     assert "self._servers = await self.listen(host, port)" in inspect.getsource(mode_servers.AsyncioServerInstance._start)
     assert "asyncio.start_server(self.handle_stream, host, port)" in inspect.getsource(seams._ORIGINAL_LISTEN)
 
 
 def test_install_and_uninstall_restore_mitmproxys_code():
+    seams.defer_eager_connects(None)  # an earlier test's keyed listeners
     original_error, original_start = HttpStream.handle_protocol_error, modes.DestinationKnown.finish_start
     seams.install(lambda flow, message, head_sent: None)
     try:
@@ -94,6 +106,15 @@ def test_install_and_uninstall_restore_mitmproxys_code():
     assert HttpStream.handle_protocol_error is original_error
     assert modes.DestinationKnown.finish_start is original_start
     assert not seams.installed()
+
+
+def test_eager_connects_are_deferred_only_for_the_named_listeners():
+    seams.defer_eager_connects(lambda mode: mode.listen_port() == 8001)
+    try:
+        assert modes.DestinationKnown.finish_start is seams._finish_start
+    finally:
+        seams.defer_eager_connects(None)
+    assert modes.DestinationKnown.finish_start is seams._ORIGINAL_FINISH_START
 
 
 def test_replacing_passes_hook_replies_to_the_original_generator():

@@ -1,0 +1,128 @@
+"""A keyed relay under clients without a key, through a real mitmdump: the key is
+checked on the request head (before the body is read, before any upstream
+connection), a head must arrive in time, a connection limit refuses clearly, and a
+reverse listener sends only the configured upstream's origin-form target.
+
+Raw sockets, because SDKs cannot misbehave on purpose.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from tests.conftest import reverse_to
+from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
+
+WAIT = 20
+
+
+@pytest.fixture
+def keys_file(tmp_path, monkeypatch):
+    keys = tmp_path / "relay-keys"
+    keys.write_text(f"{RELAY_KEY}\n")
+    monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+    return keys
+
+
+def keyed(start_relay, mode: str, keys_file, **options):
+    return start_relay(mode, relay_access_keys=f"file:{keys_file}",
+                       relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY", **options)
+
+
+def raw(relay) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", relay.port), timeout=WAIT)
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    out = b""
+    while data := s.recv(65536):
+        out += data
+    return out
+
+
+def head(target: str, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def test_a_request_without_a_key_is_refused_on_its_head_before_its_body(fake, start_relay, keys_file):
+    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    with raw(relay) as s:
+        # 400 MB announced, none sent: the 401 must not wait for them.
+        s.sendall(head("/v1/chat/completions", {"host": "x", "content-length": str(400 << 20),
+                                                "content-type": "application/json"}))
+        answer = read_until_closed(s)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"missing relay access key" in answer
+    assert fake.received == []
+
+
+def test_no_upstream_connection_opens_before_the_key_is_checked(start_relay, keys_file):
+    # An upstream that never accepts: a connection to it shows in its accept queue.
+    with socket.socket() as upstream:
+        upstream.bind(("127.0.0.1", 0))
+        upstream.listen(64)
+        upstream.setblocking(False)
+        port = upstream.getsockname()[1]
+        relay = keyed(start_relay, f"reverse:http://127.0.0.1:{port}@0", keys_file)  # eager by default
+        idle = [raw(relay) for _ in range(5)]
+        with raw(relay) as s:
+            s.sendall(head("/v1/chat/completions", {"host": "x", "content-length": "2"}) + b"{}")
+            assert s.recv(65536).startswith(b"HTTP/1.1 401")
+            with pytest.raises(BlockingIOError):
+                upstream.accept()  # nothing connected: not for the idle ones, not for the refused one
+        for s in idle:
+            s.close()
+
+
+def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, start_relay, keys_file):
+    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+    with raw(relay) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        # slowloris: one more byte now and then, each well inside mitmproxy's idle timeout
+        started = time.monotonic()
+        closed = False
+        while time.monotonic() - started < WAIT:
+            try:
+                s.sendall(b"x")
+                s.settimeout(0.2)
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+    assert closed
+    assert time.monotonic() - started < WAIT / 2
+
+
+def test_connections_over_the_limit_get_a_clear_refusal(fake, start_relay, keys_file):
+    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_max_connections=5)
+    held = [raw(relay) for _ in range(5)]
+    try:
+        with raw(relay) as extra:
+            answer = read_until_closed(extra)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"connection limit" in answer
+    finally:
+        for s in held:
+            s.close()
+    relay.wait_for_output(r"connection limit \(5\) reached")
+
+
+def test_an_absolute_form_target_goes_to_the_configured_upstream_in_origin_form(fake, start_relay, keys_file):
+    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    with raw(relay) as s:
+        s.sendall(head("http://evil.example/v1/chat/completions",
+                       {"host": "evil.example", "authorization": f"Bearer {RELAY_KEY}",
+                        "content-type": "application/json", "content-length": "2"}) + b"{}")
+        s.recv(65536)
+    (got,) = fake.received
+    assert got.path == "/v1/chat/completions"
+    assert got.header("host") == fake.base_url.removeprefix("http://")
+    assert got.header("authorization") == f"Bearer {UPSTREAM_KEY}"
