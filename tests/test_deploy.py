@@ -1,0 +1,133 @@
+"""deploy/: the systemd unit checked by systemd's own analyzer, the VPS config read by the
+relay's own option machinery, the certbot hook run for real, and the container files
+checked as far as this machine allows (no container engine here: the compose file must
+parse and every path it and the Dockerfile name must exist).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from ruamel.yaml import YAML
+
+from addons import guard, tls
+from deploy.grafana import dashboard
+from scripts import workers
+from tests.harness import REPO
+
+DEPLOY = REPO / "deploy"
+UNIT = DEPLOY / "ttft-relay.service"
+INSTALL_DIR = "/opt/ttft-relay"
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+EXPOSURE_THRESHOLD = 25
+"""`systemd-analyze security` exposure, in tenths, the unit must stay under (1.7 today; 10.0 = no hardening)."""
+
+
+def _installed_unit(tmp_path):
+    """The unit as if the repo were installed where it is: systemd checks that ExecStart exists."""
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace(INSTALL_DIR, str(REPO)))
+    return unit
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is missing (Debian/Ubuntu: apt-get install systemd)")
+def test_systemd_unit_verifies_and_stays_hardened(tmp_path):
+    unit = _installed_unit(tmp_path)
+    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    # Unknown or misspelt directives are only warned about: any output fails the test.
+    assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stdout + verify.stderr
+    security = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", f"--threshold={EXPOSURE_THRESHOLD}",
+                               str(unit)], capture_output=True, text=True, timeout=60)
+    assert security.returncode == 0, security.stdout[-3000:] + security.stderr
+
+
+def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
+    lines = dict(line.split("=", 1) for line in UNIT.read_text().splitlines() if "=" in line and line[0] != "#")
+    assert lines["User"] == "ttft-relay" and lines["ProtectSystem"] == "strict"
+    assert lines["ExecStart"].startswith(f"{INSTALL_DIR}/scripts/relay ")
+    assert "/var/log/ttft-relay/" in lines["ExecStart"] and lines["LogsDirectory"] == "ttft-relay"
+    assert "/var/lib/ttft-relay/" in lines["ExecStart"] and lines["StateDirectory"] == "ttft-relay"
+    # SIGTERM to the supervisor only: it drains HAProxy and stops the workers itself.
+    assert lines["KillMode"] == "mixed" and lines["Restart"] == "on-failure"
+    assert lines["ExecReload"] == "/bin/kill -HUP $MAINPID"
+
+
+def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
+    opts = workers.effective_options([])  # every option name and value as mitmdump would read them
+    assert opts.listen_host == "0.0.0.0" and opts.certs and opts.relay_access_keys
+    assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
+                                       opts.relay_client_tls, bool(opts.certs)) == []
+    # The same file without its certificate would be refused: TLS is what makes it safe.
+    assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, True, opts.relay_client_tls,
+                                       False)
+
+
+def test_certbot_hook_writes_what_the_certs_option_reads_and_reloads(tmp_path, certs):
+    lineage = tmp_path / "live" / "relay.example.com"
+    lineage.mkdir(parents=True)
+    (lineage / "fullchain.pem").write_bytes(certs.cert_pem.read_bytes() + certs.ca_pem.read_bytes())
+    (lineage / "privkey.pem").write_bytes(certs.key_pem.read_bytes())
+    dest = tmp_path / "etc" / "tls" / "relay.pem"
+    reloaded = tmp_path / "reloaded"
+    env = {**os.environ, "RENEWED_LINEAGE": str(lineage), "TTFT_RELAY_PEM": str(dest),
+           "TTFT_RELAY_RELOAD": f"touch {reloaded}"}
+    subprocess.run([str(DEPLOY / "certbot-deploy-hook")], env=env, check=True, timeout=30)
+    assert tls.check_cert_file(dest) == (None, None) and reloaded.exists()
+    assert dest.stat().st_mode & 0o007 == 0  # the key is not world-readable
+
+
+# --- containers (no engine here) -------------------------------------------------------------
+
+
+def _compose() -> dict:
+    return YAML(typ="safe").load((DEPLOY / "compose.yaml").read_text())
+
+
+def _local(source: str) -> bool:
+    return source.startswith(".")
+
+
+def test_compose_file_parses_and_names_existing_files():
+    compose = _compose()
+    assert set(compose["services"]) == {"relay", "prometheus", "grafana"}
+    build = compose["services"]["relay"]["build"]
+    context = (DEPLOY / build["context"]).resolve()
+    assert context == REPO and (context / build["dockerfile"]).is_file()
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if _local(source):
+                assert (DEPLOY / source).exists(), f"{name}: {source}"
+            else:
+                assert source.startswith("/etc/ttft-relay") or source in compose["volumes"], f"{name}: {source}"
+        for port in service.get("ports", []):
+            # Only the relay's TLS listeners face the internet; the dashboards stay on loopback.
+            assert port.startswith("127.0.0.1:") or name == "relay", f"{name} publishes {port}"
+
+
+def test_dockerfile_copies_files_that_exist():
+    sources = []
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            sources += line.split()[1:-1]
+    assert sources and all((REPO / s).exists() for s in sources), sources
+
+
+def test_prometheus_scrapes_the_relays_metrics_and_grafana_finds_the_dashboard():
+    compose = _compose()
+    config = YAML(typ="safe").load((DEPLOY / "prometheus.yml").read_text())
+    (target,) = config["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert target == "relay:" + compose["services"]["relay"]["command"][-1].rsplit(":", 1)[1]
+    if promtool := shutil.which("promtool"):
+        subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")], check=True,
+                       capture_output=True, timeout=60)
+    provider = YAML(typ="safe").load((DEPLOY / "grafana/provisioning/dashboards/ttft-relay.yaml").read_text())
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"] if _local(v))
+    dashboards = next(src for src, dst in mounts.items() if dst == provider["providers"][0]["options"]["path"])
+    assert (DEPLOY / dashboards / "ttft-relay.json").is_file()
+    datasource = YAML(typ="safe").load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert datasource["datasources"][0]["uid"] == dashboard.DATASOURCE["uid"]
