@@ -111,7 +111,7 @@ LOW_WATER = 0.6
 """A new cut brings the request down to this share of the budget, so that the next turns
 of the conversation fit below the budget with the same cut (and the same prefix)."""
 
-COUNT_LIMIT = 4
+COUNT_LIMIT = 2
 """Counting stops once this many budgets are counted; older items are dropped uncounted."""
 
 UNBUDGETED_COUNT_LIMIT = 2_000_000
@@ -744,7 +744,7 @@ class _Trimmer:
 
         key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
-        kept = plan is not None and self._valid(plan, lay, floor)
+        kept = plan is not None and self._valid(plan, lay)
         if kept:
             kept_total = self._apply(plan, lay, fixed, shape)
             kept = kept_total <= budget.tokens
@@ -785,11 +785,12 @@ class _Trimmer:
         self._counts = {i: c for i, c in self._counts.items() if self.versions[i] is self.items[i]}
         self.versions = list(self.items)
 
-    def _valid(self, plan: Plan, lay: Layout, floor: int) -> bool:
-        """`plan` still fits this conversation: same cut item, nothing shrunk in its newest round."""
+    def _valid(self, plan: Plan, lay: Layout) -> bool:
+        """`plan` still fits this conversation: same cut item, nothing shrunk in its newest
+        round. (It may keep items that counting did not reach: `_apply` counts them.)"""
         if plan.cut != lay.head_end and plan.cut not in lay.cuts:
             return False
-        if not floor <= plan.cut <= lay.newest or plan.shrunk > lay.protect_from:
+        if not lay.head_end <= plan.cut <= lay.newest or plan.shrunk > lay.protect_from:
             return False
         return plan.cut >= len(self.items) or _digest(self.items[plan.cut]) == plan.anchor
 

@@ -1,23 +1,35 @@
-"""Trimming benchmark: how long the relay's trimmer takes on a long conversation.
+"""Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Builds a deterministic history of 1,000 OpenAI chat messages (about 700k tokens of mixed
-English, Chinese and code, with tool calls and their results), and trims it to each budget:
+Two parts, each beside baselines measured in the same run:
 
-    cold       first sight of the conversation: every kept message is encoded
-    next turn  the same conversation plus the assistant's reply and a new question, with
-               the counts of the previous request in the cache
-
-against a naive trimmer in the same run, which (like LiteLLM's `trim_messages`) walks from
-the newest message back and recounts the whole kept list at every step, without a cache.
-Times are medians over --repeat runs (the naive one runs once: it is slow and has no cache).
+1. Cost (ms, median of --repeat runs) on four histories —
+     chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
+     claude      a Claude Code-like session (tests/shaped.py): 30 turns x 3 tool rounds
+     codex       a Codex-like Responses session, same size
+     loop        one prompt and an 8-round agent loop (~130k tokens): one turn, nothing to drop
+   each trimmed
+     cold        on first sight: every kept message is encoded
+     next turn   the same conversation one model call later, with the caches of the previous
+               request (token counts, and the conversation's cut)
+   by this trimmer ("new"), by the trimmer before it ("before": addons/ of --baseline-commit,
+   loaded from git), and for the chat history by a naive one that, like LiteLLM's
+   `trim_messages`, recounts the whole kept list at every step.
+2. Prefix sharing on a 30-turn agent session per API (every model call a request, budget
+   --share-budget): for each trimmed request, the share of the previous request's items
+   (bytes of their JSON, `cache_control` markers ignored: clients move them every turn)
+   that it sends again as its own prefix. A provider's prompt cache hits on that prefix.
+   Untrimmed it is the whole previous request.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,9 +37,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import orjson  # noqa: E402
+
 from addons import scope, tokens, trimming  # noqa: E402
+from tests import shaped  # noqa: E402
 
 MODEL = "gpt-4o"
+BASELINE_COMMIT = "b819cce"
+"""main before issue 12's trimmer: whole turns dropped, first user message not pinned, no plans."""
 ENGLISH = (
     "the relay keeps each request within the model context window so that the first token "
     "arrives sooner and the bill stays small while the conversation history grows longer "
@@ -94,73 +111,160 @@ def naive_trim(messages: list[dict], budget: int, counter: tokens.Counter) -> li
     return system + kept
 
 
-def median_ms(fn, repeat: int) -> float:
+def load_baseline(commit: str) -> Any | None:
+    """The `trimming` module of `commit` (with its own tokens/scope/state), or None without git."""
+    target = Path(tempfile.mkdtemp(prefix="bench-trim-")) / "trim_before"
+    target.mkdir()
+    try:
+        for name in ("__init__", "scope", "state", "tokens", "trimming"):
+            source = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:addons/{name}.py"],
+                                    check=True, capture_output=True).stdout  # fmt: skip
+            (target / f"{name}.py").write_bytes(source)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"(no baseline: cannot read {commit} from git: {e})")
+        return None
+    sys.path.insert(0, str(target.parent))
+    return importlib.import_module("trim_before.trimming")
+
+
+class Trimmer:
+    """One trimmer (new or before) with its tokenizer, called the same way for both."""
+
+    def __init__(self, module: Any, encoding: Any, label: str, new: bool) -> None:
+        self.module, self.encoding, self.label, self.new = module, encoding, label, new
+        self.tokens = sys.modules[module.__name__.rsplit(".", 1)[0] + ".tokens"]
+
+    def fresh(self) -> tuple[Any, Any]:
+        """A counter with an empty count cache, and an empty plan cache (new only)."""
+        counter = self.tokens.Counter(self.encoding, self.label, cache=self.tokens.CountCache())
+        return counter, trimming.PlanCache() if self.new else None
+
+    def trim(self, body: dict, api: str, budget: int, state: tuple[Any, Any]):
+        counter, plans = state
+        b = self.module.Budget(budget, "user")
+        if self.new:
+            return self.module.trim(body, api, b, counter, plans=plans)
+        return self.module.trim(body, api, b, counter)
+
+
+def median_ms(make, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        setup = fn()
+        run = make()
         t = time.perf_counter()
-        setup()
+        run()
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times)
+
+
+def outcome(stats: dict) -> str:
+    if stats["trimmed"]:
+        return f"{stats['tokens_after']:>7,} tokens, {stats['messages_after']} items"
+    return f"untouched: {stats['reason']}"
+
+
+def cost_table(trimmers: list[Trimmer], args, plain: tokens.Counter) -> None:
+    claude = list(shaped.Session(shaped.ANTHROPIC, turns=30).requests())
+    codex = list(shaped.Session(shaped.RESPONSES, turns=30).requests())
+    loop = list(shaped.Session(shaped.ANTHROPIC, turns=1, rounds=8, result_words=10_000).requests())
+    old = history(args.messages)
+    rng = random.Random(99)
+    chat_next = old + [{"role": "assistant", "content": text(rng, 600)}, {"role": "user", "content": text(rng, 200)}]
+    cases = [
+        *[(f"chat {len(old)} messages", scope.OPENAI_CHAT, {"model": MODEL, "messages": old},
+           {"model": MODEL, "messages": chat_next}, b) for b in args.budgets],
+        ("claude 30 turns", scope.ANTHROPIC_MESSAGES, claude[-2], claude[-1], args.share_budget),
+        ("codex 30 turns", scope.OPENAI_RESPONSES, codex[-2], codex[-1], args.share_budget),
+        ("loop 8 rounds", scope.ANTHROPIC_MESSAGES, loop[-2], loop[-1], args.share_budget),
+    ]
+    print(f"cost in ms, median of {args.repeat}; next turn = one model call later, caches of the previous request\n")
+    header = f"{'history':<20} {'budget':>7}  {'trimmer':<7} {'cold':>7} {'next':>7}  outcome (next turn)"
+    print(header)
+    print("-" * (len(header) + 30))
+    for name, api, body, following, budget in cases:
+        full = plain.request_overhead + sum(map(plain.message, shaped.items_of(api, body)))
+        for t in trimmers:
+            def cold(t=t, body=body, api=api, budget=budget):
+                state = t.fresh()
+                return lambda: t.trim(body, api, budget, state)
+
+            def next_turn(t=t, body=body, following=following, api=api, budget=budget):
+                state = t.fresh()
+                t.trim(body, api, budget, state)  # the previous request fills the caches
+                return lambda: t.trim(following, api, budget, state)
+
+            cold_ms, next_ms = median_ms(cold, args.repeat), median_ms(next_turn, args.repeat)
+            state = t.fresh()
+            t.trim(body, api, budget, state)
+            stats = t.trim(following, api, budget, state).stats
+            print(f"{name:<20} {budget:>7}  {('new' if t.new else 'before'):<7} {cold_ms:>7.1f} {next_ms:>7.1f}  {outcome(stats)}")
+        if api == scope.OPENAI_CHAT:
+            t0 = time.perf_counter()
+            naive_trim(body["messages"], budget, plain)
+            print(f"{name:<20} {budget:>7}  {'naive':<7} {(time.perf_counter() - t0) * 1000:>7.1f}")
+        print(f"{'':<20} {'':>7}  (history: {full:,} tokens, {len(shaped.items_of(api, body))} items)")
+
+
+def sharing(trimmer: Trimmer | None, api: str, budget: int) -> tuple[list[float], int, int]:
+    """Per trimmed request, the share of the previous request's item bytes it sends again."""
+    state = trimmer.fresh() if trimmer else None
+    shares, new_plans, previous = [], 0, None
+    n = 0
+    for body in shaped.Session(api, turns=30).requests():
+        n += 1
+        result = trimmer.trim(body, api, budget, state) if trimmer else None
+        sent = result.body if result and result.body is not None else body
+        items = [orjson.dumps(trimming._without_cache_control(i)) for i in shaped.items_of(api, sent)]
+        if previous is not None and (trimmer is None or result.stats["trimmed"]):
+            common = 0
+            for a, b in zip(previous, items):
+                if a != b:
+                    break
+                common += len(a)
+            shares.append(common / sum(map(len, previous)))
+            new_plans += bool(result and result.stats.get("plan") == "new")
+        previous = items
+    return shares, new_plans, n
+
+
+def sharing_table(trimmers: list[Trimmer], budget: int) -> None:
+    print(f"\nprefix sharing, 30-turn agent sessions (3 tool rounds per turn, every model call a request), budget {budget:,}:")
+    print("share of the previous request's items (bytes) that each trimmed request sends again as its prefix\n")
+    header = f"{'session':<10} {'trimmer':<9} {'requests':>8} {'trimmed':>8} {'mean':>7} {'< 50 %':>7} {'min':>7}  new cuts"
+    print(header)
+    print("-" * len(header))
+    for label, api in (("claude", shaped.ANTHROPIC), ("codex", shaped.RESPONSES), ("chat", shaped.CHAT)):
+        for trimmer in [None, *trimmers]:
+            shares, new_plans, n = sharing(trimmer, api, budget)
+            name = "untrimmed" if trimmer is None else ("new" if trimmer.new else "before")
+            if not shares:
+                print(f"{label:<10} {name:<9} {n:>8} {0:>8}     (nothing trimmed)")
+                continue
+            low = sum(s < 0.5 for s in shares)
+            print(f"{label:<10} {name:<9} {n:>8} {len(shares):>8} {statistics.mean(shares):>7.1%} {low:>7} "
+                  f"{min(shares):>7.1%}  {new_plans if trimmer and trimmer.new else ''}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
     parser.add_argument("--budgets", type=int, nargs="+", default=[120_000, 32_000])
+    parser.add_argument("--share-budget", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--baseline-commit", default=BASELINE_COMMIT)
     parser.add_argument("--tiktoken-file", help="local o200k_base.tiktoken (else cl100k_base offline)")
     args = parser.parse_args()
 
-    loader = tokens.TokenizerLoader(args.tiktoken_file, download=None)
-    loader.start()
-    loader.wait()
+    loader = tokens.TokenizerLoader(args.tiktoken_file)
+    loader.load()
     encoding = loader.get(tokens.encoding_for(MODEL).name)
     plain = tokens.Counter(encoding.encoding, encoding.label)  # no cache: for totals and the naive trimmer
-
-    old = history(args.messages)
-    rng = random.Random(99)
-    new = old + [{"role": "assistant", "content": text(rng, 600)}, {"role": "user", "content": text(rng, 200)}]
-    total = plain.request_overhead + sum(map(plain.message, old))
-    calls = sum(len(m.get("tool_calls") or ()) for m in old)
-    print(f"history: {len(old)} messages, {total:,} tokens ({encoding.label}), {calls} tool calls; model {MODEL}")
-    print(f"next turn: +{len(new) - len(old)} messages (the reply and a new question); median of {args.repeat} runs\n")
-
-    windows = trimming.ContextWindows()
-    header = f"{'budget':>8}  {'case':<10} {'ours ms':>9} {'naive ms':>10} {'naive/ours':>11}  {'kept':>5} {'tokens after':>13}"
-    print(header)
-    print("-" * len(header))
-    for budget_tokens in args.budgets:
-        budget = trimming.budget_for(MODEL, {}, windows=windows, user_max=budget_tokens)
-
-        def trim(messages: list[dict], counter: tokens.Counter) -> trimming.TrimResult:
-            return trimming.trim({"model": MODEL, "messages": messages}, scope.OPENAI_CHAT, budget, counter)
-
-        def cold():
-            counter = tokens.Counter(encoding.encoding, encoding.label, cache=tokens.CountCache())
-            return lambda: trim(old, counter)
-
-        def next_turn():
-            counter = tokens.Counter(encoding.encoding, encoding.label, cache=tokens.CountCache())
-            trim(old, counter)  # the previous request fills the cache
-            return lambda: trim(new, counter)
-
-        # The floor for a cold trim: counting just the messages that are kept, once, no cache.
-        kept = old[-trim(old, plain).stats["messages_after"] + 1 :]
-        floor_ms = median_ms(lambda: lambda: sum(map(plain.message, kept)), args.repeat)
-        print(f"{budget.tokens:>8}  {'(counting only the kept messages, once)':<33} {floor_ms:>9.1f}")
-        for case, messages, ours in (("cold", old, cold), ("next turn", new, next_turn)):
-            ours_ms = median_ms(ours, args.repeat)
-            stats = ours()().stats
-            t = time.perf_counter()
-            naive_kept = naive_trim(messages, budget.tokens, plain)
-            naive_ms = (time.perf_counter() - t) * 1000
-            print(
-                f"{budget.tokens:>8}  {case:<10} {ours_ms:>9.1f} {naive_ms:>10.1f} {naive_ms / ours_ms:>10.0f}x"
-                f"  {stats['messages_after']:>5} {stats['tokens_after']:>13,}"
-            )
-            assert stats["tokens_after"] <= budget.tokens and len(naive_kept) > 1
-    print("\ngoals on a 2-core machine: cold <= 60 ms, next turn <= 10 ms")
+    trimmers = [Trimmer(trimming, encoding.encoding, encoding.label, new=True)]
+    if (before := load_baseline(args.baseline_commit)) is not None:
+        trimmers.append(Trimmer(before, encoding.encoding, encoding.label, new=False))
+    print(f"encoding {encoding.label}; baseline: addons/ at {args.baseline_commit}\n")
+    cost_table(trimmers, args, plain)
+    sharing_table(trimmers, args.share_budget)
 
 
 if __name__ == "__main__":
