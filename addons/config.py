@@ -111,3 +111,22 @@ class RelayConfig:
         unknown = sorted(set(self.applied) & set(ctx.options.deferred))
         if unknown:
             logger.warning("%s names unknown options (ignored): %s", self.path, ", ".join(unknown))
+
+
+class OptionsCheck:
+    """Refuses to start a relay whose options cannot be applied. Must come last in
+    the addon list.
+
+    mitmproxy defers `--set relay_…=value` (and mitm.conf's values) until the addon
+    that declares the option is loaded, and applies them once the whole script has
+    loaded; a value that does not parse there (`relay_stream=False`: mitmproxy's
+    booleans are `true`/`false`) makes it drop the script without a word and carry
+    on as a bare, buffering proxy. Applying the deferred values here, while the
+    script still loads, turns that into an error at start-up, which stops mitmdump.
+    """
+
+    def load(self, loader) -> None:
+        try:
+            ctx.options.process_deferred()
+        except exceptions.OptionsError as e:
+            logger.error("cannot start the relay: %s", e)

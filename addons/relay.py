@@ -17,6 +17,7 @@ addons; each concern lives in its own module under `addons/`:
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
     sseview    an event-stream view for mitmweb
     webcolumns the timing comment as a column of mitmweb's flow list
+    config.OptionsCheck  a relay whose options do not parse does not start (last)
 
 The order matters: tls refuses plain HTTP before guard looks at a key; scope attaches
 the per-flow state the others read, and timing comes after trim so its `request` hook
@@ -60,4 +61,5 @@ addons = [
     metrics.Metrics(),
     sseview.SSEView(),
     webcolumns.CommentColumn(),
+    config.OptionsCheck(),
 ]

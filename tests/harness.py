@@ -36,6 +36,11 @@ _LISTENING = re.compile(r"listening at (?:\*|[\d.]+|\[[^\]]*\]):(\d+)")
 _SCRIPT_ERROR = re.compile(r"error in script|Traceback|mitmproxy has crashed", re.I)
 
 
+def option_text(value: object) -> str:
+    """An option value as mitmproxy's command line spells it (booleans: true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 class MitmdumpProcess:
     """One mitmdump process. `ports` lists the listen ports in the order reported,
     which is the order of `--mode` arguments."""
@@ -59,7 +64,7 @@ class MitmdumpProcess:
         if script is not None:
             args += ["-s", str(script)]
         for name, value in (options or {}).items():
-            args += ["--set", f"{name}={value}"]
+            args += ["--set", f"{name}={option_text(value)}"]
         args += extra_args or []
         self.args = args
         self.env = {**os.environ, "TTFT_RELAY_CONF": str(relay_conf) if relay_conf else "", **(env or {})}

@@ -57,3 +57,20 @@ def test_conf_errors_are_clear(tmp_path):
         config.read_conf(tmp_path / "missing.conf")
     with pytest.raises(exceptions.OptionsError):
         config.read_conf(_conf(tmp_path, "mode: [unclosed\n"))
+
+
+def test_an_option_value_that_does_not_parse_stops_the_relay(confdir):
+    # mitmproxy would drop the relay script without a word and go on as a bare, buffering proxy.
+    import os
+    import subprocess
+
+    from tests.harness import MITMDUMP, RELAY_SCRIPT
+
+    proc = subprocess.run(
+        [str(MITMDUMP), "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1", "-p", "0",
+         "-s", str(RELAY_SCRIPT), "--set", "relay_stream=False", "--set", "relay_metrics_listen="],
+        env={**os.environ, "TTFT_RELAY_CONF": ""}, capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 1
+    assert "cannot start the relay: Failed to parse option relay_stream" in proc.stdout + proc.stderr
