@@ -302,6 +302,11 @@ class Deadlines:
         if st is None or not flow.live:
             return
         w = st.watcher
+        if flow.response is not None and w is None:
+            # A body the relay does not watch (buffered: relay_stream off, or a known length)
+            # shows no tokens and no silences: past its head no bound can tell a healthy
+            # body from a stuck one, so none applies.
+            return
         progress = Progress(
             started=started,
             streamed=st.stream,

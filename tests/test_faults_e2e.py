@@ -280,6 +280,18 @@ def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path
     assert rec["ttft_ms"] is not None
 
 
+def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, start_relay, tmp_path):
+    # relay_stream off: the relay sees no tokens, so a healthy slow stream must go through whole.
+    relay = start_relay(reverse_to(fake), relay_stream=False, **TIMEOUTS_1S)
+    conn, response = post(relay, scope.OPENAI_CHAT, stream=True, headers={"x-fake-prefill-ms": "2500"})
+    with conn:
+        assert response.status == 200
+        body = read_stream(response)
+    assert body == fake.sent[-1].body and body.endswith(b"data: [DONE]\n\n")
+    rec = one_record(relay, tmp_path)
+    assert rec["error"] is None and rec["status"] == 200
+
+
 def test_a_failure_leaves_the_client_connection_usable(fake, start_relay, tmp_path):
     """The error reply closes the connection (so a new one retries the upstream);
     the relay serves the next connection normally."""
