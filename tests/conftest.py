@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,10 +11,24 @@ import pytest
 
 from tests.fakes.certs import TestCerts
 from tests.fakes.upstream import FakeUpstream
-from tests.harness import MitmdumpProcess
+from tests.harness import MitmdumpProcess, descendants
 
 FAKE_OPENAI_KEY = "sk-test-FAKEKEY-0123456789abcdefghij"
 FAKE_ANTHROPIC_KEY = "sk-ant-test-FAKEKEY-0123456789abcdef"
+LEFTOVER_GRACE_S = 10
+"""How long processes a test stopped may take to exit before the session calls them left behind."""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No test leaves a process behind: a relay, a fake, an agent CLI or a browser still
+    running when the suite ends fails the run, with its command line."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := descendants(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling for exits that were asked for, bounded: not a sync on timing
+    if left:
+        listing = "\n".join(f"  {pid} {cmd[:200]}" for pid, cmd in left)
+        session.config.get_terminal_writer().line(f"processes left behind by the tests:\n{listing}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

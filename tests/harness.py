@@ -342,3 +342,28 @@ def scrape(url: str) -> dict[str, float]:
 def total(samples: dict[str, float], name: str, **labels: str) -> float:
     want = [f"('{k}', '{v}')" for k, v in labels.items()]
     return sum(v for k, v in samples.items() if k.startswith(name + "[") and all(w in k for w in want))
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """Live processes below `pid` (children, theirs, ...) as (pid, command line), from /proc
+    (Linux; elsewhere none). Zombies are left out: they are gone, only not yet reaped."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] == "Z":
+                continue
+            child = int(entry.name)
+            children.setdefault(int(stat[1]), []).append(child)
+            commands[child] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        found.append((p, commands.get(p, "?")))
+        todo.extend(children.get(p, ()))
+    return found
