@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import openai
 import pytest
 from wsproto.extensions import PerMessageDeflate
 
@@ -135,3 +136,23 @@ def test_a_turn_in_flight_when_the_relay_stops_is_recorded(fake, start_relay, tm
         relay.stop()
     turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
     assert [(r["turn"], r["error"]) for r in turns] == [(1, "relay shutting down")]
+
+
+def test_the_openai_sdks_websocket_client(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    sdk = openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
+    with sdk.responses.connect(max_retries=0) as conn:
+        conn.response.create(model="gpt-5.1-codex", input="Say hello")
+        text = ""
+        for event in conn:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            if event.type in ("response.completed", "response.failed", "error"):
+                break
+    assert event.type == "response.completed" and text
+    relay.stop()
+    (session,) = fake.sockets
+    assert len(session.turns) == 1
+    turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
+    assert [(r["turn"], r["error"], r["model"]) for r in turns] == [(1, None, "gpt-5.1-codex")]
+    assert turns[0]["ttft_ms"] is not None
