@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ TURN_CREATED = "response.created"
 TYPE_SCAN = 256
 """A turn's type is its message's first key: only this many bytes are searched for it."""
 CLOSED_EARLY = "WebSocket closed before the turn ended"
+COMMENT_TURNS = 20
+"""The newest turns listed in the flow's comment (mitmweb), newest first."""
 
 
 # --- pure ------------------------------------------------------------------------------
@@ -122,6 +125,8 @@ class Session:
     """The failure event injected for a turn that passed a deadline: once it goes out, the
     upstream side is closed."""
     limits: faults.Limits = field(default_factory=faults.Limits)
+    handshake_comment: str = ""
+    turn_lines: deque[str] = field(default_factory=lambda: deque(maxlen=COMMENT_TURNS))
 
 
 class WebSocketTurns:
@@ -163,7 +168,7 @@ class WebSocketTurns:
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
         if st is not None and st.api in TURN_APIS:
-            self.sessions[flow] = Session(st.api, limits=self.limits)
+            self.sessions[flow] = Session(st.api, limits=self.limits, handshake_comment=flow.comment)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         assert flow.websocket is not None
@@ -294,3 +299,6 @@ class WebSocketTurns:
             prewarm=turn.prewarm,
         )
         self.timing.publish(rec, flow)
+        # mitmweb shows one flow per socket: its comment lists the turns, newest first.
+        session.turn_lines.appendleft(record.turn_line(rec))
+        flow.comment = "\n".join(line for line in (*session.turn_lines, session.handshake_comment) if line)

@@ -86,6 +86,8 @@ def test_each_turn_gets_one_record_with_its_own_marks_and_usage(relay):
     assert turn["ttft_ms"] == pytest.approx(70.0) and turn["phases"]["head_to_first_token"] == pytest.approx(20.0)
     assert turn["usage"] == {"input_tokens": 12, "output_tokens": 2}
     assert turn["error"] is None and turn["reused_connection"] is True
+    lines = f.comment.split("\n")  # mitmweb: the socket's turns, newest first
+    assert lines[0].startswith("Turn 2: ttft 70 ms") and lines[1].startswith("Turn 1 (prewarm): ttft -")
 
 
 def test_a_socket_closed_mid_turn_records_the_cut_turn(relay):
