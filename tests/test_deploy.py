@@ -78,6 +78,7 @@ def test_certbot_hook_writes_what_the_certs_option_reads_and_reloads(tmp_path, c
     subprocess.run([str(DEPLOY / "certbot-deploy-hook")], env=env, check=True, timeout=30)
     assert tls.check_cert_file(dest) == (None, None) and reloaded.exists()
     assert dest.stat().st_mode & 0o007 == 0  # the key is not world-readable
+    assert dest.parent.stat().st_mode & 0o777 == 0o750  # and its directory is the relay group's to enter
 
 
 # --- containers (no engine here) -------------------------------------------------------------
