@@ -18,6 +18,8 @@ A relay sits between its users and a paid API key. These addons keep it that way
                     (slowloris), a bounded number of client connections.
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
+    LogRedaction    credentials redacted, control characters escaped and lines
+                    capped in every log record, mitmproxy's own included.
     SecretRedaction credentials are replaced by "REDACTED" in every flow once its
                     request has gone upstream, before mitmproxy's console dumper,
                     flow savers and mitmweb see the finished flow.
@@ -37,8 +39,9 @@ import os
 import re
 import resource
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
@@ -49,8 +52,12 @@ from . import apierrors, scope, seams, state
 logger = logging.getLogger(__name__)
 
 REDACTED = "REDACTED"
-SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "x-goog-api-key", "cookie")
-"""Request headers whose values never outlive the request."""
+SECRET_HEADER_NAME = re.compile(r"authorization|cookie|(^|[-_])(api[-_]?key|key|token|secret|password)$", re.I)
+"""Request headers whose values never outlive the request: `authorization`,
+`proxy-authorization`, `cookie`, and any whose name says it holds a credential
+(`x-api-key`, `api-key`, `x-goog-api-key`, `openai-api-key`, `x-auth-token`, ...)."""
+SECRET_PARAM_NAME = re.compile(r"(api[-_]?)?key|(access[-_])?token", re.I)
+"""Query parameters redacted in any case: `?key=`, `?KEY=`, `?api_key=`, `?access_token=`."""
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
 """Where API clients put their key: OpenAI and Anthropic (Bearer), Anthropic, Azure, Gemini."""
 KEY_PARAM = "key"
@@ -404,7 +411,9 @@ class AccessKeys:
             # On the head: the body is never read, however large it says it is.
             seams.answer_now(flow, refusal(api_shape(flow.request), status, reason))
             return
-        swap_credentials(flow.request, credentials, upstream_key)
+        # The upstream key goes only into what is sent: mitmweb shows flows in flight.
+        swap_credentials(flow.request, credentials, REDACTED)
+        seams.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has
@@ -433,6 +442,8 @@ class OriginForm:
 
 # --- limits before authentication ---------------------------------------------------
 
+MAX_HEAD_BYTES = 64 * 1024
+"""An HTTP/1 request head longer than this gets a 431 (nginx takes 32 KiB, Node 16)."""
 RESERVED_FDS = 100
 """Descriptors kept for everything but client connections: listeners, logs, the
 tokenizer files, a metrics scrape."""
@@ -473,6 +484,7 @@ class ClientLimits:
       so a head dribbled one byte at a time (slowloris) held a connection forever.
       Tunnels (CONNECT), WebSockets and HTTP/2 connections with streams in flight
       are not timed.
+    - a request head is at most MAX_HEAD_BYTES (64 KiB), or the client gets a 431.
     - `relay_max_connections`: beyond this many client connections a new one gets
       `503 … connection limit reached` and is closed. At the descriptor limit,
       accepting fails in a loop (a traceback per attempt) and nobody gets an answer;
@@ -489,6 +501,7 @@ class ClientLimits:
         self.refused = 0
 
     def load(self, loader) -> None:
+        seams.limit_request_heads(MAX_HEAD_BYTES)
         loader.add_option(
             "relay_header_timeout", int, 30,
             "Seconds a client connection has for each request head, from connecting or "
@@ -573,17 +586,97 @@ def redacted_value(name: str, value: str) -> str:
     return f"{scheme} {REDACTED}" if sep and name.endswith("authorization") else REDACTED
 
 
+def is_secret_header(name: str) -> bool:
+    return SECRET_HEADER_NAME.search(name) is not None
+
+
 def redact_flow(flow: http.HTTPFlow) -> None:
-    """Replace every credential the flow holds: secret request headers, the `?key=`
-    query parameter, and the password proxyauth keeps in the metadata."""
+    """Replace every credential the flow holds: secret request headers, key and
+    token query parameters (any case), and the password proxyauth keeps in the
+    metadata."""
     headers = flow.request.headers
-    for name in SECRET_HEADERS:
-        if values := headers.get_all(name):
-            headers.set_all(name, [redacted_value(name, v) for v in values])
-    if values := flow.request.query.get_all(KEY_PARAM):
-        flow.request.query.set_all(KEY_PARAM, [REDACTED] * len(values))
+    for name in {name.lower() for name in headers if is_secret_header(name)}:
+        headers.set_all(name, [redacted_value(name, v) for v in headers.get_all(name)])
+    query = flow.request.query
+    for name in {name for name in query if SECRET_PARAM_NAME.fullmatch(name)}:
+        query.set_all(name, [REDACTED] * len(query.get_all(name)))
     if (auth := flow.metadata.get("proxyauth")) is not None:
         flow.metadata["proxyauth"] = (auth[0], REDACTED)
+
+
+MAX_LOG_LINE = 2000
+"""Characters one log line keeps; the rest is counted, not shown (a head that never
+ended once made one 303 MB console line)."""
+_HEADER_IN_TEXT = re.compile(
+    r"(?:(?<=\\n)|(?<![\w-]))((?:[\w-]*[-_])?(?:authorization|cookie|api[-_]?key|key|token|secret|password))"
+    r"([ \t]*:[ \t]*)([^\r\n'\"\\]*)",
+    re.I,
+)
+"""A credential header written out: its value runs to the end of the line (or of
+the header in a bytes repr, where `\\r\\n` separates them)."""
+_PARAM_IN_TEXT = re.compile(r"([?&;])([A-Za-z0-9_-]+)=([^&\s'\"\\#]*)")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _redact_header(m: re.Match) -> str:
+    name, sep, value = m.groups()
+    return m.group(0) if not value else name + sep + redacted_value(name.lower(), value)
+
+
+def _redact_param(m: re.Match) -> str:
+    lead, name, value = m.groups()
+    return m.group(0) if not value or not SECRET_PARAM_NAME.fullmatch(name) else f"{lead}{name}={REDACTED}"
+
+
+def escape_controls(text: str) -> str:
+    """Control characters (escape codes, carriage returns; not newlines or tabs)
+    written as `\\x1b` and the like, so no text can forge or repaint a line."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
+
+
+def safe_log_text(text: str) -> str:
+    """A log message with credentials in it redacted (header lines and query
+    parameters, as mitmproxy prints raw request bytes), control characters escaped,
+    and each line cut to MAX_LOG_LINE characters."""
+    text = _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, text))
+    lines = escape_controls(text).split("\n")
+    return "\n".join(
+        line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}… ({len(line) - MAX_LOG_LINE} more characters)"
+        for line in lines
+    )
+
+
+class LogRedaction:
+    """Every log record of the process, mitmproxy's own included, passes
+    `safe_log_text` before any handler (console, mitmweb's event log, a file) sees
+    it. mitmproxy logs some requests outside any flow, where flow redaction cannot
+    reach: a bad request line, a head the client abandoned, both with the raw bytes
+    (`Authorization: Bearer …`, `?key=…`). Done with the standard library's log
+    record factory, so no handler is missed."""
+
+    def __init__(self) -> None:
+        self.previous: Callable[..., logging.LogRecord] | None = None
+
+    def load(self, loader) -> None:
+        if self.previous is None:
+            self.previous = logging.getLogRecordFactory()
+            logging.setLogRecordFactory(self._record)
+
+    def done(self) -> None:
+        if self.previous is not None and logging.getLogRecordFactory() == self._record:
+            logging.setLogRecordFactory(self.previous)
+        self.previous = None
+
+    def _record(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = (self.previous or logging.LogRecord)(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a broken format string: the handler reports it as usual
+            return record
+        safe = safe_log_text(message)
+        if safe != message:
+            record.msg, record.args = safe, None
+        return record
 
 
 class SecretRedaction:
@@ -619,4 +712,4 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [Exposure(), ClientLimits(), OriginForm(), AccessKeys(), SecretRedaction()]
+        self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), AccessKeys(), SecretRedaction()]

@@ -43,6 +43,21 @@ if the code patched here changes shape. Everything else the relay does uses hook
    closes the connection (HTTP/1; HTTP/2 ends the stream), so the body is never
    read into memory.
 
+2d. mitmproxy buffers a request head until it ends, without a bound ("FIXME:
+   protect against header size DoS" in `Http1Server.read_headers`): a head that
+   never ends grows the process by gigabytes. The wrap of `read_headers` answers a
+   head that has not ended within `limit_request_heads` bytes with a 431 and closes
+   the connection.
+
+2e. The relay swaps a client's relay key for the upstream key. Done on the flow,
+   the upstream key would sit in it while the request is in flight, and mitmweb
+   shows flows in flight. The wrap of `HttpStream.state_consume_request_body`
+   leaves the flow as the client sent it (its key redacted) and applies the swap
+   given to `send_upstream_with` to a copy of the request, the one whose head goes
+   upstream (`SendHttp(RequestHeaders(...))`). A request streamed upstream
+   (`flow.request.stream`, which the relay never sets on keyed listeners) would go
+   out as the flow holds it.
+
 3. mitmproxy listens with asyncio's default backlog of 100. In a burst of new
    connections larger than that, while the one event loop is busy, the kernel's
    accept queue overflows and the clients it drops wait for a SYN retransmit:
@@ -100,11 +115,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import addonmanager, exceptions, hooks, http
-from mitmproxy.proxy import events, layer, mode_servers
+from mitmproxy.proxy import commands, events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HttpStream, ResponseData, ResponseEndOfMessage, ResponseHeaders, SendHttp
+from mitmproxy.proxy.layers.http import (
+    HttpStream,
+    RequestHeaders,
+    ResponseData,
+    ResponseEndOfMessage,
+    ResponseHeaders,
+    SendHttp,
+)
 from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
-from mitmproxy.proxy.layers.http._http1 import Http1Client
+from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server, make_error_response
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +141,8 @@ None to leave mitmproxy's behaviour. `message` is mitmproxy's error text.
 _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
 _ORIGINAL_CHECK_KILLED = HttpStream.check_killed
+_ORIGINAL_READ_HEADERS = Http1Server.read_headers
+_ORIGINAL_CONSUME_REQUEST_BODY = HttpStream.state_consume_request_body
 _ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 _ORIGINAL_TRIGGER_EVENT = addonmanager.AddonManager.trigger_event
 _ORIGINAL_TRIGGER = addonmanager.AddonManager.trigger
@@ -128,6 +152,8 @@ _renderer: Renderer | None = None
 _deferred_connects: Callable[[Any], bool] | None = None
 """Whether a listener (its proxy mode) must not connect upstream before a request."""
 _answer_now: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
+_max_head = 0
+_outgoing: "weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]]" = weakref.WeakKeyDictionary()
 _listen_backlog = 0
 ASYNCIO_DEFAULT_BACKLOG = 100
 """What `asyncio.start_server` listens with, and so mitmproxy."""
@@ -253,6 +279,50 @@ def _answer(stream: HttpStream, command: Any) -> list[SendHttp] | None:
         SendHttp(ResponseEndOfMessage(sid), client),
         command,  # after a complete response: HTTP/1 closes the connection, HTTP/2 sends nothing more
     ]
+
+
+def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], None]) -> None:
+    """Send `flow`'s request upstream as a copy changed by `change`; the flow keeps
+    its own (see 2e above)."""
+    _outgoing[flow] = change
+    HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
+
+
+def _consume_request_body(self: HttpStream, event: events.Event) -> layer.CommandGenerator[None]:
+    return (yield from _replacing(_ORIGINAL_CONSUME_REQUEST_BODY(self, event), lambda c: _outgoing_head(self, c)))
+
+
+def _outgoing_head(stream: HttpStream, command: Any) -> list[SendHttp] | None:
+    if not (
+        isinstance(command, SendHttp)
+        and isinstance(command.event, RequestHeaders)
+        and command.connection is stream.context.server
+        and (change := _outgoing.pop(stream.flow, None)) is not None
+    ):
+        return None
+    sent = command.event.request.copy()
+    change(sent)
+    return [SendHttp(RequestHeaders(command.event.stream_id, sent, command.event.end_stream), command.connection)]
+
+
+def limit_request_heads(limit: int) -> None:
+    """HTTP/1 request heads longer than `limit` bytes get a 431 (see 2d above); 0: no limit."""
+    global _max_head
+    _max_head = limit
+    Http1Server.read_headers = _read_headers if limit > 0 else _ORIGINAL_READ_HEADERS  # type: ignore[method-assign]
+
+
+def _read_headers(self: Http1Server, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
+    # The head ends within the limit or is extracted at once: a longer buffer before
+    # extraction is a head still going (a read brings at most 64 KiB).
+    if isinstance(event, events.DataReceived) and 0 < _max_head < len(self.buf):
+        if b"\r\n\r\n" not in bytes(self.buf)[: _max_head + 4]:
+            yield commands.Log(f"request head over {_max_head} bytes without an end: refused (431)")
+            yield commands.SendData(self.conn, make_error_response(431, f"request head over {_max_head} bytes"))
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+            return
+    yield from _ORIGINAL_READ_HEADERS(self, event)
 
 
 def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:

@@ -21,7 +21,7 @@ from mitmproxy.addons import proxyauth
 from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
 
-from addons import guard, scope, state, tls
+from addons import guard, scope, seams, state, tls
 from scripts.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
@@ -261,7 +261,11 @@ def test_access_keys_hooks(monkeypatch):
 
         ok = _reverse_flow({"authorization": f"Bearer {RELAY_KEY}"})
         access.requestheaders(ok)
-        assert ok.response is None and ok.request.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+        # The flow (what mitmweb shows in flight) never holds the upstream key; what is sent does.
+        assert ok.response is None and ok.request.headers["authorization"] == "Bearer REDACTED"
+        sent = ok.request.copy()
+        seams._outgoing[ok](sent)
+        assert sent.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
 
         wrong = _reverse_flow({"authorization": "Bearer nope"})
         access.requestheaders(wrong)

@@ -33,6 +33,8 @@ PINNED = {
     "DestinationKnown.finish_start": (seams._ORIGINAL_FINISH_START, "91f47432073a2bf6"),
     "HttpStream.check_killed": (seams._ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
     "HttpStream.state_wait_for_request_headers": (HttpStream.state_wait_for_request_headers, "3706d5d5ce01dcd4"),
+    "Http1Server.read_headers": (seams._ORIGINAL_READ_HEADERS, "3fe0945216bcf7bc"),
+    "HttpStream.state_consume_request_body": (seams._ORIGINAL_CONSUME_REQUEST_BODY, "45459c1bbd8bdb1a"),
     "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
     "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
     "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
@@ -88,6 +90,11 @@ def test_the_lines_the_seams_depend_on():
     assert src.index("yield HttpRequestHeadersHook(self.flow)") < src.index("if (yield from self.check_killed(True)):")
     assert src.index("if (yield from self.check_killed(True)):") < src.index("self.client_state = self.state_consume_request_body")
     assert "ResponseProtocolError(self.stream_id, \"killed\", ErrorCode.KILL)" in inspect.getsource(seams._ORIGINAL_CHECK_KILLED)
+    # 2d: the head is buffered until it ends, with no bound.
+    assert "FIXME: protect against header size DoS" in inspect.getsource(seams._ORIGINAL_READ_HEADERS)
+    # 2e: the request's head goes upstream as one SendHttp(RequestHeaders) after the request hook.
+    src = inspect.getsource(seams._ORIGINAL_CONSUME_REQUEST_BODY)
+    assert src.index("yield HttpRequestHook(self.flow)") < src.index("RequestHeaders(")
     # 3: every TCP listener comes from `listen`, and a running instance keeps its servers in `_servers`.
     assert "self._servers = await self.listen(host, port)" in inspect.getsource(mode_servers.AsyncioServerInstance._start)
     assert "asyncio.start_server(self.handle_stream, host, port)" in inspect.getsource(seams._ORIGINAL_LISTEN)

@@ -1,0 +1,146 @@
+"""Keys never reach mitmproxy's own log lines, saved flows or mitmweb, through a real
+mitmdump / mitmweb: a bad request line, a head the client abandons, every key
+spelling, a flow in flight; and one log line carries a bounded amount.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from mitmproxy import io
+from mitmproxy.test import tflow
+
+from addons import guard
+
+from scripts.workers import free_port
+from tests.conftest import reverse_to
+from tests.fakes import client
+from tests.harness import MITMWEB, MitmdumpProcess
+from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
+from tests.test_mitmweb_e2e import PASSWORD, web_get
+from tests.test_preauth_e2e import keyed, keys_file, raw, read_until_closed  # noqa: F401 (fixture)
+
+SECRET = "sk-SECRET-0123456789abcdefghij"
+WAIT = 20
+
+
+# --- pure -------------------------------------------------------------------------------
+
+
+def test_safe_log_text_redacts_keys_in_raw_request_bytes():
+    raw_head = repr(f"POST /v1/x?KEY={SECRET}&alt=sse HTTP/1.1\r\nHost: a:1\r\nAuthorization: Bearer {SECRET}\r\n"
+                    f"openai-api-key: {SECRET}\r\nx-goog-api-key:{SECRET}\r\nCookie: s={SECRET}\r\n".encode())
+    safe = guard.safe_log_text(f"Client closed connection before completing request headers: {raw_head}")
+    assert SECRET not in safe
+    assert "?KEY=REDACTED&alt=sse" in safe and "Authorization: Bearer REDACTED" in safe and "Host: a:1" in safe
+
+
+def test_safe_log_text_escapes_controls_and_caps_each_line():
+    assert guard.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\x0dfake line\nnext"
+    line = guard.safe_log_text("a" * 10_000 + "\nshort")
+    first, second = line.split("\n")
+    assert len(first) < guard.MAX_LOG_LINE + 40 and first.endswith("(8000 more characters)") and second == "short"
+    ordinary = "127.0.0.1:1 openai.chat gpt-4o 200 ttft 310 ms [upstream_wait 3, relay 1] → upstream wait"
+    assert guard.safe_log_text(ordinary) == ordinary
+
+
+def test_redact_flow_covers_every_spelling():
+    f = tflow.tflow()
+    f.request.path = f"/v1/x?KEY={SECRET}&Api_Key={SECRET}&access_token={SECRET}&alt=sse"
+    for name in ("openai-api-key", "anthropic-api-key", "X-Auth-Token", "x-goog-api-key"):
+        f.request.headers[name] = SECRET
+    guard.redact_flow(f)
+    assert SECRET not in repr(f.get_state())
+    assert f.request.query["alt"] == "sse"
+
+
+# --- end to end -------------------------------------------------------------------------
+
+
+def sent_raw(relay, data: bytes, *, close_early: bool = False) -> bytes:
+    with raw(relay) as s:
+        s.sendall(data)
+        if close_early:
+            s.shutdown(socket.SHUT_WR)
+        return read_until_closed(s)
+
+
+def stopped_output(relay) -> str:
+    return relay.stop()
+
+
+@pytest.mark.parametrize("data, close_early, logged", [
+    (f"POST /v1/chat/completions?key={SECRET}\r\nAuthorization: Bearer {SECRET}\r\n\r\n".encode(), False, True),
+    (f"POST /v1/chat/completions?KEY={SECRET} HTTP/1.1\r\nx-api-key: {SECRET}\r\n".encode(), True, True),
+    (f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {SECRET}\r\nbad header line\r\n\r\n".encode(),
+     False, False),
+], ids=["bad request line", "head abandoned", "bad header line"])
+def test_mitmproxys_own_lines_about_a_request_carry_no_key(data, close_early, logged, fake, start_relay):
+    relay = start_relay(reverse_to(fake), termlog_verbosity="debug", flow_detail=3)
+    sent_raw(relay, data, close_early=close_early)
+    relay.wait_for_output(r"client disconnect")
+    out = stopped_output(relay)
+    assert SECRET not in out, out
+    if logged:  # mitmproxy printed the raw bytes, redacted (else it printed the flow, redacted too)
+        assert "REDACTED" in out
+
+
+def test_every_key_spelling_is_redacted_in_console_and_saved_flows(fake, start_relay, tmp_path):
+    saved = tmp_path / "flows"
+    relay = start_relay(reverse_to(fake), flow_detail=3, save_stream_file=saved)
+    for path, headers in [
+        (f"/v1/chat/completions?KEY={SECRET}", {}),
+        (f"/v1/chat/completions?Key={SECRET}&alt=sse", {}),
+        ("/v1/chat/completions", {"openai-api-key": SECRET}),
+        ("/v1/chat/completions", {"anthropic-api-key": SECRET}),
+    ]:
+        conn, resp = client.request("POST", relay.url() + path, {"model": "m", "messages": []}, headers)
+        with conn:
+            resp.read()
+    out = stopped_output(relay)
+    assert SECRET not in out
+    with saved.open("rb") as f:
+        flows = list(io.FlowReader(f).stream())
+    assert len(flows) == 4
+    assert all(SECRET not in repr(flow.get_state()) for flow in flows)
+    assert all(SECRET in got.path or SECRET in repr(got.headers) for got in fake.received)  # forwarded unchanged
+
+
+def test_a_head_that_never_ends_is_refused_with_one_short_line(fake, start_relay):
+    relay = start_relay(reverse_to(fake))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nx-filler: " + b"a" * (4 << 20)
+    with raw(relay) as s:
+        try:
+            s.sendall(head)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the relay gave up on it before all of it was sent
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    out = stopped_output(relay)
+    assert max(len(line) for line in out.splitlines()) < 5000
+
+
+def test_mitmweb_never_shows_the_upstream_key_of_a_flow_in_flight(fake, confdir, tmp_path, keys_file, monkeypatch):  # noqa: F811
+    web_port = free_port()
+    relay = MitmdumpProcess([reverse_to(fake)], confdir, options={
+        "web_port": web_port, "web_open_browser": "false", "web_password": PASSWORD,
+        "relay_timing_log": tmp_path / "timing.jsonl", "relay_access_keys": f"file:{keys_file}",
+        "relay_upstream_keys": "127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY"}, env={"RELAY_TEST_UPSTREAM_KEY": UPSTREAM_KEY})
+    relay.args[0] = str(MITMWEB)
+    fake.behaviour.stall_after_chunks = 2
+    with relay.start():
+        relay.wait_for_output("Web server listening")
+        conn, resp = client.request("POST", relay.url() + "/v1/chat/completions",
+                                    {"model": "m", "stream": True, "messages": []},
+                                    {"authorization": f"Bearer {RELAY_KEY}"}, timeout=WAIT)
+        with conn:
+            assert resp.status == 200
+            next(resp.chunks())  # in flight: the head went out, the stream stalls
+            flows = web_get(web_port, "/flows")
+            assert len(flows) == 1
+            shown = repr(flows)
+            assert UPSTREAM_KEY not in shown and RELAY_KEY not in shown
+            fake.release_stalls()
+    assert fake.received[-1].header("authorization") == f"Bearer {UPSTREAM_KEY}"
