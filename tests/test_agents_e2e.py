@@ -57,10 +57,6 @@ stream (buffering)."""
 FIRST_TOKEN_TIMEOUT_S = 1
 """The relay's `relay_first_token_timeout` in the error cases."""
 RECORD_WAIT_S = 10.0
-TURN_RECORDS = pytest.mark.xfail(strict=True, reason="needs websocket turn records")
-"""Record fields (`transport`, `turn`, `prewarm`) and WebSocket turn records come from core's work."""
-WEBSOCKET_PASSTHROUGH = pytest.mark.xfail(
-    strict=True, reason="the relay corrupts WebSocket upgrades on /v1/ paths (core's streaming fix, issue #11 item 1)")
 PROMPT = "Say hello."
 
 
@@ -222,9 +218,9 @@ def codex_through(relay: Relay, fake: FakeUpstream, fake_tls: FakeUpstream, mode
 
 
 @pytest.fixture(scope="module", params=[
-    pytest.param(("reverse", True), id="reverse-websocket", marks=WEBSOCKET_PASSTHROUGH),
+    pytest.param(("reverse", True), id="reverse-websocket"),
     pytest.param(("reverse", False), id="reverse-sse"),
-    pytest.param(("proxy", True), id="proxy-websocket", marks=WEBSOCKET_PASSTHROUGH),
+    pytest.param(("proxy", True), id="proxy-websocket"),
     pytest.param(("proxy", False), id="proxy-sse"),
 ])
 def codex_pair(request, clis, refusing, fake, fake_tls, relay, certs, tmp_path_factory) -> CodexPair:
@@ -288,7 +284,6 @@ def assert_first_token_as_the_fake_wrote_it(rec: dict, fake_delay_s: float) -> N
     assert abs(first_token - fake_delay_s * 1000) <= max(0.1 * fake_delay_s * 1000, 5), (rec, fake_delay_s)
 
 
-@TURN_RECORDS
 def test_codex_turns_have_one_record_each(codex_pair: CodexPair) -> None:
     run = codex_pair.relayed.run
     expected = 3 if codex_pair.websockets else 1  # handshake, prewarm, turn | one POST
@@ -383,7 +378,6 @@ def test_claude_turn_has_one_record(claude_pair: ClaudePair) -> None:
     assert_first_token_as_the_fake_wrote_it(rec, sent.first_token_at - sent.request.at)
 
 
-@TURN_RECORDS
 def test_claude_record_says_http_transport(claude_pair: ClaudePair) -> None:
     run = claude_pair.relayed.run
     (rec,) = [r for r in claude_pair.relay.wait_records(run.started_at, run.ended_at, 1)
@@ -443,8 +437,7 @@ def test_claude_answers_a_first_token_timeout_with_a_non_streamed_resend(clis, r
     assert ["first token" in (r["error"] or "") for r in records] == [True, False], records
 
 
-@pytest.mark.parametrize("websockets", [pytest.param(True, id="websocket", marks=WEBSOCKET_PASSTHROUGH),
-                                        pytest.param(False, id="sse")])
+@pytest.mark.parametrize("websockets", [True, False], ids=["websocket", "sse"])
 def test_codex_retries_an_upstream_cut_as_it_would_direct(clis, refusing, fake, relay, tmp_path, websockets) -> None:
     """codex re-sends the turn `stream_max_retries` times, then fails it, through the relay as direct. Over a
     WebSocket (on a new socket each time), the retries exhausted, it falls back to HTTP and retries there too."""
