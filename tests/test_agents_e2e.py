@@ -110,12 +110,15 @@ class Relay:
         records = [orjson.loads(line) for line in self.log.read_bytes().splitlines() if line.strip()]
         return [r for r in records if start <= r["ts"] <= end]
 
-    def wait_records(self, start: float, end: float, count: int) -> list[dict]:
-        """The records of flows that began in [start, end], once at least `count` are written."""
+    def wait_records(self, start: float, end: float, count: int, api: str) -> list[dict]:
+        """The records of `api` requests that began in [start, end], once at least `count` are written
+        (in HTTPS-proxy mode the CLIs' calls home are recorded too)."""
         deadline = time.monotonic() + RECORD_WAIT_S
-        while len(found := self.records_between(start, end)) < count and time.monotonic() < deadline:
+        while True:
+            found = [r for r in self.records_between(start, end) if r["api"] == api]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
             time.sleep(0.05)  # records are written off the relay's event loop within moments
-        return found
 
 
 def start_relay(fake: FakeUpstream, confdir: Path, certs, log: Path, **options: object) -> MitmdumpProcess:
@@ -287,10 +290,9 @@ def assert_first_token_as_the_fake_wrote_it(rec: dict, fake_delay_s: float) -> N
 def test_codex_turns_have_one_record_each(codex_pair: CodexPair) -> None:
     run = codex_pair.relayed.run
     expected = 3 if codex_pair.websockets else 1  # handshake, prewarm, turn | one POST
-    records = codex_pair.relay.wait_records(run.started_at, run.ended_at, expected)
-    llm = [r for r in records if r["api"] == "openai.responses"]
+    records = codex_pair.relay.wait_records(run.started_at, run.ended_at, expected, "openai.responses")
     if codex_pair.websockets:
-        by_turn = sorted(llm, key=lambda r: r["turn"])
+        by_turn = sorted(records, key=lambda r: r["turn"])
         assert [(r["transport"], r["turn"], r["prewarm"]) for r in by_turn] == [
             ("websocket", 0, False), ("websocket", 1, True), ("websocket", 2, False)], records
         handshake, prewarm, turn = by_turn
@@ -301,11 +303,11 @@ def test_codex_turns_have_one_record_each(codex_pair: CodexPair) -> None:
         fake_turn = codex_pair.relayed.sockets[0].turns[1]
         fake_delay = fake_turn.first_token_at - fake_turn.at
     else:
-        (turn,) = llm
+        (turn,) = records
         assert (turn["transport"], turn["turn"]) == ("http", None)
         (sent,) = codex_pair.relayed.sent
         fake_delay = sent.first_token_at - sent.request.at
-    assert turn["model"] == "gpt-test" and turn["error"] is None
+    assert turn["model"] == "gpt-test" and turn["error"] is None, orjson.dumps(records).decode()
     assert turn["usage"]["output_tokens"] == 5
     assert_first_token_as_the_fake_wrote_it(turn, fake_delay)
 
@@ -369,9 +371,7 @@ def test_claude_streams_as_soon_through_the_relay_as_direct(claude_pair: ClaudeP
 
 def test_claude_turn_has_one_record(claude_pair: ClaudePair) -> None:
     run = claude_pair.relayed.run
-    records = [r for r in claude_pair.relay.wait_records(run.started_at, run.ended_at, 1)
-               if r["api"] == "anthropic.messages"]
-    (rec,) = records
+    (rec,) = claude_pair.relay.wait_records(run.started_at, run.ended_at, 1, "anthropic.messages")
     assert rec["status"] == 200 and rec["stream"] is True and rec["error"] is None
     assert rec["usage"]["output_tokens"] == len(THINKING_PIECES) + 5  # as the fake's message_delta says
     (sent,) = claude_pair.relayed.sent
@@ -380,8 +380,7 @@ def test_claude_turn_has_one_record(claude_pair: ClaudePair) -> None:
 
 def test_claude_record_says_http_transport(claude_pair: ClaudePair) -> None:
     run = claude_pair.relayed.run
-    (rec,) = [r for r in claude_pair.relay.wait_records(run.started_at, run.ended_at, 1)
-              if r["api"] == "anthropic.messages"]
+    (rec,) = claude_pair.relay.wait_records(run.started_at, run.ended_at, 1, "anthropic.messages")
     assert (rec["transport"], rec["turn"], rec["prewarm"]) == ("http", None, False)
 
 
@@ -423,7 +422,7 @@ def test_codex_sse_retries_a_first_token_timeout_then_fails_the_turn(clis, refus
     assert seen.run.returncode != 0 and turn_failed(seen.run), seen.run.describe()
     assert len(seen.posts) == 1 + CLIENT_RETRIES, seen.run.describe()
     assert [s.outcome for s in seen.sent] == ["client_closed"] * len(seen.posts)  # the relay let go upstream
-    records = strict_relay.wait_records(seen.run.started_at, seen.run.ended_at, len(seen.posts))
+    records = strict_relay.wait_records(seen.run.started_at, seen.run.ended_at, len(seen.posts), "openai.responses")
     assert ["first token" in (r["error"] or "") for r in records] == [True] * len(seen.posts), records
 
 
@@ -433,7 +432,7 @@ def test_claude_answers_a_first_token_timeout_with_a_non_streamed_resend(clis, r
                             "stall-after-chunks", BEFORE_FIRST_TOKEN["anthropic"])
     assert seen.run.returncode == 0 and claude_result(seen.run)["result"] == answer_text(5), seen.run.describe()
     assert streamed_flags(seen) == [True, False], seen.run.describe()
-    records = strict_relay.wait_records(seen.run.started_at, seen.run.ended_at, 2)
+    records = strict_relay.wait_records(seen.run.started_at, seen.run.ended_at, 2, "anthropic.messages")
     assert ["first token" in (r["error"] or "") for r in records] == [True, False], records
 
 
