@@ -4,7 +4,8 @@
                      [--relay-mode base-url|proxy] [--relay-log logs/timing.jsonl]]
                      [--api openai.chat|openai.responses|anthropic.messages] [--model M]
                      [--repeat 5] [--long-tokens 8000 | --body-file request.json]
-                     [--timeout 30] [--ca mitmproxy-ca-cert.pem] [--json]
+                     [--transport http|websocket] [--timeout 30] [--ca mitmproxy-ca-cert.pem]
+                     [--json] [--html diagnosis.html]
 
 A warm-up probe per path comes first and is dropped if it succeeds (one-time costs
 would skew medians). Probes then run in rounds, one of each kind per round, so drift
@@ -12,6 +13,13 @@ over time touches every kind alike; a kind stops repeating after its first failu
 from OPENAI_API_KEY / ANTHROPIC_API_KEY and never appears in the output. Exit
 status: 0 with a verdict, 2 when the upstream or the relay cannot be reached, 1
 on bad arguments. See scripts/diagnosis.py for the findings and their thresholds.
+
+`--transport websocket` probes a Responses WebSocket as Codex uses it (one new socket
+per probe, one `response.create` turn on it): a refused, hung or broken handshake
+is its own finding, and so is a slow one. The text report draws each probe kind's
+phases as an httpstat-style waterfall; `--html` also writes them as a page of
+waterfalls (scripts/report_html.py), the relay's own record of each relayed probe
+beside it.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="scripts/diagnose", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--api", choices=sorted(probe_requests.API_SHAPES), default="openai.chat")
+    parser.add_argument("--api", choices=sorted(probe_requests.API_SHAPES),
+                        help="default: openai.chat, or openai.responses with --transport websocket")
     parser.add_argument("--upstream", help="upstream base URL (default: the API's public one)")
     parser.add_argument("--relay", help="the relay: its base URL (base-url mode) or proxy URL (proxy mode)")
     parser.add_argument("--relay-mode", choices=("base-url", "proxy"), default="base-url")
@@ -55,9 +64,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens to ask for (default 16)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per probe, all phases (default 30)")
     parser.add_argument("--ca", action="append", default=[], help="extra CA file to trust (repeatable)")
+    parser.add_argument("--transport", choices=diagnosis.TRANSPORTS, default="http",
+                        help="http: streamed requests; websocket: one turn per new Responses WebSocket, as Codex "
+                             "(needs --api openai.responses, the default with it)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--html", type=Path, metavar="FILE", help="also write the probes' waterfalls as an HTML page")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    websocket = args.transport == "websocket"
+    args.api = args.api or ("openai.responses" if websocket else "openai.chat")
+    if websocket and args.api != "openai.responses":
+        parser.error("--transport websocket speaks the Responses API: --api openai.responses")
     if args.repeat < 1 or args.timeout <= 0 or args.long_tokens < 1:
         parser.error("--repeat, --timeout and --long-tokens must be positive")
     if args.no_direct and not args.relay:
@@ -142,7 +159,8 @@ class Prober:
         return self.factory.long(self.args.long_tokens)
 
     def probe(self, path: str, prompt: str) -> diagnosis.ProbeResult:
-        return probe.run_probe(
+        run = probe.run_websocket_probe if self.args.transport == "websocket" else probe.run_probe
+        return run(
             self.routes[path], self.request(prompt), path=path, prompt=prompt,
             api=self.shape.name, timeout=self.args.timeout, tls_context=self.tls,
         )
@@ -206,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", e)
         return 1
     result = diagnosis.diagnose(evidence)
+    if args.html:
+        from scripts import report_html  # the page's code is loaded only when asked for
+
+        try:
+            args.html.write_text(redact(report_html.page(report_html.diagnose_data(evidence, result))), encoding="utf8")
+        except OSError as e:
+            logger.error("%s", e)
+            return 1
+        logger.info("wrote %s", args.html)
     if args.json:
         text = orjson.dumps(diagnosis.as_json(evidence, result), option=orjson.OPT_INDENT_2).decode()
     else:

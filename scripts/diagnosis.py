@@ -1,11 +1,14 @@
 """Why is the first token slow? Probe timings (+ the relay's records) → findings → a verdict (pure).
 
 Probes come in four kinds: `direct` (to the upstream) or `relayed` (through the
-relay), each with a `tiny` or a `long` prompt. A probe's marks are ms since it
+relay), each with a `tiny` or a `long` prompt, sent as a streamed HTTP request or,
+with the `websocket` transport, as one `response.create` turn on a new Responses
+WebSocket (as Codex opens one per session). A probe's marks are ms since it
 began (`PROBE_MARKS`, the curl `-w` vocabulary plus the first token); its phases
-are the slices between consecutive marks (`PROBE_PHASES`). A relayed probe whose
-request id shows up in the relay's timing log is *joined* with that record, which
-splits the relay's side of the wait (`RelaySplit`).
+are the slices between consecutive marks (`PROBE_PHASES`). On a WebSocket, `sent`
+is the upgrade request, `head` its `101`, and `message` the turn sent after it. A
+relayed probe whose request id shows up in the relay's timing log is *joined* with
+that record, which splits the relay's side of the wait (`RelaySplit`).
 
 Findings, each in ms of the client's wait for the first token (medians over repeats):
 
@@ -18,7 +21,11 @@ Findings, each in ms of the client's wait for the first token (medians over repe
     upstream queueing/instability  the largest spread of the wait within a kind, the single
                               lowest and highest try left out (one outlier is not instability)
     upstream's own wait       the upstream's wait for a tiny prompt, minus one round trip
-    unreachable / failing     every probe of a path failed: the verdict, whatever else
+    WebSocket handshake       upgrade request → `101`, the wait a client pays before its first
+                              turn (a relayed one includes the relay's upstream connect and TLS)
+    unreachable / failing     every probe of a path failed: the verdict, whatever else; on a
+                              WebSocket, every handshake or turn failing past the TCP connect is
+                              "WebSocket transport failing" (clients retry, then fall back to HTTP)
 
 A finding is *significant* from its threshold (`THRESHOLDS_MS`) on; the verdict is
 the first fatal finding, else the significant finding that costs the most.
@@ -34,9 +41,10 @@ from typing import Any
 
 from addons import phases
 
-PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "first_token", "end")
+PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "message", "first_token", "end")
 """dns lookup done, TCP up, proxy tunnel up (CONNECT), TLS up, request written,
-first response byte (curl's starttransfer), first token, end of the answer."""
+first response byte (curl's starttransfer; on a WebSocket: the 101), the WebSocket
+turn's message written (WebSocket only), first token, end of the answer."""
 
 PROBE_STEPS = (
     ("dns", "dns"),
@@ -45,6 +53,7 @@ PROBE_STEPS = (
     ("tls", "tls"),
     ("send", "sent"),
     ("wait", "head"),
+    ("message", "message"),
     ("head_to_first_token", "first_token"),
 )
 """(phase, the mark that ends it): each phase runs from the previous mark present."""
@@ -69,6 +78,10 @@ RELAY_UNREACHABLE = "relay unreachable"
 RELAY_FAILING = "relay failing"
 NO_DIRECT_PATH = "no direct path to the upstream"
 SOME_PROBES_FAILED = "some probes failed"
+WEBSOCKET_FAILING = "WebSocket transport failing"
+WEBSOCKET_HANDSHAKE = "WebSocket handshake"
+TRANSPORTS = ("http", "websocket")
+NETWORK_PHASES = ("dns", "tcp", "tunnel", "tls")
 
 THRESHOLDS_MS = {
     NETWORK_TO_RELAY: 100.0,
@@ -79,6 +92,7 @@ THRESHOLDS_MS = {
     UPSTREAM_INSTABILITY: 200.0,
     UPSTREAM_OWN_WAIT: 800.0,  # providers' usual tiny-prompt wait is a few hundred ms
     DIRECT_NETWORK: 100.0,
+    WEBSOCKET_HANDSHAKE: 300.0,  # a round trip or two; Codex waits this before every session's first turn
 }
 INSTABILITY_RELATIVE = 0.5
 """A spread is instability only if it is also at least this fraction of the kind's median."""
@@ -118,6 +132,13 @@ ADVICE = {
     NO_DIRECT_PATH: "Comparisons with the direct path are skipped; the relay is your only way out.",
     SOME_PROBES_FAILED: "Intermittent failures: run again with --repeat 10, and look at errors in "
     "scripts/report.",
+    WEBSOCKET_FAILING: "Clients retry a failing WebSocket and then fall back to HTTP (Codex: 5 reconnects, "
+    "seconds lost per session, turns the upstream may bill twice). Check that every proxy on the path "
+    "passes `Upgrade: websocket` and the 101 through untouched (an old relay chunk-framed it), or turn the "
+    "client's WebSocket transport off until it is fixed.",
+    WEBSOCKET_HANDSHAKE: "Every new WebSocket waits this long before its first turn: keep sessions (and "
+    "their socket) open, and if the relayed handshake is much slower than the direct one, look at the "
+    "relay's upstream connect and TLS (scripts/report, `websocket` handshake records).",
 }
 
 
@@ -135,6 +156,7 @@ class ProbeResult:
     tls_version: str | None = None
     error: str | None = None
     error_phase: str | None = None
+    transport: str = "http"
 
     @property
     def kind(self) -> str:
@@ -164,8 +186,15 @@ class ProbeResult:
 
     @property
     def wait_ms(self) -> float:
-        """Connection ready → first token: the request's upload, a round trip, the answer's wait."""
-        return self.marks["first_token"] - self.setup_ms
+        """Connection ready → first token: the request's upload, a round trip, the answer's wait
+        (on a WebSocket from the turn's message: the handshake is a finding of its own)."""
+        return self.marks["first_token"] - self.marks.get("message", self.setup_ms)
+
+    @property
+    def handshake_ms(self) -> float | None:
+        """WebSocket: upgrade request written → 101."""
+        m = self.marks
+        return m["head"] - m["sent"] if self.transport == "websocket" and "head" in m and "sent" in m else None
 
     @property
     def rtt_ms(self) -> float | None:
@@ -360,6 +389,35 @@ def reachability(ev: Evidence) -> list[Finding]:
     return out
 
 
+def websocket_failing(ev: Evidence) -> list[Finding]:
+    """Fatal when every WebSocket probe of a path got past the TCP connect and still failed:
+    the upgrade refused or hung, or the socket broke before the turn completed."""
+    out = []
+    for path in PATHS:
+        probes = [p for p in ev.path_probes(path) if p.transport == "websocket"]
+        if not probes or any(p.ok for p in probes) or any(p.error_phase in NETWORK_PHASES for p in probes):
+            continue
+        cost = statistics.median(p.marks.get("end", 0.0) for p in probes)
+        where = "the handshake" if all(p.error_phase in ("send", "wait") for p in probes) else "the handshake or turn"
+        out.append(Finding(WEBSOCKET_FAILING, round(cost, 1),
+                           f"{path}: every WebSocket failed in {where}, after {cost:.0f} ms (median): {_errors(probes)}",
+                           True, fatal=True, numbers={"cost_ms": round(cost, 1)}))
+    return out
+
+
+def websocket_handshake(ev: Evidence) -> Finding | None:
+    """The wait for the 101, through the relay if probed (else direct), beside the direct one."""
+    medians = {path: statistics.median(v) for path in PATHS
+               if (v := [h for p in ev.path_probes(path) if p.ok and (h := p.handshake_ms) is not None])}
+    if not medians:
+        return None
+    path = "relayed" if "relayed" in medians else "direct"
+    ms = medians[path]
+    compare = f" (direct: {medians['direct']:.0f} ms)" if path == "relayed" and "direct" in medians else ""
+    return measured(WEBSOCKET_HANDSHAKE, ms, f"upgrade request → 101 took {ms:.0f} ms {path}{compare}",
+                    relayed_ms=medians.get("relayed"), direct_ms=medians.get("direct"))
+
+
 def network_to_relay(ev: Evidence) -> Finding | None:
     """The client↔relay hop: the relayed probe's ttft minus what the relay accounts for."""
     kind = ev.first_kind("relayed tiny", "relayed long")
@@ -523,7 +581,7 @@ class Diagnosis:
 
 def diagnose(ev: Evidence) -> Diagnosis:
     """Every finding the probes (and the relay's records joined to them) support."""
-    findings = reachability(ev)
+    findings = websocket_failing(ev) + reachability(ev)  # the first fatal finding is the verdict
     to_relay = network_to_relay(ev)
     to_upstream = relay_upstream_network(ev)
     findings += [
@@ -535,6 +593,7 @@ def diagnose(ev: Evidence) -> Diagnosis:
             upstream_instability(ev),
             upstream_own_wait(ev),
             direct_network_finding(ev),
+            websocket_handshake(ev),
         ) if f is not None
     ]
     return Diagnosis(findings)
@@ -560,11 +619,81 @@ def render_table(rows: Mapping[str, Mapping[str, Spread]], names: Iterable[str],
     return lines
 
 
+STEP_TITLES = {
+    # phase: (column title, the mark it ends in as curl -w / httpstat name it); WebSocket titles after "/"
+    "dns": ("DNS Lookup", "namelookup"),
+    "tcp": ("TCP Connection", "connect"),
+    "tunnel": ("Proxy Tunnel", "tunnel"),
+    "tls": ("TLS Handshake", "appconnect"),
+    "send": ("Request Sent/Upgrade Sent", "pretransfer"),
+    "wait": ("Server Wait/Wait for 101", "starttransfer/upgraded"),
+    "message": ("Turn Sent", "turn sent"),
+    "head_to_first_token": ("First Token", "first token"),
+}
+BAR_CHARS = {"dns": ".", "tcp": "-", "tunnel": "=", "tls": "~", "send": ">", "wait": "w", "message": "m",
+             "head_to_first_token": "f"}
+BAR_WIDTH = 60
+
+
+def _titled(text: str, websocket: bool) -> str:
+    http_text, _, ws_text = text.partition("/")
+    return ws_text if websocket and ws_text else http_text
+
+
+def httpstat(steps: list[tuple[str, float]], websocket: bool = False) -> list[str]:
+    """httpstat's terminal waterfall for one probe kind: a column per step with its
+    duration, then the running total at the end of each step, staircase-wise."""
+    cells = [(_titled(STEP_TITLES[name][0], websocket), f"{ms:.0f} ms") for name, ms in steps]
+    widths = [max(len(title), len(value)) + 4 for title, value in cells]
+    lines = [" " + "".join(title.center(w) + " " for (title, _), w in zip(cells, widths)).rstrip(),
+             "[" + "|".join(value.center(w) for (_, value), w in zip(cells, widths)) + "]"]
+    ends = [sum(widths[: i + 1]) + i + 1 for i in range(len(widths))]  # column of each "|" (and the "]")
+    lines.append("".join("|" if c in ends else " " for c in range(ends[-1] + 1)))
+    total = 0.0
+    for i, (name, ms) in enumerate(steps):
+        total += ms
+        text = f"{_titled(STEP_TITLES[name][1], websocket)}:{total:.0f} ms"
+        start = max(0, ends[i] - len(text) + 1)
+        row = [" "] * (ends[-1] + 1)
+        for c in ends[i + 1 :]:
+            row[c] = "|"
+        row[start : start + len(text)] = text
+        lines.append("".join(row).rstrip())
+    return lines
+
+
+def render_waterfall(ev: Evidence) -> list[str]:
+    """Per probe kind, the httpstat waterfall of its median phases; then every kind as a bar on one axis."""
+    rows = table(ev)
+    if not rows:
+        return []
+    steps = {kind: [(name, rows[kind][name].median) for name, _ in PROBE_STEPS if name in rows[kind]] for kind in rows}
+    lines = []
+    for kind, kind_steps in steps.items():
+        websocket = any(p.transport == "websocket" for p in ev.of(kind))
+        lines += [f"{kind}{' (WebSocket)' if websocket else ''}: median of {rows[kind]['ttft'].n} probes", "",
+                  *("  " + line for line in httpstat(kind_steps, websocket)), ""]
+    longest = max(sum(ms for _, ms in kind_steps) for kind_steps in steps.values()) or 1.0
+    per_char = longest / BAR_WIDTH
+    lines.append(f"to the first token on one axis (sums of medians; one character ≈ {per_char:.0f} ms):")
+    for kind, kind_steps in steps.items():
+        bar, at = "", 0.0
+        for name, ms in kind_steps:
+            at += ms
+            bar += BAR_CHARS[name] * (round(at / per_char) - len(bar))
+        lines.append(f"  {kind:<14} |{bar:<{BAR_WIDTH}}| {at:.0f} ms")
+    used = {name for kind_steps in steps.values() for name, _ in kind_steps}
+    lines.append("  key: " + "  ".join(f"{BAR_CHARS[name]} {name}" for name, _ in PROBE_STEPS if name in used))
+    return lines
+
+
 def render(ev: Evidence, diagnosis: Diagnosis) -> str:
-    """The whole human report: probe table, the relay's view, findings, verdict."""
+    """The whole human report: probe table, waterfalls, the relay's view, findings, verdict."""
     counts = ", ".join(f"{k} {len(ev.ok(k))}/{len(ev.of(k))}" for k in KINDS if ev.of(k))
     lines = [f"probes ok: {counts}; relay records joined: {len(ev.records)}", ""]
     lines += render_table(table(ev), PROBE_PHASES, "ms, median (min–max)")
+    if waterfall := render_waterfall(ev):
+        lines += ["", *waterfall]
     relay_rows = relay_table(ev)
     if relay_rows:
         lines += [""] + render_table(relay_rows, next(iter(relay_rows.values())).keys(), "the relay's side")

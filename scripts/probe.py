@@ -9,6 +9,11 @@ setup, as a new client would. Only stdlib sockets and ssl: nothing buffers the a
 Marks are ms since the probe began (`diagnosis.PROBE_MARKS`). One deadline covers
 the whole probe: a dead or silent upstream ends in an error naming the phase, never
 in a hang.
+
+`run_websocket_probe` does the same for one turn on a new Responses WebSocket, as
+Codex opens one per session (permessage-deflate offered): the upgrade request, its
+`101`, then one `response.create` and its events, framed by wsproto (a mitmproxy
+dependency).
 """
 
 from __future__ import annotations
@@ -23,9 +28,14 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Ping, RejectConnection, RejectData, Request, TextMessage
+from wsproto.extensions import PerMessageDeflate
+from wsproto.utilities import RemoteProtocolError
+
 from addons.sse import StreamWatcher
 from scripts.diagnosis import ProbeResult
-from scripts.probe_requests import ProbeRequest
+from scripts.probe_requests import ProbeRequest, websocket_headers, websocket_message
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +278,34 @@ def error_excerpt(body: bytes) -> str:
     return str(message or error)[:ERROR_EXCERPT]
 
 
+def _open(run: _Probe, route: Route, tls_context: ssl.SSLContext) -> None:
+    """DNS, TCP, the proxy's tunnel and TLS, as the route needs them."""
+    run.connect(route.first_hop)
+    if route.tunnels:
+        run.tunnel(route.target)
+    if route.target.tls:
+        run.start_tls(route.target, tls_context)
+
+
+def _fail(result: ProbeResult, run: _Probe, error: BaseException, timeout: float) -> None:
+    """The result's error for an exception a probe ended with (the phase is the run's)."""
+    if isinstance(error, TimeoutError):
+        result.error = f"timed out after {timeout:g} s"
+    elif isinstance(error, socket.gaierror):
+        result.error = f"DNS lookup failed: {error.strerror or error}"
+    elif isinstance(error, ssl.SSLError):
+        result.error = f"TLS failed: {error.reason or error}"
+    elif isinstance(error, OSError):
+        result.error = error.strerror or str(error)
+    else:
+        result.error = str(error)
+    result.error_phase = run.phase
+
+
+PROBE_ERRORS = (OSError, ProbeError, RemoteProtocolError)
+"""What a probe can end with (TimeoutError, socket.gaierror and ssl.SSLError are OSErrors)."""
+
+
 def run_probe(
     route: Route,
     request: ProbeRequest,
@@ -286,11 +324,7 @@ def run_probe(
     run = _Probe(result, timeout)
     watcher = StreamWatcher(api)
     try:
-        run.connect(route.first_hop)
-        if route.tunnels:
-            run.tunnel(route.target)
-        if route.target.tls:
-            run.start_tls(route.target, tls_context)
+        _open(run, route, tls_context)
         run.phase = "send"
         run.send(request_bytes(route, request))
         run.mark("sent")
@@ -309,21 +343,93 @@ def run_probe(
             raise ProbeError(f"error in the stream: {watcher.error}")
         if watcher.first_token is None:
             raise ProbeError("the answer carried no token (not an event stream of this API?)")
-    except TimeoutError:
-        result.error = f"timed out after {timeout:g} s"
-    except socket.gaierror as e:
-        result.error = f"DNS lookup failed: {e.strerror or e}"
-    except ssl.SSLError as e:
-        result.error = f"TLS failed: {e.reason or e}"
-    except OSError as e:
-        result.error = e.strerror or str(e)
-    except ProbeError as e:
-        result.error = str(e)
+    except PROBE_ERRORS as e:
+        _fail(result, run, e, timeout)
+        logger.debug("probe %s %s failed in %s: %s", path, prompt, run.phase, result.error)
+    finally:
+        run.close()
+    run.mark("end")
+    return result
+
+
+def run_websocket_probe(
+    route: Route,
+    request: ProbeRequest,
+    *,
+    path: str,
+    prompt: str,
+    api: str,
+    timeout: float,
+    tls_context: ssl.SSLContext,
+) -> ProbeResult:
+    """Open a Responses WebSocket along `route`, send `request` as one turn, time it."""
+    result = ProbeResult(
+        path=path, prompt=prompt, request_id=request.request_id,
+        prompt_tokens=request.prompt_tokens, body_bytes=len(request.body), transport="websocket",
+    )
+    run = _Probe(result, timeout)
+    watcher = StreamWatcher(api)
+    ws = WSConnection(ConnectionType.CLIENT)
+    target = route.target
+    resource = target.url(request.path) if route.proxy is not None and not target.tls else target.prefix + request.path
+    try:
+        _open(run, route, tls_context)
+        run.phase = "send"
+        headers = [(name.encode(), value.encode()) for name, value in websocket_headers(request)]
+        run.send(ws.send(Request(host=target.authority, target=resource, extensions=[PerMessageDeflate()],
+                                 extra_headers=headers)))
+        run.mark("sent")
+        run.phase = "wait"
+        message, rejected, done = [], b"", False
+        while not done:
+            data = run.recv()
+            if not data:
+                raise ProbeError("connection closed before the WebSocket answered" if run.phase == "wait"
+                                 else "connection closed before the turn completed")
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, AcceptConnection):
+                    result.status = 101
+                    run.mark("head")
+                    run.phase = "first_token"
+                    run.send(ws.send(TextMessage(data=websocket_message(request).decode())))
+                    run.mark("message")
+                elif isinstance(event, RejectConnection):
+                    result.status = event.status_code
+                    if not event.has_body:
+                        raise ProbeError(f"the WebSocket upgrade was refused: HTTP {event.status_code}")
+                elif isinstance(event, RejectData):
+                    rejected += event.data
+                    if event.body_finished:
+                        raise ProbeError(f"the WebSocket upgrade was refused: HTTP {result.status}: "
+                                         f"{error_excerpt(rejected)}")
+                elif isinstance(event, TextMessage):
+                    message.append(event.data)
+                    if event.message_finished:
+                        payload = "".join(message).encode()
+                        message.clear()
+                        watcher.feed(b"data: " + payload + b"\n\n", time.perf_counter())
+                        if watcher.first_token is not None and "first_token" not in result.marks:
+                            run.mark("first_token", watcher.first_token)
+                            run.phase = "stream"
+                        done = watcher.done or bool(watcher.error)
+                elif isinstance(event, Ping):
+                    run.send(ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    raise ProbeError(f"the WebSocket closed before the turn completed (code {event.code}"
+                                     f"{': ' + event.reason if event.reason else ''})")
+        if watcher.error:
+            raise ProbeError(f"error in the stream: {watcher.error}")
+        if watcher.first_token is None:
+            raise ProbeError("the turn carried no token")
+    except RemoteProtocolError as e:
+        _fail(result, run, ProbeError(f"WebSocket protocol error: {e}"), timeout)
+    except PROBE_ERRORS as e:
+        _fail(result, run, e, timeout)
     finally:
         run.close()
     if result.error:
-        result.error_phase = run.phase
-        logger.debug("probe %s %s failed in %s: %s", path, prompt, run.phase, result.error)
+        logger.debug("websocket probe %s %s failed in %s: %s", path, prompt, run.phase, result.error)
     run.mark("end")
     return result
 

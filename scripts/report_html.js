@@ -122,9 +122,10 @@
     box.querySelectorAll(".wf-row").forEach((g) => g.addEventListener("click", () => pick(+g.dataset.index)));
     return box;
   }
-  function phaseLegend(names = D.phases) {
+  const used = D.phases.filter((name, k) => { for (let i = 0; i < N; i++) if (ph(i, k)) return true; return false; });
+  function phaseLegend(names = used) {
     return legend(names.map((name) => [phaseColor(name, D.phases.indexOf(name)), name]).concat(
-      [["#c0392b", names === D.phases ? "first token (red line)" : "ttft (red line)"]]));
+      [["#c0392b", names === used ? "first token (red line)" : "ttft (red line)"]]));
   }
 
   let picked = null;
@@ -393,10 +394,9 @@
     if (D.advice) s.appendChild(el("p", {}, esc(D.advice)));
     s.appendChild(el("ul", { class: "findings" }, D.findings.map((f) =>
       `<li class="${f.significant ? "sig" : ""}">${esc(f.cause)}: ${f.fatal ? "" : esc(fmtMs(f.ms)) + " — "}${esc(f.detail)}</li>`).join("")));
-    const w = section("Probe waterfalls", "Each probe on one time axis from the moment it began: DNS, TCP, proxy tunnel, TLS, request sent, wait for the head, head to first token, then the stream. Rows marked “relay's view” are the relay's own record of the same request.");
+    const w = section("Probe waterfalls", "Each probe on one time axis from the moment it began: DNS, TCP, proxy tunnel, TLS, request sent (on a WebSocket: the upgrade), wait for the head (the 101), the turn's message, head to first token, then the stream. A row “↳ the relay's record of it” is the relay's own record of the probe above, placed where the probe sent its request.");
     w.appendChild(waterfall([...Array(N).keys()], {}));
     w.appendChild(phaseLegend());
-    picked = section("Picked probe", "Click a row above.");
   } else {
     app.appendChild(el("p", { class: "note" }, `${N} records · generated ${esc(D.generated)} · first ${new Date(D.t0 * 1000).toISOString().slice(0, 19)} UTC`));
     const slow = section(`Slowest ${D.slowest.length} first tokens`, "One row per request on a shared time axis from the request head (0): a bar per phase on the critical path to the first token (red line), then the stream. Dashed: the longest gap between chunks. Click a row, a dot or a table row to see that request alone below.");

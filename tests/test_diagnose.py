@@ -266,3 +266,101 @@ def test_the_key_never_appears_in_the_output(start_relay, fake):
     assert all(r.header("authorization") == f"Bearer {FAKE_OPENAI_KEY}" for r in fake.received)  # it was sent
     report = orjson.loads(done.stdout)
     assert report["verdict"]["cause"] == diagnosis.UPSTREAM_ERRORS
+
+
+# --- waterfalls and the WebSocket transport -------------------------------------------------
+
+
+def test_httpstat_waterfall_puts_each_running_total_under_its_column_end():
+    lines = diagnosis.httpstat([("dns", 5.0), ("tcp", 10.0), ("wait", 100.0), ("head_to_first_token", 50.0)])
+    assert lines[0].split() == ["DNS", "Lookup", "TCP", "Connection", "Server", "Wait", "First", "Token"]
+    assert lines[1].startswith("[") and lines[1].endswith("]") and lines[1].count("|") == 3
+    assert [c.strip() for c in lines[1][1:-1].split("|")] == ["5 ms", "10 ms", "100 ms", "50 ms"]
+    bars = [i for i, c in enumerate(lines[1]) if c in "|]"]
+    totals = lines[3:]
+    assert [t.strip().split("|")[0].strip() for t in totals] == [
+        "namelookup:5 ms", "connect:15 ms", "starttransfer:115 ms", "first token:165 ms"]
+    for line, bar in zip(totals, bars):  # each total ends at its column's separator
+        assert line.rstrip("| ").endswith(" ms") and len(line.split("|")[0].rstrip()) == bar + 1
+    ws = diagnosis.httpstat([("send", 1.0), ("wait", 40.0)], websocket=True)
+    assert "Upgrade Sent" in ws[0] and "Wait for 101" in ws[0] and "upgraded:41 ms" in ws[-1]
+
+
+def test_the_text_report_draws_every_kind_on_one_axis():
+    probes = [probe_result("direct", "tiny", 100 + i) for i in range(3)] + [
+        probe_result("relayed", "tiny", 400 + i) for i in range(3)]
+    text = diagnosis.render(diagnosis.Evidence(probes), diagnosis.diagnose(diagnosis.Evidence(probes)))
+    assert "direct tiny: median of 3 probes" in text and "starttransfer:" in text
+    direct, relayed = (line for line in text.splitlines() if line.startswith(("  direct tiny ", "  relayed tiny ")))
+    assert relayed.count("w") > 3 * direct.count("w") and relayed.endswith("| 401 ms")
+
+
+def ws_probe(path: str, handshake_ms: float, ttft: float = 500.0, **kw) -> ProbeResult:
+    marks = {"dns": 0.1, "tcp": 0.5, "sent": 1.0, "head": 1.0 + handshake_ms, "message": 1.2 + handshake_ms,
+             "first_token": ttft, "end": ttft + 5}
+    return ProbeResult(path, "tiny", f"{path}-{handshake_ms}", 2, 8, marks, 101, transport="websocket", **kw)
+
+
+def test_a_slow_websocket_handshake_is_its_own_finding_beside_the_direct_one():
+    probes = [ws_probe("direct", 40.0 + i) for i in range(3)] + [ws_probe("relayed", 700.0 + i, ttft=1200.0) for i in range(3)]
+    f = finding(diagnosis.diagnose(diagnosis.Evidence(probes)), diagnosis.WEBSOCKET_HANDSHAKE)
+    assert f.significant and f.ms == pytest.approx(701) and f.numbers["direct_ms"] == pytest.approx(41)
+    assert "(direct: 41 ms)" in f.detail
+    assert probes[3].wait_ms == pytest.approx(1200.0 - 701.2)  # a turn's wait starts at its message
+    fast = [ws_probe("direct", 40.0)]
+    assert not finding(diagnosis.diagnose(diagnosis.Evidence(fast)), diagnosis.WEBSOCKET_HANDSHAKE).significant
+
+
+def test_websockets_failing_past_the_connect_are_the_verdict_and_refused_connects_are_not():
+    broken = [ProbeResult("relayed", "tiny", f"b{i}", 2, 8, {"dns": 0.1, "tcp": 0.4, "sent": 0.5, "head": 2.0,
+                                                             "end": 14.0}, 101, transport="websocket",
+                          error="WebSocket protocol error: Reserved bit set unexpectedly", error_phase="first_token")
+              for i in range(2)]
+    ok_direct = [ws_probe("direct", 40.0)]
+    result = diagnosis.diagnose(diagnosis.Evidence(ok_direct + broken))
+    assert result.failed and result.verdict.cause == diagnosis.WEBSOCKET_FAILING
+    assert "relayed: every WebSocket failed in the handshake or turn, after 14 ms" in result.verdict.detail
+    refused = [ProbeResult("relayed", "tiny", "r", 2, 8, {"dns": 0.1, "end": 0.3}, transport="websocket",
+                           error="Connection refused", error_phase="tcp")]
+    assert diagnosis.diagnose(diagnosis.Evidence(refused)).verdict.cause == diagnosis.RELAY_UNREACHABLE
+
+
+def test_websocket_probe_sends_one_response_create_per_new_socket(fake):
+    fake.behaviour.prefill_ms = 80
+    evidence, result = run_diagnosis("--transport", "websocket", "--upstream", fake.base_url, "--repeat", "2",
+                                     "--long-tokens", "300")
+    assert len(evidence.ok("direct tiny")) == len(evidence.ok("direct long")) == 2 and not result.failed
+    sockets = fake.sockets
+    assert len(sockets) == 5  # the warm-up and four probes, a socket each
+    for s in sockets:
+        assert s.status == 101 and s.extensions and "permessage-deflate" in s.extensions
+        (create,) = s.response_creates
+        assert create["model"] and "stream" not in create and create["max_output_tokens"] == 16
+        assert s.header("x-request-id").startswith("ttft-diag-") and s.header("authorization")
+    for p in evidence.probes:
+        assert p.transport == "websocket" and p.marks["sent"] < p.marks["head"] < p.marks["message"]
+        assert p.wait_ms >= 80  # the prefill, after the turn was sent
+    assert finding(result, diagnosis.WEBSOCKET_HANDSHAKE).ms < p.wait_ms
+
+
+def test_a_refused_websocket_upgrade_is_the_verdict_with_the_time_it_cost(fake):
+    fake.behaviour.status = 426
+    done = run_cli("--transport", "websocket", "--upstream", fake.base_url, "--repeat", "1")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "verdict: WebSocket transport failing" in done.stdout
+    assert "the WebSocket upgrade was refused: HTTP 426" in done.stdout
+
+
+def test_a_slow_websocket_handshake_is_named(fake):
+    fake.behaviour.head_delay_ms = 400  # the fake holds the 101
+    evidence, result = run_diagnosis("--transport", "websocket", "--upstream", fake.base_url, "--repeat", "1",
+                                     "--long-tokens", "100")
+    f = finding(result, diagnosis.WEBSOCKET_HANDSHAKE)
+    assert f.significant and 400 <= f.ms < 400 + SLACK_MS
+
+
+def test_websocket_needs_the_responses_api():
+    with pytest.raises(SystemExit):
+        diagnose.parse_args(["--transport", "websocket", "--api", "openai.chat"])
+    assert diagnose.parse_args(["--transport", "websocket"]).api == "openai.responses"
+    assert diagnose.parse_args([]).api == "openai.chat"

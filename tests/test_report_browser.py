@@ -6,8 +6,10 @@ Screenshots land in test-artifacts/ (gitignored) for a person to look at.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections import Counter
 
 import orjson
 import pytest
@@ -110,3 +112,31 @@ def test_a_request_picked_from_the_table_gets_its_own_waterfall(report_page):
 def test_the_page_fetches_nothing(report_page):
     page, _ = report_page
     assert page.evaluate("performance.getEntriesByType('resource').length") == 0
+
+
+def test_diagnose_html_draws_each_probe_as_its_own_waterfall(fake, tmp_path):
+    fake.behaviour.prefill_ms = 120
+    out = tmp_path / "diagnosis.html"
+    done = subprocess.run([sys.executable, REPO / "scripts" / "diagnose.py", "--upstream", fake.base_url,
+                           "--repeat", "2", "--long-tokens", "300", "--json", "--html", out],
+                          capture_output=True, check=True, env={**os.environ, "OPENAI_API_KEY": "sk-test"}, cwd=REPO)
+    probes = orjson.loads(done.stdout)["probes"]
+    with browser.Browser(tmp_path / "profile") as chromium:
+        page = chromium.open(out.as_uri())
+        page.wait_for("document.body.dataset.rendered")
+        labels = page.evaluate("[...document.querySelectorAll('svg.waterfall .wf-row')].map((g) => g.dataset.id)")
+        tries = Counter()
+        expected_labels = []
+        for p in probes:  # a successful warm-up is dropped: these are the measured tries
+            tries[p["path"], p["prompt"]] += 1
+            expected_labels.append(f"{p['path']} {p['prompt']} #{tries[p['path'], p['prompt']]}")
+        assert sorted(labels) == sorted(expected_labels) and len(labels) == 4
+        first = next(p for p in probes if (p["path"], p["prompt"]) == ("direct", "tiny"))
+        got = bars(page, 'svg.waterfall .wf-row[data-id="direct tiny #1"]')
+        expected = {k: round(v, 1) for k, v in first["phases"].items()  # the page keeps 0.1 ms
+                    if k not in ("ttft", "total") and round(v, 1) > 0}
+        assert {k: v["ms"] for k, v in got.items() if k != "stream"} == pytest.approx(expected, abs=0.01)
+        assert got["head_to_first_token"]["ms"] >= 100  # the prefill
+        verdict = page.evaluate("document.querySelector('.verdict-line').textContent")
+        assert verdict.startswith("verdict: ") or verdict == "nothing stands out"
+        page.screenshot(browser.ARTIFACTS / "diagnose.png")
