@@ -10,7 +10,8 @@ A request over budget is cut down in this order, each step oldest first, until i
    results and the calls they answer) stays whole.
 2. **Drop.** Whole turns — a turn starts at a user prompt, and a call and its results
    never straddle a cut — from the middle: the oldest ones after the pinned head first
-   ("middle-out").
+   ("middle-out"). The head then meets the first kept prompt: two user messages in a
+   row, which Anthropic's Messages API combines into one turn, as its reference says.
 
 Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
 developer message, wherever it is (Anthropic's mid-conversation system messages too);
