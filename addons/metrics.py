@@ -10,6 +10,9 @@ LLM call (each timing record):
     ttft_relay_<phase>_seconds                   the relay's phases: upstream_connect, upstream_tls,
                                                  upstream_wait, client_upload, relay
     ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
+    ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
+                                                 (selfwatch): how late ready work runs
+    ttft_relay_accept_queue_connections          connections waiting to be accepted, per listener
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
-from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 from . import scope
 
@@ -51,7 +54,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
-RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upload", "relay")
+RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upload", "relay", "relay_queue")
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
           "status_class")
 SEMCONV = {
@@ -112,6 +116,18 @@ class RelayMetrics:
         }
         self.trimmed = Counter("ttft_relay_trimmed_tokens", "Prompt tokens removed by trimming.",
                                LABELS, registry=registry)
+        self.loop_lag = Histogram("ttft_relay_event_loop_lag_seconds",
+                                  "How late the relay's event loop ran a timer due every 50 ms: work waiting "
+                                  "for the relay itself.", registry=registry, buckets=LAG_BUCKETS)
+        self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
+                                  "Connections the kernel holds for a listener until the relay accepts them.",
+                                  ("listener",), registry=registry, multiprocess_mode="livesum")
+
+    def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
+        """One sample of the self-watch: the loop's lag, and now and then the accept queues."""
+        self.loop_lag.observe(lag_s)
+        for listener, waiting in (accept_queues or {}).items():
+            self.accept_queue.labels(listener).set(waiting)
 
     def observe(self, rec: Mapping[str, Any]) -> None:
         api = rec["api"]
@@ -225,3 +241,8 @@ class Metrics:
     def timing_record(self, record: Mapping[str, Any], flow: http.HTTPFlow) -> None:
         if self.listen:
             self.metrics.observe(record)
+
+    def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
+        """`selfwatch.SelfWatch.subscribe`'s callback."""
+        if self.listen and self.metrics is not None:
+            self.metrics.observe_load(lag_s, accept_queues)

@@ -6,16 +6,21 @@ default `connection_strategy=eager`, reverse mode (and regular mode on CONNECT)
 opens the upstream connection as soon as the client connects, and mitmproxy
 reads the client's request only once that connection is ready.
 
+    client_arrived          the kernel had the client's connection (its first request) or
+                            this request (a kept-alive connection): `selfwatch`, from TCP_INFO
     client_connect          client connection accepted (only with an early connect, below)
     client_tls              client's TLS handshake with the relay done (same condition)
     request_body            last request body byte from the client
+    body_arrived            the kernel had that last byte (selfwatch)
     forwarded               every request hook has run (trimming included)
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
     upstream_tcp            TCP is up                                           } this request
     upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    head_arrived            the kernel had the response head (selfwatch)
     response_head           response head parsed
     first_byte              first response body chunk
     first_event             first complete SSE event
+    token_arrived           the kernel had the chunk of the first token (selfwatch)
     first_token             first visible output (text, reasoning, tool-call arguments)
     last_token              last visible output
     end                     response complete, or the error
@@ -23,7 +28,7 @@ reads the client's request only once that connection is ready.
 Phases are the request's *critical path*: the slices of the client's wait that
 each hop is responsible for. They do not overlap, and for a streamed answer
 
-    client_upload + relay + upstream_connect + upstream_tls
+    relay_queue + client_upload + relay + upstream_connect + upstream_tls
         + upstream_wait + head_to_first_token == ttft
 
 The client's wait starts at the request head, except for the request that got a
@@ -34,13 +39,22 @@ connected). Before the head, connect and client upload ran side by side; the
 critical path goes through the one that finished last. The client waited on the
 connect if its own TLS handshake ended after the upstream connection was ready
 (it could not send before), or if the body was complete as soon as the head was
-read (`BUFFERED_MS`: it had all been sent): then accept → connect start is the
+read (`BUFFERED_MS`: it had all been sent; by `body_arrived` when known, so a body
+the busy relay read late still counts as sent): then accept → connect start is the
 relay's, the connect and handshake count, and the rest of the pre-head time
 (client TLS handshake) is the client's. Otherwise the client was still sending:
 the whole pre-head time is the client's upload. A
 lazy connect that overlapped the upload counts only where it outlasted
 `forwarded`. A reused connection has no connect or TLS phase.
 
+    relay_queue          bytes the kernel held because the relay's event loop was busy:
+                         a connection waiting to be accepted or a request to be read
+                         (client_arrived → start), a body read late (body_arrived →
+                         request_body), the first token read late (token_arrived →
+                         first_token; the head, for an answer not streamed as tokens).
+                         Only with the `*_arrived` marks; the other phases then hold
+                         only time outside the relay, and the client's wait starts at
+                         client_arrived when that is earlier
     client_upload        client's link: head (and pre-head client time) → last body byte
     relay                last body byte → forwarded, plus forwarded → connect start
                          (or accept → early connect start)
@@ -62,22 +76,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 MARKS = (
+    "client_arrived",
     "client_connect",
     "client_tls",
     "request_body",
+    "body_arrived",
     "forwarded",
     "upstream_connect_start",
     "upstream_tcp",
     "upstream_tls",
+    "head_arrived",
     "response_head",
     "first_byte",
     "first_event",
+    "token_arrived",
     "first_token",
     "last_token",
     "end",
 )
 
 CRITICAL_PHASES = (
+    "relay_queue",
     "client_upload",
     "relay",
     "upstream_connect",
@@ -90,10 +109,12 @@ CRITICAL_PHASES = (
 
 PHASES = CRITICAL_PHASES + ("stream", "ttft", "total")
 
-HEAD_TIME_PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
+HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
 """The phases complete when the response head leaves for the client (Server-Timing)."""
 
 # Verdict words.
+CLIENT_NETWORK = "client network (round trip)"
+RELAY_SATURATED = "relay saturated"
 CLIENT_UPLOAD = "client upload"
 RELAY = "relay"
 UPSTREAM_CONNECT = "upstream connect"
@@ -105,6 +126,7 @@ STREAM_STALL = "stream stall"
 UNKNOWN = "unknown"
 
 PHASE_WORDS = {
+    "relay_queue": "relay queue",
     "client_upload": CLIENT_UPLOAD,
     "relay": RELAY,
     "upstream_connect": UPSTREAM_CONNECT,
@@ -120,6 +142,10 @@ BUFFERED_MS = 5.0
 
 NEAR_TIE = 0.05
 """A later contributor must beat the leader by more than this fraction to win."""
+
+
+ARRIVAL_MARKS = ("client_arrived", "body_arrived", "head_arrived", "token_arrived")
+"""When the kernel had bytes the relay read later: `selfwatch`'s, from TCP_INFO."""
 
 
 def relative_marks(absolute: Mapping[str, float], origin: float) -> dict[str, float]:
@@ -144,6 +170,8 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     """
     m = marks
     body, fwd = m.get("request_body"), m.get("forwarded")
+    # When the kernel had the body: the relay may have read it later (selfwatch).
+    body_in = body if body is None or m.get("body_arrived") is None else min(body, m["body_arrived"])
     conn0, tcp, tls = m.get("upstream_connect_start"), m.get("upstream_tcp"), m.get("upstream_tls")
     head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
 
@@ -160,16 +188,23 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     client_tls, ready = m.get("client_tls"), (tls if tls is not None else tcp)
     connect_gated = early and (
         (client_tls is not None and ready is not None and client_tls >= ready)
-        or (body is not None and body <= BUFFERED_MS)
+        or (body_in is not None and body_in <= BUFFERED_MS)
     )
     pre_relay = conn0 - start if connect_gated else 0.0
     pre_connect = _overlap(start, 0.0, conn0, tcp) if connect_gated else 0.0
     pre_tls = _overlap(start, 0.0, tcp, tls) if connect_gated and tls is not None else 0.0
     pre_client = -start - pre_relay - pre_connect - pre_tls
 
+    # What the kernel held while the relay was busy: before the start, and the body.
+    arrived = m.get("client_arrived")
+    queue = start - arrived if arrived is not None and arrived < start else 0.0
+    start -= queue
+    if body is not None:
+        queue += body - max(body_in, 0.0)
+
     p: dict[str, float] = {}
     if body is not None:
-        p["client_upload"] = pre_client + max(0.0, body)
+        p["client_upload"] = pre_client + max(0.0, body_in)
     sent = None
     if body is not None and fwd is not None:
         relay = pre_relay + max(0.0, fwd - body)
@@ -187,20 +222,32 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
                 p["upstream_tls"] = pre_tls + handshake
         else:
             p["relay"] = relay
+    # The upstream's side ends when the kernel had its bytes; the relay read them later.
+    head_in = head
+    if head is not None and sent is not None and m.get("head_arrived") is not None:
+        head_in = max(sent, min(head, m["head_arrived"]))
     if sent is not None and head is not None:
-        p["upstream_wait"] = max(0.0, head - sent)
+        p["upstream_wait"] = max(0.0, head_in - sent)
     if tokens_expected:
         if head is not None and first is not None:
-            p["head_to_first_token"] = max(0.0, first - head)
+            first_in = first if m.get("token_arrived") is None else max(head_in, min(first, m["token_arrived"]))
+            p["head_to_first_token"] = max(0.0, first_in - head_in)
+            queue += first - first_in
+        elif head is not None:
+            queue += head - head_in
         if first is not None and last is not None:
             p["stream"] = max(0.0, last - first)
         if first is not None:
             p["ttft"] = first - start
-    elif head is not None and end is not None:
-        p["response_body"] = max(0.0, end - head)
-        p["ttft"] = end - start
+    elif head is not None:
+        queue += head - head_in
+        if end is not None:
+            p["response_body"] = max(0.0, end - head)
+            p["ttft"] = end - start
     if end is not None:
         p["total"] = end - start
+    if any(m.get(name) is not None for name in ARRIVAL_MARKS):
+        p["relay_queue"] = queue
     return {name: round(p[name], 3) for name in PHASES if name in p}
 
 
@@ -237,10 +284,23 @@ def stall_ms(marks: Mapping[str, float], max_gap_ms: float | None) -> float:
 
 
 def contributions(
-    phases: Mapping[str, float], *, rtt_ms: float | None, upstream_ms: float | None = None, stall: float = 0.0
+    phases: Mapping[str, float],
+    *,
+    rtt_ms: float | None,
+    upstream_ms: float | None = None,
+    stall: float = 0.0,
+    loop_lag_ms: float | None = None,
+    client_rtt_ms: float | None = None,
 ) -> dict[str, float]:
     """What each hop cost the client, in verdict words, in timeline order.
 
+    The client's request and its first token each cross the client's link once:
+    one round trip (`client_rtt_ms`, the kernel's smoothed RTT of the client
+    connection) that no mark shows, least of all on a kept-alive connection.
+    The relay is saturated by what the kernel held for it (`relay_queue`) or,
+    mid-stream, by a stall its own event loop explains: the part of the longest
+    silence up to the loop's worst lag during the request (`loop_lag_ms`) is the
+    relay's, the rest the stream's.
     The upstream wait always holds one network round trip (the request out, the
     head back): it is split into network and the upstream's own wait, which is how
     a far-away upstream differs from a slow one. Where the upstream says how long it
@@ -254,7 +314,10 @@ def contributions(
         network = max(0.0, wait - upstream_ms)
     else:
         network = min(rtt_ms, wait) if rtt_ms else 0.0
+    relay_stall = min(stall, loop_lag_ms or 0.0)
     return {
+        CLIENT_NETWORK: client_rtt_ms or 0.0,
+        RELAY_SATURATED: max(phases.get("relay_queue", 0.0), relay_stall),
         CLIENT_UPLOAD: phases.get("client_upload", 0.0),
         RELAY: phases.get("relay", 0.0),
         UPSTREAM_CONNECT: phases.get("upstream_connect", 0.0),
@@ -262,7 +325,7 @@ def contributions(
         UPSTREAM_NETWORK: network,
         UPSTREAM_WAIT: wait - network + phases.get("head_to_first_token", 0.0),
         RESPONSE_DOWNLOAD: phases.get("response_body", 0.0),
-        STREAM_STALL: stall,
+        STREAM_STALL: stall - relay_stall,
     }
 
 
@@ -308,13 +371,16 @@ def verdict(
     error: str | None = None,
     error_phase: str | None = None,
     client_aborted: bool = False,
+    loop_lag_ms: float | None = None,
+    client_rtt_ms: float | None = None,
 ) -> str:
     """The request's verdict in words.
 
     1. A client abort: `client aborted in <phase>`; any other failure (transport
        error, error event in the stream, HTTP status >= 400): `error in <phase>`.
     2. Otherwise the dominant contributor of `contributions` (largest, near-ties
-       to the earlier phase): `client upload`, `relay`, `upstream connect`,
+       to the earlier phase): `client network (round trip)`, `relay saturated`,
+       `client upload`, `relay`, `upstream connect`,
        `upstream TLS`, `upstream network (round trip)`, `upstream wait
        (prefill/queue)`, `response download`, or `stream stall` when the longest
        silence mid-stream outlasts every phase before the first token.
@@ -324,7 +390,19 @@ def verdict(
         return f"client aborted in {where}"
     if error:
         return f"error in {where}"
-    return dominant(contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall))
+    return dominant(contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
+                                  loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms))
+
+
+def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None) -> str | None:
+    """What to do about a verdict that is the relay's own, with its numbers; else None."""
+    if verdict != RELAY_SATURATED:
+        return None
+    return (
+        f"The relay was the slow hop: {phases.get('relay_queue', 0.0):.0f} ms in its own queues, its event loop "
+        f"up to {loop_lag_ms or 0.0:.0f} ms late. Run more workers (scripts/relay --workers N, one per core), "
+        "keep other work off its cores, or switch off addons it does not need (relay_timing_console, relay_trim)."
+    )
 
 
 def server_timing(phases: Mapping[str, float]) -> str:

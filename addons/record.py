@@ -40,6 +40,11 @@ meaning or goes away (adding keys is compatible).
                         providers ask for in support tickets, or null
     upstream_processing_ms  the upstream's own processing time as it reports it
                         (`openai-processing-ms`), or null
+    loop_lag_ms         the relay's event loop: its worst lag while the request ran (selfwatch), or null
+    client_rtt_ms       the client connection's smoothed round trip (Linux TCP_INFO), or null
+    client_retransmits  segments the kernel retransmitted to the client during the request, or null
+    upstream_tcp_rtt_ms the upstream connection's smoothed round trip (TCP_INFO: to the next hop), or null
+    upstream_retransmits  segments retransmitted to the upstream during the request, or null
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ logger = logging.getLogger(__name__)
 SCHEMA = 1
 ERROR_MAX = 300
 """Error texts are cut to this many characters: an upstream error event may be long."""
+LINK_KEYS = ("loop_lag_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms", "upstream_retransmits")
+"""What the relay's self-watch learned of a request (`selfwatch.SelfWatch`)."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
 HTTP = "http"
@@ -100,6 +107,7 @@ def build_record(
     prewarm: bool = False,
     upstream_request_id: str | None = None,
     upstream_processing_ms: float | None = None,
+    links: Mapping[str, float | int | None] | None = None,
 ) -> dict[str, Any]:
     """The record of one flow (or WebSocket turn), from plain data (marks relative, in ms).
 
@@ -107,13 +115,14 @@ def build_record(
     decides ttft; `tls_expected`: the upstream speaks https, so a connection
     without a handshake mark failed in TLS. `token_events` is the rate's fallback when the upstream
     reported no output token count. A WebSocket handshake (`turn` 0) has no first
-    token of its own: its phases end at the `101`.
+    token of its own: its phases end at the `101`. `links`: the `LINK_KEYS` known.
     """
     handshake = transport == WEBSOCKET and turn == 0
     p = phases.compute(marks, tokens_expected=tokens_expected)
     if handshake or prewarm:
         # Neither is an answer: their time is in the phases, never a (slow) first token.
         p.pop("ttft", None)
+    links = {key: (links or {}).get(key) for key in LINK_KEYS}
     if (error or client_aborted) and error_phase is None:
         error_phase = phases.error_phase(
             marks, tls_expected=tls_expected, tokens_expected=tokens_expected
@@ -128,6 +137,8 @@ def build_record(
         error=error,
         error_phase=error_phase,
         client_aborted=client_aborted,
+        loop_lag_ms=links["loop_lag_ms"],
+        client_rtt_ms=links["client_rtt_ms"],
     )
     if handshake and (error or client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
@@ -163,6 +174,7 @@ def build_record(
         "prewarm": prewarm,
         "upstream_request_id": upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
         "upstream_processing_ms": upstream_processing_ms,
+        **links,
     }
 
 
@@ -212,6 +224,8 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
         rate = rec.get("output_tokens_per_s")
         stream = f"; {rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}" + (f", {rate} tok/s" if rate else "")
     lines.append(f"Connection {conn}, rtt {_ms(rec.get('rtt_ms'))}{stream}.")
+    if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms")):
+        lines.append(advice)
     if rec.get("error"):
         lines.append(f"Error ({rec.get('error_phase')}): {rec['error']}")
     return "\n".join(lines)

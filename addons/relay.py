@@ -12,6 +12,7 @@ addons; each concern lives in its own module under `addons/`:
     streaming  every response chunk to the client as it arrives
     trim       oversized message histories cut to a token budget
     faults     bounded waits, and upstream failures answered in the API's format
+    selfwatch  the relay's own event-loop lag, accept queues and sockets
     timing     per-phase marks, one record per flow, verdicts
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
@@ -26,6 +27,8 @@ faults.Shutdown and websocket come before timing too: timing's `done` closes the
 and theirs record what is still in flight.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
+selfwatch comes after streaming (it hooks the stream tap) and before timing (which
+reads what it learned); its samples feed the metrics addon.
 """
 
 import sys
@@ -38,8 +41,12 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import (capacity, config, faults, guard, metrics, reload, scope, sseview, streaming, timing,  # noqa: E402
-                    tls, trim, webcolumns, websocket)
+from addons import (capacity, config, faults, guard, metrics, reload, scope, selfwatch,  # noqa: E402
+                    sseview, streaming, timing, tls, trim, webcolumns, websocket)
+
+self_watch = selfwatch.SelfWatch()
+prometheus = metrics.Metrics()
+self_watch.subscribe(prometheus.load_sample)
 
 timings = timing.Timing()
 addons = [
@@ -55,10 +62,11 @@ addons = [
     faults.Shutdown(),
     faults.FailedConnects(),
     faults.Deadlines(),
+    self_watch,
     websocket.WebSocketTurns(timings),
     timings,
     faults.ErrorReplies(),
-    metrics.Metrics(),
+    prometheus,
     sseview.SSEView(),
     webcolumns.CommentColumn(),
     config.OptionsCheck(),

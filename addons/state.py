@@ -40,6 +40,8 @@ class FlowState:
     error_status: int | None = None
     """Status of the relay's own error reply to the client (504 for its timeouts); None: 502."""
     client_aborted: bool = False
+    links: dict[str, Any] | None = None
+    """What the self-watch learned of the request's event loop and sockets (`record.LINK_KEYS`)."""
     recorded: bool = False
     """The timing record has been written: each flow gets exactly one."""
 

@@ -22,7 +22,7 @@ import logging
 import time
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from mitmproxy import ctx, http
@@ -104,10 +104,11 @@ class StreamTap:
     Unix time; flat pairs).
 
     It never returns `b""` for a non-empty chunk: an empty chunk on an HTTP/1
-    chunked response is read by the client as end of body.
+    chunked response is read by the client as end of body. `on_first_token`, if
+    set, is called once, right after the chunk that held the first token.
     """
 
-    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated", "arrivals")
+    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated", "arrivals", "on_first_token")
 
     def __init__(
         self,
@@ -121,6 +122,7 @@ class StreamTap:
         self.view_max = view_max
         self.truncated = False
         self.arrivals = array("d")
+        self.on_first_token: Callable[[], None] | None = None
 
     def __call__(self, chunk: bytes) -> bytes | Iterable[bytes]:
         if self.decoder is not None and chunk:
@@ -136,6 +138,9 @@ class StreamTap:
         if chunk:
             now = time.time()
             self.watcher.feed(chunk, now)
+            if self.on_first_token is not None and self.watcher.first_token is not None:
+                self.on_first_token()
+                self.on_first_token = None
             if not self.truncated:
                 room = self.view_max - len(self.view)
                 if len(chunk) <= room:

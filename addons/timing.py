@@ -337,6 +337,7 @@ class Timing:
             turn=0 if websocket else None,
             upstream_request_id=upstream_request_id(flow.response),
             upstream_processing_ms=upstream_processing_ms(flow.response),
+            links=st.links,
         )
 
 

@@ -34,6 +34,8 @@ import os
 import statistics
 import sys
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -64,14 +66,18 @@ class Window:
     events: int = 0
     cpu: dict[str, float] = field(default_factory=dict)
     load: list[float] = field(default_factory=list)
+    first_by_id: dict[str, float] = field(default_factory=dict)
+    """The client's first token per x-request-id, to hold the relay's records against."""
 
 
-async def one_stream(host: str, port: int, due: float, expected_events: int | None) -> tuple[float, float, int]:
+async def one_stream(host: str, port: int, due: float, expected_events: int | None,
+                     request_id: str = "") -> tuple[float, float, int]:
     """(ms from `due` to the first answer text, worst gap in ms after it, events); raises on failure."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
-                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(BODY), BODY))
+                     b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                     % (host.encode(), port, request_id.encode(), len(BODY), BODY))
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
@@ -103,13 +109,15 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
     tasks = []
 
     async def run(due: float) -> None:
+        request_id = uuid.uuid4().hex
         try:
-            first, gap, events = await asyncio.wait_for(one_stream(u.hostname, u.port, due, expected_events),
-                                                        STREAM_TIMEOUT)
+            first, gap, events = await asyncio.wait_for(
+                one_stream(u.hostname, u.port, due, expected_events, request_id), STREAM_TIMEOUT)
         except Exception:  # every failure is counted, none stops the window
             into.failures += 1
             return
         into.first_ms.append(first)
+        into.first_by_id[request_id] = first
         into.worst_gap_ms.append(gap)
         into.events += events
 
@@ -168,7 +176,37 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.5)  # let connections close before the next window
 
     report(args, rates, setups, results)
+    records_against_clients(rates, setups, results, read_records(bench.tmp))
     return 0
+
+
+def read_records(folder: Path) -> dict[str, dict]:
+    """The relays' timing records (every worker's log), by x-request-id."""
+    found = {}
+    for log in folder.glob("timing*.jsonl"):
+        for line in log.read_bytes().splitlines():
+            rec = orjson.loads(line)
+            found[rec.get("request_id")] = rec
+    return found
+
+
+def records_against_clients(rates: list[float], setups: dict, results: dict[tuple[str, float], Window],
+                            records: dict[str, dict]) -> None:
+    """What the relays' own records say of the same streams: their first token against the
+    client's (the relay must see its own queueing), and their verdicts."""
+    print("the relays' records of the same streams: first token p50 / p99 (the client's), verdicts")
+    for rate in rates:
+        for name in setups:
+            w = results[name, rate]
+            joined = [(records[rid], ms) for rid, ms in w.first_by_id.items() if rid in records]
+            if not joined:
+                continue
+            ours = [rec["ttft_ms"] for rec, _ in joined if rec["ttft_ms"] is not None]
+            theirs = [ms for _, ms in joined]
+            verdicts = Counter(rec["verdict"] for rec, _ in joined).most_common(3)
+            print(f"{rate:>6g} {name:<9} {median(ours):>6.0f} / {percentile(ours, 99):.0f} ms "
+                  f"({median(theirs):.0f} / {percentile(theirs, 99):.0f} ms); "
+                  + ", ".join(f"{v} {n}" for v, n in verdicts) + f" of {len(joined)}")
 
 
 def report(args, rates: list[float], setups: dict, results: dict[tuple[str, float], Window]) -> None:

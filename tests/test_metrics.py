@@ -68,6 +68,19 @@ def test_models_and_hosts_beyond_the_limit_fold_into_other():
     assert models == {"a": 2, "b": 1, "other": 2}
 
 
+def test_the_self_watch_samples_feed_the_lag_and_the_accept_queues():
+    registry = CollectorRegistry()
+    m = metrics.RelayMetrics(registry, 5)
+    m.observe_load(0.002, None)
+    m.observe_load(0.3, {"127.0.0.1:8001": 4})
+    m.observe_load(0.004, {"127.0.0.1:8001": 0, "127.0.0.1:8002": 2})
+    value = registry.get_sample_value
+    assert value("ttft_relay_event_loop_lag_seconds_count") == 3
+    assert value("ttft_relay_event_loop_lag_seconds_bucket", {"le": "0.25"}) == 2
+    assert value("ttft_relay_accept_queue_connections", {"listener": "127.0.0.1:8001"}) == 0
+    assert value("ttft_relay_accept_queue_connections", {"listener": "127.0.0.1:8002"}) == 2
+
+
 def test_listen_addresses():
     assert metrics.parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
     assert metrics.parse_listen("[::1]:0") == ("::1", 0)

@@ -201,3 +201,88 @@ def test_error_phase_is_the_first_unfinished(marks, tls, expected):
 def test_server_timing_has_only_head_time_phases():
     p = phases.compute(stream_marks(), tokens_expected=True)
     assert phases.server_timing(p) == "client_upload;dur=2.0, relay;dur=1.0, upstream_wait;dur=57.0"
+
+
+# --- what the kernel held for a busy relay (selfwatch's *_arrived marks) ------------
+
+
+def test_relay_queue_is_what_the_kernel_held_and_the_wait_starts_at_arrival():
+    # The connection sat 300 ms in the accept queue, the first token 40 ms in the upstream socket.
+    m = stream_marks(client_arrived=-300.0, head_arrived=58.0, token_arrived=62.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["relay_queue"] == pytest.approx(300.0 + 8.0)  # accept queue + the token read 8 ms late
+    assert p["upstream_wait"] == 55.0  # forwarded (3) → head in the kernel (58)
+    assert p["head_to_first_token"] == 4.0  # 58 → 62, the upstream's
+    assert p["ttft"] == 370.0  # what the client saw
+    assert phases.verdict(p) == phases.RELAY_SATURATED
+
+
+def test_without_arrival_marks_there_is_no_relay_queue_phase():
+    assert "relay_queue" not in phases.compute(stream_marks(), tokens_expected=True)
+
+
+def test_arrivals_later_than_the_reads_change_nothing():
+    # A kernel clock a jiffy behind, or the bytes read at once: no queue, the same phases.
+    m = stream_marks(client_arrived=1.0, body_arrived=3.0, head_arrived=61.0, token_arrived=75.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p.pop("relay_queue") == 0.0
+    assert p == phases.compute(stream_marks(), tokens_expected=True)
+
+
+def test_a_body_read_late_by_a_busy_relay_is_not_a_slow_upload():
+    # The "5 ms rule": an eager 400 ms connect; head and body were both in the kernel at
+    # accept, the busy relay read the body 11 ms after the head.
+    m = stream_marks(client_connect=-401.0, upstream_connect_start=-400.0, upstream_tcp=-1.0,
+                     request_body=11.0, forwarded=12.0)
+    before = phases.compute(m, tokens_expected=True)
+    assert before["client_upload"] > 400  # misattributed without the kernel's view
+    m["body_arrived"] = -401.0
+    p = phases.compute(m, tokens_expected=True)
+    assert p["upstream_connect"] == 399.0
+    assert p["client_upload"] == pytest.approx(0.0, abs=1.0)
+    assert p["relay_queue"] == 11.0
+    assert phases.verdict(p) == phases.UPSTREAM_CONNECT
+
+
+def test_not_streamed_answer_read_late():
+    m = {"request_body": 1.0, "forwarded": 2.0, "head_arrived": 50.0, "response_head": 250.0, "end": 260.0}
+    p = phases.compute(m, tokens_expected=False)
+    assert p["upstream_wait"] == 48.0 and p["relay_queue"] == 200.0 and p["response_body"] == 10.0
+    assert p["ttft"] == 260.0
+
+
+def test_a_stall_the_event_loop_explains_is_the_relays():
+    p = phases.compute(stream_marks(), tokens_expected=True)
+    stall = phases.stall_ms(stream_marks(), 600.0)
+    assert phases.verdict(p, stall=stall, loop_lag_ms=550.0) == phases.RELAY_SATURATED
+    assert phases.verdict(p, stall=stall, loop_lag_ms=5.0) == phases.STREAM_STALL
+
+
+def test_the_client_link_is_named_even_on_a_kept_alive_connection():
+    p = phases.compute(stream_marks(), tokens_expected=True)  # every phase small
+    assert phases.verdict(p, client_rtt_ms=400.0) == phases.CLIENT_NETWORK
+    assert phases.verdict(p, client_rtt_ms=0.1) == phases.UPSTREAM_WAIT
+
+
+def test_advice_only_for_a_saturated_relay_with_its_numbers():
+    text = phases.advice(phases.RELAY_SATURATED, {"relay_queue": 312.4}, 287.0)
+    assert "312 ms" in text and "287 ms" in text and "--workers" in text
+    assert phases.advice(phases.UPSTREAM_WAIT, {}, 900.0) is None
+
+
+@given(queue_in=ms, body=ms, body_late=ms, relay=ms, wait=ms, head_late=ms, prefill=ms, token_late=ms)
+def test_phases_with_arrivals_add_up_to_what_the_client_saw(queue_in, body, body_late, relay, wait, head_late,
+                                                            prefill, token_late):
+    # Kernel timeline: arrival, body in, upstream head in, first token in; each read some time later.
+    m = {"client_arrived": -queue_in, "body_arrived": body, "request_body": body + body_late}
+    fwd = m["request_body"] + relay
+    head_in = fwd + wait
+    token_in = head_in + prefill
+    m |= {"forwarded": fwd, "head_arrived": head_in, "response_head": head_in + head_late,
+          "token_arrived": token_in, "first_token": max(token_in, head_in + head_late) + token_late}
+    m |= {"last_token": m["first_token"], "end": m["first_token"]}
+    p = phases.compute(m, tokens_expected=True)
+    assert all(v >= 0 for v in p.values())
+    assert sum(p.get(name, 0.0) for name in ("relay_queue", *CRITICAL_UP_TO_TTFT)) == pytest.approx(p["ttft"], abs=0.01)
+    assert p["ttft"] == pytest.approx(m["first_token"] + queue_in, abs=0.01)
+    assert p["upstream_wait"] == pytest.approx(wait, abs=0.01)

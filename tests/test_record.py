@@ -11,6 +11,7 @@ KEYS = {
     "ttft_ms", "reused_connection", "rtt_ms", "max_gap_ms", "chunks", "bytes",
     "output_tokens_per_s", "prompt_tokens", "usage", "verdict", "error", "error_phase",
     "client_aborted", "trim", "transport", "turn", "prewarm", "upstream_request_id", "upstream_processing_ms",
+    *record.LINK_KEYS,
 }
 
 MARKS = {
@@ -124,3 +125,13 @@ def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_pat
     writer.write({"n": -1})
     writer.close()
     assert len(path.read_bytes().splitlines()) == 2001
+
+
+def test_links_fill_their_keys_and_a_saturated_relay_gets_advice():
+    rec = make(marks={**MARKS, "client_arrived": -900.0},
+               links={"loop_lag_ms": 850.0, "client_rtt_ms": 0.1, "client_retransmits": 0, "ignored": 1})
+    assert rec["loop_lag_ms"] == 850.0 and rec["upstream_retransmits"] is None and "ignored" not in rec
+    assert rec["verdict"] == phases.RELAY_SATURATED
+    assert rec["ttft_ms"] == 1360.0
+    assert "900 ms in its own queues" in record.comment(rec) and "850 ms late" in record.comment(rec)
+    assert "--workers" not in record.comment(make())

@@ -16,7 +16,7 @@ import pytest
 from mitmproxy import addonmanager, ctx, exceptions, master, version
 from mitmproxy.addons import script
 from mitmproxy.hooks import UpdateHook
-from mitmproxy.proxy import mode_servers
+from mitmproxy.proxy import mode_servers, server
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpLayer, HttpRequestHook, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
@@ -58,6 +58,10 @@ PINNED = {
     # 5: the response head is read from the buffer the wrap takes interim heads out of
     "Http1Client.read_headers": (seams._ORIGINAL_READ_RESPONSE_HEADERS, "415454c5fa8b5981"),
     "ReceiveBuffer.maybe_extract_at_most": (ReceiveBuffer.maybe_extract_at_most, "a283b372f1fb7393"),
+    # 6: where a live connection's socket is (selfwatch reads its TCP_INFO)
+    "ServerInstance.handle_stream": (mode_servers.ServerInstance.handle_stream, "21eea06f208c752e"),
+    "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
+    "LiveConnectionHandler.__init__": (server.LiveConnectionHandler.__init__, "2cb1077a21556ca9"),
 }
 
 
@@ -98,6 +102,12 @@ def test_the_lines_the_seams_depend_on():
     # 3: every TCP listener comes from `listen`, and a running instance keeps its servers in `_servers`.
     assert "self._servers = await self.listen(host, port)" in inspect.getsource(mode_servers.AsyncioServerInstance._start)
     assert "asyncio.start_server(self.handle_stream, host, port)" in inspect.getsource(seams._ORIGINAL_LISTEN)
+    # 6: a connection's handler is registered by its client's id; its transports hold asyncio writers.
+    assert "register_connection(handler.layer.context.client.id, handler)" in inspect.getsource(
+        mode_servers.ServerInstance.handle_stream)
+    assert "self.transports[command.connection] = ConnectionIO(" in inspect.getsource(
+        server.ConnectionHandler.open_connection)
+    assert "self.transports[client] = ConnectionIO(" in inspect.getsource(server.LiveConnectionHandler.__init__)
 
 
 def test_install_and_uninstall_restore_mitmproxys_code():

@@ -1,0 +1,90 @@
+"""The relay's self-watch: TCP_INFO read right, the event loop's lag sampled, bytes the kernel held marked."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import sys
+import time
+
+import pytest
+
+from addons import selfwatch
+from tests.harness import connect_many, handshakes_completed
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO as Linux lays it out")
+
+
+def test_parse_tcp_info_reads_the_fields_at_their_offsets():
+    raw = bytearray(selfwatch._TCP_INFO_LEN)
+    struct.pack_into("=II", raw, 24, 7, 4096)
+    struct.pack_into("=I", raw, 52, 1234)
+    struct.pack_into("=I", raw, 68, 25_500)
+    struct.pack_into("=I", raw, 100, 3)
+    assert selfwatch.parse_tcp_info(bytes(raw)) == selfwatch.TcpInfo(7, 4096, 1234, 25.5, 3)
+    assert selfwatch.parse_tcp_info(bytes(raw[:60])) is None
+
+
+def test_no_socket_or_a_closed_one_gives_nothing():
+    assert selfwatch.tcp_info(None) is None
+    s = socket.socket()
+    s.close()
+    assert selfwatch.tcp_info(s) is None
+    assert selfwatch.arrival(None, time.time()) is None
+
+
+@linux
+def test_a_listening_socket_tells_its_accept_queue():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        clients = connect_many(listener.getsockname()[1], 3)
+        try:
+            assert len(handshakes_completed(clients)) == 3
+            info = selfwatch.tcp_info(listener)
+            assert (info.unacked, info.sacked) == (3, 64)
+            listener.accept()[0].close()
+            assert selfwatch.tcp_info(listener).unacked == 2
+        finally:
+            for c in clients:
+                c.close()
+
+
+@linux
+def test_arrival_is_when_the_kernel_had_the_bytes_not_when_they_were_read():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b = listener.accept()[0]
+    with a, b:
+        sent = time.time()
+        a.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(0.3)  # the bytes wait unread: the hold being measured
+        read = time.time()
+        arrived = selfwatch.arrival(b, read)
+        assert arrived is not None
+        assert sent - selfwatch.HOLD_MIN_MS / 1000 <= arrived <= sent + selfwatch.HOLD_MIN_MS / 1000
+        # Read at once: no hold worth a mark.
+        a.sendall(b"more")
+        assert selfwatch.arrival(b, time.time()) is None
+        info = selfwatch.tcp_info(b)
+        assert info.total_retrans == 0 and info.rtt_ms < 100
+
+
+def test_loop_lag_is_how_late_the_timer_fires():
+    samples = []
+    lag = selfwatch.LoopLag(lambda s, tick: samples.append(s), interval=0.01)
+
+    async def main():
+        lag.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.05)
+        before = time.time()
+        time.sleep(0.25)  # the loop is blocked: the CPU hog being measured
+        await asyncio.sleep(0.05)
+        lag.stop()
+        return before
+
+    before = asyncio.run(main())
+    assert max(samples) >= 0.2
+    assert lag.worst(before) == max(samples)
+    assert lag.worst(time.time() + 1) == 0.0
