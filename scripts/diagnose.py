@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts import diagnosis, probe, probe_requests  # noqa: E402
+from scripts import diagnosis, probe, probe_requests, report  # noqa: E402
 
 logger = logging.getLogger("diagnose")
 
@@ -107,11 +107,14 @@ class RelayLog:
         self.offset = path.stat().st_size if path.exists() else 0
 
     def records(self, request_ids: set[str], wait_s: float = RELAY_LOG_WAIT_S) -> dict[str, dict[str, Any]]:
-        """The new records carrying one of `request_ids`, waiting a little for the last ones."""
+        """The new records carrying one of `request_ids`, waiting a little for the last ones.
+        A WebSocket probe's upgrade carries its id, so its handshake (turn 0) and its turn share
+        it: the turn's record is the one wanted, the handshake's stands in if there is no other."""
         deadline = time.monotonic() + wait_s
         while True:
             found = self._read(request_ids)
-            if set(found) >= request_ids or time.monotonic() > deadline:
+            complete = {rid for rid, rec in found.items() if not report.is_handshake(rec)}
+            if complete >= request_ids or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         if request_ids and not found:
@@ -131,7 +134,8 @@ class RelayLog:
                 except orjson.JSONDecodeError:
                     continue  # a line still being written
                 if isinstance(rec, dict) and rec.get("request_id") in request_ids:
-                    found[rec["request_id"]] = rec
+                    if not (report.is_handshake(rec) and rec["request_id"] in found):
+                        found[rec["request_id"]] = rec
             return found
 
 

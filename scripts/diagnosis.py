@@ -191,6 +191,12 @@ class ProbeResult:
         return self.marks["first_token"] - self.marks.get("message", self.setup_ms)
 
     @property
+    def turn_ttft_ms(self) -> float:
+        """What the relay's record of the probe covers up to the first token: the whole
+        request, or on a WebSocket the turn from its message on (the handshake has its own)."""
+        return self.marks["first_token"] - (self.marks["message"] if self.transport == "websocket" else 0.0)
+
+    @property
     def handshake_ms(self) -> float | None:
         """WebSocket: upgrade request written → 101."""
         m = self.marks
@@ -428,8 +434,8 @@ def network_to_relay(ev: Evidence) -> Finding | None:
     if not joined:
         return measured(NETWORK_TO_RELAY, setup, f"connection setup to the relay {setup:.0f} ms ({kind}; "
                         "setup only: pass --relay-log for the full figure)", setup_ms=setup)
-    ms = statistics.median(p.marks["first_token"] - s.accounted for p, s in joined)
-    ttft = ev.median(kind, lambda p: p.marks["first_token"])
+    ms = statistics.median(p.turn_ttft_ms - s.accounted for p, s in joined)
+    ttft = ev.median(kind, lambda p: p.turn_ttft_ms)
     return measured(
         NETWORK_TO_RELAY, ms,
         f"{ms:.0f} ms of the {ttft:.0f} ms first token ({kind}) passed between this machine and the relay "

@@ -215,8 +215,13 @@ def summarize(records: Iterable[Mapping[str, Any]], slowest: int = 5) -> dict[st
     return {key: summarize_group(groups[key], slowest) for key in sorted(groups)}
 
 
-def format_text(report: Mapping[str, Mapping[str, Any]]) -> str:
+def format_text(report: Mapping[str, Mapping[str, Any]], websocket: Mapping[str, int] | None = None) -> str:
+    """The report as text; `websocket`: `websocket_counts` over every group (a handshake
+    names no model, so its group is not its turns' group)."""
     out = []
+    if websocket:
+        out += [f"WebSocket, all upstreams: {websocket['turns']} turns ({websocket['prewarm']} prewarm),"
+                f" {websocket['handshakes']} handshakes ({websocket['failed_handshakes']} failed)", ""]
     for key, g in report.items():
         out.append(f"== {key}: {g['requests']} requests, {g['errors']} errors"
                    f" ({g['client_aborted']} client aborts), {g['reused_connections']} on reused connections")
@@ -277,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        print(format_text(report) if report else "no records")
+        print(format_text(report, websocket_counts(records)) if report else "no records")
     return 0
 
 

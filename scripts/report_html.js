@@ -213,6 +213,7 @@
       if (y == null) continue;
       rows.push(i); tmax = Math.max(tmax, C.t[i]); ymin = Math.min(ymin, y); ymax = Math.max(ymax, y);
     }
+    if (!rows.length) { s.appendChild(el("p", { class: "note" }, "No request with a first token or an end.")); return; }
     const size = D.buckets.size_s;
     const xs = linear(0, Math.max(tmax, size), box[0], box[2], 10);
     xs.ticks = timeTicks(xs.hi, 10);

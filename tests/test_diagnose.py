@@ -364,3 +364,25 @@ def test_websocket_needs_the_responses_api():
         diagnose.parse_args(["--transport", "websocket", "--api", "openai.chat"])
     assert diagnose.parse_args(["--transport", "websocket"]).api == "openai.responses"
     assert diagnose.parse_args([]).api == "openai.chat"
+
+
+def test_websocket_through_the_relay_is_joined_with_its_turn_records_and_reported_apart(start_relay, fake, tmp_path):
+    fake.behaviour.prefill_ms = 150
+    relay = start_relay(reverse_to(fake))
+    log = tmp_path / "timing.jsonl"
+    evidence, result = run_diagnosis("--transport", "websocket", "--upstream", fake.base_url, "--relay", relay.url(),
+                                     "--relay-log", str(log), "--repeat", "2", "--long-tokens", "300")
+    assert not result.failed, result.findings
+    assert len(evidence.ok("relayed tiny")) == len(evidence.ok("relayed long")) == 2
+    joined = [evidence.records[p.request_id] for p in evidence.ok("relayed tiny") + evidence.ok("relayed long")]
+    assert all(rec["transport"] == "websocket" and rec["turn"] == 1 for rec in joined)  # the turn, not the handshake
+    f = finding(result, diagnosis.WEBSOCKET_HANDSHAKE)
+    assert f.numbers["relayed_ms"] is not None and f.numbers["direct_ms"] is not None
+    to_relay = finding(result, diagnosis.NETWORK_TO_RELAY)
+    assert to_relay.ms < 100  # loopback: the turn's records account for its first token, handshake aside
+    sockets = 2 * 4 + 2  # four probes and a warm-up per path; the relayed ones reach the fake through the relay
+    assert len(fake.sockets) == sockets
+    done = subprocess.run([sys.executable, REPO / "scripts" / "report.py", log], capture_output=True, text=True,
+                          check=True)
+    # Its handshake names no model, so each turn and its handshake fall in different groups.
+    assert done.stdout.startswith("WebSocket, all upstreams: 5 turns (0 prewarm), 5 handshakes (0 failed)\n")

@@ -109,3 +109,6 @@ def test_websocket_turns_and_failed_handshakes_are_counted_apart():
     text = report.format_text({"k": g})
     assert "WebSocket: 5 turns (1 prewarm), 2 handshakes (1 failed)" in text
     assert report.summarize(http_requests)["api.example.com · gpt-x"]["websocket"] is None
+    everything = turns + [prewarm] + handshakes + http_requests
+    assert report.format_text({}, report.websocket_counts(everything)).startswith(
+        "WebSocket, all upstreams: 5 turns (1 prewarm), 2 handshakes (1 failed)")

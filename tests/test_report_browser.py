@@ -140,3 +140,16 @@ def test_diagnose_html_draws_each_probe_as_its_own_waterfall(fake, tmp_path):
         verdict = page.evaluate("document.querySelector('.verdict-line').textContent")
         assert verdict.startswith("verdict: ") or verdict == "nothing stands out"
         page.screenshot(browser.ARTIFACTS / "diagnose.png")
+
+
+@pytest.mark.parametrize("lines", [[], [b'{"cut short']], ids=["empty log", "only a broken line"])
+def test_a_log_without_records_still_gives_a_page_that_draws(tmp_path, lines):
+    log = tmp_path / "timing.jsonl"
+    log.write_bytes(b"\n".join(lines))
+    out = tmp_path / "report.html"
+    subprocess.run([sys.executable, REPO / "scripts" / "report.py", log, "--html", out], check=True, capture_output=True)
+    with browser.Browser(tmp_path / "profile") as chromium:
+        page = chromium.open(out.as_uri())
+        page.wait_for("document.body.dataset.rendered", timeout=10)
+        assert page.evaluate("document.querySelectorAll('.wf-row').length") == 0
+        assert "0 records" in page.evaluate("document.body.innerText")
