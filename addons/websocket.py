@@ -273,11 +273,12 @@ class WebSocketTurns:
         end = w.last_chunk if (w.done or w.error) and error is None else time.time()
         marks = turn_marks(turn.started, turn.forwarded, w, end)
         upstream = upstream_name(flow)
+        st = state.get(flow)
         rec = record.build_record(
             id=f"{flow.id}#{turn.number}",
             ts=turn.started,
             api=session.api,
-            model=turn.model or (state.get(flow).model if state.get(flow) else None),
+            model=turn.model or (st.model if st is not None else None),
             stream=True,
             status=flow.response.status_code if flow.response is not None else None,
             upstream=upstream,

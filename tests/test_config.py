@@ -74,3 +74,31 @@ def test_an_option_value_that_does_not_parse_stops_the_relay(confdir):
     )
     assert proc.returncode == 1
     assert "cannot start the relay: Failed to parse option relay_stream" in proc.stdout + proc.stderr
+
+
+def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path):
+    # mitm.conf sets only what differs from the code (the listeners) and lists every relay
+    # option, commented out, with its default: a default changed in code must change there.
+    import os
+    import re
+    import subprocess
+
+    from mitmproxy import optmanager
+
+    from tests.harness import MITMDUMP, RELAY_SCRIPT
+
+    out = subprocess.run([str(MITMDUMP), "--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1",
+                          "-s", str(RELAY_SCRIPT), "--options"],
+                         env={**os.environ, "TTFT_RELAY_CONF": ""}, capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL, check=True).stdout
+    code = {k: v for k, v in optmanager.parse(out).items() if k.startswith("relay_")}
+    conf = config.DEFAULT_CONF.read_text()
+    documented = {m.group(1): optmanager.parse(f"v: {m.group(2)}")["v"]
+                  for m in re.finditer(r"^# (relay_\w+):(.*)$", conf, re.M)}
+    assert not [k for k in config.read_conf(config.DEFAULT_CONF) if k.startswith("relay_")], \
+        "mitm.conf sets relay options: ship the code's defaults, and document them commented out"
+    assert sorted(set(code) - set(documented)) == [], "relay options missing from mitm.conf"
+    assert sorted(set(documented) - set(code)) == [], "mitm.conf documents options the relay does not have"
+    machine_specific = {"relay_timing_log"}  # a path in the checkout
+    assert {k: v for k, v in documented.items() if k not in machine_specific and code[k] != v} == {}
+    assert code["relay_timing_log"].endswith(documented["relay_timing_log"])
