@@ -231,10 +231,11 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
     return "\n".join(lines)
 
 
-def turn_line(rec: Mapping[str, Any]) -> str:
+def turn_line(rec: Mapping[str, Any], slow: bool = False) -> str:
     """One WebSocket turn in a sentence, for the socket's comment in mitmweb."""
     kind = " (prewarm)" if rec.get("prewarm") else ""
-    return f"Turn {rec.get('turn')}{kind}: ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."
+    lead = f"{SLOW_WORD} " if slow else ""
+    return f"{lead}Turn {rec.get('turn')}{kind}: ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."
 
 
 _CLOSE = object()

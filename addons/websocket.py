@@ -47,7 +47,7 @@ from mitmproxy import ctx, http
 from mitmproxy.websocket import WebSocketMessage
 
 from . import apierrors, faults, phases, record, scope, sse, state
-from .timing import SHUTDOWN_ERROR, Timing, upstream_name
+from .timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
@@ -301,5 +301,8 @@ class WebSocketTurns:
         )
         self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.
-        session.turn_lines.appendleft(record.turn_line(rec))
+        slow = self.timing.is_slow(rec)
+        session.turn_lines.appendleft(record.turn_line(rec, slow=slow))
+        if slow:
+            flow.marked = SLOW_MARKER
         flow.comment = "\n".join(line for line in (*session.turn_lines, session.handshake_comment) if line)

@@ -154,3 +154,18 @@ def test_only_the_newest_messages_are_kept(relay):
         sent = [send(turns, f, {"type": "response.create", "model": "m", "n": i}, from_client=True, at=float(i))
                 for i in range(10)]
         assert f.websocket.messages == sent[-3:]
+
+
+def test_a_slow_turn_marks_its_socket_and_a_slow_prewarm_does_not(relay):
+    turns, sink = relay
+    turns.timing.slow_ms = 500
+    f = socket_flow()
+    turns.websocket_start(f)
+    send(turns, f, {"type": "response.create", "model": "m", "generate": False}, from_client=True, at=1000.0)
+    send(turns, f, {"type": "response.completed", "response": {"id": "r0", "usage": {}}}, from_client=False, at=1002.0)
+    assert not f.marked
+    send(turns, f, {"type": "response.create", "model": "m"}, from_client=True, at=1010.0)
+    for i, event in enumerate(responses_events()):
+        send(turns, f, event, from_client=False, at=1010.6 + 0.01 * i)
+    assert f.marked == timing.SLOW_MARKER
+    assert f.comment.split("\n")[0].startswith("SLOW Turn 2: ttft 620 ms")  # the first delta is the third event
