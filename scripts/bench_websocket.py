@@ -8,7 +8,7 @@ machine hits all alike:
 
     direct    client → upstream
     bare      client → mitmdump -s scripts/baseline_stream.py → upstream
-    relay     client → mitmdump -s addons/relay.py → upstream (records every turn)
+    relay-1   client → mitmdump -s addons/relay.py → upstream (records every turn)
 
 It reports, from the client, the time from sending `response.create` to the first
 text delta (p50/p90) and to `response.completed`, the upgrade handshake on a new
@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.fakes.ws_client import WebSocketClient  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream  # noqa: E402
+from tests.harness import BenchSetups, percentile  # noqa: E402
 
 HEADERS = {"authorization": "Bearer sk-bench-FAKEKEY", "openai-beta": "responses_websockets=2026-02-06"}
 TURN = {"type": "response.create", "model": "gpt-5.1-codex",
@@ -72,35 +71,26 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
 
-    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, gap_ms=args.gap_ms, chunks=args.chunks)
-    tmp = Path(tempfile.mkdtemp(prefix="ttft-bench-ws-"))
-    mode = f"reverse:{upstream}@0"
-    relays = {
-        "bare": MitmdumpProcess([mode], tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0}),
-        "relay": MitmdumpProcess([mode], tmp, options={"relay_timing_log": tmp / "timing.jsonl",
-                                                      "relay_timing_console": "false", "flow_detail": 0,
-                                                      "relay_metrics_listen": ""}),
-    }
+    knobs = {"prefill_ms": args.prefill_ms, "gap_ms": args.gap_ms, "chunks": args.chunks}
+    relay_options = {"relay_timing_console": "false", "relay_metrics_listen": ""}
     clients: dict[str, WebSocketClient] = {}
-    try:
-        bases = {"direct": upstream} | {name: proc.start().url() for name, proc in relays.items()}
-        clients = {name: WebSocketClient(ws_url(base), headers=HEADERS) for name, base in bases.items()}
-        for c in clients.values():  # warm-up: first-turn costs
-            one_turn(c)
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in bases}
-        for _ in range(args.turns):
-            for name, c in clients.items():
-                results[name].append(one_turn(c))
-        shakes: dict[str, list[float]] = {name: [] for name in bases}
-        for _ in range(args.handshakes):
-            for name, base in bases.items():
-                shakes[name].append(handshake_ms(base))
-    finally:
-        for c in clients.values():
-            c.close()
-        for proc in relays.values():
-            proc.stop()
-        fake.kill()
+    with BenchSetups(knobs, workers=1, relay_options=relay_options, names=("direct", "bare", "relay-1")) as bench:
+        bases = {name: url for name, (url, _) in bench.setups.items()}
+        try:
+            clients = {name: WebSocketClient(ws_url(base), headers=HEADERS) for name, base in bases.items()}
+            for c in clients.values():  # warm-up: first-turn costs
+                one_turn(c)
+            results: dict[str, list[tuple[float, float]]] = {name: [] for name in bases}
+            for _ in range(args.turns):
+                for name, c in clients.items():
+                    results[name].append(one_turn(c))
+            shakes: dict[str, list[float]] = {name: [] for name in bases}
+            for _ in range(args.handshakes):
+                for name, base in bases.items():
+                    shakes[name].append(handshake_ms(base))
+        finally:
+            for c in clients.values():
+                c.close()
 
     base_ft = statistics.median(ft for ft, _ in results["direct"])
     rows = {}
