@@ -300,8 +300,12 @@ class Timing:
         error, error_phase = st.error, st.error_phase
         client_aborted = st.client_aborted
         if flow.error is not None:
-            error = error or flow.error.msg
-            client_aborted = client_aborted or flow.error.msg.lower().startswith(CLIENT_GONE)
+            gone = flow.error.msg.lower().startswith(CLIENT_GONE)
+            # A client that hangs up after the API's terminal event had the whole answer (Codex stops
+            # reading at response.completed, before the body's end): neither an error nor an abort.
+            if not (gone and w is not None and w.done):
+                error = error or flow.error.msg
+                client_aborted = client_aborted or gone
         if w is not None and w.error:
             error = error or w.error
         if status is not None and status >= 400 and not error:

@@ -41,8 +41,10 @@ from tests.agent_clis import (
     installed_clis,
 )
 from scripts.workers import free_port
+from tests import sse_samples
 from tests.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
-from tests.fakes.replies import THINKING_PIECES, answer_text
+from tests.fakes.client import request
+from tests.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
 from tests.harness import MitmdumpProcess
 
 PREFILL_MS = 200
@@ -466,3 +468,22 @@ def test_claude_fails_a_cut_turn_through_the_relay_as_direct(clis, refusing, fak
     assert "Connection lost mid-response" in results["direct"][1], results
     assert "Server error mid-response" in results["relayed"][1], results
     assert results["relayed"][2] == results["direct"][2], results
+
+
+def test_a_client_hanging_up_after_the_terminal_event_had_a_complete_turn(fake, relay) -> None:
+    """codex reads a Responses stream up to `response.completed` and closes the connection, not waiting for
+    the body's end: the turn is complete, not a client abort (the fake holds the end of the body here)."""
+    events = len(sse_samples.responses_stream(answer_pieces(5)))
+    start = time.time()
+    conn, response = request("POST", f"{relay.reverse_url}/v1/responses", {"model": "gpt-test", "stream": True},
+                             {"x-fake-stall-after-chunks": str(events)})
+    with conn:
+        received = b""
+        for chunk in response.chunks():
+            received += chunk.data
+            if b"response.completed" in received:
+                break
+    fake.release_stalls()
+    (rec,) = relay.wait_records(start, time.time(), 1, "openai.responses")
+    assert (rec["error"], rec["client_aborted"]) == (None, False), rec
+    assert rec["usage"]["output_tokens"] == 5 and "client aborted" not in rec["verdict"], rec
