@@ -1,0 +1,76 @@
+"""The laptop's coding agents through a relay set up as on a VPS: TLS only, relay keys.
+
+Codex CLI (Responses over a WebSocket) and Claude Code (Anthropic Messages) reach a real
+relay whose reverse listeners accept only TLS, present a certificate from mitmproxy's
+`certs` option (a throwaway CA the CLIs are told to trust, as they would trust Let's
+Encrypt) and admit only a relay key, which each CLI sends as its API key; the fake
+upstream must see the upstream key instead. Uses the CLI harness of
+tests/test_agents_e2e.py (installed from npm on first use, skipped without npm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from scripts.workers import free_port
+from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
+from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
+from tests.fakes.replies import answer_text
+
+RELAY_KEY = "relay-key-0123456789-laptop"
+UPSTREAM_KEY = "sk-upstream-FAKEKEY-vps-0123456789"
+PROMPT = "Say hello."
+
+
+@pytest.fixture(scope="module")
+def clis():
+    return installed_clis()
+
+
+@pytest.fixture
+def agent_fake() -> Iterator[FakeUpstream]:
+    with FakeUpstream(behaviour=Behaviour(prefill_ms=50, gap_ms=10)) as upstream:
+        yield upstream
+
+
+@pytest.fixture
+def vps_relay(agent_fake, start_relay, certs, monkeypatch):
+    monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
+    monkeypatch.setenv("UPSTREAM_TEST_KEY", UPSTREAM_KEY)
+    port = free_port()
+    relay = start_relay(f"reverse:{agent_fake.base_url}@{port}", relay_client_tls="all",
+                        certs=f"localhost={certs.cert_and_key_pem}", relay_access_keys="env:RELAY_TEST_KEYS",
+                        relay_upstream_keys="127.0.0.1=env:UPSTREAM_TEST_KEY")
+    relay.wait_for_output("tokenizer ready")
+    return f"https://localhost:{port}"
+
+
+def _upstream_credentials(fake: FakeUpstream) -> set[str]:
+    """Every credential the fake was sent, on HTTP requests and WebSocket upgrades."""
+    return {value for r in [*fake.received, *fake.sockets] for name in ("authorization", "x-api-key")
+            if (value := r.header(name)) is not None}
+
+
+def test_codex_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp_path):
+    with RefusingProxy() as refusing:
+        sandbox = AgentSandbox(tmp_path, refusing.url)
+        sandbox.write_codex_config(vps_relay + "/v1", websockets=True)
+        run = codex_exec(clis, sandbox, PROMPT, sandbox.env(RELAYTEST_OPENAI_KEY=RELAY_KEY,
+                                                            CODEX_CA_CERTIFICATE=str(certs.ca_pem)))
+    answer = codex_answer(run)
+    assert run.returncode == 0 and answer is not None and answer[1] == answer_text(5), run.describe()
+    assert agent_fake.sockets and agent_fake.sockets[0].status == 101, "codex did not use its WebSocket"
+    assert _upstream_credentials(agent_fake) == {f"Bearer {UPSTREAM_KEY}"}  # never the relay key
+
+
+def test_claude_code_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp_path):
+    with RefusingProxy() as refusing:
+        sandbox = AgentSandbox(tmp_path, refusing.url)
+        run = claude_print(clis, sandbox, PROMPT, sandbox.env(
+            ANTHROPIC_BASE_URL=vps_relay, ANTHROPIC_API_KEY=RELAY_KEY, NODE_EXTRA_CA_CERTS=str(certs.ca_pem)))
+    result = claude_result(run)
+    assert run.returncode == 0 and result is not None and result["result"] == answer_text(5), run.describe()
+    credentials = _upstream_credentials(agent_fake)
+    assert credentials and credentials <= {UPSTREAM_KEY, f"Bearer {UPSTREAM_KEY}"}  # never the relay key
