@@ -82,6 +82,7 @@ class ErrorReplies:
 
     def load(self, loader) -> None:
         seams.install(self.render)
+        seams.answer_trailers()
 
     def done(self) -> None:
         seams.uninstall()
@@ -190,8 +191,21 @@ def next_deadline(p: Progress, limits: Limits, now: float) -> tuple[float, str |
             due.append((now + limits.idle, None))
         else:
             quiet_since = max(t for t in (p.head, p.first_token, p.last_chunk) if t is not None)
-            due.append((quiet_since + limits.idle, f"stream idle for {limits.idle:g} s"))
+            due.append((quiet_since + limits.idle, f"{IDLE} {limits.idle:g} s"))
     return min(due, key=lambda d: d[0]) if due else None
+
+
+IDLE = "stream idle for"
+
+
+def client_backlogged(flow: http.HTTPFlow) -> bool:
+    """Whether the relay holds bytes for this flow's client that the client has not
+    taken yet (its receive window is full): mitmproxy then stops reading the upstream."""
+    proxyserver = ctx.master.addons.get("proxyserver")
+    handler = proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
+    io = handler.transports.get(flow.client_conn) if handler else None
+    transport = getattr(getattr(io, "writer", None), "transport", None)
+    return transport is not None and transport.get_write_buffer_size() > 0
 
 
 def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
@@ -289,6 +303,8 @@ class Deadlines:
         st = state.get(flow)
         if st is not None and flow.error is not None and flow.error.msg == CONNECT_TIMEOUT.format(self.connect_timeout):
             st.error_status = 504
+        elif st is not None and flow.error is not None and flow.error.msg == seams.REQUEST_TRAILERS:
+            st.error_phase = "relay"  # the relay cannot forward them (seams answered 501)
 
     def _forget(self, flow: http.HTTPFlow) -> None:
         if entry := self.timers.pop(flow, None):
@@ -319,6 +335,11 @@ class Deadlines:
         if due is None:
             return
         at, failure = due
+        if failure is not None and at <= now and failure.startswith(IDLE) and client_backlogged(flow):
+            # The relay stopped reading the upstream because this client stopped reading
+            # what it already has: the silence is the client's, not the stream's.
+            logger.debug("%s: client not reading; idle deadline deferred", flow.request.host)
+            at = now + self.limits.idle
         if at > now:
             timer = asyncio.get_running_loop().call_later(at - now, self._check, flow)
             self.timers[flow] = (started, timer)

@@ -47,7 +47,7 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from . import apierrors, scope, seams, state
+from . import apierrors, record, scope, seams, state
 
 logger = logging.getLogger(__name__)
 
@@ -615,7 +615,6 @@ _HEADER_IN_TEXT = re.compile(
 """A credential header written out: its value runs to the end of the line (or of
 the header in a bytes repr, where `\\r\\n` separates them)."""
 _PARAM_IN_TEXT = re.compile(r"([?&;])([A-Za-z0-9_-]+)=([^&\s'\"\\#]*)")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def _redact_header(m: re.Match) -> str:
@@ -628,18 +627,12 @@ def _redact_param(m: re.Match) -> str:
     return m.group(0) if not value or not SECRET_PARAM_NAME.fullmatch(name) else f"{lead}{name}={REDACTED}"
 
 
-def escape_controls(text: str) -> str:
-    """Control characters (escape codes, carriage returns; not newlines or tabs)
-    written as `\\x1b` and the like, so no text can forge or repaint a line."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
-
-
 def safe_log_text(text: str) -> str:
     """A log message with credentials in it redacted (header lines and query
     parameters, as mitmproxy prints raw request bytes), control characters escaped,
     and each line cut to MAX_LOG_LINE characters."""
     text = _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, text))
-    lines = escape_controls(text).split("\n")
+    lines = record.printable(text, keep="\n\t").split("\n")
     return "\n".join(
         line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}… ({len(line) - MAX_LOG_LINE} more characters)"
         for line in lines
@@ -652,7 +645,8 @@ class LogRedaction:
     it. mitmproxy logs some requests outside any flow, where flow redaction cannot
     reach: a bad request line, a head the client abandoned, both with the raw bytes
     (`Authorization: Bearer …`, `?key=…`). Done with the standard library's log
-    record factory, so no handler is missed."""
+    record factory, so no handler is missed. A refused setting (OptionsError) is
+    logged as one line with its reason instead of a traceback."""
 
     def __init__(self) -> None:
         self.previous: Callable[..., logging.LogRecord] | None = None
@@ -668,15 +662,19 @@ class LogRedaction:
         self.previous = None
 
     def _record(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = (self.previous or logging.LogRecord)(*args, **kwargs)
+        rec = (self.previous or logging.LogRecord)(*args, **kwargs)
         try:
-            message = record.getMessage()
+            message = rec.getMessage()
         except Exception:  # a broken format string: the handler reports it as usual
-            return record
+            return rec
+        if rec.exc_info and isinstance(rec.exc_info[1], exceptions.OptionsError):
+            # A setting refused (the script loader logs it with a traceback): the
+            # reason is the message, one line.
+            message, rec.exc_info = f"{message}: {rec.exc_info[1]}", None
         safe = safe_log_text(message)
-        if safe != message:
-            record.msg, record.args = safe, None
-        return record
+        if safe != rec.msg or rec.args:
+            rec.msg, rec.args = safe, None
+        return rec
 
 
 class SecretRedaction:

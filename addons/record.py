@@ -53,6 +53,7 @@ import asyncio
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -178,6 +179,16 @@ def build_record(
     }
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: Any, keep: str = "") -> str:
+    """`text` for a line of text output: control characters (newlines too, unless
+    in `keep`) written as `\\n`, `\\x1b`, ..., so a value (a model name, an error
+    text) cannot start a line of its own or repaint the terminal."""
+    return _CONTROL.sub(lambda m: m.group(0) if m.group(0) in keep else repr(m.group(0))[1:-1], str(text))
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
@@ -195,7 +206,7 @@ def top_phases(rec: Mapping[str, Any], n: int = 3) -> list[tuple[str, float]]:
 def summary_line(rec: Mapping[str, Any]) -> str:
     """One line for the console: who, ttft, the biggest phases, the verdict."""
     biggest = ", ".join(f"{name} {ms:.0f}" for name, ms in top_phases(rec))
-    return (
+    return printable(
         f"{rec.get('upstream')} {rec.get('api')} {rec.get('model') or '?'} "
         f"{rec.get('status') or 'ERR'} ttft {_ms(rec.get('ttft_ms'))}"
         f" [{biggest}] → {rec.get('verdict')}"
@@ -227,7 +238,7 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
     if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms")):
         lines.append(advice)
     if rec.get("error"):
-        lines.append(f"Error ({rec.get('error_phase')}): {rec['error']}")
+        lines.append(printable(f"Error ({rec.get('error_phase')}): {rec['error']}"))
     return "\n".join(lines)
 
 

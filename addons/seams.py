@@ -58,6 +58,14 @@ if the code patched here changes shape. Everything else the relay does uses hook
    (`flow.request.stream`, which the relay never sets on keyed listeners) would go
    out as the flow holds it.
 
+2f. HTTP/1 trailers (fields after a chunked body's last chunk) make mitmproxy's
+   `Http1Connection.read_body` raise NotImplementedError: "mitmproxy has crashed!",
+   no answer, no record, and the client waits until it gives up. The wrap turns that
+   into a protocol error of the flow: from a client, a 501 saying so
+   (`REQUEST_TRAILERS`, mitmproxy's error page, as for its own 400s); from the
+   upstream, `RESPONSE_TRAILERS` (an upstream failure like any other); then the
+   connection closes.
+
 3. mitmproxy listens with asyncio's default backlog of 100. In a burst of new
    connections larger than that, while the one event loop is busy, the kernel's
    accept queue overflows and the clients it drops wait for a SYN retransmit:
@@ -133,8 +141,9 @@ from mitmproxy.proxy.layers.http import (
     ResponseHeaders,
     SendHttp,
 )
-from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
-from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Server, make_error_response
+from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server, make_error_response
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +159,7 @@ _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
 _ORIGINAL_CHECK_KILLED = HttpStream.check_killed
 _ORIGINAL_READ_HEADERS = Http1Server.read_headers
+_ORIGINAL_READ_BODY = Http1Connection.read_body
 _ORIGINAL_CONSUME_REQUEST_BODY = HttpStream.state_consume_request_body
 _ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 _ORIGINAL_TRIGGER_EVENT = addonmanager.AddonManager.trigger_event
@@ -311,6 +321,33 @@ def _outgoing_head(stream: HttpStream, command: Any) -> list[SendHttp] | None:
     sent = command.event.request.copy()
     change(sent)
     return [SendHttp(RequestHeaders(command.event.stream_id, sent, command.event.end_stream), command.connection)]
+
+
+REQUEST_TRAILERS = "HTTP/1 request trailers are not supported by the relay (send the request without them)"
+RESPONSE_TRAILERS = "the upstream sent HTTP/1 trailers, which the relay cannot pass on"
+
+
+def answer_trailers() -> None:
+    """Trailers become a flow's protocol error instead of a crash (see 2f above)."""
+    Http1Connection.read_body = _read_body  # type: ignore[method-assign]
+
+
+def _read_body(self: Http1Connection, event: events.Event) -> layer.CommandGenerator[None]:
+    try:
+        yield from _ORIGINAL_READ_BODY(self, event)
+    except NotImplementedError as e:
+        if "trailers" not in str(e):
+            raise
+        if isinstance(self, Http1Server):
+            # As for mitmproxy's own 400s, the server side answers: a request error
+            # sends nothing to the client.
+            yield commands.SendData(self.conn, make_error_response(501, REQUEST_TRAILERS))
+            error: Any = RequestProtocolError(self.stream_id, REQUEST_TRAILERS, ErrorCode.GENERIC_CLIENT_ERROR)
+        else:
+            error = ResponseProtocolError(self.stream_id, RESPONSE_TRAILERS, ErrorCode.GENERIC_SERVER_ERROR)
+        yield ReceiveHttp(error)
+        yield commands.CloseConnection(self.conn)
+        self.state = self.done
 
 
 def limit_request_heads(limit: int) -> None:

@@ -31,7 +31,8 @@ from typing import Any
 
 import orjson
 from mitmproxy import command, ctx, exceptions, flow, hooks, http
-from mitmproxy.proxy import server_hooks
+from mitmproxy.flow import Error as FlowError
+from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from . import logrotation, phases, record, sse, state, streaming
@@ -150,7 +151,11 @@ class Timing:
             return
         self._close_writer()
         if path:
-            self.writer = record.RecordWriter(path, rotation)
+            try:
+                self.writer = record.RecordWriter(path, rotation)
+            except OSError as e:  # one line, not a traceback (at start mitmproxy then exits)
+                where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+                raise exceptions.OptionsError(f"relay_timing_log: cannot write {path}: {e.strerror or e}{where}") from None
 
     def done(self) -> None:
         # mitmproxy runs `done` before it cancels the connections, whose flows would
@@ -296,6 +301,10 @@ class Timing:
         # A CONNECT's response is the proxy's own, never the upstream's.
         upstream_answered = flow.response is not None and flow.request.method != "CONNECT"
         status = flow.response.status_code if upstream_answered else None
+        if (status is not None and flow.error is not None and not flow.response.stream
+                and flow.error.msg != FlowError.KILLED_MESSAGE):  # killed: the relay answered it itself
+            # The upstream's head was held for its body, which failed: the client got the relay's error.
+            status = st.error_status or 502
         w = st.watcher
         error, error_phase = st.error, st.error_phase
         client_aborted = st.client_aborted
@@ -348,6 +357,11 @@ class Timing:
 def upstream_name(flow: http.HTTPFlow) -> str:
     """The upstream as "host", or "host:port" on a non-default port."""
     req = flow.request
+    mode = flow.client_conn.proxy_mode
+    if not req.host and isinstance(mode, mode_specs.ReverseMode):
+        # Refused before mitmproxy filled in the target (header validation): the listener's.
+        (host, port), default = mode.address, 443 if mode.scheme in ("https", "http3") else 80
+        return host if port == default else f"{host}:{port}"
     default = 443 if req.scheme == "https" else 80
     return req.host if req.port == default else f"{req.host}:{req.port}"
 

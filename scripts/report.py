@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from addons import phases  # noqa: E402
+from addons import phases, record  # noqa: E402
 
 QUANTILES = (50, 90, 99)
 METRICS = phases.PHASES
@@ -129,7 +129,7 @@ def counts_as_first_token(rec: Mapping[str, Any]) -> bool:
 
 
 def group_key(rec: Mapping[str, Any]) -> str:
-    return f"{rec.get('upstream')} · {rec.get('model') or '?'}"
+    return record.printable(f"{rec.get('upstream')} · {rec.get('model') or '?'}")  # one line, whatever the model
 
 
 def websocket_counts(records: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:

@@ -38,7 +38,7 @@ def test_safe_log_text_redacts_keys_in_raw_request_bytes():
 
 
 def test_safe_log_text_escapes_controls_and_caps_each_line():
-    assert guard.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\x0dfake line\nnext"
+    assert guard.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\rfake line\nnext"
     line = guard.safe_log_text("a" * 10_000 + "\nshort")
     first, second = line.split("\n")
     assert len(first) < guard.MAX_LOG_LINE + 40 and first.endswith("(8000 more characters)") and second == "short"

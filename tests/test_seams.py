@@ -34,6 +34,7 @@ PINNED = {
     "HttpStream.check_killed": (seams._ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
     "HttpStream.state_wait_for_request_headers": (HttpStream.state_wait_for_request_headers, "3706d5d5ce01dcd4"),
     "Http1Server.read_headers": (seams._ORIGINAL_READ_HEADERS, "3fe0945216bcf7bc"),
+    "Http1Connection.read_body": (seams._ORIGINAL_READ_BODY, "aece271029af36e4"),
     "HttpStream.state_consume_request_body": (seams._ORIGINAL_CONSUME_REQUEST_BODY, "45459c1bbd8bdb1a"),
     "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
     "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
@@ -99,6 +100,11 @@ def test_the_lines_the_seams_depend_on():
     # 2e: the request's head goes upstream as one SendHttp(RequestHeaders) after the request hook.
     src = inspect.getsource(seams._ORIGINAL_CONSUME_REQUEST_BODY)
     assert src.index("yield HttpRequestHook(self.flow)") < src.index("RequestHeaders(")
+    # 2f: trailers end the body reader with NotImplementedError, and a client's
+    # protocol error sends the client nothing (the server side answers it).
+    assert 'raise NotImplementedError(f"HTTP trailers are not implemented yet.")' in inspect.getsource(
+        seams._ORIGINAL_READ_BODY)
+    assert "if isinstance(event, ResponseProtocolError):" in inspect.getsource(seams._ORIGINAL_HANDLE_PROTOCOL_ERROR)
     # 3: every TCP listener comes from `listen`, and a running instance keeps its servers in `_servers`.
     assert "self._servers = await self.listen(host, port)" in inspect.getsource(mode_servers.AsyncioServerInstance._start)
     assert "asyncio.start_server(self.handle_stream, host, port)" in inspect.getsource(seams._ORIGINAL_LISTEN)
