@@ -97,7 +97,13 @@ class RelayConfig:
     def load(self, loader) -> None:
         if self.path is None:
             return
-        self.applied = conf_values(self.path, self.argv, ctx.options)
+        try:
+            self.applied = conf_values(self.path, self.argv, ctx.options)
+        except exceptions.OptionsError as e:
+            # Raised from `load`, mitmproxy would drop the script without a word (see
+            # OptionsCheck); an error logged at start-up stops mitmdump with the reason.
+            logger.error("cannot start the relay: %s", e)
+            return
         ctx.options.update_defer(**self.applied)
         logger.debug("applied %s from %s", ", ".join(self.applied) or "nothing", self.path)
 

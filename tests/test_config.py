@@ -45,11 +45,15 @@ def test_conf_applies_below_command_line(tmp_path):
         assert tctx.options.deferred["relay_future_option"] == 5  # set when declared
 
 
-def test_conf_must_not_load_scripts(tmp_path):
+def test_conf_must_not_load_scripts(tmp_path, caplog):
     path = _conf(tmp_path, "scripts: [addons/relay.py]\n")
     with taddons.context() as tctx:
-        with pytest.raises(exceptions.OptionsError, match="scripts"):
-            tctx.master.addons.add(config.RelayConfig(path, argv=["x"]))
+        addon = config.RelayConfig(path, argv=["x"])
+        tctx.master.addons.add(addon)
+        assert addon.applied == {}
+    # An error logged at start-up, which stops mitmdump (the end-to-end test below).
+    assert any(r.levelname == "ERROR" and "'scripts' belongs on the command line" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_conf_errors_are_clear(tmp_path):
@@ -59,7 +63,14 @@ def test_conf_errors_are_clear(tmp_path):
         config.read_conf(_conf(tmp_path, "mode: [unclosed\n"))
 
 
-def test_an_option_value_that_does_not_parse_stops_the_relay(confdir):
+@pytest.mark.parametrize(
+    "conf, args, reason",
+    [
+        ("", ["--set", "relay_stream=False"], "Failed to parse option relay_stream"),
+        ("/nonexistent/mitm.conf", [], "cannot read /nonexistent/mitm.conf"),
+    ],
+)
+def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, confdir):
     # mitmproxy would drop the relay script without a word and go on as a bare, buffering proxy.
     import os
     import subprocess
@@ -68,12 +79,12 @@ def test_an_option_value_that_does_not_parse_stops_the_relay(confdir):
 
     proc = subprocess.run(
         [str(MITMDUMP), "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1", "-p", "0",
-         "-s", str(RELAY_SCRIPT), "--set", "relay_stream=False", "--set", "relay_metrics_listen="],
-        env={**os.environ, "TTFT_RELAY_CONF": ""}, capture_output=True, text=True, timeout=60,
+         "-s", str(RELAY_SCRIPT), "--set", "relay_metrics_listen=", *args],
+        env={**os.environ, "TTFT_RELAY_CONF": conf}, capture_output=True, text=True, timeout=60,
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 1
-    assert "cannot start the relay: Failed to parse option relay_stream" in proc.stdout + proc.stderr
+    assert f"cannot start the relay: {reason}" in proc.stdout + proc.stderr
 
 
 def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path):
