@@ -18,6 +18,8 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   `scripts/report 'logs/timing*.jsonl'` reads them together.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
   this process serves the one scrape endpoint (`relay_metrics_listen`).
+- The children die with the supervisor, even on kill -9 (Linux: PR_SET_PDEATHSIG;
+  the workers then stop cleanly), and a listen port already taken stops start-up.
 - Ctrl-C (SIGINT) or SIGTERM stops every worker, each answering and recording its flows
   in flight, while HAProxy soft-stops (no new connections; what is under way goes on).
 - SIGHUP goes on to every worker (each reopens its log and re-reads certificates).
@@ -34,6 +36,7 @@ With `--workers 1`, or without haproxy on PATH, it runs the single process exact
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -73,6 +76,35 @@ RESTART_PAUSE = (1.0, 30.0)
 """Pause before restarting a dead worker: doubles from the first while it keeps dying
 within a minute of its start, up to the second."""
 STOP_TIMEOUT = 15.0
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when the supervisor dies,
+    however it dies (kill -9 included). Linux only; elsewhere children outlive a
+    killed supervisor."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != _SUPERVISOR_PID:  # the supervisor died before the prctl took
+            os._exit(1)
+
+
+PR_SET_PDEATHSIG = 1
+_SUPERVISOR_PID = os.getpid()
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+"""Looked up before any fork: the child only calls it."""
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether someone listens on host:port already. HAProxy binds with SO_REUSEPORT,
+    so a second one would share a port a first one (or any relay) holds; binding
+    without it tells."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError:
+            return True
+    return False
 
 
 def log(msg: str) -> None:
@@ -196,6 +228,8 @@ def haproxy_config(listeners: list[Listener], health_ports: list[int], runtime_s
     lines = [
         "global",
         f"    stats socket {runtime_socket} mode 600 level admin",
+        # Never share a listen port with another process (a second relay, a stale HAProxy).
+        "    noreuseport",
         "defaults",
         "    mode tcp",
         "    balance leastconn",
@@ -239,7 +273,8 @@ class HAProxy:
         if check.returncode != 0:
             raise SystemExit(f"haproxy rejects the generated configuration:\n{check.stdout}{check.stderr}")
         # -db: stay in the foreground, so this process supervises it.
-        self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config_path)], process_group=0)
+        self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config_path)], process_group=0,
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 10
         while not self.socket_path.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -294,7 +329,9 @@ class Worker:
 
     def start(self) -> None:
         # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, process_group=0)
+        # SIGTERM if the supervisor dies: a clean stop (records written, clients told).
+        self.proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, process_group=0,
+                                     preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
         self.restart_at = None
 
@@ -319,8 +356,10 @@ class Supervisor:
         if exposed and not self.opts.relay_allow_open_proxy:
             # The workers listen on loopback and cannot see HAProxy's addresses: check here.
             raise SystemExit("refusing to start as an open proxy: " + "; ".join(exposed))
-        self.workdir = Path(tempfile.mkdtemp(prefix="ttft-relay-workers-"))
         self.listeners = listeners(self.opts, workers)
+        if taken := [f"{lst.host or '*'}:{lst.port}" for lst in self.listeners if port_taken(lst.host, lst.port)]:
+            raise SystemExit(f"refusing to start: {', '.join(taken)} is taken (another relay running?)")
+        self.workdir = Path(tempfile.mkdtemp(prefix="ttft-relay-workers-"))
         health_ports = [free_port() for _ in range(workers)]
         self.haproxy = HAProxy(self.workdir, self.listeners, health_ports)
         metrics_dir = self.workdir / "metrics"

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -202,3 +203,44 @@ def test_ctrl_c_with_streams_in_flight_records_and_tells_every_one(fake, tmp_pat
         assert sup.proc.wait(30) == 0
     recs = [orjson.loads(line) for p in tmp_path.glob("timing.*.jsonl") for line in p.read_bytes().splitlines()]
     assert len(recs) == len(streams) and all(r["error"] == "relay shutting down" for r in recs), recs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None,
+                    reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+def test_the_supervisors_children_die_with_it_and_a_second_one_refuses_the_port(fake, tmp_path, confdir):
+    port = workers.free_port()
+    args = ["--workers", "2", "--mode", reverse_to(fake).replace("@0", f"@{port}"), "--listen-host", "127.0.0.1",
+            "--set", f"confdir={confdir}", "--set", f"relay_timing_log={tmp_path / 'timing.jsonl'}",
+            "--set", "relay_metrics_listen="]
+    sup = Supervised(args)
+    try:
+        sup.wait_for(r"2 workers behind haproxy")
+        second = Supervised(args)
+        try:
+            assert second.proc.wait(60) != 0
+        finally:
+            if second.proc.poll() is None:
+                second.proc.send_signal(signal.SIGINT)
+                second.proc.wait(30)
+        second.wait_for(rf"127\.0\.0\.1:{port} is taken")
+        conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT, timeout=20)
+        with conn:
+            assert resp.status == 200 and resp.read()  # the first one still serves
+        children = sup.children("mitmdump") + sup.children("haproxy")
+        assert len(children) == 3
+    finally:
+        sup.proc.kill()  # kill -9: no chance to stop anything itself
+        sup.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval
+    assert not [pid for pid in children if _alive(pid)]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
