@@ -374,16 +374,11 @@ def test_claude_streams_as_soon_through_the_relay_as_direct(claude_pair: ClaudeP
 def test_claude_turn_has_one_record(claude_pair: ClaudePair) -> None:
     run = claude_pair.relayed.run
     (rec,) = claude_pair.relay.wait_records(run.started_at, run.ended_at, 1, "anthropic.messages")
-    assert rec["status"] == 200 and rec["stream"] is True and rec["error"] is None
+    assert rec["status"] == 200 and rec["stream"] is True and rec["error"] is None, rec
+    assert (rec["transport"], rec["turn"], rec["prewarm"]) == ("http", None, False)
     assert rec["usage"]["output_tokens"] == len(THINKING_PIECES) + 5  # as the fake's message_delta says
     (sent,) = claude_pair.relayed.sent
     assert_first_token_as_the_fake_wrote_it(rec, sent.first_token_at - sent.request.at)
-
-
-def test_claude_record_says_http_transport(claude_pair: ClaudePair) -> None:
-    run = claude_pair.relayed.run
-    (rec,) = claude_pair.relay.wait_records(run.started_at, run.ended_at, 1, "anthropic.messages")
-    assert (rec["transport"], rec["turn"], rec["prewarm"]) == ("http", None, False)
 
 
 # --- what the clients do with the relay's errors -----------------------------------------------------
@@ -438,6 +433,18 @@ def test_claude_answers_a_first_token_timeout_with_a_non_streamed_resend(clis, r
     assert ["first token" in (r["error"] or "") for r in records] == [True, False], records
 
 
+def test_claude_without_its_non_streamed_fallback_reports_the_relays_timeout(
+    clis, refusing, fake, strict_relay, tmp_path
+) -> None:
+    """CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1 (the README's recipe against paying twice): one streamed
+    request, and the turn fails with the relay's message."""
+    seen = run_claude(clis, fake, tmp_path, refusing.url, strict_relay.reverse_url, {
+        "ANTHROPIC_CUSTOM_HEADERS": f"x-fake-stall-after-chunks: {BEFORE_FIRST_TOKEN['anthropic']}",
+        "CLAUDE_CODE_MAX_RETRIES": str(CLIENT_RETRIES), "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1"})
+    assert seen.run.returncode == 1, seen.run.describe()
+    assert "ttft-relay: first token timeout" in claude_result(seen.run)["result"], seen.run.describe()
+    assert streamed_flags(seen) == [True], seen.run.describe()
+
 @pytest.mark.parametrize("websockets", [True, False], ids=["websocket", "sse"])
 def test_codex_retries_an_upstream_cut_as_it_would_direct(clis, refusing, fake, relay, tmp_path, websockets) -> None:
     """codex re-sends the turn `stream_max_retries` times, then fails it, through the relay as direct. Over a
@@ -487,3 +494,4 @@ def test_a_client_hanging_up_after_the_terminal_event_had_a_complete_turn(fake, 
     (rec,) = relay.wait_records(start, time.time(), 1, "openai.responses")
     assert (rec["error"], rec["client_aborted"]) == (None, False), rec
     assert rec["usage"]["output_tokens"] == 5 and "client aborted" not in rec["verdict"], rec
+
