@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from mitmproxy import ctx, http
+from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 
 from . import seams, state
@@ -256,8 +256,8 @@ class SelfWatch:
                 self.retrans_seen[conn.id] = info.total_retrans
         st.links = links
 
-    def client_disconnected(self, data: server_hooks.ClientConnectionHookData) -> None:
-        self.retrans_seen.pop(data.client.id, None)
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.retrans_seen.pop(client.id, None)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.retrans_seen.pop(data.server.id, None)

@@ -88,3 +88,18 @@ def test_loop_lag_is_how_late_the_timer_fires():
     assert max(samples) >= 0.2
     assert lag.worst(before) == max(samples)
     assert lag.worst(time.time() + 1) == 0.0
+
+
+def test_forgets_a_connections_retransmit_count_when_it_closes():
+    # mitmproxy calls client_disconnected(client) and server_disconnected(data): one signature each.
+    from mitmproxy.proxy import server_hooks
+    from mitmproxy.test import tflow
+
+    from addons import selfwatch
+
+    watch = selfwatch.SelfWatch()
+    client, server = tflow.tclient_conn(), tflow.tserver_conn()
+    watch.retrans_seen.update({client.id: 3, server.id: 1})
+    watch.client_disconnected(client)
+    watch.server_disconnected(server_hooks.ServerConnectionHookData(server=server, client=client))
+    assert watch.retrans_seen == {}
