@@ -148,7 +148,8 @@ class MitmdumpProcess:
         return self.text()
 
     def __enter__(self) -> MitmdumpProcess:
-        return self.start()
+        # `with relay.start():` is common: a second start would leave the first process running
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
