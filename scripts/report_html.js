@@ -221,11 +221,13 @@
     axes(g, xs, ys, box, timeLabel, fmtMs);
     const pts = { i: [], x: [], y: [] };
     const order = rows.slice().sort((a, b) => C.v[a] - C.v[b]).reverse(); // rare verdicts drawn last, on top
-    g.globalAlpha = N > 5000 ? 0.45 : 0.8;
+    // Many dots: small and faint for the commonest verdict, so density shows and the rare ones stand out.
+    const dot = rows.length > 20000 ? 2 : 3, faint = rows.length > 50000 ? 0.2 : rows.length > 5000 ? 0.4 : 0.8;
     for (const i of order) {
       const px = xs.map(C.t[i]), py = ys.map(C.ttft[i] ?? mk(i, "end"));
       g.fillStyle = verdictColor(C.v[i]);
-      if (C.ttft[i] == null) { g.fillRect(px - 2.5, py - 2.5, 5, 5); } else { g.fillRect(px - 1.5, py - 1.5, 3, 3); }
+      g.globalAlpha = C.v[i] === 0 ? faint : 0.9;
+      if (C.ttft[i] == null) { g.fillRect(px - 2.5, py - 2.5, 5, 5); } else { g.fillRect(px - dot / 2, py - dot / 2, dot, dot); }
       pts.i.push(i); pts.x.push(px); pts.y.push(py);
     }
     g.globalAlpha = 1;
@@ -277,11 +279,13 @@
     const [c, g] = canvas(W, H);
     const xs = linear(0, xmax, box[0], box[2], 10), ys = linear(0, ycap, box[3], box[1], 6);
     axes(g, xs, ys, box, (v) => v >= 1000 ? v / 1000 + "k" : v, fmtMs);
-    g.globalAlpha = N > 5000 ? 0.35 : 0.75;
-    const pts = { i: [], x: [], y: [] };
+    g.globalAlpha = rows.length > 50000 ? 0.25 : rows.length > 5000 ? 0.4 : 0.75;
+    const dot = rows.length > 20000 ? 2 : 3, pts = { i: [], x: [], y: [] };
+    let beyond = 0;
     for (const i of rows) {
-      const px = xs.map(Math.min(C.pt[i], xmax)), py = ys.map(Math.min(C.own[i], ycap));
-      g.fillStyle = groupColor(C.g[i]); g.fillRect(px - 1.5, py - 1.5, 3, 3);
+      if (C.pt[i] > xmax || C.own[i] > ycap) { beyond++; continue; }
+      const px = xs.map(C.pt[i]), py = ys.map(C.own[i]);
+      g.fillStyle = groupColor(C.g[i]); g.fillRect(px - dot / 2, py - dot / 2, dot, dot);
       pts.i.push(i); pts.x.push(px); pts.y.push(py);
     }
     g.globalAlpha = 1; g.lineWidth = 2;
@@ -299,7 +303,8 @@
     c.id = "wait-vs-prompt";
     s.appendChild(legend(items));
     s.appendChild(c);
-    s.appendChild(el("p", { class: "note" }, "x: prompt tokens · y: the upstream's own wait (upstream wait + head to first token, one round trip taken out)"));
+    s.appendChild(el("p", { class: "note" }, "x: prompt tokens · y: the upstream's own wait (upstream wait + head to first token, one round trip taken out)" +
+      (beyond ? ` · ${beyond} requests beyond the axes (past the 99.5th percentile) not drawn, but fitted` : "")));
   }
 
   function percentileBars(s) {
