@@ -63,6 +63,7 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
         records = {r["request_id"]: r for r in read_log(log, REQUESTS)}
         samples = scrape(metrics_url(relay))
 
+    assert "Addon error" not in relay.text()
     ours = {rid: records[rid]["ttft_ms"] for rid in client}
     # The same records as the relay would have made them without its self-watch.
     blind_phases = {rid: phases.compute({k: v for k, v in records[rid]["marks"].items()
