@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 import orjson
 import pytest
@@ -59,6 +62,10 @@ class Prometheus:
              f"--web.listen-address={self.url.removeprefix('http://')}"],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"))
         self.wait(lambda: self._ready(), "ready")
+        with urllib.request.urlopen(self.url + "/api/v1/status/buildinfo", timeout=10) as r:
+            version = json.load(r)["data"]["version"]
+        # Range selectors include their start up to Prometheus 2.x; from 3.0 they do not.
+        self.range_start_lead_ms = 0 if version.startswith("2.") else 1
 
     def _ready(self) -> bool:
         try:
@@ -118,10 +125,43 @@ def _post(url: str, body: dict, **headers: str) -> int:
     return resp.status
 
 
-def run_mix(urls: list[str], prefills: tuple[int, ...]) -> int:
+def held_for(port: int) -> tuple[int, int]:
+    """What the kernel holds for the relay's loopback listener on `port`: connections not yet
+    accepted (a listening socket's rx_queue in /proc/net/tcp) and request bytes not yet read
+    (the rx_queue of its connections)."""
+    waiting, unread = 0, 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == f"0100007F:{port:04X}":
+            queued = int(fields[4].split(":")[1], 16)
+            if fields[3] == "0A":  # LISTEN
+                waiting = queued
+            elif fields[3] == "01":  # ESTABLISHED
+                unread += queued
+    return waiting, unread
+
+
+def while_frozen(relay, port: int, send) -> None:
+    """Run `send` (a request to the listener on `port`) while the relay process is stopped,
+    until the kernel holds the connection and its request for it, then let the relay go on: a saturated relay,
+    as its self-watch sees one (a late-run event loop, bytes the kernel held)."""
+    done = threading.Thread(target=send)
+    relay.proc.send_signal(signal.SIGSTOP)
+    try:
+        done.start()
+        deadline = time.monotonic() + 10
+        while 0 in held_for(port):
+            assert time.monotonic() < deadline, "the request never reached the kernel's queues"
+            time.sleep(0.005)
+    finally:
+        relay.proc.send_signal(signal.SIGCONT)
+    done.join(30)
+
+
+def run_mix(relay, ports: list[int], prefills: tuple[int, ...]) -> int:
     """Streams to two upstreams at several speeds, upstream errors, a dead upstream, trimmed
-    requests; returns the number of calls."""
-    openai_url, anthropic_url, dead_url = urls
+    requests, one request while the relay is frozen; returns the number of calls."""
+    openai_url, anthropic_url, dead_url = (f"http://127.0.0.1:{port}" for port in ports)
     calls = 0
     for ms in prefills:
         assert _post(openai_url + "/v1/chat/completions", CHAT, **{"x-fake-prefill-ms": str(ms)}) == 200
@@ -129,10 +169,13 @@ def run_mix(urls: list[str], prefills: tuple[int, ...]) -> int:
         calls += 2
     for _ in range(2):
         assert _post(openai_url + "/v1/chat/completions", CHAT, **{"x-fake-status": "500"}) == 500
-        assert _post(openai_url + "/v1/chat/completions", LONG_HISTORY) == 200
-        calls += 2
+    assert _post(openai_url + "/v1/chat/completions", LONG_HISTORY) == 200
+    calls += 3
     assert _post(dead_url + "/v1/chat/completions", CHAT) == 502
-    return calls + 1
+    statuses = []
+    while_frozen(relay, ports[0], lambda: statuses.append(_post(openai_url + "/v1/chat/completions", CHAT)))
+    assert statuses == [200]
+    return calls + 2
 
 
 # --- what the records say -----------------------------------------------------------------------
@@ -141,7 +184,11 @@ def run_mix(urls: list[str], prefills: tuple[int, ...]) -> int:
 def bucket_quantile(q: float, values: list[float], bounds: tuple[float, ...]) -> float:
     """Prometheus's histogram_quantile over `values` observed into buckets `bounds` (+Inf added)."""
     upper = [*bounds, math.inf]
-    cumulative = [sum(v <= b for v in values) for b in upper]
+    return quantile_of_buckets(q, upper, [sum(v <= b for v in values) for b in upper])
+
+
+def quantile_of_buckets(q: float, upper: list[float], cumulative: list[float]) -> float:
+    """Prometheus's histogram_quantile over cumulative bucket counts (the last bound +Inf)."""
     rank = q * cumulative[-1]
     b = next(i for i, c in enumerate(cumulative[:-1] + [math.inf]) if c >= rank)
     if b == len(upper) - 1:
@@ -154,8 +201,9 @@ def error_type(rec: dict) -> str:
     return rec["error_phase"] or ("client_aborted" if rec["error"] or rec["client_aborted"] else "")
 
 
-def expected(panel_title: str, recs: list[dict]) -> dict[str, float]:
-    """What each panel's queries must answer for these records, keyed by series."""
+def expected(panel_title: str, recs: list[dict], relay_side: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What each panel's queries must answer for these records, keyed by series; `relay_side`
+    holds what records cannot say (the event loop's lag, the accept queues)."""
     ok = [r for r in recs if not r["error"] and not r["client_aborted"] and (r["status"] or 0) < 400
           and r["ttft_ms"] is not None]
     if panel_title.startswith("Time to first token"):
@@ -180,7 +228,21 @@ def expected(panel_title: str, recs: list[dict]) -> dict[str, float]:
         trimmed = sum(t["tokens_before"] - t["tokens_after"] for r in recs if (t := r["trim"])
                       and t.get("tokens_before") and t.get("tokens_after") and t["tokens_before"] > t["tokens_after"])
         return {"trimmed": trimmed / len(recs)}
+    if panel_title in relay_side:
+        return relay_side[panel_title]
     raise AssertionError(f"no expectation for panel {panel_title!r}: add one")
+
+
+def loop_lag_in_window(prometheus: Prometheus, window: str, at: float) -> dict[str, float]:
+    """The lag quantiles of the samples the relay exported in the window, from the raw
+    bucket counts Prometheus stored (first and last sample of each bucket)."""
+    delta = {}
+    for series in prometheus.query(f"ttft_relay_event_loop_lag_seconds_bucket[{window}]", at=at):
+        values = series["values"]
+        delta[float(series["metric"]["le"])] = float(values[-1][1]) - float(values[0][1])
+    upper = sorted(delta)
+    assert delta[math.inf] > 0, "no lag samples in the window"
+    return {f"p{round(q * 100)}": quantile_of_buckets(q, upper, [delta[b] for b in upper]) for q in (0.5, 0.99)}
 
 
 def series_name(legend: str, labels: dict[str, str]) -> str:
@@ -196,7 +258,6 @@ def test_every_dashboard_expression_answers_what_the_records_say(start_relay, ce
     # One upstream over TLS, so that every phase of the breakdown occurs.
     with FakeUpstream() as openai_fake, FakeUpstream(tls=True, certs=certs) as anthropic_fake:
         ports = [free_port() for _ in range(3)]  # mitmproxy may report listeners in another order
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
         relay = start_relay(f"reverse:{openai_fake.base_url}@{ports[0]}", f"reverse:{anthropic_fake.base_url}@{ports[1]}",
                             f"reverse:http://127.0.0.1:{free_port()}@{ports[2]}",  # nothing listens there
                             relay_metrics_listen="127.0.0.1:0", relay_trim_max_tokens=TRIM_BUDGET)
@@ -204,16 +265,21 @@ def test_every_dashboard_expression_answers_what_the_records_say(start_relay, ce
         target = urllib.parse.urlsplit(metrics_url(relay)).netloc
         prometheus = Prometheus(tmp_path, target)
         try:
-            warmup = run_mix(urls, (40, 120))
+            warmup = run_mix(relay, ports, (40, 120))
             t0 = prometheus.scraped_calls(warmup)
-            # Five per upstream: p50 and p95 ranks (2.5, 4.75) fall inside a bucket, never on its
-            # edge, where the float sums of rates could tip the answer into the next bucket.
-            measured = run_mix(urls, (20, 60, 150, 300, 600))
+            # Five per upstream (OpenAI: seven, with the trimmed and the frozen one): odd counts, so
+            # p50 and p95 ranks fall inside a bucket, never on its edge, where the float sums of rates could tip the answer into the next bucket.
+            measured = run_mix(relay, ports, (20, 60, 150, 300, 600))
             t1 = prometheus.scraped_calls(warmup + measured)
-            # From just before the scrape at t0: rate() extrapolates every series by the same
-            # 1 ms, so ratios are exact (a longer lead would be cut short, per series, where a
-            # counter's first value is small: Prometheus never extrapolates below zero).
-            window = f"{round((t1 - t0) * 1000) + 1}ms"
+            # From the scrape at t0 to the one at t1: no extrapolation at either edge, so ratios
+            # are exact (with a lead before t0, Prometheus extrapolates each series by it, but
+            # never below zero: a sum still at 0 is not extrapolated, its count is).
+            window = f"{round((t1 - t0) * 1000) + prometheus.range_start_lead_ms}ms"
+            relay_side = {
+                "Relay saturation: event-loop lag": loop_lag_in_window(prometheus, window, t1),
+                # Idle by now: the kernel holds no connection for any of the relay's listeners.
+                "Relay saturation: accept queue": {f"127.0.0.1:{port}": 0.0 for port in ports},
+            }
             answers = {}
             for panel in dashboard.PANELS:
                 for query in panel.queries:
@@ -229,8 +295,10 @@ def test_every_dashboard_expression_answers_what_the_records_say(start_relay, ce
     assert any(r["trim"] and r["trim"].get("trimmed") for r in measured_recs)  # the mix trims, fails, streams
     assert {error_type(r) for r in measured_recs} >= {"upstream_wait", "upstream_connect", ""}
     for panel in dashboard.PANELS:
-        want = expected(panel.title, measured_recs)
-        assert want and all(v > 0 for v in want.values()), (panel.title, want)
+        want = expected(panel.title, measured_recs, relay_side)
+        # Every series has something to show, but the accept queues, empty again once the
+        # traffic is over (the frozen request filled one: the lag shows it).
+        assert want and (all(v > 0 for v in want.values()) or "accept queue" in panel.title), (panel.title, want)
         got = answers[panel.title]
         assert got.keys() == want.keys(), (panel.title, got, want)
         for series, value in want.items():

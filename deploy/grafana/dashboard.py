@@ -11,8 +11,6 @@ A metric renamed in addons/metrics.py fails that test.
 Expressions use Grafana's `$__rate_interval`; the test puts a window in its place.
 Ratios of two rates (means, shares, quantiles) do not depend on Prometheus's
 extrapolation at the window's edges, so they equal what the records in the window say.
-Not shown yet: relay saturation (event-loop lag, accept queue), whose metrics are not
-exported yet.
 """
 
 from __future__ import annotations
@@ -27,7 +25,9 @@ RATE_INTERVAL = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 """The uid the provisioned data source (provisioning/datasources/prometheus.yaml) has."""
 PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
-"""The phases addons/metrics.py exports as ttft_relay_<phase>_seconds."""
+"""The phases addons/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it exists
+only for requests whose bytes the kernel held, so its series are born at random times, and
+rate() cannot count a series' first observations; the saturation panels show the same cause."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ def ttft_quantile(q: float) -> Query:
                  f"(rate(gen_ai_server_time_to_first_token_seconds_bucket[{RATE_INTERVAL}])))")
 
 
+def loop_lag_quantile(q: float) -> Query:
+    return Query(f"p{round(q * 100)}", f"histogram_quantile({q}, sum by (le) "
+                                     f"(rate(ttft_relay_event_loop_lag_seconds_bucket[{RATE_INTERVAL}])))")
+
+
 def phase_mean(phase: str) -> Query:
     metric = f"ttft_relay_{phase}_seconds"
     return Query(phase, f"sum(rate({metric}_sum[{RATE_INTERVAL}])) / sum(rate({metric}_count[{RATE_INTERVAL}]))")
@@ -70,6 +75,12 @@ PANELS = (
                  f"[{RATE_INTERVAL}])) / scalar({CALLS})"),)),
     Panel("Trimmed tokens per call", "Prompt tokens the trimmer removed, per call through the relay.", "short",
           (Query("trimmed", f"sum(rate(ttft_relay_trimmed_tokens_total[{RATE_INTERVAL}])) / {CALLS}"),)),
+    Panel("Relay saturation: event-loop lag", "How late the relay's event loop runs a timer due every 50 ms "
+          "(addons/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
+          "then add workers, see Scaling out).", "s", (loop_lag_quantile(0.5), loop_lag_quantile(0.99))),
+    Panel("Relay saturation: accept queue", "Connections the kernel holds for each listener until the relay "
+          "accepts them.", "short",
+          (Query("{{listener}}", "max by (listener) (ttft_relay_accept_queue_connections)"),)),
 )
 
 
