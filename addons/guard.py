@@ -390,6 +390,8 @@ class AccessKeys:
             upstream_keys = load_upstream_keys(reverse_upstream_hosts(ctx.options.mode), ctx.options.relay_upstream_keys)
         self.digests = [key_digest(key) for key in keys]
         self.upstream_keys = upstream_keys
+        _KNOWN_SECRETS.clear()
+        _KNOWN_SECRETS.update(self.digests, (key_digest(key) for key in upstream_keys.values()))
         # Keyed listeners open no upstream connection before a request's key is checked.
         seams.defer_eager_connects(is_http_reverse if keys else None)
 
@@ -590,11 +592,28 @@ def is_secret_header(name: str) -> bool:
     return SECRET_HEADER_NAME.search(name) is not None
 
 
+_KNOWN_SECRETS: set[bytes] = set()
+"""Digests of the relay's own secrets (relay access keys, upstream keys): redacted
+wherever they turn up, in any header or parameter (`AccessKeys` keeps it current)."""
+_TOKEN = re.compile(rf"[^\s'\"\\,;&=:]{{{MIN_ACCESS_KEY_LENGTH},}}")
+
+
+def without_known_secrets(text: str) -> str:
+    """`text` with every token that is one of the relay's own keys replaced."""
+    if not _KNOWN_SECRETS:
+        return text
+    return _TOKEN.sub(lambda m: REDACTED if key_digest(m.group(0)) in _KNOWN_SECRETS else m.group(0), text)
+
+
 def redact_flow(flow: http.HTTPFlow) -> None:
     """Replace every credential the flow holds: secret request headers, key and
-    token query parameters (any case), and the password proxyauth keeps in the
-    metadata."""
+    token query parameters (any case), the relay's own keys wherever they are, and
+    the password proxyauth keeps in the metadata."""
     headers = flow.request.headers
+    if _KNOWN_SECRETS:
+        for name in {name.lower() for name, value in headers.items(multi=True) if without_known_secrets(value) != value}:
+            headers.set_all(name, [without_known_secrets(v) for v in headers.get_all(name)])
+        flow.request.path = without_known_secrets(flow.request.path)
     for name in {name.lower() for name in headers if is_secret_header(name)}:
         headers.set_all(name, [redacted_value(name, v) for v in headers.get_all(name)])
     query = flow.request.query
@@ -629,9 +648,10 @@ def _redact_param(m: re.Match) -> str:
 
 def safe_log_text(text: str) -> str:
     """A log message with credentials in it redacted (header lines and query
-    parameters, as mitmproxy prints raw request bytes), control characters escaped,
-    and each line cut to MAX_LOG_LINE characters."""
-    text = _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, text))
+    parameters, as mitmproxy prints raw request bytes, and the relay's own keys
+    anywhere), control characters escaped, and each line cut to MAX_LOG_LINE
+    characters."""
+    text = _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, without_known_secrets(text)))
     lines = record.printable(text, keep="\n\t").split("\n")
     return "\n".join(
         line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}… ({len(line) - MAX_LOG_LINE} more characters)"

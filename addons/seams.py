@@ -131,9 +131,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import addonmanager, exceptions, hooks, http
+from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import (
+    HttpLayer,
     HttpStream,
     RequestHeaders,
     ResponseData,
@@ -170,6 +172,7 @@ _renderer: Renderer | None = None
 _deferred_connects: Callable[[Any], bool] | None = None
 """Whether a listener (its proxy mode) must not connect upstream before a request."""
 _answer_now: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
+_answered: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
 _max_head = 0
 _outgoing: "weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]]" = weakref.WeakKeyDictionary()
 _listen_backlog = 0
@@ -278,7 +281,7 @@ def _check_killed(self: HttpStream, emit_error_hook: bool) -> layer.CommandGener
     return (yield from _replacing(_ORIGINAL_CHECK_KILLED(self, emit_error_hook), lambda c: _answer(self, c)))
 
 
-def _answer(stream: HttpStream, command: Any) -> list[SendHttp] | None:
+def _answer(stream: HttpStream, command: Any) -> list[Any] | None:
     flow = stream.flow
     if not (
         isinstance(command, SendHttp)
@@ -288,15 +291,35 @@ def _answer(stream: HttpStream, command: Any) -> list[SendHttp] | None:
         and flow.response is not None
     ):
         return None
-    _answer_now.discard(flow)
+    if flow in _answered:
+        # The stream ended with the answer; a later error of the connection (the client
+        # closing it) finds the flow killed again: nothing more to say on that stream.
+        return []
+    _answered.add(flow)
     sid, client = stream.stream_id, stream.context.client
     body = flow.response.raw_content or b""
-    return [
+    out = [
         SendHttp(ResponseHeaders(sid, flow.response, end_stream=False), client),
         *([SendHttp(ResponseData(sid, body), client)] if body else []),
         SendHttp(ResponseEndOfMessage(sid), client),
-        command,  # after a complete response: HTTP/1 closes the connection, HTTP/2 sends nothing more
     ]
+    if _http1_body_to_come(stream):
+        # HTTP/1: close the connection after the answer, so the body is never read
+        # (the connection itself, not the stream: by the time this runs the body may
+        # have ended and the connection moved on). A request without a body is
+        # complete, its connection kept; HTTP/2 ends the stream with the response.
+        out.append(commands.CloseConnection(client))
+    return out
+
+
+def _http1_body_to_come(stream: HttpStream) -> bool:
+    layer_ = next((lay for lay in reversed(stream.context.layers) if isinstance(lay, HttpLayer)), None)
+    if layer_ is None or not isinstance(layer_.connections.get(stream.context.client), Http1Server):
+        return False
+    try:
+        return http1.expected_http_body_size(stream.flow.request) != 0
+    except ValueError:
+        return True
 
 
 def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], None]) -> None:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import reverse_to
+from tests.fakes import client
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 
 WAIT = 20
@@ -126,3 +127,15 @@ def test_an_absolute_form_target_goes_to_the_configured_upstream_in_origin_form(
     assert got.path == "/v1/chat/completions"
     assert got.header("host") == fake.base_url.removeprefix("http://")
     assert got.header("authorization") == f"Bearer {UPSTREAM_KEY}"
+
+
+def test_a_refused_request_without_a_body_keeps_its_connection(fake, start_relay, keys_file):
+    # (Found by tests/test_wire_fuzz.py: the refusal crashed mitmproxy's connection handler.)
+    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
+        refused = conn.request("POST", "/v1/chat/completions", b"")
+        assert refused.status == 401 and refused.read()
+        served = conn.request("POST", "/v1/chat/completions", {"model": "m", "messages": []},
+                              {"authorization": f"Bearer {RELAY_KEY}"})
+        assert served.status == 200 and served.read()
+    assert "mitmproxy has crashed" not in relay.stop()
