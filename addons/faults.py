@@ -234,6 +234,7 @@ def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
 
 
 CONNECT_TIMEOUT = "upstream connect timeout after {:g} s"
+SHARED_CUT = "the relay closed the shared upstream connection"
 
 
 class Deadlines:
@@ -348,6 +349,12 @@ class Deadlines:
 
     def _fail(self, flow: http.HTTPFlow, st: state.FlowState, failure: str) -> None:
         st.error, st.error_status = failure, 504
+        # With HTTP/2 the connection closed below carries other flows too: their cut is
+        # the relay's doing, not their upstream's, and their records and clients say so.
+        for other in self.timers:
+            if other is not flow and other.server_conn is flow.server_conn and (o := state.get(other)) is not None:
+                o.error = f"{SHARED_CUT}: {failure} on another request on it"
+                o.error_phase, o.error_status = "relay", 502
         if not close_upstream(flow, failure) and flow.killable:
             flow.kill()
 

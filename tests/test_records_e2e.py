@@ -10,6 +10,9 @@ import sys
 
 import orjson
 import pytest
+from mitmproxy.test import tflow
+
+from addons import faults, scope, state
 
 from tests.conftest import reverse_to
 from tests.fakes import client
@@ -121,3 +124,25 @@ def read_until_closed_or_done(s: socket.socket) -> bytes:
     while not out.endswith(b"0\r\n\r\n") and (data := s.recv(1 << 20)):
         out += data
     return out
+
+
+def test_http2_siblings_cut_by_a_relay_timeout_are_named_as_the_relays(monkeypatch):
+    # An HTTP/2 upstream connection carries several flows; a deadline of one closes it.
+    deadlines = faults.Deadlines()
+    shared = tflow.tflow().server_conn
+    flows = []
+    for _ in range(3):
+        f = tflow.tflow()
+        f.server_conn = shared
+        state.attach(f, state.FlowState(api=scope.OPENAI_CHAT, stream=True))
+        deadlines.timers[f] = (0.0, None)
+        flows.append(f)
+    closed = []
+    monkeypatch.setattr(faults, "close_upstream", lambda flow, reason: closed.append(flow) or True)
+    timed_out, *siblings = flows
+    deadlines._fail(timed_out, state.get(timed_out), "stream idle for 1 s")
+    assert closed == [timed_out] and state.get(timed_out).error == "stream idle for 1 s"
+    for f in siblings:
+        st = state.get(f)
+        assert st.error.startswith("the relay closed the shared upstream connection: stream idle for 1 s")
+        assert st.error_phase == "relay"
