@@ -484,8 +484,8 @@ class ClientLimits:
       within this many seconds of connecting (or of its previous answer ending);
       otherwise it is closed. mitmproxy's own `tcp_timeout` only bounds silence,
       so a head dribbled one byte at a time (slowloris) held a connection forever.
-      Tunnels (CONNECT), WebSockets and HTTP/2 connections with streams in flight
-      are not timed.
+      Only HTTP listeners (reverse and regular) are timed, and there not tunnels
+      (CONNECT), WebSockets or HTTP/2 connections with streams in flight.
     - a request head is at most MAX_HEAD_BYTES (64 KiB), or the client gets a 431.
     - `relay_max_connections`: beyond this many client connections a new one gets
       `503 … connection limit reached` and is closed. At the descriptor limit,
@@ -561,7 +561,8 @@ class ClientLimits:
 
     def _arm(self, client: connection.Client) -> None:
         self._disarm(client)
-        if self.header_timeout:
+        mode = client.proxy_mode
+        if self.header_timeout and (is_http_reverse(mode) or isinstance(mode, mode_specs.RegularMode)):
             loop = asyncio.get_running_loop()
             self.timers[client.id] = loop.call_later(self.header_timeout, self._timed_out, client)
 
