@@ -525,7 +525,9 @@ class ClientLimits:
     def client_connected(self, client: connection.Client) -> None:
         proxyserver = ctx.master.addons.get("proxyserver")
         handler = proxyserver.connections.get(client.id) if proxyserver else None
-        if handler is not None and len(proxyserver.connections) > self.max_connections:
+        if handler is None:
+            return
+        if len(proxyserver.connections) > self.max_connections:
             if not self.refused:
                 logger.warning("connection limit (%d) reached: refusing new connections", self.max_connections)
             self.refused += 1
@@ -553,7 +555,8 @@ class ClientLimits:
         client = flow.client_conn
         left = self.active.get(client.id, 1) - 1
         self.active[client.id] = left
-        if left <= 0 and flow.websocket is None and flow.live is not False and client.connected:
+        # A WebSocket or a tunnel may stay quiet; a finished HTTP exchange waits for the next head.
+        if left <= 0 and flow.websocket is None and flow.request.method != "CONNECT" and client.connected:
             self._arm(client)
 
     def error(self, flow: http.HTTPFlow) -> None:

@@ -139,3 +139,14 @@ def test_a_refused_request_without_a_body_keeps_its_connection(fake, start_relay
                               {"authorization": f"Bearer {RELAY_KEY}"})
         assert served.status == 200 and served.read()
     assert "mitmproxy has crashed" not in relay.stop()
+
+
+def test_the_header_timeout_covers_the_next_head_after_a_refusal(fake, start_relay, keys_file):
+    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+    with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
+        refused = conn.request("POST", "/v1/chat/completions", b"")
+        assert refused.status == 401 and refused.read()
+        conn.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")  # and nothing more
+        started = time.monotonic()
+        assert conn.sock.recv(1) == b""  # closed by the relay
+    assert time.monotonic() - started < WAIT / 2
