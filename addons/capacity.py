@@ -9,6 +9,17 @@ both (the patches live in `seams.py`, pinned to mitmproxy 12.3.1):
   the kernel drops the connections beyond 100, and each dropped client retries its
   SYN after 1 s, then 3 s: a first token seconds late that no phase of the flow
   shows, because the flow starts only when the connection is accepted.
+- `ConnectionLog`: mitmproxy logs four or five lines per flow at INFO (client
+  connect, server connect, "Streaming response from …", both disconnects), each a
+  log record through every handler and an `add_log` event; under load that was
+  ~5 % of the relay's CPU (py-spy, bench-streams). Off by default: the relay's
+  own line and record per request say more, failures included.
+- `WarmStart`: what the first request would pay for on first use, done while the
+  relay loads (before its listeners accept): the upstream TLS context with its CA
+  bundle, and a first name lookup of each reverse-mode upstream, which loads the
+  system's resolver libraries (~40 ms that the first request's upstream connect
+  showed; waited for up to RESOLVE_WAIT_S); and mitmproxy's second loading of
+  its CA after the listeners are up, skipped (`seams.load_ca_once`).
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
@@ -17,12 +28,18 @@ both (the patches live in `seams.py`, pinned to mitmproxy 12.3.1):
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 
 from mitmproxy import ctx, exceptions
+from mitmproxy.proxy import mode_specs
 
 from . import seams
 
 logger = logging.getLogger(__name__)
+
+CONNECTION_LOGGER = "mitmproxy.proxy.server"
+"""Where mitmproxy logs connections opening and closing (and the layers' own notes)."""
 
 MAX_BACKLOG = 65535
 """Beyond any net.core.somaxconn in use; the kernel caps the backlog there anyway."""
@@ -60,6 +77,83 @@ class ListenBacklog:
     def _apply(self) -> None:
         proxyserver = ctx.master.addons.get("proxyserver")
         seams.set_listen_backlog(ctx.options.relay_listen_backlog, proxyserver.servers if proxyserver else ())
+
+
+class ConnectionLog:
+    """mitmproxy's per-connection INFO lines only with `relay_connection_log`."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_connection_log",
+            bool,
+            False,
+            "Log mitmproxy's per-connection lines (client/server connect and disconnect, "
+            "'Streaming response from ...'). Off: only their warnings and errors; the relay's "
+            "own line per request remains.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_connection_log" in updated:
+            level = logging.NOTSET if ctx.options.relay_connection_log else logging.WARNING
+            logging.getLogger(CONNECTION_LOGGER).setLevel(level)
+
+    def done(self) -> None:
+        logging.getLogger(CONNECTION_LOGGER).setLevel(logging.NOTSET)
+
+
+WARM_TLS_OPTIONS = frozenset({
+    "tls_version_server_min", "tls_version_server_max", "ciphers_server", "tls_ecdh_curve_server", "ssl_insecure",
+    "ssl_verify_upstream_trusted_confdir", "ssl_verify_upstream_trusted_ca",
+})
+
+
+RESOLVE_WAIT_S = 0.5
+"""How long the start waits for the upstreams' first name lookup."""
+
+
+class WarmStart:
+    """The first request pays no first-use cost upstream (see the module docstring)."""
+
+    def load(self, loader) -> None:
+        seams.load_ca_once(ctx.master.addons.get("tlsconfig"))
+
+    def done(self) -> None:
+        seams.load_ca_once(ctx.master.addons.get("tlsconfig"), on=False)
+
+    def configure(self, updated: set[str]) -> None:
+        if updated & WARM_TLS_OPTIONS:
+            try:
+                seams.warm_upstream_tls(ctx.options)
+            except Exception as e:  # a bad CA option: mitmproxy reports it at the handshake
+                logger.debug("upstream TLS context not prepared: %s", e)
+        if "mode" in updated:
+            self._resolve_upstreams()
+
+    def _resolve_upstreams(self) -> None:
+        upstreams = []
+        for spec in ctx.options.mode:
+            try:
+                mode = mode_specs.ProxyMode.parse(spec)
+            except ValueError:
+                continue  # mitmproxy says what is wrong with it
+            if isinstance(mode, mode_specs.ReverseMode):
+                upstreams.append(mode.address)
+        if not upstreams:
+            return
+        # Off the event loop, and waited for a bounded time: a first request right after
+        # start would otherwise queue behind this lookup; a hanging resolver must not hold
+        # the start.
+        lookups = threading.Thread(target=lambda: [_resolve(*a) for a in upstreams], name="ttft-relay-warm-dns",
+                                   daemon=True)
+        lookups.start()
+        lookups.join(RESOLVE_WAIT_S)
+
+
+def _resolve(host: str, port: int) -> None:
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # the connect will say so; this is only a warm-up
+        logger.debug("resolving %s ahead of the first request: %s", host, e)
 
 
 class HookPlans:

@@ -53,6 +53,8 @@ addons = [
     config.RelayConfig(),
     capacity.ListenBacklog(),
     capacity.HookPlans(),
+    capacity.ConnectionLog(),
+    capacity.WarmStart(),
     tls.ClientTLS(),
     guard.Guard(),
     reload.Reload(),

@@ -115,6 +115,23 @@ if the code patched here changes shape. Everything else the relay does uses hook
    StreamWriter), the handler being the proxyserver addon's `connections[client.id]`
    (`ServerInstance.handle_stream`, `ConnectionHandler.open_connection`); the
    listening sockets are each running instance's `_servers` (as in 3.).
+
+7. The first upstream TLS handshake builds mitmproxy's client-side TLS context
+   (`net_tls.create_proxy_server_context`: the trusted CA bundle, certifi by
+   default, loaded from disk), inside the handshake: first-use work recorded as the
+   upstream's TLS. The function is cached by its arguments, so
+   `warm_upstream_tls` calls it at start with the arguments
+   `TlsConfig.tls_start_server` computes from the options for an upstream without
+   a client certificate or per-server cipher list (pinned: a change there misses the
+   cache and brings the cost back, nothing worse).
+
+8. `TlsConfig.running` loads the CA again (`configure("confdir")`, a workaround for
+   a configure call that sometimes never comes): 40 ms of key parsing on the event
+   loop just after the listeners are up, which the first request's upstream
+   connect absorbs. `load_ca_once` marks a TlsConfig whose store is already loaded
+   (by then mitmproxy has configured it with every option); the wrap of `running`
+   skips the reload for it. Any later change of a CA option still reloads in
+   `configure`, which the wrap does not touch.
 """
 
 from __future__ import annotations
@@ -131,6 +148,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import addonmanager, exceptions, hooks, http
+from mitmproxy.addons import tlsconfig
+from mitmproxy.net import tls as net_tls
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
@@ -457,6 +476,41 @@ def connection_socket(connections: Mapping[Any, Any], client: Any, conn: Any) ->
     io = handler.transports.get(conn) if handler is not None else None
     writer = io.writer if io is not None else None
     return writer.get_extra_info("socket") if isinstance(writer, asyncio.StreamWriter) else None
+
+
+_ORIGINAL_TLS_RUNNING = tlsconfig.TlsConfig.running
+_CA_CURRENT = "_ttft_relay_ca_current"
+
+
+def load_ca_once(addon: tlsconfig.TlsConfig | None, on: bool = True) -> None:
+    """`addon` keeps the CA it loaded instead of loading it again in `running` (8. above)."""
+    tlsconfig.TlsConfig.running = _tls_running if on else _ORIGINAL_TLS_RUNNING  # type: ignore[method-assign]
+    if addon is not None:
+        setattr(addon, _CA_CURRENT, on and addon.certstore is not None)
+
+
+def _tls_running(self: tlsconfig.TlsConfig) -> None:
+    if getattr(self, _CA_CURRENT, False) and self.certstore is not None:
+        return
+    _ORIGINAL_TLS_RUNNING(self)
+
+
+def warm_upstream_tls(options: Any) -> None:
+    """Build (and cache) the upstream TLS context mitmproxy's first handshake would build."""
+    min_version = net_tls.Version[options.tls_version_server_min]
+    ciphers = options.ciphers_server.split(":") if options.ciphers_server else tlsconfig._default_ciphers(min_version)
+    net_tls.create_proxy_server_context(
+        method=net_tls.Method.TLS_CLIENT_METHOD,
+        min_version=min_version,
+        max_version=net_tls.Version[options.tls_version_server_max],
+        cipher_list=tuple(ciphers),
+        ecdh_curve=net_tls.get_curve(options.tls_ecdh_curve_server),
+        verify=net_tls.Verify.VERIFY_NONE if options.ssl_insecure else net_tls.Verify.VERIFY_PEER,
+        ca_path=options.ssl_verify_upstream_trusted_confdir,
+        ca_pemfile=options.ssl_verify_upstream_trusted_ca,
+        client_cert=None,
+        legacy_server_connect=options.ssl_insecure,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ leaves the rest to SYN retransmits.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -78,3 +79,19 @@ def test_a_backlog_out_of_range_is_refused(backlog):
                 tctx.configure(tctx.master.addons.get("listenbacklog"), relay_listen_backlog=backlog)
     finally:
         seams.set_listen_backlog(0)  # the rollback re-applied the default
+
+
+def test_connection_lines_only_when_asked(caplog):
+    addon = capacity.ConnectionLog()
+    server_log = logging.getLogger(capacity.CONNECTION_LOGGER)
+    with taddons.context(addon) as tctx:
+        addon.configure({"relay_connection_log"})  # as at start-up: every option counts as updated
+        with caplog.at_level(logging.INFO):
+            server_log.info("client connect")
+            server_log.warning("server connection error")
+            tctx.configure(addon, relay_connection_log=True)
+            server_log.info("client disconnect")
+        addon.done()
+    assert [r.getMessage() for r in caplog.records if r.name == capacity.CONNECTION_LOGGER] == [
+        "server connection error", "client disconnect"]
+    assert server_log.level == logging.NOTSET

@@ -13,10 +13,11 @@ import hashlib
 import inspect
 
 import pytest
-from mitmproxy import addonmanager, ctx, exceptions, master, version
-from mitmproxy.addons import script
+from mitmproxy import addonmanager, connection, ctx, exceptions, master, tls, version
+from mitmproxy.addons import script, tlsconfig
 from mitmproxy.hooks import UpdateHook
-from mitmproxy.proxy import mode_servers, server
+from mitmproxy.net import tls as net_tls
+from mitmproxy.proxy import context, mode_servers, server
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpLayer, HttpRequestHook, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
@@ -63,6 +64,12 @@ PINNED = {
     "ServerInstance.handle_stream": (mode_servers.ServerInstance.handle_stream, "21eea06f208c752e"),
     "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
     "LiveConnectionHandler.__init__": (server.LiveConnectionHandler.__init__, "2cb1077a21556ca9"),
+    # 7: the arguments of the upstream TLS context, and its cache
+    "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
+    "create_proxy_server_context": (net_tls.create_proxy_server_context.__wrapped__, "e2d90d71c5744797"),
+    # 8: running loads the CA again; configure (re)loads it on every CA option change
+    "TlsConfig.running": (seams._ORIGINAL_TLS_RUNNING, "b65f52307d81dc76"),
+    "TlsConfig.configure": (tlsconfig.TlsConfig.configure, "efea05bd816190dc"),
 }
 
 
@@ -392,3 +399,40 @@ def test_the_interim_skip_installs_and_uninstalls():
     finally:
         seams.uninstall_interim_skip()
     assert Http1Client.read_headers is seams._ORIGINAL_READ_RESPONSE_HEADERS
+
+
+@pytest.mark.parametrize("options", [{}, {"ssl_insecure": True}, {"tls_version_server_min": "TLS1_2"}])
+def test_the_warmed_upstream_tls_context_is_the_one_the_first_handshake_uses(options, certs):
+    addon = tlsconfig.TlsConfig()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, ssl_verify_upstream_trusted_ca=str(certs.ca_pem), **options)
+        net_tls.create_proxy_server_context.cache_clear()
+        seams.warm_upstream_tls(tctx.options)
+        assert net_tls.create_proxy_server_context.cache_info().misses == 1
+        ctx_ = context.Context(connection.Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2)), tctx.options)
+        ctx_.server.address = ("api.example.com", 443)
+        addon.tls_start_server(tls.TlsData(ctx_.server, context=ctx_))
+        info = net_tls.create_proxy_server_context.cache_info()
+        assert (info.hits, info.misses) == (1, 1)  # built once, at start
+
+
+def test_the_ca_loaded_at_start_is_not_loaded_again_when_running(tmp_path):
+    addon = tlsconfig.TlsConfig()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, confdir=str(tmp_path))
+        loaded = addon.certstore
+        seams.load_ca_once(addon)
+        try:
+            addon.running()
+            assert addon.certstore is loaded  # kept, not loaded again
+            tctx.configure(addon, key_size=3072)  # a CA option changed: configure reloads as ever
+            assert addon.certstore is not loaded
+            other = tlsconfig.TlsConfig()  # a store never loaded: running loads it, as mitmproxy does
+            with taddons.context(other):
+                seams.load_ca_once(other)
+                other.certstore = None
+                other.running()
+                assert other.certstore is not None
+        finally:
+            seams.load_ca_once(addon, on=False)
+    assert tlsconfig.TlsConfig.running is seams._ORIGINAL_TLS_RUNNING
