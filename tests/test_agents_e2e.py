@@ -15,8 +15,8 @@ what each client does with the relay's errors (a first-token timeout, an upstrea
 cut mid-stream); the README's "Coding agents" section reports it.
 
 The CLIs are installed from npm on first use (`tests/agent_clis.py`); without npm
-or a reachable registry the module skips. Outside hosts the CLIs call (update
-checks, plugins) get a 403 from a `RefusingProxy`.
+or a reachable registry the module skips. Outside hosts the CLIs call (Codex asks for
+github.com and chatgpt.com) get a 403 from a `RefusingProxy`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from scripts.workers import free_port
+from tests import sse_samples
 from tests.agent_clis import (
     AgentSandbox,
     CliRun,
@@ -40,8 +42,6 @@ from tests.agent_clis import (
     codex_exec,
     installed_clis,
 )
-from scripts.workers import free_port
-from tests import sse_samples
 from tests.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
 from tests.fakes.client import request
 from tests.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
