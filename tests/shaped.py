@@ -101,7 +101,7 @@ class _ClaudeCode(_Agent):
 
     def body(self) -> dict:
         return {
-            "model": "claude-sonnet-4-5-20250929",
+            "model": "claude-opus-4-6",
             "max_tokens": 32000,
             "stream": True,
             "thinking": {"type": "enabled", "budget_tokens": 10000},
