@@ -104,7 +104,7 @@ class _ClaudeCode(_Agent):
             "model": "claude-opus-4-6",
             "max_tokens": 32000,
             "stream": True,
-            "thinking": {"type": "enabled", "budget_tokens": 10000},
+            "thinking": {"type": "adaptive"},
             "metadata": {"user_id": "user_abc_account_def_session_0b1c"},
             "system": [
                 {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
