@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from typing import Any
 
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
@@ -111,14 +112,21 @@ RESOLVE_WAIT_S = 0.5
 """How long the start waits for the upstreams' first name lookup."""
 
 
+def _tlsconfig() -> Any:
+    """mitmproxy's TlsConfig addon, or None where no master runs (the worker supervisor
+    declares the options of every addon without one)."""
+    master = getattr(ctx, "master", None)
+    return master.addons.get("tlsconfig") if master is not None else None
+
+
 class WarmStart:
     """The first request pays no first-use cost upstream (see the module docstring)."""
 
     def load(self, loader) -> None:
-        seams.load_ca_once(ctx.master.addons.get("tlsconfig"))
+        seams.load_ca_once(_tlsconfig())
 
     def done(self) -> None:
-        seams.load_ca_once(ctx.master.addons.get("tlsconfig"), on=False)
+        seams.load_ca_once(_tlsconfig(), on=False)
 
     def configure(self, updated: set[str]) -> None:
         if updated & WARM_TLS_OPTIONS:

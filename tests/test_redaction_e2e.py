@@ -78,7 +78,8 @@ def stopped_output(relay) -> str:
      False, False),
 ], ids=["bad request line", "head abandoned", "bad header line"])
 def test_mitmproxys_own_lines_about_a_request_carry_no_key(data, close_early, logged, fake, start_relay):
-    relay = start_relay(reverse_to(fake), termlog_verbosity="debug", flow_detail=3)
+    # mitmproxy's own lines about connections are what this test reads: on here (off by default).
+    relay = start_relay(reverse_to(fake), termlog_verbosity="debug", flow_detail=3, relay_connection_log=True)
     sent_raw(relay, data, close_early=close_early)
     relay.wait_for_output(r"client disconnect")
     out = stopped_output(relay)
