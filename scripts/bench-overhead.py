@@ -8,7 +8,7 @@ noisy machine hits all alike:
     relay-timing  the relay's addons without Timing (what timing is measured against)
     relay-own     the full relay with mitmproxy's own hook dispatch (relay_hook_plans
                   off): what the relay's addons cost on their own
-    relay         the full relay (addons/relay.py), timing on, log written
+    relay         the full relay (ttft_relay/relay.py), timing on, log written
 
 Latency: the client's time from sending the request to the chunk carrying the
 first answer text, on a fresh connection each time. CPU: the mitmdump process's
@@ -35,8 +35,8 @@ from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_f
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
 import importlib.util, sys
 sys.path.insert(0, {str(REPO)!r})
-from addons import timing
-_spec = importlib.util.spec_from_file_location("relay_full", {str(REPO / "addons" / "relay.py")!r})
+from ttft_relay.timing import timing
+_spec = importlib.util.spec_from_file_location("relay_full", {str(REPO / "ttft_relay" / "relay.py")!r})
 _relay = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_relay)
 addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]

@@ -7,7 +7,7 @@ the client, the time to the first token and to the end of the response:
     direct          client → upstream
     mitmdump        client → plain mitmdump (reverse mode) → upstream
     mitmdump+stream client → mitmdump -s scripts/baseline_stream.py → upstream
-    relay           client → mitmdump -s addons/relay.py → upstream
+    relay           client → mitmdump -s ttft_relay/relay.py → upstream
 
 Requests go round-robin over the setups so drift on a shared machine hits all
 alike; each request opens a new client connection. Ratios are against direct,
@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from addons import scope, sse  # noqa: E402
+from ttft_relay import scope  # noqa: E402
+from ttft_relay.stream import sse  # noqa: E402
 from tests.fakes import client  # noqa: E402
 from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream  # noqa: E402
 

@@ -7,7 +7,7 @@ all alike:
 
     direct        client → upstream
     bare          client → mitmdump -s <script that only turns streaming on>
-    relay-1       client → scripts/relay --workers 1 (mitmdump -s addons/relay.py)
+    relay-1       client → scripts/relay --workers 1 (mitmdump -s ttft_relay/relay.py)
     relay-N       client → scripts/relay --workers N (N mitmdump workers behind HAProxy)
 
 Per setup and burst size: first-token p50/p99 over all rounds (from the start of the

@@ -11,7 +11,7 @@ Two parts, each beside baselines measured in the same run:
      cold        on first sight: every kept message is encoded
      next turn   the same conversation one model call later, with the caches of the previous
                request (token counts, and the conversation's cut)
-   by this trimmer ("new"), by the trimmer before it ("before": addons/ of --baseline-commit,
+   by this trimmer ("new"), by the trimmer before it ("before": ttft_relay/ of --baseline-commit,
    loaded from git), and for the chat history by a naive one that, like LiteLLM's
    `trim_messages`, recounts the whole kept list at every step.
 2. Prefix sharing on a 30-turn agent session per API (every model call a request, budget
@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 
 import orjson  # noqa: E402
 
-from addons import scope, tokens, trimming  # noqa: E402
+from ttft_relay import scope  # noqa: E402
+from ttft_relay.trim import tokens, trimming  # noqa: E402
 from tests import shaped  # noqa: E402
 
 MODEL = "gpt-4o"
@@ -262,7 +263,7 @@ def main() -> None:
     trimmers = [Trimmer(trimming, encoding.encoding, encoding.label, new=True)]
     if (before := load_baseline(args.baseline_commit)) is not None:
         trimmers.append(Trimmer(before, encoding.encoding, encoding.label, new=False))
-    print(f"encoding {encoding.label}; baseline: addons/ at {args.baseline_commit}\n")
+    print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")
     cost_table(trimmers, args, plain)
     sharing_table(trimmers, args.share_budget)
 

@@ -8,7 +8,7 @@ machine hits all alike:
 
     direct    client → upstream
     bare      client → mitmdump -s scripts/baseline_stream.py → upstream
-    relay-1   client → mitmdump -s addons/relay.py → upstream (records every turn)
+    relay-1   client → mitmdump -s ttft_relay/relay.py → upstream (records every turn)
 
 It reports, from the client, the time from sending `response.create` to the first
 text delta (p50/p90) and to `response.completed`, the upgrade handshake on a new

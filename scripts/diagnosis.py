@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from addons import phases
+from ttft_relay.timing import phases
 
 PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "message", "first_token", "end")
 """dns lookup done, TCP up, proxy tunnel up (CONNECT), TLS up, request written,

@@ -33,7 +33,7 @@ from wsproto.events import AcceptConnection, CloseConnection, Ping, RejectConnec
 from wsproto.extensions import PerMessageDeflate
 from wsproto.utilities import RemoteProtocolError
 
-from addons.sse import StreamWatcher
+from ttft_relay.stream.sse import StreamWatcher
 from scripts.diagnosis import ProbeResult
 from scripts.probe_requests import ProbeRequest, websocket_headers, websocket_message
 

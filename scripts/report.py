@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from addons import phases, record  # noqa: E402
+from ttft_relay.timing import phases, record  # noqa: E402
 
 QUANTILES = (50, 90, 99)
 METRICS = phases.PHASES

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from addons import phases
+from ttft_relay.timing import phases
 from scripts.report import counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_own_wait
 
 HERE = Path(__file__).resolve().parent

@@ -1,7 +1,7 @@
 """`scripts/relay --workers N`: the relay on every core, as N mitmdump workers behind HAProxy.
 
 mitmproxy runs on one core, so under a burst of streams the relay becomes the slow
-hop. This supervisor starts N identical workers (`mitmdump -s addons/relay.py` with
+hop. This supervisor starts N identical workers (`mitmdump -s ttft_relay/relay.py` with
 the user's arguments, one confdir and so one CA), each on its own loopback ports,
 and HAProxy (TCP mode, least connections) on the listeners the relay would have
 opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
@@ -28,7 +28,7 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   loopback.
 
 With `--workers 1`, or without haproxy on PATH, it runs the single process exactly as
-`mitmdump -s addons/relay.py` (exec, nothing in between).
+`mitmdump -s ttft_relay/relay.py` (exec, nothing in between).
 
     scripts/relay [--workers N] [mitmdump arguments ...]
 """
@@ -57,9 +57,11 @@ from mitmproxy.proxy import mode_specs  # noqa: E402
 from mitmproxy.tools import cmdline  # noqa: E402
 from mitmproxy.tools.main import process_options  # noqa: E402
 
-from addons import config, guard, metrics  # noqa: E402
+from ttft_relay import config  # noqa: E402
+from ttft_relay.guard import guard  # noqa: E402
+from ttft_relay.timing import metrics  # noqa: E402
 
-RELAY_SCRIPT = REPO / "addons" / "relay.py"
+RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
 HAPROXY_INSTALL = "Debian/Ubuntu: sudo apt-get install haproxy · Fedora: sudo dnf install haproxy · macOS: brew install haproxy"
 WORKER_LISTEN_HOST = "127.0.0.1"
@@ -136,7 +138,7 @@ class _OptionsLoader:
 def effective_options(args: list[str]) -> optmanager.OptManager:
     """The options a worker started with `args` ends up with (mitmdump's own
     precedence, then mitm.conf under the command line), without starting anything."""
-    from addons import relay
+    from ttft_relay import relay
 
     opts = options.Options()
     loader = _OptionsLoader(opts)
@@ -437,7 +439,7 @@ class Supervisor:
         self.stopping = True
 
     def _reload(self, signum, frame) -> None:
-        # Each worker reopens its own log and re-reads certificates (addons/reload.py).
+        # Each worker reopens its own log and re-reads certificates (ttft_relay/reload.py).
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGHUP)

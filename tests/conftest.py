@@ -59,7 +59,7 @@ RelayFactory = Callable[..., MitmdumpProcess]
 
 @pytest.fixture
 def start_relay(tmp_path, confdir, certs) -> Iterator[RelayFactory]:
-    """Starts real `mitmdump -s addons/relay.py` processes; stops them after the test.
+    """Starts real `mitmdump -s ttft_relay/relay.py` processes; stops them after the test.
 
     `start_relay("reverse:http://127.0.0.1:PORT@0", relay_trim=False, ...)`: modes as
     positional arguments, options as keywords. The timing log goes to the test's

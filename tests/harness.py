@@ -25,7 +25,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
-RELAY_SCRIPT = REPO / "addons" / "relay.py"
+RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
 BASELINE_SCRIPT = REPO / "scripts" / "baseline_stream.py"
 """A mitmproxy script that streams every response and does nothing else: what
 benchmarks measure the relay against."""

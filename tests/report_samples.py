@@ -13,7 +13,7 @@ import random
 import uuid
 from typing import Any
 
-from addons import record
+from ttft_relay.timing import record
 
 DAY_START = 1_780_000_000.0
 GROUPS = (

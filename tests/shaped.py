@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from addons import scope
+from ttft_relay import scope
 
 CHAT, RESPONSES, ANTHROPIC = scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES
 

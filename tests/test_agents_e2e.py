@@ -1,7 +1,7 @@
 """The real coding-agent CLIs through a real relay: Codex CLI (`codex exec`) and Claude Code (`claude -p`).
 
 Each case runs the CLI twice against the same fake upstream in the same test: once
-direct, once through a real `mitmdump -s addons/relay.py`, in reverse mode (base URL
+direct, once through a real `mitmdump -s ttft_relay/relay.py`, in reverse mode (base URL
 at the relay) or HTTPS-proxy mode (HTTPS_PROXY at the relay, mitmproxy's CA trusted).
 Codex talks the Responses API over a WebSocket (`supports_websockets = true`) or
 over HTTP SSE; Claude Code the Anthropic Messages API with thinking and tools.

@@ -9,7 +9,7 @@ import pytest
 from mitmproxy.net import encoding
 from mitmproxy.test import tflow
 
-from addons import scope
+from ttft_relay import scope
 
 
 

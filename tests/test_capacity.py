@@ -18,7 +18,8 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-from addons import capacity, seams
+from ttft_relay import capacity
+from ttft_relay.patches import seams
 from tests.conftest import reverse_to
 from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
 

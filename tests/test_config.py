@@ -4,12 +4,12 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-from addons import config
+from ttft_relay import config
 
 
 def test_command_line_options_sees_every_spelling():
     argv = ["/x/mitmdump", "-p", "9000", "--mode", "reverse:http://a", "--set", "relay_trim=false",
-            "--set", "listen_host=0.0.0.0", "-s", "addons/relay.py"]
+            "--set", "listen_host=0.0.0.0", "-s", "ttft_relay/relay.py"]
     with taddons.context() as tctx:
         got = config.command_line_options(argv, tctx.master.options)
     assert {"listen_port", "mode", "relay_trim", "listen_host"} <= got
@@ -46,7 +46,7 @@ def test_conf_applies_below_command_line(tmp_path):
 
 
 def test_conf_must_not_load_scripts(tmp_path, caplog):
-    path = _conf(tmp_path, "scripts: [addons/relay.py]\n")
+    path = _conf(tmp_path, "scripts: [ttft_relay/relay.py]\n")
     with taddons.context() as tctx:
         addon = config.RelayConfig(path, argv=["x"])
         tctx.master.addons.add(addon)

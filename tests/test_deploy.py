@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from ruamel.yaml import YAML
 
-from addons import guard, tls
+from ttft_relay.guard import guard, tls
 from deploy.grafana import dashboard
 from scripts import workers
 from tests.harness import REPO

@@ -1,4 +1,4 @@
-"""Unit tests of addons/faults.py: the API error formats, the deadline rules, timers that
+"""Unit tests of ttft_relay/faults/faults.py: the API error formats, the deadline rules, timers that
 never outlive their flow, and the rendering the seam asks for."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import orjson
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from addons import apierrors, faults, scope, sse, state
+from ttft_relay import scope, state
+from ttft_relay.faults import apierrors, faults
+from ttft_relay.stream import sse
 
 APIS = [scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES, scope.GEMINI, scope.OTHER]
 

@@ -21,7 +21,8 @@ import openai
 import orjson
 import pytest
 
-from addons import apierrors, faults, scope
+from ttft_relay import scope
+from ttft_relay.faults import apierrors, faults
 from scripts.workers import free_port as closed_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client

@@ -21,7 +21,9 @@ from mitmproxy.addons import proxyauth
 from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
 
-from addons import guard, scope, seams, state, tls
+from ttft_relay import scope, state
+from ttft_relay.guard import guard, tls
+from ttft_relay.patches import seams
 from scripts.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client

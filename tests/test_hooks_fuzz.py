@@ -18,7 +18,11 @@ from mitmproxy import flow as mflow
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
-from addons import faults, scope, state, streaming, timing, tokens, trim
+from ttft_relay import scope, state
+from ttft_relay.faults import faults
+from ttft_relay.stream import streaming
+from ttft_relay.timing import timing
+from ttft_relay.trim import tokens, trim
 
 PATHS = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
          "/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", "/v1beta/models/x:generateContent",

@@ -14,7 +14,7 @@ import time
 import orjson
 import pytest
 
-from addons import logrotation, record
+from ttft_relay.timing import logrotation, record
 from scripts import report
 from tests.conftest import reverse_to
 from tests.fakes import client

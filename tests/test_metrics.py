@@ -1,4 +1,4 @@
-"""addons/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
+"""ttft_relay/timing/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
 through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from addons import metrics, record, scope
+from ttft_relay import scope
+from ttft_relay.timing import metrics, record
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total

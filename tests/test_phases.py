@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from addons import phases
+from ttft_relay.timing import phases
 
 CRITICAL_UP_TO_TTFT = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token")
 

@@ -7,7 +7,7 @@ counts only what changes after a series' first sample), then the measured round.
 expression is evaluated at the first scrape after the measured round, over a window
 that starts just before the last scrape before it, and compared with the measured round's
 records: means and shares exactly, quantiles by Prometheus's own interpolation over
-addons/metrics.py's buckets.
+ttft_relay/timing/metrics.py's buckets.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from addons import metrics
+from ttft_relay.timing import metrics
 from deploy.grafana import dashboard
 from scripts.workers import free_port
 from tests.fakes import client

@@ -4,7 +4,7 @@ import threading
 
 import orjson
 
-from addons import phases, record
+from ttft_relay.timing import phases, record
 
 KEYS = {
     "schema", "id", "request_id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",

@@ -12,7 +12,8 @@ import orjson
 import pytest
 from mitmproxy.test import tflow
 
-from addons import faults, scope, state
+from ttft_relay import scope, state
+from ttft_relay.faults import faults
 
 from tests.conftest import reverse_to
 from tests.fakes import client

@@ -12,7 +12,7 @@ import pytest
 from mitmproxy import io
 from mitmproxy.test import tflow
 
-from addons import guard
+from ttft_relay.guard import guard
 
 from scripts.workers import free_port
 from tests.conftest import reverse_to

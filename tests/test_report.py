@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from addons import record
+from ttft_relay.timing import record
 from scripts import report
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from addons import phases
+from ttft_relay.timing import phases
 from scripts import report, report_html
 from tests import report_samples
 

@@ -3,7 +3,8 @@
 import orjson
 from mitmproxy.test import taddons, tflow
 
-from addons import record, state, timing
+from ttft_relay import state
+from ttft_relay.timing import record, timing
 
 
 def test_build_record_keeps_a_request_id_cut_to_its_cap():

@@ -3,7 +3,7 @@ import re
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from addons import scope, state
+from ttft_relay import scope, state
 
 
 @pytest.mark.parametrize(

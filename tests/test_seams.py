@@ -1,4 +1,4 @@
-"""The patches in `addons/seams.py`: each behaves as documented, and the mitmproxy code
+"""The patches in `ttft_relay/patches/seams.py`: each behaves as documented, and the mitmproxy code
 under them is pinned, so a change there fails loudly.
 
 mitmproxy is pinned ==12.3.1. On an upgrade, read the new versions of the functions
@@ -25,7 +25,8 @@ from mitmproxy.proxy.layers.http._http2 import Http2Connection
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.test import taddons, tflow
 
-from addons import capacity, seams
+from ttft_relay import capacity
+from ttft_relay.patches import seams
 from tests.harness import connect_many, handshakes_completed
 
 # sha256 (first 16 hex digits) of the source of every function the seams patch or rely on.
@@ -83,7 +84,7 @@ def test_mitmproxy_is_the_pinned_version():
 
 def test_patched_and_relied_on_code_is_unchanged():
     changed = {name: digest(fn) for name, (fn, pinned) in PINNED.items() if digest(fn) != pinned}
-    assert not changed, f"mitmproxy code under the seams changed, re-check addons/seams.py: {changed}"
+    assert not changed, f"mitmproxy code under the seams changed, re-check ttft_relay/patches/seams.py: {changed}"
 
 
 def test_the_lines_the_seams_depend_on():

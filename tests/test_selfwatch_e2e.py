@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from addons import phases
+from ttft_relay.timing import phases
 from tests.conftest import reverse_to
 from tests.fakes.client import stream_post
 from tests.harness import REPO, MitmdumpProcess, metrics_url, scrape, total

@@ -14,7 +14,8 @@ import orjson
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from addons import scope, state, timing
+from ttft_relay import scope, state
+from ttft_relay.timing import timing
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.test_faults_e2e import WAIT, body_for, last_event, records

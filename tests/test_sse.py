@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from addons import sse
-from addons.sse import Event
-from addons.sse import SSEParser
-from addons.sse import StreamWatcher
+from ttft_relay.stream import sse
+from ttft_relay.stream.sse import Event
+from ttft_relay.stream.sse import SSEParser
+from ttft_relay.stream.sse import StreamWatcher
 from tests import sse_samples as samples
 
 TOOL = ("get_weather", ['{"city"', ':"Par', 'is"}'])

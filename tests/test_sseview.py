@@ -8,7 +8,7 @@ from mitmproxy.contentviews import Metadata
 from mitmproxy.test import taddons
 from mitmproxy.test import tflow
 
-from addons import sse, sseview, streaming
+from ttft_relay.stream import sse, sseview, streaming
 from tests import sse_samples as samples
 
 view = sseview.event_stream_view

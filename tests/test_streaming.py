@@ -6,7 +6,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.net import encoding
 
-from addons import streaming
+from ttft_relay.stream import streaming
 
 
 class RecordingWatcher:
@@ -92,7 +92,7 @@ def test_corrupt_compressed_stream_is_passed_on_not_raised():
 def _flow_with_response(method="POST", path="/v1/responses", status=200, in_scope=True, **response_headers):
     from mitmproxy.test import tflow
 
-    from addons import state
+    from ttft_relay import state
 
     f = tflow.tflow(resp=True)
     f.request.method, f.request.path = method, path

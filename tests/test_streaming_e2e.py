@@ -13,7 +13,8 @@ import anthropic
 import openai
 import pytest
 
-from addons import scope, sse
+from ttft_relay import scope
+from ttft_relay.stream import sse
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.fakes.replies import answer_text

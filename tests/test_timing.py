@@ -5,7 +5,9 @@ import pytest
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow
 
-from addons import phases, sse, state, timing
+from ttft_relay import state
+from ttft_relay.stream import sse
+from ttft_relay.timing import phases, timing
 from tests import sse_samples
 
 T0 = 1_700_000_000.0

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from addons import phases
+from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes.client import HttpConnection, request, slow_upload
 from tests.fakes.forwarder import DelayingForwarder

@@ -18,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from addons import tls
+from ttft_relay.guard import tls
 from scripts import workers
 from scripts.workers import free_port
 from tests.conftest import reverse_to

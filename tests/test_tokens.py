@@ -4,7 +4,7 @@ import math
 import pytest
 import tiktoken
 
-from addons import tokens
+from ttft_relay.trim import tokens
 
 
 @pytest.fixture(scope="module")

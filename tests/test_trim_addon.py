@@ -13,8 +13,9 @@ from mitmproxy import exceptions
 from mitmproxy.net import encoding
 from mitmproxy.test import taddons, tflow, tutils
 
-from addons import scope, state, tokens, trimming
-from addons.trim import HEADER, Trim
+from ttft_relay import scope, state
+from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim.trim import HEADER, Trim
 
 
 @pytest.fixture(scope="module")

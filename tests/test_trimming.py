@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from addons import scope, tokens, trimming
-from addons.trimming import Budget
+from ttft_relay import scope
+from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim.trimming import Budget
 from tests import shaped
 
 CHAT, RESPONSES, ANTHROPIC = scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES

@@ -8,7 +8,10 @@ from mitmproxy.test import taddons, tflow
 from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
 
-from addons import faults, scope, state, timing, websocket
+from ttft_relay import scope, state
+from ttft_relay.faults import faults
+from ttft_relay.stream import websocket
+from ttft_relay.timing import timing
 
 
 class Records:

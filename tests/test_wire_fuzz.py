@@ -1,5 +1,5 @@
 """Hypothesis on the wire: malformed and hostile HTTP/1 requests, as raw bytes, into
-one real keyed relay (mitmdump -s addons/relay.py) in front of the fake upstream.
+one real keyed relay (mitmdump -s ttft_relay/relay.py) in front of the fake upstream.
 
 Whatever arrives, the relay answers or closes within a bound (no hang), never
 crashes, never logs a key, and keeps serving a well-formed request afterwards.

@@ -6,7 +6,7 @@
 Every PromQL expression lives here, once: tests/test_prometheus_e2e.py evaluates each
 of them on a real Prometheus scraping a relay and compares the answers with the
 relay's own timing records, and checks that the shipped JSON is this module's output.
-A metric renamed in addons/metrics.py fails that test.
+A metric renamed in ttft_relay/timing/metrics.py fails that test.
 
 Expressions use Grafana's `$__rate_interval`; the test puts a window in its place.
 Ratios of two rates (means, shares, quantiles) do not depend on Prometheus's
@@ -25,7 +25,7 @@ RATE_INTERVAL = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 """The uid the provisioned data source (provisioning/datasources/prometheus.yaml) has."""
 PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
-"""The phases addons/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it exists
+"""The phases ttft_relay/timing/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it exists
 only for requests whose bytes the kernel held, so its series are born at random times, and
 rate() cannot count a series' first observations; the saturation panels show the same cause."""
 
@@ -67,7 +67,7 @@ PANELS = (
           "upstream.", "s", (ttft_quantile(0.5),)),
     Panel("Time to first token p95", "As p50, the slow tail.", "s", (ttft_quantile(0.95),)),
     Panel("Phase breakdown (mean)", "Where a call's time before the first token went: the relay's phases "
-          "(addons/phases.py), mean per call that had the phase.", "s", tuple(phase_mean(p) for p in PHASES)),
+          "(ttft_relay/timing/phases.py), mean per call that had the phase.", "s", tuple(phase_mean(p) for p in PHASES)),
     Panel("Error rate by phase", "Share of calls that failed, by the phase they failed in (error_type).",
           "percentunit",
           (Query("{{error_type}}",
@@ -76,7 +76,7 @@ PANELS = (
     Panel("Trimmed tokens per call", "Prompt tokens the trimmer removed, per call through the relay.", "short",
           (Query("trimmed", f"sum(rate(ttft_relay_trimmed_tokens_total[{RATE_INTERVAL}])) / {CALLS}"),)),
     Panel("Relay saturation: event-loop lag", "How late the relay's event loop runs a timer due every 50 ms "
-          "(addons/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
+          "(ttft_relay/timing/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
           "then add workers, see Scaling out).", "s", (loop_lag_quantile(0.5), loop_lag_quantile(0.99))),
     Panel("Relay saturation: accept queue", "Connections the kernel holds for each listener until the relay "
           "accepts them.", "short",

@@ -9,7 +9,7 @@ saving flows. A `Server-Timing` header tells the client the phases known when
 the head leaves.
 
 Every record — an HTTP flow's, a WebSocket handshake's, each WebSocket turn's
-(`addons/websocket.py`) — leaves through `Timing.publish`: appended to
+(`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: appended to
 `relay_timing_log`, logged as a console line, and handed to every addon that
 implements the `timing_record(record, flow)` hook (metrics).
 
@@ -35,7 +35,9 @@ from mitmproxy.flow import Error as FlowError
 from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
-from . import logrotation, phases, record, sse, state, streaming
+from .. import state
+from ..stream import sse, streaming
+from . import logrotation, phases, record
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +45,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class TimingRecordHook(hooks.Hook):
     """A timing record is finished. `record` is plain data (the schema in
-    addons/record.py); `flow` the HTTP flow it describes, or the WebSocket flow a
+    ttft_relay/timing/record.py); `flow` the HTTP flow it describes, or the WebSocket flow a
     turn ran on. Each record is published exactly once."""
 
     record: dict[str, Any]
     flow: http.HTTPFlow
 
 
-DEFAULT_LOG = Path(__file__).resolve().parent.parent / "logs" / "timing.jsonl"
+_CHECKOUT = Path(__file__).resolve().parent.parent.parent
+DEFAULT_LOG = (_CHECKOUT if (_CHECKOUT / "mitm.conf").exists() else Path.cwd()) / "logs" / "timing.jsonl"
+"""In a checkout its logs/ folder; for an installed package logs/ in the working directory."""
 METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
 """mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that

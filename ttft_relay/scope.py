@@ -15,7 +15,9 @@ from typing import Any
 import orjson
 from mitmproxy import ctx, exceptions, http
 
-from . import apierrors, record, state
+from . import state
+from .faults import apierrors
+from .timing import record
 
 OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"

@@ -11,7 +11,7 @@ name the client asked for (SNI) instead of one from its own CA:
 (a Let's Encrypt `fullchain.pem` followed by its `privkey.pem`, in one file: mitmproxy
 reads the key from the certificate's file). Naming the domain keeps mitmproxy's CA
 for everything else, e.g. what an HTTPS-proxy listener intercepts. A renewed
-certificate is read on SIGHUP (addons/reload.py) without dropping a connection.
+certificate is read on SIGHUP (ttft_relay/reload.py) without dropping a connection.
 
 This addon decides which listeners accept *only* TLS and answers a plain-HTTP
 request there with a 400 that says what to do, before its body is read or any key
@@ -40,9 +40,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from mitmproxy import ctx, exceptions, http
 
-from . import state
-from .guard import (CLIENT_TLS_ALL, CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_OPTIONAL, TLS_CAPABLE, api_shape, is_loopback,
-                    refusal, requires_tls)
+from .. import state
+from .guard import CLIENT_TLS_ALL, CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_OPTIONAL, TLS_CAPABLE, api_shape, is_loopback, refusal, requires_tls
 
 logger = logging.getLogger(__name__)
 

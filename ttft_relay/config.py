@@ -31,9 +31,11 @@ _PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy
 
 
 def conf_path() -> Path | None:
+    """The config file to read: TTFT_RELAY_CONF's (it must exist), else the checkout's
+    mitm.conf where there is one (an installed package has none)."""
     value = os.environ.get(CONF_ENV)
     if value is None:
-        return DEFAULT_CONF
+        return DEFAULT_CONF if DEFAULT_CONF.exists() else None
     return Path(value) if value else None
 
 

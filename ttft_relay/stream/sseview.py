@@ -21,9 +21,9 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.contentviews import Contentview
 from mitmproxy.contentviews import Metadata
 
-from addons import scope
-from addons import sse
-from addons import streaming
+from ttft_relay import scope
+from ttft_relay.stream import sse
+from ttft_relay.stream import streaming
 
 _SSE_FIELD_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
 

@@ -7,7 +7,7 @@ compresses the rotated file to `.gz` and deletes the oldest rotated files beyond
 `keep`. `scripts/report 'logs/timing*.jsonl*'` reads current, rotated and
 compressed files alike.
 
-logrotate works too (rename, then SIGHUP: `addons/reload.py` reopens the log);
+logrotate works too (rename, then SIGHUP: `ttft_relay/reload.py` reopens the log);
 use one or the other, not both.
 """
 

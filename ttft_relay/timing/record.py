@@ -304,7 +304,7 @@ class RecordWriter:
     log sees records within moments. `close()` writes everything still queued
     before returning.
 
-    With a `rotation` (addons/logrotation.py) the thread rotates the log between two
+    With a `rotation` (ttft_relay/timing/logrotation.py) the thread rotates the log between two
     records, never inside one, and compresses and expires rotated files in
     another thread. `reopen()` makes it write to a new file at `path` after the
     records queued so far: for logrotate, which renames the log and signals.

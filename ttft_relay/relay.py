@@ -1,7 +1,7 @@
 """ttft-relay: an LLM API relay that streams, times and trims.
 
-Load with `mitmdump -s addons/relay.py` (or mitmweb). This file only composes the
-addons; each concern lives in its own module under `addons/`:
+Load with `mitmdump -s ttft_relay/relay.py` (or mitmweb). This file only composes the
+addons; each concern lives in its own module under `ttft_relay/`:
 
     config     mitm.conf under the command line
     capacity   a burst of streams: connections queued, cheaper hook dispatch
@@ -41,8 +41,12 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from addons import (capacity, config, faults, guard, metrics, reload, scope, selfwatch,  # noqa: E402
-                    sseview, streaming, timing, tls, trim, webcolumns, websocket)
+from ttft_relay import capacity, config, reload, scope
+from ttft_relay.faults import faults
+from ttft_relay.guard import guard, tls
+from ttft_relay.stream import sseview, streaming, websocket
+from ttft_relay.timing import metrics, selfwatch, timing, webcolumns
+from ttft_relay.trim import trim
 
 self_watch = selfwatch.SelfWatch()
 prometheus = metrics.Metrics()

@@ -29,7 +29,9 @@ from mitmproxy import ctx, http
 from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
-from . import seams, sse, state
+from .. import state
+from ..patches import seams
+from . import sse
 
 logger = logging.getLogger(__name__)
 

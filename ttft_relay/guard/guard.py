@@ -5,7 +5,7 @@ A relay sits between its users and a paid API key. These addons keep it that way
     Exposure        refuses to start (or to take an option change) that would serve
                     other machines without authentication or TLS: a non-loopback
                     listener without proxyauth (proxies) or relay access keys (reverse
-                    listeners), or without a TLS certificate (`certs`, addons/tls.py)
+                    listeners), or without a TLS certificate (`certs`, ttft_relay/guard/tls.py)
                     unless `relay_client_tls` is optional; or mitmweb on a
                     non-loopback web_host without web_password.
                     `relay_allow_open_proxy` overrides the listener check for relays
@@ -47,7 +47,10 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from . import apierrors, record, scope, seams, state
+from .. import scope, state
+from ..faults import apierrors
+from ..patches import seams
+from ..timing import record
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ def required_protection(mode: mode_specs.ProxyMode) -> str | None:
 
 
 CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_ALL, CLIENT_TLS_OPTIONAL = "off-loopback", "all", "optional"
-"""`relay_client_tls` (addons/tls.py): which listeners accept only TLS clients."""
+"""`relay_client_tls` (ttft_relay/guard/tls.py): which listeners accept only TLS clients."""
 TLS_CAPABLE = (mode_specs.ReverseMode, mode_specs.RegularMode, mode_specs.UpstreamMode)
 """Listener kinds on which mitmproxy terminates a client's TLS (socks5 cannot)."""
 

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from . import scope
+from .. import scope
 from .tokens import longest_prefix
 
 DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {

@@ -39,7 +39,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
-from . import scope
+from .. import scope
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class RelayMetrics:
         self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per LLM call, as reported by the upstream.",
                                 (*LABELS, "gen_ai_token_type"), registry=registry, buckets=TOKEN_BUCKETS)
         self.phases = {
-            name: Histogram(f"ttft_relay_{name}_seconds", f"The relay's {name} phase (see addons/phases.py).",
+            name: Histogram(f"ttft_relay_{name}_seconds", f"The relay's {name} phase (see ttft_relay/timing/phases.py).",
                             LABELS, registry=registry, buckets=TTFT_BUCKETS)
             for name in RELAY_PHASES
         }

@@ -35,7 +35,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from . import seams
+from .patches import seams
 
 logger = logging.getLogger(__name__)
 

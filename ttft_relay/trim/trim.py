@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 
-from . import state, tokens, trimming
+from .. import state
+from . import tokens, trimming
 
 logger = logging.getLogger(__name__)
 

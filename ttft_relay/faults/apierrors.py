@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from mitmproxy import http
 
-from . import scope
+from .. import scope
 
 
 def error_code(status: int) -> str:

@@ -30,7 +30,10 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from . import apierrors, scope, seams, state, timing
+from .. import scope, state
+from . import apierrors
+from ..patches import seams
+from ..timing import timing
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import sys
 
 from mitmproxy import ctx
 
-from . import config
+from .. import config
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import signal
 
 from mitmproxy import ctx, exceptions
 
-from . import tls
+from .guard import tls
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ from typing import NamedTuple
 from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 
-from . import seams, state
+from .. import state
+from ..patches import seams
 
 logger = logging.getLogger(__name__)
 

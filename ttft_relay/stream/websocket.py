@@ -46,8 +46,11 @@ import orjson
 from mitmproxy import ctx, http
 from mitmproxy.websocket import WebSocketMessage
 
-from . import apierrors, faults, phases, record, scope, sse, state
-from .timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
+from .. import scope, state
+from ..faults import apierrors, faults
+from . import sse
+from ..timing import phases, record
+from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 

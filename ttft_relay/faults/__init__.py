@@ -1,0 +1,1 @@
+"""Failures: bounded waits, upstream failures answered in each API's own format, a clean stop."""

@@ -1,0 +1,1 @@
+"""Timing: marks, phases and verdicts (pure), the record and its sinks (JSONL, console, metrics, mitmweb)."""

@@ -1,0 +1,1 @@
+"""Trimming: the trim addon, its policy (pure) and token counting."""
