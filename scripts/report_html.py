@@ -17,7 +17,7 @@ import html
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ def report_data(records: Sequence[Mapping[str, Any]], summary: Mapping[str, Mapp
     data |= {
         "title": title,
         "kind": "report",
-        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "t0": t0,
         "phases": list(BAR_PHASES),
         "marks": list(TICK_MARKS),

@@ -15,7 +15,7 @@ import pytest
 
 from tests.fakes.client import HttpConnection
 from tests.fakes.forwarder import DelayingForwarder
-from tests.test_timing_e2e import APIS, post, read_log
+from tests.test_timing_e2e import post, read_log
 
 ONE_WAY_MS = 50
 REQUESTS = 10

@@ -6,7 +6,6 @@ spelling, a flow in flight; and one log line carries a bounded amount.
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 from mitmproxy import io

@@ -1,5 +1,6 @@
 """scripts/report.py: reading logs, percentiles, grouping, the prompt-size fit."""
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,7 @@ def test_read_filters_and_skips_broken_lines(tmp_path):
 def test_since_accepts_durations_and_iso():
     assert report.parse_since("2h", now=10_000) == 10_000 - 7200
     assert report.parse_since("2024-01-01T00:00:00+00:00") == 1704067200
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a duration"):
         report.parse_since("yesterday")
 
 

@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 

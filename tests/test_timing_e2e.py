@@ -19,7 +19,7 @@ import pytest
 
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.client import HttpConnection, request, slow_upload
+from tests.fakes.client import HttpConnection, request
 from tests.fakes.forwarder import DelayingForwarder
 
 SLACK_MS = 250
@@ -171,7 +171,7 @@ def test_mid_stream_stall(fake, relay_at, log):
     for api in APIS:
         gate = fake.hold_before_chunk(6)  # well after the first token for every API, with 8 pieces
 
-        def stall() -> None:
+        def stall(gate=gate) -> None:
             fake.wait_chunk_sent(5)
             time.sleep(STALL_S)
             gate.set()

@@ -84,7 +84,7 @@ def _name(common_name: str) -> x509.Name:
 
 def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
     # Backdated a day so clock skew between processes cannot make a fresh cert "not yet valid".
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return builder.not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + VALIDITY)
 
 

@@ -74,7 +74,7 @@ def check_cert_file(path: Path, now: datetime.datetime | None = None) -> tuple[s
                 "(cat fullchain.pem privkey.pem)"), None
     if key.public_key() != leaf.public_key():
         return f"the private key in {path} does not belong to its first certificate", None
-    left = leaf.not_valid_after_utc - (now or datetime.datetime.now(datetime.timezone.utc))
+    left = leaf.not_valid_after_utc - (now or datetime.datetime.now(datetime.UTC))
     if left <= datetime.timedelta(0):
         return None, f"the certificate in {path} has expired"
     if left < EXPIRY_WARNING:

@@ -190,10 +190,10 @@ _ORIGINAL_READ_RESPONSE_HEADERS = Http1Client.read_headers
 _renderer: Renderer | None = None
 _deferred_connects: Callable[[Any], bool] | None = None
 """Whether a listener (its proxy mode) must not connect upstream before a request."""
-_answer_now: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
-_answered: "weakref.WeakSet[http.HTTPFlow]" = weakref.WeakSet()
+_answer_now: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+_answered: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _max_head = 0
-_outgoing: "weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]]" = weakref.WeakKeyDictionary()
+_outgoing: weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]] = weakref.WeakKeyDictionary()
 _listen_backlog = 0
 ASYNCIO_DEFAULT_BACKLOG = 100
 """What `asyncio.start_server` listens with, and so mitmproxy."""

@@ -165,11 +165,11 @@ class Timing:
         # mitmproxy runs `done` before it cancels the connections, whose flows would
         # only then reach `error`: record them now, while the writer is open.
         # `faults.Shutdown` (earlier in the chain) has ended what it could end cleanly.
-        for flow in list(self.in_flight):
-            if (st := state.get(flow)) is not None:
+        for live in list(self.in_flight):
+            if (st := state.get(live)) is not None:
                 st.error, st.error_phase = st.error or SHUTDOWN_ERROR, st.error_phase or "relay"
-                state.mark(flow, "end", time.time())
-                self._finish(flow)
+                state.mark(live, "end", time.time())
+                self._finish(live)
         self.console_lines.flush()
         self._close_writer()
 
