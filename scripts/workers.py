@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,9 +143,12 @@ def effective_options(args: list[str]) -> optmanager.OptManager:
 
     opts = options.Options()
     loader = _OptionsLoader(opts)
-    # Some `load` hooks read the options they are loaded with (as in mitmdump, where
-    # the master sets ctx.options before any addon loads).
+    # Some `load` hooks read the options they are loaded with, or look for a running
+    # addon (as in mitmdump, where the master exists before any addon loads): here
+    # the options, and a master with no addons running.
     ctx.options = opts
+    if not hasattr(ctx, "master"):
+        ctx.master = types.SimpleNamespace(addons=types.SimpleNamespace(get=lambda name: None))
     for addon in mitmproxy_addons.default_addons() + relay.addons:
         if not isinstance(addon, config.RelayConfig):  # its work is done below, without ctx
             loader.declare(addon)
