@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from ttft_relay import scope  # noqa: E402
 from ttft_relay.stream import sse  # noqa: E402
 from tests.fakes import client  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream  # noqa: E402
+from tests.harness import (  # noqa: E402
+    BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream, stream_shape, stream_shape_arguments)
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -54,13 +55,11 @@ def one_request(base_url: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=30, help="per setup (default 30)")
-    ap.add_argument("--prefill-ms", type=float, default=50)
-    ap.add_argument("--gap-ms", type=float, default=10)
-    ap.add_argument("--chunks", type=int, default=20)
+    stream_shape_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
 
-    fake, upstream = start_fake_upstream(prefill_ms=args.prefill_ms, gap_ms=args.gap_ms, chunks=args.chunks)
+    fake, upstream = start_fake_upstream(**stream_shape(args))
     tmp = Path(tempfile.mkdtemp(prefix="ttft-bench-"))
     mode = f"reverse:{upstream}@0"
     relays = {

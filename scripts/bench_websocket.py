@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.fakes.ws_client import WebSocketClient  # noqa: E402
-from tests.harness import BenchSetups, percentile  # noqa: E402
+from tests.harness import BenchSetups, percentile, stream_shape, stream_shape_arguments  # noqa: E402
 
 HEADERS = {"authorization": "Bearer sk-bench-FAKEKEY", "openai-beta": "responses_websockets=2026-02-06"}
 TURN = {"type": "response.create", "model": "gpt-5.1-codex",
@@ -65,13 +65,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=40, help="per setup (default 40)")
     ap.add_argument("--handshakes", type=int, default=10, help="new sockets per setup (default 10)")
-    ap.add_argument("--prefill-ms", type=float, default=50)
-    ap.add_argument("--gap-ms", type=float, default=10)
-    ap.add_argument("--chunks", type=int, default=20)
+    stream_shape_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
 
-    knobs = {"prefill_ms": args.prefill_ms, "gap_ms": args.gap_ms, "chunks": args.chunks}
+    knobs = stream_shape(args)
     relay_options = {"relay_timing_console": "false", "relay_metrics_listen": ""}
     clients: dict[str, WebSocketClient] = {}
     with BenchSetups(knobs, workers=1, relay_options=relay_options, names=("direct", "bare", "relay-1")) as bench:

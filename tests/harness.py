@@ -8,6 +8,7 @@ streaming test measure the wrong thing).
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -258,6 +259,19 @@ class BenchSetups:
         for stop in reversed(self._stoppers):
             stop()
         self._stoppers.clear()
+def stream_shape_arguments(ap: argparse.ArgumentParser, *, prefill_ms: float = 50, gap_ms: float = 10,
+                           chunks: int = 20) -> None:
+    """The fake upstream's answer as benchmarks take it from their command line."""
+    ap.add_argument("--prefill-ms", type=float, default=prefill_ms, help=f"before the first token (default {prefill_ms:g})")
+    ap.add_argument("--gap-ms", type=float, default=gap_ms, help=f"between the other chunks (default {gap_ms:g})")
+    ap.add_argument("--chunks", type=int, default=chunks, help=f"answer pieces (default {chunks})")
+
+
+def stream_shape(args: argparse.Namespace) -> dict[str, object]:
+    """The fake upstream's knobs from `stream_shape_arguments`."""
+    return {"prefill_ms": args.prefill_ms, "gap_ms": args.gap_ms, "chunks": args.chunks}
+
+
 def read_records(log: Path) -> list[dict]:
     """The timing records in a relay's JSONL log (none if it was never written)."""
     return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
