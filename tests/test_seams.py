@@ -126,6 +126,7 @@ def test_the_lines_the_seams_depend_on():
 
 def test_install_and_uninstall_restore_mitmproxys_code():
     seams.defer_eager_connects(None)  # an earlier test's keyed listeners
+    seams.uninstall()  # and an earlier test's ErrorReplies (loaded to declare options)
     original_error, original_start = HttpStream.handle_protocol_error, modes.DestinationKnown.finish_start
     seams.install(lambda flow, message, head_sent: None)
     try:
