@@ -159,6 +159,13 @@ class Limits:
     first_token: float = 0
     idle: float = 0
 
+    OPTIONS = frozenset({"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"})
+    """The options they come from (declared by `Deadlines`; WebSocket turns read them too)."""
+
+    @classmethod
+    def from_options(cls, o: Any) -> Limits:
+        return cls(max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0))
+
 
 @dataclass(frozen=True, slots=True)
 class Progress:
@@ -273,11 +280,8 @@ class Deadlines:
         )
 
     def configure(self, updated) -> None:
-        if updated & {"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"}:
-            o = ctx.options
-            self.limits = Limits(
-                max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0)
-            )
+        if updated & Limits.OPTIONS:
+            self.limits = Limits.from_options(ctx.options)
         if "relay_connect_timeout" in updated:
             self.connect_timeout = max(ctx.options.relay_connect_timeout, 0)
 

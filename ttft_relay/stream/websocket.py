@@ -127,7 +127,6 @@ class Session:
     closing: bytes | None = None
     """The failure event injected for a turn that passed a deadline: once it goes out, the
     upstream side is closed."""
-    limits: faults.Limits = field(default_factory=faults.Limits)
     handshake_comment: str = ""
     turn_lines: deque[str] = field(default_factory=lambda: deque(maxlen=COMMENT_TURNS))
 
@@ -155,11 +154,8 @@ class WebSocketTurns:
         if "relay_websocket_messages" in updated:
             self.keep = ctx.options.relay_websocket_messages
         # The bounds are the Deadlines addon's options: one setting for HTTP and WebSocket turns.
-        if updated & {"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"}:
-            o = ctx.options
-            self.limits = faults.Limits(
-                max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0)
-            )
+        if updated & faults.Limits.OPTIONS:
+            self.limits = faults.Limits.from_options(ctx.options)
 
     def done(self) -> None:
         # Turns still open when the relay stops are recorded while the log is open:
@@ -171,7 +167,7 @@ class WebSocketTurns:
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
         if st is not None and st.api in TURN_APIS:
-            self.sessions[flow] = Session(st.api, limits=self.limits, handshake_comment=flow.comment)
+            self.sessions[flow] = Session(st.api, handshake_comment=flow.comment)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         assert flow.websocket is not None
@@ -246,7 +242,7 @@ class WebSocketTurns:
             last_chunk=w.last_chunk,
         )
         now = time.time()
-        due = faults.next_deadline(progress, session.limits, now)
+        due = faults.next_deadline(progress, self.limits, now)
         if due is None:
             return
         at, failure = due
