@@ -6,8 +6,9 @@ the user's arguments, one confdir and so one CA), each on its own loopback ports
 and HAProxy (TCP mode, least connections) on the listeners the relay would have
 opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
 
-- Options are read the way a worker reads them: built-in defaults < mitmproxy's
-  config.yaml < mitm.conf < command line (`config.conf_values`).
+- Options: the workers' command line is the user's with mitm.conf merged in
+  (`config.merged_args`: code defaults < mitm.conf < command line), and the
+  supervisor checks the options mitmdump makes of that same command line.
 - A worker that dies is taken out of rotation at once (HAProxy runtime API), started
   again (with a growing pause if it keeps dying) and put back when it accepts.
   HAProxy's own health checks also take out a worker that stops accepting. Checks go
@@ -28,7 +29,7 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   loopback.
 
 With `--workers 1`, or without haproxy on PATH, it runs the single process exactly as
-`mitmdump -s ttft_relay/relay.py` (exec, nothing in between).
+`ttft-relay run` does (exec, nothing in between).
 
     scripts/relay [--workers N] [mitmdump arguments ...]
 """
@@ -45,22 +46,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mitmproxy import addons as mitmproxy_addons  # noqa: E402
-from mitmproxy import ctx, optmanager, options  # noqa: E402
+from mitmproxy import optmanager  # noqa: E402
 from mitmproxy.proxy import mode_specs  # noqa: E402
-from mitmproxy.tools import cmdline  # noqa: E402
-from mitmproxy.tools.main import process_options  # noqa: E402
 
-from ttft_relay import config  # noqa: E402
-from ttft_relay.guard import guard  # noqa: E402
-from ttft_relay.timing import metrics  # noqa: E402
+from ttft_relay import cli, config  # noqa: E402
+from ttft_relay.guard import guard, tls  # noqa: E402
+from ttft_relay.timing import metrics, timing  # noqa: E402
 
 RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
@@ -116,51 +113,15 @@ def log(msg: str) -> None:
 
 # --- options ------------------------------------------------------------------------
 
-
-class _OptionsLoader:
-    """Just enough of mitmproxy's addon Loader to declare an addon's options."""
-
-    def __init__(self, opts: optmanager.OptManager) -> None:
-        self.opts = opts
-
-    def add_option(self, name, typespec, default, help, choices=None) -> None:
-        self.opts.add_option(name, typespec, default, help, choices)
-
-    def add_command(self, path, func) -> None:
-        pass
-
-    def declare(self, addon) -> None:
-        if load := getattr(addon, "load", None):
-            load(self)
-        for child in getattr(addon, "addons", []):
-            self.declare(child)
+SUPERVISOR_READS = (guard.Exposure, guard.AccessKeys, tls.ClientTLS, timing.Timing, metrics.Metrics)
+"""The addons whose options the supervisor reads (their `load` only declares them)."""
 
 
-def effective_options(args: list[str]) -> optmanager.OptManager:
-    """The options a worker started with `args` ends up with (mitmdump's own
-    precedence, then mitm.conf under the command line), without starting anything."""
-    from ttft_relay import relay
-
-    opts = options.Options()
-    loader = _OptionsLoader(opts)
-    # Some `load` hooks read the options they are loaded with, or look for a running
-    # addon (as in mitmdump, where the master exists before any addon loads): here
-    # the options, and a master with no addons running.
-    ctx.options = opts
-    if not hasattr(ctx, "master"):
-        ctx.master = types.SimpleNamespace(addons=types.SimpleNamespace(get=lambda name: None))
-    for addon in mitmproxy_addons.default_addons() + relay.addons:
-        if not isinstance(addon, config.RelayConfig):  # its work is done below, without ctx
-            loader.declare(addon)
-    parser = cmdline.mitmdump(opts)
-    ns = parser.parse_args(args)
-    opts.set(*ns.setoptions, defer=True)
-    confdir = os.path.expanduser(opts.confdir)
-    optmanager.load_paths(opts, os.path.join(confdir, "config.yaml"), os.path.join(confdir, "config.yml"))
-    process_options(parser, opts, ns)
-    if (path := config.conf_path()) is not None:
-        opts.update(**config.conf_values(path, ["mitmdump", *args], opts))
-    return opts
+def worker_options(args: list[str]) -> tuple[list[str], optmanager.OptManager]:
+    """The workers' command line (`args` with mitm.conf merged in, config.merged_args)
+    and the options mitmdump makes of it, for the supervisor's own checks."""
+    merged = cli.relay_args(args)
+    return merged, config.started_options(merged, [addon() for addon in SUPERVISOR_READS])
 
 
 def strip_options(args: list[str], names: set[str]) -> list[str]:
@@ -354,7 +315,7 @@ class Worker:
 
 class Supervisor:
     def __init__(self, user_args: list[str], workers: int) -> None:
-        self.opts = effective_options(user_args)
+        merged, self.opts = worker_options(user_args)
         exposed = guard.unprotected_listeners(
             self.opts.mode, self.opts.listen_host, self.opts.proxyauth, bool(self.opts.relay_access_keys),
             self.opts.relay_client_tls, bool(self.opts.certs),
@@ -371,7 +332,7 @@ class Supervisor:
         metrics_dir = self.workdir / "metrics"
         metrics_dir.mkdir()
         self.metrics_dir = metrics_dir
-        worker_args = strip_options(user_args, OVERRIDDEN)
+        worker_args = strip_options(merged, OVERRIDDEN)
         if left := config.command_line_options(["mitmdump", *worker_args], self.opts) & OVERRIDDEN:
             raise SystemExit(f"cannot give the workers their own {', '.join(sorted(left))}: spell them "
                              "--mode, --listen-host, -p or --set NAME=VALUE")
@@ -470,23 +431,6 @@ class Supervisor:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def single_process_args(args: list[str]) -> list[str]:
-    """`args` with the effective listener options spelled out, so that mitmdump binds
-    the listeners of mitm.conf from its first moment (it binds before it loads the
-    relay, which would otherwise rebind them a few ms later). Where the arguments
-    do not parse, they go to mitmdump unchanged, for it to say what is wrong."""
-    try:
-        opts = effective_options(args)
-    except (SystemExit, Exception):
-        return args
-    listen = ["--listen-host", opts.listen_host]
-    for mode in opts.mode:
-        listen += ["--mode", mode]
-    if opts.listen_port is not None:
-        listen += ["--listen-port", str(opts.listen_port)]
-    return strip_options(args, config.LISTENER_OPTIONS) + listen
-
-
 def split_workers(argv: list[str]) -> tuple[int | None, list[str]]:
     """`--workers N` (or `--workers=N`) out of the command line; the rest is mitmdump's."""
     ap = argparse.ArgumentParser(add_help=False)
@@ -509,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({HAPROXY_INSTALL}); --workers 1 silences this note.")
         workers = 1
     if workers == 1:
-        os.execv(MITMDUMP, [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *single_process_args(args)])
+        os.execv(MITMDUMP, [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *cli.relay_args(args)])
     return Supervisor(args, workers).run()
 
 

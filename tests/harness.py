@@ -59,10 +59,15 @@ class MitmdumpProcess:
     ) -> None:
         self.modes = modes
         self.confdir = confdir
-        args = [str(MITMDUMP), "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1"]
+        if relay_conf is not None:  # mitm.conf is read by the command, which runs mitmdump with the relay
+            assert script == RELAY_SCRIPT
+            args = [sys.executable, "-m", "ttft_relay", "run"]
+        else:
+            args = [str(MITMDUMP)]
+        args += ["--set", f"confdir={confdir}", "--listen-host", "127.0.0.1"]
         for mode in modes:
             args += ["--mode", mode]
-        if script is not None:
+        if script is not None and relay_conf is None:
             args += ["-s", str(script)]
         for name, value in (options or {}).items():
             args += ["--set", f"{name}={option_text(value)}"]

@@ -34,26 +34,34 @@ def _conf(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def test_conf_applies_below_command_line(tmp_path):
-    path = _conf(tmp_path, "listen_port: 7001\nlisten_host: 0.0.0.0\nrelay_future_option: 5\n")
-    rc = config.RelayConfig(path, argv=["mitmdump", "--set", "listen_host=127.0.0.2"])
-    with taddons.context() as tctx:
-        tctx.options.listen_host = "127.0.0.2"
-        tctx.master.addons.add(rc)
-        assert tctx.options.listen_port == 7001  # from the file
-        assert tctx.options.listen_host == "127.0.0.2"  # command line wins
-        assert tctx.options.deferred["relay_future_option"] == 5  # set when declared
+def test_conf_goes_on_the_command_line_under_the_users_arguments(tmp_path):
+    path = _conf(tmp_path, "listen_port: 7001\nlisten_host: 0.0.0.0\nmode: [regular@1, 'reverse:http://a@2']\n"
+                           "relay_future_option: 5\nrelay_stream: false\nrelay_access_keys: []\ncerts: null\n")
+    args = config.merged_args(["--set", "listen_host=127.0.0.2", "-q"], path)
+    assert args == ["--set", "listen_port=7001", "--set", "mode=regular@1", "--set", "mode=reverse:http://a@2",
+                    "--set", "relay_future_option=5", "--set", "relay_stream=false", "--set", "relay_access_keys",
+                    "--set", "certs", "--set", "listen_host=127.0.0.2", "-q"]
+    # As mitmdump starts with them: the file's values, the command line's where it names one.
+    opts = config.started_options([*args, "--set", f"confdir={tmp_path}"])
+    assert (opts.listen_port, opts.listen_host, opts.mode) == (7001, "127.0.0.2", ["regular@1", "reverse:http://a@2"])
+    assert opts.certs == [] and opts.deferred["relay_stream"].val == ["false"]  # set when the relay declares it
+    # Every spelling of an option counts as the command line's.
+    assert config.merged_args(["-p", "9", "--mode", "socks5"], path)[:6] == [
+        "--set", "listen_host=0.0.0.0", "--set", "relay_future_option=5", "--set", "relay_stream=false"]
+    assert config.merged_args(["-q"], None) == ["-q"]
 
 
-def test_conf_must_not_load_scripts(tmp_path, caplog):
-    path = _conf(tmp_path, "scripts: [ttft_relay/relay.py]\n")
-    with taddons.context() as tctx:
-        addon = config.RelayConfig(path, argv=["x"])
-        tctx.master.addons.add(addon)
-        assert addon.applied == {}
-    # An error logged at start-up, which stops mitmdump (the end-to-end test below).
-    assert any(r.levelname == "ERROR" and "'scripts' belongs on the command line" in r.getMessage()
-               for r in caplog.records)
+def test_mitmweb_flags_count_as_its_command_line(tmp_path):
+    path = _conf(tmp_path, "web_port: 9000\nweb_host: 0.0.0.0\n")
+    assert config.merged_args(["--web-port", "9100"], path, "mitmweb") == ["--set", "web_host=0.0.0.0", "--web-port",
+                                                                          "9100"]
+
+
+def test_conf_must_not_load_scripts(tmp_path):
+    with pytest.raises(exceptions.OptionsError, match="'scripts' belongs on the command line"):
+        config.merged_args([], _conf(tmp_path, "scripts: [ttft_relay/relay.py]\n"))
+    with pytest.raises(exceptions.OptionsError, match="expected a value or a list of values"):
+        config.merged_args([], _conf(tmp_path, "relay_scope: {a: 1}\n"))
 
 
 def test_conf_errors_are_clear(tmp_path):
@@ -72,14 +80,14 @@ def test_conf_errors_are_clear(tmp_path):
 )
 def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, confdir):
     # mitmproxy would drop the relay script without a word and go on as a bare, buffering proxy.
+    # Through the command, which reads mitm.conf (a file it cannot read stops it before mitmdump starts).
     import os
     import subprocess
-
-    from tests.harness import MITMDUMP, RELAY_SCRIPT
+    import sys
 
     proc = subprocess.run(
-        [str(MITMDUMP), "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1", "-p", "0",
-         "-s", str(RELAY_SCRIPT), "--set", "relay_metrics_listen=", *args],
+        [sys.executable, "-m", "ttft_relay", "run", "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1",
+         "-p", "0", "--set", "relay_metrics_listen=", *args],
         env={**os.environ, "TTFT_RELAY_CONF": conf}, capture_output=True, text=True, timeout=60,
         stdin=subprocess.DEVNULL,
     )
@@ -113,3 +121,24 @@ def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path)
     machine_specific = {"relay_timing_log"}  # a path in the checkout
     assert {k: v for k, v in documented.items() if k not in machine_specific and code[k] != v} == {}
     assert code["relay_timing_log"].endswith(documented["relay_timing_log"])
+
+
+def test_the_listeners_of_mitm_conf_are_the_first_ones_bound(tmp_path, confdir):
+    # mitmproxy binds before it loads the relay: mitm.conf applied by the relay itself would
+    # leave mitmproxy's default listener (all interfaces, 8080) open until it rebinds.
+    import os
+    import subprocess
+    import sys
+
+    conf = _conf(tmp_path, "listen_host: 127.0.0.1\nmode: ['reverse:http://127.0.0.1:9@0']\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ttft_relay", "run", "--set", f"confdir={confdir}", "--set", "relay_metrics_listen=",
+         "--set", f"relay_timing_log={tmp_path / 'timing.jsonl'}"],
+        env={**os.environ, "TTFT_RELAY_CONF": str(conf)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, text=True)
+    try:
+        first = next((line for line in proc.stdout if "listening at" in line), "")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "reverse proxy to http://127.0.0.1:9 listening at 127.0.0.1:" in first, first

@@ -57,7 +57,8 @@ def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
 
 def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
     monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
-    opts = workers.effective_options([])  # every option name and value as mitmdump would read them
+    _, opts = workers.worker_options([])  # every option name and value as mitmdump would read them
+    assert opts.deferred == {}  # every name an option the supervisor's addons (or mitmproxy) declare, every value parsed
     assert opts.listen_host == "0.0.0.0" and opts.certs and opts.relay_access_keys
     assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
                                        opts.relay_client_tls, bool(opts.certs)) == []

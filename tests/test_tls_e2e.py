@@ -147,7 +147,7 @@ def test_workers_behind_an_exposed_haproxy_accept_only_tls(monkeypatch, tmp_path
     monkeypatch.setenv("TTFT_RELAY_CONF", "")
 
     def worker_policy(*args):
-        opts = workers.effective_options([*args, "--set", f"confdir={tmp_path}"])
+        _, opts = workers.worker_options([*args, "--set", f"confdir={tmp_path}"])
         return workers.worker_client_tls(opts, workers.listeners(opts, 2))
 
     assert worker_policy("--listen-host", "0.0.0.0", "--mode", "reverse:https://api.openai.com@8443") == "all"

@@ -32,32 +32,22 @@ def test_listener_options_are_stripped_in_every_spelling():
     assert workers.strip_options(args, workers.OVERRIDDEN) == ["--set", "relay_trim=false", "-q"]
 
 
-def test_mitm_conf_is_under_the_command_line(tmp_path, monkeypatch):
+def test_the_supervisor_checks_the_options_its_workers_start_with(tmp_path, monkeypatch):
     conf = tmp_path / "mitm.conf"
     conf.write_text("mode: [regular@9100, 'reverse:https://api.openai.com@9101']\nrelay_trim: false\n"
                     "relay_metrics_listen: 127.0.0.1:9999\n")
     monkeypatch.setenv("TTFT_RELAY_CONF", str(conf))
-    opts = workers.effective_options(["--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"])
+    args, opts = workers.worker_options(["--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"])
+    assert args == ["--set", "mode=regular@9100", "--set", "mode=reverse:https://api.openai.com@9101",
+                    "--set", "relay_trim=false", "--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"]
     assert opts.mode == ["regular@9100", "reverse:https://api.openai.com@9101"]
-    assert opts.relay_trim is False
-    assert opts.relay_metrics_listen == ""
-    opts = workers.effective_options(["--mode", "regular@9200", "--set", f"confdir={tmp_path}"])
+    assert opts.relay_metrics_listen == ""  # the command line wins
+    args, opts = workers.worker_options(["--mode", "regular@9200", "--set", f"confdir={tmp_path}"])
     assert opts.mode == ["regular@9200"]
-
-
-def test_single_process_gets_the_effective_listeners_on_its_command_line(tmp_path, monkeypatch):
-    conf = tmp_path / "mitm.conf"
-    conf.write_text("listen_host: 127.0.0.1\nmode: [regular@9100, 'reverse:https://api.openai.com@9101']\n")
-    monkeypatch.setenv("TTFT_RELAY_CONF", str(conf))
-    args = workers.single_process_args(["-q", "--set", f"confdir={tmp_path}"])
-    assert args == ["-q", "--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1",
-                    "--mode", "regular@9100", "--mode", "reverse:https://api.openai.com@9101"]
-    # The command line still wins over mitm.conf.
-    args = workers.single_process_args(["-p", "9300", "--set", f"confdir={tmp_path}"])
-    assert args == ["--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1", "--mode", "regular@9100",
-                    "--mode", "reverse:https://api.openai.com@9101", "--listen-port", "9300"]
-    # Arguments mitmdump would reject go to it unchanged, for it to say so.
-    assert workers.single_process_args(["--no-such-flag"]) == ["--no-such-flag"]
+    # A config that cannot be applied stops the supervisor in one line.
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(tmp_path / "missing.conf"))
+    with pytest.raises(SystemExit, match="cannot start the relay: cannot read"):
+        workers.worker_options([])
 
 
 def test_haproxy_config_and_worker_modes():
@@ -71,7 +61,7 @@ def test_haproxy_config_and_worker_modes():
 
 
 def test_listeners_haproxy_cannot_carry_are_refused():
-    opts = workers.effective_options(["--mode", "wireguard@51820"])
+    _, opts = workers.worker_options(["--mode", "wireguard@51820"])
     with pytest.raises(SystemExit, match="--workers 1"):
         workers.listeners(opts, 2)
 

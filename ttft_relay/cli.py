@@ -3,7 +3,10 @@
     ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
     ttft-relay addon-path                 the addon file for any mitmproxy tool:
-                                          mitmproxy -s "$(ttft-relay addon-path)"
+                                          mitmproxy -s "$(ttft-relay addon-path)" (no mitm.conf)
+
+`run` and `web` read mitm.conf (TTFT_RELAY_CONF names another file, empty: none) under
+their arguments and start mitmproxy with both (see ttft_relay/config.py).
 
 From a checkout, `scripts/relay` also runs N workers behind HAProxy, and `scripts/report`,
 `scripts/diagnose` and the `scripts/bench*` benchmarks read and measure the relay.
@@ -31,6 +34,18 @@ def tool_path(name: str) -> str:
     return found
 
 
+def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
+    """`args` with mitm.conf merged in; a config that cannot be applied stops here, in one line."""
+    from mitmproxy import exceptions
+
+    from . import config
+
+    try:
+        return config.merged_args(args, config.conf_path(), tool)
+    except exceptions.OptionsError as e:
+        raise SystemExit(f"ttft-relay: cannot start the relay: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
@@ -42,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command in TOOLS:
         tool = tool_path(TOOLS[command])
-        os.execv(tool, [tool, "-s", str(ADDON), *rest])
+        os.execv(tool, [tool, "-s", str(ADDON), *relay_args(rest, TOOLS[command])])
     print(f"ttft-relay: unknown command {command!r}\n\n{__doc__.strip()}", file=sys.stderr)
     return 2
 

@@ -1,22 +1,29 @@
-"""Reads `mitm.conf` (mitmproxy options, core and `relay_*`) at start.
+"""The relay's configuration: code defaults < mitm.conf < command line, merged once.
 
-Precedence: built-in defaults < mitm.conf < command line. mitmproxy has applied
-the command line (and its own confdir/config.yaml) before it loads our script,
-so a value from mitm.conf is applied only where the command line did not name
-the option. Options of addons not loaded yet (`relay_*`) are handed to
-mitmproxy's deferred mechanism, which sets them as each addon declares them.
+The command that starts mitmproxy (`ttft-relay run|web`, `scripts/relay` and each of
+its workers) reads mitm.conf and puts its values on mitmproxy's command line, as
+`--set name=value` ahead of the user's arguments, leaving out every option those
+arguments set. mitmproxy then starts with the merged options: the listeners of
+mitm.conf are bound from its first moment, and the relay's own options (`relay_*`,
+declared later as the addons load) go through mitmproxy's deferred mechanism like any
+other `--set`. mitmproxy's own confdir/config.yaml, where there is one, is applied by
+mitmproxy over `--set` values (its rule), and under its flags (`-p`, `--mode`, ...).
+
+`mitmdump -s "$(ttft-relay addon-path)"` loads the addons without mitm.conf.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from mitmproxy import ctx, exceptions, optmanager
+from mitmproxy import addons as mitmproxy_addons
+from mitmproxy import ctx, exceptions, optmanager, options
 from mitmproxy.tools import cmdline
+from mitmproxy.tools.main import process_options
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +31,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONF = REPO_ROOT / "mitm.conf"
 CONF_ENV = "TTFT_RELAY_CONF"
 """Environment variable naming another config file (empty: none)."""
-
-LISTENER_OPTIONS = {"mode", "listen_host", "listen_port"}
 
 _PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy": cmdline.mitmproxy}
 
@@ -37,6 +42,60 @@ def conf_path() -> Path | None:
     if value is None:
         return DEFAULT_CONF if DEFAULT_CONF.exists() else None
     return Path(value) if value else None
+
+
+def read_conf(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf8")
+    except OSError as e:
+        raise exceptions.OptionsError(f"cannot read {path}: {e}") from e
+    data = optmanager.parse(text)
+    if not isinstance(data, dict):
+        raise exceptions.OptionsError(f"{path}: expected a mapping of option names to values")
+    if "scripts" in data:
+        # Loading scripts from the config that loads us would load us twice.
+        raise exceptions.OptionsError(f"{path}: 'scripts' belongs on the command line")
+    return data
+
+
+class _Declarer:
+    """Just enough of mitmproxy's addon Loader to declare an addon's options."""
+
+    def __init__(self, opts: optmanager.OptManager) -> None:
+        self.opts = opts
+
+    def add_option(self, name, typespec, default, help, choices=None) -> None:
+        self.opts.add_option(name, typespec, default, help, choices)
+
+    def add_command(self, path, func) -> None:
+        pass
+
+    def declare(self, addon) -> None:
+        if load := getattr(addon, "load", None):
+            load(self)
+        for child in getattr(addon, "addons", []):
+            self.declare(child)
+
+
+def _tool_addons(tool: str) -> list:
+    """The addons (beyond mitmproxy's defaults) whose options `tool`'s command line spells as flags."""
+    from mitmproxy.addons import dumper, intercept, keepserving, readfile
+
+    if tool == "mitmweb":
+        from mitmproxy.tools.web import webaddons
+
+        return [webaddons.WebAddon(), webaddons.WebAuth(), intercept.Intercept(), readfile.ReadFileStdin()]
+    return [dumper.Dumper(), keepserving.KeepServing(), readfile.ReadFileStdin()]
+
+
+def declared_options(tool: str = "mitmdump", declaring: Iterable = ()) -> options.Options:
+    """mitmproxy's options as `tool` declares them before it loads any script, plus those
+    of the addons `declaring` (whose `load` must only declare options)."""
+    opts = options.Options()
+    declarer = _Declarer(opts)
+    for addon in [*mitmproxy_addons.default_addons(), *_tool_addons(tool), *declaring]:
+        declarer.declare(addon)
+    return opts
 
 
 def command_line_options(argv: list[str], known: optmanager.OptManager) -> set[str]:
@@ -53,72 +112,50 @@ def command_line_options(argv: list[str], known: optmanager.OptManager) -> set[s
     parser = make_parser(known)
     try:
         args, _ = parser.parse_known_args(argv[1:])
-    except SystemExit:  # mitmproxy itself has already accepted this command line
+    except SystemExit:  # mitmproxy will say what is wrong with this command line
         return set()
     explicit = {k for k, v in vars(args).items() if v is not None and k in known}
     explicit.update(s.split("=", 1)[0].strip() for s in (args.setoptions or []))
     return explicit
 
 
-def read_conf(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf8")
-    except OSError as e:
-        raise exceptions.OptionsError(f"cannot read {path}: {e}") from e
-    data = optmanager.parse(text)
-    if not isinstance(data, dict):
-        raise exceptions.OptionsError(f"{path}: expected a mapping of option names to values")
-    return data
+def set_args(name: str, value: Any) -> list[str]:
+    """`name: value` from a config file as mitmproxy's command line spells it."""
+    if isinstance(value, list):
+        values = [str(v) for v in value]
+        return [a for v in values for a in ("--set", f"{name}={v}")] if values else ["--set", name]
+    if value is None:
+        return ["--set", name]  # an optional option unset
+    if isinstance(value, bool):
+        return ["--set", f"{name}={str(value).lower()}"]
+    if isinstance(value, int | float | str):
+        return ["--set", f"{name}={value}"]
+    raise exceptions.OptionsError(f"{name}: expected a value or a list of values, not {value!r}")
 
 
-def conf_values(path: Path, argv: list[str], opts: optmanager.OptManager) -> dict[str, Any]:
-    """What the config file at `path` contributes: its values for the options that
-    the command line `argv` does not set (`opts` has the command line applied).
-    Also used by scripts/workers.py to see the options its workers will see."""
-    explicit = command_line_options(argv, opts)
-    applied = {
-        name: value
-        for name, value in read_conf(path).items()
-        if name not in explicit and name not in opts.deferred  # the command line wins
-    }
-    if "scripts" in applied:
-        # Loading scripts from the config that loads us would load us twice.
-        raise exceptions.OptionsError(f"{path}: 'scripts' belongs on the command line")
-    return applied
+def merged_args(args: list[str], path: Path | None, tool: str = "mitmdump") -> list[str]:
+    """`tool`'s command line `args` with the values of the config file at `path` ahead,
+    for every option `args` does not set. Raises OptionsError for a file that cannot
+    be read or holds what no command line could."""
+    if path is None:
+        return list(args)
+    explicit = command_line_options([tool, *args], declared_options(tool))
+    conf = [a for name, value in read_conf(path).items() if name not in explicit for a in set_args(name, value)]
+    return [*conf, *args]
 
 
-class RelayConfig:
-    """Applies mitm.conf under the command line. Must come first in the addon list,
-    so that the values are in place before the other addons declare their options."""
-
-    def __init__(self, path: Path | None = None, argv: list[str] | None = None) -> None:
-        self.path = path if path is not None else conf_path()
-        self.argv = sys.argv if argv is None else argv
-        self.applied: dict[str, Any] = {}
-
-    def load(self, loader) -> None:
-        if self.path is None:
-            return
-        try:
-            self.applied = conf_values(self.path, self.argv, ctx.options)
-        except exceptions.OptionsError as e:
-            # Raised from `load`, mitmproxy would drop the script without a word (see
-            # OptionsCheck); an error logged at start-up stops mitmdump with the reason.
-            logger.error("cannot start the relay: %s", e)
-            return
-        ctx.options.update_defer(**self.applied)
-        logger.debug("applied %s from %s", ", ".join(self.applied) or "nothing", self.path)
-
-    def running(self) -> None:
-        # mitmproxy binds its listeners before it loads scripts (mitmdump defers the
-        # load), so listener options from mitm.conf reach a proxy server that has
-        # already started. Setting them again now that it runs makes it rebind.
-        rebind = {k: getattr(ctx.options, k) for k in LISTENER_OPTIONS & set(self.applied)}
-        if rebind:
-            ctx.options.update(**rebind)
-        unknown = sorted(set(self.applied) & set(ctx.options.deferred))
-        if unknown:
-            logger.warning("%s names unknown options (ignored): %s", self.path, ", ".join(unknown))
+def started_options(args: list[str], declaring: Iterable = (), tool: str = "mitmdump") -> options.Options:
+    """The options `tool` ends up with for the command line `args`, set as mitmproxy's
+    start-up sets them (mitmproxy.tools.main.run), without starting anything. Options
+    of the relay that `declaring` does not declare stay deferred (strings)."""
+    opts = declared_options(tool, declaring)
+    parser = _PARSERS[tool](opts)
+    ns = parser.parse_args(args)
+    opts.set(*ns.setoptions, defer=True)
+    confdir = os.path.expanduser(opts.confdir)
+    optmanager.load_paths(opts, os.path.join(confdir, "config.yaml"), os.path.join(confdir, "config.yml"))
+    process_options(parser, opts, ns)
+    return opts
 
 
 class OptionsCheck:
@@ -138,3 +175,8 @@ class OptionsCheck:
             ctx.options.process_deferred()
         except exceptions.OptionsError as e:
             logger.error("cannot start the relay: %s", e)
+
+    def running(self) -> None:
+        # Every script has loaded: what is still deferred, no addon declares.
+        if unknown := sorted(ctx.options.deferred):
+            logger.warning("unknown options (ignored): %s", ", ".join(unknown))

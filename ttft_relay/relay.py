@@ -3,7 +3,6 @@
 Load with `mitmdump -s ttft_relay/relay.py` (or mitmweb). This file only composes the
 addons; each concern lives in its own module under `ttft_relay/`:
 
-    config     mitm.conf under the command line
     capacity   a burst of streams: connections queued, cheaper hook dispatch
     tls        listeners that accept only TLS (the user's certificate), plain HTTP refused
     guard      no open proxy, relay access keys, credentials redacted
@@ -54,7 +53,6 @@ self_watch.subscribe(prometheus.load_sample)
 
 timings = timing.Timing()
 addons = [
-    config.RelayConfig(),
     capacity.ListenBacklog(),
     capacity.HookPlans(),
     capacity.ConnectionLog(),

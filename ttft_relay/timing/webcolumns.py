@@ -24,7 +24,7 @@ RELAY_WEB_COLUMNS = ["tls", "icon", "path", "method", "status", "size", "time", 
 
 class CommentColumn:
     """Sets `web_columns` to RELAY_WEB_COLUMNS where the user left mitmproxy's default.
-    Loaded after config.RelayConfig, so a value from mitm.conf is already in place."""
+    mitm.conf's values reach mitmproxy on its command line (ttft_relay/config.py)."""
 
     def __init__(self, argv: list[str] | None = None) -> None:
         self.argv = sys.argv if argv is None else argv
