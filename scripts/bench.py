@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ttft_relay import scope  # noqa: E402
+from ttft_relay import apis  # noqa: E402
 from ttft_relay.stream import sse  # noqa: E402
 from tests.fakes import client  # noqa: E402
 from tests.harness import (  # noqa: E402
@@ -38,7 +38,7 @@ BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 
 def one_request(base_url: str) -> tuple[float, float]:
     """(first token ms, total ms) of one streamed chat completion on a new connection."""
-    watcher = sse.StreamWatcher(scope.OPENAI_CHAT)
+    watcher = sse.StreamWatcher(apis.OPENAI_CHAT)
     start = time.time()
     conn, resp = client.request("POST", base_url + "/v1/chat/completions", BODY, timeout=30)
     with conn:

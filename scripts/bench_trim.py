@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import orjson  # noqa: E402
 
-from ttft_relay import scope  # noqa: E402
+from ttft_relay import apis  # noqa: E402
 from ttft_relay.trim import tokens, trimming  # noqa: E402
 from tests import shaped  # noqa: E402
 
@@ -172,11 +172,11 @@ def cost_table(trimmers: list[Trimmer], args, plain: tokens.Counter) -> None:
     rng = random.Random(99)
     chat_next = old + [{"role": "assistant", "content": text(rng, 600)}, {"role": "user", "content": text(rng, 200)}]
     cases = [
-        *[(f"chat {len(old)} messages", scope.OPENAI_CHAT, {"model": MODEL, "messages": old},
+        *[(f"chat {len(old)} messages", apis.OPENAI_CHAT, {"model": MODEL, "messages": old},
            {"model": MODEL, "messages": chat_next}, b) for b in args.budgets],
-        ("claude 30 turns", scope.ANTHROPIC_MESSAGES, claude[-2], claude[-1], args.share_budget),
-        ("codex 30 turns", scope.OPENAI_RESPONSES, codex[-2], codex[-1], args.share_budget),
-        ("loop 8 rounds", scope.ANTHROPIC_MESSAGES, loop[-2], loop[-1], args.share_budget),
+        ("claude 30 turns", apis.ANTHROPIC_MESSAGES, claude[-2], claude[-1], args.share_budget),
+        ("codex 30 turns", apis.OPENAI_RESPONSES, codex[-2], codex[-1], args.share_budget),
+        ("loop 8 rounds", apis.ANTHROPIC_MESSAGES, loop[-2], loop[-1], args.share_budget),
     ]
     print(f"cost in ms, median of {args.repeat}; next turn = one model call later, caches of the previous request\n")
     header = f"{'history':<20} {'budget':>7}  {'trimmer':<7} {'cold':>7} {'next':>7}  outcome (next turn)"
@@ -199,7 +199,7 @@ def cost_table(trimmers: list[Trimmer], args, plain: tokens.Counter) -> None:
             t.trim(body, api, budget, state)
             stats = t.trim(following, api, budget, state).stats
             print(f"{name:<20} {budget:>7}  {('new' if t.new else 'before'):<7} {cold_ms:>7.1f} {next_ms:>7.1f}  {outcome(stats)}")
-        if api == scope.OPENAI_CHAT:
+        if api == apis.OPENAI_CHAT:
             t0 = time.perf_counter()
             naive_trim(body["messages"], budget, plain)
             print(f"{name:<20} {budget:>7}  {'naive':<7} {(time.perf_counter() - t0) * 1000:>7.1f}")

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ttft_relay import scope
+from ttft_relay import apis
 
-CHAT, RESPONSES, ANTHROPIC = scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES
+CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
 
 _VOCAB = (
     "the relay reads file src main py line def return import class self config error test value list dict "

@@ -9,11 +9,11 @@ import orjson
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import scope, state
+from ttft_relay import apis, state
 from ttft_relay.faults import apierrors, faults
 from ttft_relay.stream import sse
 
-APIS = [scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES, scope.GEMINI, scope.OTHER]
+APIS = [apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES, apis.GEMINI, apis.OTHER]
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -24,10 +24,10 @@ def test_error_reply_is_the_apis_json(api, status):
     assert reply.headers["content-type"] == "application/json"
     assert reply.headers[faults.ERROR_HEADER] == apierrors.error_code(status)
     body = orjson.loads(reply.content)
-    if api == scope.ANTHROPIC_MESSAGES:
+    if api == apis.ANTHROPIC_MESSAGES:
         assert body == {"type": "error", "error": {"type": "timeout_error" if status == 504 else "api_error",
                                                    "message": "ttft-relay: boom"}}
-    elif api == scope.GEMINI:
+    elif api == apis.GEMINI:
         assert body["error"]["code"] == status and body["error"]["message"] == "ttft-relay: boom"
     else:
         assert body == {"error": {"message": "ttft-relay: boom", "type": "server_error", "param": None,
@@ -47,7 +47,7 @@ def test_error_event_is_one_event_the_relays_own_watcher_reads_as_an_error(api):
 def test_an_event_is_appended_only_at_an_event_boundary_of_a_plain_event_stream():
     from mitmproxy import http
 
-    w = sse.StreamWatcher(scope.OPENAI_CHAT)
+    w = sse.StreamWatcher(apis.OPENAI_CHAT)
     resp = http.Response.make(200, b"", {"content-type": "text/event-stream"})
     del resp.headers["content-length"]
     assert faults.can_append_event(resp, w)
@@ -89,7 +89,7 @@ def test_no_bounds_no_deadline():
     assert faults.next_deadline(faults.Progress(started=0, streamed=True), faults.Limits(), 1) is None
 
 
-def in_scope_flow(api=scope.OPENAI_CHAT, stream=True, resp=False):
+def in_scope_flow(api=apis.OPENAI_CHAT, stream=True, resp=False):
     f = tflow.tflow(resp=resp)
     state.attach(f, state.FlowState(api=api, stream=stream))
     return f
@@ -137,7 +137,7 @@ def test_a_passed_deadline_fails_the_flow_with_its_cause():
 
 def test_render_uses_the_relays_cause_and_status():
     replies = faults.ErrorReplies()
-    f = in_scope_flow(api=scope.ANTHROPIC_MESSAGES)
+    f = in_scope_flow(api=apis.ANTHROPIC_MESSAGES)
     st = state.get(f)
     st.error, st.error_status = "first token timeout after 1 s", 504
     response, body = replies.render(f, "Server disconnected.", head_sent=False)
@@ -151,7 +151,7 @@ def test_render_after_the_head_only_for_event_streams():
     f = in_scope_flow(resp=True)
     f.response.headers["content-type"] = "text/event-stream"
     del f.response.headers["content-length"]
-    state.get(f).watcher = sse.StreamWatcher(scope.OPENAI_CHAT)
+    state.get(f).watcher = sse.StreamWatcher(apis.OPENAI_CHAT)
     response, body = replies.render(f, "peer reset", head_sent=True)
     assert response is None and body.startswith(b"data: {\"error\"")
     f.response.headers["content-type"] = "application/json"

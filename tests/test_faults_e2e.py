@@ -21,7 +21,7 @@ import openai
 import orjson
 import pytest
 
-from ttft_relay import scope
+from ttft_relay import apis
 from ttft_relay.faults import apierrors, faults
 from scripts.workers import free_port as closed_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
@@ -31,8 +31,8 @@ from tests.harness import metrics_url, scrape, total
 WAIT = 20  # seconds: turns a hang into a failure
 
 REQUESTS = {
-    scope.OPENAI_CHAT: ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
-    scope.ANTHROPIC_MESSAGES: ("/v1/messages", {"model": "claude-sonnet-4", "max_tokens": 64,
+    apis.OPENAI_CHAT: ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    apis.ANTHROPIC_MESSAGES: ("/v1/messages", {"model": "claude-sonnet-4", "max_tokens": 64,
                                                 "messages": [{"role": "user", "content": "hi"}]}),
 }
 APIS = list(REQUESTS)
@@ -63,7 +63,7 @@ def assert_api_error_body(api: str, response: client.RawResponse, status: int) -
     assert response.header("content-type") == "application/json"
     assert response.header(faults.ERROR_HEADER) == apierrors.error_code(status)
     body = orjson.loads(response.read())
-    if api == scope.ANTHROPIC_MESSAGES:
+    if api == apis.ANTHROPIC_MESSAGES:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
         return body["error"]["message"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -82,10 +82,10 @@ def last_event(api: str, body: bytes) -> dict:
     event = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
     lines = event.split(b"\n")
     data = orjson.loads(lines[-1].removeprefix(b"data: "))
-    if api == scope.ANTHROPIC_MESSAGES:
+    if api == apis.ANTHROPIC_MESSAGES:
         assert lines[0] == b"event: error"
         assert data["type"] == "error" and data["error"]["type"] in ("api_error", "timeout_error")
-    elif api == scope.OPENAI_RESPONSES:  # as the API ends a failed response: what Codex acts on
+    elif api == apis.OPENAI_RESPONSES:  # as the API ends a failed response: what Codex acts on
         assert lines[0] == b"event: response.failed"
         assert data["type"] == "response.failed" and data["response"]["status"] == "failed"
         assert set(data["response"]["error"]) == {"code", "message"}
@@ -284,7 +284,7 @@ def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path
 def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, start_relay, tmp_path):
     # relay_stream off: the relay sees no tokens, so a healthy slow stream must go through whole.
     relay = start_relay(reverse_to(fake), relay_stream=False, **TIMEOUTS_1S)
-    conn, response = post(relay, scope.OPENAI_CHAT, stream=True, headers={"x-fake-prefill-ms": "2500"})
+    conn, response = post(relay, apis.OPENAI_CHAT, stream=True, headers={"x-fake-prefill-ms": "2500"})
     with conn:
         assert response.status == 200
         body = read_stream(response)
@@ -297,10 +297,10 @@ def test_a_failure_leaves_the_client_connection_usable(fake, start_relay, tmp_pa
     """The error reply closes the connection (so a new one retries the upstream);
     the relay serves the next connection normally."""
     relay = start_relay(reverse_to(fake))
-    conn, response = post(relay, scope.OPENAI_CHAT, True, {"x-fake-reset-before-headers": "1"})
+    conn, response = post(relay, apis.OPENAI_CHAT, True, {"x-fake-reset-before-headers": "1"})
     with conn:
         assert response.status == 502 and response.header("connection") == "close"
-    conn, response = post(relay, scope.OPENAI_CHAT, True)
+    conn, response = post(relay, apis.OPENAI_CHAT, True)
     with conn:
         assert response.status == 200 and read_stream(response).endswith(b"data: [DONE]\n\n")
     relay.stop()
@@ -378,7 +378,7 @@ def test_client_gone_mid_stream_closes_the_upstream(stall, fake, start_relay, tm
     relay = start_relay(reverse_to(fake))
     headers = {"x-fake-stall-after-chunks": "3"} if stall else {}
     gate = None if stall else fake.hold_before_chunk(3)
-    conn, response = post(relay, scope.OPENAI_CHAT, True, headers)
+    conn, response = post(relay, apis.OPENAI_CHAT, True, headers)
     assert response.status == 200
     assert fake.wait_chunk_sent(2, WAIT)
     conn.close()

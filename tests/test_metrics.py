@@ -9,7 +9,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ttft_relay import scope
+from ttft_relay import apis
 from ttft_relay.timing import metrics, record
 from tests.conftest import reverse_to
 from tests.fakes import client
@@ -21,7 +21,7 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 def a_record(**overrides):
     marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 52.0, "first_byte": 52.0,
              "first_token": 60.0, "last_token": 160.0, "end": 161.0}
-    args = dict(id="f1", ts=1000.0, api=scope.OPENAI_CHAT, model="gpt-4o-mini", stream=True, status=200,
+    args = dict(id="f1", ts=1000.0, api=apis.OPENAI_CHAT, model="gpt-4o-mini", stream=True, status=200,
                 upstream="api.openai.com", marks=marks, tokens_expected=True, tls_expected=True,
                 reused_connection=True, rtt_ms=None, usage={"input_tokens": 12, "output_tokens": 11})
     return record.build_record(**(args | overrides))

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from mitmproxy.test import tflow
 
-from ttft_relay import scope, state
+from ttft_relay import apis, state
 from ttft_relay.faults import faults
 
 from tests.conftest import reverse_to
@@ -135,7 +135,7 @@ def test_http2_siblings_cut_by_a_relay_timeout_are_named_as_the_relays(monkeypat
     for _ in range(3):
         f = tflow.tflow()
         f.server_conn = shared
-        state.attach(f, state.FlowState(api=scope.OPENAI_CHAT, stream=True))
+        state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, stream=True))
         deadlines.timers[f] = (0.0, None)
         flows.append(f)
     closed = []

@@ -3,27 +3,27 @@ import re
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import scope, state
+from ttft_relay import apis, scope, state
 
 
 @pytest.mark.parametrize(
     "path, shape",
     [
-        ("/v1/chat/completions", scope.OPENAI_CHAT),
-        ("/v1/chat/completions?api-version=1", scope.OPENAI_CHAT),
-        ("/v1/responses", scope.OPENAI_RESPONSES),
-        ("/v1/messages", scope.ANTHROPIC_MESSAGES),
-        ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", scope.GEMINI),
-        ("/v1/embeddings", scope.OTHER),
-        ("/v1/responses/resp_123", scope.OTHER),
+        ("/v1/chat/completions", apis.OPENAI_CHAT),
+        ("/v1/chat/completions?api-version=1", apis.OPENAI_CHAT),
+        ("/v1/responses", apis.OPENAI_RESPONSES),
+        ("/v1/messages", apis.ANTHROPIC_MESSAGES),
+        ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", apis.GEMINI),
+        ("/v1/embeddings", apis.OTHER),
+        ("/v1/responses/resp_123", apis.OTHER),
         # The same endpoints under the prefixes providers put in front of them.
-        ("/backend-api/codex/responses", scope.OPENAI_RESPONSES),
-        ("/openai/deployments/my-gpt4o/chat/completions?api-version=2024-10-21", scope.OPENAI_CHAT),
-        ("/openai/v1/responses", scope.OPENAI_RESPONSES),
-        ("/api/v1/chat/completions", scope.OPENAI_CHAT),
-        ("/v1beta/openai/chat/completions", scope.OPENAI_CHAT),
-        ("/anthropic/v1/messages", scope.ANTHROPIC_MESSAGES),
-        ("/v1/threads/thread_1/messages", scope.OTHER),  # OpenAI Assistants, not Anthropic's shape
+        ("/backend-api/codex/responses", apis.OPENAI_RESPONSES),
+        ("/openai/deployments/my-gpt4o/chat/completions?api-version=2024-10-21", apis.OPENAI_CHAT),
+        ("/openai/v1/responses", apis.OPENAI_RESPONSES),
+        ("/api/v1/chat/completions", apis.OPENAI_CHAT),
+        ("/v1beta/openai/chat/completions", apis.OPENAI_CHAT),
+        ("/anthropic/v1/messages", apis.ANTHROPIC_MESSAGES),
+        ("/v1/threads/thread_1/messages", apis.OTHER),  # OpenAI Assistants, not Anthropic's shape
     ],
 )
 def test_api_shape(path, shape):
@@ -31,10 +31,10 @@ def test_api_shape(path, shape):
 
 
 def test_model_and_stream():
-    assert scope.model_and_stream(scope.OPENAI_CHAT, "/v1/chat/completions", {"model": "gpt-4o", "stream": True}) == ("gpt-4o", True)
-    assert scope.model_and_stream(scope.OPENAI_CHAT, "/", {"model": 3, "stream": "yes"}) == (None, False)
-    assert scope.model_and_stream(scope.ANTHROPIC_MESSAGES, "/", [1, 2]) == (None, False)
-    assert scope.model_and_stream(scope.GEMINI, "/v1beta/models/g-1:generateContent", None) == ("g-1", False)
+    assert scope.model_and_stream(apis.OPENAI_CHAT, "/v1/chat/completions", {"model": "gpt-4o", "stream": True}) == ("gpt-4o", True)
+    assert scope.model_and_stream(apis.OPENAI_CHAT, "/", {"model": 3, "stream": "yes"}) == (None, False)
+    assert scope.model_and_stream(apis.ANTHROPIC_MESSAGES, "/", [1, 2]) == (None, False)
+    assert scope.model_and_stream(apis.GEMINI, "/v1beta/models/g-1:generateContent", None) == ("g-1", False)
 
 
 def _flow(path: str, body: bytes, **headers):
@@ -54,7 +54,7 @@ def test_scope_addon_attaches_state_only_in_scope():
             sc.requestheaders(f)
             sc.request(f)
         st = state.get(inside)
-        assert st is not None and st.api == scope.OPENAI_CHAT
+        assert st is not None and st.api == apis.OPENAI_CHAT
         assert (st.model, st.stream) == ("gpt-4o", True)
         assert state.get(outside) is None
 

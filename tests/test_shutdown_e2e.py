@@ -14,15 +14,15 @@ import orjson
 import pytest
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import scope, state
+from ttft_relay import apis, state
 from ttft_relay.timing import timing
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.test_faults_e2e import WAIT, body_for, last_event, records
 
 STREAMS = {
-    scope.OPENAI_CHAT: 3,
-    scope.ANTHROPIC_MESSAGES: 2,
+    apis.OPENAI_CHAT: 3,
+    apis.ANTHROPIC_MESSAGES: 2,
 }
 
 
@@ -60,7 +60,7 @@ def test_a_clean_stop_records_and_tells_every_stream_in_flight(signum, fake, sta
 def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, start_relay, tmp_path):
     relay = start_relay(reverse_to(fake), relay_shutdown_grace=30)
     fake.behaviour.stall_after_chunks = 2
-    path, body = body_for(scope.OPENAI_CHAT, stream=True)
+    path, body = body_for(apis.OPENAI_CHAT, stream=True)
     conn, response = client.request("POST", relay.url() + path, body, timeout=WAIT)
     chunks = response.chunks()
     next(chunks)
@@ -89,7 +89,7 @@ def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
         tctx.configure(t, relay_timing_log=str(tmp_path / "timing.jsonl"))
         f = tflow.tflow()
         f.request.timestamp_end = None
-        state.attach(f, state.FlowState(api=scope.OPENAI_CHAT, model="gpt-x", stream=True))
+        state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, model="gpt-x", stream=True))
         t.requestheaders(f)
         t.done()
         t.error(f)  # what mitmproxy does once it cancels the connection: no second record

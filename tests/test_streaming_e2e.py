@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from ttft_relay import scope
+from ttft_relay import apis
 from ttft_relay.stream import sse
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
@@ -25,14 +25,14 @@ CHUNKS = 8
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
 
 REQUESTS = {
-    scope.OPENAI_CHAT: ("/v1/chat/completions", {
+    apis.OPENAI_CHAT: ("/v1/chat/completions", {
         "model": "gpt-4o-mini", "stream": True,
         "messages": [{"role": "user", "content": "Say hello"}]}),
-    scope.OPENAI_RESPONSES: ("/v1/responses", {"model": "gpt-4.1", "stream": True, "input": "Say hello"}),
-    scope.ANTHROPIC_MESSAGES: ("/v1/messages", {
+    apis.OPENAI_RESPONSES: ("/v1/responses", {"model": "gpt-4.1", "stream": True, "input": "Say hello"}),
+    apis.ANTHROPIC_MESSAGES: ("/v1/messages", {
         "model": "claude-opus-4-6", "stream": True, "max_tokens": 64,
         "messages": [{"role": "user", "content": "Say hello"}]}),
-    scope.GEMINI: ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse",
+    apis.GEMINI: ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse",
                    {"contents": [{"role": "user", "parts": [{"text": "Say hello"}]}]}),
 }
 
@@ -54,12 +54,12 @@ def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, start_
 
 
 PROVIDER_PATHS = {
-    "/backend-api/codex/responses": scope.OPENAI_RESPONSES,  # Codex CLI signed in with ChatGPT
-    "/openai/deployments/my-gpt-4o/chat/completions?api-version=2024-10-21": scope.OPENAI_CHAT,  # Azure
-    "/openai/v1/responses": scope.OPENAI_RESPONSES,  # Azure's v1 API
-    "/api/v1/chat/completions": scope.OPENAI_CHAT,  # OpenRouter
-    "/v1beta/openai/chat/completions": scope.OPENAI_CHAT,  # Gemini's OpenAI-compatible API
-    "/anthropic/v1/messages": scope.ANTHROPIC_MESSAGES,  # the Anthropic-compatible base URLs providers give
+    "/backend-api/codex/responses": apis.OPENAI_RESPONSES,  # Codex CLI signed in with ChatGPT
+    "/openai/deployments/my-gpt-4o/chat/completions?api-version=2024-10-21": apis.OPENAI_CHAT,  # Azure
+    "/openai/v1/responses": apis.OPENAI_RESPONSES,  # Azure's v1 API
+    "/api/v1/chat/completions": apis.OPENAI_CHAT,  # OpenRouter
+    "/v1beta/openai/chat/completions": apis.OPENAI_CHAT,  # Gemini's OpenAI-compatible API
+    "/anthropic/v1/messages": apis.ANTHROPIC_MESSAGES,  # the Anthropic-compatible base URLs providers give
 }
 
 
@@ -104,8 +104,8 @@ def assert_streamed_unbuffered(fake, url: str, body, api: str):
 def test_out_of_scope_streams_are_streamed_and_otherwise_untouched(fake, start_relay, tmp_path):
     fake.behaviour.chunks = CHUNKS
     relay = start_relay(reverse_to(fake), relay_scope="^/v1/")
-    path, body = "/other/chat/completions", REQUESTS[scope.OPENAI_CHAT][1]
-    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, scope.OPENAI_CHAT)
+    path, body = "/other/chat/completions", REQUESTS[apis.OPENAI_CHAT][1]
+    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, apis.OPENAI_CHAT)
     assert resp.header("x-accel-buffering") is None and resp.header("server-timing") is None
     assert fake.received[-1].header("accept-encoding") is None
     relay.stop()
@@ -114,7 +114,7 @@ def test_out_of_scope_streams_are_streamed_and_otherwise_untouched(fake, start_r
 
 def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, start_relay):
     relay = start_relay(reverse_to(fake))
-    path, body = REQUESTS[scope.OPENAI_CHAT]
+    path, body = REQUESTS[apis.OPENAI_CHAT]
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         for method, status in [("POST", 204), ("POST", 304), ("HEAD", 200)]:
             resp = conn.request(method, path, body, {"x-fake-status": str(status)})
@@ -128,7 +128,7 @@ def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, s
 
 def test_streamed_requests_ask_upstream_for_identity_encoding(fake, start_relay):
     relay = start_relay(reverse_to(fake))
-    path, body = REQUESTS[scope.OPENAI_CHAT]
+    path, body = REQUESTS[apis.OPENAI_CHAT]
     got = b"".join(c.data for c in client.stream_post(
         relay.url() + path, body, {"accept-encoding": "gzip"}))
     assert fake.received[-1].header("accept-encoding") == "identity"
@@ -138,7 +138,7 @@ def test_streamed_requests_ask_upstream_for_identity_encoding(fake, start_relay)
 def test_mitm_conf_is_below_the_command_line(fake, start_relay, tmp_path):
     conf = tmp_path / "mitm.conf"
     conf.write_text("relay_scope: '^/never/'\n")
-    path, body = REQUESTS[scope.OPENAI_CHAT]
+    path, body = REQUESTS[apis.OPENAI_CHAT]
 
     relay = start_relay(reverse_to(fake), relay_conf=conf)
     conn, resp = client.request("POST", relay.url() + path, body)
@@ -253,7 +253,7 @@ def test_non_streamed_sdk_calls_still_work(sdk_setup):
 @pytest.mark.parametrize("interim", [100, 103])
 def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interim, fake, start_relay, tmp_path):
     relay = start_relay(reverse_to(fake))
-    path, body = REQUESTS[scope.OPENAI_CHAT]
+    path, body = REQUESTS[apis.OPENAI_CHAT]
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         resp = conn.request("POST", path, body, {"x-fake-interim-status": str(interim)})
         assert resp.status == 200  # (the raw client skips interim answers, as h11 and httpx do)

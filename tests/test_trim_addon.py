@@ -13,7 +13,7 @@ from mitmproxy import exceptions
 from mitmproxy.net import encoding
 from mitmproxy.test import taddons, tflow, tutils
 
-from ttft_relay import scope, state
+from ttft_relay import apis, state
 from ttft_relay.trim import tokens, trimming
 from ttft_relay.trim.trim import HEADER, Trim
 
@@ -57,7 +57,7 @@ def conversation(turns: int = 30) -> dict:
     return {"model": "gpt-4o", "stream": True, "messages": messages}
 
 
-def make_flow(raw: bytes, *, api: str = scope.OPENAI_CHAT, content_encoding: str | None = None, parsed=None):
+def make_flow(raw: bytes, *, api: str = apis.OPENAI_CHAT, content_encoding: str | None = None, parsed=None):
     headers = [(b"content-type", b"application/json")]
     if content_encoding:
         headers.append((b"content-encoding", content_encoding.encode()))
@@ -156,7 +156,7 @@ def test_out_of_scope_and_untrimmable_flows(addon):
     raw = flow.request.raw_content
     run(addon.request(flow))  # no FlowState: not the relay's business
     assert flow.request.raw_content is raw
-    flow, st = make_flow(orjson.dumps({"contents": []}), api=scope.GEMINI)
+    flow, st = make_flow(orjson.dumps({"contents": []}), api=apis.GEMINI)
     run(addon.request(flow))
     assert st.trim is None
     flow, st = make_flow(b"{}")
@@ -228,7 +228,7 @@ def test_tokenizers_load_when_configured_and_only_while_trimming_is_on(monkeypat
 def test_anthropic_long_context_header_and_prompt_tokens(addon, tctx):
     tctx.configure(addon, relay_trim_max_tokens=0)
     body = {"model": "claude-sonnet-4-5", "max_tokens": 64000, "messages": [{"role": "user", "content": "hi"}]}
-    flow, st = make_flow(orjson.dumps(body), api=scope.ANTHROPIC_MESSAGES)
+    flow, st = make_flow(orjson.dumps(body), api=apis.ANTHROPIC_MESSAGES)
     flow.request.headers["anthropic-beta"] = "context-1m-2025-08-07"
     run(addon.request(flow))
     assert st.trim["budget"] == 1_000_000 - 64000 and st.trim["reason"] == "fits"

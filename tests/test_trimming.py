@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ttft_relay import scope
+from ttft_relay import apis
 from ttft_relay.trim import tokens, trimming
 from ttft_relay.trim.trimming import Budget
 from tests import shaped
 
-CHAT, RESPONSES, ANTHROPIC = scope.OPENAI_CHAT, scope.OPENAI_RESPONSES, scope.ANTHROPIC_MESSAGES
+CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
 APIS = [CHAT, RESPONSES, ANTHROPIC]
 
 
@@ -215,7 +215,7 @@ def test_responses_string_input_is_one_message():
         (RESPONSES, {"input": [{"type": 1}]}, "malformed: input item type is not a string"),
         (RESPONSES, {"input": [{"type": "function_call", "call_id": None}]}, "malformed: call_id is not a string"),
         (ANTHROPIC, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 1}]}]}, "malformed: tool_use_id is not a string"),
-        (scope.GEMINI, {"contents": []}, "api gemini is not trimmed"),
+        (apis.GEMINI, {"contents": []}, "api gemini is not trimmed"),
     ],
 )  # fmt: skip
 def test_malformed_is_untouched_with_a_reason(api, body, reason):

@@ -8,7 +8,7 @@ from mitmproxy.test import taddons, tflow
 from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
 
-from ttft_relay import scope, state
+from ttft_relay import apis, state
 from ttft_relay.faults import faults
 from ttft_relay.stream import websocket
 from ttft_relay.timing import timing
@@ -45,7 +45,7 @@ def relay():
         yield turns, sink
 
 
-def socket_flow(path="/v1/responses", api=scope.OPENAI_RESPONSES):
+def socket_flow(path="/v1/responses", api=apis.OPENAI_RESPONSES):
     f = tflow.twebsocketflow(messages=False)
     f.request.path = path
     state.attach(f, state.FlowState(api=api, transport="websocket"))
@@ -121,7 +121,7 @@ def test_an_upstream_error_event_ends_the_turn(relay):
 
 def test_realtime_turns_end_in_response_done_and_may_start_on_the_server(relay):
     turns, sink = relay
-    f = socket_flow("/v1/realtime?model=gpt-realtime", scope.OPENAI_REALTIME)
+    f = socket_flow("/v1/realtime?model=gpt-realtime", apis.OPENAI_REALTIME)
     turns.websocket_start(f)
     send(turns, f, {"type": "session.created", "session": {}}, from_client=False, at=0.5)
     send(turns, f, {"type": "response.created", "response": {"id": "resp_r"}}, from_client=False, at=1.0)
@@ -136,7 +136,7 @@ def test_realtime_turns_end_in_response_done_and_may_start_on_the_server(relay):
 
 def test_other_sockets_and_binary_messages_are_only_passed(relay):
     turns, sink = relay
-    f = socket_flow("/v1/other", scope.OTHER)
+    f = socket_flow("/v1/other", apis.OTHER)
     turns.websocket_start(f)
     send(turns, f, {"type": "response.create"}, from_client=True, at=1.0)
     g = socket_flow()

@@ -1,9 +1,10 @@
 """Which LLM API a request speaks, and what it asks for.
 
 The relay only touches flows whose path matches its scope; within scope the path
-decides the API shape, which in turn decides how the body is trimmed and how the
-response stream is read. The functions are pure; the `Scope` addon at the end
-applies them to flows and attaches the per-flow state the other addons share.
+decides the API shape (one module of `ttft_relay/apis/` each), which in turn decides
+how the body is trimmed and how the response stream is read. The functions are pure;
+the `Scope` addon at the end applies them to flows and attaches the per-flow state
+the other addons share.
 """
 
 from __future__ import annotations
@@ -15,54 +16,21 @@ from typing import Any
 import orjson
 from mitmproxy import ctx, exceptions, http
 
-from . import state
+from . import apis, state
 from .faults import apierrors
 from .timing import record
 
-OPENAI_CHAT = "openai.chat"
-OPENAI_RESPONSES = "openai.responses"
-OPENAI_REALTIME = "openai.realtime"
-"""The Realtime API: a WebSocket only (its turns are timed like Responses WebSocket turns)."""
-ANTHROPIC_MESSAGES = "anthropic.messages"
-GEMINI = "gemini"
-OTHER = "other"
-"""In scope (e.g. /v1/embeddings) but no shape the relay understands: streamed and timed, never trimmed."""
-
-API_SHAPES = (OPENAI_CHAT, OPENAI_RESPONSES, OPENAI_REALTIME, ANTHROPIC_MESSAGES, GEMINI, OTHER)
-
-DEFAULT_SCOPE = (
-    r"/v1(?:beta|alpha)?/"
-    r"|/chat/completions/?(?:\?|$)"
-    r"|/responses/?(?:\?|$)"
-    r"|/messages/?(?:\?|$)"
-    r"|/realtime/?(?:\?|$)"
-    r"|:(?:stream)?[gG]enerateContent"
-)
+DEFAULT_SCOPE = "|".join((r"/v1(?:beta|alpha)?/", *(api.scope for api in apis.ALL if api.scope)))
 """Where LLM APIs live: a version segment anywhere in the path (`/v1/`, OpenRouter's
 `/api/v1/`, Azure's `/openai/v1/`, Gemini's `/v1beta/`), or an API's endpoint under
-any prefix (Azure's `/openai/deployments/<d>/chat/completions`, Codex with a ChatGPT
-sign-in at `/backend-api/codex/responses`, the Anthropic-compatible base URLs
-providers give, like `/anthropic/v1/messages`), or Gemini's native methods."""
-
-_GEMINI_PATH = re.compile(r"/models/([^/:?]+):(stream)?[gG]enerateContent")
+any prefix (each API module's `scope`: Azure's `/openai/deployments/<d>/chat/completions`,
+Codex with a ChatGPT sign-in at `/backend-api/codex/responses`, the Anthropic-compatible
+base URLs providers give, like `/anthropic/v1/messages`, Gemini's native methods)."""
 
 
 def api_shape(path: str) -> str:
-    """The API shape of a request path (query string allowed), by the endpoint it
-    ends in, whatever prefix the provider puts in front of it."""
-    path = path.split("?", 1)[0].rstrip("/")
-    if path.endswith("/chat/completions"):
-        return OPENAI_CHAT
-    if path.endswith("/responses"):
-        return OPENAI_RESPONSES
-    if path.endswith("/realtime"):
-        return OPENAI_REALTIME
-    if path.endswith("/messages") and "/threads/" not in path:
-        # (OpenAI's Assistants API has /v1/threads/<id>/messages: not Anthropic's shape.)
-        return ANTHROPIC_MESSAGES
-    if _GEMINI_PATH.search(path):
-        return GEMINI
-    return OTHER
+    """The API shape of a request path (query string allowed): see `apis.for_path`."""
+    return apis.for_path(path).name
 
 
 def is_websocket_upgrade(headers: http.Headers) -> bool:
@@ -77,13 +45,7 @@ def model_and_stream(api: str, path: str, body: Any) -> tuple[str | None, bool]:
     malformed body yields `(None, False)` rather than an error: the relay forwards
     what it does not understand.
     """
-    if api == GEMINI:
-        m = _GEMINI_PATH.search(path)
-        return (m.group(1), bool(m.group(2))) if m else (None, False)
-    if not isinstance(body, dict):
-        return None, False
-    model = body.get("model")
-    return (model if isinstance(model, str) else None), body.get("stream") is True
+    return apis.get(api).model_and_stream(path, body)
 
 
 class Scope:

@@ -20,7 +20,7 @@ from mitmproxy import http
 @dataclass(slots=True, eq=False)
 class FlowState:
     api: str
-    """API shape, one of `scope.API_SHAPES`."""
+    """API shape, one of `apis.NAMES`."""
     model: str | None = None
     stream: bool = False
     """The client asked for a streamed response (`"stream": true` or a streaming path)."""

@@ -21,7 +21,7 @@ OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"
 ANTHROPIC_MESSAGES = "anthropic.messages"
 GEMINI = "gemini"
-"""API shape names, spelled as `ttft_relay/scope.py` spells them (the fakes do not import the relay)."""
+"""API shape names, spelled as `ttft_relay/apis/` spells them (the fakes do not import the relay)."""
 
 THINKING_PIECES = ("Pondering", " the greeting.")
 """The thinking block's pieces, for requests that ask for thinking (see `_thinking_pieces`)."""

@@ -30,7 +30,7 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from .. import scope, state
+from .. import apis, state
 from . import apierrors
 from ..patches import seams
 from ..timing import timing
@@ -133,7 +133,7 @@ class FailedConnects:
         # connect attempt (proxy authentication) has no connection error.
         if flow.server_conn.error is None or state.get(flow) is not None:
             return
-        st = state.attach(flow, state.FlowState(api=scope.OTHER))
+        st = state.attach(flow, state.FlowState(api=apis.OTHER))
         st.error, st.error_phase = flow.server_conn.error, "upstream_connect"
 
     def error(self, flow: http.HTTPFlow) -> None:

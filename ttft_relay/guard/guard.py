@@ -47,7 +47,7 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from .. import scope, state
+from .. import apis, state
 from ..faults import apierrors
 from ..patches import seams
 from ..timing import record
@@ -339,12 +339,7 @@ def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: 
 def api_shape(request: http.Request) -> str:
     """Which API's error format a client expects. Read from the request itself: this
     runs before the scope addon, and covers paths outside its scope too."""
-    shape = scope.api_shape(request.path)
-    if shape == scope.ANTHROPIC_MESSAGES or "anthropic-version" in request.headers:
-        return scope.ANTHROPIC_MESSAGES
-    if shape == scope.GEMINI or "x-goog-api-key" in request.headers:
-        return scope.GEMINI
-    return scope.OPENAI_CHAT
+    return apis.for_refusal(request.path, request.headers).name
 
 
 def refusal(api: str, status: int, message: str) -> http.Response:

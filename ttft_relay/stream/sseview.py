@@ -21,7 +21,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.contentviews import Contentview
 from mitmproxy.contentviews import Metadata
 
-from ttft_relay import scope
+from .. import apis
 from ttft_relay.stream import sse
 from ttft_relay.stream import streaming
 
@@ -42,9 +42,9 @@ def _event_line(event: sse.Event) -> str:
 def _api_of(metadata: Metadata, events: list[sse.Event]) -> str:
     """The API shape from the request path if the flow is known, else guessed from the events."""
     if isinstance(metadata.flow, http.HTTPFlow):
-        api = scope.api_shape(metadata.flow.request.path)
-        if api != scope.OTHER:
-            return api
+        api = apis.for_path(metadata.flow.request.path)
+        if api is not apis.OTHER_API:
+            return api.name
     return sse.detect_api(events)
 
 

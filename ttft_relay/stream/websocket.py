@@ -46,7 +46,7 @@ import orjson
 from mitmproxy import ctx, http
 from mitmproxy.websocket import WebSocketMessage
 
-from .. import scope, state
+from .. import apis, state
 from ..faults import apierrors, faults
 from . import sse
 from ..timing import phases, record
@@ -54,8 +54,6 @@ from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
-TURN_APIS = (scope.OPENAI_RESPONSES, scope.OPENAI_REALTIME)
-"""APIs whose WebSocket carries turns the relay understands; other sockets only pass."""
 TURN_START = b'"response.create"'
 TURN_CREATED = "response.created"
 TYPE_SCAN = 256
@@ -166,7 +164,7 @@ class WebSocketTurns:
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if st is not None and st.api in TURN_APIS:
+        if st is not None and apis.get(st.api).websocket_turns:
             self.sessions[flow] = Session(st.api, handshake_comment=flow.comment)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
-from .. import scope
+from .. import apis
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +58,6 @@ RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upl
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
           "status_class")
-SEMCONV = {
-    scope.OPENAI_CHAT: ("chat", "openai"),
-    scope.OPENAI_RESPONSES: ("chat", "openai"),
-    scope.OPENAI_REALTIME: ("chat", "openai"),
-    scope.ANTHROPIC_MESSAGES: ("chat", "anthropic"),
-    scope.GEMINI: ("generate_content", "gcp.gemini"),
-}
-"""API shape → (gen_ai.operation.name, gen_ai.provider.name)."""
-
-
 class BoundedValues:
     """Label values as they come, until `limit` distinct ones are known; later ones are "other"."""
 
@@ -131,7 +121,7 @@ class RelayMetrics:
 
     def observe(self, rec: Mapping[str, Any]) -> None:
         api = rec["api"]
-        operation, provider = SEMCONV.get(api, (OTHER, OTHER))
+        operation, provider = apis.get(api).semconv
         labels = (operation, provider, self.models(rec["model"]), self.hosts(rec["upstream"]), api,
                   status_class(rec["status"]))
         phases = rec["phases"]

@@ -9,7 +9,7 @@ meaning or goes away (adding keys is compatible).
     request_id          the client's `x-request-id` header (a correlation id, not a secret:
                         `scripts/diagnose` joins its probes by it), cut to REQUEST_ID_MAX, or null
     ts                  request head arrival, Unix seconds
-    api                 API shape (`scope.API_SHAPES`)
+    api                 API shape (`apis.NAMES`)
     model               model the request named, or null
     stream              the client asked for a streamed answer
     status              response status code, or null

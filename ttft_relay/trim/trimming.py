@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from .. import scope
+from .. import apis
 from .tokens import longest_prefix
 
 DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
@@ -173,7 +173,7 @@ def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
 
 def long_context(api: str, anthropic_beta: str | None) -> bool:
     """The request opens Claude's 1M window (`anthropic-beta: context-1m-2025-08-07`)."""
-    return api == scope.ANTHROPIC_MESSAGES and any(
+    return api == apis.ANTHROPIC_MESSAGES and any(
         b.strip().startswith(LONG_CONTEXT_BETA) for b in (anthropic_beta or "").split(",")
     )
 
@@ -497,9 +497,9 @@ class _AnthropicMessages(_Shape):
 
 
 SHAPES: dict[str, _Shape] = {
-    scope.OPENAI_CHAT: _OpenAIChat(),
-    scope.OPENAI_RESPONSES: _OpenAIResponses(),
-    scope.ANTHROPIC_MESSAGES: _AnthropicMessages(),
+    apis.OPENAI_CHAT: _OpenAIChat(),
+    apis.OPENAI_RESPONSES: _OpenAIResponses(),
+    apis.ANTHROPIC_MESSAGES: _AnthropicMessages(),
 }
 """API shapes `trim` understands; requests of any other shape are left alone."""
 

@@ -1,0 +1,77 @@
+"""The API registry: every module in ttft_relay/apis/ is listed and gives every part."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import re
+
+import orjson
+import pytest
+
+from ttft_relay import apis
+from ttft_relay.apis.api import Api, ErrorFormat
+
+SUPPORT_MODULES = {"api"}
+"""Modules of the package that are not an API."""
+
+API_MODULES = sorted(m.name for m in pkgutil.iter_modules(apis.__path__) if m.name not in SUPPORT_MODULES)
+REGISTERED = (*apis.ALL, apis.OTHER_API)
+
+
+def _regex(value) -> bool:
+    re.compile(value)
+    return True
+
+
+PART_CHECKS = {
+    "name": lambda v: isinstance(v, str) and v != "",
+    "scope": lambda v: v is None or isinstance(v, str) and _regex(v),
+    "matches": callable,
+    "model_and_stream": callable,
+    "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
+    "websocket_turns": lambda v: isinstance(v, bool),
+    "errors": lambda v: isinstance(v, ErrorFormat) and type(v).body is not ErrorFormat.body,
+    "semconv": lambda v: isinstance(v, tuple) and len(v) == 2 and all(isinstance(s, str) and s for s in v),
+}
+"""What each part of an `Api` must be."""
+
+
+def test_every_part_has_a_check():
+    assert set(PART_CHECKS) == {f.name for f in dataclasses.fields(Api)}
+
+
+def test_api_modules_are_found():
+    assert len(API_MODULES) >= 6, API_MODULES
+
+
+@pytest.mark.parametrize("module_name", API_MODULES)
+def test_every_api_module_is_registered(module_name):
+    module = importlib.import_module(f"ttft_relay.apis.{module_name}")
+    assert isinstance(module.API, Api)
+    assert module.API.name == module.NAME
+    assert any(module.API is api for api in REGISTERED), f"{module_name}.API is not in apis.ALL"
+    assert apis.get(module.NAME) is module.API
+
+
+@pytest.mark.parametrize("api", REGISTERED, ids=lambda api: api.name)
+@pytest.mark.parametrize("part", sorted(PART_CHECKS))
+def test_every_api_gives_every_part(api, part):
+    assert PART_CHECKS[part](getattr(api, part)), f"{api.name}.{part} = {getattr(api, part)!r}"
+
+
+def test_names_are_unique_and_other_is_last():
+    assert len(set(apis.NAMES)) == len(apis.NAMES) == len(REGISTERED)
+    assert apis.NAMES[-1] == apis.OTHER
+    assert apis.get("no.such.api") is apis.OTHER_API
+
+
+@pytest.mark.parametrize("api", REGISTERED, ids=lambda api: api.name)
+def test_every_error_format_says_the_message(api):
+    for status in (401, 413, 502, 504):
+        body = api.errors.body(status, "the message")
+        assert b"the message" in orjson.dumps(body)
+        assert b"the message" in orjson.dumps(api.errors.stream_error(status, "the message", None))
+        event = api.errors.event(status, "the message", "resp_1")
+        assert event.endswith(b"\n\n") and b"the message" in event

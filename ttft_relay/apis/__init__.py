@@ -1,0 +1,62 @@
+"""The APIs the relay understands: one module each, everything it knows about that API.
+
+Each module ends in an `API` record (`api.Api`): its path match, its error format, its
+metric names and the rest. The other floors ask this registry and hold no list of APIs
+of their own: scope finds a request's API here, faults and guard its error format,
+metrics its names. Adding an API is adding a module and listing it in `ALL`
+(`tests/test_apis.py` fails for a module that is not listed or lacks a part).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import anthropic_messages, gemini, openai_chat, openai_realtime, openai_responses, other
+from .api import Api
+
+ALL: tuple[Api, ...] = (
+    openai_chat.API,
+    openai_responses.API,
+    anthropic_messages.API,
+    openai_realtime.API,
+    gemini.API,
+)
+"""The APIs a path can match, in the order of the default scope's alternatives."""
+
+OTHER_API = other.API
+"""In scope, no API it matches: streamed and timed, never trimmed."""
+
+OPENAI_CHAT = openai_chat.NAME
+OPENAI_RESPONSES = openai_responses.NAME
+OPENAI_REALTIME = openai_realtime.NAME
+ANTHROPIC_MESSAGES = anthropic_messages.NAME
+GEMINI = gemini.NAME
+OTHER = other.NAME
+
+NAMES = (*(api.name for api in ALL), OTHER)
+"""Every value a record's `api` can have."""
+
+_BY_NAME = {api.name: api for api in (*ALL, OTHER_API)}
+
+
+def get(name: str) -> Api:
+    """The API of this name; `OTHER_API` for a name the relay does not know."""
+    return _BY_NAME.get(name, OTHER_API)
+
+
+def for_path(path: str) -> Api:
+    """The API a request path (query string allowed) speaks, by the endpoint it ends
+    in, whatever prefix the provider puts in front of it."""
+    path = path.split("?", 1)[0].rstrip("/")
+    return next((api for api in ALL if api.matches(path)), OTHER_API)
+
+
+def for_refusal(path: str, headers: Mapping[str, str]) -> Api:
+    """Whose error format a client expects, from the request alone (its path, or headers
+    only that API's clients send), for paths outside the scope too; OpenAI's when
+    nothing says otherwise: most SDKs speak it."""
+    by_path = for_path(path)
+    for api in ALL:
+        if api.client_headers and (api is by_path or any(h in headers for h in api.client_headers)):
+            return api
+    return openai_chat.API

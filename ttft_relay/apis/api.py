@@ -1,0 +1,78 @@
+"""What one API module tells the relay (pure): the `Api` record and the parts it is made of.
+
+Every field of `Api` is a part the relay needs for every API it serves, so a module
+that forgets one fails when it is imported, and `tests/test_apis.py` checks that every
+module in this package is registered and gives each part its proper type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+def error_code(status: int) -> str:
+    """The relay's code for an error of this status: OpenAI-style `code`, and the
+    `X-Relay-Error` header of every reply the relay makes itself."""
+    return {401: "invalid_api_key", 413: "request_too_large", 504: "upstream_timeout"}.get(status, "upstream_error")
+
+
+class ErrorFormat:
+    """How an API reports an error, so that its SDKs raise their usual exceptions
+    (authentication, rate limit, server error) for the replies the relay makes itself.
+
+    Subclasses give `body`; a stream that breaks ends with `stream_error`, framed as
+    an SSE event named `sse_event` ("" for a data-only event).
+    """
+
+    sse_event = ""
+
+    def body(self, status: int, message: str) -> dict[str, Any]:
+        """The error JSON for `status`, as the API's own servers send it."""
+        raise NotImplementedError
+
+    def stream_error(self, status: int, message: str, response_id: str | None) -> dict[str, Any]:
+        """The event that ends a response which broke mid-stream, as the API ends one."""
+        return self.body(status, message)
+
+    def event(self, status: int, message: str, response_id: str | None) -> bytes:
+        """The last SSE event of a stream that broke: the API's in-stream error."""
+        head = f"event: {self.sse_event}\n".encode() if self.sse_event else b""
+        return head + b"data: " + orjson.dumps(self.stream_error(status, message, response_id)) + b"\n\n"
+
+
+def model_and_stream_from_body(path: str, body: Any) -> tuple[str | None, bool]:
+    """The body's `model` and `stream: true`, where most APIs put them."""
+    if not isinstance(body, dict):
+        return None, False
+    model = body.get("model")
+    return (model if isinstance(model, str) else None), body.get("stream") is True
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """Everything the relay knows about one API shape."""
+
+    name: str
+    """The shape's name in records and metrics (`api`): "openai.chat"."""
+    scope: str | None
+    """Regular expression (over the path with its query) of the API's endpoint under any
+    prefix, one alternative of the default `relay_scope`; None: found by the version
+    segment alone."""
+    matches: Callable[[str], bool]
+    """Whether a request path (query and trailing slash removed) speaks this API."""
+    model_and_stream: Callable[[str, Any], tuple[str | None, bool]]
+    """(path with query, parsed JSON body or anything else) → the model the request
+    names and whether it asks for a streamed answer; never raises."""
+    client_headers: tuple[str, ...]
+    """Request headers only this API's clients send: before scope has read a path, the
+    guard answers a refusal in this API's error format when one is present."""
+    websocket_turns: bool
+    """Its WebSocket carries turns (`response.create` … terminal event) that are timed."""
+    errors: ErrorFormat
+    semconv: tuple[str, str]
+    """(gen_ai.operation.name, gen_ai.provider.name) of the OpenTelemetry GenAI
+    conventions, for the metrics' labels."""

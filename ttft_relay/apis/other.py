@@ -1,0 +1,20 @@
+"""Any other API in scope (e.g. `/v1/embeddings`): no shape the relay understands, so
+it is streamed and timed, never trimmed, and answered in OpenAI's error format."""
+
+from __future__ import annotations
+
+from .api import Api, model_and_stream_from_body
+from .openai_chat import OpenAIErrors
+
+NAME = "other"
+
+API = Api(
+    name=NAME,
+    scope=None,
+    matches=lambda path: False,
+    model_and_stream=model_and_stream_from_body,
+    client_headers=(),
+    websocket_turns=False,
+    errors=OpenAIErrors(),
+    semconv=("other", "other"),
+)
