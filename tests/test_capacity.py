@@ -19,7 +19,7 @@ from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
 from ttft_relay import capacity
-from ttft_relay.patches import seams
+from ttft_relay.patches import listen_backlog
 from tests.conftest import reverse_to
 from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
 
@@ -69,7 +69,7 @@ def test_bare_mitmdump_queues_only_its_backlog(fake, start_relay):
     for s in sockets:
         s.close()
     # Linux queues one more than the backlog.
-    assert seams.ASYNCIO_DEFAULT_BACKLOG <= len(queued) <= seams.ASYNCIO_DEFAULT_BACKLOG + 1
+    assert listen_backlog.ASYNCIO_DEFAULT_BACKLOG <= len(queued) <= listen_backlog.ASYNCIO_DEFAULT_BACKLOG + 1
 
 
 @pytest.mark.parametrize("backlog", [-1, capacity.MAX_BACKLOG + 1])
@@ -79,7 +79,7 @@ def test_a_backlog_out_of_range_is_refused(backlog):
             with pytest.raises(exceptions.OptionsError, match="relay_listen_backlog"):
                 tctx.configure(tctx.master.addons.get("listenbacklog"), relay_listen_backlog=backlog)
     finally:
-        seams.set_listen_backlog(0)  # the rollback re-applied the default
+        listen_backlog.set_listen_backlog(0)  # the rollback re-applied the default
 
 
 def test_connection_lines_only_when_asked(caplog):

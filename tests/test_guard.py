@@ -23,7 +23,7 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
 from ttft_relay.guard import guard, tls
-from ttft_relay.patches import seams
+from ttft_relay.patches import upstream_copy
 from scripts.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
@@ -266,7 +266,7 @@ def test_access_keys_hooks(monkeypatch):
         # The flow (what mitmweb shows in flight) never holds the upstream key; what is sent does.
         assert ok.response is None and ok.request.headers["authorization"] == "Bearer REDACTED"
         sent = ok.request.copy()
-        seams._outgoing[ok](sent)
+        upstream_copy._outgoing[ok](sent)
         assert sent.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
 
         wrong = _reverse_flow({"authorization": "Bearer nope"})

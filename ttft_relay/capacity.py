@@ -2,7 +2,7 @@
 
 mitmproxy runs on one core, so under a burst the relay itself becomes the slow hop.
 Two things about mitmproxy make that worse than it has to be, and the relay changes
-both (the patches live in `seams.py`, pinned to mitmproxy 12.3.1):
+both (the patches live in `patches/`, each pinned to mitmproxy 12.3.1):
 
 - `ListenBacklog`: mitmproxy listens with asyncio's fixed backlog of 100. When a
   burst of clients connects while the event loop is busy (it is, during a burst),
@@ -19,7 +19,7 @@ both (the patches live in `seams.py`, pinned to mitmproxy 12.3.1):
   bundle, and a first name lookup of each reverse-mode upstream, which loads the
   system's resolver libraries (~40 ms that the first request's upstream connect
   showed; waited for up to RESOLVE_WAIT_S); and mitmproxy's second loading of
-  its CA after the listeners are up, skipped (`seams.load_ca_once`).
+  its CA after the listeners are up, skipped (`ca_once.load_ca_once`).
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
@@ -35,7 +35,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from .patches import seams
+from .patches import ca_once, hook_plans, listen_backlog, upstream_tls_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,14 @@ class ListenBacklog:
         # by `running` they all listen.
         self._apply()
         logger.debug("the running listeners queue up to %s new connections",
-                     ctx.options.relay_listen_backlog or seams.ASYNCIO_DEFAULT_BACKLOG)
+                     ctx.options.relay_listen_backlog or listen_backlog.ASYNCIO_DEFAULT_BACKLOG)
 
     def done(self) -> None:
-        seams.set_listen_backlog(0)
+        listen_backlog.set_listen_backlog(0)
 
     def _apply(self) -> None:
         proxyserver = ctx.master.addons.get("proxyserver")
-        seams.set_listen_backlog(ctx.options.relay_listen_backlog, proxyserver.servers if proxyserver else ())
+        listen_backlog.set_listen_backlog(ctx.options.relay_listen_backlog, proxyserver.servers if proxyserver else ())
 
 
 class ConnectionLog:
@@ -123,15 +123,15 @@ class WarmStart:
     """The first request pays no first-use cost upstream (see the module docstring)."""
 
     def load(self, loader) -> None:
-        seams.load_ca_once(_tlsconfig())
+        ca_once.load_ca_once(_tlsconfig())
 
     def done(self) -> None:
-        seams.load_ca_once(_tlsconfig(), on=False)
+        ca_once.load_ca_once(_tlsconfig(), on=False)
 
     def configure(self, updated: set[str]) -> None:
         if updated & WARM_TLS_OPTIONS:
             try:
-                seams.warm_upstream_tls(ctx.options)
+                upstream_tls_warmup.warm_upstream_tls(ctx.options)
             except Exception as e:  # a bad CA option: mitmproxy reports it at the handshake
                 logger.debug("upstream TLS context not prepared: %s", e)
         if "mode" in updated:
@@ -179,11 +179,11 @@ class HookPlans:
 
     def configure(self, updated: set[str]) -> None:
         if "relay_hook_plans" in updated:
-            seams.install_hook_plans(ctx.options.relay_hook_plans)
+            hook_plans.install_hook_plans(ctx.options.relay_hook_plans)
             logger.debug("events dispatched %s", "from hook plans" if ctx.options.relay_hook_plans else "by mitmproxy")
         else:
             # Any option change may change the addon tree (scripts added, reordered).
-            seams.forget_hook_plans()
+            hook_plans.forget_hook_plans()
 
     def done(self) -> None:
-        seams.install_hook_plans(False)
+        hook_plans.install_hook_plans(False)

@@ -3,7 +3,7 @@
 - `error_reply` (pure) is the relay's answer before the response head, a JSON
   error in the API's format (`apierrors`); after the head, the stream ends with
   the API's error event.
-- `ErrorReplies` installs `seams` (the one place mitmproxy decides what a client
+- `ErrorReplies` installs `patches.error_replies` (the one place mitmproxy decides what a client
   sees when the upstream fails) and renders those errors for in-scope flows;
   out-of-scope flows keep mitmproxy's behaviour.
 - `FailedConnects` gives a flow whose upstream connect or TLS handshake failed
@@ -32,7 +32,7 @@ from mitmproxy.tls import TlsData
 
 from .. import apis, state
 from . import apierrors
-from ..patches import seams
+from ..patches import answer_on_head, error_replies, trailers
 from ..timing import timing
 
 logger = logging.getLogger(__name__)
@@ -84,11 +84,11 @@ class ErrorReplies:
     behaviour: an HTML error page, or a cut connection."""
 
     def load(self, loader) -> None:
-        seams.install(self.render)
-        seams.answer_trailers()
+        error_replies.install(self.render)
+        trailers.answer_trailers()
 
     def done(self) -> None:
-        seams.uninstall()
+        error_replies.uninstall()
 
     def render(self, flow: http.HTTPFlow, message: str, head_sent: bool) -> tuple[http.Response | None, bytes] | None:
         st = state.get(flow)
@@ -311,8 +311,8 @@ class Deadlines:
         st = state.get(flow)
         if st is not None and flow.error is not None and flow.error.msg == CONNECT_TIMEOUT.format(self.connect_timeout):
             st.error_status = 504
-        elif st is not None and flow.error is not None and flow.error.msg == seams.REQUEST_TRAILERS:
-            st.error_phase = "relay"  # the relay cannot forward them (seams answered 501)
+        elif st is not None and flow.error is not None and flow.error.msg == trailers.REQUEST_TRAILERS:
+            st.error_phase = "relay"  # the relay cannot forward them (patches.trailers answered 501)
 
     def _forget(self, flow: http.HTTPFlow) -> None:
         if entry := self.timers.pop(flow, None):
@@ -447,7 +447,7 @@ class Shutdown:
             return
         if self.stopping:
             st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
-            seams.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
+            answer_on_head.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
             return
         self.in_flight.add(flow)
 

@@ -49,7 +49,7 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import seams
+from ..patches import answer_on_head, eager_connects, head_limit, upstream_copy
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -391,10 +391,10 @@ class AccessKeys:
         _KNOWN_SECRETS.clear()
         _KNOWN_SECRETS.update(self.digests, (key_digest(key) for key in upstream_keys.values()))
         # Keyed listeners open no upstream connection before a request's key is checked.
-        seams.defer_eager_connects(is_http_reverse if keys else None)
+        eager_connects.defer(is_http_reverse if keys else None)
 
     def done(self) -> None:
-        seams.defer_eager_connects(None)
+        eager_connects.defer(None)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         mode = flow.client_conn.proxy_mode
@@ -409,11 +409,11 @@ class AccessKeys:
         if reason is not None:
             self.refused[flow] = reason
             # On the head: the body is never read, however large it says it is.
-            seams.answer_now(flow, refusal(api_shape(flow.request), status, reason))
+            answer_on_head.answer_now(flow, refusal(api_shape(flow.request), status, reason))
             return
         # The upstream key goes only into what is sent: mitmweb shows flows in flight.
         swap_credentials(flow.request, credentials, REDACTED)
-        seams.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
+        upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has
@@ -501,7 +501,7 @@ class ClientLimits:
         self.refused = 0
 
     def load(self, loader) -> None:
-        seams.limit_request_heads(MAX_HEAD_BYTES)
+        head_limit.limit_request_heads(MAX_HEAD_BYTES)
         loader.add_option(
             "relay_header_timeout", int, 30,
             "Seconds a client connection has for each request head, from connecting or "

@@ -1,1 +1,82 @@
-"""The relay's patches into mitmproxy, each pinned by tests/test_seams.py."""
+"""The relay's patches into mitmproxy 12.3.1, for what hooks cannot shape: every one named here.
+
+mitmproxy is pinned ==12.3.1 (requirements.txt). Each module below says what it patches
+and why; its pin test, `tests/patches/test_<module>.py`, holds the digests of the
+mitmproxy code it patches or relies on and fails loudly if that code changes shape.
+Everything else the relay does uses hooks.
+
+Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has an
+`uninstall()` that gives them back), with the addon that installs each:
+
+- `error_replies`: upstream failures reach the client in the API's error format
+  (`faults.ErrorReplies`).
+- `eager_connects`: a reverse proxy's failed eager connect is answered, not a bare
+  close (with `error_replies`); no eager connect before a relay key is checked
+  (`guard.AccessKeys`).
+- `answer_on_head`: a request refused on its head is answered without reading its body
+  (`guard.AccessKeys`, `faults.Shutdown`).
+- `head_limit`: an HTTP/1 request head that never ends gets a 431 (`guard.ClientLimits`).
+- `upstream_copy`: the upstream key goes out in a copy of the request, never into the flow
+  (`guard.AccessKeys`).
+- `trailers`: HTTP/1 trailers fail their flow with an answer instead of crashing
+  (`faults.ErrorReplies`).
+- `listen_backlog`: listeners queue more than 100 new connections (`capacity.ListenBacklog`).
+- `hook_plans`: events dispatched from per-hook plans (`capacity.HookPlans`).
+- `interim_answers`: an upstream's 1xx interim head is dropped before its real answer
+  (`stream.Streaming`).
+- `ca_once`: the CA is not loaded a second time in `running` (`capacity.WarmStart`).
+
+Private mitmproxy code read but not patched, pinned the same way:
+
+- `connections`: live connections' and listeners' sockets (`timing.selfwatch`).
+- `upstream_tls_warmup`: the upstream TLS context built at start (`capacity.WarmStart`).
+- `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+from . import (
+    answer_on_head,
+    ca_once,
+    eager_connects,
+    error_replies,
+    head_limit,
+    hook_plans,
+    interim_answers,
+    listen_backlog,
+    trailers,
+    upstream_copy,
+)
+
+PATCHES: tuple[ModuleType, ...] = (
+    error_replies,
+    eager_connects,
+    answer_on_head,
+    head_limit,
+    upstream_copy,
+    trailers,
+    listen_backlog,
+    hook_plans,
+    interim_answers,
+    ca_once,
+)
+
+
+def originals() -> dict[tuple[type, str], Callable]:
+    """Every mitmproxy function some patch replaces, by (owner, attribute name)."""
+    return {key: original for patch in PATCHES for key, original in patch.ORIGINALS.items()}
+
+
+def patched() -> list[str]:
+    """The mitmproxy functions replaced right now, as `Owner.name`."""
+    return [f"{owner.__name__}.{name}" for (owner, name), original in originals().items()
+            if getattr(owner, name) is not original]
+
+
+def uninstall_all() -> None:
+    """mitmproxy's own code back everywhere, and every patch's state reset."""
+    for patch in PATCHES:
+        patch.uninstall()

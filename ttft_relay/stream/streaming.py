@@ -30,7 +30,7 @@ from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
 from .. import state
-from ..patches import seams
+from ..patches import interim_answers
 from . import sse
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class Streaming:
 
     def load(self, loader) -> None:
         # An interim 1xx from the upstream must not take the real answer's place (seam 5).
-        seams.install_interim_skip()
+        interim_answers.install()
         loader.add_option(
             "relay_stream",
             bool,
@@ -186,7 +186,7 @@ class Streaming:
         )
 
     def done(self) -> None:
-        seams.uninstall_interim_skip()
+        interim_answers.uninstall()
 
     def configure(self, updated) -> None:
         if "relay_stream" in updated:

@@ -47,7 +47,7 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 
 from .. import state
-from ..patches import seams
+from ..patches import connections
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class SelfWatch:
         """Connections waiting to be accepted, per listen address."""
         proxyserver = ctx.master.addons.get("proxyserver")
         queues = {}
-        for sock in seams.listening_sockets(proxyserver.servers if proxyserver else ()):
+        for sock in connections.listening_sockets(proxyserver.servers if proxyserver else ()):
             if (info := tcp_info(sock)) is not None:
                 host, port = sock.getsockname()[:2]
                 queues[f"{host}:{port}"] = info.unacked
@@ -205,7 +205,7 @@ class SelfWatch:
 
     def _socket(self, flow: http.HTTPFlow, conn) -> socket.socket | None:
         proxyserver = ctx.master.addons.get("proxyserver")
-        return seams.connection_socket(proxyserver.connections, flow.client_conn, conn) if proxyserver else None
+        return connections.connection_socket(proxyserver.connections, flow.client_conn, conn) if proxyserver else None
 
     # --- per flow ---------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""A reverse proxy's eager upstream connect: answered when it fails, skipped where a key is checked first.
+
+An eager upstream connect that fails (refused, DNS, connect timeout) makes mitmproxy's
+`ReverseProxy` close the client connection before a request is read: no response, no
+flow, no record. Its top layer is made directly, not through the `next_layer` hook, so
+no hook can swap it. With `read_request_after_failure` (which `error_replies` turns
+on) the wrap of `DestinationKnown.finish_start` carries on into the HTTP layer instead,
+for reverse proxies only: the request is read, and the HTTP layer's own connection
+lookup reports the failed connection's error on that flow, as a lazy connect would
+(`HttpLayer.get_connection`: `self.context.server.error`).
+
+The same wrap skips the eager connect for the listeners `defer` names (reverse
+listeners with relay access keys): no client gets an upstream connection opened for it
+before its request's key was checked. Those flows connect as
+`connection_strategy=lazy` would, after the request hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.layers import modes
+
+logger = logging.getLogger(__name__)
+
+_ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
+ORIGINALS = {(modes.DestinationKnown, "finish_start"): _ORIGINAL_FINISH_START}
+_deferred: Callable[[Any], bool] | None = None
+"""Whether a listener (its proxy mode) must not connect upstream before a request."""
+_read_after_failure = False
+
+
+def defer(listener: Callable[[Any], bool] | None) -> None:
+    """Skip the eager upstream connect on listeners for which `listener(proxy_mode)`
+    holds (None: on none)."""
+    global _deferred
+    _deferred = listener
+    _apply()
+
+
+def read_request_after_failure(on: bool) -> None:
+    """A reverse proxy whose eager connect failed reads the request, whose flow then
+    fails with that connection's error."""
+    global _read_after_failure
+    _read_after_failure = on
+    _apply()
+
+
+def uninstall() -> None:
+    defer(None)
+    read_request_after_failure(False)
+
+
+def _apply() -> None:
+    wrapped = _deferred is not None or _read_after_failure
+    modes.DestinationKnown.finish_start = _finish_start if wrapped else _ORIGINAL_FINISH_START  # type: ignore[method-assign]
+
+
+def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:
+    if _deferred is not None and _deferred(self.context.client.proxy_mode):
+        # What the original does without an eager connect.
+        self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
+        yield from self.child_layer.handle_event(events.Start())
+        return None
+    err = yield from _ORIGINAL_FINISH_START(self)
+    if err and isinstance(self, modes.ReverseProxy) and _read_after_failure:
+        logger.debug("eager upstream connect failed (%s); reading the request to answer it", err)
+        self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
+        yield from self.child_layer.handle_event(events.Start())
+        return None
+    return err

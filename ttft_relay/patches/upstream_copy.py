@@ -1,0 +1,53 @@
+"""The request goes upstream as a changed copy (the upstream key in it); the flow keeps the client's.
+
+The relay swaps a client's relay key for the upstream key. Done on the flow, the
+upstream key would sit in it while the request is in flight, and mitmweb shows flows in
+flight. The wrap of `HttpStream.state_consume_request_body` leaves the flow as the
+client sent it (its key redacted) and applies the swap given to `send_upstream_with` to
+a copy of the request, the one whose head goes upstream (`SendHttp(RequestHeaders(...))`).
+A request streamed upstream (`flow.request.stream`, which the relay never sets on keyed
+listeners) would go out as the flow holds it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from mitmproxy import http
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.layers.http import HttpStream, RequestHeaders, SendHttp
+
+from .rewrite import replacing
+
+_ORIGINAL_CONSUME_REQUEST_BODY = HttpStream.state_consume_request_body
+ORIGINALS = {(HttpStream, "state_consume_request_body"): _ORIGINAL_CONSUME_REQUEST_BODY}
+_outgoing: weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]] = weakref.WeakKeyDictionary()
+
+
+def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], None]) -> None:
+    """Send `flow`'s request upstream as a copy changed by `change`; the flow keeps its own."""
+    _outgoing[flow] = change
+    HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    HttpStream.state_consume_request_body = _ORIGINAL_CONSUME_REQUEST_BODY  # type: ignore[method-assign]
+
+
+def _consume_request_body(self: HttpStream, event: events.Event) -> layer.CommandGenerator[None]:
+    return (yield from replacing(_ORIGINAL_CONSUME_REQUEST_BODY(self, event), lambda c: _outgoing_head(self, c)))
+
+
+def _outgoing_head(stream: HttpStream, command: Any) -> list[SendHttp] | None:
+    if not (
+        isinstance(command, SendHttp)
+        and isinstance(command.event, RequestHeaders)
+        and command.connection is stream.context.server
+        and (change := _outgoing.pop(stream.flow, None)) is not None
+    ):
+        return None
+    sent = command.event.request.copy()
+    change(sent)
+    return [SendHttp(RequestHeaders(command.event.stream_id, sent, command.event.end_stream), command.connection)]
