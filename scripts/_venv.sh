@@ -55,3 +55,7 @@ ensure_venv() {
     # The dev set includes the runtime set, so a dev install satisfies both stamps.
     { echo "$want"; [ "$reqs" = requirements-dev.txt ] && echo "requirements.txt:${want#*:}"; } > "$stamp"
 }
+
+ttft_relay_command() {  # runs `ttft-relay "$@"` from this checkout, in .venv
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV_PY" -m ttft_relay "$@"
+}

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
-BASELINE_SCRIPT = REPO / "scripts" / "baseline_stream.py"
+BASELINE_SCRIPT = REPO / "benchmarks" / "baseline_stream.py"
 """A mitmproxy script that streams every response and does nothing else: what
 benchmarks measure the relay against."""
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
@@ -216,7 +216,7 @@ class BenchSetups:
     """The setups the benchmarks compare, against one fake upstream subprocess:
 
         direct    the fake upstream itself
-        bare      mitmdump -s scripts/baseline_stream.py (streaming, nothing else)
+        bare      mitmdump -s benchmarks/baseline_stream.py (streaming, nothing else)
         relay-1   the relay as one mitmdump process
         relay-N   scripts/workers.py: N workers behind HAProxy (only if N > 1)
 

@@ -1,4 +1,4 @@
-"""scripts/diagnose: the probe, the prompts, the findings, and the verdict end to end.
+"""ttft-relay diagnose: the probe, the prompts, the findings, and the verdict end to end.
 
 The end-to-end tests inject one cause at a time (a far upstream behind a delaying
 forwarder, prefill that grows with the prompt, a slow hop to the relay, a dead
@@ -18,8 +18,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts import diagnose, diagnosis, probe, probe_requests
-from scripts.diagnosis import ProbeResult
+from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
+from ttft_relay.diagnose.diagnosis import ProbeResult
 from scripts.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import DelayingForwarder
@@ -229,7 +229,7 @@ def test_through_the_relay_as_https_proxy(start_relay, fake_tls, certs, tmp_path
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OPENAI_API_KEY": FAKE_OPENAI_KEY}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "diagnose.py"), *argv],
+    return subprocess.run([sys.executable, "-m", "ttft_relay", "diagnose", *argv],
                           capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
 
 
@@ -382,7 +382,7 @@ def test_websocket_through_the_relay_is_joined_with_its_turn_records_and_reporte
     assert to_relay.ms < 100  # loopback: the turn's records account for its first token, handshake aside
     sockets = 2 * 4 + 2  # four probes and a warm-up per path; the relayed ones reach the fake through the relay
     assert len(fake.sockets) == sockets
-    done = subprocess.run([sys.executable, REPO / "scripts" / "report.py", log], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "report", log], capture_output=True,
+                          text=True, check=True, cwd=REPO)
     # Its handshake names no model, so each turn and its handshake fall in different groups.
     assert done.stdout.startswith("WebSocket, all upstreams: 5 turns (0 prewarm), 5 handshakes (0 failed)\n")

@@ -1,4 +1,4 @@
-"""Load, nothing lost (the light variant of `scripts/bench-load`, which runs 500 streams):
+"""Load, nothing lost (the light variant of `scripts/bench load`, which runs 500 streams):
 100 concurrent streams x 3 rounds through a real mitmdump. Every stream byte-identical
 to what the fake sent for it, exactly one record per request, and the relay's memory
 back near its level after the first round."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scripts import bench_load
+from benchmarks import load as bench_load
 from tests.conftest import reverse_to
 
 STREAMS = 100

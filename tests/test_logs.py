@@ -1,5 +1,5 @@
 """Timing logs that run for months: rotation by size and time with retention, SIGHUP
-after logrotate's rename, and scripts/report reading rotated and compressed files.
+after logrotate's rename, and ttft-relay report reading rotated and compressed files.
 
 Unit tests of the pure rotation policy, the writer under concurrent writes across many
 rotations, then a real mitmdump whose log logrotate-style renaming moves away.
@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from ttft_relay.timing import logrotation, record
-from scripts import report
+from ttft_relay.report import report
 from tests.conftest import reverse_to
 from tests.fakes import client
 
@@ -139,7 +139,7 @@ def test_reopen_moves_to_a_new_file_after_what_was_queued(tmp_path):
     assert [orjson.loads(x)["i"] for x in path.read_bytes().splitlines()] == [2]
 
 
-# --- scripts/report --------------------------------------------------------------------------
+# --- ttft-relay report --------------------------------------------------------------------------
 
 
 def test_report_reads_rotated_and_compressed_logs(tmp_path):

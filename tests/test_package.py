@@ -3,11 +3,15 @@ addon runs in mitmdump with no checkout beside it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import orjson
+
+from tests import report_samples
 from tests.harness import REPO
 
 from ttft_relay import cli
@@ -16,6 +20,18 @@ from ttft_relay import cli
 def test_addon_path_names_the_addon_file():
     assert cli.ADDON.name == "relay.py" and cli.ADDON.parent.name == "ttft_relay" and cli.ADDON.exists()
     assert cli.main(["no-such-command"]) == 2
+
+
+def test_the_product_never_imports_test_support_benchmarks_or_scripts():
+    # What `pip install .` ships must run without the checkout around it.
+    outside = {"tests", "benchmarks", "scripts"}
+    found = []
+    for path in sorted((REPO / "ttft_relay").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.split(".")[0] in outside]
+    assert found == []
 
 
 def test_pip_install_gives_a_working_command(tmp_path):
@@ -30,6 +46,19 @@ def test_pip_install_gives_a_working_command(tmp_path):
     addon = subprocess.run([str(command), "addon-path"], capture_output=True, text=True, check=True, env=env,
                            cwd=tmp_path).stdout.strip()
     assert Path(addon) == target / "ttft_relay" / "relay.py"  # the installed copy, not the checkout's
+    # The tools users run on their VPS, from the installed copy.
+    for tool, usage in (("diagnose", "usage: ttft-relay diagnose"), ("report", "usage: ttft-relay report")):
+        done = subprocess.run([str(command), tool, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.startswith(usage), done.stdout + done.stderr
+    log = tmp_path / "timing.jsonl"
+    log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in report_samples.day(30)))
+    page = tmp_path / "report.html"
+    report = subprocess.run([str(command), "report", str(log), "--html", str(page)], capture_output=True, text=True,
+                            env=env, cwd=tmp_path)
+    assert report.returncode == 0 and " requests, " in report.stdout, report.stdout + report.stderr
+    assert "<script" in page.read_text()  # the page's script and style are in the package
+    bench = subprocess.run([str(command), "bench", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bench.returncode == 2 and "from a checkout" in bench.stderr
     # The installed relay starts (no mitm.conf beside it: the code's defaults) with its addons loaded.
     run = subprocess.Popen(
         [str(command), "run", "--listen-host", "127.0.0.1", "-p", "0", "--set", "relay_metrics_listen=",

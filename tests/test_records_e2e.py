@@ -66,7 +66,7 @@ def test_control_characters_in_a_model_cannot_forge_a_console_or_report_line(fak
     assert "\x1b" not in out and "\\n127.0.0.1:1" in out
     (rec,) = records(tmp_path)
     assert rec["model"] == FORGED  # the JSON record keeps the value, escaped by JSON itself
-    report = subprocess.run([sys.executable, "scripts/report.py", str(tmp_path / "timing.jsonl")],
+    report = subprocess.run([sys.executable, "-m", "ttft_relay", "report", str(tmp_path / "timing.jsonl")],
                             cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "\x1b" not in report and "\n127.0.0.1:1 openai.chat" not in report
 

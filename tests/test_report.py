@@ -1,4 +1,4 @@
-"""scripts/report.py: reading logs, percentiles, grouping, the prompt-size fit."""
+"""ttft-relay report: reading logs, percentiles, grouping, the prompt-size fit."""
 
 import argparse
 import subprocess
@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from ttft_relay.timing import record
-from scripts import report
+from ttft_relay.report import report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,10 +87,10 @@ def test_summary_groups_by_upstream_and_model():
 
 def test_cli_text_and_json(tmp_path):
     log = write_log(tmp_path / "t.jsonl", [rec(i, prompt=500 * (i + 1)) for i in range(6)])
-    script = REPO / "scripts" / "report.py"
-    text = subprocess.run([sys.executable, script, log], capture_output=True, text=True, check=True).stdout
+    command = [sys.executable, "-m", "ttft_relay", "report"]
+    text = subprocess.run([*command, log], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert "api.example.com · gpt-x: 6 requests" in text and "per 1k prompt tokens" in text
-    js = subprocess.run([sys.executable, script, log, "--json"], capture_output=True, check=True).stdout
+    js = subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout
     assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 6
 
 

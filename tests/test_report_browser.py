@@ -38,8 +38,8 @@ def report_page(tmp_path_factory):
     log = tmp / "timing.jsonl"
     log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     out = tmp / "report.html"
-    subprocess.run([sys.executable, REPO / "scripts" / "report.py", log, "--html", out, "--slowest", "8"],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "ttft_relay", "report", log, "--html", out, "--slowest", "8"],
+                   check=True, capture_output=True, cwd=REPO)
     with browser.Browser(tmp / "profile") as chromium:
         page = chromium.open(out.as_uri())
         page.wait_for("document.body.dataset.rendered")
@@ -117,7 +117,7 @@ def test_the_page_fetches_nothing(report_page):
 def test_diagnose_html_draws_each_probe_as_its_own_waterfall(fake, tmp_path):
     fake.behaviour.prefill_ms = 120
     out = tmp_path / "diagnosis.html"
-    done = subprocess.run([sys.executable, REPO / "scripts" / "diagnose.py", "--upstream", fake.base_url,
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "diagnose", "--upstream", fake.base_url,
                            "--repeat", "2", "--long-tokens", "300", "--json", "--html", out],
                           capture_output=True, check=True, env={**os.environ, "OPENAI_API_KEY": "sk-test"}, cwd=REPO)
     probes = orjson.loads(done.stdout)["probes"]
@@ -147,7 +147,8 @@ def test_a_log_without_records_still_gives_a_page_that_draws(tmp_path, lines):
     log = tmp_path / "timing.jsonl"
     log.write_bytes(b"\n".join(lines))
     out = tmp_path / "report.html"
-    subprocess.run([sys.executable, REPO / "scripts" / "report.py", log, "--html", out], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "ttft_relay", "report", log, "--html", out], check=True, capture_output=True,
+                   cwd=REPO)
     with browser.Browser(tmp_path / "profile") as chromium:
         page = chromium.open(out.as_uri())
         page.wait_for("document.body.dataset.rendered", timeout=10)

@@ -1,10 +1,10 @@
-"""scripts/report_html.py without a browser: bar offsets, time buckets, columns, a safe page."""
+"""ttft_relay/report/report_html.py without a browser: bar offsets, time buckets, columns, a safe page."""
 
 import orjson
 import pytest
 
 from ttft_relay.timing import phases
-from scripts import report, report_html
+from ttft_relay.report import report, report_html
 from tests import report_samples
 
 

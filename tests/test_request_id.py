@@ -1,4 +1,4 @@
-"""The client's x-request-id lands in the timing record (capped), so scripts/diagnose can join its probes."""
+"""The client's x-request-id lands in the timing record (capped), so ttft-relay diagnose can join its probes."""
 
 import orjson
 from mitmproxy.test import taddons, tflow

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from scripts.bench_load import rss_kib
+from benchmarks.load import rss_kib
 from tests import shaped
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client

@@ -153,7 +153,7 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         # metrics were in shared memory already.
         assert scraped == 14 >= sum(counts)
 
-        report = subprocess.run([sys.executable, "scripts/report.py", str(tmp_path / "timing*.jsonl"), "--json"],
+        report = subprocess.run([sys.executable, "-m", "ttft_relay", "report", str(tmp_path / "timing*.jsonl"), "--json"],
                                 cwd=REPO, capture_output=True, check=True)
         (group,) = orjson.loads(report.stdout).values()
         assert group["requests"] == sum(counts)

@@ -2,14 +2,15 @@
 
     ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
+    ttft-relay report LOG ... [--html F]  the timing logs summarised (--help: the options)
+    ttft-relay diagnose [--relay URL]     why is my first token slow? probes it, names the cause
+    ttft-relay bench NAME [arguments]     a benchmark, from a checkout (bench --help: their names)
     ttft-relay addon-path                 the addon file for any mitmproxy tool:
                                           mitmproxy -s "$(ttft-relay addon-path)" (no mitm.conf)
 
 `run` and `web` read mitm.conf (TTFT_RELAY_CONF names another file, empty: none) under
-their arguments and start mitmproxy with both (see ttft_relay/config.py).
-
-From a checkout, `scripts/relay` also runs N workers behind HAProxy, and `scripts/report`,
-`scripts/diagnose` and the `scripts/bench*` benchmarks read and measure the relay.
+their arguments and start mitmproxy with both (see ttft_relay/config.py). From a
+checkout, `scripts/relay` runs N of them behind HAProxy (scripts/workers.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 ADDON = Path(__file__).resolve().parent / "relay.py"
 TOOLS = {"run": "mitmdump", "web": "mitmweb"}
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+"""Beside the package in a checkout; an installed package has none."""
 
 
 def tool_path(name: str) -> str:
@@ -46,6 +49,36 @@ def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
         raise SystemExit(f"ttft-relay: cannot start the relay: {e}") from None
 
 
+def benchmark_names() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_") and p.stem != "baseline_stream")
+
+
+def bench(args: list[str]) -> int:
+    """Runs benchmarks/NAME.py as a module of the checkout (they use its tests/ support code)."""
+    if not BENCHMARKS.is_dir():
+        print("ttft-relay bench: the benchmarks run from a checkout (git clone, then scripts/bench NAME)",
+              file=sys.stderr)
+        return 2
+    names = benchmark_names()
+    if not args or args[0] not in names:
+        lines = [f"  {name:<10} {first_line(BENCHMARKS / f'{name}.py')}" for name in names]
+        asked = bool(args) and args[0] in ("-h", "--help")
+        print("ttft-relay bench NAME [arguments]   (NAME --help: its arguments)\n\n" + "\n".join(lines),
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    repo = str(BENCHMARKS.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    os.execve(sys.executable, [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]], env)
+
+
+def first_line(path: Path) -> str:
+    """The first sentence of a module's docstring."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf8"))) or ""
+    return doc.split("\n\n", 1)[0].replace("\n", " ").split(". ", 1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
@@ -58,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     if command in TOOLS:
         tool = tool_path(TOOLS[command])
         os.execv(tool, [tool, "-s", str(ADDON), *relay_args(rest, TOOLS[command])])
+    if command == "report":
+        from .report import report
+
+        return report.main(rest)
+    if command == "diagnose":
+        from .diagnose import diagnose
+
+        return diagnose.main(rest)
+    if command == "bench":
+        return bench(rest)
     print(f"ttft-relay: unknown command {command!r}\n\n{__doc__.strip()}", file=sys.stderr)
     return 2
 

@@ -4,7 +4,7 @@ The writer thread (`record.RecordWriter`) asks `Rotation.due` before each record
 appends and, when it is due, renames the log to `<name>.<UTC time>` and opens a
 new one, so a record is never split between two files. A background thread then
 compresses the rotated file to `.gz` and deletes the oldest rotated files beyond
-`keep`. `scripts/report 'logs/timing*.jsonl*'` reads current, rotated and
+`keep`. `ttft-relay report 'logs/timing*.jsonl*'` reads current, rotated and
 compressed files alike.
 
 logrotate works too (rename, then SIGHUP: `ttft_relay/reload.py` reopens the log);

@@ -7,7 +7,7 @@ meaning or goes away (adding keys is compatible).
     schema              int, this schema's version
     id                  mitmproxy flow id
     request_id          the client's `x-request-id` header (a correlation id, not a secret:
-                        `scripts/diagnose` joins its probes by it), cut to REQUEST_ID_MAX, or null
+                        `ttft-relay diagnose` joins its probes by it), cut to REQUEST_ID_MAX, or null
     ts                  request head arrival, Unix seconds
     api                 API shape (`apis.NAMES`)
     model               model the request named, or null

@@ -34,14 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from ttft_relay import apis
+from ttft_relay.trim import tokens, trimming
+from tests import shaped
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import orjson  # noqa: E402
-
-from ttft_relay import apis  # noqa: E402
-from ttft_relay.trim import tokens, trimming  # noqa: E402
-from tests import shaped  # noqa: E402
 
 MODEL = "gpt-4o"
 BASELINE_COMMIT = "b819cce"

@@ -14,7 +14,7 @@ Latency: the client's time from sending the request to the chunk carrying the
 first answer text, on a fresh connection each time. CPU: the mitmdump process's
 user + system time over the run, per flow.
 
-    scripts/bench-overhead [--requests 300] [--prefill-ms 50] [--chunks 20]
+    scripts/bench overhead [--requests 300] [--prefill-ms 50] [--chunks 20]
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tests.fakes.client import stream_post
+from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream
 
-from tests.fakes.client import stream_post  # noqa: E402
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
 import importlib.util, sys

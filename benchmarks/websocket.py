@@ -7,7 +7,7 @@ socket per setup and sends turns round-robin over the setups, so drift on a shar
 machine hits all alike:
 
     direct    client → upstream
-    bare      client → mitmdump -s scripts/baseline_stream.py → upstream
+    bare      client → mitmdump -s benchmarks/baseline_stream.py → upstream
     relay-1   client → mitmdump -s ttft_relay/relay.py → upstream (records every turn)
 
 It reports, from the client, the time from sending `response.create` to the first
@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from tests.fakes.ws_client import WebSocketClient  # noqa: E402
-from tests.harness import BenchSetups, percentile, stream_shape, stream_shape_arguments  # noqa: E402
+from tests.fakes.ws_client import WebSocketClient
+from tests.harness import BenchSetups, percentile, stream_shape, stream_shape_arguments
 
 HEADERS = {"authorization": "Bearer sk-bench-FAKEKEY", "openai-beta": "responses_websockets=2026-02-06"}
 TURN = {"type": "response.create", "model": "gpt-5.1-codex",

@@ -1,6 +1,6 @@
 """Benchmark baseline: the least a mitmproxy script can do to stream, and nothing else.
 
-`mitmdump -s scripts/baseline_stream.py` is what the relay's own overhead is
+`mitmdump -s benchmarks/baseline_stream.py` is what the relay's own overhead is
 measured against: every response streamed, no scope, timing or trimming.
 """
 

@@ -8,11 +8,11 @@ WebSocket turns are counted apart, and so are WebSocket handshakes (the record o
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
 
-    scripts/report logs/timing.jsonl [more.jsonl ...|'logs/timing*.jsonl'] [--since 2h] [--model gpt-4o]
+    ttft-relay report logs/timing.jsonl [more.jsonl ...|'logs/timing*.jsonl'] [--since 2h] [--model gpt-4o]
                    [--slowest 5] [--json] [--html report.html]
 
 `--html` also writes the report as one self-contained page of waterfalls and
-plots (scripts/report_html.py).
+plots (report_html.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ttft_relay.timing import phases, record  # noqa: E402
+from ..timing import phases, record
 
 QUANTILES = (50, 90, 99)
 METRICS = phases.PHASES
@@ -247,7 +246,7 @@ def format_text(report: Mapping[str, Mapping[str, Any]], websocket: Mapping[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="ttft-relay report", description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+",
                     help="JSONL timing logs (relay_timing_log), or quoted glob patterns: 'logs/timing*.jsonl' "
                          "reads the single relay's log and every worker's (scripts/relay --workers N)")
@@ -269,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"report: skipped {bad} unreadable line(s)", file=sys.stderr)
     report = summarize(records, 5 if args.slowest is None else args.slowest)
     if args.html:
-        from scripts import report_html  # the page's code is loaded only when asked for
+        from . import report_html  # the page's code is loaded only when asked for
 
         data = report_html.report_data(records, report, slowest=10 if args.slowest is None else args.slowest,
                                        title=f"ttft-relay report: {', '.join(Path(p).name for p in args.logs)}")
@@ -284,7 +283,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_text(report, websocket_counts(records)) if report else "no records")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

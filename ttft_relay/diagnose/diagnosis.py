@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ttft_relay.timing import phases
+from ..timing import phases
 
 PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "message", "first_token", "end")
 """dns lookup done, TCP up, proxy tunnel up (CONNECT), TLS up, request written,
@@ -108,12 +108,12 @@ ADVICE = {
     "connection per client connection, which saves the connect and TLS handshake on every request.",
     RELAY_OVERHEAD: "The relay itself adds time: check its CPU (mitmproxy runs on one core; bursts of new "
     "connections queue), that it runs with streaming on (scripts/relay, not bare mitmdump), and the "
-    "`relay` phase in scripts/report over real traffic.",
+    "`relay` phase in ttft-relay report over real traffic.",
     RELAY_PATH: "Something between the relay and the upstream adds this: pass --relay-log with the "
     "relay's timing log to split relay overhead from the relay's network to the upstream.",
     CONTEXT_LENGTH: "Prompt length drives the first-token time: trim history (relay_trim, "
     "relay_trim_max_tokens), keep a stable prefix so the provider's prompt cache hits, summarise old "
-    "turns. scripts/report fits the same ms per 1k tokens over real traffic.",
+    "turns. ttft-relay report fits the same ms per 1k tokens over real traffic.",
     UPSTREAM_INSTABILITY: "The same request waits very differently from one try to the next: queueing or "
     "load at the provider. Try another region/deployment or a tier with capacity guarantees, and use "
     "client timeouts with a retry.",
@@ -131,14 +131,14 @@ ADVICE = {
     "console; for the proxy mode, --ca must name the mitmproxy CA.",
     NO_DIRECT_PATH: "Comparisons with the direct path are skipped; the relay is your only way out.",
     SOME_PROBES_FAILED: "Intermittent failures: run again with --repeat 10, and look at errors in "
-    "scripts/report.",
+    "ttft-relay report.",
     WEBSOCKET_FAILING: "Clients retry a failing WebSocket and then fall back to HTTP (Codex: 5 reconnects, "
     "seconds lost per session, turns the upstream may bill twice). Check that every proxy on the path "
     "passes `Upgrade: websocket` and the 101 through untouched (an old relay chunk-framed it), or turn the "
     "client's WebSocket transport off until it is fixed.",
     WEBSOCKET_HANDSHAKE: "Every new WebSocket waits this long before its first turn: keep sessions (and "
     "their socket) open, and if the relayed handshake is much slower than the direct one, look at the "
-    "relay's upstream connect and TLS (scripts/report, `websocket` handshake records).",
+    "relay's upstream connect and TLS (ttft-relay report, `websocket` handshake records).",
 }
 
 

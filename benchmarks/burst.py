@@ -21,7 +21,7 @@ Mind the listen backlogs: bare mitmproxy listens with asyncio's fixed default of
 a SYN retransmit (1 s, then 3 s). The relay's workers and HAProxy queue 4096
 (`relay_listen_backlog`; the kernel caps it at net.core.somaxconn).
 
-    scripts/bench-burst [--bursts 100,200,500] [--rounds 3] [--workers N]
+    scripts/bench burst [--bursts 100,200,500] [--rounds 3] [--workers N]
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from scripts import workers  # noqa: E402
-from scripts.bench_streams import one_stream  # noqa: E402
-from tests.harness import BenchSetups, cpu_seconds, percentile  # noqa: E402
+from scripts import workers
+from benchmarks.streams import one_stream
+from tests.harness import BenchSetups, cpu_seconds, percentile
 
 TIMEOUT = 60.0
 

@@ -8,7 +8,7 @@ Nothing is fetched when the page opens: no network, no CDN.
 
 Per-request data travels as columns (one list per field), not one object per
 request, which keeps a 100k-request page small and fast to parse. `page()` takes
-any such data, so `scripts/diagnose --html` draws its probes with the same code.
+any such data, so `ttft-relay diagnose --html` draws its probes with the same code.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import orjson
 
-from ttft_relay.timing import phases
-from scripts.report import counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_own_wait
+from ..timing import phases
+from .report import counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_own_wait
 
 HERE = Path(__file__).resolve().parent
 BAR_PHASES = phases.CRITICAL_PHASES + ("stream",)
@@ -184,8 +184,8 @@ def probe_rows(evidence, probe_phases: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def diagnose_data(evidence, diagnosis) -> dict[str, Any]:
-    """What `scripts/diagnose --html` shows: its findings and every probe's waterfall."""
-    from scripts import diagnosis as diagnosis_module
+    """What `ttft-relay diagnose --html` shows: its findings and every probe's waterfall."""
+    from ..diagnose import diagnosis as diagnosis_module
 
     probe_phases = [name for name, _ in diagnosis_module.PROBE_STEPS]
     # One order that keeps both kinds of row in timeline order: the probe's steps up to its

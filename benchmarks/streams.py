@@ -23,7 +23,7 @@ The load generator, the fake upstream and the relay share the machine's cores: t
 load average is printed with the figures. Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
-    scripts/bench-streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N]
+    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N]
 """
 
 from __future__ import annotations
@@ -42,11 +42,9 @@ from urllib.parse import urlsplit
 
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from scripts import workers  # noqa: E402
-from tests.harness import BenchSetups, cpu_seconds, percentile  # noqa: E402
+from scripts import workers
+from tests.harness import BenchSetups, cpu_seconds, percentile
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
@@ -134,7 +132,7 @@ def cpu_of(processes: dict[str, int]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/bench-streams", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="scripts/bench streams", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="rates 5,25, 6 s each, one round (about 2 minutes)")
     ap.add_argument("--rates", default="5,15,25,40", help="new streams per second, comma-separated")
     ap.add_argument("--seconds", type=float, default=10, help="arrival window per setup, rate and round")

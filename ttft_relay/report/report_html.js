@@ -1,4 +1,4 @@
-// Draws the ttft-relay report from the JSON in <script id="data"> (see scripts/report_html.py).
+// Draws the ttft-relay report from the JSON in <script id="data"> (see ttft_relay/report/report_html.py).
 // No dependencies, no network: SVG for waterfalls and bars, canvas for the scatter plots.
 "use strict";
 (function () {

@@ -33,9 +33,9 @@ from wsproto.events import AcceptConnection, CloseConnection, Ping, RejectConnec
 from wsproto.extensions import PerMessageDeflate
 from wsproto.utilities import RemoteProtocolError
 
-from ttft_relay.stream.sse import StreamWatcher
-from scripts.diagnosis import ProbeResult
-from scripts.probe_requests import ProbeRequest, websocket_headers, websocket_message
+from ..stream.sse import StreamWatcher
+from .diagnosis import ProbeResult
+from .probe_requests import ProbeRequest, websocket_headers, websocket_message
 
 logger = logging.getLogger(__name__)
 

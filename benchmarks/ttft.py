@@ -6,7 +6,7 @@ the client, the time to the first token and to the end of the response:
 
     direct          client → upstream
     mitmdump        client → plain mitmdump (reverse mode) → upstream
-    mitmdump+stream client → mitmdump -s scripts/baseline_stream.py → upstream
+    mitmdump+stream client → mitmdump -s benchmarks/baseline_stream.py → upstream
     relay           client → mitmdump -s ttft_relay/relay.py → upstream
 
 Requests go round-robin over the setups so drift on a shared machine hits all
@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from ttft_relay import apis  # noqa: E402
-from ttft_relay.stream import sse  # noqa: E402
-from tests.fakes import client  # noqa: E402
-from tests.harness import (  # noqa: E402
+from ttft_relay import apis
+from ttft_relay.stream import sse
+from tests.fakes import client
+from tests.harness import (
     BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream, stream_shape, stream_shape_arguments)
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

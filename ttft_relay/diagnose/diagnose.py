@@ -1,6 +1,6 @@
 """Why is my first token slow? Probe direct and through the relay, tiny and long prompts; say why.
 
-    scripts/diagnose [--upstream https://api.openai.com] [--relay http://127.0.0.1:8001
+    ttft-relay diagnose [--upstream https://api.openai.com] [--relay http://127.0.0.1:8001
                      [--relay-mode base-url|proxy] [--relay-log logs/timing.jsonl]]
                      [--api openai.chat|openai.responses|anthropic.messages] [--model M]
                      [--repeat 5] [--long-tokens 8000 | --body-file request.json]
@@ -12,13 +12,13 @@ would skew medians). Probes then run in rounds, one of each kind per round, so d
 over time touches every kind alike; a kind stops repeating after its first failure. The API key comes
 from OPENAI_API_KEY / ANTHROPIC_API_KEY and never appears in the output. Exit
 status: 0 with a verdict, 2 when the upstream or the relay cannot be reached, 1
-on bad arguments. See scripts/diagnosis.py for the findings and their thresholds.
+on bad arguments. See diagnosis.py for the findings and their thresholds.
 
 `--transport websocket` probes a Responses WebSocket as Codex uses it (one new socket
 per probe, one `response.create` turn on it): a refused, hung or broken handshake
 is its own finding, and so is a slow one. The text report draws each probe kind's
 phases as an httpstat-style waterfall; `--html` also writes them as a page of
-waterfalls (scripts/report_html.py), the relay's own record of each relayed probe
+waterfalls (ttft_relay/report/report_html.py), the relay's own record of each relayed probe
 beside it.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts import diagnosis, probe, probe_requests, report  # noqa: E402
+from ..report import report
+from . import diagnosis, probe, probe_requests
 
 logger = logging.getLogger("diagnose")
 
@@ -46,7 +46,7 @@ REDACTED = "[redacted]"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="scripts/diagnose", description=__doc__.split("\n\n")[0],
+        prog="ttft-relay diagnose", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--api", choices=sorted(probe_requests.API_SHAPES),
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = diagnosis.diagnose(evidence)
     if args.html:
-        from scripts import report_html  # the page's code is loaded only when asked for
+        from ..report import report_html  # the page's code is loaded only when asked for
 
         try:
             args.html.write_text(redact(report_html.page(report_html.diagnose_data(evidence, result))), encoding="utf8")
@@ -243,7 +243,3 @@ def main(argv: list[str] | None = None) -> int:
         text = diagnosis.render(evidence, result)
     print(redact(text))
     return 2 if result.failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ relay raises it, `relay_listen_backlog`): in a burst of hundreds of connects som
 clients of a bare mitmdump wait for a SYN retransmit (about 1 s), which costs
 time, not streams.
 
-    scripts/bench-load [--streams 500] [--rounds 5] [--prefill-ms 1500] [--chunks 20]
+    scripts/bench load [--streams 500] [--rounds 5] [--prefill-ms 1500] [--chunks 20]
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from tests.fakes.replies import answer_pieces, build_reply  # noqa: E402
-from tests.harness import MitmdumpProcess, start_fake_upstream  # noqa: E402
+from tests.fakes.replies import answer_pieces, build_reply
+from tests.harness import MitmdumpProcess, start_fake_upstream
 
 PATH = "/v1/chat/completions"
 
@@ -145,7 +142,7 @@ def wait_for_records(log: Path, total: int, timeout: float = 30) -> dict[str, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/bench-load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="scripts/bench load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefill-ms", type=int, default=1500, help="holds every stream open while the rest connect")

@@ -1,0 +1,1 @@
+"""`ttft-relay diagnose`: why a first token is slow, probed direct and through the relay."""
