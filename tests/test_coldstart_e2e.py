@@ -6,7 +6,11 @@ fake, verified against the test CA), started and sent ten requests one after the
 other, each on a new client connection (so each opens its own upstream connection,
 with its own TLS handshake). Whatever the relay does on first use (TLS contexts, the
 CA, tokenizers) must be done before its listeners report ready, or land in the
-relay's own phases: the first request's upstream phases match the tenth's.
+relay's own phases: the first request's upstream phases are no slower than the
+slowest of the nine after it (within 10 % or 5 ms). Against the slowest, not the
+tenth alone, and in up to three fresh relays: on a loaded machine any one request can
+be slow by chance, but a cold start makes the first slower than all the later ones,
+in every fresh relay.
 """
 
 from __future__ import annotations
@@ -19,17 +23,36 @@ from tests.test_timing_e2e import post, read_log
 
 ONE_WAY_MS = 50
 REQUESTS = 10
+ATTEMPTS = 3
 UPSTREAM_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait")
 
 
 @pytest.mark.parametrize("trim", ["true", "false"])
-def test_the_first_requests_upstream_phases_match_the_tenths(fake_tls, start_relay, tmp_path, trim):
-    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
-        relay = start_relay(f"reverse:https://localhost:{forwarder.port}@0", relay_trim=trim)
-        for _ in range(REQUESTS):  # at once: no warm-up, no settling
-            with HttpConnection(relay.url()) as conn:
-                post(conn, "openai.chat")
-        records = read_log(tmp_path / "timing.jsonl", REQUESTS)
-    first, tenth = records[0]["phases"], records[-1]["phases"]
+def test_the_first_requests_upstream_phases_are_no_slower_than_the_later_ones(fake_tls, start_relay, tmp_path, trim):
+    misses = []
+    for attempt in range(ATTEMPTS):
+        log = tmp_path / f"timing-{attempt}.jsonl"
+        with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
+            relay = start_relay(f"reverse:https://localhost:{forwarder.port}@0", relay_trim=trim,
+                                relay_timing_log=log)
+            for _ in range(REQUESTS):  # at once: no warm-up, no settling
+                with HttpConnection(relay.url()) as conn:
+                    post(conn, "openai.chat")
+            records = read_log(log, REQUESTS)
+        relay.stop()
+        miss = first_request_slower(records)
+        if miss is None:
+            return
+        misses.append(miss)
+    pytest.fail(f"the first request was slower upstream in all {ATTEMPTS} fresh relays: {misses}")
+
+
+def first_request_slower(records: list[dict]) -> tuple | None:
+    """The first upstream phase in which the first request is slower than the slowest of
+    the later ones (beyond 10 % or 5 ms), with both figures; None if there is none."""
+    first, later = records[0]["phases"], [record["phases"] for record in records[1:]]
     for phase in UPSTREAM_PHASES:
-        assert abs(first[phase] - tenth[phase]) <= max(0.10 * tenth[phase], 5.0), (phase, first, tenth)
+        slowest = max(phases[phase] for phases in later)
+        if first[phase] - slowest > max(0.10 * slowest, 5.0):
+            return phase, first[phase], slowest
+    return None
