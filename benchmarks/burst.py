@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 
-from scripts import workers
+from ttft_relay import workers
 from benchmarks.streams import one_stream
 from tests.harness import BenchSetups, cpu_seconds, percentile
 

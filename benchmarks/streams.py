@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import orjson
 
 
-from scripts import workers
+from ttft_relay import workers
 from tests.harness import BenchSetups, cpu_seconds, percentile
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})

@@ -162,14 +162,14 @@ class MitmdumpProcess:
 
 
 class RelayWorkers:
-    """`scripts/workers.py` (the relay as N workers behind HAProxy) in reverse mode to
+    """`ttft-relay run --workers N` (the relay as N workers behind HAProxy) in reverse mode to
     `upstream` on a free port, for benchmarks; `processes()` names its process tree."""
 
     def __init__(self, upstream: str, n: int, tmp: Path, options: dict[str, object] | None = None) -> None:
-        from scripts import workers  # the supervisor's module imports mitmproxy: only when used
+        from ttft_relay import workers  # the supervisor's module imports mitmproxy: only when used
 
         self.port = workers.free_port()
-        args = [sys.executable, str(REPO / "scripts" / "workers.py"), "--workers", str(n),
+        args = [sys.executable, "-m", "ttft_relay", "run", "--workers", str(n),
                 "--mode", f"reverse:{upstream}@{self.port}", "--listen-host", "127.0.0.1"]
         options = {"confdir": tmp, "relay_timing_log": tmp / "timing-n.jsonl",
                    "relay_metrics_listen": "127.0.0.1:0", "flow_detail": 0, **(options or {})}
@@ -185,7 +185,7 @@ class RelayWorkers:
             if "workers behind haproxy" in line:
                 break
         else:
-            raise RuntimeError("scripts/workers.py did not start")
+            raise RuntimeError("ttft-relay run --workers did not start")
         # Drain the rest, or a worker blocks once the pipe fills.
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()
         return self
@@ -218,7 +218,7 @@ class BenchSetups:
         direct    the fake upstream itself
         bare      mitmdump -s benchmarks/baseline_stream.py (streaming, nothing else)
         relay-1   the relay as one mitmdump process
-        relay-N   scripts/workers.py: N workers behind HAProxy (only if N > 1)
+        relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
 
     `setups` maps each name to (url, processes), `processes()` naming the pids whose
     CPU counts for it (none for direct). A context manager: everything stops on exit.

@@ -29,7 +29,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests import sse_samples
 from tests.agent_clis import (
     AgentSandbox,

@@ -15,7 +15,7 @@ from ruamel.yaml import YAML
 
 from ttft_relay.guard import guard, tls
 from deploy.grafana import dashboard
-from scripts import workers
+from ttft_relay import workers
 from tests.harness import REPO
 
 DEPLOY = REPO / "deploy"

@@ -20,7 +20,7 @@ import pytest
 
 from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
 from ttft_relay.diagnose.diagnosis import ProbeResult
-from scripts.workers import free_port as closed_port
+from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import DelayingForwarder
 

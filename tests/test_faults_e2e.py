@@ -23,7 +23,7 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.faults import apierrors, faults
-from scripts.workers import free_port as closed_port
+from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total

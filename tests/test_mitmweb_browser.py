@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests import browser
 from tests.conftest import reverse_to
 from tests.fakes import client

@@ -13,7 +13,7 @@ import urllib.request
 import orjson
 import pytest
 
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.harness import MITMWEB, MitmdumpProcess

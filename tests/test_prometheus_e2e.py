@@ -29,7 +29,7 @@ import pytest
 
 from ttft_relay.timing import metrics
 from deploy.grafana import dashboard
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests.fakes import client
 from tests.fakes.upstream import FakeUpstream
 from tests.harness import metrics_url

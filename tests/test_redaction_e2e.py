@@ -13,7 +13,7 @@ from mitmproxy.test import tflow
 
 from ttft_relay.guard import guard
 
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.harness import MITMWEB, MitmdumpProcess

@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from ttft_relay.guard import tls
-from scripts import workers
-from scripts.workers import free_port
+from ttft_relay import workers
+from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.fakes.certs import TestCerts

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scripts.workers import free_port
+from ttft_relay.workers import free_port
 from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
 from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
 from tests.fakes.replies import answer_text

@@ -1,4 +1,4 @@
-"""scripts/workers.py: options as the workers see them, the generated HAProxy setup, and
+"""ttft-relay run --workers N (ttft_relay/workers.py): options as the workers see them, the generated HAProxy setup, and
 N real workers behind a real HAProxy (skipped where haproxy is not installed)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts import workers
+from ttft_relay import workers
 from tests.conftest import reverse_to
 from tests.fakes import client
 
@@ -69,18 +69,23 @@ def test_listeners_haproxy_cannot_carry_are_refused():
 def test_workers_flag():
     assert workers.split_workers(["--workers", "3", "-q"]) == (3, ["-q"])
     assert workers.split_workers(["--workers=1"]) == (1, [])
-    assert workers.split_workers(["-q"]) == (None, ["-q"])
+    assert workers.split_workers(["-q"]) == (1, ["-q"])  # ttft-relay run: one process
+    # scripts/relay asks for one per core; the user's own --workers comes after and wins.
+    assert workers.split_workers(["--workers", "auto"]) == (len(os.sched_getaffinity(0)), [])
+    assert workers.split_workers(["--workers", "auto", "--workers", "2"]) == (2, [])
+    with pytest.raises(SystemExit, match="at least 1, or auto"):
+        workers.split_workers(["--workers", "0"])
 
 
 # --- end to end -----------------------------------------------------------------------
 
 
 class Supervised:
-    """`scripts/workers.py` as a subprocess, its stderr and stdout collected."""
+    """`ttft-relay run` as a subprocess, its stderr and stdout collected."""
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "workers.py"), *args],
+            [sys.executable, "-m", "ttft_relay", "run", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
             env={**os.environ, "TTFT_RELAY_CONF": ""}, process_group=0,
         )

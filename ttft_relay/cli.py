@@ -1,6 +1,7 @@
 """`ttft-relay`: the relay's one command.
 
-    ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons)
+    ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons);
+                   [--workers N|auto]     N of them behind HAProxy (auto: one per core)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
     ttft-relay report LOG ... [--html F]  the timing logs summarised (--help: the options)
     ttft-relay diagnose [--relay URL]     why is my first token slow? probes it, names the cause
@@ -10,7 +11,7 @@
 
 `run` and `web` read mitm.conf (TTFT_RELAY_CONF names another file, empty: none) under
 their arguments and start mitmproxy with both (see ttft_relay/config.py). From a
-checkout, `scripts/relay` runs N of them behind HAProxy (scripts/workers.py).
+checkout, `scripts/relay` is `ttft-relay run --workers auto` (ttft_relay/workers.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ADDON = Path(__file__).resolve().parent / "relay.py"
-TOOLS = {"run": "mitmdump", "web": "mitmweb"}
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 """Beside the package in a checkout; an installed package has none."""
 
@@ -35,6 +36,12 @@ def tool_path(name: str) -> str:
     if found is None:
         raise SystemExit(f"ttft-relay: {name} not found (is mitmproxy installed in this environment?)")
     return found
+
+
+def start(tool: str, args: list[str]) -> NoReturn:
+    """Becomes mitmproxy's `tool` running the relay, with mitm.conf merged into `args`."""
+    path = tool_path(tool)
+    os.execv(path, [path, "-s", str(ADDON), *relay_args(args, tool)])
 
 
 def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
@@ -88,9 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "addon-path":
         print(ADDON)
         return 0
-    if command in TOOLS:
-        tool = tool_path(TOOLS[command])
-        os.execv(tool, [tool, "-s", str(ADDON), *relay_args(rest, TOOLS[command])])
+    if command == "run":
+        from . import workers
+
+        return workers.main(rest)
+    if command == "web":
+        start("mitmweb", rest)
     if command == "report":
         from .report import report
 

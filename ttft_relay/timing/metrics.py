@@ -23,7 +23,7 @@ gen_ai_request_model, server_address (upstream host), api, status_class (2xx, 4x
 the series without bound.
 
 The addon takes each record from timing's `timing_record` hook (once per record, HTTP
-flows and WebSocket turns alike). Under `scripts/workers.py` (environment variable
+flows and WebSocket turns alike). Under `ttft-relay run --workers N` (environment variable
 `TTFT_RELAY_WORKER` set) each worker records into prometheus-client's multiprocess
 directory (`PROMETHEUS_MULTIPROC_DIR`) and the supervisor serves the one endpoint.
 """
@@ -44,7 +44,7 @@ from .. import apis
 logger = logging.getLogger(__name__)
 
 WORKER_ENV = "TTFT_RELAY_WORKER"
-"""Set by scripts/workers.py in each worker: record, but leave serving to the supervisor."""
+"""Set by ttft_relay/workers.py in each worker: record, but leave serving to the supervisor."""
 DEFAULT_LISTEN = "127.0.0.1:9464"
 OTHER = "other"
 

@@ -1,7 +1,7 @@
-"""`scripts/relay --workers N`: the relay on every core, as N mitmdump workers behind HAProxy.
+"""`ttft-relay run --workers N`: the relay on every core, as N mitmdump workers behind HAProxy.
 
 mitmproxy runs on one core, so under a burst of streams the relay becomes the slow
-hop. This supervisor starts N identical workers (`mitmdump -s ttft_relay/relay.py` with
+hop. This supervisor starts N identical workers (mitmdump with the relay's addons and
 the user's arguments, one confdir and so one CA), each on its own loopback ports,
 and HAProxy (TCP mode, least connections) on the listeners the relay would have
 opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
@@ -16,7 +16,7 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   to a reverse listener would make mitmproxy connect upstream at once (eager
   `connection_strategy`), one TLS handshake with the API per check.
 - Each worker writes its own timing log, `<relay_timing_log stem>.<n>.jsonl`;
-  `scripts/report 'logs/timing*.jsonl'` reads them together.
+  `ttft-relay report 'logs/timing*.jsonl'` reads them together.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
   this process serves the one scrape endpoint (`relay_metrics_listen`).
 - The children die with the supervisor, even on kill -9 (Linux: PR_SET_PDEATHSIG;
@@ -28,10 +28,11 @@ opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
   loopback, the workers get `relay_client_tls=all`, since their own listeners are on
   loopback.
 
-With `--workers 1`, or without haproxy on PATH, it runs the single process exactly as
-`ttft-relay run` does (exec, nothing in between).
+With `--workers 1` (the default of `ttft-relay run`), or without haproxy on PATH, it
+runs the single process (exec, nothing in between). `scripts/relay` asks for
+`--workers auto`: one per core.
 
-    scripts/relay [--workers N] [mitmdump arguments ...]
+    ttft-relay run [--workers N|auto] [mitmdump arguments ...]
 """
 
 from __future__ import annotations
@@ -49,18 +50,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from mitmproxy import optmanager
+from mitmproxy.proxy import mode_specs
 
-from mitmproxy import optmanager  # noqa: E402
-from mitmproxy.proxy import mode_specs  # noqa: E402
+from . import cli, config
+from .guard import guard, tls
+from .timing import metrics, timing
 
-from ttft_relay import cli, config  # noqa: E402
-from ttft_relay.guard import guard, tls  # noqa: E402
-from ttft_relay.timing import metrics, timing  # noqa: E402
-
-RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
-MITMDUMP = Path(sys.executable).parent / "mitmdump"
 HAPROXY_INSTALL = "Debian/Ubuntu: sudo apt-get install haproxy · Fedora: sudo dnf install haproxy · macOS: brew install haproxy"
 WORKER_LISTEN_HOST = "127.0.0.1"
 OVERRIDDEN = {"mode", "listen_host", "listen_port", "relay_timing_log"}
@@ -297,7 +293,7 @@ class Worker:
     def start(self) -> None:
         # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
         # SIGTERM if the supervisor dies: a clean stop (records written, clients told).
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, process_group=0,
+        self.proc = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL, process_group=0,
                                      preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -336,7 +332,7 @@ class Supervisor:
         if left := config.command_line_options(["mitmdump", *worker_args], self.opts) & OVERRIDDEN:
             raise SystemExit(f"cannot give the workers their own {', '.join(sorted(left))}: spell them "
                              "--mode, --listen-host, -p or --set NAME=VALUE")
-        base = [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *worker_args]
+        base = [cli.tool_path("mitmdump"), "-s", str(cli.ADDON), *worker_args]
         self.workers = []
         for i in range(workers):
             args = base + ["--listen-host", WORKER_LISTEN_HOST]
@@ -431,31 +427,30 @@ class Supervisor:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def split_workers(argv: list[str]) -> tuple[int | None, list[str]]:
-    """`--workers N` (or `--workers=N`) out of the command line; the rest is mitmdump's."""
+def split_workers(argv: list[str]) -> tuple[int, list[str]]:
+    """`--workers N|auto` (or `--workers=N`; the last one counts; default 1) out of the
+    command line; the rest is mitmdump's."""
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--workers", type=int)
+    ap.add_argument("--workers", default="1")
     ns, rest = ap.parse_known_args(argv)
-    if ns.workers is not None and ns.workers < 1:
-        raise SystemExit("--workers must be at least 1")
-    return ns.workers, rest
+    if ns.workers == "auto":
+        return default_workers(), rest
+    if not ns.workers.isdigit() or int(ns.workers) < 1:
+        raise SystemExit(f"--workers must be a number of at least 1, or auto (one per core), not {ns.workers!r}")
+    return int(ns.workers), rest
 
 
 def default_workers() -> int:
+    """One per core this process may run on."""
     return len(os.sched_getaffinity(0))
 
 
-def main(argv: list[str] | None = None) -> int:
-    requested, args = split_workers(sys.argv[1:] if argv is None else argv)
-    workers = requested or default_workers()
+def main(argv: list[str]) -> int:
+    workers, args = split_workers(argv)
     if workers > 1 and shutil.which("haproxy") is None:
         log(f"haproxy not found, so running one worker (one core). For {workers} workers install it "
             f"({HAPROXY_INSTALL}); --workers 1 silences this note.")
         workers = 1
     if workers == 1:
-        os.execv(MITMDUMP, [str(MITMDUMP), "-s", str(RELAY_SCRIPT), *cli.relay_args(args)])
+        cli.start("mitmdump", args)
     return Supervisor(args, workers).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
