@@ -1,7 +1,8 @@
 """ttft-relay: an LLM API relay that streams, times and trims.
 
-Load with `mitmdump -s ttft_relay/relay.py` (or mitmweb). This file only composes the
-addons; each concern lives in its own module under `ttft_relay/`:
+`ttft-relay run` loads it into mitmdump with mitm.conf merged into the command line
+(ttft_relay/config.py); `mitmdump -s ttft_relay/relay.py` loads the addons alone. This
+file only composes the addons; each concern lives in its own module under `ttft_relay/`:
 
     capacity   a burst of streams: connections queued, cheaper hook dispatch
     tls        listeners that accept only TLS (the user's certificate), plain HTTP refused
@@ -34,8 +35,9 @@ import sys
 from pathlib import Path
 
 # mitmproxy's script loader imports this file as a top-level module named "relay";
-# the addons themselves are imported as the package `addons`, the same names the
-# tests use, so there is one copy of each module (and of its state) per process.
+# the addons themselves are imported from the package `ttft_relay` (the directory above
+# this file, installed or a checkout), the same names the tests use, so there is one
+# copy of each module (and of its state) per process.
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
