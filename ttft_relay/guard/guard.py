@@ -15,7 +15,8 @@ A relay sits between its users and a paid API key. These addons keep it that way
                     upstream key from the environment, so a relay can be shared
                     without sharing the upstream key.
     ClientLimits    before any authentication: a deadline for each request head
-                    (slowloris), a bounded number of client connections.
+                    (slowloris), a bounded number of client connections, a bounded
+                    rate of HTTP/2 stream resets (rapid reset).
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
     LogRedaction    credentials redacted, control characters escaped and lines
@@ -49,7 +50,7 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import answer_on_head, eager_connects, head_limit, upstream_copy
+from ..patches import answer_on_head, client_resets, eager_connects, head_limit, upstream_copy
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -444,6 +445,8 @@ class OriginForm:
 
 MAX_HEAD_BYTES = 64 * 1024
 """An HTTP/1 request head longer than this gets a 431 (nginx takes 32 KiB, Node 16)."""
+RESET_WINDOW_S = 30
+"""The window `relay_h2_max_resets` counts in (Netty: 200 resets per 30 s)."""
 RESERVED_FDS = 100
 """Descriptors kept for everything but client connections: listeners, logs, the
 tokenizer files, a metrics scrape."""
@@ -485,6 +488,10 @@ class ClientLimits:
       Only HTTP listeners (reverse and regular) are timed, and there not tunnels
       (CONNECT), WebSockets or HTTP/2 connections with streams in flight.
     - a request head is at most MAX_HEAD_BYTES (64 KiB), or the client gets a 431.
+    - `relay_h2_max_resets`: an HTTP/2 client that resets more streams than this
+      within RESET_WINDOW_S gets GOAWAY (ENHANCE_YOUR_CALM) and its connection is
+      closed (rapid reset, CVE-2023-44487); every client reset reaches its flow, so a
+      reset request never goes upstream and one already there is cancelled.
     - `relay_max_connections`: beyond this many client connections a new one gets
       `503 … connection limit reached` and is closed. At the descriptor limit,
       accepting fails in a loop (a traceback per attempt) and nobody gets an answer;
@@ -508,6 +515,11 @@ class ClientLimits:
             "from its previous answer; 0: no limit.",
         )
         loader.add_option(
+            "relay_h2_max_resets", int, 200,
+            f"Streams an HTTP/2 client connection may reset within {RESET_WINDOW_S} s; past them it "
+            "gets GOAWAY (ENHANCE_YOUR_CALM) and is closed. 0: no limit.",
+        )
+        loader.add_option(
             "relay_max_connections", int, 0,
             "Client connections served at once; more are refused with a 503. 0: as many as "
             "the limit on open files allows (raised to its hard limit at start).",
@@ -516,6 +528,8 @@ class ClientLimits:
     def configure(self, updated: set[str]) -> None:
         if "relay_header_timeout" in updated:
             self.header_timeout = max(ctx.options.relay_header_timeout, 0)
+        if "relay_h2_max_resets" in updated:
+            client_resets.install(max(ctx.options.relay_h2_max_resets, 0), RESET_WINDOW_S)
         if "relay_max_connections" in updated:
             limit = ctx.options.relay_max_connections
             self.max_connections = limit if limit > 0 else default_connection_limit(raise_fd_limit())

@@ -25,6 +25,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 - `interim_answers`: an upstream's 1xx interim head is dropped before its real answer
   (`stream.Streaming`).
 - `ca_once`: the CA is not loaded a second time in `running` (`capacity.WarmStart`).
+- `client_resets`: an HTTP/2 client's stream reset always reaches its flow, and a client
+  resetting streams in a loop gets GOAWAY (`guard.ClientLimits`).
 
 Private mitmproxy code read but not patched, pinned the same way:
 
@@ -41,6 +43,7 @@ from types import ModuleType
 from . import (
     answer_on_head,
     ca_once,
+    client_resets,
     eager_connects,
     error_replies,
     head_limit,
@@ -62,6 +65,7 @@ PATCHES: tuple[ModuleType, ...] = (
     hook_plans,
     interim_answers,
     ca_once,
+    client_resets,
 )
 
 

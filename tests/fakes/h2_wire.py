@@ -1,0 +1,301 @@
+"""HTTP/2 on the wire for tests: a raw client (`H2Client`) and an upstream (`H2Upstream`).
+
+`H2Client` speaks HTTP/2 over TLS (ALPN h2) frame by frame with the `h2` library, so
+a test can send what no polite client sends: thousands of HEADERS + RST_STREAM in one
+write, a body nobody reads. `H2Upstream` is an HTTP/2-only fake upstream over TLS,
+answering the API paths with the bodies of `tests/fakes/replies.py`, so several
+streams share one upstream connection as they do with a real HTTP/2 API.
+
+Upstream knobs, per request as headers (see `tests/fakes/upstream.py` for the shape):
+`x-fake-chunks: N` (answer pieces), `x-fake-stall-after-chunks: N` (send N chunks, then
+nothing until the connection ends), `x-fake-hold-until-reset: N` (send N chunks, then
+send an SSE comment every 0.2 s until the peer resets another stream on the same
+connection, then the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+
+from tests.fakes._loop import LoopThread
+from tests.fakes.certs import TestCerts
+from tests.fakes.replies import answer_pieces, build_reply
+
+READ_SIZE = 1 << 16
+KEEPALIVE = b": keep-alive\n\n"
+"""An SSE comment: what a held stream sends meanwhile, so it is never idle."""
+KEEPALIVE_EVERY_S = 0.2
+
+
+@dataclass
+class Stream:
+    """What one side saw of one stream."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    ended: bool = False
+    reset: int | None = None
+    """The error code of a RST_STREAM the peer sent, if it sent one."""
+
+    @property
+    def status(self) -> int | None:
+        return int(self.headers[":status"]) if ":status" in self.headers else None
+
+    @property
+    def over(self) -> bool:
+        return self.ended or self.reset is not None
+
+
+class H2Client:
+    """A blocking HTTP/2 client over TLS, one connection, frames under the test's control."""
+
+    def __init__(self, port: int, ca_pem: Path, timeout: float = 30) -> None:
+        context = ssl.create_default_context(cafile=str(ca_pem))
+        context.set_alpn_protocols(["h2"])
+        raw = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
+        assert self.sock.selected_alpn_protocol() == "h2", "the relay did not negotiate HTTP/2"
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.streams: dict[int, Stream] = {}
+        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.closed = False
+        self.flush()
+
+    def request(self, method: str, path: str, headers: Iterable[tuple[str, str]] = (), body: bytes = b"",
+                end_stream: bool = True) -> int:
+        """Open a stream (HEADERS, then `body` as DATA); buffered until `flush`."""
+        sid = self.conn.get_next_available_stream_id()
+        pseudo = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "127.0.0.1")]
+        self.conn.send_headers(sid, pseudo + list(headers), end_stream=end_stream and not body)
+        if body:
+            self.conn.send_data(sid, body, end_stream=end_stream)
+        self.streams[sid] = Stream()
+        return sid
+
+    def reset(self, sid: int, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
+        self.conn.reset_stream(sid, code)
+
+    def flush(self) -> None:
+        if data := self.conn.data_to_send():
+            self.sock.sendall(data)
+
+    def pump(self, until: Callable[[], bool], timeout: float = 30) -> None:
+        """Read and handle frames until `until()` holds or the relay closed the connection."""
+        deadline = time.monotonic() + timeout
+        while not until() and not self.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not there after {timeout} s: {self.streams if len(self.streams) < 5 else ''}")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(READ_SIZE)
+            except TimeoutError:
+                continue
+            except (ConnectionError, ssl.SSLError):
+                data = b""
+            if not data:
+                self.closed = True
+                break
+            for event in self.conn.receive_data(data):
+                self._handle(event)
+            try:
+                self.flush()
+            except (ConnectionError, ssl.SSLError):
+                self.closed = True
+
+    def receive_available(self) -> None:
+        """Handle what the relay has sent so far, without waiting for more."""
+        self.sock.setblocking(False)
+        try:
+            while not self.closed:
+                try:
+                    data = self.sock.recv(READ_SIZE)
+                except (BlockingIOError, ssl.SSLWantReadError):
+                    break
+                except (ConnectionError, ssl.SSLError):
+                    data = b""
+                if not data:
+                    self.closed = True
+                for event in self.conn.receive_data(data):
+                    self._handle(event)
+        finally:
+            self.sock.setblocking(True)
+        self.flush()
+
+    def upload(self, sid: int, size: int, piece: int = 16384) -> int:
+        """Send up to `size` body bytes on stream `sid`, as long as the stream may carry
+        them (not reset, not closed); returns how many went out."""
+        sent = 0
+        while sent < size and not self.streams[sid].reset and not self.closed:
+            n = min(piece, size - sent, self.conn.local_flow_control_window(sid))
+            if n <= 0:
+                self.pump(lambda: self.conn.local_flow_control_window(sid) > 0 or bool(self.streams[sid].reset))
+                continue
+            self.conn.send_data(sid, b"x" * n, end_stream=sent + n == size)
+            self.flush()
+            sent += n
+            self.receive_available()
+        return sent
+
+    def _handle(self, event: h2.events.Event) -> None:
+        stream = self.streams.get(getattr(event, "stream_id", 0) or 0)
+        if isinstance(event, h2.events.ResponseReceived) and stream is not None:
+            stream.headers = dict(event.headers)
+        elif isinstance(event, h2.events.DataReceived):
+            if stream is not None:
+                stream.body += event.data
+            self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        elif isinstance(event, h2.events.StreamEnded) and stream is not None:
+            stream.ended = True
+        elif isinstance(event, h2.events.StreamReset) and stream is not None:
+            stream.reset = event.error_code
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.goaway = event
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> H2Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class UpstreamStream(Stream):
+    sent: bytearray = field(default_factory=bytearray)
+    """The response body this fake sent on the stream."""
+    done: bool = False
+    """The whole response went out."""
+
+
+class H2Upstream:
+    """An HTTP/2-only fake API upstream over TLS on 127.0.0.1 (any free port)."""
+
+    def __init__(self, certs: TestCerts) -> None:
+        self.certs = certs
+        self.port = 0
+        self.streams: list[UpstreamStream] = []
+        """Every stream of every connection, in the order the requests arrived."""
+        self.connections = 0
+        self._changed = threading.Condition()
+        self._loop_thread = LoopThread("h2-upstream")
+        self._server: asyncio.Server | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"https://localhost:{self.port}"
+
+    def start(self) -> H2Upstream:
+        self._loop_thread.start()
+        self._server = self._loop_thread.run(self._listen())
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _listen(self) -> asyncio.Server:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.certs.cert_pem, self.certs.key_pem)
+        context.set_alpn_protocols(["h2"])
+        return await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._loop_thread.call_soon(self._server.close)
+            self._server = None
+        self._loop_thread.stop()
+
+    def __enter__(self) -> H2Upstream:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait(self, condition: Callable[[], bool], timeout: float = 30) -> bool:
+        with self._changed:
+            return self._changed.wait_for(condition, timeout)
+
+    def _note(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        streams: dict[int, UpstreamStream] = {}
+        tasks: dict[int, asyncio.Task[None]] = {}
+        a_reset = asyncio.Event()
+        with self._changed:
+            self.connections += 1
+        try:
+            while data := await reader.read(READ_SIZE):
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        streams[event.stream_id] = stream = UpstreamStream(headers=dict(event.headers))
+                        with self._changed:
+                            self.streams.append(stream)
+                    elif isinstance(event, h2.events.DataReceived):
+                        streams[event.stream_id].body += event.data
+                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    elif isinstance(event, h2.events.StreamEnded):
+                        streams[event.stream_id].ended = True
+                        tasks[event.stream_id] = asyncio.ensure_future(
+                            self._respond(conn, writer, event.stream_id, streams[event.stream_id], a_reset))
+                    elif isinstance(event, h2.events.StreamReset) and event.stream_id in streams:
+                        streams[event.stream_id].reset = event.error_code
+                        if task := tasks.pop(event.stream_id, None):
+                            task.cancel()
+                        a_reset.set()
+                    self._note()
+                writer.write(conn.data_to_send())
+        except (ConnectionError, h2.exceptions.ProtocolError):
+            pass
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            writer.close()
+
+    async def _respond(self, conn: h2.connection.H2Connection, writer: asyncio.StreamWriter, sid: int,
+                       stream: UpstreamStream, a_reset: asyncio.Event) -> None:
+        knob = {name.removeprefix("x-fake-"): int(value) for name, value in stream.headers.items()
+                if name.startswith("x-fake-")}
+        reply = build_reply(stream.headers[":method"], stream.headers[":path"], bytes(stream.body),
+                            answer_pieces(knob.get("chunks", 5)), 200, None)
+        conn.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
+        writer.write(conn.data_to_send())
+        for index, chunk in enumerate(reply.chunks):
+            if index == knob.get("stall-after-chunks"):
+                await asyncio.Event().wait()  # until the connection ends
+            while index == knob.get("hold-until-reset") and not a_reset.is_set():
+                await self._send(conn, writer, sid, stream, KEEPALIVE)  # not idle meanwhile
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(a_reset.wait(), KEEPALIVE_EVERY_S)
+            await self._send(conn, writer, sid, stream, chunk)
+        conn.end_stream(sid)
+        writer.write(conn.data_to_send())
+        stream.done = True
+        self._note()
+
+    @staticmethod
+    async def _send(conn: h2.connection.H2Connection, writer: asyncio.StreamWriter, sid: int,
+                    stream: UpstreamStream, data: bytes) -> None:
+        conn.send_data(sid, data)
+        writer.write(conn.data_to_send())
+        stream.sent += data
+        await writer.drain()

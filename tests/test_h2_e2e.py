@@ -1,0 +1,68 @@
+"""HTTP/2 under hostile clients, through a real mitmdump over TLS: a rapid reset
+(CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a reset of a request
+already upstream cancels it there.
+
+Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
+"""
+
+from __future__ import annotations
+
+import time
+
+import h2.errors
+import orjson
+
+from tests.conftest import reverse_to
+from tests.fakes.h2_wire import H2Client
+from tests.test_faults_e2e import records
+
+WAIT = 30
+CHAT = "/v1/chat/completions"
+STREAMED = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+JSON = [("content-type", "application/json"), ("content-length", str(len(STREAMED)))]
+
+
+def test_a_rapid_reset_gets_goaway_and_costs_the_upstream_nothing(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), relay_h2_max_resets=100)
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        # 2000 requests, each reset at once, in one write: the attack of CVE-2023-44487.
+        for _ in range(2000):
+            h2c.reset(h2c.request("GET", "/v1/models"))
+        h2c.flush()
+        h2c.pump(lambda: h2c.goaway is not None, WAIT)
+    assert h2c.goaway is not None and h2c.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    # The 100 resets within the budget and the one past it, each with its record;
+    # the 1899 streams after it were never read.
+    recs = wait_for_records(tmp_path, 101)
+    relay.stop()  # nothing more can reach the upstream
+    assert len(records(tmp_path)) == 101
+    errors = [r["error"] or "" for r in recs]
+    assert sum("reset by client" in e for e in errors) == 100 and sum("rapid reset" in e for e in errors) == 1
+    # mitmproxy lost a reset read together with its request's end, and sent that
+    # request upstream (1999 of 2000 did): a request goes out only if its reset came
+    # in a later read, after its hooks had run (then it is cancelled).
+    assert len(fake.received) <= 10, len(fake.received)
+
+
+def wait_for_records(tmp_path, count: int) -> list[dict]:
+    """The records once there are `count` of them (flows end a few ms after their reset)."""
+    deadline = time.monotonic() + WAIT
+    while len(recs := records(tmp_path)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return recs
+
+
+def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    fake.behaviour.stall_after_chunks = 1
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        sid = h2c.request("POST", CHAT, JSON, STREAMED)
+        h2c.flush()
+        assert fake.wait_chunk_sent(0, WAIT)
+        h2c.reset(sid)
+        h2c.flush()
+        assert fake.wait_finished(1, WAIT)
+    assert fake.sent[0].outcome == "client_closed"
+    relay.stop()
+    (rec,) = records(tmp_path)
+    assert "reset by client" in rec["error"]
