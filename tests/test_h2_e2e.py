@@ -1,6 +1,7 @@
-"""HTTP/2 under hostile clients, through a real mitmdump over TLS: a rapid reset
-(CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a reset of a request
-already upstream cancels it there.
+"""HTTP/2 under hostile clients and with an HTTP/2 upstream, through a real mitmdump over
+TLS: a rapid reset (CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a
+reset of a request already upstream cancels it there; a relay deadline on one upstream
+stream resets that stream only.
 
 Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
 """
@@ -11,15 +12,22 @@ import time
 
 import h2.errors
 import orjson
+import pytest
 
 from tests.conftest import reverse_to
-from tests.fakes.h2_wire import H2Client
+from tests.fakes.h2_wire import H2Client, H2Upstream
 from tests.test_faults_e2e import records
 
 WAIT = 30
 CHAT = "/v1/chat/completions"
 STREAMED = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
 JSON = [("content-type", "application/json"), ("content-length", str(len(STREAMED)))]
+
+
+@pytest.fixture
+def h2_upstream(certs):
+    with H2Upstream(certs) as upstream:
+        yield upstream
 
 
 def test_a_rapid_reset_gets_goaway_and_costs_the_upstream_nothing(fake, start_relay, tmp_path):
@@ -66,3 +74,25 @@ def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, t
     relay.stop()
     (rec,) = records(tmp_path)
     assert "reset by client" in rec["error"]
+
+
+def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream, start_relay, tmp_path):
+    relay = start_relay(reverse_to(h2_upstream), relay_idle_timeout=1)
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        stalled = h2c.request("POST", CHAT, [*JSON, ("x-fake-stall-after-chunks", "2")], STREAMED)
+        # The sibling sends the rest of its answer only once the stalled stream is reset
+        # (a relay that closes the shared connection instead cuts it).
+        sibling = h2c.request("POST", CHAT, [*JSON, ("x-fake-hold-until-reset", "2"), ("x-fake-chunks", "30")],
+                              STREAMED)
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[stalled].over and h2c.streams[sibling].over, WAIT)
+    assert h2_upstream.connections == 1
+    up_stalled, up_sibling = h2_upstream.streams
+    assert up_stalled.reset == h2.errors.ErrorCodes.CANCEL and up_sibling.reset is None
+    assert up_sibling.done and bytes(h2c.streams[sibling].body) == bytes(up_sibling.sent)
+    assert h2c.streams[sibling].ended and h2c.streams[sibling].status == 200
+    cut = h2c.streams[stalled]
+    assert cut.status == 200 and cut.ended and b"ttft-relay: stream idle for 1 s" in cut.body
+    relay.stop()
+    by_error = sorted(r["error"] or "" for r in records(tmp_path))
+    assert by_error == ["", "stream idle for 1 s"]

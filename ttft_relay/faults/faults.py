@@ -11,8 +11,9 @@
   the failed connection off `flow.server_conn`, and the record would blame the
   wrong phase.
 - `Deadlines` bounds every wait: connect, response head, first token, idle stream.
-  A deadline that passes closes the upstream connection; the ordinary failure
-  path then answers the client (through `ErrorReplies`) and writes the record.
+  A deadline that passes ends the flow's upstream request (its stream, on an HTTP/2
+  connection other flows share; else the connection); the ordinary failure path
+  then answers the client (through `ErrorReplies`) and writes the record.
 - `Shutdown` ends the flows in flight at a clean stop through that same path, so
   each client hears why and each flow gets its record.
 """
@@ -32,7 +33,7 @@ from mitmproxy.tls import TlsData
 
 from .. import apis, state
 from . import apierrors
-from ..patches import answer_on_head, error_replies, trailers
+from ..patches import answer_on_head, error_replies, stream_reset, trailers
 from ..timing import timing
 
 logger = logging.getLogger(__name__)
@@ -218,14 +219,19 @@ def client_backlogged(flow: http.HTTPFlow) -> bool:
     return transport is not None and transport.get_write_buffer_size() > 0
 
 
+def connection_handler(flow: http.HTTPFlow) -> Any:
+    """mitmproxy's handler of `flow`'s client connection (None once it is gone)."""
+    proxyserver = ctx.master.addons.get("proxyserver")
+    return proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
+
+
 def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
     """Close the upstream connection `flow` waits on, through the connection handler
     that owns it; the HTTP layer then fails the flow as for any broken connection.
 
     With HTTP/2 to the upstream this closes the connection other flows share.
     """
-    proxyserver = ctx.master.addons.get("proxyserver")
-    handler = proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
+    handler = connection_handler(flow)
     if handler is None:
         return False
     target = flow.server_conn if flow.server_conn in handler.transports else None
@@ -258,6 +264,8 @@ class Deadlines:
         self.timers: dict[http.HTTPFlow, tuple[float, asyncio.TimerHandle]] = {}
         """Per waiting flow: when it was forwarded, its next check."""
         self.connect_timers: dict[connection.Server, asyncio.TimerHandle] = {}
+        self.resets: set[asyncio.Future[None]] = set()
+        """HTTP/2 upstream streams being reset (a task holds each until it is done)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -356,6 +364,19 @@ class Deadlines:
 
     def _fail(self, flow: http.HTTPFlow, st: state.FlowState, failure: str) -> None:
         st.error, st.error_status = failure, 504
+        if flow.server_conn.alpn == b"h2" and (handler := connection_handler(flow)) is not None:
+            # The upstream connection carries other flows: reset this flow's stream only.
+            task = asyncio.ensure_future(self._reset_stream(handler, flow, failure))
+            self.resets.add(task)
+            task.add_done_callback(self.resets.discard)
+        else:
+            self._close_upstream(flow, failure)
+
+    async def _reset_stream(self, handler: Any, flow: http.HTTPFlow, failure: str) -> None:
+        if not await stream_reset.reset_upstream_stream(handler, flow, failure):
+            self._close_upstream(flow, failure)
+
+    def _close_upstream(self, flow: http.HTTPFlow, failure: str) -> None:
         # With HTTP/2 the connection closed below carries other flows too: their cut is
         # the relay's doing, not their upstream's, and their records and clients say so.
         for other in self.timers:

@@ -27,6 +27,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 - `ca_once`: the CA is not loaded a second time in `running` (`capacity.WarmStart`).
 - `client_resets`: an HTTP/2 client's stream reset always reaches its flow, and a client
   resetting streams in a loop gets GOAWAY (`guard.ClientLimits`).
+- `stream_reset`: a deadline resets its flow's HTTP/2 upstream stream, not the connection
+  its siblings share (`faults.Deadlines`).
 
 Private mitmproxy code read but not patched, pinned the same way:
 
@@ -50,6 +52,7 @@ from . import (
     hook_plans,
     interim_answers,
     listen_backlog,
+    stream_reset,
     trailers,
     upstream_copy,
 )
@@ -66,6 +69,7 @@ PATCHES: tuple[ModuleType, ...] = (
     interim_answers,
     ca_once,
     client_resets,
+    stream_reset,
 )
 
 
