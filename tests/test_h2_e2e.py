@@ -1,7 +1,7 @@
 """HTTP/2 under hostile clients and with an HTTP/2 upstream, through a real mitmdump over
 TLS: a rapid reset (CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a
 reset of a request already upstream cancels it there; a relay deadline on one upstream
-stream resets that stream only.
+stream resets that stream only; a body without a length reaches an HTTP/1 upstream whole.
 
 Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
 """
@@ -96,3 +96,18 @@ def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream
     relay.stop()
     by_error = sorted(r["error"] or "" for r in records(tmp_path))
     assert by_error == ["", "stream idle for 1 s"]
+
+
+def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        # HTTP/2 needs no Content-Length; HTTP/1 does (mitmproxy sent none: the upstream
+        # read an empty body, then the body as the start of another request).
+        sid = h2c.request("POST", CHAT, [("content-type", "application/json")], STREAMED)
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[sid].over)
+    assert h2c.streams[sid].status == 200 and h2c.streams[sid].body.endswith(b"data: [DONE]\n\n")
+    assert fake.received[0].body == STREAMED
+    relay.stop()
+    (rec,) = records(tmp_path)
+    assert rec["error"] is None and rec["model"] == "gpt-4o-mini"

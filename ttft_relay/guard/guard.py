@@ -19,6 +19,7 @@ A relay sits between its users and a paid API key. These addons keep it that way
                     rate of HTTP/2 stream resets (rapid reset).
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
+    RequestFraming  an HTTP/2 request body goes to an HTTP/1 upstream with its length.
     LogRedaction    credentials redacted, control characters escaped and lines
                     capped in every log record, mitmproxy's own included.
     SecretRedaction credentials are replaced by "REDACTED" in every flow once its
@@ -441,6 +442,25 @@ class OriginForm:
             request.authority = ""
 
 
+class RequestFraming:
+    """Every request goes upstream with its body's length. HTTP/2 requests need no
+    Content-Length (the stream's end ends the body), and mitmproxy translates one for
+    an HTTP/1 upstream without adding it: the upstream reads a request without a body,
+    then the body's bytes as the start of another request (a body that is itself a
+    request head would be smuggled in). The relay buffers request bodies, so the
+    length is known by the `request` hook; a Transfer-Encoding is left to frame it."""
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        request = flow.request
+        if (
+            request.raw_content
+            and request.http_version == "HTTP/2.0"
+            and "content-length" not in request.headers
+            and "transfer-encoding" not in request.headers
+        ):
+            request.headers["content-length"] = str(len(request.raw_content))
+
+
 # --- limits before authentication ---------------------------------------------------
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -746,4 +766,5 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), AccessKeys(), SecretRedaction()]
+        self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), RequestFraming(), AccessKeys(),
+                       SecretRedaction()]
