@@ -12,6 +12,7 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.apis.api import Api, ErrorFormat
+from ttft_relay.stream.reader import Reader
 
 SUPPORT_MODULES = {"api"}
 """Modules of the package that are not an API."""
@@ -32,6 +33,7 @@ PART_CHECKS = {
     "model_and_stream": callable,
     "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
     "websocket_turns": lambda v: isinstance(v, bool),
+    "reader": lambda v: isinstance(v, Reader),
     "errors": lambda v: isinstance(v, ErrorFormat) and type(v).body is not ErrorFormat.body,
     "semconv": lambda v: isinstance(v, tuple) and len(v) == 2 and all(isinstance(s, str) and s for s in v),
 }
@@ -75,3 +77,10 @@ def test_every_error_format_says_the_message(api):
         assert b"the message" in orjson.dumps(api.errors.stream_error(status, "the message", None))
         event = api.errors.event(status, "the message", "resp_1")
         assert event.endswith(b"\n\n") and b"the message" in event
+
+
+@pytest.mark.parametrize("api", apis.ALL, ids=lambda api: api.name)
+def test_every_matched_api_reads_its_own_stream(api):
+    """A reader that kept the base class's answers would see no token in any stream."""
+    for method in ("is_token", "looks_like_token", "observe", "usage", "normalize", "assemble", "recognizes"):
+        assert getattr(type(api.reader), method) is not getattr(Reader, method), f"{api.name} reader lacks {method}"

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from ttft_relay.stream import sse
+from ttft_relay.stream import reader, sse
 from ttft_relay.stream.sse import Event
 from ttft_relay.stream.sse import SSEParser
 from ttft_relay.stream.sse import StreamWatcher
@@ -474,7 +474,7 @@ def test_responses_incomplete_is_the_end_without_error():
 
 def test_first_error_is_kept_and_long_messages_are_cut():
     w = watch("openai.chat", [samples.error_event("openai.chat", "x" * 5000), samples.error_event("openai.chat", "second")])
-    assert w.error.startswith("server_error: xxx") and len(w.error) == sse.MAX_ERROR_CHARS
+    assert w.error.startswith("server_error: xxx") and len(w.error) == reader.MAX_ERROR_CHARS
 
 
 def test_error_event_with_non_json_data():

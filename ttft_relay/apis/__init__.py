@@ -15,13 +15,16 @@ from . import anthropic_messages, gemini, openai_chat, openai_realtime, openai_r
 from .api import Api
 
 ALL: tuple[Api, ...] = (
-    openai_chat.API,
     openai_responses.API,
     anthropic_messages.API,
+    openai_chat.API,
     openai_realtime.API,
     gemini.API,
 )
-"""The APIs a path can match, in the order of the default scope's alternatives."""
+"""The APIs a path can match (their paths exclude each other). The order is the one
+streams are recognised in (`sse.detect_api`): typed events first, since the marks of a
+Chat Completions chunk (`"choices"`) can appear in a Responses event's echo of the
+request; the default scope lists their endpoints in this order too."""
 
 OTHER_API = other.API
 """In scope, no API it matches: streamed and timed, never trimmed."""

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from ..stream.reader import Reader
+
 
 def error_code(status: int) -> str:
     """The relay's code for an error of this status: OpenAI-style `code`, and the
@@ -72,6 +74,8 @@ class Api:
     guard answers a refusal in this API's error format when one is present."""
     websocket_turns: bool
     """Its WebSocket carries turns (`response.create` … terminal event) that are timed."""
+    reader: Reader
+    """What its stream's events mean: first and last token, usage, errors, the end."""
     errors: ErrorFormat
     semconv: tuple[str, str]
     """(gen_ai.operation.name, gen_ai.provider.name) of the OpenTelemetry GenAI

@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
 from .api import Api, ErrorFormat
+
+if TYPE_CHECKING:
+    from ..stream.sse import StreamWatcher
 
 NAME = "gemini"
 
@@ -26,6 +32,77 @@ class GeminiErrors(ErrorFormat):
         return {"error": {"code": status, "message": message, "status": grpc}}
 
 
+class GeminiReader(Reader):
+    """Gemini `:streamGenerateContent?alt=sse`: `data:` JSON chunks with candidates and running usageMetadata."""
+
+    _TOKEN = re.compile(rb'"text"\s*:\s*"[^"]|"functionCall"')
+
+    def is_token(self, event: Event) -> bool:
+        return any(
+            (isinstance(part.get("text"), str) and part["text"]) or part.get("functionCall")
+            for part in _gemini_parts(loads(event.data))
+        )
+
+    def looks_like_token(self, event: Event) -> bool:
+        return self._TOKEN.search(event.data) is not None
+
+    def recognizes(self, event: Event) -> bool:
+        return b'"candidates"' in event.data
+
+    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+        data = event.data
+        # Every chunk may repeat the running totals: keep the latest, decode it once at the end.
+        if b'"usageMetadata"' in data:
+            watcher.keep_usage("final", data)
+        if b'"finishReason"' in data:
+            watcher.done = True
+        self.observe_top_level_error(event, watcher)
+
+    def usage(self, source: str, obj: Any) -> dict | None:
+        return dig(obj, "usageMetadata")
+
+    def body_usage(self, body: Any) -> dict | None:
+        # streamGenerateContent without alt=sse answers a JSON array of chunks.
+        if isinstance(body, list):
+            return next((u for u in map(self.body_usage, reversed(body)) if u), None)
+        return dig(body, "usageMetadata")
+
+    def normalize(self, raw: dict) -> dict[str, int] | None:
+        # Gemini counts thoughts apart from candidates; the relay's output includes reasoning, as OpenAI's does.
+        candidates = as_int(raw.get("candidatesTokenCount"))
+        thoughts = as_int(raw.get("thoughtsTokenCount"))
+        output = None if candidates is None and thoughts is None else (candidates or 0) + (thoughts or 0)
+        return counts(
+            input_tokens=as_int(raw.get("promptTokenCount")),
+            output_tokens=output,
+            cached_tokens=as_int(raw.get("cachedContentTokenCount")),
+            reasoning_tokens=thoughts,
+        )
+
+    def assemble(self, obj: Any, event_type: str, out: Transcript) -> None:
+        for part in _gemini_parts(obj):
+            if isinstance(part.get("text"), str):
+                out.add(out.reasoning_parts if part.get("thought") else out.text_parts, part["text"])
+            elif isinstance(part.get("functionCall"), dict):
+                # Gemini sends a call whole, its args already parsed.
+                call = out.call(len(out.calls))
+                call.name = as_str(part["functionCall"].get("name"))
+                call.arguments = orjson.dumps(part["functionCall"].get("args") or {}).decode()
+
+
+def _gemini_parts(obj: Any) -> list[dict]:
+    candidates = dig(obj, "candidates")
+    if not isinstance(candidates, list):
+        return []
+    return [
+        part
+        for candidate in candidates
+        if isinstance(parts := dig(candidate, "content", "parts"), list)
+        for part in parts
+        if isinstance(part, dict)
+    ]
+
+
 API = Api(
     name=NAME,
     scope=r":(?:stream)?[gG]enerateContent",
@@ -33,6 +110,7 @@ API = Api(
     model_and_stream=model_and_stream,
     client_headers=("x-goog-api-key",),
     websocket_turns=False,
+    reader=GeminiReader(),
     errors=GeminiErrors(),
     semconv=("generate_content", "gcp.gemini"),
 )

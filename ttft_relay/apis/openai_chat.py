@@ -3,9 +3,14 @@ OpenAI-compatible servers copy for every endpoint."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
+from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
 from .api import Api, ErrorFormat, error_code, model_and_stream_from_body
+
+if TYPE_CHECKING:
+    from ..stream.sse import StreamWatcher
 
 NAME = "openai.chat"
 
@@ -19,6 +24,80 @@ class OpenAIErrors(ErrorFormat):
         return {"error": {"message": message, "type": kind, "param": None, "code": error_code(status)}}
 
 
+class ChatReader(Reader):
+    """`/v1/chat/completions`: `data:` JSON chunks, a usage-only last chunk, `data: [DONE]`."""
+
+    _TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+    # A non-empty string in a delta field, or a tool call (name or arguments).
+    _TOKEN = re.compile(rb'"(?:content|reasoning_content|reasoning|refusal|arguments|name)"\s*:\s*"[^"]')
+    _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+    def is_token(self, event: Event) -> bool:
+        for choice in _choices(loads(event.data)):
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                continue
+            if any(isinstance(delta.get(k), str) and delta[k] for k in self._TEXT_FIELDS):
+                return True
+            if delta.get("tool_calls") or delta.get("function_call"):
+                return True
+        return False
+
+    def looks_like_token(self, event: Event) -> bool:
+        # Start at the delta: halves the scan, the id/model/fingerprint come first.
+        data = event.data
+        return self._TOKEN.search(data, max(data.find(b'"delta"'), 0)) is not None
+
+    def recognizes(self, event: Event) -> bool:
+        return b'"chat.completion.chunk"' in event.data or b'"choices"' in event.data
+
+    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+        data = event.data
+        # With include_usage every chunk says "usage":null; only the last one has an object.
+        at = data.find(b'"usage"')
+        if at >= 0 and self._USAGE_OBJECT.match(data, at):
+            watcher.keep_usage("final", data)
+        super().observe(event, watcher)
+
+    def usage(self, source: str, obj: Any) -> dict | None:
+        return dig(obj, "usage")
+
+    def normalize(self, raw: dict) -> dict[str, int] | None:
+        cached = dig(raw, "prompt_tokens_details", "cached_tokens")
+        if cached is None:
+            cached = raw.get("prompt_cache_hit_tokens")  # DeepSeek's spelling
+        return counts(
+            input_tokens=as_int(raw.get("prompt_tokens")),
+            output_tokens=as_int(raw.get("completion_tokens")),
+            cached_tokens=as_int(cached),
+            reasoning_tokens=as_int(dig(raw, "completion_tokens_details", "reasoning_tokens")),
+        )
+
+    def assemble(self, obj: Any, event_type: str, out: Transcript) -> None:
+        for choice in _choices(obj):
+            delta = choice.get("delta")
+            # Only the first choice: n > 1 streams are rare and would interleave.
+            if choice.get("index", 0) != 0 or not isinstance(delta, dict):
+                continue
+            out.add(out.text_parts, delta.get("content"))
+            out.add(out.text_parts, delta.get("refusal"))
+            out.add(out.reasoning_parts, delta.get("reasoning_content"))
+            out.add(out.reasoning_parts, delta.get("reasoning"))
+            tools = delta.get("tool_calls")
+            for tool in tools if isinstance(tools, list) else ():
+                if not isinstance(tool, dict):
+                    continue
+                call = out.call(tool.get("index", 0))
+                call.id = as_str(tool.get("id")) or call.id
+                call.name = as_str(dig(tool, "function", "name")) or call.name
+                call.arguments += as_str(dig(tool, "function", "arguments"))
+
+
+def _choices(obj: Any) -> list[dict]:
+    choices = dig(obj, "choices")
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
 API = Api(
     name=NAME,
     scope=r"/chat/completions/?(?:\?|$)",
@@ -26,6 +105,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=False,
+    reader=ChatReader(),
     errors=OpenAIErrors(),
     semconv=("chat", "openai"),
 )

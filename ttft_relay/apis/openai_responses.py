@@ -4,10 +4,15 @@ stream would carry)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
+from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
 from .api import Api, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
+
+if TYPE_CHECKING:
+    from ..stream.sse import StreamWatcher
 
 NAME = "openai.responses"
 
@@ -36,6 +41,75 @@ class ResponsesErrors(OpenAIErrors):
         }
 
 
+_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"]{1,200})"')
+
+
+class ResponsesReader(Reader):
+    """`/v1/responses`: typed events (`event:` = data's "type"), ending in response.completed/failed/incomplete."""
+
+    TOKEN_TYPES = frozenset(
+        {
+            "response.output_text.delta",
+            "response.refusal.delta",
+            "response.reasoning_text.delta",
+            "response.reasoning_summary_text.delta",
+            "response.function_call_arguments.delta",
+            "response.custom_tool_call_input.delta",
+        }
+    )
+    TERMINAL_TYPES = frozenset({"response.completed", "response.failed", "response.incomplete"})
+    _EMPTY_DELTA = re.compile(rb'"delta"\s*:\s*""')
+
+    def is_token(self, event: Event) -> bool:
+        if type_of(event) not in self.TOKEN_TYPES:
+            return False
+        delta = dig(loads(event.data), "delta")
+        return isinstance(delta, str) and delta != ""
+
+    def looks_like_token(self, event: Event) -> bool:
+        return type_of(event) in self.TOKEN_TYPES and self._EMPTY_DELTA.search(event.data) is None
+
+    def recognizes(self, event: Event) -> bool:
+        return type_of(event).startswith("response.")
+
+    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+        kind = type_of(event)
+        if kind == "response.created" and watcher.response_id is None:
+            m = _RESPONSE_ID.search(event.data)
+            watcher.response_id = m.group(1).decode("utf-8", "replace") if m else None
+        elif kind in self.TERMINAL_TYPES:
+            watcher.done = True
+            watcher.keep_usage("final", event.data)
+            if kind == "response.failed":
+                watcher.set_error(dig(loads(event.data), "response", "error") or "response.failed")
+        elif kind == "error":
+            watcher.set_error(reported_error(event))
+
+    def usage(self, source: str, obj: Any) -> dict | None:
+        return dig(obj, "response", "usage")
+
+    def normalize(self, raw: dict) -> dict[str, int] | None:
+        return counts(
+            input_tokens=as_int(raw.get("input_tokens")),
+            output_tokens=as_int(raw.get("output_tokens")),
+            cached_tokens=as_int(dig(raw, "input_tokens_details", "cached_tokens")),
+            reasoning_tokens=as_int(dig(raw, "output_tokens_details", "reasoning_tokens")),
+        )
+
+    def assemble(self, obj: Any, event_type: str, out: Transcript) -> None:
+        delta = obj.get("delta")
+        if event_type in ("response.output_text.delta", "response.refusal.delta"):
+            out.add(out.text_parts, delta)
+        elif event_type in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+            out.add(out.reasoning_parts, delta)
+        elif event_type == "response.output_item.added":
+            if dig(obj, "item", "type") in ("function_call", "custom_tool_call"):
+                call = out.call(as_str(dig(obj, "item", "id")))
+                call.name, call.id = as_str(dig(obj, "item", "name")), as_str(dig(obj, "item", "call_id"))
+        elif event_type in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
+            out.call(as_str(obj.get("item_id"))).arguments += as_str(delta)
+
+
 API = Api(
     name=NAME,
     scope=r"/responses/?(?:\?|$)",
@@ -43,6 +117,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=True,
+    reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),
 )

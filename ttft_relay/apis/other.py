@@ -3,6 +3,7 @@ it is streamed and timed, never trimmed, and answered in OpenAI's error format."
 
 from __future__ import annotations
 
+from ..stream.reader import Reader
 from .api import Api, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 
@@ -15,6 +16,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=False,
+    reader=Reader(),  # never a token (content cannot be told from metadata), but [DONE] and errors
     errors=OpenAIErrors(),
     semconv=("other", "other"),
 )

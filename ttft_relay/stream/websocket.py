@@ -18,7 +18,7 @@ moment the client's `response.create` reached the relay:
     forwarded      the relay passed it on (every hook done)
     response_head  the turn's first server event (`response.created`): the upstream
                    wait is one round trip plus the upstream's queueing, as for HTTP
-    first_token    the first visible output, by the SSE watcher's rule (`sse.py`)
+    first_token    the first visible output, by the API's stream reader (`ttft_relay/apis/`)
     last_token, end  the terminal event, or the close that cut the turn
 
 A prewarm (`"generate": false`) is recorded as such, without a first token. The
@@ -48,7 +48,7 @@ from mitmproxy.websocket import WebSocketMessage
 
 from .. import apis, state
 from ..faults import apierrors, faults
-from . import sse
+from . import reader, sse
 from ..timing import phases, record
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
@@ -205,7 +205,7 @@ class WebSocketTurns:
             return
         if session.turn is None:
             # The Realtime API starts turns of its own (voice activity): from their first event.
-            if sse.event_type(message.content) != TURN_CREATED:
+            if reader.event_type(message.content) != TURN_CREATED:
                 return
             self._start(flow, session, message.timestamp, None, False)
         turn = session.turn
