@@ -1,7 +1,8 @@
 """HTTP/2 under hostile clients and with an HTTP/2 upstream, through a real mitmdump over
 TLS: a rapid reset (CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a
 reset of a request already upstream cancels it there; a relay deadline on one upstream
-stream resets that stream only; a body without a length reaches an HTTP/1 upstream whole.
+stream resets that stream only; a body without a length reaches an HTTP/1 upstream whole;
+a request refused on its head has its stream reset instead of its body read.
 
 Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
 """
@@ -16,6 +17,8 @@ import pytest
 
 from tests.conftest import reverse_to
 from tests.fakes.h2_wire import H2Client, H2Upstream
+from tests.test_guard import RELAY_KEY
+from tests.test_preauth_e2e import keyed, keys_file  # noqa: F401 (a fixture)
 from tests.test_faults_e2e import records
 
 WAIT = 30
@@ -111,3 +114,28 @@ def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, start_rel
     relay.stop()
     (rec,) = records(tmp_path)
     assert rec["error"] is None and rec["model"] == "gpt-4o-mini"
+
+
+def test_a_request_refused_on_its_head_has_its_stream_reset_not_its_body_read(fake, start_relay, keys_file,  # noqa: F811
+                                                                               tmp_path):
+    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    announced = 64 << 20
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        refused = h2c.request("POST", CHAT, [("content-type", "application/json"), ("content-length", str(announced))],
+                              end_stream=False)
+        h2c.flush()
+        # A client goes on uploading until the relay asks it to stop (RFC 9113 §8.1:
+        # RST_STREAM NO_ERROR after a complete response).
+        uploaded = h2c.upload(refused, announced)
+        h2c.pump(lambda: h2c.streams[refused].over)
+        answer = h2c.streams[refused]
+        assert answer.status == 401 and b"missing relay access key" in answer.body
+        assert answer.reset == h2.errors.ErrorCodes.NO_ERROR
+        assert uploaded < announced // 4, uploaded  # here 2 MB of 64 (all 64 before)
+        # Only that stream: the connection carries the next request.
+        ok = h2c.request("GET", "/v1/models", [("authorization", f"Bearer {RELAY_KEY}")])
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[ok].over)
+        assert h2c.streams[ok].status == 200
+    relay.stop()
+    assert [r["status"] for r in records(tmp_path)] == [401, 200]

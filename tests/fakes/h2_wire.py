@@ -141,10 +141,10 @@ class H2Client:
         """Send up to `size` body bytes on stream `sid`, as long as the stream may carry
         them (not reset, not closed); returns how many went out."""
         sent = 0
-        while sent < size and not self.streams[sid].reset and not self.closed:
+        while sent < size and self.streams[sid].reset is None and not self.closed:
             n = min(piece, size - sent, self.conn.local_flow_control_window(sid))
             if n <= 0:
-                self.pump(lambda: self.conn.local_flow_control_window(sid) > 0 or bool(self.streams[sid].reset))
+                self.pump(lambda: self.conn.local_flow_control_window(sid) > 0 or self.streams[sid].reset is not None)
                 continue
             self.conn.send_data(sid, b"x" * n, end_stream=sent + n == size)
             self.flush()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from mitmproxy.proxy.layers.http import HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.proxy.layers.http._http2 import Http2Connection
+from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from ttft_relay.patches import answer_on_head
 from tests.patches.pins import assert_unchanged, source
@@ -12,6 +14,9 @@ PINNED = {
     "HttpStream.check_killed": (answer_on_head._ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
     "HttpStream.state_wait_for_request_headers": (HttpStream.state_wait_for_request_headers, "3706d5d5ce01dcd4"),
     "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
+    # HTTP/2: the stream's state, and a reset that drops what flow control holds back
+    "Http2Connection.is_closed": (Http2Connection.is_closed, "26e8192aca68a486"),
+    "BufferedH2Connection.reset_stream": (BufferedH2Connection.reset_stream, "4066479f1b95343e"),
 }
 
 

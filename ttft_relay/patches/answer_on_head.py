@@ -5,15 +5,21 @@ have its whole body read first: mitmproxy sends a response set in `requestheader
 after the body, however large. Killing the flow there stops the body
 (`HttpStream.check_killed` after the hook), but the client gets a closed connection and
 no answer. The wrap of `check_killed` sends the response of a flow given to
-`answer_now` instead of that bare close, then closes the connection (HTTP/1; HTTP/2
-ends the stream), so the body is never read into memory.
+`answer_now` instead of that bare close, so the body is never read into memory: HTTP/1
+then closes the connection; HTTP/2 resets the stream with NO_ERROR once the answer is
+out (RFC 9113 §8.1: how a server that answered early asks the client to stop sending).
+The answer alone ends only the relay's half of the stream, and mitmproxy grants flow
+control as it reads: an HTTP/2 client went on uploading its whole body (64 MB, all read
+and thrown away).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import h2.errors
 from mitmproxy import http
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import commands, layer
@@ -27,6 +33,7 @@ from mitmproxy.proxy.layers.http import (
 )
 from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.proxy.layers.http._http2 import Http2Server
 
 from .rewrite import replacing
 
@@ -53,7 +60,7 @@ def _check_killed(self: HttpStream, emit_error_hook: bool) -> layer.CommandGener
     return (yield from replacing(_ORIGINAL_CHECK_KILLED(self, emit_error_hook), lambda c: _answer(self, c)))
 
 
-def _answer(stream: HttpStream, command: Any) -> list[Any] | None:
+def _answer(stream: HttpStream, command: Any) -> Iterable[Any] | None:
     flow = stream.flow
     if not (
         isinstance(command, SendHttp)
@@ -68,27 +75,41 @@ def _answer(stream: HttpStream, command: Any) -> list[Any] | None:
         # closing it) finds the flow killed again: nothing more to say on that stream.
         return []
     _answered.add(flow)
+    return _answered_commands(stream, flow.response)
+
+
+def _answered_commands(stream: HttpStream, response: http.Response) -> Iterator[Any]:
     sid, client = stream.stream_id, stream.context.client
-    body = flow.response.raw_content or b""
-    out = [
-        SendHttp(ResponseHeaders(sid, flow.response, end_stream=False), client),
-        *([SendHttp(ResponseData(sid, body), client)] if body else []),
-        SendHttp(ResponseEndOfMessage(sid), client),
-    ]
-    if _http1_body_to_come(stream):
+    body = response.raw_content or b""
+    yield SendHttp(ResponseHeaders(sid, response, end_stream=False), client)
+    if body:
+        yield SendHttp(ResponseData(sid, body), client)
+    yield SendHttp(ResponseEndOfMessage(sid), client)
+    # The HTTP layer has sent each of those as it was yielded.
+    served_by = _client_connection(stream)
+    if isinstance(served_by, Http1Server) and _body_to_come(stream.flow.request):
         # HTTP/1: close the connection after the answer, so the body is never read
         # (the connection itself, not the stream: by the time this runs the body may
         # have ended and the connection moved on). A request without a body is
-        # complete, its connection kept; HTTP/2 ends the stream with the response.
-        out.append(commands.CloseConnection(client))
-    return out
+        # complete, its connection kept.
+        yield commands.CloseConnection(client)
+    elif isinstance(served_by, Http2Server) and not served_by.is_closed(sid):
+        # The client's half is still open: its body is still coming. Reset once the
+        # whole answer is out (a reset drops what flow control still holds back).
+        h2_conn = served_by.h2_conn
+        if not h2_conn.stream_buffers.get(sid):
+            h2_conn.reset_stream(sid, h2.errors.ErrorCodes.NO_ERROR)
+            yield commands.SendData(client, h2_conn.data_to_send())
 
 
-def _http1_body_to_come(stream: HttpStream) -> bool:
+def _client_connection(stream: HttpStream) -> Any:
+    """The layer that speaks HTTP with `stream`'s client (Http1Server, Http2Server, …)."""
     layer_ = next((lay for lay in reversed(stream.context.layers) if isinstance(lay, HttpLayer)), None)
-    if layer_ is None or not isinstance(layer_.connections.get(stream.context.client), Http1Server):
-        return False
+    return layer_.connections.get(stream.context.client) if layer_ is not None else None
+
+
+def _body_to_come(request: http.Request) -> bool:
     try:
-        return http1.expected_http_body_size(stream.flow.request) != 0
+        return http1.expected_http_body_size(request) != 0
     except ValueError:
         return True
