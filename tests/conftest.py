@@ -15,20 +15,44 @@ from tests.harness import MitmdumpProcess, descendants
 
 FAKE_OPENAI_KEY = "sk-test-FAKEKEY-0123456789abcdefghij"
 FAKE_ANTHROPIC_KEY = "sk-ant-test-FAKEKEY-0123456789abcdef"
-LEFTOVER_GRACE_S = 10
-"""How long processes a test stopped may take to exit before the session calls them left behind."""
+LEFTOVER_GRACE_S = float(os.environ.get("TTFT_TEST_LEFTOVER_GRACE_S", 10))
+"""How long processes a test stopped may take to exit before the session calls them left behind
+(tests/test_conftest_checks.py shortens it for the runs it makes leak on purpose)."""
+LEFT_BY_WORKERS = pytest.StashKey[list[str]]()
+
+
+def left_behind() -> list[str]:
+    """This process's live descendants, once those the tests stopped had `LEFTOVER_GRACE_S` to exit."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := descendants(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling for exits that were asked for, bounded: not a sync on timing
+    return [f"  {pid} {cmd[:200]}" for pid, cmd in left]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No test leaves a process behind: a relay, a fake, an agent CLI or a browser still
-    running when the suite ends fails the run, with its command line."""
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (left := descendants(os.getpid())) and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling for exits that were asked for, bounded: not a sync on timing
+    running when the suite ends fails the run, with its command line.
+
+    Under pytest-xdist each worker looks below itself (the tests ran there) and hands
+    what it found to the controller (`pytest_testnodedown`), which reports and fails."""
+    config = session.config
+    if hasattr(config, "workeroutput"):  # an xdist worker
+        config.workeroutput["left_behind"] = left_behind()
+        return
+    if config.pluginmanager.hasplugin("dsession"):  # the controller: its children are the workers
+        left = config.stash.get(LEFT_BY_WORKERS, [])
+    else:
+        left = left_behind()
     if left:
-        listing = "\n".join(f"  {pid} {cmd[:200]}" for pid, cmd in left)
-        session.config.get_terminal_writer().line(f"processes left behind by the tests:\n{listing}", red=True)
+        config.get_terminal_writer().line("processes left behind by the tests:\n" + "\n".join(left), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """An xdist worker finished: keep what it found left behind for the controller's report."""
+    found = (getattr(node, "workeroutput", None) or {}).get("left_behind", [])
+    node.config.stash.setdefault(LEFT_BY_WORKERS, []).extend(f"{line} (worker {node.gateway.id})" for line in found)
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +72,27 @@ def fake_tls(certs) -> Iterator[FakeUpstream]:
         yield upstream
 
 
+@pytest.fixture(scope="module")
+def module_fake() -> Iterator[FakeUpstream]:
+    """One fake upstream for a module's shared relays (a reverse relay names its port). A module
+    that shares it overrides `fake` with `module_fake.forget()`: each test sees only its own requests."""
+    with FakeUpstream() as upstream:
+        yield upstream
+
+
+@pytest.fixture(scope="module")
+def module_fake_tls(certs) -> Iterator[FakeUpstream]:
+    """`module_fake` over TLS (certificates from the test CA)."""
+    with FakeUpstream(tls=True, certs=certs) as upstream:
+        yield upstream
+
+
+@pytest.fixture
+def rid(request) -> str:
+    """An `x-request-id` for this test's requests: how it finds its records in a shared relay's log."""
+    return request.node.name
+
+
 @pytest.fixture(scope="session")
 def confdir(tmp_path_factory) -> Path:
     """One mitmproxy confdir (and CA) for the session: CA generation costs a second per relay."""
@@ -57,36 +102,73 @@ def confdir(tmp_path_factory) -> Path:
 RelayFactory = Callable[..., MitmdumpProcess]
 
 
-@pytest.fixture
-def start_relay(tmp_path, confdir, certs) -> Iterator[RelayFactory]:
-    """Starts real `mitmdump -s ttft_relay/relay.py` processes; stops them after the test.
+class Relays:
+    """Starts real `mitmdump -s ttft_relay/relay.py` processes; `close()` stops them and fails on
+    an addon error in their output or a wrong count of records (`TimingLog.check_counts`).
 
-    `start_relay("reverse:http://127.0.0.1:PORT@0", relay_trim=False, ...)`: modes as
-    positional arguments, options as keywords. The timing log goes to the test's
-    tmp_path, and upstream TLS is verified against the test CA.
+    `start("reverse:http://127.0.0.1:PORT@0", relay_trim=False, ...)`: modes as positional
+    arguments, options as keywords. Upstream TLS is verified against the test CA. The
+    timing log goes to `log_for()`.
     """
-    started: list[MitmdumpProcess] = []
 
-    def start(*modes: str, script: Path | None | str = "relay", relay_conf: Path | None = None,
+    def __init__(self, confdir: Path, certs: TestCerts, log_for: Callable[[int], Path]) -> None:
+        self.confdir, self.certs, self.log_for = confdir, certs, log_for
+        self.started: list[MitmdumpProcess] = []
+
+    def start(self, *modes: str, script: Path | None | str = "relay", relay_conf: Path | None = None,
               **options: object) -> MitmdumpProcess:
-        opts: dict[str, object] = {"ssl_verify_upstream_trusted_ca": certs.ca_pem}
+        opts: dict[str, object] = {"ssl_verify_upstream_trusted_ca": self.certs.ca_pem}
         kwargs = {}
         if script == "relay":
-            opts["relay_timing_log"] = tmp_path / "timing.jsonl"
+            opts["relay_timing_log"] = self.log_for(len(self.started))
         else:
             kwargs["script"] = script
         opts.update(options)
-        proc = MitmdumpProcess(list(modes), confdir, options=opts, relay_conf=relay_conf, **kwargs)
-        started.append(proc)
+        proc = MitmdumpProcess(list(modes), self.confdir, options=opts, relay_conf=relay_conf, **kwargs)
+        self.started.append(proc)
         return proc.start()
 
-    yield start
-    for proc in started:
-        proc.stop()
-    # An exception escaping an addon's hook is logged by mitmproxy and the flow goes on:
-    # it is a bug all the same, whatever the test was looking at.
-    errors = [line for proc in started for line in proc.output if "Addon error" in line]
-    assert not errors, "an addon raised:\n" + "\n".join(errors[:5])
+    def close(self) -> None:
+        for proc in self.started:
+            proc.interrupt()  # all at once: they shut down side by side
+        for proc in self.started:
+            proc.stop()
+        # An exception escaping an addon's hook is logged by mitmproxy and the flow goes on:
+        # it is a bug all the same, whatever the test was looking at.
+        errors = [line for proc in self.started for line in proc.output if "Addon error" in line]
+        assert not errors, "an addon raised:\n" + "\n".join(errors[:5])
+        for proc in self.started:
+            if proc.log is not None:
+                proc.log.check_counts()
+
+
+@pytest.fixture
+def start_relay(tmp_path, confdir, certs) -> Iterator[RelayFactory]:
+    """Relays for one test (`Relays.start`), stopped after it; their timing log is the test's
+    tmp_path/timing.jsonl."""
+    relays = Relays(confdir, certs, lambda _: tmp_path / "timing.jsonl")
+    yield relays.start
+    relays.close()
+
+
+@pytest.fixture(scope="module")
+def shared_relay(tmp_path_factory, confdir, certs) -> Iterator[RelayFactory]:
+    """`start_relay` for cases that differ only by request (the fakes take per-request
+    `x-fake-*` knobs): the module's tests asking for the same modes and options get the same
+    relay, started on first use and stopped after the module's last test. Each relay has its
+    own timing log (`relay.log`), in which a test finds its records by `rid`."""
+    logs = tmp_path_factory.mktemp("relays")
+    relays = Relays(confdir, certs, lambda n: logs / f"timing-{n}.jsonl")
+    by_options: dict[str, MitmdumpProcess] = {}
+
+    def shared(*modes: str, **options: object) -> MitmdumpProcess:
+        key = repr((modes, sorted(options.items())))
+        if key not in by_options:
+            by_options[key] = relays.start(*modes, **options)
+        return by_options[key]
+
+    yield shared
+    relays.close()
 
 
 def reverse_to(upstream: FakeUpstream) -> str:

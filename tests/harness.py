@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -74,11 +75,16 @@ class MitmdumpProcess:
         args += extra_args or []
         self.args = args
         self.env = {**os.environ, "TTFT_RELAY_CONF": str(relay_conf) if relay_conf else "", **(env or {})}
+        log = (options or {}).get("relay_timing_log")
+        self.log = TimingLog(Path(log)) if log else None
+        """The relay's timing log (None if no `relay_timing_log` was set)."""
         self.output: list[str] = []
         self.ports: list[int] = []
         self._ready = threading.Event()
+        self._output_done = threading.Event()
         self._changed = threading.Condition()
         self.proc: subprocess.Popen[str] | None = None
+        self._interrupted = False
 
     @property
     def port(self) -> int:
@@ -100,16 +106,24 @@ class MitmdumpProcess:
         )
         threading.Thread(target=self._read_output, daemon=True).start()
         if not self._ready.wait(timeout):
-            self.stop()
+            self._abandon()
             raise RuntimeError(f"mitmdump did not start listening:\n{self.text()}")
         if len(self.ports) < len(self.modes) or self.proc.poll() is not None:
-            self.stop()
+            self._abandon()
             raise RuntimeError(f"mitmdump failed to start:\n{self.text()}")
         bad = [line for line in self.output if _SCRIPT_ERROR.search(line)]
         if bad:
-            self.stop()
+            self._abandon()
             raise RuntimeError(f"relay script failed to load:\n{self.text()}")
         return self
+
+    def _abandon(self, exiting_within: float = 1) -> None:
+        """After a failed start: a mitmdump exiting on its own is left to exit (a signal now lands
+        in its teardown and prints a traceback of Python's own); one still running is stopped."""
+        if self._output_done.wait(exiting_within):
+            self.proc.wait(10)
+        else:
+            self.stop()
 
     def _read_output(self) -> None:
         assert self.proc and self.proc.stdout
@@ -121,6 +135,7 @@ class MitmdumpProcess:
                     if len(self.ports) == len(self.modes):
                         self._ready.set()
                 self._changed.notify_all()
+        self._output_done.set()
         self._ready.set()  # exited: let start() report it
         with self._changed:
             self._changed.notify_all()
@@ -142,10 +157,17 @@ class MitmdumpProcess:
     def url(self, index: int = 0) -> str:
         return f"http://127.0.0.1:{self.ports[index]}"
 
+    def interrupt(self) -> None:
+        """Asks mitmdump to stop the way Ctrl-C would, not waiting: `stop()` waits. Several
+        relays asked at once shut down side by side (mitmproxy takes about a second each)."""
+        if self.proc and self.proc.poll() is None and not self._interrupted:
+            self._interrupted = True  # once: a second signal while shutting down can hit a closed wakeup fd
+            self.proc.send_signal(2)  # SIGINT
+
     def stop(self) -> str:
         """Stops mitmdump the way Ctrl-C would (so `done` hooks run), and returns its output."""
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(2)  # SIGINT
+            self.interrupt()
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -280,6 +302,65 @@ def stream_shape(args: argparse.Namespace) -> dict[str, object]:
 def read_records(log: Path) -> list[dict]:
     """The timing records in a relay's JSONL log (none if it was never written)."""
     return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+
+
+RECORD_WAIT_S = 10
+"""How long a record may take to reach the log: the relay's writer thread writes it moments after the flow ends."""
+
+
+class TimingLog:
+    """A relay's JSONL timing log, as the tests read it.
+
+    Tests that share a relay find their own records by the `x-request-id` they sent
+    (`of`). Each such look-up also states how many records the request id gets in all;
+    `check_counts`, called once the relay stopped (stopping flushes the log), fails on
+    any written later: a second record for one flow shows up there, not in a sleep.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._expected: dict[str, int] = {}
+
+    def records(self) -> list[dict]:
+        """Every record written so far."""
+        return read_records(self.path)
+
+    def wait(self, count: int, timeout: float = RECORD_WAIT_S) -> list[dict]:
+        """Every record once there are at least `count` (a relay of one test's own)."""
+        return self._wait_for(lambda recs: len(recs) >= count, lambda recs: recs, f"{count} records", timeout)
+
+    def of(self, request_id: str, count: int = 1, timeout: float = RECORD_WAIT_S) -> list[dict]:
+        """The `count` records carrying `request_id`, waiting for them to be written; more fail."""
+        self._expected[request_id] = count
+
+        def mine(recs: list[dict]) -> list[dict]:
+            return [r for r in recs if r.get("request_id") == request_id]
+
+        found = self._wait_for(lambda recs: len(mine(recs)) >= count, mine, f"{count} records of {request_id!r}",
+                               timeout)
+        assert len(found) == count, f"{len(found)} records of {request_id!r}, expected {count}: {found}"
+        return found
+
+    def none_of(self, request_id: str) -> None:
+        """`request_id` gets no record: `check_counts` says so once the relay stopped."""
+        self._expected[request_id] = 0
+
+    def check_counts(self) -> None:
+        """Each request id looked up got exactly the records said: call once the relay stopped."""
+        counts: dict[str, int] = {}
+        for rec in self.records():
+            counts[rec.get("request_id")] = counts.get(rec.get("request_id"), 0) + 1
+        wrong = {rid: (counts.get(rid, 0), n) for rid, n in self._expected.items() if counts.get(rid, 0) != n}
+        assert not wrong, "records per x-request-id (written, expected) once the relay stopped: " + repr(wrong)
+
+    def _wait_for(self, done: Callable[[list[dict]], bool], pick: Callable[[list[dict]], list[dict]], what: str,
+                  timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while not done(recs := self.records()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.path} holds {len(recs)} records, not {what}, after {timeout} s")
+            time.sleep(0.02)  # polling a file another process writes, bounded by the deadline
+        return pick(recs)
 
 
 def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:

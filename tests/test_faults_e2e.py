@@ -8,12 +8,17 @@ their own error classes, not a decoding error.
 
 Timeouts are set to 1 s (the options take whole seconds); nothing else waits on a
 clock: the fake's stalls and gates hold the upstream until the relay gives up.
+
+The cases differ by request (`x-fake-*` knobs) far more than by relay: one relay per
+option set serves the module (`shared_relay`), and each test finds its record by its
+`x-request-id`; once the relays stopped, each id must have exactly the records its test
+counted (conftest's `Relays.close`).
 """
 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+from collections.abc import Iterator
 
 import anthropic
 import certifi
@@ -23,7 +28,6 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.faults import apierrors, faults
-from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total
@@ -44,17 +48,47 @@ def body_for(api: str, stream: bool) -> tuple[str, dict]:
     return path, {**body, "stream": stream}
 
 
-def records(tmp_path: Path) -> list[dict]:
-    """The timing log, read after the relay stopped (stopping flushes it)."""
-    log = tmp_path / "timing.jsonl"
-    return [orjson.loads(line) for line in log.read_bytes().splitlines()] if log.exists() else []
+@pytest.fixture
+def fake(module_fake):
+    return module_fake.forget()
 
 
-def one_record(relay, tmp_path: Path) -> dict:
-    relay.stop()
-    recs = records(tmp_path)
-    assert len(recs) == 1, recs
-    return recs[0]
+@pytest.fixture
+def fake_tls(module_fake_tls):
+    return module_fake_tls.forget()
+
+
+@pytest.fixture(scope="module")
+def closed_port() -> Iterator[int]:
+    """A loopback port bound by no listener for the module's life: connecting is refused."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield bound.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hanging_port() -> Iterator[int]:
+    """A listener whose accept queue is full drops further SYNs: a connect to it hangs."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        for s in fillers:
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+        yield port
+        for s in fillers:
+            s.close()
+
+
+def refused(shared_relay, closed_port: int, strategy: str = "eager"):
+    return shared_relay(f"reverse:http://127.0.0.1:{closed_port}@0", connection_strategy=strategy)
+
+
+def one_record(relay, rid: str) -> dict:
+    (rec,) = relay.log.of(rid)
+    return rec
 
 
 def assert_api_error_body(api: str, response: client.RawResponse, status: int) -> str:
@@ -95,8 +129,9 @@ def last_event(api: str, body: bytes) -> dict:
     return data["error"]
 
 
-def post(relay, api: str, stream: bool, headers: dict | None = None):
+def post(relay, api: str, stream: bool, headers: dict | None = None, *, rid: str | None = None):
     path, body = body_for(api, stream)
+    headers = {**(headers or {}), **({"x-request-id": rid} if rid else {})}
     return client.request("POST", relay.url() + path, body, headers, timeout=WAIT)
 
 
@@ -105,12 +140,12 @@ def post(relay, api: str, stream: bool, headers: dict | None = None):
 
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
 @pytest.mark.parametrize("api", APIS)
-def test_connection_refused(api, strategy, start_relay, tmp_path):
-    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0", connection_strategy=strategy)
-    conn, response = post(relay, api, stream=True)
+def test_connection_refused(api, strategy, shared_relay, closed_port, rid):
+    relay = refused(shared_relay, closed_port, strategy)
+    conn, response = post(relay, api, stream=True, rid=rid)
     with conn:
         assert "Connect call failed" in assert_api_error_body(api, response, 502)
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error_phase"] == "upstream_connect" and "Connect call failed" in rec["error"]
     assert rec["status"] is None and rec["verdict"] == "error in upstream connect"
 
@@ -122,112 +157,99 @@ def connect_through(relay, port: int) -> bytes:
         return s.makefile("rb").readline()
 
 
-def test_a_failed_connect_in_https_proxy_mode_is_recorded_and_counted(start_relay, tmp_path):
+def test_a_failed_connect_in_https_proxy_mode_is_recorded_and_counted(start_relay, closed_port):
     # Regular mode connects upstream on CONNECT (eager): no request ever comes.
     relay = start_relay("regular@0", relay_metrics_listen="127.0.0.1:0")
-    port = closed_port()
+    port = closed_port
     assert connect_through(relay, port).startswith(b"HTTP/1.1 502")
     # The hook that records and counts runs before mitmproxy answers the CONNECT.
     samples = scrape(metrics_url(relay))
     assert total(samples, "gen_ai_client_operation_duration_seconds_count", error_type="upstream_connect") == 1
-    rec = one_record(relay, tmp_path)
+    relay.stop()
+    (rec,) = relay.log.records()
     assert rec["error_phase"] == "upstream_connect" and "Connect call failed" in rec["error"]
     assert rec["status"] is None and rec["verdict"] == "error in upstream connect"
     assert rec["upstream"] == f"127.0.0.1:{port}"
 
 
-def test_a_connect_refused_for_proxy_auth_is_not_a_failure_to_record(start_relay, tmp_path):
+def test_a_connect_refused_for_proxy_auth_is_not_a_failure_to_record(start_relay, closed_port):
     relay = start_relay("regular@0", proxyauth="user:secret")
-    assert connect_through(relay, closed_port()).startswith(b"HTTP/1.1 407")
+    assert connect_through(relay, closed_port).startswith(b"HTTP/1.1 407")
     relay.stop()
-    assert records(tmp_path) == []
+    assert relay.log.records() == []
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_dns_failure(api, start_relay, tmp_path):
-    relay = start_relay("reverse:http://nonexistent.invalid:80@0")
-    conn, response = post(relay, api, stream=False)
+def test_dns_failure(api, shared_relay, rid):
+    relay = shared_relay("reverse:http://nonexistent.invalid:80@0")
+    conn, response = post(relay, api, stream=False, rid=rid)
     with conn:
         assert_api_error_body(api, response, 502)
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error_phase"] == "upstream_connect" and rec["error"]
 
 
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
 @pytest.mark.parametrize("api", APIS)
-def test_tls_failure(api, strategy, fake_tls, start_relay, tmp_path):
+def test_tls_failure(api, strategy, fake_tls, shared_relay, rid):
     # Public CAs only: the fake's test certificate is not trusted.
-    relay = start_relay(reverse_to(fake_tls), ssl_verify_upstream_trusted_ca=certifi.where(), connection_strategy=strategy)
-    conn, response = post(relay, api, stream=True)
+    relay = shared_relay(reverse_to(fake_tls), ssl_verify_upstream_trusted_ca=certifi.where(),
+                         connection_strategy=strategy)
+    conn, response = post(relay, api, stream=True, rid=rid)
     with conn:
         assert "certificate verify failed" in assert_api_error_body(api, response, 502).lower()
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error_phase"] == "upstream_tls" and "verify failed" in rec["error"].lower()
     assert fake_tls.received == []
 
 
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("api", APIS)
-def test_reset_before_headers(api, stream, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
-    conn, response = post(relay, api, stream, {"x-fake-reset-before-headers": "1"})
+def test_reset_before_headers(api, stream, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream, {"x-fake-reset-before-headers": "1"}, rid=rid)
     with conn:
         assert_api_error_body(api, response, 502)
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error_phase"] == "upstream_wait" and rec["error"]
     assert fake.wait_finished(1, WAIT) and fake.sent[-1].outcome == "reset"
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_slow_headers_hit_the_head_timeout(api, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
-    conn, response = post(relay, api, stream=False, headers={"x-fake-slow-headers-ms": "30000"})
+def test_slow_headers_hit_the_head_timeout(api, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=False, headers={"x-fake-slow-headers-ms": "30000"}, rid=rid)
     with conn:
         assert "no response head after 1 s" in assert_api_error_body(api, response, 504)
     assert fake.wait_finished(1, WAIT)
     assert fake.sent[-1].outcome == "client_closed"  # the relay let go of the upstream
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error"] == "no response head after 1 s" and rec["error_phase"] == "upstream_wait"
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_connect_timeout(api, start_relay, tmp_path):
-    # A listener whose accept queue is full drops further SYNs: the connect hangs.
-    with socket.socket() as full:
-        full.bind(("127.0.0.1", 0))
-        full.listen(0)
-        port = full.getsockname()[1]
-        fillers = []
-        try:
-            for _ in range(4):
-                s = socket.socket()
-                s.setblocking(False)
-                s.connect_ex(("127.0.0.1", port))
-                fillers.append(s)
-            relay = start_relay(f"reverse:http://127.0.0.1:{port}@0", relay_connect_timeout=1,
-                                connection_strategy="lazy")
-            conn, response = post(relay, api, stream=True)
-            with conn:
-                assert "upstream connect timeout after 1 s" in assert_api_error_body(api, response, 504)
-            rec = one_record(relay, tmp_path)
-        finally:
-            for s in fillers:
-                s.close()
+def test_connect_timeout(api, shared_relay, hanging_port, rid):
+    relay = shared_relay(f"reverse:http://127.0.0.1:{hanging_port}@0", relay_connect_timeout=1,
+                         connection_strategy="lazy")
+    conn, response = post(relay, api, stream=True, rid=rid)
+    with conn:
+        assert "upstream connect timeout after 1 s" in assert_api_error_body(api, response, 504)
+    rec = one_record(relay, rid)
     assert rec["error"] == "upstream connect timeout after 1 s" and rec["error_phase"] == "upstream_connect"
 
 
 @pytest.mark.parametrize("status", [429, 500, 503])
 @pytest.mark.parametrize("api", APIS)
-def test_upstream_error_status_passes_through_unchanged(api, status, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
-    conn, response = post(relay, api, stream=True, headers={"x-fake-status": str(status)})
+def test_upstream_error_status_passes_through_unchanged(api, status, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream=True, headers={"x-fake-status": str(status)}, rid=rid)
     with conn:
         assert response.status == status
         assert response.header(faults.ERROR_HEADER) is None
         body = response.read()
     assert fake.wait_finished(1, WAIT)
     assert body == fake.sent[-1].body
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["status"] == status and rec["error"] == f"HTTP {status}" and rec["error_phase"] == "upstream_wait"
 
 
@@ -235,9 +257,9 @@ def test_upstream_error_status_passes_through_unchanged(api, status, fake, start
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_reset_mid_stream(api, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
-    conn, response = post(relay, api, stream=True, headers={"x-fake-reset-after-chunks": "4"})
+def test_reset_mid_stream(api, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
+    conn, response = post(relay, api, stream=True, headers={"x-fake-reset-after-chunks": "4"}, rid=rid)
     with conn:
         assert response.status == 200
         body = read_stream(response)
@@ -246,29 +268,29 @@ def test_reset_mid_stream(api, fake, start_relay, tmp_path):
     assert sent.outcome == "reset" and body.startswith(sent.body)
     error = last_event(api, body[len(sent.body):])
     assert "ttft-relay" in error["message"]
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["status"] == 200 and rec["error"] and rec["error_phase"] == "stream"
     assert not rec["client_aborted"]
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_stall_before_first_token_hits_the_first_token_timeout(api, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
-    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "0"})
+def test_stall_before_first_token_hits_the_first_token_timeout(api, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "0"}, rid=rid)
     with conn:
         assert response.status == 200
         body = read_stream(response)
     assert "first token timeout after 1 s" in last_event(api, body)["message"]
     assert fake.wait_finished(1, WAIT) and fake.sent[-1].outcome == "client_closed"
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error"] == "first token timeout after 1 s" and rec["error_phase"] == "head_to_first_token"
     assert rec["verdict"].startswith("error in")
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
-    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "4"})
+def test_stall_mid_stream_hits_the_idle_timeout(api, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=True, headers={"x-fake-stall-after-chunks": "4"}, rid=rid)
     with conn:
         body = read_stream(response)
     assert fake.wait_finished(1, WAIT)
@@ -276,45 +298,46 @@ def test_stall_mid_stream_hits_the_idle_timeout(api, fake, start_relay, tmp_path
     assert body.startswith(sent.body)
     assert "stream idle for 1 s" in last_event(api, body[len(sent.body):])["message"]
     assert sent.outcome == "client_closed"
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error"] == "stream idle for 1 s" and rec["error_phase"] == "stream"
     assert rec["ttft_ms"] is not None
 
 
-def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, start_relay, tmp_path):
+def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, shared_relay, rid):
     # relay_stream off: the relay sees no tokens, so a healthy slow stream must go through whole.
-    relay = start_relay(reverse_to(fake), relay_stream=False, **TIMEOUTS_1S)
-    conn, response = post(relay, apis.OPENAI_CHAT, stream=True, headers={"x-fake-prefill-ms": "2500"})
+    relay = shared_relay(reverse_to(fake), relay_stream=False, **TIMEOUTS_1S)
+    conn, response = post(relay, apis.OPENAI_CHAT, stream=True, headers={"x-fake-prefill-ms": "2500"}, rid=rid)
     with conn:
         assert response.status == 200
         body = read_stream(response)
     assert body == fake.sent[-1].body and body.endswith(b"data: [DONE]\n\n")
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["error"] is None and rec["status"] == 200
 
 
-def test_a_failure_leaves_the_client_connection_usable(fake, start_relay, tmp_path):
+def test_a_failure_leaves_the_client_connection_usable(fake, shared_relay, rid):
     """The error reply closes the connection (so a new one retries the upstream);
     the relay serves the next connection normally."""
-    relay = start_relay(reverse_to(fake))
-    conn, response = post(relay, apis.OPENAI_CHAT, True, {"x-fake-reset-before-headers": "1"})
+    relay = shared_relay(reverse_to(fake))
+    conn, response = post(relay, apis.OPENAI_CHAT, True, {"x-fake-reset-before-headers": "1"}, rid=rid)
     with conn:
         assert response.status == 502 and response.header("connection") == "close"
-    conn, response = post(relay, apis.OPENAI_CHAT, True)
+    conn, response = post(relay, apis.OPENAI_CHAT, True, rid=rid)
     with conn:
         assert response.status == 200 and read_stream(response).endswith(b"data: [DONE]\n\n")
-    relay.stop()
-    assert [r["error"] is not None for r in records(tmp_path)] == [True, False]
+    assert [r["error"] is not None for r in relay.log.of(rid, 2)] == [True, False]
 
 
 # --- the SDKs see their own errors -------------------------------------------------------
 
 
 def openai_client(relay) -> openai.OpenAI:
+    """Closed with `with`: a kept-alive connection would keep the shared fake's open."""
     return openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0, timeout=WAIT)
 
 
 def anthropic_client(relay) -> anthropic.Anthropic:
+    """Closed with `with`, as `openai_client`."""
     return anthropic.Anthropic(base_url=relay.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0, timeout=WAIT)
 
 
@@ -330,55 +353,55 @@ def message(sdk: anthropic.Anthropic, stream: bool):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_openai_sdk_raises_its_status_error_before_the_head(stream, start_relay):
-    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0")
-    with pytest.raises(openai.InternalServerError) as caught:
-        chat(openai_client(relay), stream)
+def test_openai_sdk_raises_its_status_error_before_the_head(stream, shared_relay, closed_port):
+    relay = refused(shared_relay, closed_port)
+    with openai_client(relay) as sdk, pytest.raises(openai.InternalServerError) as caught:
+        chat(sdk, stream)
     assert caught.value.status_code == 502 and "ttft-relay" in caught.value.message
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_anthropic_sdk_raises_its_status_error_before_the_head(stream, start_relay):
-    relay = start_relay(f"reverse:http://127.0.0.1:{closed_port()}@0")
-    with pytest.raises(anthropic.InternalServerError) as caught:
-        message(anthropic_client(relay), stream)
+def test_anthropic_sdk_raises_its_status_error_before_the_head(stream, shared_relay, closed_port):
+    relay = refused(shared_relay, closed_port)
+    with anthropic_client(relay) as sdk, pytest.raises(anthropic.InternalServerError) as caught:
+        message(sdk, stream)
     assert caught.value.status_code == 502 and caught.value.body["error"]["type"] == "api_error"
 
 
-def test_openai_sdk_raises_api_error_from_the_stream(fake, start_relay):
-    relay = start_relay(reverse_to(fake))
+def test_openai_sdk_raises_api_error_from_the_stream(fake, shared_relay):
+    relay = shared_relay(reverse_to(fake))
     fake.behaviour.reset_after_chunks = 3
-    with pytest.raises(openai.APIError) as caught:
-        chat(openai_client(relay), stream=True)
+    with openai_client(relay) as sdk, pytest.raises(openai.APIError) as caught:
+        chat(sdk, stream=True)
     assert "ttft-relay" in caught.value.message and not isinstance(caught.value, openai.APIConnectionError)
 
 
-def test_anthropic_sdk_raises_api_error_from_the_stream(fake, start_relay):
-    relay = start_relay(reverse_to(fake), **TIMEOUTS_1S)
+def test_anthropic_sdk_raises_api_error_from_the_stream(fake, shared_relay):
+    relay = shared_relay(reverse_to(fake), **TIMEOUTS_1S)
     fake.behaviour.stall_after_chunks = 4
-    with pytest.raises(anthropic.APIStatusError) as caught:
-        message(anthropic_client(relay), stream=True)
+    with anthropic_client(relay) as sdk, pytest.raises(anthropic.APIStatusError) as caught:
+        message(sdk, stream=True)
     assert "stream idle for 1 s" in str(caught.value)
 
 
-def test_sdks_raise_rate_limit_errors_unchanged(fake, start_relay):
-    relay = start_relay(reverse_to(fake))
+def test_sdks_raise_rate_limit_errors_unchanged(fake, shared_relay):
+    relay = shared_relay(reverse_to(fake))
     fake.behaviour.status = 429
-    with pytest.raises(openai.RateLimitError):
-        chat(openai_client(relay), stream=True)
-    with pytest.raises(anthropic.RateLimitError):
-        message(anthropic_client(relay), stream=False)
+    with openai_client(relay) as sdk, pytest.raises(openai.RateLimitError):
+        chat(sdk, stream=True)
+    with anthropic_client(relay) as sdk, pytest.raises(anthropic.RateLimitError):
+        message(sdk, stream=False)
 
 
 # --- the client goes away ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stall", [False, True])
-def test_client_gone_mid_stream_closes_the_upstream(stall, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_client_gone_mid_stream_closes_the_upstream(stall, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     headers = {"x-fake-stall-after-chunks": "3"} if stall else {}
     gate = None if stall else fake.hold_before_chunk(3)
-    conn, response = post(relay, apis.OPENAI_CHAT, True, headers)
+    conn, response = post(relay, apis.OPENAI_CHAT, True, headers, rid=rid)
     assert response.status == 200
     assert fake.wait_chunk_sent(2, WAIT)
     conn.close()
@@ -387,5 +410,5 @@ def test_client_gone_mid_stream_closes_the_upstream(stall, fake, start_relay, tm
     assert fake.wait_connections(0, WAIT)  # nothing of the upstream connection is left
     if gate is not None:
         gate.set()
-    rec = one_record(relay, tmp_path)
+    rec = one_record(relay, rid)
     assert rec["client_aborted"] is True and rec["verdict"].startswith("client aborted")

@@ -17,8 +17,8 @@ from ttft_relay.faults import faults
 
 from tests.conftest import reverse_to
 from tests.fakes import client
-from tests.harness import REPO, MitmdumpProcess
-from tests.test_faults_e2e import TIMEOUTS_1S, WAIT, records
+from tests.harness import REPO, MitmdumpProcess, read_records
+from tests.test_faults_e2e import TIMEOUTS_1S, WAIT
 from tests.test_preauth_e2e import raw, read_until_closed
 
 
@@ -37,7 +37,7 @@ def test_a_buffered_body_that_fails_records_the_status_the_client_got(knob, stat
         assert resp.status == status
     fake.release_stalls()
     relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert rec["status"] == status and rec["error"]
 
 
@@ -48,7 +48,7 @@ def test_a_request_refused_by_header_validation_names_its_upstream(fake, start_r
                   b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n")
         assert read_until_closed(s).startswith(b"HTTP/1.1 400")
     relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert rec["upstream"] == fake.base_url.removeprefix("http://")
 
 
@@ -64,7 +64,7 @@ def test_control_characters_in_a_model_cannot_forge_a_console_or_report_line(fak
     out = relay.stop()
     assert "→ all fine" not in [line.split("] ", 1)[-1] for line in out.splitlines()]
     assert "\x1b" not in out and "\\n127.0.0.1:1" in out
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert rec["model"] == FORGED  # the JSON record keeps the value, escaped by JSON itself
     report = subprocess.run([sys.executable, "-m", "ttft_relay", "report", str(tmp_path / "timing.jsonl")],
                             cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -96,7 +96,7 @@ def test_a_chunked_request_with_trailers_is_answered_at_once(fake, start_relay, 
     assert answer.startswith(b"HTTP/1.1 501"), answer[:300]
     assert b"trailers" in answer
     relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert "trailers" in rec["error"] and rec["error_phase"] == "relay"
 
 
@@ -116,7 +116,7 @@ def test_a_client_that_pauses_reading_is_not_blamed_on_the_stream(fake, start_re
         received = read_until_closed_or_done(s)
     assert b"data: [DONE]" in received and b"stream idle" not in received
     relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert rec["error"] is None
 
 

@@ -18,7 +18,8 @@ from ttft_relay import apis, state
 from ttft_relay.timing import timing
 from tests.conftest import reverse_to
 from tests.fakes import client
-from tests.test_faults_e2e import WAIT, body_for, last_event, records
+from tests.harness import read_records
+from tests.test_faults_e2e import WAIT, body_for, last_event
 
 STREAMS = {
     apis.OPENAI_CHAT: 3,
@@ -49,7 +50,7 @@ def test_a_clean_stop_records_and_tells_every_stream_in_flight(signum, fake, sta
             body = first + b"".join(chunk.data for chunk in chunks)
         assert response.complete, body  # a clean end, not a cut
         assert "relay shutting down" in last_event(api, body)["message"]
-    recs = records(tmp_path)
+    recs = read_records(tmp_path / "timing.jsonl")
     assert len(recs) == len(open_streams), recs
     for rec in recs:
         assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay", rec
@@ -75,7 +76,7 @@ def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, st
         rest = b"".join(chunk.data for chunk in chunks)
     assert response.complete and b"[DONE]" in rest
     assert relay.proc.wait(WAIT) == 0
-    recs = {rec["status"]: rec for rec in records(tmp_path)}
+    recs = {rec["status"]: rec for rec in read_records(tmp_path / "timing.jsonl")}
     assert set(recs) == {200, 503}
     assert recs[200]["error"] is None
     assert recs[503]["error"] == "relay shutting down" and recs[503]["error_phase"] == "relay"
@@ -93,6 +94,6 @@ def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
         t.requestheaders(f)
         t.done()
         t.error(f)  # what mitmproxy does once it cancels the connection: no second record
-    (rec,) = records(tmp_path)
+    (rec,) = read_records(tmp_path / "timing.jsonl")
     assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay"
     assert rec["verdict"] == "error in relay" and rec["status"] is None

@@ -347,6 +347,19 @@ class FakeUpstream:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def forget(self, timeout: float = 10) -> FakeUpstream:
+        """Start afresh for the next test sharing this fake (and the relays forwarding to it):
+        once every connection is closed, nothing received or sent is remembered, no watch is
+        armed and the behaviour is the default. Fails if a connection stays open past `timeout`
+        (an earlier test left a client connected)."""
+        if not self.wait_connections(0, timeout):
+            raise AssertionError(f"{self.open_connections} connections to the fake still open from an earlier test")
+        with self._changed:
+            self._received, self._sent, self._sockets = [], [], []
+            self._pending_watch = self._latest_watch = None
+        self.behaviour = Behaviour()
+        return self
+
     # --- records ---------------------------------------------------------------
 
     @property
