@@ -1,17 +1,27 @@
-"""Pin test of ttft_relay/patches/connections.py (its use: tests/test_selfwatch.py, tests/test_selfwatch_e2e.py)."""
+"""Pin test of ttft_relay/patches/connections.py (its uses: tests/test_selfwatch*.py, tests/test_guard.py,
+tests/test_faults_e2e.py)."""
 
 from __future__ import annotations
 
+from mitmproxy.addons import proxyserver
 from mitmproxy.proxy import mode_servers, server
+from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
 
-from ttft_relay.patches import connections
+from ttft_relay.patches import connections, error_replies
 from tests.patches.pins import assert_unchanged, source
 
 PINNED = {
-    # where a live connection's socket is (selfwatch reads its TCP_INFO)
+    # a client's handler by its id, its connections' IO (the client's, each upstream one)
+    "Proxyserver.register_connection": (proxyserver.Proxyserver.register_connection, "d79bb91554a8bda2"),
     "ServerInstance.handle_stream": (mode_servers.ServerInstance.handle_stream, "21eea06f208c752e"),
+    "ConnectionIO": (server.ConnectionIO, "f498a46ab1b0f40f"),
     "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
     "LiveConnectionHandler.__init__": (server.LiveConnectionHandler.__init__, "2cb1077a21556ca9"),
+    "ConnectionHandler.close_connection": (server.ConnectionHandler.close_connection, "c0d10cc05dd65b80"),
+    # a connection's error reaches the flows waiting for it verbatim
+    "HttpLayer.register_connection": (HttpLayer.register_connection, "deed6282affc431f"),
+    "HttpStream.make_server_connection": (HttpStream.make_server_connection, "ddc7bc72f4d2fbc7"),
+    "HttpStream.handle_protocol_error": (error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
     # where a running listener keeps its servers
     "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
 }
@@ -22,9 +32,19 @@ def test_the_mitmproxy_code_under_it_is_unchanged():
 
 
 def test_the_lines_it_depends_on():
-    # A connection's handler is registered by its client's id; its transports hold asyncio writers.
+    # A connection's handler is registered by its client's id; its transports hold the IO.
+    assert "self.connections[connection_id] = handler" in source(proxyserver.Proxyserver.register_connection)
     assert "register_connection(handler.layer.context.client.id, handler)" in source(
         mode_servers.ServerInstance.handle_stream)
     assert "self.transports[command.connection] = ConnectionIO(" in source(server.ConnectionHandler.open_connection)
     assert "self.transports[client] = ConnectionIO(" in source(server.LiveConnectionHandler.__init__)
     assert "self._servers = await self.listen(host, port)" in source(mode_servers.AsyncioServerInstance._start)
+    # A cancelled connect's message is the connection's error, and the error of its flows.
+    src = source(server.ConnectionHandler.open_connection)
+    assert "except (OSError, asyncio.CancelledError) as e:\n                err = str(e)" in src
+    assert "command.connection.error = err" in src
+    assert "events.OpenConnectionCompleted(command, err)" in src
+    assert "reply = (None, command.err)" in source(HttpLayer.register_connection)
+    assert "ResponseProtocolError(self.stream_id, err, ErrorCode.CONNECT_FAILED)" in source(
+        HttpStream.make_server_connection)
+    assert "self.flow.error = flow.Error(event.message)" in source(error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR)

@@ -33,7 +33,7 @@ from mitmproxy.tls import TlsData
 
 from .. import apis, state
 from . import apierrors
-from ..patches import answer_on_head, error_replies, stream_reset, trailers
+from ..patches import answer_on_head, connections, error_replies, stream_reset, trailers
 from ..timing import timing
 
 logger = logging.getLogger(__name__)
@@ -212,17 +212,8 @@ IDLE = "stream idle for"
 def client_backlogged(flow: http.HTTPFlow) -> bool:
     """Whether the relay holds bytes for this flow's client that the client has not
     taken yet (its receive window is full): mitmproxy then stops reading the upstream."""
-    proxyserver = ctx.master.addons.get("proxyserver")
-    handler = proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
-    io = handler.transports.get(flow.client_conn) if handler else None
-    transport = getattr(getattr(io, "writer", None), "transport", None)
+    transport = getattr(connections.writer(flow.client_conn, flow.client_conn), "transport", None)
     return transport is not None and transport.get_write_buffer_size() > 0
-
-
-def connection_handler(flow: http.HTTPFlow) -> Any:
-    """mitmproxy's handler of `flow`'s client connection (None once it is gone)."""
-    proxyserver = ctx.master.addons.get("proxyserver")
-    return proxyserver.connections.get(flow.client_conn.id) if proxyserver else None
 
 
 def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
@@ -231,22 +222,19 @@ def close_upstream(flow: http.HTTPFlow, reason: str) -> bool:
 
     With HTTP/2 to the upstream this closes the connection other flows share.
     """
-    handler = connection_handler(flow)
-    if handler is None:
-        return False
-    target = flow.server_conn if flow.server_conn in handler.transports else None
+    open_ = connections.open_on(flow.client_conn)
+    target = flow.server_conn if flow.server_conn in open_ else None
     if target is None:
         # A lazy connect still in progress is not on the flow yet: find it by address.
         address = (flow.request.host, flow.request.port)
         target = next(
-            (c for c in handler.transports if isinstance(c, connection.Server) and not c.connected and c.address == address),
+            (c for c in open_ if isinstance(c, connection.Server) and not c.connected and c.address == address),
             None,
         )
     if target is None:
         return False
     logger.info("%s: closing upstream connection: %s", flow.request.host, reason)
-    handler.close_connection(target)
-    return True
+    return connections.close(flow.client_conn, target)
 
 
 CONNECT_TIMEOUT = "upstream connect timeout after {:g} s"
@@ -364,7 +352,7 @@ class Deadlines:
 
     def _fail(self, flow: http.HTTPFlow, st: state.FlowState, failure: str) -> None:
         st.error, st.error_status = failure, 504
-        if flow.server_conn.alpn == b"h2" and (handler := connection_handler(flow)) is not None:
+        if flow.server_conn.alpn == b"h2" and (handler := connections.handler_of(flow.client_conn)) is not None:
             # The upstream connection carries other flows: reset this flow's stream only.
             task = asyncio.ensure_future(self._reset_stream(handler, flow, failure))
             self.resets.add(task)
@@ -405,15 +393,10 @@ class Deadlines:
 
     def _connect_timed_out(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.connect_timers.pop(data.server, None)
-        proxyserver = ctx.master.addons.get("proxyserver")
-        handler = proxyserver.connections.get(data.client.id) if proxyserver else None
-        io = handler.transports.get(data.server) if handler else None
-        if io is None or io.handler is None:
-            return
-        # Cancelling the connect task with a message makes that message the
-        # connection's error, which mitmproxy passes on to the flows waiting for it.
-        logger.info("upstream connect to %s timed out", data.server.address)
-        io.handler.cancel(CONNECT_TIMEOUT.format(self.connect_timeout))
+        # The message becomes the connection's error, which mitmproxy passes on to the
+        # flows waiting for it: `error` knows the timeout by it.
+        if connections.cancel_connect(data.client, data.server, CONNECT_TIMEOUT.format(self.connect_timeout)):
+            logger.info("upstream connect to %s timed out", data.server.address)
 
 
 # --- a clean stop ------------------------------------------------------------------------

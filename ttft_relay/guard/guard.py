@@ -51,7 +51,7 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import answer_on_head, client_resets, eager_connects, head_limit, upstream_copy
+from ..patches import answer_on_head, client_resets, connections, eager_connects, head_limit, upstream_copy
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -555,19 +555,17 @@ class ClientLimits:
             self.max_connections = limit if limit > 0 else default_connection_limit(raise_fd_limit())
 
     def client_connected(self, client: connection.Client) -> None:
-        proxyserver = ctx.master.addons.get("proxyserver")
-        handler = proxyserver.connections.get(client.id) if proxyserver else None
-        if handler is None:
+        if not connections.registered(client):
             return
-        if len(proxyserver.connections) > self.max_connections:
+        if connections.client_count() > self.max_connections:
             if not self.refused:
                 logger.warning("connection limit (%d) reached: refusing new connections", self.max_connections)
             self.refused += 1
             client.error = "connection limit reached"
-            if (io := handler.transports.get(client)) is not None and io.writer is not None:
-                io.writer.write(CONNECTION_REFUSAL)  # mitmproxy closes it next; the close sends this first
+            if (writer := connections.writer(client, client)) is not None:
+                writer.write(CONNECTION_REFUSAL)  # mitmproxy closes it next; the close sends this first
             return
-        if self.refused and len(proxyserver.connections) <= self.max_connections // 2:
+        if self.refused and connections.client_count() <= self.max_connections // 2:
             logger.info("connection limit: %d connections refused, accepting again", self.refused)
             self.refused = 0
         self._arm(client)
@@ -607,12 +605,10 @@ class ClientLimits:
 
     def _timed_out(self, client: connection.Client) -> None:
         self.timers.pop(client.id, None)
-        proxyserver = ctx.master.addons.get("proxyserver")
-        handler = proxyserver.connections.get(client.id) if proxyserver else None
-        if handler is not None and client in handler.transports:
+        if client in connections.open_on(client):
             logger.info("%s: no request head within %d s, closing", human.format_address(client.peername),
                         self.header_timeout)
-            handler.close_connection(client)
+            connections.close(client, client)
 
 
 # --- redaction ----------------------------------------------------------------------

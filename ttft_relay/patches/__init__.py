@@ -32,7 +32,9 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 
 Private mitmproxy code read but not patched, pinned the same way:
 
-- `connections`: live connections' and listeners' sockets (`timing.selfwatch`).
+- `connections`: live connections, their sockets and the listeners' (`timing.selfwatch`);
+  closing a connection, cancelling a connect (`faults.Deadlines`, `guard.ClientLimits`).
+- `error_texts`: mitmproxy's error texts the relay matches (`timing.Timing`, `faults`).
 - `upstream_tls_warmup`: the upstream TLS context built at start (`capacity.WarmStart`).
 - `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
 """

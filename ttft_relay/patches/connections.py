@@ -1,38 +1,108 @@
-"""mitmproxy's live connections and listening sockets, read through private paths (no patch).
+"""mitmproxy's live connections and listening sockets, read and acted on through private paths (no patch).
 
-Reading mitmproxy's sockets (`selfwatch`: TCP_INFO of a flow's connections and of each
-listener) needs no patch, only two private paths: a live connection's socket is its
-handler's `transports[connection].writer` (an asyncio StreamWriter), the handler being
-the proxyserver addon's `connections[client.id]` (`ServerInstance.handle_stream`,
-`ConnectionHandler.open_connection`); the listening sockets are each running
-instance's `_servers` (as for `listen_backlog`).
+The relay reaches into mitmproxy's connection handling in a few places that no hook or
+public API serves: selfwatch reads the sockets (TCP_INFO of a flow's connections and of
+each listener); `faults` closes a flow's upstream connection on a deadline, cancels an
+upstream connect that takes too long, hands an HTTP/2 stream reset to a client's
+handler (`stream_reset`) and asks whether a client's socket holds unsent bytes; `guard`
+counts client connections, writes a refusal before mitmproxy closes one, and closes one
+that sent no request head in time. All of it goes through here:
+
+- the proxyserver addon's `connections` maps a client's id to its `ConnectionHandler`
+  (`ServerInstance.handle_stream`), whose `transports` map each connection (the
+  client's, `LiveConnectionHandler.__init__`; each upstream one from the moment its
+  connect starts, `ConnectionHandler.open_connection`) to a `ConnectionIO`: its asyncio
+  task (`handler`), reader and writer (an asyncio StreamWriter for TCP);
+- `ConnectionHandler.close_connection` closes one of them as the proxy layers would;
+- cancelling an upstream connect's task with a message makes that message the
+  connection's error (`open_connection`: `str(e)` of the CancelledError), and the HTTP
+  layer fails every flow waiting for the connection with exactly that text
+  (`HttpLayer.register_connection`, `HttpStream.make_server_connection`), which is how
+  `faults` knows its own connect timeout in the `error` hook;
+- the listening sockets are each running instance's `_servers` (as for `listen_backlog`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection
 from typing import Any
 
+from mitmproxy import connection, ctx
 from mitmproxy.proxy import mode_servers
 
 
-def listening_sockets(instances: Iterable[Any]) -> list[socket.socket]:
+def _proxyserver() -> Any:
+    return ctx.master.addons.get("proxyserver")
+
+
+def handler_of(client: connection.Client) -> Any:
+    """mitmproxy's `ConnectionHandler` of `client`'s connection; None once it is gone."""
+    proxyserver = _proxyserver()
+    return proxyserver.connections.get(client.id) if proxyserver else None
+
+
+def registered(client: connection.Client) -> bool:
+    """Whether mitmproxy handles `client`'s connection (from `client_connected` on)."""
+    return handler_of(client) is not None
+
+
+def client_count() -> int:
+    """Client connections mitmproxy handles now."""
+    proxyserver = _proxyserver()
+    return len(proxyserver.connections) if proxyserver else 0
+
+
+def open_on(client: connection.Client) -> Collection[connection.Connection]:
+    """The connections of `client`'s handler: its own and its upstream ones (a connect
+    in progress included); empty once the client is gone."""
+    handler = handler_of(client)
+    return handler.transports.keys() if handler is not None else ()
+
+
+def writer(client: connection.Client, conn: connection.Connection) -> Any:
+    """The writer of `conn`, one of `client`'s connections (an asyncio StreamWriter for
+    TCP, mitmproxy_rs's stream for UDP and WireGuard); None once it is gone."""
+    handler = handler_of(client)
+    io = handler.transports.get(conn) if handler is not None else None
+    return io.writer if io is not None else None
+
+
+def connection_socket(client: connection.Client, conn: connection.Connection) -> socket.socket | None:
+    """The socket of `conn` (the client's own connection or one of its upstream ones);
+    None once it is gone, or for a connection without a socket (UDP, WireGuard)."""
+    w = writer(client, conn)
+    return w.get_extra_info("socket") if isinstance(w, asyncio.StreamWriter) else None
+
+
+def close(client: connection.Client, conn: connection.Connection) -> bool:
+    """Close `conn`, one of `client`'s connections, as a layer's CloseConnection would;
+    False if it is not open there."""
+    handler = handler_of(client)
+    if handler is None or conn not in handler.transports:
+        return False
+    handler.close_connection(conn)
+    return True
+
+
+def cancel_connect(client: connection.Client, server: connection.Server, message: str) -> bool:
+    """End `server`'s connect in progress with `message` as its error (and so the error of
+    every flow waiting for it); False if there is no such connect."""
+    handler = handler_of(client)
+    io = handler.transports.get(server) if handler is not None else None
+    if io is None or io.handler is None:
+        return False
+    io.handler.cancel(message)
+    return True
+
+
+def listening_sockets() -> list[socket.socket]:
     """The TCP listening sockets of mitmproxy's running server instances."""
+    proxyserver = _proxyserver()
     found = []
-    for instance in instances:
+    for instance in proxyserver.servers if proxyserver else ():
         if isinstance(instance, mode_servers.AsyncioServerInstance):
             for server in instance._servers:
                 found += [s for s in getattr(server, "sockets", ()) if s.type == socket.SOCK_STREAM]
     return found
-
-
-def connection_socket(connections: Mapping[Any, Any], client: Any, conn: Any) -> socket.socket | None:
-    """The socket of `conn` (the client's own connection or one of its upstream
-    connections), from the proxyserver addon's `connections`; None once it is gone,
-    or for a connection without a socket (UDP, WireGuard)."""
-    handler = connections.get(client.id)
-    io = handler.transports.get(conn) if handler is not None else None
-    writer = io.writer if io is not None else None
-    return writer.get_extra_info("socket") if isinstance(writer, asyncio.StreamWriter) else None

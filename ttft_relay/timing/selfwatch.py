@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
-from mitmproxy import connection, ctx, http
+from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from .. import state
@@ -195,17 +195,15 @@ class SelfWatch:
 
     def accept_queues(self) -> dict[str, int]:
         """Connections waiting to be accepted, per listen address."""
-        proxyserver = ctx.master.addons.get("proxyserver")
         queues = {}
-        for sock in connections.listening_sockets(proxyserver.servers if proxyserver else ()):
+        for sock in connections.listening_sockets():
             if (info := tcp_info(sock)) is not None:
                 host, port = sock.getsockname()[:2]
                 queues[f"{host}:{port}"] = info.unacked
         return queues
 
     def _socket(self, flow: http.HTTPFlow, conn) -> socket.socket | None:
-        proxyserver = ctx.master.addons.get("proxyserver")
-        return connections.connection_socket(proxyserver.connections, flow.client_conn, conn) if proxyserver else None
+        return connections.connection_socket(flow.client_conn, conn)
 
     # --- per flow ---------------------------------------------------------------------
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import orjson
 from mitmproxy import command, ctx, exceptions, flow, hooks, http
-from mitmproxy.flow import Error as FlowError
 from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from .. import state
+from ..patches import error_texts
 from ..stream import sse, streaming
 from . import logrotation, phases, record
 
@@ -59,8 +59,6 @@ METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
 """mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
 ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
-CLIENT_GONE = ("client disconnected", "stream reset by client")
-"""mitmproxy's error messages (HTTP/1, HTTP/2) for a client that went away."""
 SHUTDOWN_ERROR = "relay shutting down"
 """The error of a flow the relay ended because it stops (`faults.Shutdown`)."""
 RTT_SAMPLES = 16
@@ -306,14 +304,14 @@ class Timing:
         upstream_answered = flow.response is not None and flow.request.method != "CONNECT"
         status = flow.response.status_code if upstream_answered else None
         if (status is not None and flow.error is not None and not flow.response.stream
-                and flow.error.msg != FlowError.KILLED_MESSAGE):  # killed: the relay answered it itself
+                and flow.error.msg != error_texts.KILLED):  # killed: the relay answered it itself
             # The upstream's head was held for its body, which failed: the client got the relay's error.
             status = st.error_status or 502
         w = st.watcher
         error, error_phase = st.error, st.error_phase
         client_aborted = st.client_aborted
         if flow.error is not None:
-            gone = flow.error.msg.lower().startswith(CLIENT_GONE)
+            gone = error_texts.client_gone(flow.error.msg)
             # A client that hangs up after the API's terminal event had the whole answer (Codex stops
             # reading at response.completed, before the body's end): neither an error nor an abort.
             if not (gone and w is not None and w.done):
