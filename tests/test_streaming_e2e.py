@@ -3,6 +3,9 @@
 "No buffering" is proved by causality, not by clocks: the fake upstream holds a
 later chunk back, and the client must already have everything sent before it,
 first token included, while the chunk is still held.
+
+Cases that differ only by request share a relay per option set (`shared_relay`) and find
+their records by their `x-request-id` (`rid`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from ttft_relay.stream import sse
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.fakes.replies import answer_text
-from tests.harness import read_records
 
 HELD_CHUNK = 6  # every API's stream carries its first token before its seventh event
 CHUNKS = 8
@@ -37,6 +39,16 @@ REQUESTS = {
 }
 
 
+@pytest.fixture
+def fake(module_fake):
+    return module_fake.forget()
+
+
+@pytest.fixture
+def fake_tls(module_fake_tls):
+    return module_fake_tls.forget()
+
+
 def read_exactly(chunks, expected: bytes) -> bytes:
     got = b""
     while len(got) < len(expected):
@@ -45,9 +57,9 @@ def read_exactly(chunks, expected: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("api", list(REQUESTS))
-def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, start_relay):
+def test_chunks_reach_the_client_while_upstream_holds_the_rest(api, fake, shared_relay):
     fake.behaviour.chunks = CHUNKS
-    relay = start_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake))
     path, body = REQUESTS[api]
     resp = assert_streamed_unbuffered(fake, relay.url() + path, body, api)
     assert resp.header("x-accel-buffering") == "no"
@@ -63,23 +75,22 @@ PROVIDER_PATHS = {
 }
 
 
-def test_streams_under_every_provider_prefix_are_unbuffered_and_recorded(fake, start_relay, tmp_path):
+def test_streams_under_every_provider_prefix_are_unbuffered_and_recorded(fake, shared_relay, rid):
     fake.behaviour.chunks = CHUNKS
-    relay = start_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake))
     for path, api in PROVIDER_PATHS.items():
-        assert_streamed_unbuffered(fake, relay.url() + path, REQUESTS[api][1], api)
-    relay.stop()
-    recs = read_records(tmp_path / "timing.jsonl")
+        assert_streamed_unbuffered(fake, relay.url() + path, REQUESTS[api][1], api, {"x-request-id": rid})
+    recs = relay.log.of(rid, len(PROVIDER_PATHS))
     assert [(r["api"], r["status"], r["stream"]) for r in recs] == [(api, 200, True) for api in PROVIDER_PATHS.values()]
     assert all(r["ttft_ms"] is not None and r["transport"] == "http" for r in recs)
 
 
-def assert_streamed_unbuffered(fake, url: str, body, api: str):
+def assert_streamed_unbuffered(fake, url: str, body, api: str, headers: dict | None = None):
     """POST `body` to `url` (through a relay) while the fake holds chunk HELD_CHUNK back: the
     client must already have every byte sent before it, first token included; then the rest,
     byte for byte. Returns the response."""
     gate = fake.hold_before_chunk(HELD_CHUNK)
-    conn, resp = client.request("POST", url, body, timeout=WAIT)
+    conn, resp = client.request("POST", url, body, headers, timeout=WAIT)
     with conn:
         assert resp.status == 200, url
         assert fake.wait_chunk_sent(HELD_CHUNK - 1, WAIT)
@@ -101,19 +112,18 @@ def assert_streamed_unbuffered(fake, url: str, body, api: str):
     return resp
 
 
-def test_out_of_scope_streams_are_streamed_and_otherwise_untouched(fake, start_relay, tmp_path):
+def test_out_of_scope_streams_are_streamed_and_otherwise_untouched(fake, shared_relay, rid):
     fake.behaviour.chunks = CHUNKS
-    relay = start_relay(reverse_to(fake), relay_scope="^/v1/")
+    relay = shared_relay(reverse_to(fake), relay_scope="^/v1/")
     path, body = "/other/chat/completions", REQUESTS[apis.OPENAI_CHAT][1]
-    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, apis.OPENAI_CHAT)
+    resp = assert_streamed_unbuffered(fake, relay.url() + path, body, apis.OPENAI_CHAT, {"x-request-id": rid})
     assert resp.header("x-accel-buffering") is None and resp.header("server-timing") is None
     assert fake.received[-1].header("accept-encoding") is None
-    relay.stop()
-    assert read_records(tmp_path / "timing.jsonl") == []
+    relay.log.none_of(rid)  # checked once the relay stopped
 
 
-def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, start_relay):
-    relay = start_relay(reverse_to(fake))
+def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, shared_relay):
+    relay = shared_relay(reverse_to(fake))
     path, body = REQUESTS[apis.OPENAI_CHAT]
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         for method, status in [("POST", 204), ("POST", 304), ("HEAD", 200)]:
@@ -126,8 +136,8 @@ def test_bodiless_answers_pass_untouched_and_the_connection_stays_usable(fake, s
         assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
 
 
-def test_streamed_requests_ask_upstream_for_identity_encoding(fake, start_relay):
-    relay = start_relay(reverse_to(fake))
+def test_streamed_requests_ask_upstream_for_identity_encoding(fake, shared_relay):
+    relay = shared_relay(reverse_to(fake))
     path, body = REQUESTS[apis.OPENAI_CHAT]
     got = b"".join(c.data for c in client.stream_post(
         relay.url() + path, body, {"accept-encoding": "gzip"}))
@@ -157,6 +167,7 @@ def test_mitm_conf_is_below_the_command_line(fake, start_relay, tmp_path):
 
 
 def _openai_client(relay, upstream, mode: str) -> openai.OpenAI:
+    """Closed with `with`: a kept-alive connection would keep the shared fake's open."""
     if mode == "reverse":
         return openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
     return openai.OpenAI(
@@ -167,6 +178,7 @@ def _openai_client(relay, upstream, mode: str) -> openai.OpenAI:
 
 
 def _anthropic_client(relay, upstream, mode: str) -> anthropic.Anthropic:
+    """Closed with `with`, as `_openai_client`."""
     if mode == "reverse":
         return anthropic.Anthropic(base_url=relay.url(), api_key=FAKE_ANTHROPIC_KEY, max_retries=0)
     return anthropic.Anthropic(
@@ -177,12 +189,12 @@ def _anthropic_client(relay, upstream, mode: str) -> anthropic.Anthropic:
 
 
 @pytest.fixture(params=["reverse", "regular"])
-def sdk_setup(request, fake, fake_tls, start_relay):
+def sdk_setup(request, fake, fake_tls, shared_relay):
     """(mode, relay, upstream): reverse mode over plain HTTP, or the relay as an HTTPS
     proxy in front of a TLS upstream, the client trusting the relay's CA."""
     if request.param == "reverse":
-        return "reverse", start_relay(reverse_to(fake)), fake
-    return "regular", start_relay("regular@0"), fake_tls
+        return "reverse", shared_relay(reverse_to(fake)), fake
+    return "regular", shared_relay("regular@0"), fake_tls
 
 
 def _first_token_arrives_while_held(upstream, texts) -> str:
@@ -201,7 +213,6 @@ def _first_token_arrives_while_held(upstream, texts) -> str:
 def test_openai_sdk_chat_stream(sdk_setup):
     mode, relay, upstream = sdk_setup
     upstream.behaviour.chunks = CHUNKS
-    sdk = _openai_client(relay, upstream, mode)
 
     def texts():
         stream = sdk.chat.completions.create(
@@ -210,34 +221,35 @@ def test_openai_sdk_chat_stream(sdk_setup):
             if chunk.choices and chunk.choices[0].delta.content:
                 yield chunk.choices[0].delta.content
 
-    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+    with _openai_client(relay, upstream, mode) as sdk:
+        assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
     assert upstream.received[-1].header("authorization") == f"Bearer {FAKE_OPENAI_KEY}"
 
 
 def test_openai_sdk_responses_stream(sdk_setup):
     mode, relay, upstream = sdk_setup
     upstream.behaviour.chunks = CHUNKS
-    sdk = _openai_client(relay, upstream, mode)
 
     def texts():
         for event in sdk.responses.create(model="gpt-4.1", input="Say hello", stream=True):
             if event.type == "response.output_text.delta":
                 yield event.delta
 
-    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+    with _openai_client(relay, upstream, mode) as sdk:
+        assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
 
 
 def test_anthropic_sdk_messages_stream(sdk_setup):
     mode, relay, upstream = sdk_setup
     upstream.behaviour.chunks = CHUNKS
-    sdk = _anthropic_client(relay, upstream, mode)
 
     def texts():
         with sdk.messages.stream(model="claude-opus-4-6", max_tokens=64,
                                  messages=[{"role": "user", "content": "Say hello"}]) as stream:
             yield from stream.text_stream
 
-    assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
+    with _anthropic_client(relay, upstream, mode) as sdk:
+        assert _first_token_arrives_while_held(upstream, texts()) == answer_text(CHUNKS)
     got = upstream.received[-1]
     # The SDK sends its key as x-api-key or, in newer versions, as a Bearer token.
     assert FAKE_ANTHROPIC_KEY in (got.header("x-api-key"), got.header("authorization").removeprefix("Bearer "))
@@ -245,20 +257,19 @@ def test_anthropic_sdk_messages_stream(sdk_setup):
 
 def test_non_streamed_sdk_calls_still_work(sdk_setup):
     mode, relay, upstream = sdk_setup
-    sdk = _openai_client(relay, upstream, mode)
-    reply = sdk.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    with _openai_client(relay, upstream, mode) as sdk:
+        reply = sdk.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content == answer_text(upstream.behaviour.chunks)
 
 
 @pytest.mark.parametrize("interim", [100, 103])
-def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interim, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interim, fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     path, body = REQUESTS[apis.OPENAI_CHAT]
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
-        resp = conn.request("POST", path, body, {"x-fake-interim-status": str(interim)})
+        resp = conn.request("POST", path, body, {"x-fake-interim-status": str(interim), "x-request-id": rid})
         assert resp.status == 200  # (the raw client skips interim answers, as h11 and httpx do)
         assert resp.read() == fake.sent[-1].body
-        resp = conn.request("POST", path, body)  # and the connection carries on
+        resp = conn.request("POST", path, body, {"x-request-id": rid})  # and the connection carries on
         assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
-    relay.stop()
-    assert [r["status"] for r in read_records(tmp_path / "timing.jsonl")] == [200, 200]
+    assert [r["status"] for r in relay.log.of(rid, 2)] == [200, 200]
