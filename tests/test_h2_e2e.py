@@ -9,8 +9,6 @@ Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave o
 
 from __future__ import annotations
 
-import time
-
 import h2.errors
 import orjson
 import pytest
@@ -19,7 +17,7 @@ from tests.conftest import reverse_to
 from tests.fakes.h2_wire import H2Client, H2Upstream
 from tests.test_guard import RELAY_KEY
 from tests.test_preauth_e2e import keyed, keys_file  # noqa: F401 (a fixture)
-from tests.test_faults_e2e import records
+from tests.harness import TimingLog, read_records
 
 WAIT = 30
 CHAT = "/v1/chat/completions"
@@ -44,7 +42,7 @@ def test_a_rapid_reset_gets_goaway_and_costs_the_upstream_nothing(fake, start_re
     assert h2c.goaway is not None and h2c.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     # The 100 resets within the budget and the one past it, each with its record;
     # the 1899 streams after it were never read.
-    recs = wait_for_records(tmp_path, 101)
+    recs = TimingLog(tmp_path / "timing.jsonl").wait(101)
     relay.stop()  # nothing more can reach the upstream
     assert len(records(tmp_path)) == 101
     errors = [r["error"] or "" for r in recs]
@@ -55,12 +53,8 @@ def test_a_rapid_reset_gets_goaway_and_costs_the_upstream_nothing(fake, start_re
     assert len(fake.received) <= 10, len(fake.received)
 
 
-def wait_for_records(tmp_path, count: int) -> list[dict]:
-    """The records once there are `count` of them (flows end a few ms after their reset)."""
-    deadline = time.monotonic() + WAIT
-    while len(recs := records(tmp_path)) < count and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return recs
+def records(tmp_path) -> list[dict]:
+    return read_records(tmp_path / "timing.jsonl")
 
 
 def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, tmp_path):
