@@ -61,28 +61,36 @@ def certs(tmp_path_factory) -> TestCerts:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeUpstream]:
+def fake(request) -> Iterator[FakeUpstream]:
+    """A fake upstream of the test's own, or in a module marked `shared_fake` the module's."""
+    if request.node.get_closest_marker("shared_fake"):
+        yield request.getfixturevalue("module_fake").forget()
+        return
     with FakeUpstream() as upstream:
         yield upstream
 
 
 @pytest.fixture
-def fake_tls(certs) -> Iterator[FakeUpstream]:
+def fake_tls(request, certs) -> Iterator[FakeUpstream]:
+    """`fake` over TLS (certificates from the test CA)."""
+    if request.node.get_closest_marker("shared_fake"):
+        yield request.getfixturevalue("module_fake_tls").forget()
+        return
     with FakeUpstream(tls=True, certs=certs) as upstream:
         yield upstream
 
 
 @pytest.fixture(scope="module")
 def module_fake() -> Iterator[FakeUpstream]:
-    """One fake upstream for a module's shared relays (a reverse relay names its port). A module
-    that shares it overrides `fake` with `module_fake.forget()`: each test sees only its own requests."""
+    """One fake upstream for a module's shared relays (a reverse relay names its port): in a
+    module marked `shared_fake`, `fake` is this one, forgetting between tests (`forget()`)."""
     with FakeUpstream() as upstream:
         yield upstream
 
 
 @pytest.fixture(scope="module")
 def module_fake_tls(certs) -> Iterator[FakeUpstream]:
-    """`module_fake` over TLS (certificates from the test CA)."""
+    """`module_fake` over TLS: `fake_tls` in a module marked `shared_fake`."""
     with FakeUpstream(tls=True, certs=certs) as upstream:
         yield upstream
 

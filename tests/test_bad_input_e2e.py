@@ -23,15 +23,12 @@ from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.fakes.http_wire import find_header
 
+pytestmark = pytest.mark.shared_fake
+
 WAIT = 30
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {FAKE_OPENAI_KEY}"}
 GOOD = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def fake(module_fake):
-    return module_fake.forget()
 
 
 def still_serving(relay, rid: str) -> None:

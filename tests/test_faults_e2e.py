@@ -32,6 +32,8 @@ from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total
 
+pytestmark = pytest.mark.shared_fake
+
 WAIT = 20  # seconds: turns a hang into a failure
 
 REQUESTS = {
@@ -46,16 +48,6 @@ TIMEOUTS_1S = {"relay_head_timeout": 1, "relay_first_token_timeout": 1, "relay_i
 def body_for(api: str, stream: bool) -> tuple[str, dict]:
     path, body = REQUESTS[api]
     return path, {**body, "stream": stream}
-
-
-@pytest.fixture
-def fake(module_fake):
-    return module_fake.forget()
-
-
-@pytest.fixture
-def fake_tls(module_fake_tls):
-    return module_fake_tls.forget()
 
 
 @pytest.fixture(scope="module")

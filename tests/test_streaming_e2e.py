@@ -22,6 +22,8 @@ from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.fakes.replies import answer_text
 
+pytestmark = pytest.mark.shared_fake
+
 HELD_CHUNK = 6  # every API's stream carries its first token before its seventh event
 CHUNKS = 8
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
@@ -37,16 +39,6 @@ REQUESTS = {
     apis.GEMINI: ("/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse",
                    {"contents": [{"role": "user", "parts": [{"text": "Say hello"}]}]}),
 }
-
-
-@pytest.fixture
-def fake(module_fake):
-    return module_fake.forget()
-
-
-@pytest.fixture
-def fake_tls(module_fake_tls):
-    return module_fake_tls.forget()
 
 
 def read_exactly(chunks, expected: bytes) -> bytes:
