@@ -72,7 +72,7 @@ def build(id: str, ts: float, upstream: str, model: str | None, marks: dict[str,
         chunks=120 if "last_token" in marks else None, bytes=9000, token_events=100, prompt_tokens=prompt,
         usage={"input_tokens": prompt, "output_tokens": 100} if prompt else None,
         error=error, client_aborted=client_aborted,
-    )
+    ).as_dict()
 
 
 def handshake(id: str, ts: float, *, failed: bool) -> dict[str, Any]:

@@ -1,18 +1,12 @@
 """The record schema, its text forms and the JSONL writer."""
 
+import re
 import threading
 
 import orjson
 
 from ttft_relay.timing import phases, record
-
-KEYS = {
-    "schema", "id", "request_id", "ts", "api", "model", "stream", "status", "upstream", "marks", "phases",
-    "ttft_ms", "reused_connection", "rtt_ms", "max_gap_ms", "chunks", "bytes",
-    "output_tokens_per_s", "prompt_tokens", "usage", "verdict", "error", "error_phase",
-    "client_aborted", "trim", "transport", "turn", "prewarm", "upstream_request_id", "upstream_processing_ms",
-    *record.LINK_KEYS,
-}
+from tests.harness import REPO
 
 MARKS = {
     "request_body": 1.0, "forwarded": 2.0, "upstream_connect_start": 2.5, "upstream_tcp": 3.0,
@@ -30,7 +24,7 @@ def make(**overrides):
         usage={"input_tokens": 1234, "output_tokens": 200, "cached_tokens": 0, "reasoning_tokens": 0},
     )
     kwargs.update(overrides)
-    return record.build_record(**kwargs)
+    return record.build_record(**kwargs).as_dict()
 
 
 def test_a_websocket_handshake_has_no_first_token_and_its_failure_names_the_transport():
@@ -60,9 +54,35 @@ def test_the_upstreams_own_processing_time_splits_its_wait_from_the_network():
     assert make(upstream_request_id="req_" + "x" * 500)["upstream_request_id"] == ("req_" + "x" * 500)[:128]
 
 
+def readme_record_keys() -> list[str]:
+    """The keys README's "Record schema" table names, in its order."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Record schema"):]
+    section = section[:section.index("\n#", 1)]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return [key for cell in rows for key in re.findall(r"`([a-z_]+)`", cell)]
+
+
+def test_readme_documents_the_records_fields_in_their_order():
+    assert readme_record_keys() == list(record.FIELDS)
+    assert f"### Record schema (`schema: {record.SCHEMA}`)" in (REPO / "README.md").read_text()
+
+
+def test_a_json_line_is_the_records_fields_in_order():
+    rec = record.build_record(**(dict(
+        id="f1", ts=1700000000.12345, api="openai.chat", model="gpt-x", stream=True, status=200,
+        upstream="api.example.com", marks=MARKS, tokens_expected=True, tls_expected=True,
+        reused_connection=False, rtt_ms=200.0, links={"loop_lag_ms": 3.0})))
+    line = orjson.dumps(rec)  # what RecordWriter writes
+    assert line == orjson.dumps(rec.as_dict())
+    assert list(orjson.loads(line)) == list(record.FIELDS)
+    assert record.LINK_KEYS == ("loop_lag_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms",
+                                "upstream_retransmits")
+
+
 def test_record_has_every_key_and_plain_json_values():
     rec = make()
-    assert set(rec) == KEYS
+    assert list(rec) == list(record.FIELDS)
     assert rec["schema"] == record.SCHEMA
     assert orjson.loads(orjson.dumps(rec)) == rec
     assert rec["ts"] == 1700000000.123

@@ -24,7 +24,7 @@ def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=
         id=f"f{i}", ts=ts + i, api="openai.chat", model=model, stream=True, status=None if error else 200,
         upstream=upstream, marks=marks, tokens_expected=True, tls_expected=True, reused_connection=True,
         rtt_ms=None, prompt_tokens=prompt, error=error,
-    )
+    ).as_dict()
 
 
 def write_log(path: Path, records) -> Path:

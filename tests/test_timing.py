@@ -1,5 +1,7 @@
 """The Timing addon's hooks on hand-made flows (no proxy, no network)."""
 
+import dataclasses
+
 import orjson
 import pytest
 from mitmproxy.proxy import server_hooks
@@ -7,7 +9,7 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import state
 from ttft_relay.stream import sse
-from ttft_relay.timing import phases, timing
+from ttft_relay.timing import phases, record, timing
 from tests import sse_samples
 
 T0 = 1_700_000_000.0
@@ -66,10 +68,16 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
 
 
 def test_slow_marking_spares_fast_flows_and_prewarm_turns(addon):
-    assert addon.is_slow({"ttft_ms": 100.0})
-    assert not addon.is_slow({"ttft_ms": 99.0})
-    assert not addon.is_slow({"ttft_ms": None})
-    assert not addon.is_slow({"ttft_ms": 5000.0, "prewarm": True})
+    def rec(ttft_ms, prewarm=False):
+        some = record.build_record(id="f", ts=T0, api="openai.chat", model=None, stream=True, status=200,
+                                   upstream="u", marks={}, tokens_expected=True, tls_expected=True,
+                                   reused_connection=None, rtt_ms=None)
+        return dataclasses.replace(some, ttft_ms=ttft_ms, prewarm=prewarm)
+
+    assert addon.is_slow(rec(100.0))
+    assert not addon.is_slow(rec(99.0))
+    assert not addon.is_slow(rec(None))
+    assert not addon.is_slow(rec(5000.0, prewarm=True))
     f, _ = make_flow(stream=False)
     f.response.timestamp_start = f.response.timestamp_end = T0 + 0.05
     f.server_conn.timestamp_start = None  # no upstream connection phases
@@ -190,7 +198,7 @@ def test_records_reach_every_timing_record_hook_once(tmp_path):
             self.got = []
 
         def timing_record(self, record, flow):
-            self.got.append((record["id"], flow))
+            self.got.append((record.id, flow))
 
     t, sink = timing.Timing(), Sink()
     with taddons.context(t, sink) as tctx:

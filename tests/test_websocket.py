@@ -21,7 +21,7 @@ class Records:
         self.got: list[dict] = []
 
     def timing_record(self, record, flow) -> None:
-        self.got.append(record)
+        self.got.append(record.as_dict())
 
 
 def responses_events(text_pieces=("Hel", "lo"), response_id="resp_1") -> list[dict]:

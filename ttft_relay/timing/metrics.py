@@ -34,12 +34,12 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 from .. import apis
+from . import record
 
 logger = logging.getLogger(__name__)
 
@@ -119,26 +119,25 @@ class RelayMetrics:
         for listener, waiting in (accept_queues or {}).items():
             self.accept_queue.labels(listener).set(waiting)
 
-    def observe(self, rec: Mapping[str, Any]) -> None:
-        api = rec["api"]
+    def observe(self, rec: record.Record) -> None:
+        api = rec.api
         operation, provider = apis.get(api).semconv
-        labels = (operation, provider, self.models(rec["model"]), self.hosts(rec["upstream"]), api,
-                  status_class(rec["status"]))
-        phases = rec["phases"]
-        failed = bool(rec["error"] or rec["client_aborted"])
-        self.duration.labels(*labels, rec["error_phase"] or ("client_aborted" if failed else "")).observe(
+        labels = (operation, provider, self.models(rec.model), self.hosts(rec.upstream), api, status_class(rec.status))
+        phases = rec.phases
+        failed = bool(rec.error or rec.client_aborted)
+        self.duration.labels(*labels, rec.error_phase or ("client_aborted" if failed else "")).observe(
             phases.get("total", 0.0) / 1000)
         for name in RELAY_PHASES:
             if (ms := phases.get(name)) is not None:
                 self.phases[name].labels(*labels).observe(ms / 1000)
-        usage = rec["usage"] or {}
+        usage = rec.usage or {}
         for kind in ("input", "output"):
             if (n := usage.get(f"{kind}_tokens")) is not None:
                 self.tokens.labels(*labels, kind).observe(n)
-        if (trim := rec["trim"]) and (before := trim.get("tokens_before")) and (after := trim.get("tokens_after")):
+        if (trim := rec.trim) and (before := trim.get("tokens_before")) and (after := trim.get("tokens_after")):
             if before > after:
                 self.trimmed.labels(*labels).inc(before - after)
-        if failed or (rec["status"] or 0) >= 400 or (ttft := rec["ttft_ms"]) is None:
+        if failed or (rec.status or 0) >= 400 or (ttft := rec.ttft_ms) is None:
             return
         self.ttft.labels(*labels).observe(ttft / 1000)
         out = usage.get("output_tokens")
@@ -228,9 +227,9 @@ class Metrics:
     def done(self) -> None:
         self._stop_server()
 
-    def timing_record(self, record: Mapping[str, Any], flow: http.HTTPFlow) -> None:
+    def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         if self.listen:
-            self.metrics.observe(record)
+            self.metrics.observe(rec)
 
     def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """`selfwatch.SelfWatch.subscribe`'s callback."""

@@ -1,50 +1,10 @@
 """The timing record: one per flow, its schema, its text forms, and the JSONL writer.
 
 A record holds timings, counts and names only: never header values, bodies or
-keys, so a timing log can be shared. Bump `SCHEMA` whenever a key changes
-meaning or goes away (adding keys is compatible).
-
-    schema              int, this schema's version
-    id                  mitmproxy flow id
-    request_id          the client's `x-request-id` header (a correlation id, not a secret:
-                        `ttft-relay diagnose` joins its probes by it), cut to REQUEST_ID_MAX, or null
-    ts                  request head arrival, Unix seconds
-    api                 API shape (`apis.NAMES`)
-    model               model the request named, or null
-    stream              the client asked for a streamed answer
-    status              response status code, or null
-    upstream            upstream host (":port" unless 80/443)
-    marks               {mark: ms since request head}, see `phases.MARKS`
-    phases              {phase: ms}, see `phases.PHASES`; absent when unknown
-    ttft_ms             time to first token (to full response when not streamed), or null
-    reused_connection   the upstream connection served an earlier request; null when none was made
-    rtt_ms              upstream round-trip estimate behind the verdict, or null
-    max_gap_ms          longest silence between response chunks, or null
-    chunks              response chunks seen by the stream watcher, or null
-    bytes               response body bytes seen by the stream watcher, or null
-    output_tokens_per_s output tokens / (last_token - first_token), or null
-    prompt_tokens       prompt tokens counted by the relay, or null
-    usage               {input_tokens, output_tokens, cached_tokens, reasoning_tokens} as
-                        reported by the upstream, or null
-    verdict             the dominant phase in words (`phases.verdict`)
-    error               what went wrong (transport error, stream error event, HTTP status), or null
-    error_phase         the phase it went wrong in, or null
-    client_aborted      the client went away before the answer was complete
-    trim                what trimming did (owned by the trim addon), or null
-    transport           "http", or "websocket" for a WebSocket's handshake and its turns
-    turn                null for HTTP; on a WebSocket 0 is the handshake (upgrade request →
-                        101 or its failure), 1, 2, ... each turn (a Responses `response.create`)
-    prewarm             a turn that only prepares a response (Responses `"generate": false`): no
-                        output is expected, so its first token is not a slow one
-    upstream_request_id the upstream's own request id (`x-request-id`, `request-id`): what
-                        providers ask for in support tickets, or null
-    upstream_processing_ms  the upstream's own processing time as it reports it
-                        (`openai-processing-ms`), or null
-    loop_lag_ms         the relay's event loop: its worst lag while the request ran (selfwatch), or null
-    client_rtt_ms       the client connection's smoothed round trip (Linux TCP_INFO), or null
-    client_retransmits  segments the kernel retransmitted to the client during the request, or null
-    upstream_tcp_rtt_ms the upstream connection's smoothed round trip (TCP_INFO: to the next hop), or null
-    upstream_retransmits  segments retransmitted to the upstream during the request, or null
+keys, so a timing log can be shared. `Record` is its one definition: its fields, in
+order, are the keys of a JSON line (schema `SCHEMA`), and README's "Record schema"
+table names them (tests/test_record.py holds the two together). Bump `SCHEMA`
+whenever a key changes meaning or goes away (adding keys is compatible).
 """
 
 from __future__ import annotations
@@ -57,6 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -69,13 +30,101 @@ logger = logging.getLogger(__name__)
 SCHEMA = 1
 ERROR_MAX = 300
 """Error texts are cut to this many characters: an upstream error event may be long."""
-LINK_KEYS = ("loop_lag_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms", "upstream_retransmits")
-"""What the relay's self-watch learned of a request (`selfwatch.SelfWatch`)."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
 HTTP = "http"
 WEBSOCKET = "websocket"
 WEBSOCKET_HANDSHAKE_FAILED = "websocket handshake failed"
+
+
+@dataclass(slots=True, kw_only=True)
+class Record:
+    """One flow's (or WebSocket turn's) timing record; its JSON form is `as_dict()`."""
+
+    schema: int = SCHEMA
+    """This schema's version."""
+    id: str
+    """mitmproxy's flow id (a WebSocket turn: the flow's id, `#`, the turn)."""
+    request_id: str | None
+    """The client's `x-request-id` header (a correlation id, not a secret: `ttft-relay
+    diagnose` joins its probes by it), cut to REQUEST_ID_MAX."""
+    ts: float
+    """Request head arrival, Unix seconds."""
+    api: str
+    """API shape (`apis.NAMES`)."""
+    model: str | None
+    """The model the request named."""
+    stream: bool
+    """The client asked for a streamed answer."""
+    status: int | None
+    """Response status code."""
+    upstream: str
+    """Upstream host (":port" unless 80/443)."""
+    marks: dict[str, float]
+    """{mark: ms since the request head}, see `phases.MARKS`."""
+    phases: dict[str, float]
+    """{phase: ms}, see `phases.PHASES`; a phase is absent when unknown."""
+    ttft_ms: float | None
+    """Time to first token (to the full response when not streamed)."""
+    reused_connection: bool | None
+    """The upstream connection served an earlier request; None when none was made."""
+    rtt_ms: float | None
+    """The upstream round-trip estimate behind the verdict."""
+    max_gap_ms: float | None
+    """The longest silence between response chunks."""
+    chunks: int | None
+    """Response chunks the stream watcher saw."""
+    bytes: int | None
+    """Response body bytes the stream watcher saw."""
+    output_tokens_per_s: float | None
+    """Output tokens / (last_token - first_token)."""
+    prompt_tokens: int | None
+    """Prompt tokens the relay counted."""
+    usage: dict[str, Any] | None
+    """{input_tokens, output_tokens, cached_tokens, reasoning_tokens, ...} as the upstream reported them."""
+    verdict: str
+    """The dominant phase in words (`phases.verdict`)."""
+    error: str | None
+    """What went wrong (transport error, stream error event, HTTP status), cut to ERROR_MAX."""
+    error_phase: str | None
+    """The phase it went wrong in."""
+    client_aborted: bool
+    """The client went away before the answer was complete."""
+    trim: dict[str, Any] | None
+    """What trimming did (owned by the trim addon)."""
+    transport: str
+    """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
+    turn: int | None
+    """None for HTTP; on a WebSocket 0 is the handshake (upgrade request → 101 or its
+    failure), 1, 2, ... each turn (a Responses `response.create`)."""
+    prewarm: bool
+    """A turn that only prepares a response (Responses `"generate": false`): no output is
+    expected, so its first token is not a slow one."""
+    upstream_request_id: str | None
+    """The upstream's own request id (`x-request-id`, `request-id`): what providers ask for
+    in support tickets."""
+    upstream_processing_ms: float | None
+    """The upstream's own processing time as it reports it (`openai-processing-ms`)."""
+    loop_lag_ms: float | None = None
+    """The relay's event loop: its worst lag while the request ran (selfwatch)."""
+    client_rtt_ms: float | None = None
+    """The client connection's smoothed round trip (Linux TCP_INFO)."""
+    client_retransmits: int | None = None
+    """Segments the kernel retransmitted to the client during the request."""
+    upstream_tcp_rtt_ms: float | None = None
+    """The upstream connection's smoothed round trip (TCP_INFO: to the next hop)."""
+    upstream_retransmits: int | None = None
+    """Segments retransmitted to the upstream during the request."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as plain data: one JSON line of the timing log, `flow.metadata`'s copy."""
+        return {name: getattr(self, name) for name in FIELDS}
+
+
+FIELDS = tuple(f.name for f in fields(Record))
+"""The record's keys, in the order of a JSON line."""
+LINK_KEYS = FIELDS[FIELDS.index("loop_lag_ms"):]
+"""What the relay's self-watch learned of a request (`selfwatch.SelfWatch`)."""
 
 
 def build_record(
@@ -109,7 +158,7 @@ def build_record(
     upstream_request_id: str | None = None,
     upstream_processing_ms: float | None = None,
     links: Mapping[str, float | int | None] | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """The record of one flow (or WebSocket turn), from plain data (marks relative, in ms).
 
     `tokens_expected`: the answer was streamed as events, so `first_token`
@@ -144,39 +193,38 @@ def build_record(
     if handshake and (error or client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {verdict}"
-    return {
-        "schema": SCHEMA,
-        "id": id,
-        "request_id": request_id[:REQUEST_ID_MAX] if request_id else None,
-        "ts": round(ts, 3),
-        "api": api,
-        "model": model,
-        "stream": stream,
-        "status": status,
-        "upstream": upstream,
-        "marks": dict(marks),
-        "phases": p,
-        "ttft_ms": p.get("ttft"),
-        "reused_connection": reused_connection,
-        "rtt_ms": None if rtt_ms is None else round(rtt_ms, 3),
-        "max_gap_ms": None if max_gap_ms is None else round(max_gap_ms, 3),
-        "chunks": chunks,
-        "bytes": bytes,
-        "output_tokens_per_s": round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
-        "prompt_tokens": prompt_tokens,
-        "usage": dict(usage) if usage else None,
-        "verdict": verdict,
-        "error": error[:ERROR_MAX] if error else None,
-        "error_phase": error_phase,
-        "client_aborted": client_aborted,
-        "trim": dict(trim) if trim else None,
-        "transport": transport,
-        "turn": turn,
-        "prewarm": prewarm,
-        "upstream_request_id": upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
-        "upstream_processing_ms": upstream_processing_ms,
+    return Record(
+        id=id,
+        request_id=request_id[:REQUEST_ID_MAX] if request_id else None,
+        ts=round(ts, 3),
+        api=api,
+        model=model,
+        stream=stream,
+        status=status,
+        upstream=upstream,
+        marks=dict(marks),
+        phases=p,
+        ttft_ms=p.get("ttft"),
+        reused_connection=reused_connection,
+        rtt_ms=None if rtt_ms is None else round(rtt_ms, 3),
+        max_gap_ms=None if max_gap_ms is None else round(max_gap_ms, 3),
+        chunks=chunks,
+        bytes=bytes,
+        output_tokens_per_s=round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
+        prompt_tokens=prompt_tokens,
+        usage=dict(usage) if usage else None,
+        verdict=verdict,
+        error=error[:ERROR_MAX] if error else None,
+        error_phase=error_phase,
+        client_aborted=client_aborted,
+        trim=dict(trim) if trim else None,
+        transport=transport,
+        turn=turn,
+        prewarm=prewarm,
+        upstream_request_id=upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
+        upstream_processing_ms=upstream_processing_ms,
         **links,
-    }
+    )
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -321,7 +369,8 @@ class RecordWriter:
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
         self._thread.start()
 
-    def write(self, rec: Mapping[str, Any]) -> None:
+    def write(self, rec: Record | Mapping[str, Any]) -> None:
+        # orjson writes a dataclass as an object of its fields in order: `as_dict()`'s JSON.
         self._queue.put(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
 
     def reopen(self) -> None:

@@ -3,15 +3,15 @@
 The addon collects marks on the flow's timeline from mitmproxy's timestamps, its
 own `request` hook and the stream watcher, and when the flow ends (`response`,
 or `error` for failures and client aborts) turns them into one record
-(`record.build_record`), shown as the flow's comment in mitmweb (slow flows
-marked) and kept as plain data in `flow.metadata["ttft_relay"]`, which survives
-saving flows. A `Server-Timing` header tells the client the phases known when
+(a `record.Record`, from `record.build_record`), shown as the flow's comment in
+mitmweb (slow flows marked) and kept as plain data (`Record.as_dict()`) in
+`flow.metadata["ttft_relay"]`, which survives saving flows. A `Server-Timing` header tells the client the phases known when
 the head leaves.
 
 Every record — an HTTP flow's, a WebSocket handshake's, each WebSocket turn's
 (`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: appended to
 `relay_timing_log`, logged as a console line, and handed to every addon that
-implements the `timing_record(record, flow)` hook (metrics).
+implements the `timing_record(record, flow)` hook (metrics), which gets the `Record`.
 
 Ordering: the `request` hook marks `forwarded`, the moment the request leaves
 the relay's hands, so this addon must come after every addon that works on the
@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 from mitmproxy import command, ctx, exceptions, flow, hooks, http
@@ -44,11 +43,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TimingRecordHook(hooks.Hook):
-    """A timing record is finished. `record` is plain data (the schema in
-    ttft_relay/timing/record.py); `flow` the HTTP flow it describes, or the WebSocket flow a
-    turn ran on. Each record is published exactly once."""
+    """A timing record is finished (`record.Record`); `flow` the HTTP flow it describes,
+    or the WebSocket flow a turn ran on. Each record is published exactly once."""
 
-    record: dict[str, Any]
+    record: record.Record
     flow: http.HTTPFlow
 
 
@@ -275,19 +273,19 @@ class Timing:
         elif flow.response is not None and flow.response.timestamp_end is not None:
             marks.setdefault("end", flow.response.timestamp_end)
         rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
-        flow.metadata[METADATA_KEY] = rec
+        data = flow.metadata[METADATA_KEY] = rec.as_dict()
         slow = self.is_slow(rec)
-        flow.comment = record.comment(rec, slow=slow)
+        flow.comment = record.comment(data, slow=slow)
         if slow:
             flow.marked = SLOW_MARKER
         self.publish(rec, flow)
 
-    def publish(self, rec: dict[str, Any], flow: http.HTTPFlow) -> None:
+    def publish(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         """Send a finished record to every sink: the log, the console, the `timing_record` hook."""
         if self.writer is not None:
             self.writer.write(rec)
         if self.console and logger.isEnabledFor(logging.INFO):
-            self.console_lines.add(record.summary_line(rec))
+            self.console_lines.add(record.summary_line(rec.as_dict()))
         ctx.master.addons.trigger(TimingRecordHook(rec, flow))
 
     def upstream_rtt_ms(self, upstream: str) -> float | None:
@@ -295,11 +293,11 @@ class Timing:
         samples = self.rtt_samples.get(upstream)
         return min(samples) if samples else None
 
-    def is_slow(self, rec: dict[str, Any]) -> bool:
+    def is_slow(self, rec: record.Record) -> bool:
         """A first token at least `relay_slow_ms` late; a prewarm turn asks for no token."""
-        return bool(self.slow_ms) and not rec.get("prewarm") and (rec["ttft_ms"] or 0) >= self.slow_ms
+        return bool(self.slow_ms) and not rec.prewarm and (rec.ttft_ms or 0) >= self.slow_ms
 
-    def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> dict[str, Any]:
+    def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> record.Record:
         # A CONNECT's response is the proxy's own, never the upstream's.
         upstream_answered = flow.response is not None and flow.request.method != "CONNECT"
         status = flow.response.status_code if upstream_answered else None
