@@ -29,6 +29,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   resetting streams in a loop gets GOAWAY (`guard.ClientLimits`).
 - `stream_reset`: a deadline resets its flow's HTTP/2 upstream stream, not the connection
   its siblings share (`faults.Deadlines`).
+- `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
+  client's framing in one step, not through mitmproxy's per-chunk routing (`stream.Streaming`).
 
 Private mitmproxy code read but not patched, pinned the same way:
 
@@ -54,6 +56,7 @@ from . import (
     hook_plans,
     interim_answers,
     listen_backlog,
+    splice,
     stream_reset,
     trailers,
     upstream_copy,
@@ -72,6 +75,7 @@ PATCHES: tuple[ModuleType, ...] = (
     ca_once,
     client_resets,
     stream_reset,
+    splice,
 )
 
 
@@ -81,9 +85,11 @@ def originals() -> dict[tuple[type, str], Callable]:
 
 
 def patched() -> list[str]:
-    """The mitmproxy functions replaced right now, as `Owner.name`."""
+    """The mitmproxy functions replaced right now, as `Owner.name`. Read from each owner's
+    own namespace: `splice` sets an attribute Http1Client otherwise inherits (from a class
+    another patch may wrap)."""
     return [f"{owner.__name__}.{name}" for (owner, name), original in originals().items()
-            if getattr(owner, name) is not original]
+            if vars(owner).get(name, original) is not original]
 
 
 def uninstall_all() -> None:

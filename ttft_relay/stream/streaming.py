@@ -30,7 +30,7 @@ from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
 from .. import state
-from ..patches import interim_answers
+from ..patches import interim_answers, splice
 from . import sse
 
 logger = logging.getLogger(__name__)
@@ -184,13 +184,27 @@ class Streaming:
             "How much of each streamed body to keep for viewing in mitmweb "
             "(e.g. 256k, 1m; 0 keeps nothing). Bounds the relay's memory per flow.",
         )
+        loader.add_option(
+            "relay_stream_splice",
+            bool,
+            True,
+            "Pass the chunks of a streamed HTTP/1 response from upstream to client in one step "
+            "(ttft_relay/patches/splice.py) instead of through mitmproxy's per-chunk event routing; "
+            "the bytes are the same, the CPU per chunk lower.",
+        )
 
     def done(self) -> None:
         interim_answers.uninstall()
+        splice.uninstall()
 
     def configure(self, updated) -> None:
         if "relay_stream" in updated:
             self.enabled = ctx.options.relay_stream
+        if "relay_stream_splice" in updated:
+            if ctx.options.relay_stream_splice:
+                splice.install()
+            else:
+                splice.uninstall()
         if "relay_stream_view_max" in updated:
             self.view_max = human.parse_size(ctx.options.relay_stream_view_max) or 0
 
