@@ -25,9 +25,9 @@ RATE_INTERVAL = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 """The uid the provisioned data source (provisioning/datasources/prometheus.yaml) has."""
 PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
-"""The phases ttft_relay/timing/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it exists
-only for requests whose bytes the kernel held, so its series are born at random times, and
-rate() cannot count a series' first observations; the saturation panels show the same cause."""
+"""The phases ttft_relay/timing/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it is
+observed for every call (0 when the kernel held nothing), so its mean per call that had it would be its
+mean over all calls; it has a saturation panel of its own."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ def loop_lag_quantile(q: float) -> Query:
                                      f"(rate(ttft_relay_event_loop_lag_seconds_bucket[{RATE_INTERVAL}])))")
 
 
+def relay_queue_quantile(q: float) -> Query:
+    return Query(f"p{round(q * 100)}", f"histogram_quantile({q}, sum by (le) "
+                                     f"(rate(ttft_relay_relay_queue_seconds_bucket[{RATE_INTERVAL}])))")
+
+
 def phase_mean(phase: str) -> Query:
     metric = f"ttft_relay_{phase}_seconds"
     return Query(phase, f"sum(rate({metric}_sum[{RATE_INTERVAL}])) / sum(rate({metric}_count[{RATE_INTERVAL}]))")
@@ -78,6 +83,10 @@ PANELS = (
     Panel("Relay saturation: event-loop lag", "How late the relay's event loop runs a timer due every 50 ms "
           "(ttft_relay/timing/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
           "then add workers, see Scaling out).", "s", (loop_lag_quantile(0.5), loop_lag_quantile(0.99))),
+    Panel("Relay saturation: time queued in the relay", "How long a call's bytes waited in the kernel because "
+          "the relay's event loop was busy (the relay_queue phase, ttft_relay/timing/phases.py; 0 for most calls): "
+          "mean per call and p99. Above a few ms the relay is the slow hop.", "s",
+          (phase_mean("relay_queue"), relay_queue_quantile(0.99))),
     Panel("Relay saturation: accept queue", "Connections the kernel holds for each listener until the relay "
           "accepts them.", "short",
           (Query("{{listener}}", "max by (listener) (ttft_relay_accept_queue_connections)"),)),

@@ -55,6 +55,10 @@ DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
 RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upload", "relay", "relay_queue")
+ALWAYS_OBSERVED = ("relay_queue",)
+"""Phases observed as 0 for the calls that did not have them: relay_queue exists only for
+requests whose bytes the kernel held, and a series born with its first queued call would
+have that call missed by rate() (which counts increases after a series' first sample)."""
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
           "status_class")
@@ -128,7 +132,7 @@ class RelayMetrics:
         self.duration.labels(*labels, rec.error_phase or ("client_aborted" if failed else "")).observe(
             phases.get("total", 0.0) / 1000)
         for name in RELAY_PHASES:
-            if (ms := phases.get(name)) is not None:
+            if (ms := phases.get(name, 0.0 if name in ALWAYS_OBSERVED else None)) is not None:
                 self.phases[name].labels(*labels).observe(ms / 1000)
         usage = rec.usage or {}
         for kind in ("input", "output"):
