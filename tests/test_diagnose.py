@@ -356,7 +356,9 @@ def test_a_slow_websocket_handshake_is_named(fake):
     evidence, result = run_diagnosis("--transport", "websocket", "--upstream", fake.base_url, "--repeat", "1",
                                      "--long-tokens", "100")
     f = finding(result, diagnosis.WEBSOCKET_HANDSHAKE)
-    assert f.significant and 400 <= f.ms < 400 + SLACK_MS
+    # The fake starts holding the 101 when the head arrives, which on a loaded machine can be
+    # a little before the probe, back from its write, takes its "sent" mark (seen: 399.7 ms).
+    assert f.significant and 0.98 * 400 <= f.ms < 400 + SLACK_MS
 
 
 def test_websocket_needs_the_responses_api():
