@@ -13,6 +13,7 @@ import pytest
 from ttft_relay import apis
 from ttft_relay.apis.api import Api, ErrorFormat
 from ttft_relay.stream.reader import Reader
+from ttft_relay.trim.shape import Shape
 
 SUPPORT_MODULES = {"api"}
 """Modules of the package that are not an API."""
@@ -33,6 +34,10 @@ PART_CHECKS = {
     "model_and_stream": callable,
     "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
     "websocket_turns": lambda v: isinstance(v, bool),
+    "trim_shape": lambda v: v is None or isinstance(v, Shape) and all(
+        isinstance(getattr(v, key, None), kind)
+        for key, kind in (("items_key", str), ("fixed_keys", tuple), ("text_part_type", str), ("image_part_types", frozenset))
+    ) and type(v).calls is not Shape.calls and type(v).results is not Shape.results,
     "reader": lambda v: isinstance(v, Reader),
     "errors": lambda v: isinstance(v, ErrorFormat) and type(v).body is not ErrorFormat.body,
     "semconv": lambda v: isinstance(v, tuple) and len(v) == 2 and all(isinstance(s, str) and s for s in v),

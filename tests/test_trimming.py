@@ -40,14 +40,14 @@ def claude_counter() -> tokens.Counter:
 
 
 def full_tokens(body: dict, api: str, counter) -> int:
-    shape = trimming.SHAPES[api]
+    shape = apis.get(api).trim_shape
     fixed = sum(counter.value(body[k]) for k in shape.fixed_keys if body.get(k) is not None)
     return counter.request_overhead + fixed + sum(counter.message(m) for m in body[shape.items_key])
 
 
 def head(api: str, body: dict) -> list:
     items = shaped.items_of(api, body)
-    return items[: trimming.layout(items, trimming.SHAPES[api]).head_end]
+    return items[: trimming.layout(items, apis.get(api).trim_shape).head_end]
 
 
 def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming.TrimResult:
@@ -67,10 +67,10 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming
     assert full_tokens(sent, api, counter) == stats["tokens_after"]
     items, kept = shaped.items_of(api, body), shaped.items_of(api, sent)
     assert kept[: len(head(api, body))] == head(api, body), "the pinned head is sent byte for byte"
-    pinned = [i for i in items if trimming.SHAPES[api].pinned(i)]
-    assert [i for i in kept if trimming.SHAPES[api].pinned(i)] == pinned, "system/developer/context items all kept"
+    pinned = [i for i in items if apis.get(api).trim_shape.pinned(i)]
+    assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
     assert kept[-1] == items[-1], "the newest message is sent whole"
-    lay = trimming.layout(items, trimming.SHAPES[api])
+    lay = trimming.layout(items, apis.get(api).trim_shape)
     # The newest round (its calls and results) is never shrunk; the newest turn never dropped.
     whole = items[max(lay.protect_from, lay.newest) :]
     assert kept[len(kept) - len(whole) :] == whole, "the newest round and turn are whole"

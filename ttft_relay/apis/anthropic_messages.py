@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
+from ..trim.shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
 from .api import Api, ErrorFormat, model_and_stream_from_body
 
 if TYPE_CHECKING:
@@ -92,6 +94,75 @@ class MessagesReader(Reader):
                 out.call(index).arguments += as_str(dig(obj, "delta", "partial_json"))
 
 
+LONG_CONTEXT_BETA = "context-1m-"
+"""Start of the `anthropic-beta` value that opens Claude's 1M-token window."""
+
+
+class MessagesShape(Shape):
+    """`system` is top-level, and mid-conversation system messages may sit in `messages`;
+    tool results arrive as blocks in user messages, so a user message with tool results
+    continues a turn instead of starting one. Server tool blocks (`server_tool_use`,
+    `web_search_tool_result`, ...) pair up inside one assistant message."""
+
+    items_key = "messages"
+    fixed_keys = ("system", "tools")
+    text_part_type = "text"
+    image_part_types = frozenset({"image", "document"})
+
+    def long_context(self, anthropic_beta: str | None) -> bool:
+        # Claude's 1M window: `anthropic-beta: context-1m-2025-08-07`
+        return any(b.strip().startswith(LONG_CONTEXT_BETA) for b in (anthropic_beta or "").split(","))
+
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
+        return id_problem(item.get("content"), "id", "tool_use_id")
+
+    def calls(self, item: dict) -> Iterator[str]:
+        # tool_use, server_tool_use, mcp_tool_use: all answered by a block naming their id
+        for block in item.get("content") if isinstance(item.get("content"), list) else ():
+            if isinstance(block, dict) and str(block.get("type", "")).endswith("tool_use") and "id" in block:
+                yield block["id"]
+
+    def results(self, item: dict) -> Iterator[str]:
+        return ids(item.get("content"), "tool_use_id")
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        content = item.get("content")
+        if not isinstance(content, list):
+            return None
+        role = item.get("role")
+        blocks, changed = [], False
+        for block in content:
+            new = None
+            if isinstance(block, dict):
+                new = self._shrink_block(block, kind, role)
+            blocks.append(block if new is None else new)
+            changed = changed or new is not None
+        return {**item, "content": blocks} if changed else None
+
+    def _shrink_block(self, block: dict, kind: str, role: Any) -> dict | None:
+        kind_of_block = block.get("type")
+        if kind == RESULTS and kind_of_block == "tool_result":
+            inner = block.get("content")
+            if size(inner) >= SHRINK_MIN_CHARS:
+                return {**block, "content": placeholder("tool result", size(inner))}
+        elif kind == ARGUMENTS and kind_of_block == "tool_use" and role == "assistant":
+            args = block.get("input")
+            if size(args) >= SHRINK_MIN_CHARS:
+                return {**block, "input": {"ttft_relay": placeholder("arguments", size(args))}}
+        elif kind == IMAGES and role == "user":
+            if self._is_image(block):
+                return self._image_placeholder(block)
+            if kind_of_block == "tool_result" and (inner := self._without_images(block.get("content"))):
+                return {**block, "content": inner}
+        return None
+
+    def _image_placeholder(self, part: dict) -> dict:
+        text = super()._image_placeholder(part)
+        return {**text, "cache_control": part["cache_control"]} if "cache_control" in part else text
+
+
 API = Api(
     name=NAME,
     scope=r"/messages/?(?:\?|$)",
@@ -99,6 +170,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=("anthropic-version",),
     websocket_turns=False,
+    trim_shape=MessagesShape(),
     reader=MessagesReader(),
     errors=AnthropicErrors(),
     semconv=("chat", "anthropic"),

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ..stream.reader import Reader
+from ..trim.shape import Shape
 
 
 def error_code(status: int) -> str:
@@ -74,6 +75,8 @@ class Api:
     guard answers a refusal in this API's error format when one is present."""
     websocket_turns: bool
     """Its WebSocket carries turns (`response.create` … terminal event) that are timed."""
+    trim_shape: Shape | None
+    """How its requests lay out a conversation, for trimming; None: never trimmed."""
     reader: Reader
     """What its stream's events mean: first and last token, usage, errors, the end."""
     errors: ErrorFormat

@@ -110,6 +110,7 @@ API = Api(
     model_and_stream=model_and_stream,
     client_headers=("x-goog-api-key",),
     websocket_turns=False,
+    trim_shape=None,
     reader=GeminiReader(),
     errors=GeminiErrors(),
     semconv=("generate_content", "gcp.gemini"),

@@ -4,9 +4,11 @@ OpenAI-compatible servers copy for every endpoint."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
+from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
 from .api import Api, ErrorFormat, error_code, model_and_stream_from_body
 
 if TYPE_CHECKING:
@@ -98,6 +100,48 @@ def _choices(obj: Any) -> list[dict]:
     return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
 
 
+class ChatShape(Shape):
+    items_key = "messages"
+    fixed_keys = ("tools", "functions")
+    text_part_type = "text"
+    image_part_types = frozenset({"image_url", "input_audio", "file"})
+
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
+        calls = item.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return "tool_calls is not a list of objects"
+        if "tool_call_id" in item and not isinstance(item["tool_call_id"], str):
+            return "tool_call_id is not a string"
+        return id_problem(calls, "id")
+
+    def calls(self, item: dict) -> Iterator[str]:
+        return ids(item.get("tool_calls"), "id")
+
+    def results(self, item: dict) -> Iterator[str]:
+        if item.get("role") == "tool" and "tool_call_id" in item:
+            yield item["tool_call_id"]
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        role = item.get("role")
+        if kind == RESULTS and role in ("tool", "function"):
+            content = item.get("content")
+            if size(content) >= SHRINK_MIN_CHARS:
+                return {**item, "content": placeholder("tool result", size(content))}
+        elif kind == ARGUMENTS and role == "assistant" and isinstance(item.get("tool_calls"), list):
+            calls, changed = [], False
+            for call in item["tool_calls"]:
+                fn = call.get("function")
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
+                    call = {**call, "function": {**fn, "arguments": json_placeholder("arguments", len(args))}}
+                    changed = True
+                calls.append(call)
+            return {**item, "tool_calls": calls} if changed else None
+        return super().shrink(item, kind)
+
+
 API = Api(
     name=NAME,
     scope=r"/chat/completions/?(?:\?|$)",
@@ -105,6 +149,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=False,
+    trim_shape=ChatShape(),
     reader=ChatReader(),
     errors=OpenAIErrors(),
     semconv=("chat", "openai"),

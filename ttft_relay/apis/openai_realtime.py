@@ -67,6 +67,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=True,
+    trim_shape=None,
     reader=RealtimeReader(),
     errors=RealtimeErrors(),
     semconv=("chat", "openai"),

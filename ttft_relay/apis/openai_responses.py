@@ -5,9 +5,11 @@ stream would carry)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
+from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
 from .api import Api, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 
@@ -110,6 +112,61 @@ class ResponsesReader(Reader):
             out.call(as_str(obj.get("item_id"))).arguments += as_str(delta)
 
 
+class ResponsesShape(Shape):
+    """Input items: messages (typed or not), `*_call` / `*_call_output` pairs joined by
+    `call_id`, reasoning and other items that belong to the turn they appear in."""
+
+    items_key = "input"
+    fixed_keys = ("instructions", "tools")
+    text_part_type = "input_text"
+    image_part_types = frozenset({"input_image", "input_file"})
+
+    _SHRUNK_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
+    """Outputs whose `output` is text (or content parts) the model read; others (e.g. a
+    computer call's screenshot object) keep the structure their API requires."""
+
+    def problem(self, item: Any) -> str | None:
+        if problem := super().problem(item):
+            return problem
+        if not isinstance(item.get("type", "message"), str):
+            return "input item type is not a string"
+        if "call_id" in item and not isinstance(item["call_id"], str):
+            return "call_id is not a string"
+        return None
+
+    def items(self, body: dict) -> Any:
+        items = body.get(self.items_key)
+        # `input` as one string: a single user message
+        return [{"role": "user", "content": items}] if isinstance(items, str) else items
+
+    def role(self, item: dict) -> str | None:
+        return super().role(item) if item.get("type", "message") == "message" else None
+
+    def calls(self, item: dict) -> Iterator[str]:
+        if item.get("type", "").endswith("_call") and "call_id" in item:
+            yield item["call_id"]
+
+    def results(self, item: dict) -> Iterator[str]:
+        if item.get("type", "").endswith("_call_output") and "call_id" in item:
+            yield item["call_id"]
+
+    def shrink(self, item: dict, kind: str) -> dict | None:
+        kind_of_item = item.get("type")
+        if kind == RESULTS and kind_of_item in self._SHRUNK_OUTPUTS:
+            output = item.get("output")
+            if size(output) >= SHRINK_MIN_CHARS:
+                return {**item, "output": placeholder("tool result", size(output))}
+        elif kind == ARGUMENTS and kind_of_item == "function_call":
+            args = item.get("arguments")
+            if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
+                return {**item, "arguments": json_placeholder("arguments", len(args))}
+        elif kind == ARGUMENTS and kind_of_item == "custom_tool_call":
+            text = item.get("input")
+            if isinstance(text, str) and len(text) >= SHRINK_MIN_CHARS:
+                return {**item, "input": placeholder("input", len(text))}
+        return super().shrink(item, kind)
+
+
 API = Api(
     name=NAME,
     scope=r"/responses/?(?:\?|$)",
@@ -117,6 +174,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=True,
+    trim_shape=ResponsesShape(),
     reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),

@@ -16,6 +16,7 @@ API = Api(
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
     websocket_turns=False,
+    trim_shape=None,
     reader=Reader(),  # never a token (content cannot be told from metadata), but [DONE] and errors
     errors=OpenAIErrors(),
     semconv=("other", "other"),

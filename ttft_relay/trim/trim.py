@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 
-from .. import state
+from .. import apis, state
 from . import tokens, trimming
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Trim:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if not ctx.options.relay_trim or st is None or st.api not in trimming.SHAPES or st.request_json is None:
+        if not ctx.options.relay_trim or st is None or apis.get(st.api).trim_shape is None or st.request_json is None:
             return
         try:
             await self._trim(flow, st)

@@ -1,5 +1,9 @@
 """What to leave out of an oversized conversation, per API shape (pure, sans-IO).
 
+The policy is the same for every API; how an API lays out its conversation (where the
+items are, their roles, calls and results, what a shrunk part looks like) is its API
+module's trim shape (`shape.Shape`, `ttft_relay/apis/`).
+
 A request over budget is cut down in this order, each step oldest first, until it fits
 `LOW_WATER` of the budget:
 
@@ -43,13 +47,14 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
 from .. import apis
+from .shape import SHRINK_KINDS, Shape
 from .tokens import longest_prefix
 
 DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
@@ -87,8 +92,6 @@ MAX_INPUT_TOKENS: dict[str, int] = {"gpt-5": 272_000, "gpt-5-chat": 128_000, "gp
 """Models whose API takes fewer input tokens than window minus output (GPT-5: 400k
 window, at most 272k of it input)."""
 
-LONG_CONTEXT_BETA = "context-1m-"
-"""Start of the `anthropic-beta` value that opens Claude's 1M-token window."""
 LONG_CONTEXT_WINDOWS: dict[str, int] = {"claude-": 1_000_000}
 """Windows with the long-context beta header."""
 
@@ -118,9 +121,6 @@ COUNT_LIMIT = 2
 UNBUDGETED_COUNT_LIMIT = 2_000_000
 """Without a budget (unknown model, no relay_trim_max_tokens) prompts are still counted,
 for the record, up to this many tokens."""
-
-SHRINK_MIN_CHARS = 256
-"""Parts shorter than this are not worth a placeholder."""
 
 NOTICE = "[ttft-relay: {n} earlier turns of this conversation were left out to fit the context budget]"
 
@@ -172,10 +172,9 @@ def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
 
 
 def long_context(api: str, anthropic_beta: str | None) -> bool:
-    """The request opens Claude's 1M window (`anthropic-beta: context-1m-2025-08-07`)."""
-    return api == apis.ANTHROPIC_MESSAGES and any(
-        b.strip().startswith(LONG_CONTEXT_BETA) for b in (anthropic_beta or "").split(",")
-    )
+    """The request opens the model's long window (Claude's 1M: `anthropic-beta: context-1m-…`)."""
+    shape = apis.get(api).trim_shape
+    return shape is not None and shape.long_context(anthropic_beta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,292 +217,6 @@ def _reserved_output(body: Any, default: int) -> int:
     return default
 
 
-# --- API shapes ------------------------------------------------------------------------
-
-RESULTS, ARGUMENTS, IMAGES = "tool results", "tool-call arguments", "images"
-SHRINK_KINDS = (RESULTS, ARGUMENTS, IMAGES)
-"""What shrinking replaces, in this order."""
-
-CONTEXT_MARKERS = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions")
-"""How Codex marks the user messages that carry context rather than a question."""
-
-_PINNED_ROLES = frozenset({"system", "developer"})
-
-
-def placeholder(what: str, removed_chars: int) -> str:
-    """What replaces a shrunk part: says what was there and how much of it."""
-    return f"[ttft-relay: {what} removed to fit the context budget ({removed_chars:,} characters)]"
-
-
-def _size(value: Any) -> int:
-    """Characters of a part as the model would read it."""
-    if isinstance(value, str):
-        return len(value)
-    try:
-        return len(orjson.dumps(value))
-    except TypeError:
-        return SHRINK_MIN_CHARS
-
-
-def _first_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and isinstance(content[0], dict):
-        text = content[0].get("text")
-        return text if isinstance(text, str) else ""
-    return ""
-
-
-def _ids(values: Any, key: str) -> Iterator[str]:
-    for v in values if isinstance(values, list) else ():
-        if isinstance(v, dict) and key in v:
-            yield v[key]
-
-
-def _id_problem(values: Any, *keys: str) -> str | None:
-    for v in values if isinstance(values, list) else ():
-        for key in keys:
-            if isinstance(v, dict) and key in v and not isinstance(v[key], str):
-                return f"{key} is not a string"
-    return None
-
-
-class _Shape:
-    """How one API lays out a conversation. Subclasses answer per item (a dict)."""
-
-    items_key: str
-    """Body key of the conversation list."""
-    fixed_keys: tuple[str, ...]
-    """Body keys of request-level parts that are always sent (and counted)."""
-    text_part_type: str
-    """Content part type of plain text (notice, image placeholders)."""
-    image_part_types: frozenset[str]
-
-    def problem(self, item: Any) -> str | None:
-        """Why `item` cannot be trimmed around (ids that cannot be paired), or None."""
-        if not isinstance(item, dict):
-            return "item is not an object"
-        if "role" in item and not isinstance(item["role"], str):
-            return "role is not a string"
-        return None
-
-    def role(self, item: dict) -> str | None:
-        """The role of a message; None for other items (calls, reasoning, ...)."""
-        role = item.get("role")
-        return role if isinstance(role, str) else None
-
-    def pinned(self, item: dict) -> bool:
-        """Always kept as it is: system/developer messages and context items."""
-        role = self.role(item)
-        return role in _PINNED_ROLES or (role == "user" and _first_text(item.get("content")).lstrip().startswith(CONTEXT_MARKERS))
-
-    def is_prompt(self, item: dict) -> bool:
-        """A user message that asks something (not one carrying tool results)."""
-        return self.role(item) == "user" and not any(self.results(item))
-
-    def calls(self, item: dict) -> Iterator[str]:
-        """Ids of tool calls this item makes."""
-        raise NotImplementedError
-
-    def results(self, item: dict) -> Iterator[str]:
-        """Ids of tool calls this item answers."""
-        raise NotImplementedError
-
-    def shrink(self, item: dict, kind: str) -> dict | None:
-        """`item` with its parts of `kind` replaced by placeholders; None if it has none."""
-        if kind == IMAGES and self.role(item) == "user":
-            content = self._without_images(item.get("content"))
-            return None if content is None else {**item, "content": content}
-        return None
-
-    def _without_images(self, content: Any) -> list | None:
-        """`content` with each image part replaced by a text part; None if it has none."""
-        if not isinstance(content, list) or not any(self._is_image(p) for p in content):
-            return None
-        return [self._image_placeholder(p) if self._is_image(p) else p for p in content]
-
-    def _is_image(self, part: Any) -> bool:
-        return isinstance(part, dict) and part.get("type") in self.image_part_types
-
-    def _image_placeholder(self, part: dict) -> dict:
-        return {"type": self.text_part_type, "text": placeholder("image", _size(part))}
-
-    def with_notice(self, item: dict, notice: str) -> dict:
-        """`item` (a user message) with the notice in front of its content."""
-        content = item.get("content")
-        if isinstance(content, list):
-            content = [{"type": self.text_part_type, "text": notice}, *content]
-        else:
-            content = f"{notice}\n\n{content or ''}"
-        return {**item, "content": content}
-
-
-def _json_placeholder(what: str, removed_chars: int) -> str:
-    """A placeholder that is still a JSON object, for arguments given as JSON text."""
-    return orjson.dumps({"ttft_relay": placeholder(what, removed_chars)}).decode()
-
-
-class _OpenAIChat(_Shape):
-    items_key = "messages"
-    fixed_keys = ("tools", "functions")
-    text_part_type = "text"
-    image_part_types = frozenset({"image_url", "input_audio", "file"})
-
-    def problem(self, item: Any) -> str | None:
-        if problem := super().problem(item):
-            return problem
-        calls = item.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-            return "tool_calls is not a list of objects"
-        if "tool_call_id" in item and not isinstance(item["tool_call_id"], str):
-            return "tool_call_id is not a string"
-        return _id_problem(calls, "id")
-
-    def calls(self, item: dict) -> Iterator[str]:
-        return _ids(item.get("tool_calls"), "id")
-
-    def results(self, item: dict) -> Iterator[str]:
-        if item.get("role") == "tool" and "tool_call_id" in item:
-            yield item["tool_call_id"]
-
-    def shrink(self, item: dict, kind: str) -> dict | None:
-        role = item.get("role")
-        if kind == RESULTS and role in ("tool", "function"):
-            content = item.get("content")
-            if _size(content) >= SHRINK_MIN_CHARS:
-                return {**item, "content": placeholder("tool result", _size(content))}
-        elif kind == ARGUMENTS and role == "assistant" and isinstance(item.get("tool_calls"), list):
-            calls, changed = [], False
-            for call in item["tool_calls"]:
-                fn = call.get("function")
-                args = fn.get("arguments") if isinstance(fn, dict) else None
-                if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
-                    call = {**call, "function": {**fn, "arguments": _json_placeholder("arguments", len(args))}}
-                    changed = True
-                calls.append(call)
-            return {**item, "tool_calls": calls} if changed else None
-        return super().shrink(item, kind)
-
-
-class _OpenAIResponses(_Shape):
-    """Input items: messages (typed or not), `*_call` / `*_call_output` pairs joined by
-    `call_id`, reasoning and other items that belong to the turn they appear in."""
-
-    items_key = "input"
-    fixed_keys = ("instructions", "tools")
-    text_part_type = "input_text"
-    image_part_types = frozenset({"input_image", "input_file"})
-
-    _SHRUNK_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
-    """Outputs whose `output` is text (or content parts) the model read; others (e.g. a
-    computer call's screenshot object) keep the structure their API requires."""
-
-    def problem(self, item: Any) -> str | None:
-        if problem := super().problem(item):
-            return problem
-        if not isinstance(item.get("type", "message"), str):
-            return "input item type is not a string"
-        if "call_id" in item and not isinstance(item["call_id"], str):
-            return "call_id is not a string"
-        return None
-
-    def role(self, item: dict) -> str | None:
-        return super().role(item) if item.get("type", "message") == "message" else None
-
-    def calls(self, item: dict) -> Iterator[str]:
-        if item.get("type", "").endswith("_call") and "call_id" in item:
-            yield item["call_id"]
-
-    def results(self, item: dict) -> Iterator[str]:
-        if item.get("type", "").endswith("_call_output") and "call_id" in item:
-            yield item["call_id"]
-
-    def shrink(self, item: dict, kind: str) -> dict | None:
-        kind_of_item = item.get("type")
-        if kind == RESULTS and kind_of_item in self._SHRUNK_OUTPUTS:
-            output = item.get("output")
-            if _size(output) >= SHRINK_MIN_CHARS:
-                return {**item, "output": placeholder("tool result", _size(output))}
-        elif kind == ARGUMENTS and kind_of_item == "function_call":
-            args = item.get("arguments")
-            if isinstance(args, str) and len(args) >= SHRINK_MIN_CHARS:
-                return {**item, "arguments": _json_placeholder("arguments", len(args))}
-        elif kind == ARGUMENTS and kind_of_item == "custom_tool_call":
-            text = item.get("input")
-            if isinstance(text, str) and len(text) >= SHRINK_MIN_CHARS:
-                return {**item, "input": placeholder("input", len(text))}
-        return super().shrink(item, kind)
-
-
-class _AnthropicMessages(_Shape):
-    """`system` is top-level, and mid-conversation system messages may sit in `messages`;
-    tool results arrive as blocks in user messages, so a user message with tool results
-    continues a turn instead of starting one. Server tool blocks (`server_tool_use`,
-    `web_search_tool_result`, ...) pair up inside one assistant message."""
-
-    items_key = "messages"
-    fixed_keys = ("system", "tools")
-    text_part_type = "text"
-    image_part_types = frozenset({"image", "document"})
-
-    def problem(self, item: Any) -> str | None:
-        if problem := super().problem(item):
-            return problem
-        return _id_problem(item.get("content"), "id", "tool_use_id")
-
-    def calls(self, item: dict) -> Iterator[str]:
-        # tool_use, server_tool_use, mcp_tool_use: all answered by a block naming their id
-        for block in item.get("content") if isinstance(item.get("content"), list) else ():
-            if isinstance(block, dict) and str(block.get("type", "")).endswith("tool_use") and "id" in block:
-                yield block["id"]
-
-    def results(self, item: dict) -> Iterator[str]:
-        return _ids(item.get("content"), "tool_use_id")
-
-    def shrink(self, item: dict, kind: str) -> dict | None:
-        content = item.get("content")
-        if not isinstance(content, list):
-            return None
-        role = item.get("role")
-        blocks, changed = [], False
-        for block in content:
-            new = None
-            if isinstance(block, dict):
-                new = self._shrink_block(block, kind, role)
-            blocks.append(block if new is None else new)
-            changed = changed or new is not None
-        return {**item, "content": blocks} if changed else None
-
-    def _shrink_block(self, block: dict, kind: str, role: Any) -> dict | None:
-        kind_of_block = block.get("type")
-        if kind == RESULTS and kind_of_block == "tool_result":
-            inner = block.get("content")
-            if _size(inner) >= SHRINK_MIN_CHARS:
-                return {**block, "content": placeholder("tool result", _size(inner))}
-        elif kind == ARGUMENTS and kind_of_block == "tool_use" and role == "assistant":
-            args = block.get("input")
-            if _size(args) >= SHRINK_MIN_CHARS:
-                return {**block, "input": {"ttft_relay": placeholder("arguments", _size(args))}}
-        elif kind == IMAGES and role == "user":
-            if self._is_image(block):
-                return self._image_placeholder(block)
-            if kind_of_block == "tool_result" and (inner := self._without_images(block.get("content"))):
-                return {**block, "content": inner}
-        return None
-
-    def _image_placeholder(self, part: dict) -> dict:
-        text = super()._image_placeholder(part)
-        return {**text, "cache_control": part["cache_control"]} if "cache_control" in part else text
-
-
-SHAPES: dict[str, _Shape] = {
-    apis.OPENAI_CHAT: _OpenAIChat(),
-    apis.OPENAI_RESPONSES: _OpenAIResponses(),
-    apis.ANTHROPIC_MESSAGES: _AnthropicMessages(),
-}
-"""API shapes `trim` understands; requests of any other shape are left alone."""
-
-
 # --- conversation layout ---------------------------------------------------------------
 
 
@@ -523,7 +236,7 @@ class Layout:
     """Items from here on are never shrunk: the newest round and what follows."""
 
 
-def layout(items: list[dict], shape: _Shape) -> Layout:
+def layout(items: list[dict], shape: Shape) -> Layout:
     n = len(items)
     always = [shape.pinned(item) for item in items]
     head_end = 0
@@ -586,7 +299,7 @@ def _without_cache_control(obj: Any) -> Any:
     return obj
 
 
-def conversation_key(api: str, body: dict, shape: _Shape, items: list[dict], head_end: int) -> bytes:
+def conversation_key(api: str, body: dict, shape: Shape, items: list[dict], head_end: int) -> bytes:
     """Who a request belongs to: its API, model, request-level text and pinned head."""
     fixed = [body.get(k) for k in shape.fixed_keys if k != "tools"]
     return _digest([api, body.get("model"), fixed, items[:head_end]])
@@ -696,16 +409,14 @@ class _Trimmer:
 
     def run(self) -> dict | None:
         body, stats = self.body, self.stats
-        shape = SHAPES.get(self.api)
+        shape = apis.get(self.api).trim_shape
         if shape is None:
             stats["reason"] = f"api {self.api} is not trimmed"
             return None
         if not isinstance(body, dict):
             stats["reason"] = "malformed: body is not an object"
             return None
-        items = body.get(shape.items_key)
-        if isinstance(items, str):  # Responses `input` as one string: a single user message
-            items = [{"role": "user", "content": items}]
+        items = shape.items(body)
         if not isinstance(items, list):
             stats["reason"] = f"malformed: {shape.items_key} is not a list"
             return None
@@ -795,7 +506,7 @@ class _Trimmer:
             return False
         return plan.cut >= len(self.items) or _digest(self.items[plan.cut]) == plan.anchor
 
-    def _apply(self, plan: Plan, lay: Layout, fixed: int, shape: _Shape) -> int:
+    def _apply(self, plan: Plan, lay: Layout, fixed: int, shape: Shape) -> int:
         """Tokens of the request with `plan` applied; stops counting once over budget."""
         total = fixed
         for i in range(len(self.versions) - 1, plan.cut - 1, -1):
@@ -809,7 +520,7 @@ class _Trimmer:
                 break
         return total
 
-    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: _Shape) -> tuple[Plan, int]:
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape) -> tuple[Plan, int]:
         """Shrink, then drop, oldest first, until the request fits the low-water mark."""
         target = math.floor(self.budget.tokens * LOW_WATER)
         n = len(self.versions)
@@ -831,7 +542,7 @@ class _Trimmer:
         return Plan(shrunk, cut, _digest(self.items[cut]) if cut < n else b""), total
 
 
-def _shrunk(shape: _Shape, item: dict) -> dict | None:
+def _shrunk(shape: Shape, item: dict) -> dict | None:
     """`item` with every kind of part shrunk that it has, or None if it has none."""
     new = item
     for kind in SHRINK_KINDS:
