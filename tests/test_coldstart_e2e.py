@@ -19,7 +19,7 @@ import pytest
 
 from tests.fakes.client import HttpConnection
 from tests.fakes.forwarder import DelayingForwarder
-from tests.test_timing_e2e import post, read_log
+from tests.test_timing_e2e import post
 
 ONE_WAY_MS = 50
 REQUESTS = 10
@@ -38,8 +38,9 @@ def test_the_first_requests_upstream_phases_are_no_slower_than_the_later_ones(fa
             for _ in range(REQUESTS):  # at once: no warm-up, no settling
                 with HttpConnection(relay.url()) as conn:
                     post(conn, "openai.chat")
-            records = read_log(log, REQUESTS)
-        relay.stop()
+            relay.stop()  # stopping flushes the log
+        records = relay.log.records()
+        assert len(records) == REQUESTS, records
         miss = first_request_slower(records)
         if miss is None:
             return

@@ -22,7 +22,6 @@ from ttft_relay.timing import phases
 from tests.conftest import reverse_to
 from tests.fakes.client import stream_post
 from tests.harness import REPO, MitmdumpProcess, metrics_url, scrape, total
-from tests.test_timing_e2e import read_log
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux's")
 
@@ -59,8 +58,9 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
             time.sleep(i * HOG_EVERY_MS / REQUESTS / 1000)
             rid = uuid.uuid4().hex
             client[rid] = client_first_token_ms(relay.url(), rid)
-        records = {r["request_id"]: r for r in read_log(log, REQUESTS)}
+        records = {r["request_id"]: r for r in relay.log.wait(REQUESTS)}
         samples = scrape(metrics_url(relay))
+    assert len(relay.log.records()) == REQUESTS  # once stopped: no flow recorded twice
 
     assert "Addon error" not in relay.text()
     ours = {rid: records[rid]["ttft_ms"] for rid in client}

@@ -6,21 +6,27 @@ check is `injected - JITTER_MS <= phase < injected + SLACK_MS`. JITTER_MS allows
 for what the relay cannot see: an interval injected by the client or the fake is
 measured between two arrivals at the relay, and a busy event loop can notice the
 first one late (an accept, a chunk) by a few ms.
+
+The cases share a settled relay per set of options (`relay_at`) and a delaying link per
+fake (`far_fake_tls`); each finds its records by its `x-request-id`, and once the
+relays stopped no request id may have more records than its test found (no flow is
+recorded twice).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
-import orjson
 import pytest
 
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes.client import HttpConnection, request
 from tests.fakes.forwarder import DelayingForwarder
+
+pytestmark = pytest.mark.shared_fake
 
 SLACK_MS = 250
 JITTER_MS = 25
@@ -43,18 +49,6 @@ AUTH = {
 }
 
 
-def read_log(path: Path, count: int, timeout: float = 10.0) -> list[dict]:
-    """The log's records once it holds `count` (and, a moment later, still exactly `count`)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        lines = path.read_bytes().splitlines() if path.exists() else []
-        if len(lines) >= count:
-            time.sleep(0.2)  # a duplicate record would show up now
-            return [orjson.loads(line) for line in path.read_bytes().splitlines()]
-        time.sleep(0.05)
-    raise AssertionError(f"{path} has {len(lines)} records, expected {count}")
-
-
 def post(conn: HttpConnection, api: str, headers: dict | None = None, **upload) -> bytes:
     path, body = APIS[api]
     response = conn.request("POST", path, body, {**AUTH[api], **(headers or {})}, **upload)
@@ -73,20 +67,17 @@ def assert_within(value: float | None, injected: float, what: str) -> None:
     assert injected - JITTER_MS <= value < injected + SLACK_MS, f"{what} = {value:.1f} ms, injected {injected} ms"
 
 
-@pytest.fixture
-def log(tmp_path) -> Path:
-    return tmp_path / "timing.jsonl"  # where conftest's start_relay points relay_timing_log
-
-
 def settle(relay, min_s: float = 1.0, timeout: float = 8.0) -> None:
-    """Wait until the relay answers out-of-scope requests quickly, three in a row, and has run
-    `min_s`: just after start a background thread loading tokenizers competes for the
-    interpreter, and the relay sees arrivals late by tens of ms."""
-    started, fast = time.time(), 0
-    while (fast < 3 or time.time() - started < min_s) and time.time() - started < timeout:
+    """Wait until the relay answers out-of-scope requests in steady time, three in a row (within
+    20 % or 5 ms of the quickest so far: behind a far link every answer pays its round trips),
+    and has run `min_s`: just after start the relay can see arrivals late by tens of ms."""
+    started, steady, quickest = time.time(), 0, float("inf")
+    while (steady < 3 or time.time() - started < min_s) and time.time() - started < timeout:
         t = time.time()
         one_out_of_scope(relay.url())
-        fast = fast + 1 if time.time() - t < 0.02 else 0
+        took = time.time() - t
+        quickest = min(quickest, took)
+        steady = steady + 1 if took <= quickest * 1.2 + 0.005 else 0
 
 
 def one_out_of_scope(url: str) -> None:
@@ -94,23 +85,34 @@ def one_out_of_scope(url: str) -> None:
         conn.request("GET", "/warm-up").read()
 
 
-@pytest.fixture
-def relay_at(start_relay):
-    """A settled relay in `mode`; trimming off, so that only the injected delay differs between hops."""
+@pytest.fixture(scope="module")
+def relay_at(shared_relay):
+    """A settled relay in `mode`, one per mode and options for the module; trimming off, so
+    that only the injected delay differs between hops."""
+    settled = set()
 
     def start(mode: str, **options):
-        relay = start_relay(mode, relay_trim="false", **options)
-        settle(relay)
+        relay = shared_relay(mode, relay_trim="false", **options)
+        if id(relay) not in settled:
+            settle(relay)
+            settled.add(id(relay))
         return relay
 
     return start
 
 
-def test_slow_client_upload(fake, relay_at, log):
+@pytest.fixture(scope="module")
+def far_fake_tls(module_fake_tls) -> Iterator[DelayingForwarder]:
+    """The TLS fake behind a link of ONE_WAY_MS each way, for the module."""
+    with DelayingForwarder("127.0.0.1", module_fake_tls.port, ONE_WAY_MS) as forwarder:
+        yield forwarder
+
+
+def test_slow_client_upload(fake, relay_at, rid):
     relay = relay_at(reverse_to(fake))
     for api in APIS:
-        one_request(relay.url(), api, upload_pieces=4, upload_pause_s=UPLOAD_PAUSE_S)
-    records = read_log(log, len(APIS))
+        one_request(relay.url(), api, {"x-request-id": rid}, upload_pieces=4, upload_pause_s=UPLOAD_PAUSE_S)
+    records = relay.log.of(rid, len(APIS))
     for api, rec in zip(APIS, records):
         assert rec["api"] == api
         assert_within(rec["phases"]["client_upload"], 3 * UPLOAD_PAUSE_S * 1000, f"{api} client_upload")
@@ -118,12 +120,11 @@ def test_slow_client_upload(fake, relay_at, log):
 
 
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
-def test_far_upstream_lands_in_upstream_tls(fake_tls, relay_at, log, strategy):
-    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
-        relay = relay_at(f"reverse:https://localhost:{forwarder.port}@0", connection_strategy=strategy)
-        for api in APIS:
-            one_request(relay.url(), api)  # a new client connection: a new upstream connection
-        records = read_log(log, len(APIS))
+def test_far_upstream_lands_in_upstream_tls(fake_tls, far_fake_tls, relay_at, rid, strategy):
+    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy=strategy)
+    for api in APIS:
+        one_request(relay.url(), api, {"x-request-id": rid})  # a new client connection: a new upstream connection
+    records = relay.log.of(rid, len(APIS))
     for api, rec in zip(APIS, records):
         assert rec["reused_connection"] is False
         assert_within(rec["phases"]["upstream_tls"], 2 * ONE_WAY_MS, f"{api} upstream_tls")
@@ -137,14 +138,12 @@ def test_far_upstream_lands_in_upstream_tls(fake_tls, relay_at, log, strategy):
             assert rec["marks"]["upstream_connect_start"] >= rec["marks"]["forwarded"]
 
 
-def test_reused_connection_has_no_connect_or_tls(fake_tls, relay_at, log):
-    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
-        relay = relay_at(f"reverse:https://localhost:{forwarder.port}@0")
-        with HttpConnection(relay.url()) as conn:
-            for api in APIS:
-                post(conn, api)
-        records = read_log(log, len(APIS))
-    first, *reused = records
+def test_reused_connection_has_no_connect_or_tls(fake_tls, far_fake_tls, relay_at, rid):
+    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy="eager")
+    with HttpConnection(relay.url()) as conn:
+        for api in APIS:
+            post(conn, api, {"x-request-id": rid})
+    first, *reused = relay.log.of(rid, len(APIS))
     assert first["reused_connection"] is False and "upstream_tls" in first["phases"]
     for rec in reused:
         assert rec["reused_connection"] is True
@@ -155,61 +154,62 @@ def test_reused_connection_has_no_connect_or_tls(fake_tls, relay_at, log):
 
 
 @pytest.mark.parametrize("knob, phase", [("prefill-ms", "head_to_first_token"), ("head-delay-ms", "upstream_wait")])
-def test_upstream_wait(fake, relay_at, log, knob, phase):
+def test_upstream_wait(fake, relay_at, rid, knob, phase):
     relay = relay_at(reverse_to(fake))
     for api in APIS:
-        one_request(relay.url(), api, {f"x-fake-{knob}": str(PREFILL_MS)})
-    records = read_log(log, len(APIS))
+        one_request(relay.url(), api, {f"x-fake-{knob}": str(PREFILL_MS), "x-request-id": rid})
+    records = relay.log.of(rid, len(APIS))
     for api, rec in zip(APIS, records):
         assert_within(rec["phases"][phase], PREFILL_MS, f"{api} {phase}")
         assert_within(rec["ttft_ms"], PREFILL_MS, f"{api} ttft")
         assert rec["verdict"] == phases.UPSTREAM_WAIT, rec
 
 
-def test_mid_stream_stall(fake, relay_at, log):
+def test_mid_stream_stall(fake, relay_at, rid):
     relay = relay_at(reverse_to(fake))
     for api in APIS:
         gate = fake.hold_before_chunk(6)  # well after the first token for every API, with 8 pieces
 
         def stall(gate=gate) -> None:
             fake.wait_chunk_sent(5)
-            time.sleep(STALL_S)
+            time.sleep(STALL_S)  # the stall being measured, not a sync
             gate.set()
 
         staller = threading.Thread(target=stall)
         staller.start()
-        one_request(relay.url(), api, {"x-fake-chunks": "8"})
+        one_request(relay.url(), api, {"x-fake-chunks": "8", "x-request-id": rid})
         staller.join()
-    records = read_log(log, len(APIS))
+    records = relay.log.of(rid, len(APIS))
     for api, rec in zip(APIS, records):
         assert_within(rec["max_gap_ms"], STALL_S * 1000, f"{api} max_gap_ms")
         assert rec["ttft_ms"] < STALL_S * 1000
         assert rec["verdict"] == phases.STREAM_STALL, rec
 
 
-def test_client_abort_is_recorded_once(fake, relay_at, log):
+def test_client_abort_is_recorded_once(fake, relay_at, rid):
     relay = relay_at(reverse_to(fake))
-    gate = fake.hold_before_chunk(6)
+    fake.hold_before_chunk(6)  # never released: the client goes away while the stream waits
     path, body = APIS["openai.chat"]
-    conn, response = request("POST", relay.url() + path, body, AUTH["openai.chat"] | {"x-fake-chunks": "8"})
+    conn, response = request("POST", relay.url() + path, body,
+                             AUTH["openai.chat"] | {"x-fake-chunks": "8", "x-request-id": rid})
     next(response.chunks())
     conn.close()
-    time.sleep(0.3)
-    gate.set()
-    (rec,) = read_log(log, 1)
+    # The relay saw the client go and let go of the upstream: the fake's reply ended so.
+    assert fake.wait_finished(1) and fake.sent[-1].outcome == "client_closed"
+    (rec,) = relay.log.of(rid)  # and once: a second record fails the module once the relay stopped
     assert rec["client_aborted"] is True
     assert rec["verdict"] == "client aborted in stream", rec
 
 
-def test_records_hold_no_secrets_and_one_line_per_flow(fake, relay_at, log):
+def test_records_hold_no_secrets_and_one_line_per_flow(fake, relay_at, rid):
     relay = relay_at(reverse_to(fake))
     secret_header = "x-custom-secret"
     for api in APIS:
-        one_request(relay.url(), api, {secret_header: "HEADER-VALUE-SHOULD-NOT-LEAK"})
-    one_request(relay.url(), "openai.chat", upload_pieces=2, upload_pause_s=0.05)
-    records = read_log(log, len(APIS) + 1)
+        one_request(relay.url(), api, {secret_header: "HEADER-VALUE-SHOULD-NOT-LEAK", "x-request-id": rid})
+    one_request(relay.url(), "openai.chat", {"x-request-id": rid}, upload_pieces=2, upload_pause_s=0.05)
+    records = relay.log.of(rid, len(APIS) + 1)
     assert len({r["id"] for r in records}) == len(records)
-    raw = log.read_bytes()
+    raw = relay.log.path.read_bytes()  # every record the relay wrote so far, this test's among them
     for needle in (FAKE_OPENAI_KEY, FAKE_ANTHROPIC_KEY, "HEADER-VALUE-SHOULD-NOT-LEAK", "Say hello", "Bearer"):
         assert needle.encode() not in raw
     for rec in records:
@@ -219,14 +219,13 @@ def test_records_hold_no_secrets_and_one_line_per_flow(fake, relay_at, log):
 
 
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
-def test_regular_proxy_mode_https_through_connect(fake_tls, relay_at, log, strategy):
-    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
-        relay = relay_at("regular@0", connection_strategy=strategy)
-        with HttpConnection(f"https://localhost:{forwarder.port}", proxy=relay.url(), ca=relay.ca_pem) as conn:
-            post(conn, "openai.chat")
-            post(conn, "openai.chat")
-        first, second = read_log(log, 2)
-    assert first["upstream"] == f"localhost:{forwarder.port}"
+def test_regular_proxy_mode_https_through_connect(fake_tls, far_fake_tls, relay_at, rid, strategy):
+    relay = relay_at("regular@0", connection_strategy=strategy)
+    with HttpConnection(f"https://localhost:{far_fake_tls.port}", proxy=relay.url(), ca=relay.ca_pem) as conn:
+        post(conn, "openai.chat", {"x-request-id": rid})
+        post(conn, "openai.chat", {"x-request-id": rid})
+    first, second = relay.log.of(rid, 2)
+    assert first["upstream"] == f"localhost:{far_fake_tls.port}"
     assert_within(first["phases"]["upstream_tls"], 2 * ONE_WAY_MS, "upstream_tls")
     assert first["verdict"] == phases.UPSTREAM_TLS, first
     assert second["reused_connection"] is True and second["verdict"] == phases.UPSTREAM_NETWORK, second
