@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import time
 
+import orjson
 import pytest
 
 from tests.conftest import reverse_to
@@ -77,6 +78,32 @@ def test_no_upstream_connection_opens_before_the_key_is_checked(start_relay, key
                 upstream.accept()  # nothing connected: not for the idle ones, not for the refused one
         for s in idle:
             s.close()
+
+
+def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploads(fake, start_relay, keys_file,
+                                                                                   tmp_path):
+    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    body = b'{"model": "gpt-4o-mini", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    with raw(relay) as s:
+        s.sendall(head("/v1/chat/completions", {"host": "x", "authorization": f"Bearer {RELAY_KEY}",
+                                                "content-type": "application/json", "content-length": str(len(body))}))
+        # The body is not sent yet: a lazy connect would wait for it and the request hooks.
+        assert fake.wait_connections(1, 5), "no upstream connection while the body uploads"
+        assert fake.received == []
+        s.sendall(body)
+        answer = read_until_done(s)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert fake.wait_finished(1, WAIT) and fake.received[0].header("authorization") == f"Bearer {UPSTREAM_KEY}"
+    relay.stop()
+    (rec,) = [orjson.loads(line) for line in (tmp_path / "timing.jsonl").read_bytes().splitlines()]
+    assert rec["error"] is None and rec["reused_connection"] is False
+
+
+def read_until_done(s: socket.socket) -> bytes:
+    out = b""
+    while not out.endswith(b"0\r\n\r\n") and (data := s.recv(65536)):
+        out += data
+    return out
 
 
 def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, start_relay, keys_file):

@@ -54,7 +54,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.interim_answers.install()
     patches.ca_once.load_ca_once(None)
     patches.client_resets.install(100, 10)
-    patches.stream_reset.install()
+    patches.layer_events.install()
     patches.splice.install()
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())

@@ -33,7 +33,7 @@ from mitmproxy.tls import TlsData
 
 from .. import apis, state
 from . import apierrors
-from ..patches import answer_on_head, connections, error_replies, stream_reset, trailers
+from ..patches import answer_on_head, connections, error_replies, layer_events, trailers
 from ..timing import timing
 
 logger = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ class Deadlines:
             self._close_upstream(flow, failure)
 
     async def _reset_stream(self, handler: Any, flow: http.HTTPFlow, failure: str) -> None:
-        if not await stream_reset.reset_upstream_stream(handler, flow, failure):
+        if not await layer_events.reset_upstream_stream(handler, flow, failure):
             self._close_upstream(flow, failure)
 
     def _close_upstream(self, flow: http.HTTPFlow, failure: str) -> None:

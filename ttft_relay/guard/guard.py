@@ -51,7 +51,7 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import answer_on_head, client_resets, connections, eager_connects, head_limit, upstream_copy
+from ..patches import answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -356,13 +356,20 @@ class AccessKeys:
     key; the relay swaps in the upstream key of the listener's host
     (`relay_upstream_keys`) or answers 401 in the API's error format. Proxy
     listeners are unaffected: there clients send their own keys, and proxyauth
-    guards the proxy."""
+    guards the proxy.
+
+    No upstream connection is opened for a client before its key is accepted (no
+    eager connect on these listeners); once the key on a request's head is, the
+    connect starts while the body uploads (`layer_events.connect_early`), where a
+    lazy connect would wait for the body and the request hooks."""
 
     def __init__(self) -> None:
         self.digests: list[bytes] = []
         self.upstream_keys: dict[str, str] = {}
         self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
         """Why the relay answered a flow itself, for its timing record."""
+        self.connecting: set[asyncio.Future[bool]] = set()
+        """Early connects being asked for (a task holds each until the HTTP layer had it)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -416,6 +423,10 @@ class AccessKeys:
         # The upstream key goes only into what is sent: mitmweb shows flows in flight.
         swap_credentials(flow.request, credentials, REDACTED)
         upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
+        if (handler := connections.handler_of(flow.client_conn)) is not None:
+            task = asyncio.ensure_future(layer_events.connect_early(handler, flow))
+            self.connecting.add(task)
+            task.add_done_callback(self.connecting.discard)
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has

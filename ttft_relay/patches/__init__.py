@@ -27,8 +27,10 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 - `ca_once`: the CA is not loaded a second time in `running` (`capacity.WarmStart`).
 - `client_resets`: an HTTP/2 client's stream reset always reaches its flow, and a client
   resetting streams in a loop gets GOAWAY (`guard.ClientLimits`).
-- `stream_reset`: a deadline resets its flow's HTTP/2 upstream stream, not the connection
-  its siblings share (`faults.Deadlines`).
+- `layer_events`: events for the HTTP layer: a deadline resets its flow's HTTP/2 upstream
+  stream, not the connection its siblings share (`faults.Deadlines`); a keyed listener
+  connects upstream once a request's key is accepted, while its body uploads
+  (`guard.AccessKeys`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing (`stream.Streaming`).
 
@@ -55,9 +57,9 @@ from . import (
     head_limit,
     hook_plans,
     interim_answers,
+    layer_events,
     listen_backlog,
     splice,
-    stream_reset,
     trailers,
     upstream_copy,
 )
@@ -74,7 +76,7 @@ PATCHES: tuple[ModuleType, ...] = (
     interim_answers,
     ca_once,
     client_resets,
-    stream_reset,
+    layer_events,
     splice,
 )
 

@@ -4,9 +4,9 @@ The relay reaches into mitmproxy's connection handling in a few places that no h
 public API serves: selfwatch reads the sockets (TCP_INFO of a flow's connections and of
 each listener); `faults` closes a flow's upstream connection on a deadline, cancels an
 upstream connect that takes too long, hands an HTTP/2 stream reset to a client's
-handler (`stream_reset`) and asks whether a client's socket holds unsent bytes; `guard`
-counts client connections, writes a refusal before mitmproxy closes one, and closes one
-that sent no request head in time. All of it goes through here:
+handler (`layer_events`) and asks whether a client's socket holds unsent bytes; `guard`
+hands it an early upstream connect (`layer_events`), counts client connections, writes
+a refusal before mitmproxy closes one, and closes one that sent no request head in time. All of it goes through here:
 
 - the proxyserver addon's `connections` maps a client's id to its `ConnectionHandler`
   (`ServerInstance.handle_stream`), whose `transports` map each connection (the

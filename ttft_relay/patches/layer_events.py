@@ -1,0 +1,143 @@
+"""Events the relay hands mitmproxy's HTTP layer, for what no hook can ask of it.
+
+mitmproxy has no event for "cancel this flow's upstream request" or "open this flow's
+upstream connection now". The wrap of `HttpLayer._handle_event` adds both; the
+connection handler passes them down its layers like any event (`handler.server_event`),
+and each reports whether the HTTP layer holding the flow did it (`done`). Any other
+layer's HTTP layer (a tunnel's, in regular mode) leaves them undone.
+
+1. `ResetUpstreamStream`: a relay deadline on one HTTP/2 upstream stream resets that
+   stream, not the connection. The flows of one client connection share one HTTP/2
+   upstream connection, and closing it (all an addon could do) cut the healthy
+   siblings of the stream at fault. The HTTP layer sends the upstream side a
+   `RequestProtocolError` for the flow's stream (as for a client that cancels:
+   `Http2Client` answers it with RST_STREAM CANCEL) and the stream a
+   `ResponseProtocolError` with the reason (as for an upstream failure: the `error`
+   hook, then the client's reply). Only for a stream not waiting on a hook, on an
+   established HTTP/2 connection; otherwise undone, and the caller closes the
+   connection.
+
+2. `ConnectEarly`: a keyed listener connects upstream only after a request's hooks
+   (no client gets an upstream connection before its key is checked), so the first
+   request of each client connection paid the upstream connect and TLS handshake
+   after its whole body had arrived. Once the key on the head is accepted, this
+   event asks the HTTP layer for the flow's connection as the flow itself will
+   (`HttpLayer.get_connection`, the address, TLS and proxy `make_server_connection`
+   asks for) with a sink that ignores the answer: the connect runs while the body
+   uploads, and the flow's own request finds it open or opening. HTTP/1 clients only:
+   an HTTP/2 client's streams to an HTTP/1 upstream each take a connection of their
+   own, and an early one would go unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mitmproxy import http
+from mitmproxy.proxy import events, layer
+from mitmproxy.proxy.layers.http import GetHttpConnection, HttpLayer, HttpStream
+from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
+
+_ORIGINAL_HANDLE_EVENT = HttpLayer._handle_event
+ORIGINALS = {(HttpLayer, "_handle_event"): _ORIGINAL_HANDLE_EVENT}
+
+
+@dataclass
+class FlowEvent(events.Event):
+    flow: http.HTTPFlow
+    done: bool = False
+    """Set by the HTTP layer that did what the event asks."""
+
+
+@dataclass
+class ResetUpstreamStream(FlowEvent):
+    """End the flow's upstream stream, the flow failing with `reason`."""
+
+    reason: str = ""
+
+
+@dataclass
+class ConnectEarly(FlowEvent):
+    """Open (or find) the upstream connection the flow's request will take."""
+
+
+def install() -> None:
+    HttpLayer._handle_event = _handle_event  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    HttpLayer._handle_event = _ORIGINAL_HANDLE_EVENT  # type: ignore[method-assign]
+
+
+async def reset_upstream_stream(handler: Any, flow: http.HTTPFlow, reason: str) -> bool:
+    """Through `handler` (the flow's client connection handler): reset `flow`'s
+    upstream stream and fail the flow with `reason`. False if it could not."""
+    return await _send(handler, ResetUpstreamStream(flow, reason=reason))
+
+
+async def connect_early(handler: Any, flow: http.HTTPFlow) -> bool:
+    """Through `handler`: start the upstream connection `flow` will use. False if not."""
+    return await _send(handler, ConnectEarly(flow))
+
+
+async def _send(handler: Any, event: FlowEvent) -> bool:
+    install()
+    await handler.server_event(event)
+    return event.done
+
+
+def _handle_event(self: HttpLayer, event: events.Event) -> layer.CommandGenerator[None]:
+    if isinstance(event, ResetUpstreamStream):
+        yield from _reset(self, event)
+    elif isinstance(event, ConnectEarly):
+        yield from _connect(self, event)
+    else:
+        return (yield from _ORIGINAL_HANDLE_EVENT(self, event))
+    return None
+
+
+def _stream_of(http_layer: HttpLayer, flow: http.HTTPFlow) -> HttpStream | None:
+    return next((s for s in http_layer.streams.values() if getattr(s, "flow", None) is flow), None)
+
+
+def _reset(self: HttpLayer, event: ResetUpstreamStream) -> layer.CommandGenerator[None]:
+    flow = event.flow
+    upstream = self.connections.get(flow.server_conn)
+    stream = _stream_of(self, flow)
+    if stream is None or stream._paused is not None or upstream is None or flow.server_conn.alpn != b"h2":
+        return  # not here, waiting on a hook, or not HTTP/2
+    event.done = True
+    yield from self.event_to_child(upstream, RequestProtocolError(stream.stream_id, event.reason, ErrorCode.CANCEL))
+    yield from self.event_to_child(
+        stream, ResponseProtocolError(stream.stream_id, event.reason, ErrorCode.GENERIC_SERVER_ERROR)
+    )
+
+
+class _Ignore:
+    """Where the answer to an early connect goes: nowhere (the flow asks again)."""
+
+    def handle_event(self, event: events.Event) -> Iterator[Any]:
+        return iter(())
+
+
+def _connect(self: HttpLayer, event: ConnectEarly) -> layer.CommandGenerator[None]:
+    flow = event.flow
+    if (
+        _stream_of(self, flow) is None
+        or self.context.client.alpn not in (None, b"", b"http/1.1")
+        or flow.response is not None
+        or flow.error is not None
+    ):
+        return  # not here, not HTTP/1, or answered by the relay meanwhile
+    event.done = True
+    request = flow.request
+    ask = GetHttpConnection(
+        (request.host, request.port),
+        request.scheme == "https",
+        flow.server_conn.via,
+        flow.server_conn.transport_protocol,
+    )
+    self.command_sources[ask] = _Ignore()  # type: ignore[assignment]
+    yield from self.get_connection(ask)
