@@ -39,9 +39,15 @@ def tool_path(name: str) -> str:
 
 
 def start(tool: str, args: list[str]) -> NoReturn:
-    """Becomes mitmproxy's `tool` running the relay, with mitm.conf merged into `args`."""
-    path = tool_path(tool)
-    os.execv(path, [path, "-s", str(ADDON), *relay_args(args, tool)])
+    """Runs mitmproxy's `tool` (mitmdump, mitmweb) with the relay's addons and mitm.conf merged
+    into `args`, in this process as the tool's own console script would: the modules the merge
+    needed are the tool's, loaded once."""
+    from mitmproxy.tools import main as mitmproxy_main
+
+    tool_args = ["-s", str(ADDON), *relay_args(args, tool)]
+    sys.argv = [tool, *tool_args]  # what the tool and the addons read as its command line
+    getattr(mitmproxy_main, tool)(tool_args)
+    sys.exit(0)
 
 
 def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
