@@ -22,6 +22,17 @@ def test_addon_path_names_the_addon_file():
     assert cli.main(["no-such-command"]) == 2
 
 
+def test_bench_runs_the_checkouts_benchmarks(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in ("ttft", "websocket", "overhead", "streams", "burst", "trim"))
+    assert cli.main(["bench", "no-such-benchmark"]) == 2
+    # A benchmark runs as a module of the checkout, with the tests' support code importable.
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "bench", "burst", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--bursts" in done.stdout, done.stderr[-2000:]
+
+
 def test_the_product_never_imports_test_support_benchmarks_or_scripts():
     # What `pip install .` ships must run without the checkout around it.
     outside = {"tests", "benchmarks", "scripts"}

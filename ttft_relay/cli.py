@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import NoReturn
 
 ADDON = Path(__file__).resolve().parent / "relay.py"
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+CHECKOUT = Path(__file__).resolve().parent.parent
+BENCHMARKS = CHECKOUT / "benchmarks"
 """Beside the package in a checkout; an installed package has none."""
 
 
@@ -68,7 +69,7 @@ def benchmark_names() -> list[str]:
 
 def bench(args: list[str]) -> int:
     """Runs benchmarks/NAME.py as a module of the checkout (they use its tests/ support code)."""
-    if not BENCHMARKS.is_dir():
+    if not (CHECKOUT / "pyproject.toml").exists() or not BENCHMARKS.is_dir():  # site-packages may hold another
         print("ttft-relay bench: the benchmarks run from a checkout (git clone, then scripts/bench NAME)",
               file=sys.stderr)
         return 2
@@ -79,7 +80,7 @@ def bench(args: list[str]) -> int:
         print("ttft-relay bench NAME [arguments]   (NAME --help: its arguments)\n\n" + "\n".join(lines),
               file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
-    repo = str(BENCHMARKS.parent)
+    repo = str(CHECKOUT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     os.execve(sys.executable, [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]], env)
 
