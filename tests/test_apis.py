@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from ttft_relay import apis
-from ttft_relay.apis.api import Api, ErrorFormat
+from ttft_relay.apis.api import Api, ErrorFormat, Probe
 from ttft_relay.stream.reader import Reader
 from ttft_relay.trim.shape import Shape
 
@@ -40,6 +40,7 @@ PART_CHECKS = {
     ) and type(v).calls is not Shape.calls and type(v).results is not Shape.results,
     "reader": lambda v: isinstance(v, Reader),
     "errors": lambda v: isinstance(v, ErrorFormat) and type(v).body is not ErrorFormat.body,
+    "probe": lambda v: v is None or isinstance(v, Probe),
     "semconv": lambda v: isinstance(v, tuple) and len(v) == 2 and all(isinstance(s, str) and s for s in v),
 }
 """What each part of an `Api` must be."""
@@ -89,3 +90,14 @@ def test_every_matched_api_reads_its_own_stream(api):
     """A reader that kept the base class's answers would see no token in any stream."""
     for method in ("is_token", "looks_like_token", "observe", "usage", "normalize", "assemble", "recognizes"):
         assert getattr(type(api.reader), method) is not getattr(Reader, method), f"{api.name} reader lacks {method}"
+
+
+@pytest.mark.parametrize("api", [api for api in REGISTERED if api.probe], ids=lambda api: api.name)
+def test_a_probe_calls_its_own_api(api):
+    probe = api.probe
+    assert probe.name == api.name
+    assert apis.for_path(probe.path) is api
+    body = probe.body("hi", "m", 16)
+    assert api.model_and_stream(probe.path, body) == ("m", True)
+    assert body[probe.max_tokens_field] == 16
+    assert "sk-probe-1" in str(probe.auth_headers("sk-probe-1")) and "sk-probe" not in str(probe.auth_headers(None))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
 from ..trim.shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
-from .api import Api, ErrorFormat, model_and_stream_from_body
+from .api import Api, ErrorFormat, Probe, model_and_stream_from_body
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -163,6 +163,11 @@ class MessagesShape(Shape):
         return {**text, "cache_control": part["cache_control"]} if "cache_control" in part else text
 
 
+class MessagesProbe(Probe):
+    def auth_headers(self, key: str | None) -> list[tuple[str, str]]:
+        return ([("x-api-key", key)] if key else []) + [("anthropic-version", "2023-06-01")]
+
+
 API = Api(
     name=NAME,
     scope=r"/messages/?(?:\?|$)",
@@ -174,4 +179,7 @@ API = Api(
     reader=MessagesReader(),
     errors=AnthropicErrors(),
     semconv=("chat", "anthropic"),
+    probe=MessagesProbe(
+        NAME, "/v1/messages", "ANTHROPIC_API_KEY", "https://api.anthropic.com", "claude-3-5-haiku-latest", "max_tokens"
+    ),
 )

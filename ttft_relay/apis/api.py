@@ -55,6 +55,32 @@ def model_and_stream_from_body(path: str, body: Any) -> tuple[str | None, bool]:
     return (model if isinstance(model, str) else None), body.get("stream") is True
 
 
+@dataclass(frozen=True)
+class Probe:
+    """How `ttft-relay diagnose` calls the API: endpoint, key, defaults, and the body of
+    a streamed call with a handful of output tokens. Subclasses change what differs."""
+
+    name: str
+    """The API's name (`Api.name`)."""
+    path: str
+    key_env: str
+    """Environment variable holding the upstream key."""
+    default_upstream: str
+    default_model: str
+    max_tokens_field: str
+
+    def auth_headers(self, key: str | None) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {key}")] if key else []
+
+    def body(self, prompt: str, model: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], self.max_tokens_field: max_tokens}
+        return self.streamed(body)
+
+    def streamed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with streaming switched on."""
+        return {**body, "stream": True}
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     """Everything the relay knows about one API shape."""
@@ -83,3 +109,5 @@ class Api:
     semconv: tuple[str, str]
     """(gen_ai.operation.name, gen_ai.provider.name) of the OpenTelemetry GenAI
     conventions, for the metrics' labels."""
+    probe: Probe | None
+    """How `ttft-relay diagnose` calls it; None: not probed."""

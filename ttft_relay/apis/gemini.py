@@ -114,4 +114,5 @@ API = Api(
     reader=GeminiReader(),
     errors=GeminiErrors(),
     semconv=("generate_content", "gcp.gemini"),
+    probe=None,
 )

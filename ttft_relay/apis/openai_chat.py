@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
-from .api import Api, ErrorFormat, error_code, model_and_stream_from_body
+from .api import Api, ErrorFormat, Probe, error_code, model_and_stream_from_body
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -142,6 +142,12 @@ class ChatShape(Shape):
         return super().shrink(item, kind)
 
 
+class ChatProbe(Probe):
+    def streamed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with streaming, and usage in the stream, switched on."""
+        return {**super().streamed(body), "stream_options": {"include_usage": True}}
+
+
 API = Api(
     name=NAME,
     scope=r"/chat/completions/?(?:\?|$)",
@@ -153,4 +159,7 @@ API = Api(
     reader=ChatReader(),
     errors=OpenAIErrors(),
     semconv=("chat", "openai"),
+    probe=ChatProbe(
+        NAME, "/v1/chat/completions", "OPENAI_API_KEY", "https://api.openai.com", "gpt-4o-mini", "max_completion_tokens"
+    ),
 )

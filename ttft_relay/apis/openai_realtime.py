@@ -71,4 +71,5 @@ API = Api(
     reader=RealtimeReader(),
     errors=RealtimeErrors(),
     semconv=("chat", "openai"),
+    probe=None,
 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
-from .api import Api, error_code, model_and_stream_from_body
+from .api import Api, Probe, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 
 if TYPE_CHECKING:
@@ -167,6 +167,11 @@ class ResponsesShape(Shape):
         return super().shrink(item, kind)
 
 
+class ResponsesProbe(Probe):
+    def body(self, prompt: str, model: str, max_tokens: int) -> dict[str, Any]:
+        return self.streamed({"model": model, "input": prompt, self.max_tokens_field: max_tokens})
+
+
 API = Api(
     name=NAME,
     scope=r"/responses/?(?:\?|$)",
@@ -178,4 +183,5 @@ API = Api(
     reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),
+    probe=ResponsesProbe(NAME, "/v1/responses", "OPENAI_API_KEY", "https://api.openai.com", "gpt-4o-mini", "max_output_tokens"),
 )

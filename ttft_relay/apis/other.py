@@ -20,4 +20,5 @@ API = Api(
     reader=Reader(),  # never a token (content cannot be told from metadata), but [DONE] and errors
     errors=OpenAIErrors(),
     semconv=("other", "other"),
+    probe=None,
 )

@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from .. import apis
+from ..apis.api import Probe
 from ..report import report
 from . import diagnosis, probe, probe_requests
 
@@ -72,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     websocket = args.transport == "websocket"
-    args.api = args.api or ("openai.responses" if websocket else "openai.chat")
-    if websocket and args.api != "openai.responses":
+    args.api = args.api or (apis.OPENAI_RESPONSES if websocket else apis.OPENAI_CHAT)
+    if websocket and args.api != apis.OPENAI_RESPONSES:
         parser.error("--transport websocket speaks the Responses API: --api openai.responses")
     if args.repeat < 1 or args.timeout <= 0 or args.long_tokens < 1:
         parser.error("--repeat, --timeout and --long-tokens must be positive")
@@ -142,7 +144,7 @@ class RelayLog:
 class Prober:
     """Runs the probes of one diagnosis: which routes, which requests, in what order."""
 
-    def __init__(self, args: argparse.Namespace, shape: probe_requests.ApiShape, key: str | None) -> None:
+    def __init__(self, args: argparse.Namespace, shape: Probe, key: str | None) -> None:
         self.args = args
         self.shape = shape
         upstream = probe.Endpoint.parse(args.upstream or shape.default_upstream)
@@ -202,7 +204,7 @@ class Prober:
         return results
 
 
-def collect(args: argparse.Namespace, shape: probe_requests.ApiShape, key: str | None) -> diagnosis.Evidence:
+def collect(args: argparse.Namespace, shape: Probe, key: str | None) -> diagnosis.Evidence:
     """Runs the probes and joins the relay's records to them."""
     prober = Prober(args, shape, key)
     relay_log = RelayLog(args.relay_log) if args.relay_log and args.relay else None

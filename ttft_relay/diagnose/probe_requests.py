@@ -1,5 +1,8 @@
 """What the diagnosis probes send: one streamed request per API shape, tiny or long (pure).
 
+How to call each API (its path, key, default upstream and model, and body) is its API
+module's `probe` (`ttft_relay/apis/`); the prompts are the same for all.
+
 A probe asks for a handful of output tokens with streaming on, so its time is
 dominated by what happens before the first token. The *tiny* prompt is "你好"
 (the classic manual check); the *long* prompt is filler text of a chosen size in
@@ -19,6 +22,9 @@ from typing import Any
 import orjson
 import tiktoken
 
+from .. import apis
+from ..apis.api import Probe
+
 TINY_PROMPT = "你好"
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID_PREFIX = "ttft-diag-"
@@ -35,49 +41,8 @@ common estimate, and the one the fake upstream's prefill knob uses)."""
 INSTRUCTION = "Ignore the filler words above and reply with one word: OK."
 
 
-@dataclass(frozen=True)
-class ApiShape:
-    """How to talk to one API: endpoint, key, defaults, and the body of a streamed call."""
-
-    name: str
-    path: str
-    key_env: str
-    default_upstream: str
-    default_model: str
-    max_tokens_field: str
-
-    def auth_headers(self, key: str | None) -> list[tuple[str, str]]:
-        if self.name == "anthropic.messages":
-            return ([("x-api-key", key)] if key else []) + [("anthropic-version", "2023-06-01")]
-        return [("authorization", f"Bearer {key}")] if key else []
-
-    def body(self, prompt: str, model: str, max_tokens: int) -> dict[str, Any]:
-        if self.name == "openai.responses":
-            body: dict[str, Any] = {"model": model, "input": prompt}
-        else:
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}]}
-        body[self.max_tokens_field] = max_tokens
-        return self.streamed(body)
-
-    def streamed(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`body` with streaming (and, for chat, usage in the stream) switched on."""
-        body = {**body, "stream": True}
-        if self.name == "openai.chat":
-            body["stream_options"] = {"include_usage": True}
-        return body
-
-
-API_SHAPES = {
-    shape.name: shape
-    for shape in (
-        ApiShape("openai.chat", "/v1/chat/completions", "OPENAI_API_KEY", "https://api.openai.com",
-                 "gpt-4o-mini", "max_completion_tokens"),
-        ApiShape("openai.responses", "/v1/responses", "OPENAI_API_KEY", "https://api.openai.com",
-                 "gpt-4o-mini", "max_output_tokens"),
-        ApiShape("anthropic.messages", "/v1/messages", "ANTHROPIC_API_KEY", "https://api.anthropic.com",
-                 "claude-3-5-haiku-latest", "max_tokens"),
-    )
-}
+API_SHAPES: dict[str, Probe] = {api.name: api.probe for api in apis.ALL if api.probe is not None}
+"""The APIs the probes speak: how to call each is its API module's `probe`."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +60,7 @@ class ProbeRequest:
 class PromptFactory:
     """Builds the probes' prompts and requests for one API shape and model."""
 
-    def __init__(self, shape: ApiShape, model: str, max_tokens: int, key: str | None) -> None:
+    def __init__(self, shape: Probe, model: str, max_tokens: int, key: str | None) -> None:
         self.shape = shape
         self.model = model
         self.max_tokens = max_tokens
