@@ -139,7 +139,7 @@ def test_render_uses_the_relays_cause_and_status():
     replies = faults.ErrorReplies()
     f = in_scope_flow(api=apis.ANTHROPIC_MESSAGES)
     st = state.get(f)
-    st.error, st.error_status = "first token timeout after 1 s", 504
+    st.record_error("first token timeout after 1 s", status=504)
     response, body = replies.render(f, "Server disconnected.", head_sent=False)
     assert response.status_code == 504
     assert orjson.loads(body)["error"] == {"type": "timeout_error", "message": "ttft-relay: first token timeout after 1 s"}

@@ -35,8 +35,9 @@ class FlowState:
     watcher: Any = None
     """`sse.StreamWatcher` of a streamed response, fed by the stream callable."""
     error: str | None = None
-    """What the relay found wrong (e.g. a timeout); takes precedence over mitmproxy's message."""
+    """Why the flow failed; written only through `record_error`."""
     error_phase: str | None = None
+    """The phase it failed in; None: the record derives it from the marks."""
     error_status: int | None = None
     """Status of the relay's own error reply to the client (504 for its timeouts); None: 502."""
     client_aborted: bool = False
@@ -44,6 +45,26 @@ class FlowState:
     """What the self-watch learned of the request's event loop and sockets (`record.LINK_KEYS`)."""
     recorded: bool = False
     """The timing record has been written: each flow gets exactly one."""
+
+    def record_error(self, error: str | None, *, phase: str | None = None, status: int | None = None) -> None:
+        """Record why the flow failed (`error`), the phase it failed in and the status of
+        the relay's reply; None leaves a part unknown. `error=None` records only what the
+        relay knows of a failure whose text is mitmproxy's (a connect timeout's status,
+        the phase of refused trailers).
+
+        Precedence, the one rule for every writer: the first error recorded stands, with
+        what was known of it; whatever comes after (the connection the relay closed
+        failing the flow, the relay stopping with it in flight, a sibling's cut) changes
+        nothing. So the relay's own findings, recorded as they happen, come first; when
+        the flow ends, timing records in this order what mitmproxy and the stream say:
+        the flow's error (unless the client left after the complete answer), the
+        stream's error event, an HTTP error status (phase `upstream_wait`).
+        """
+        if self.error is not None:
+            return
+        self.error = error
+        self.error_phase = self.error_phase or phase
+        self.error_status = self.error_status or status
 
 
 _states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()

@@ -135,7 +135,7 @@ class FailedConnects:
         if flow.server_conn.error is None or state.get(flow) is not None:
             return
         st = state.attach(flow, state.FlowState(api=apis.OTHER))
-        st.error, st.error_phase = flow.server_conn.error, "upstream_connect"
+        st.record_error(flow.server_conn.error, phase="upstream_connect")
 
     def error(self, flow: http.HTTPFlow) -> None:
         if state.get(flow) is None or flow.error is None or flow.response is not None:
@@ -306,9 +306,9 @@ class Deadlines:
         self._forget(flow)
         st = state.get(flow)
         if st is not None and flow.error is not None and flow.error.msg == CONNECT_TIMEOUT.format(self.connect_timeout):
-            st.error_status = 504
+            st.record_error(None, status=504)
         elif st is not None and flow.error is not None and flow.error.msg == trailers.REQUEST_TRAILERS:
-            st.error_phase = "relay"  # the relay cannot forward them (patches.trailers answered 501)
+            st.record_error(None, phase="relay")  # the relay cannot forward them (patches.trailers answered 501)
 
     def _forget(self, flow: http.HTTPFlow) -> None:
         if entry := self.timers.pop(flow, None):
@@ -351,7 +351,7 @@ class Deadlines:
             self._fail(flow, st, failure)
 
     def _fail(self, flow: http.HTTPFlow, st: state.FlowState, failure: str) -> None:
-        st.error, st.error_status = failure, 504
+        st.record_error(failure, status=504)
         if flow.server_conn.alpn == b"h2" and (handler := connections.handler_of(flow.client_conn)) is not None:
             # The upstream connection carries other flows: reset this flow's stream only.
             task = asyncio.ensure_future(self._reset_stream(handler, flow, failure))
@@ -369,8 +369,7 @@ class Deadlines:
         # the relay's doing, not their upstream's, and their records and clients say so.
         for other in self.timers:
             if other is not flow and other.server_conn is flow.server_conn and (o := state.get(other)) is not None:
-                o.error = f"{SHARED_CUT}: {failure} on another request on it"
-                o.error_phase, o.error_status = "relay", 502
+                o.record_error(f"{SHARED_CUT}: {failure} on another request on it", phase="relay", status=502)
         if not close_upstream(flow, failure) and flow.killable:
             flow.kill()
 
@@ -450,7 +449,7 @@ class Shutdown:
         if st is None or flow.response is not None:
             return
         if self.stopping:
-            st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
+            st.record_error(timing.SHUTDOWN_ERROR, phase="relay", status=SHUTDOWN_STATUS)
             answer_on_head.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
             return
         self.in_flight.add(flow)
@@ -470,7 +469,7 @@ class Shutdown:
             st = state.get(flow)
             if st is None or "forwarded" not in st.marks:
                 continue  # still uploading: timing records it
-            st.error, st.error_phase, st.error_status = timing.SHUTDOWN_ERROR, "relay", SHUTDOWN_STATUS
+            st.record_error(timing.SHUTDOWN_ERROR, phase="relay", status=SHUTDOWN_STATUS)
             _replying.add(flow)
             if not close_upstream(flow, timing.SHUTDOWN_ERROR):
                 _replying.discard(flow)

@@ -434,7 +434,7 @@ class AccessKeys:
         # hook, later in the chain) says the relay refused it, not the upstream.
         st = state.get(flow)
         if st is not None and (reason := self.refused.get(flow)) is not None:
-            st.error, st.error_phase = reason, "relay"
+            st.record_error(reason, phase="relay")
 
 
 class OriginForm:

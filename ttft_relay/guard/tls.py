@@ -141,4 +141,4 @@ class ClientTLS:
     def request(self, flow: http.HTTPFlow) -> None:
         # After scope attached the flow's state: the record says the relay refused it.
         if flow in self.refused and (st := state.get(flow)) is not None:
-            st.error, st.error_phase = PLAIN_HTTP_REFUSED, "relay"
+            st.record_error(PLAIN_HTTP_REFUSED, phase="relay")

@@ -163,7 +163,7 @@ class Timing:
         # `faults.Shutdown` (earlier in the chain) has ended what it could end cleanly.
         for live in list(self.in_flight):
             if (st := state.get(live)) is not None:
-                st.error, st.error_phase = st.error or SHUTDOWN_ERROR, st.error_phase or "relay"
+                st.record_error(SHUTDOWN_ERROR, phase="relay")
                 state.mark(live, "end", time.time())
                 self._finish(live)
         self.console_lines.flush()
@@ -306,20 +306,20 @@ class Timing:
             # The upstream's head was held for its body, which failed: the client got the relay's error.
             status = st.error_status or 502
         w = st.watcher
-        error, error_phase = st.error, st.error_phase
         client_aborted = st.client_aborted
+        # What mitmproxy and the stream say, after what the relay recorded (`FlowState.record_error`).
         if flow.error is not None:
             gone = error_texts.client_gone(flow.error.msg)
             # A client that hangs up after the API's terminal event had the whole answer (Codex stops
             # reading at response.completed, before the body's end): neither an error nor an abort.
             if not (gone and w is not None and w.done):
-                error = error or flow.error.msg
+                st.record_error(flow.error.msg)
                 client_aborted = client_aborted or gone
         if w is not None and w.error:
-            error = error or w.error
-        if status is not None and status >= 400 and not error:
+            st.record_error(w.error)
+        if status is not None and status >= 400:
             # The upstream (or the relay) answered with a failure instead of waiting on.
-            error, error_phase = f"HTTP {status}", error_phase or "upstream_wait"
+            st.record_error(f"HTTP {status}", phase="upstream_wait")
         upstream = upstream_name(flow)
         websocket = st.transport == record.WEBSOCKET
         return record.build_record(
@@ -341,8 +341,8 @@ class Timing:
             token_events=w.token_events if w is not None else None,
             prompt_tokens=st.prompt_tokens,
             usage=w.usage if w is not None else body_usage(st.api, flow.response),
-            error=error,
-            error_phase=error_phase,
+            error=st.error,
+            error_phase=st.error_phase,
             client_aborted=client_aborted,
             trim=st.trim,
             request_id=flow.request.headers.get("x-request-id"),
