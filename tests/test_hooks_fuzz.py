@@ -18,7 +18,7 @@ from mitmproxy import flow as mflow
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import scope, state
+from ttft_relay import relay, scope, state
 from ttft_relay.faults import faults
 from ttft_relay.stream import streaming
 from ttft_relay.timing import timing
@@ -66,16 +66,23 @@ def test_no_hook_raises_and_each_in_scope_flow_gets_one_record(tmp_path, loop, l
                           pieces, ending, budget))
 
 
+def in_relays_order(*addons):
+    """`addons` in the order relay.py composes them: reordering relay.py reorders this test."""
+    order = [type(addon) for addon in relay.addons]
+    return sorted(addons, key=lambda addon: order.index(type(addon)))
+
+
 async def _run_flow(tmp_path, loaded, path, method, body, req_headers, status, resp_headers, pieces, ending, budget):
     trimmer = trim.Trim()
     trimmer.tokenizers = loaded
-    addons = [scope.Scope(), streaming.Streaming(), trimmer, faults.FailedConnects(), faults.Deadlines(),
-              timing.Timing(), faults.ErrorReplies()]
+    addons = in_relays_order(scope.Scope(), streaming.Streaming(), trimmer, faults.FailedConnects(),
+                             faults.Deadlines(), timing.Timing(), faults.ErrorReplies())
+    of = {type(addon): addon for addon in addons}
     log = tmp_path / "timing.jsonl"
     log.unlink(missing_ok=True)
     with taddons.context(*addons) as tctx:
-        tctx.configure(addons[5], relay_timing_log=str(log))
-        tctx.configure(addons[2], relay_trim_max_tokens=budget)
+        tctx.configure(of[timing.Timing], relay_timing_log=str(log))
+        tctx.configure(trimmer, relay_trim_max_tokens=budget)
 
         async def hook(name: str, f: http.HTTPFlow) -> None:
             for addon in addons:
@@ -112,10 +119,10 @@ async def _run_flow(tmp_path, loaded, path, method, body, req_headers, status, r
             st = state.get(f)
             if st is not None:
                 # What the seam would ask for: never raises, and is the API's error or nothing.
-                reply = addons[6].render(f, "peer reset", head_sent=True)
+                reply = of[faults.ErrorReplies].render(f, "peer reset", head_sent=True)
                 assert reply is None or reply[0] is None
         in_scope = state.get(f) is not None
-        assert addons[4].timers == {}
+        assert of[faults.Deadlines].timers == {}
         for addon in addons:
             if fn := getattr(addon, "done", None):
                 fn()

@@ -20,7 +20,8 @@ file only composes the addons; each concern lives in its own module under `ttft_
     webcolumns the timing comment as a column of mitmweb's flow list
     config.OptionsCheck  a relay whose options do not parse does not start (last)
 
-The order matters: tls refuses plain HTTP before guard looks at a key; scope attaches
+The order matters (tests/test_addon_order.py checks it on `addons`, and test_hooks_fuzz
+runs its hooks in it): tls refuses plain HTTP before guard looks at a key; scope attaches
 the per-flow state the others read, and timing comes after trim so its `request` hook
 marks the moment the request leaves.
 faults.Shutdown and websocket come before timing too: timing's `done` closes the log,
