@@ -1,7 +1,10 @@
 """End to end: a Responses WebSocket (Codex CLI's transport) through a real mitmdump with the
 relay, against the fake upstream's WebSocket. The upgrade passes untouched, every message
 arrives whole in both directions, the upstream sees each `response.create` once, and each
-turn gets one record whose first token matches the upstream's injected prefill."""
+turn gets one record whose first token matches the upstream's injected prefill.
+
+The cases share a relay per option set (`shared_relay`) and find their records by the
+handshake's `x-request-id` (`rid`), which every record of its socket carries."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes.ws_client import HandshakeRefused, WebSocketClient
 from tests.harness import read_records
 
+pytestmark = pytest.mark.shared_fake
 WAIT = 20
 PREFILL_MS = 200
 
@@ -44,14 +48,15 @@ HEADERS = {"authorization": f"Bearer {FAKE_OPENAI_KEY}", "openai-beta": "respons
 
 
 @pytest.mark.parametrize("mode", ["reverse", "regular"])
-def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake, fake_tls, start_relay, tmp_path):
+def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake, fake_tls, shared_relay, rid):
+    headers = {**HEADERS, "x-request-id": rid}
     if mode == "reverse":
-        upstream, relay = fake, start_relay(reverse_to(fake))
-        client = WebSocketClient(ws_url(relay), headers=HEADERS)
+        upstream, relay = fake, shared_relay(reverse_to(fake))
+        client = WebSocketClient(ws_url(relay), headers=headers)
     else:
-        upstream, relay = fake_tls, start_relay("regular@0")
+        upstream, relay = fake_tls, shared_relay("regular@0")
         client = WebSocketClient(fake_tls.base_url.replace("https://", "wss://") + "/v1/responses",
-                                 headers=HEADERS, proxy=relay.url(), ca=relay.ca_pem)
+                                 headers=headers, proxy=relay.url(), ca=relay.ca_pem)
     # Tokenizers load in the background after start and hold the GIL while they do (a cold
     # start the relay still has): the turns below measure a relay that is up.
     relay.wait_for_output(r"tokenizer")
@@ -63,13 +68,11 @@ def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake,
         sent, events = turn(client, {"model": "gpt-5.1-codex", "previous_response_id": previous,
                                      "input": [{"type": "message", "role": "user", "content": "Say hello"}]})
         assert events[-1]["type"] == "response.completed" and text_of(events)
-    relay.stop()
 
     (session,) = upstream.sockets  # one socket: no reconnect, no fallback
     assert [t.request.get("generate", True) for t in session.turns] == [False, True]  # each turn exactly once
     assert [t.outcome for t in session.turns] == ["complete", "complete"]
-    recs = read_records(tmp_path / "timing.jsonl")
-    handshake, first, second = sorted(recs, key=lambda r: r["turn"])
+    handshake, first, second = sorted(relay.log.of(rid, 3), key=lambda r: r["turn"])
     assert (handshake["turn"], handshake["status"], handshake["ttft_ms"], handshake["error"]) == (0, 101, None, None)
     assert handshake["transport"] == first["transport"] == second["transport"] == "websocket"
     assert handshake["upstream_request_id"] == session.header("x-request-id") or handshake["upstream_request_id"]
@@ -88,33 +91,32 @@ def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake,
     assert second["marks"]["response_head"] < second["marks"]["first_token"]
 
 
-def test_a_refused_handshake_is_recorded_as_a_failing_websocket(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_a_refused_handshake_is_recorded_as_a_failing_websocket(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     with pytest.raises(HandshakeRefused) as refused:
-        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-status": "404"})
+        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-status": "404", "x-request-id": rid})
     assert refused.value.status == 404 and b"error" in refused.value.body  # the upstream's answer, unchanged
-    relay.stop()
-    (rec,) = read_records(tmp_path / "timing.jsonl")
+    (rec,) = relay.log.of(rid)
     assert (rec["turn"], rec["status"], rec["transport"]) == (0, 404, "websocket")
     assert rec["verdict"].startswith("websocket handshake failed")
 
 
-def test_a_hung_handshake_is_recorded_with_the_time_it_cost(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_a_hung_handshake_is_recorded_with_the_time_it_cost(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     started = time.time()
     with pytest.raises(OSError):  # TimeoutError: the client gives up, as Codex does after 15 s
-        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-head-delay-ms": "30000"}, timeout=1.0)
+        WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-head-delay-ms": "30000", "x-request-id": rid},
+                        timeout=1.0)
     waited_ms = (time.time() - started) * 1000
-    relay.stop()
-    (rec,) = read_records(tmp_path / "timing.jsonl")
+    (rec,) = relay.log.of(rid)
     assert rec["client_aborted"] and rec["verdict"] == "websocket handshake failed: client aborted in upstream wait"
     # The second the client waited, less however late a busy relay read the head.
     assert 500 <= rec["phases"]["total"] <= waited_ms + 1000, rec["marks"]
 
 
-def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), relay_first_token_timeout=1)
-    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-prefill-ms": "20000"}) as client:
+def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), relay_first_token_timeout=1)
+    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-prefill-ms": "20000", "x-request-id": rid}) as client:
         _, events = turn(client, {"model": "gpt-5.1-codex", "input": [{"type": "message", "role": "user",
                                                                        "content": "hi"}]})
         assert events[-1]["type"] == "response.failed"
@@ -122,8 +124,7 @@ def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, st
         assert failed["status"] == "failed" and "first token timeout after 1 s" in failed["error"]["message"]
         assert failed["id"] == events[0]["response"]["id"]  # the response the client was waiting on
         assert client.receive(WAIT) is None and client.closed is not None  # then the socket ends
-    relay.stop()
-    turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
+    turns = [r for r in relay.log.of(rid, 2) if r["turn"]]
     assert [(r["turn"], r["error"]) for r in turns] == [(1, "first token timeout after 1 s")]
     assert turns[0]["verdict"] == "error in head to first token"
 
@@ -138,10 +139,11 @@ def test_a_turn_in_flight_when_the_relay_stops_is_recorded(fake, start_relay, tm
     assert [(r["turn"], r["error"]) for r in turns] == [(1, "relay shutting down")]
 
 
-def test_the_openai_sdks_websocket_client(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
-    sdk = openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0)
-    with sdk.responses.connect(max_retries=0) as conn:
+def test_the_openai_sdks_websocket_client(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
+    sdk = openai.OpenAI(base_url=relay.url() + "/v1", api_key=FAKE_OPENAI_KEY, max_retries=0,
+                        default_headers={"x-request-id": rid})
+    with sdk, sdk.responses.connect(max_retries=0) as conn:
         conn.response.create(model="gpt-5.1-codex", input="Say hello")
         text = ""
         for event in conn:
@@ -150,9 +152,8 @@ def test_the_openai_sdks_websocket_client(fake, start_relay, tmp_path):
             if event.type in ("response.completed", "response.failed", "error"):
                 break
     assert event.type == "response.completed" and text
-    relay.stop()
     (session,) = fake.sockets
     assert len(session.turns) == 1
-    turns = [r for r in read_records(tmp_path / "timing.jsonl") if r["turn"]]
+    turns = [r for r in relay.log.of(rid, 2) if r["turn"]]
     assert [(r["turn"], r["error"], r["model"]) for r in turns] == [(1, None, "gpt-5.1-codex")]
     assert turns[0]["ttft_ms"] is not None

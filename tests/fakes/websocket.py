@@ -149,7 +149,14 @@ class ResponsesSocket:
         if behaviour.reset_before_headers:
             reset_connection(writer)
             return "reset"
-        await sleep_ms(behaviour.head_delay_ms)
+        if behaviour.head_delay_ms:
+            hangup = asyncio.ensure_future(inbound.wait_hangup())
+            delay = asyncio.ensure_future(sleep_ms(behaviour.head_delay_ms))
+            await asyncio.wait({hangup, delay}, return_when=asyncio.FIRST_COMPLETED)
+            hangup.cancel()
+            delay.cancel()
+            if hangup.done() and not hangup.cancelled():  # the client left while the head was held
+                return "client_closed"
         self._ws.receive_data(_raw_head(head))
         request = next((e for e in self._ws.events() if isinstance(e, Request)), None)
         if request is None:
