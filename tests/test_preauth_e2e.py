@@ -3,7 +3,8 @@ checked on the request head (before the body is read, before any upstream
 connection), a head must arrive in time, a connection limit refuses clearly, and a
 reverse listener sends only the configured upstream's origin-form target.
 
-Raw sockets, because SDKs cannot misbehave on purpose.
+Raw sockets, because SDKs cannot misbehave on purpose. The cases share a keyed relay
+per option set (`shared_relay`).
 """
 
 from __future__ import annotations
@@ -11,27 +12,31 @@ from __future__ import annotations
 import socket
 import time
 
-import orjson
 import pytest
 
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 
+pytestmark = pytest.mark.shared_fake
+
 WAIT = 20
 
 
-@pytest.fixture
-def keys_file(tmp_path, monkeypatch):
-    keys = tmp_path / "relay-keys"
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory):
+    """The relay keys, and the upstream key in the environment the module's relays start with."""
+    keys = tmp_path_factory.mktemp("keys") / "relay-keys"
     keys.write_text(f"{RELAY_KEY}\n")
-    monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
-    return keys
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
+        yield keys
 
 
-def keyed(start_relay, mode: str, keys_file, **options):
-    return start_relay(mode, relay_access_keys=f"file:{keys_file}",
-                       relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY", **options)
+def keyed(relays, mode: str, keys_file, **options):
+    """A relay from `relays` (start_relay or shared_relay) whose `mode` listener takes RELAY_KEY."""
+    return relays(mode, relay_access_keys=f"file:{keys_file}",
+                  relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY", **options)
 
 
 def raw(relay) -> socket.socket:
@@ -50,8 +55,8 @@ def head(target: str, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def test_a_request_without_a_key_is_refused_on_its_head_before_its_body(fake, start_relay, keys_file):
-    relay = keyed(start_relay, reverse_to(fake), keys_file)
+def test_a_request_without_a_key_is_refused_on_its_head_before_its_body(fake, shared_relay, keys_file):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file)
     with raw(relay) as s:
         # 400 MB announced, none sent: the 401 must not wait for them.
         s.sendall(head("/v1/chat/completions", {"host": "x", "content-length": str(400 << 20),
@@ -80,13 +85,14 @@ def test_no_upstream_connection_opens_before_the_key_is_checked(start_relay, key
             s.close()
 
 
-def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploads(fake, start_relay, keys_file,
-                                                                                   tmp_path):
-    relay = keyed(start_relay, reverse_to(fake), keys_file)
+def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploads(fake, shared_relay, keys_file,
+                                                                                   rid):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file)
     body = b'{"model": "gpt-4o-mini", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
     with raw(relay) as s:
         s.sendall(head("/v1/chat/completions", {"host": "x", "authorization": f"Bearer {RELAY_KEY}",
-                                                "content-type": "application/json", "content-length": str(len(body))}))
+                                                "content-type": "application/json", "content-length": str(len(body)),
+                                                "x-request-id": rid}))
         # The body is not sent yet: a lazy connect would wait for it and the request hooks.
         assert fake.wait_connections(1, 5), "no upstream connection while the body uploads"
         assert fake.received == []
@@ -94,8 +100,7 @@ def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploa
         answer = read_until_done(s)
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert fake.wait_finished(1, WAIT) and fake.received[0].header("authorization") == f"Bearer {UPSTREAM_KEY}"
-    relay.stop()
-    (rec,) = [orjson.loads(line) for line in (tmp_path / "timing.jsonl").read_bytes().splitlines()]
+    (rec,) = relay.log.of(rid)
     assert rec["error"] is None and rec["reused_connection"] is False
 
 
@@ -106,8 +111,8 @@ def read_until_done(s: socket.socket) -> bytes:
     return out
 
 
-def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, start_relay, keys_file):
-    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, shared_relay, keys_file):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
     with raw(relay) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
         # slowloris: one more byte now and then, each well inside mitmproxy's idle timeout
@@ -129,8 +134,8 @@ def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, start_rela
     assert time.monotonic() - started < WAIT / 2
 
 
-def test_connections_over_the_limit_get_a_clear_refusal(fake, start_relay, keys_file):
-    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_max_connections=5)
+def test_connections_over_the_limit_get_a_clear_refusal(fake, shared_relay, keys_file):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_max_connections=5)
     held = [raw(relay) for _ in range(5)]
     try:
         with raw(relay) as extra:
@@ -143,8 +148,8 @@ def test_connections_over_the_limit_get_a_clear_refusal(fake, start_relay, keys_
     relay.wait_for_output(r"connection limit \(5\) reached")
 
 
-def test_an_absolute_form_target_goes_to_the_configured_upstream_in_origin_form(fake, start_relay, keys_file):
-    relay = keyed(start_relay, reverse_to(fake), keys_file)
+def test_an_absolute_form_target_goes_to_the_configured_upstream_in_origin_form(fake, shared_relay, keys_file):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file)
     with raw(relay) as s:
         s.sendall(head("http://evil.example/v1/chat/completions",
                        {"host": "evil.example", "authorization": f"Bearer {RELAY_KEY}",
@@ -156,20 +161,20 @@ def test_an_absolute_form_target_goes_to_the_configured_upstream_in_origin_form(
     assert got.header("authorization") == f"Bearer {UPSTREAM_KEY}"
 
 
-def test_a_refused_request_without_a_body_keeps_its_connection(fake, start_relay, keys_file):
+def test_a_refused_request_without_a_body_keeps_its_connection(fake, shared_relay, keys_file):
     # (Found by tests/test_wire_fuzz.py: the refusal crashed mitmproxy's connection handler.)
-    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    relay = keyed(shared_relay, reverse_to(fake), keys_file)
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         refused = conn.request("POST", "/v1/chat/completions", b"")
         assert refused.status == 401 and refused.read()
         served = conn.request("POST", "/v1/chat/completions", {"model": "m", "messages": []},
                               {"authorization": f"Bearer {RELAY_KEY}"})
         assert served.status == 200 and served.read()
-    assert "mitmproxy has crashed" not in relay.stop()
+    assert "mitmproxy has crashed" not in relay.text()  # (printed as it happens)
 
 
-def test_the_header_timeout_covers_the_next_head_after_a_refusal(fake, start_relay, keys_file):
-    relay = keyed(start_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+def test_the_header_timeout_covers_the_next_head_after_a_refusal(fake, shared_relay, keys_file):
+    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         refused = conn.request("POST", "/v1/chat/completions", b"")
         assert refused.status == 401 and refused.read()
