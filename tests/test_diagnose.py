@@ -24,6 +24,8 @@ from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import DelayingForwarder
 
+pytestmark = pytest.mark.shared_fake  # and the relays to it, where cases differ only by request
+
 REPO = Path(__file__).resolve().parent.parent
 ONE_WAY_MS = 100
 """Injected one-way delay: a round trip costs 2 x this."""
@@ -185,12 +187,12 @@ def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(star
     assert abs(overhead.ms) < SLACK_MS  # the network difference explains the relayed-minus-direct gap
 
 
-def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(start_relay, fake, tmp_path):
+def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(shared_relay, fake):
     per_1k_fake_tokens = 50  # the fake counts body bytes / 4 as tokens
     fake.behaviour.prefill_ms_per_1k_tokens = per_1k_fake_tokens
-    relay = start_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake))  # its log shared too: diagnose joins its probes by x-request-id
     evidence, result = run_diagnosis(
-        "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(tmp_path / "timing.jsonl"),
+        "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(relay.log.path),
         "--repeat", "3", "--long-tokens", "8000",
     )
     print(diagnosis.render(evidence, result))
@@ -201,12 +203,12 @@ def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(start_rela
     assert v.numbers["ms_per_1k_tokens"] == pytest.approx(expected, rel=0.15)  # ±15 %: ≈ ±60 ms on 400 ms
 
 
-def test_slow_hop_to_the_relay_is_named_with_its_round_trip(start_relay, fake, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_slow_hop_to_the_relay_is_named_with_its_round_trip(shared_relay, fake):
+    relay = shared_relay(reverse_to(fake))
     with DelayingForwarder("127.0.0.1", relay.port, ONE_WAY_MS) as slow_hop:
         evidence, result = run_diagnosis(
             "--upstream", fake.base_url, "--relay", f"http://127.0.0.1:{slow_hop.port}",
-            "--relay-log", str(tmp_path / "timing.jsonl"), "--repeat", "3", "--long-tokens", "1000",
+            "--relay-log", str(relay.log.path), "--repeat", "3", "--long-tokens", "1000",
         )
     print(diagnosis.render(evidence, result))
     v = result.verdict
@@ -254,10 +256,10 @@ def test_silent_upstream_times_out_in_the_wait(fake):
     assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
 
 
-def test_the_key_never_appears_in_the_output(start_relay, fake):
+def test_the_key_never_appears_in_the_output(shared_relay, fake):
     leak = orjson.dumps({"error": {"message": f"Incorrect API key provided: {FAKE_OPENAI_KEY}", "type": "auth"}})
     fake.behaviour.status, fake.behaviour.error_body = 401, leak.decode()
-    relay = start_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake))
     for fmt in ([], ["--json"]):
         done = run_cli("--upstream", fake.base_url, "--relay", relay.url(), "--repeat", "1", "-v", *fmt)
         assert done.returncode == 2
