@@ -10,6 +10,8 @@ within each rate, round after round, so that drift on a shared machine hits all 
     bare          client → mitmdump -s <script that only turns streaming on>
     relay-1       client → the relay as one process (console off, trimming on)
     relay-N       client → scripts/relay --workers N (N workers behind HAProxy)
+    NAME          client → the relay as one process with other options (--variant NAME:OPTION=VALUE):
+                  an option's A/B in the same run, e.g. --variant nosplice:relay_stream_splice=false
 
 Per setup and rate: first token p50/p99 (from the moment the stream was due to its
 first answer text), worst inter-chunk gap per stream p50/p99 (after the first token),
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="direct,bare,relay-1,relay-N", help="which setups, comma-separated")
     ap.add_argument("--relay-set", action="append", default=[], metavar="NAME=VALUE",
                     help="an option for the relay setups (repeatable), e.g. relay_hook_plans=false")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:OPTION=VALUE[,OPTION=VALUE]",
+                    help="one more setup: the relay as one process with these options (repeatable), "
+                         "e.g. nosplice:relay_stream_splice=false")
     args = ap.parse_args(argv)
     if args.quick:
         args.rates, args.seconds, args.rounds = "5,25", 6.0, 1
@@ -151,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     knobs = {"prefill_ms": args.prefill_ms, "chunks": args.events, "gap_ms": args.gap_ms}
     relay_options = {"relay_timing_console": "false", **dict(kv.split("=", 1) for kv in args.relay_set)}
+    variants = {name: dict(kv.split("=", 1) for kv in options.split(","))
+                for name, _, options in (v.partition(":") for v in args.variant)}
     with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
-                     names=tuple(args.setups.split(","))) as bench:
+                     names=tuple(args.setups.split(",")), variants=variants) as bench:
         setups = bench.setups
         time.sleep(2)  # start-up work (tokenizer loading) out of the way
         expected = None

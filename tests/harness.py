@@ -242,17 +242,22 @@ class BenchSetups:
         relay-1   the relay as one mitmdump process
         relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
 
+    and, for each of `variants` (name → options), the relay as one process with those
+    options over `relay_options`: an A/B of an option in the same interleaved run.
+
     `setups` maps each name to (url, processes), `processes()` naming the pids whose
     CPU counts for it (none for direct). A context manager: everything stops on exit.
     """
 
     def __init__(self, knobs: dict[str, object], *, workers: int, relay_options: dict[str, object] | None = None,
-                 names: tuple[str, ...] = ("direct", "bare", "relay-1", "relay-N")) -> None:
+                 names: tuple[str, ...] = ("direct", "bare", "relay-1", "relay-N"),
+                 variants: dict[str, dict[str, object]] | None = None) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-"))
         self.knobs = knobs
         self.workers = workers
         self.relay_options = {"flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0", **(relay_options or {})}
         self.names = names
+        self.variants = variants or {}
         self.setups: dict[str, tuple[str, Callable[[], dict[str, int]]]] = {}
         self._stoppers: list[Callable[[], object]] = []
 
@@ -269,6 +274,9 @@ class BenchSetups:
             if "relay-1" in self.names:
                 singles["relay-1"] = MitmdumpProcess(
                     [mode], self.tmp, options={**self.relay_options, "relay_timing_log": self.tmp / "timing-1.jsonl"})
+            for name, options in self.variants.items():
+                singles[name] = MitmdumpProcess(
+                    [mode], self.tmp, options={**self.relay_options, **options, "relay_timing_log": self.tmp / f"timing-{name}.jsonl"})
             for name, proc in singles.items():
                 self._stoppers.append(proc.stop)
                 proc.start()
