@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from ttft_relay import apis
-from ttft_relay.apis.api import Api, ErrorFormat, Probe
+from ttft_relay.apis.api import Api, ErrorFormat, Probe, Turns
 from ttft_relay.stream.reader import Reader
 from ttft_relay.trim.shape import Shape
 
@@ -33,7 +33,9 @@ PART_CHECKS = {
     "matches": callable,
     "model_and_stream": callable,
     "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
-    "websocket_turns": lambda v: isinstance(v, bool),
+    "websocket_turns": lambda v: v is None or isinstance(v, Turns) and all(
+        callable(getattr(v, f.name)) for f in dataclasses.fields(Turns)
+    ),
     "trim_shape": lambda v: v is None or isinstance(v, Shape) and all(
         isinstance(getattr(v, key, None), kind)
         for key, kind in (("items_key", str), ("fixed_keys", tuple), ("text_part_type", str), ("image_part_types", frozenset))

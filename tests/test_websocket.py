@@ -9,6 +9,7 @@ from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
 
 from ttft_relay import apis, state
+from ttft_relay.apis import openai_responses
 from ttft_relay.faults import faults
 from ttft_relay.stream import websocket
 from ttft_relay.timing import timing
@@ -61,10 +62,10 @@ def send(turns, flow, payload: dict | bytes, *, from_client: bool, at: float) ->
 
 
 def test_parse_turn_request():
-    assert websocket.parse_turn_request(b'{"type":"response.create","model":"gpt-5.1"}')["model"] == "gpt-5.1"
-    assert websocket.parse_turn_request(b'{"type":"response.processed"}') is None
-    assert websocket.parse_turn_request(b'{"type":"response.create",') is None  # not JSON: not ours
-    assert websocket.turn_model({"type": "response.create", "response": {"model": "gpt-realtime"}}) == "gpt-realtime"
+    assert openai_responses.parse_turn_request(b'{"type":"response.create","model":"gpt-5.1"}')["model"] == "gpt-5.1"
+    assert openai_responses.parse_turn_request(b'{"type":"response.processed"}') is None
+    assert openai_responses.parse_turn_request(b'{"type":"response.create",') is None  # not JSON: not ours
+    assert openai_responses.turn_model({"type": "response.create", "response": {"model": "gpt-realtime"}}) == "gpt-realtime"
 
 
 def test_each_turn_gets_one_record_with_its_own_marks_and_usage(relay):

@@ -55,6 +55,21 @@ def model_and_stream_from_body(path: str, body: Any) -> tuple[str | None, bool]:
     return (model if isinstance(model, str) else None), body.get("stream") is True
 
 
+@dataclass(frozen=True, slots=True)
+class Turns:
+    """How the turns of the API's WebSocket start; a turn's events are read by the API's
+    reader and its terminal event ends it."""
+
+    request: Callable[[bytes], dict[str, Any] | None]
+    """A client message → its JSON if it starts a turn, else None (never raises)."""
+    model: Callable[[dict[str, Any]], str | None]
+    """The model a turn's request names."""
+    prewarm: Callable[[dict[str, Any]], bool]
+    """The request only warms the session up: no output is asked for."""
+    server_started: Callable[[bytes], bool]
+    """A server message that opens a turn the server started on its own."""
+
+
 @dataclass(frozen=True)
 class Probe:
     """How `ttft-relay diagnose` calls the API: endpoint, key, defaults, and the body of
@@ -99,8 +114,8 @@ class Api:
     client_headers: tuple[str, ...]
     """Request headers only this API's clients send: before scope has read a path, the
     guard answers a refusal in this API's error format when one is present."""
-    websocket_turns: bool
-    """Its WebSocket carries turns (`response.create` … terminal event) that are timed."""
+    websocket_turns: Turns | None
+    """How its WebSocket's turns start, each timed like a request; None: its sockets only pass."""
     trim_shape: Shape | None
     """How its requests lay out a conversation, for trimming; None: never trimmed."""
     reader: Reader

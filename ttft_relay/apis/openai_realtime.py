@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..stream.reader import Event, as_int, counts, dig, loads, reported_error, type_of
 from .api import Api, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
-from .openai_responses import ResponsesReader
+from .openai_responses import TURNS, ResponsesReader
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -66,7 +66,7 @@ API = Api(
     matches=lambda path: path.endswith("/realtime"),
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
-    websocket_turns=True,
+    websocket_turns=TURNS,
     trim_shape=None,
     reader=RealtimeReader(),
     errors=RealtimeErrors(),

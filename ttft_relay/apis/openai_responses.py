@@ -8,9 +8,12 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
+import orjson
+
+from ..stream.reader import (
+    Event, Reader, Transcript, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
-from .api import Api, Probe, error_code, model_and_stream_from_body
+from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 
 if TYPE_CHECKING:
@@ -172,16 +175,52 @@ class ResponsesProbe(Probe):
         return self.streamed({"model": model, "input": prompt, self.max_tokens_field: max_tokens})
 
 
+TURN_START = b'"response.create"'
+TYPE_SCAN = 256
+"""A turn's type is its message's first key: only this many bytes are searched for it."""
+
+
+def parse_turn_request(content: bytes) -> dict[str, Any] | None:
+    """The client message's JSON if it starts a turn (`response.create`), else None."""
+    if TURN_START not in content[:TYPE_SCAN]:
+        return None
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    return body if isinstance(body, dict) and body.get("type") == "response.create" else None
+
+
+def turn_model(body: dict[str, Any]) -> str | None:
+    """The model a `response.create` names: at the top (Responses) or in `response` (Realtime)."""
+    model = body.get("model")
+    if model is None and isinstance(body.get("response"), dict):
+        model = body["response"].get("model")
+    return model if isinstance(model, str) else None
+
+
+TURNS = Turns(
+    request=parse_turn_request,
+    model=turn_model,
+    prewarm=lambda body: body.get("generate") is False,
+    # The Realtime API starts turns of its own (voice activity): from their first event.
+    server_started=lambda content: event_type(content) == "response.created",
+)
+"""A turn per `response.create`, as Codex sends them (the Realtime API's turns too)."""
+
+
 API = Api(
     name=NAME,
     scope=r"/responses/?(?:\?|$)",
     matches=lambda path: path.endswith("/responses"),
     model_and_stream=model_and_stream_from_body,
     client_headers=(),
-    websocket_turns=True,
+    websocket_turns=TURNS,
     trim_shape=ResponsesShape(),
     reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),
-    probe=ResponsesProbe(NAME, "/v1/responses", "OPENAI_API_KEY", "https://api.openai.com", "gpt-4o-mini", "max_output_tokens"),
+    probe=ResponsesProbe(
+        NAME, "/v1/responses", "OPENAI_API_KEY", "https://api.openai.com", "gpt-4o-mini", "max_output_tokens"
+    ),
 )

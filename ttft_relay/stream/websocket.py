@@ -7,6 +7,9 @@ stream would carry, one JSON text message each (`response.created`, ...,
 `response.output_text.delta`, ..., `response.completed`). The Realtime API
 (`/v1/realtime`) works the same way, its turns ending in `response.done`.
 
+Which sockets carry turns, and how a turn starts, is the API module's
+`websocket_turns` (`ttft_relay/apis/`); the turn's events go to the API's reader.
+
 The handshake is the flow itself: scope marks it `transport: websocket`,
 streaming and timing leave its `101` exactly as it came, and timing records it
 as turn 0 (upgrade request → 101, upstream connect and TLS included; a refused
@@ -40,49 +43,26 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 from mitmproxy import ctx, http
 from mitmproxy.websocket import WebSocketMessage
 
 from .. import apis, state
+from ..apis.api import Turns
 from ..faults import apierrors, faults
-from . import reader, sse
+from . import sse
 from ..timing import phases, record
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
-TURN_START = b'"response.create"'
-TURN_CREATED = "response.created"
-TYPE_SCAN = 256
-"""A turn's type is its message's first key: only this many bytes are searched for it."""
 CLOSED_EARLY = "WebSocket closed before the turn ended"
 COMMENT_TURNS = 20
 """The newest turns listed in the flow's comment (mitmweb), newest first."""
 
 
 # --- pure ------------------------------------------------------------------------------
-
-
-def parse_turn_request(content: bytes) -> dict[str, Any] | None:
-    """The client message's JSON if it starts a turn (`response.create`), else None."""
-    if TURN_START not in content[:TYPE_SCAN]:
-        return None
-    try:
-        body = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) and body.get("type") == "response.create" else None
-
-
-def turn_model(body: dict[str, Any]) -> str | None:
-    """The model a `response.create` names: at the top (Responses) or in `response` (Realtime)."""
-    model = body.get("model")
-    if model is None and isinstance(body.get("response"), dict):
-        model = body["response"].get("model")
-    return model if isinstance(model, str) else None
 
 
 def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: float | None) -> dict[str, float]:
@@ -120,6 +100,8 @@ class Session:
     """One WebSocket flow's turns."""
 
     api: str
+    protocol: Turns
+    """How its turns start."""
     turns: int = 0
     turn: Turn | None = None
     closing: bytes | None = None
@@ -164,8 +146,9 @@ class WebSocketTurns:
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if st is not None and apis.get(st.api).websocket_turns:
-            self.sessions[flow] = Session(st.api, handshake_comment=flow.comment)
+        protocol = apis.get(st.api).websocket_turns if st is not None else None
+        if protocol is not None:
+            self.sessions[flow] = Session(st.api, protocol, handshake_comment=flow.comment)
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         assert flow.websocket is not None
@@ -199,13 +182,13 @@ class WebSocketTurns:
         if not message.is_text:
             return
         if message.from_client:
-            body = parse_turn_request(message.content)
+            protocol = session.protocol
+            body = protocol.request(message.content)
             if body is not None:
-                self._start(flow, session, message.timestamp, turn_model(body), body.get("generate") is False)
+                self._start(flow, session, message.timestamp, protocol.model(body), protocol.prewarm(body))
             return
         if session.turn is None:
-            # The Realtime API starts turns of its own (voice activity): from their first event.
-            if reader.event_type(message.content) != TURN_CREATED:
+            if not session.protocol.server_started(message.content):
                 return
             self._start(flow, session, message.timestamp, None, False)
         turn = session.turn
