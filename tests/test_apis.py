@@ -12,6 +12,7 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.apis.api import Api, ErrorFormat, Probe, Turns
+from ttft_relay.stream import sse
 from ttft_relay.stream.reader import Reader
 from ttft_relay.trim.shape import Shape
 
@@ -103,3 +104,13 @@ def test_a_probe_calls_its_own_api(api):
     assert api.model_and_stream(probe.path, body) == ("m", True)
     assert body[probe.max_tokens_field] == 16
     assert "sk-probe-1" in str(probe.auth_headers("sk-probe-1")) and "sk-probe" not in str(probe.auth_headers(None))
+
+
+def test_typed_events_are_recognised_before_chat_chunks():
+    """A Responses stream echoes the request's tools, whose schema may name a "choices"
+    parameter: Chat Completions' mark. apis.ALL's order lets the typed reading win."""
+    created = orjson.dumps({"type": "response.created", "response": {"id": "resp_1", "tools": [
+        {"type": "function", "name": "pick", "parameters": {"properties": {"choices": {"type": "array"}}}}]}})
+    assert sse.detect_api([sse.Event("response.created", created)]) == apis.OPENAI_RESPONSES
+    chunk = orjson.dumps({"object": "chat.completion.chunk", "choices": [{"delta": {"content": "hi"}}]})
+    assert sse.detect_api([sse.Event("", chunk)]) == apis.OPENAI_CHAT

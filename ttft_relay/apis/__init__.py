@@ -1,10 +1,13 @@
 """The APIs the relay understands: one module each, everything it knows about that API.
 
-Each module ends in an `API` record (`api.Api`): its path match, its error format, its
-metric names and the rest. The other floors ask this registry and hold no list of APIs
-of their own: scope finds a request's API here, faults and guard its error format,
-metrics its names. Adding an API is adding a module and listing it in `ALL`
-(`tests/test_apis.py` fails for a module that is not listed or lacks a part).
+Each module ends in an `API` record (`api.Api`): its path match and part of the default
+scope, where its model and stream flag are, its stream reader, its trim shape, its
+WebSocket turns, its error format, its metric names and its diagnose probe. The other
+floors ask this registry and hold no list of APIs of their own: scope finds a request's
+API here, the SSE watcher its reader, the trimmer its shape, websocket its turns, faults
+and guard its error format, metrics its names, diagnose its probe. Adding an API is
+adding a module and listing it in `ALL` (`tests/test_apis.py` fails for a module that
+is not listed or lacks a part).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What one API module tells the relay (pure): the `Api` record and the parts it is made of.
 
-Every field of `Api` is a part the relay needs for every API it serves, so a module
-that forgets one fails when it is imported, and `tests/test_apis.py` checks that every
-module in this package is registered and gives each part its proper type.
+Every field of `Api` is a part the relay asks every API for, none with a default, so a
+module that forgets one fails when it is imported (None says, where allowed, that a part
+does not apply: not trimmed, not probed); `tests/test_apis.py` checks that every module
+in this package is registered and gives each part its proper type.
 """
 
 from __future__ import annotations
