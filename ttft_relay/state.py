@@ -5,7 +5,8 @@ and read by streaming, timing and trimming. It lives in a weak map keyed by the
 flow, not in `flow.metadata`: mitmproxy deep-copies and serialises metadata when
 flows are duplicated or saved, and this object holds parsers and buffers that
 must not be. What should survive a save (the finished timing record) is put in
-`flow.metadata` as plain data by the timing addon.
+`flow.metadata` as plain data by the timing addon. A flow's error is written only by
+`FlowState.record_error`, which states the precedence of its writers.
 """
 
 from __future__ import annotations
