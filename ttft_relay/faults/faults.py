@@ -252,8 +252,6 @@ class Deadlines:
         self.timers: dict[http.HTTPFlow, tuple[float, asyncio.TimerHandle]] = {}
         """Per waiting flow: when it was forwarded, its next check."""
         self.connect_timers: dict[connection.Server, asyncio.TimerHandle] = {}
-        self.resets: set[asyncio.Future[None]] = set()
-        """HTTP/2 upstream streams being reset (a task holds each until it is done)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -354,14 +352,9 @@ class Deadlines:
         st.record_error(failure, status=504)
         if flow.server_conn.alpn == b"h2" and (handler := connections.handler_of(flow.client_conn)) is not None:
             # The upstream connection carries other flows: reset this flow's stream only.
-            task = asyncio.ensure_future(self._reset_stream(handler, flow, failure))
-            self.resets.add(task)
-            task.add_done_callback(self.resets.discard)
+            reset = layer_events.ResetUpstreamStream(flow, reason=failure)
+            layer_events.hand(handler, reset, lambda done: done or self._close_upstream(flow, failure))
         else:
-            self._close_upstream(flow, failure)
-
-    async def _reset_stream(self, handler: Any, flow: http.HTTPFlow, failure: str) -> None:
-        if not await layer_events.reset_upstream_stream(handler, flow, failure):
             self._close_upstream(flow, failure)
 
     def _close_upstream(self, flow: http.HTTPFlow, failure: str) -> None:

@@ -360,7 +360,7 @@ class AccessKeys:
 
     No upstream connection is opened for a client before its key is accepted (no
     eager connect on these listeners); once the key on a request's head is, the
-    connect starts while the body uploads (`layer_events.connect_early`), where a
+    connect starts while the body uploads (`layer_events.ConnectEarly`), where a
     lazy connect would wait for the body and the request hooks."""
 
     def __init__(self) -> None:
@@ -368,8 +368,6 @@ class AccessKeys:
         self.upstream_keys: dict[str, str] = {}
         self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
         """Why the relay answered a flow itself, for its timing record."""
-        self.connecting: set[asyncio.Future[bool]] = set()
-        """Early connects being asked for (a task holds each until the HTTP layer had it)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -424,9 +422,7 @@ class AccessKeys:
         swap_credentials(flow.request, credentials, REDACTED)
         upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
         if (handler := connections.handler_of(flow.client_conn)) is not None:
-            task = asyncio.ensure_future(layer_events.connect_early(handler, flow))
-            self.connecting.add(task)
-            task.add_done_callback(self.connecting.discard)
+            layer_events.hand(handler, layer_events.ConnectEarly(flow))
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has

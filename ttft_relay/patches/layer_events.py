@@ -31,7 +31,8 @@ layer's HTTP layer (a tunnel's, in regular mode) leaves them undone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,21 +72,23 @@ def uninstall() -> None:
     HttpLayer._handle_event = _ORIGINAL_HANDLE_EVENT  # type: ignore[method-assign]
 
 
-async def reset_upstream_stream(handler: Any, flow: http.HTTPFlow, reason: str) -> bool:
-    """Through `handler` (the flow's client connection handler): reset `flow`'s
-    upstream stream and fail the flow with `reason`. False if it could not."""
-    return await _send(handler, ResetUpstreamStream(flow, reason=reason))
+_handing: set[asyncio.Future[None]] = set()
+"""Events on their way (a task holds each until the HTTP layer had it)."""
 
 
-async def connect_early(handler: Any, flow: http.HTTPFlow) -> bool:
-    """Through `handler`: start the upstream connection `flow` will use. False if not."""
-    return await _send(handler, ConnectEarly(flow))
-
-
-async def _send(handler: Any, event: FlowEvent) -> bool:
+def hand(handler: Any, event: FlowEvent, then: Callable[[bool], object] | None = None) -> None:
+    """Hand `event` to the HTTP layer of `handler` (the flow's client connection
+    handler) as soon as it takes events; `then(event.done)` once it had it."""
     install()
+    task = asyncio.ensure_future(_hand(handler, event, then))
+    _handing.add(task)
+    task.add_done_callback(_handing.discard)
+
+
+async def _hand(handler: Any, event: FlowEvent, then: Callable[[bool], object] | None) -> None:
     await handler.server_event(event)
-    return event.done
+    if then is not None:
+        then(event.done)
 
 
 def _handle_event(self: HttpLayer, event: events.Event) -> layer.CommandGenerator[None]:
