@@ -45,7 +45,7 @@ from tests.agent_clis import (
 from tests.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
 from tests.fakes.client import request
 from tests.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
-from tests.harness import MitmdumpProcess
+from tests.harness import MitmdumpProcess, read_records
 
 PREFILL_MS = 200
 """The fake's time to the first token: big enough that a record's first token is told from its
@@ -107,10 +107,7 @@ class Relay:
         return self.proc.url(1)
 
     def records_between(self, start: float, end: float) -> list[dict]:
-        if not self.log.exists():
-            return []
-        records = [orjson.loads(line) for line in self.log.read_bytes().splitlines() if line.strip()]
-        return [r for r in records if start <= r["ts"] <= end]
+        return [r for r in read_records(self.log) if start <= r["ts"] <= end]
 
     def wait_records(self, start: float, end: float, count: int, api: str) -> list[dict]:
         """The records of `api` requests that began in [start, end], once at least `count` are written
@@ -284,9 +281,12 @@ def test_codex_prints_as_soon_through_the_relay_as_direct(codex_pair: CodexPair)
 
 def assert_first_token_as_the_fake_wrote_it(rec: dict, fake_delay_s: float) -> None:
     """The record's first token (from the request reaching the relay) is the time the fake took to
-    write it (from reading the request: prefill and the events before it) within 10 % or 5 ms."""
+    write it (from reading the request: prefill and the events before it) within 10 % or 5 ms, plus
+    however late the relay's own event loop ran meanwhile (its loop_lag_ms: on a loaded machine the
+    relay notices an arrival late by that much, and says so)."""
     first_token = rec["marks"]["first_token"] - rec["marks"].get("request_body", 0)
-    assert abs(first_token - fake_delay_s * 1000) <= max(0.1 * fake_delay_s * 1000, 5), (rec, fake_delay_s)
+    allowed = max(0.1 * fake_delay_s * 1000, 5) + (rec["loop_lag_ms"] or 0)
+    assert abs(first_token - fake_delay_s * 1000) <= allowed, (rec, fake_delay_s)
 
 
 def test_codex_turns_have_one_record_each(codex_pair: CodexPair) -> None:

@@ -397,7 +397,7 @@ def test_wrong_or_missing_relay_keys_get_401_in_the_apis_own_format(keyed_relay,
     assert fake.received == []  # nothing reached the upstream
 
     keyed_relay.stop()
-    records = [json.loads(line) for line in (tmp_path / "timing.jsonl").read_text().splitlines()]
+    records = keyed_relay.log.records()
     assert len(records) == 3  # the in-scope calls; /health is not an LLM call
     assert all(r["status"] == 401 and r["error_phase"] == "relay" for r in records)
     assert {r["error"] for r in records} == {"relay access key not accepted"}

@@ -3,9 +3,7 @@ through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
 
-import time
 
-import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -13,7 +11,7 @@ from ttft_relay import apis
 from ttft_relay.timing import metrics, record
 from tests.conftest import reverse_to
 from tests.fakes import client
-from tests.harness import metrics_url, scrape, total
+from tests.harness import TimingLog, metrics_url, scrape, total
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -102,11 +100,7 @@ def test_scrape_during_a_run_matches_the_records(fake, start_relay, tmp_path):
 
     for i in range(7):
         one(500 if i % 3 == 2 else 200)
-    log = tmp_path / "timing.jsonl"
-    deadline = time.time() + 10
-    while len(log.read_bytes().splitlines()) < 7 and time.time() < deadline:
-        time.sleep(0.05)  # the writer thread flushes moments after each flow
-    records = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    records = TimingLog(tmp_path / "timing.jsonl").wait(7)
     samples = scrape(url)  # while the relay runs
 
     assert len(records) == 7

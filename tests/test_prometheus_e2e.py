@@ -32,7 +32,7 @@ from deploy.grafana import dashboard
 from ttft_relay.workers import free_port
 from tests.fakes import client
 from tests.fakes.upstream import FakeUpstream
-from tests.harness import metrics_url
+from tests.harness import metrics_url, read_records
 
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_MS = 250
@@ -298,7 +298,7 @@ def test_every_dashboard_expression_answers_what_the_records_say(start_relay, ce
         finally:
             prometheus.stop()
     relay.stop()
-    recs = [orjson.loads(line) for line in (tmp_path / "timing.jsonl").read_bytes().splitlines()]
+    recs = read_records(tmp_path / "timing.jsonl")
     assert len(recs) == warmup + measured
     measured_recs = recs[warmup:]
     assert any(r["trim"] and r["trim"].get("trimmed") for r in measured_recs)  # the mix trims, fails, streams

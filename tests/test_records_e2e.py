@@ -122,7 +122,7 @@ def test_a_client_that_pauses_reading_is_not_blamed_on_the_stream(fake, start_re
 
 def read_until_closed_or_done(s: socket.socket) -> bytes:
     out = b""
-    while not out.endswith(b"0\r\n\r\n") and (data := s.recv(1 << 20)):
+    while not out.endswith(b"\r\n0\r\n\r\n") and (data := s.recv(1 << 20)):  # the last chunk, not a head
         out += data
     return out
 

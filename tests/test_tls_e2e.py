@@ -25,6 +25,7 @@ from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.fakes.certs import TestCerts
 from tests.fakes.replies import answer_text
+from tests.harness import read_records
 
 RELAY_KEY = "relay-key-0123456789-tls-test"
 UPSTREAM_KEY = "sk-upstream-FAKEKEY-tls-0123456789"
@@ -63,7 +64,7 @@ def _chat_text(sdk: openai.OpenAI) -> str:
 
 
 def _records(tmp_path) -> list[dict]:
-    return [orjson.loads(line) for line in (tmp_path / "timing.jsonl").read_bytes().splitlines()]
+    return read_records(tmp_path / "timing.jsonl")
 
 
 def test_sdks_verify_the_relays_certificate_and_stream(tls_relay, fake, certs):

@@ -24,8 +24,7 @@ WAIT = 60
 
 def records(relay) -> list[dict]:
     relay.stop()  # flushes the timing log
-    log = next(a.split("=", 1)[1] for a in relay.args if a.startswith("relay_timing_log="))
-    return [orjson.loads(line) for line in open(log, "rb")]
+    return relay.log.records()
 
 
 @pytest.fixture
