@@ -2,16 +2,22 @@
 TLS: a rapid reset (CVE-2023-44487) costs the upstream nothing and ends with GOAWAY; a
 reset of a request already upstream cancels it there; a relay deadline on one upstream
 stream resets that stream only; a body without a length reaches an HTTP/1 upstream whole;
-a request refused on its head has its stream reset instead of its body read.
+a request refused on its head has its stream reset instead of its body read; a
+CONTINUATION flood is cut off.
 
 Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ssl
+
 import h2.errors
+import hpack
 import orjson
 import pytest
+from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.conftest import reverse_to
 from tests.fakes.h2_wire import H2Client, H2Upstream
@@ -133,3 +139,28 @@ def test_a_request_refused_on_its_head_has_its_stream_reset_not_its_body_read(fa
         assert h2c.streams[ok].status == 200
     relay.stop()
     assert [r["status"] for r in records(tmp_path)] == [401, 200]
+
+
+def test_a_continuation_flood_is_cut_off(fake, start_relay):
+    # CVE-2024-27316 and kin: a header block that never ends, CONTINUATION after
+    # CONTINUATION. h2 takes at most 64 of them (with mitmproxy's 128 KiB frames at
+    # most 8 MiB per connection), then the connection closes.
+    relay = start_relay(reverse_to(fake))
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        head = HeadersFrame(1)
+        head.data = hpack.Encoder().encode([(":method", "GET"), (":path", "/v1/models"), (":scheme", "https"),
+                                            (":authority", "x")])
+        frames = [head.serialize()]
+        for _ in range(200):
+            more = ContinuationFrame(1)
+            more.data = hpack.Encoder().encode([("x-junk", "a" * 16000)])
+            frames.append(more.serialize())
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            h2c.sock.sendall(b"".join(frames))
+        h2c.pump(lambda: False)
+        assert h2c.closed
+    with H2Client(relay.port, relay.ca_pem) as h2c:  # and the relay serves on
+        sid = h2c.request("GET", "/v1/models")
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[sid].over)
+        assert h2c.streams[sid].status == 200
