@@ -21,7 +21,7 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.conftest import reverse_to
 from tests.fakes.h2_wire import H2Client, H2Upstream
-from tests.test_guard import RELAY_KEY
+from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 from tests.test_preauth_e2e import keyed, keys_file  # noqa: F401 (a fixture)
 from tests.harness import TimingLog, read_records
 
@@ -164,3 +164,24 @@ def test_a_continuation_flood_is_cut_off(fake, start_relay):
         h2c.flush()
         h2c.pump(lambda: h2c.streams[sid].over)
         assert h2c.streams[sid].status == 200
+
+
+def test_an_http2_client_of_a_keyed_listener_connects_upstream_while_its_body_uploads(h2_upstream, start_relay,
+                                                                                      keys_file):  # noqa: F811
+    relay = start_relay(reverse_to(h2_upstream), relay_access_keys=f"file:{keys_file}",
+                        relay_upstream_keys="localhost=env:RELAY_TEST_UPSTREAM_KEY")
+    with H2Client(relay.port, relay.ca_pem) as h2c:
+        sid = h2c.request("POST", CHAT, [*JSON, ("authorization", f"Bearer {RELAY_KEY}")], end_stream=False)
+        h2c.flush()
+        # The key is accepted on the head; the body is not sent yet.
+        assert h2_upstream.wait(lambda: h2_upstream.connections == 1, 5), "no upstream connection while the body uploads"
+        h2c.conn.send_data(sid, STREAMED, end_stream=True)
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[sid].over)
+        assert h2c.streams[sid].status == 200 and h2c.streams[sid].body.endswith(b"data: [DONE]\n\n")
+        again = h2c.request("POST", CHAT, [*JSON, ("authorization", f"Bearer {RELAY_KEY}")], STREAMED)
+        h2c.flush()
+        h2c.pump(lambda: h2c.streams[again].over)
+        assert h2c.streams[again].status == 200
+    assert h2_upstream.connections == 1  # both streams on the early connection
+    assert [s.headers["authorization"] for s in h2_upstream.streams] == [f"Bearer {UPSTREAM_KEY}"] * 2

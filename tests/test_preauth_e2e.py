@@ -10,6 +10,7 @@ per option set (`shared_relay`).
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 
 import pytest
@@ -81,6 +82,20 @@ def test_no_upstream_connection_opens_before_the_key_is_checked(start_relay, key
             assert s.recv(65536).startswith(b"HTTP/1.1 401")
             with pytest.raises(BlockingIOError):
                 upstream.accept()  # nothing connected: not for the idle ones, not for the refused one
+        for s in idle:
+            s.close()
+
+
+def test_no_upstream_connection_opens_for_a_tls_client_before_its_key(fake_tls, start_relay, keys_file):
+    # With the eager strategy mitmproxy connects upstream during a TLS client's
+    # handshake (to learn what the upstream speaks), before any request.
+    relay = start_relay(f"reverse:https://localhost:{fake_tls.port}@0", relay_access_keys=f"file:{keys_file}",
+                        relay_upstream_keys="localhost=env:RELAY_TEST_UPSTREAM_KEY")
+    context = ssl.create_default_context(cafile=str(relay.ca_pem))
+    idle = [context.wrap_socket(raw(relay), server_hostname="127.0.0.1") for _ in range(5)]  # handshakes done
+    try:
+        assert fake_tls.open_connections == 0
+    finally:
         for s in idle:
             s.close()
 

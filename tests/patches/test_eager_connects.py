@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mitmproxy.proxy.layers import modes
+from mitmproxy.addons import tlsconfig
+from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HttpLayer
 
 from ttft_relay.patches import eager_connects
@@ -11,6 +12,9 @@ from tests.patches.pins import assert_unchanged, source
 PINNED = {
     "DestinationKnown.finish_start": (eager_connects._ORIGINAL_FINISH_START, "91f47432073a2bf6"),
     "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
+    "TlsConfig.tls_clienthello": (eager_connects._ORIGINAL_TLS_CLIENTHELLO, "d85ce5b87dbdaf61"),
+    # where a TLS client's hello makes the upstream connect first
+    "ClientTLSLayer.receive_handshake_data": (tls.ClientTLSLayer.receive_handshake_data, "a0ee021f92f6d0ff"),
 }
 
 
@@ -26,15 +30,19 @@ def test_the_lines_it_depends_on():
     assert source(eager_connects._ORIGINAL_FINISH_START).rstrip().endswith(
         "self._handle_event = self.child_layer.handle_event  # type: ignore\n"
         "        yield from self.child_layer.handle_event(events.Start())\n        return None")
+    assert "establish_server_tls_first = (" in source(eager_connects._ORIGINAL_TLS_CLIENTHELLO)
+    assert "tls_clienthello.establish_server_tls_first" in source(tls.ClientTLSLayer.receive_handshake_data)
 
 
 def test_eager_connects_are_deferred_only_for_the_named_listeners():
     eager_connects.defer(lambda mode: mode.listen_port() == 8001)
     try:
         assert modes.DestinationKnown.finish_start is eager_connects._finish_start
+        assert tlsconfig.TlsConfig.tls_clienthello is eager_connects._tls_clienthello
     finally:
         eager_connects.defer(None)
     assert modes.DestinationKnown.finish_start is eager_connects._ORIGINAL_FINISH_START
+    assert tlsconfig.TlsConfig.tls_clienthello is eager_connects._ORIGINAL_TLS_CLIENTHELLO
 
 
 def test_the_wrap_stays_while_either_use_needs_it():

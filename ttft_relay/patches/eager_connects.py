@@ -12,7 +12,15 @@ lookup reports the failed connection's error on that flow, as a lazy connect wou
 The same wrap skips the eager connect for the listeners `defer` names (reverse
 listeners with relay access keys): no client gets an upstream connection opened for it
 before its request's key was checked. Those flows connect as
-`connection_strategy=lazy` would, after the request hooks.
+`connection_strategy=lazy` would, after the request hooks (or once the key on the head
+is accepted, `layer_events.ConnectEarly`).
+
+A TLS client makes the same eager connect another way: `TlsConfig.tls_clienthello`
+asks for the upstream's TLS first (`establish_server_tls_first`, under the eager
+strategy, to offer the client what the upstream speaks), so every TLS client of a keyed
+listener got an upstream connection during its handshake, before any request (5 idle
+TLS clients: 5 upstream connections). The wrap of `tls_clienthello` clears that for
+the deferred listeners; their client's ALPN is chosen as under the lazy strategy.
 """
 
 from __future__ import annotations
@@ -21,13 +29,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from mitmproxy import tls
+from mitmproxy.addons import tlsconfig
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers import modes
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL_FINISH_START = modes.DestinationKnown.finish_start
-ORIGINALS = {(modes.DestinationKnown, "finish_start"): _ORIGINAL_FINISH_START}
+_ORIGINAL_TLS_CLIENTHELLO = tlsconfig.TlsConfig.tls_clienthello
+ORIGINALS = {
+    (modes.DestinationKnown, "finish_start"): _ORIGINAL_FINISH_START,
+    (tlsconfig.TlsConfig, "tls_clienthello"): _ORIGINAL_TLS_CLIENTHELLO,
+}
 _deferred: Callable[[Any], bool] | None = None
 """Whether a listener (its proxy mode) must not connect upstream before a request."""
 _read_after_failure = False
@@ -57,6 +71,15 @@ def uninstall() -> None:
 def _apply() -> None:
     wrapped = _deferred is not None or _read_after_failure
     modes.DestinationKnown.finish_start = _finish_start if wrapped else _ORIGINAL_FINISH_START  # type: ignore[method-assign]
+    tlsconfig.TlsConfig.tls_clienthello = (  # type: ignore[method-assign]
+        _tls_clienthello if _deferred is not None else _ORIGINAL_TLS_CLIENTHELLO
+    )
+
+
+def _tls_clienthello(self: tlsconfig.TlsConfig, data: tls.ClientHelloData) -> None:
+    _ORIGINAL_TLS_CLIENTHELLO(self, data)
+    if _deferred is not None and _deferred(data.context.client.proxy_mode):
+        data.establish_server_tls_first = False
 
 
 def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:

@@ -24,9 +24,11 @@ layer's HTTP layer (a tunnel's, in regular mode) leaves them undone.
    event asks the HTTP layer for the flow's connection as the flow itself will
    (`HttpLayer.get_connection`, the address, TLS and proxy `make_server_connection`
    asks for) with a sink that ignores the answer: the connect runs while the body
-   uploads, and the flow's own request finds it open or opening. HTTP/1 clients only:
-   an HTTP/2 client's streams to an HTTP/1 upstream each take a connection of their
-   own, and an early one would go unused.
+   uploads, and the flow's own request finds it open or opening. An HTTP/2 client's
+   streams share an HTTP/2 upstream connection but each take an HTTP/1 one of their
+   own: for them only the first stream of a client connection to an HTTPS upstream
+   connects early (ALPN may give HTTP/2), and an upstream that answers with HTTP/1
+   leaves that one connection unused.
 """
 
 from __future__ import annotations
@@ -126,21 +128,19 @@ class _Ignore:
 
 
 def _connect(self: HttpLayer, event: ConnectEarly) -> layer.CommandGenerator[None]:
-    flow = event.flow
-    if (
-        _stream_of(self, flow) is None
-        or self.context.client.alpn not in (None, b"", b"http/1.1")
-        or flow.response is not None
-        or flow.error is not None
-    ):
-        return  # not here, not HTTP/1, or answered by the relay meanwhile
-    event.done = True
-    request = flow.request
+    flow, request = event.flow, event.flow.request
+    if _stream_of(self, flow) is None or flow.response is not None or flow.error is not None:
+        return  # not here, or answered by the relay meanwhile
     ask = GetHttpConnection(
         (request.host, request.port),
         request.scheme == "https",
         flow.server_conn.via,
         flow.server_conn.transport_protocol,
     )
+    if self.context.client.alpn not in (None, b"", b"http/1.1") and (
+        not ask.tls or any(ask.connection_spec_matches(c) for c in self.connections)
+    ):
+        return  # HTTP/2 (or 3) client: only the first stream, only if HTTP/2 may come
+    event.done = True
     self.command_sources[ask] = _Ignore()  # type: ignore[assignment]
     yield from self.get_connection(ask)
