@@ -211,11 +211,11 @@ class Metrics:
             self._stop_server()
             self.listen = listen
             if listen and WORKER_ENV not in os.environ:
-                self._start_server()
+                self._start_server(self.metrics.registry)
 
-    def _start_server(self) -> None:
+    def _start_server(self, registry: CollectorRegistry) -> None:
         try:
-            (host, port), self.server = serve(self.listen, self.metrics.registry)
+            (host, port), self.server = serve(self.listen, registry)
         except OSError as e:
             # Not fatal: the relay's job is relaying. (An error at start-up would stop mitmdump.)
             logger.warning("metrics endpoint not started on %s: %s", self.listen, e.strerror or e)
@@ -232,7 +232,7 @@ class Metrics:
         self._stop_server()
 
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
-        if self.listen:
+        if self.listen and self.metrics is not None:
             self.metrics.observe(rec)
 
     def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:

@@ -175,9 +175,6 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     conn0, tcp, tls = m.get("upstream_connect_start"), m.get("upstream_tcp"), m.get("upstream_tls")
     head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
 
-    new_connection = conn0 is not None and tcp is not None
-    early = new_connection and conn0 < 0
-    start = min(conn0, m.get("client_connect", conn0)) if early else 0.0
     # Before the head, the client's sending and the early connect ran side by side,
     # and the one that finished last is on the critical path: if the whole body was
     # there the moment the head was read, the client had been waiting on the connect;
@@ -185,31 +182,30 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     # A TLS client (CONNECT, or an HTTPS listener) cannot send before its own
     # handshake, which mitmproxy finishes only after the upstream's: then the
     # connect gated the client whatever the body timing says.
-    client_tls, ready = m.get("client_tls"), (tls if tls is not None else tcp)
-    connect_gated = early and (
-        (client_tls is not None and ready is not None and client_tls >= ready)
-        or (body_in is not None and body_in <= BUFFERED_MS)
-    )
-    pre_relay = conn0 - start if connect_gated else 0.0
-    pre_connect = _overlap(start, 0.0, conn0, tcp) if connect_gated else 0.0
-    pre_tls = _overlap(start, 0.0, tcp, tls) if connect_gated and tls is not None else 0.0
+    start, pre_relay, pre_connect, pre_tls = 0.0, 0.0, 0.0, 0.0
+    if conn0 is not None and tcp is not None and conn0 < 0:  # an early connect
+        start = min(conn0, m.get("client_connect", conn0))
+        client_tls, ready = m.get("client_tls"), (tls if tls is not None else tcp)
+        if (client_tls is not None and client_tls >= ready) or (body_in is not None and body_in <= BUFFERED_MS):
+            pre_relay = conn0 - start
+            pre_connect = _overlap(start, 0.0, conn0, tcp)
+            pre_tls = _overlap(start, 0.0, tcp, tls) if tls is not None else 0.0
     pre_client = -start - pre_relay - pre_connect - pre_tls
 
     # What the kernel held while the relay was busy: before the start, and the body.
     arrived = m.get("client_arrived")
     queue = start - arrived if arrived is not None and arrived < start else 0.0
     start -= queue
-    if body is not None:
-        queue += body - max(body_in, 0.0)
 
     p: dict[str, float] = {}
-    if body is not None:
+    if body is not None and body_in is not None:  # body_in is None exactly when body is
+        queue += body - max(body_in, 0.0)
         p["client_upload"] = pre_client + max(0.0, body_in)
     sent = None
     if body is not None and fwd is not None:
         relay = pre_relay + max(0.0, fwd - body)
         sent = fwd
-        if new_connection:
+        if conn0 is not None and tcp is not None:  # a new connection
             ready = tls if tls is not None else tcp
             sent = max(fwd, ready)
             connect = _overlap(fwd, sent, conn0, tcp)
@@ -222,28 +218,27 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
                 p["upstream_tls"] = pre_tls + handshake
         else:
             p["relay"] = relay
-    # The upstream's side ends when the kernel had its bytes; the relay read them later.
-    head_in = head
-    if head is not None and sent is not None and m.get("head_arrived") is not None:
-        head_in = max(sent, min(head, m["head_arrived"]))
-    if sent is not None and head is not None:
-        p["upstream_wait"] = max(0.0, head_in - sent)
-    if tokens_expected:
-        if head is not None and first is not None:
+    if head is not None:
+        # The upstream's side ends when the kernel had its bytes; the relay read them later.
+        head_in = head
+        if sent is not None and m.get("head_arrived") is not None:
+            head_in = max(sent, min(head, m["head_arrived"]))
+        if sent is not None:
+            p["upstream_wait"] = max(0.0, head_in - sent)
+        if tokens_expected and first is not None:
             first_in = first if m.get("token_arrived") is None else max(head_in, min(first, m["token_arrived"]))
             p["head_to_first_token"] = max(0.0, first_in - head_in)
             queue += first - first_in
-        elif head is not None:
+        else:
             queue += head - head_in
+            if not tokens_expected and end is not None:
+                p["response_body"] = max(0.0, end - head)
+                p["ttft"] = end - start
+    if tokens_expected:
         if first is not None and last is not None:
             p["stream"] = max(0.0, last - first)
         if first is not None:
             p["ttft"] = first - start
-    elif head is not None:
-        queue += head - head_in
-        if end is not None:
-            p["response_body"] = max(0.0, end - head)
-            p["ttft"] = end - start
     if end is not None:
         p["total"] = end - start
     if any(m.get(name) is not None for name in ARRIVAL_MARKS):

@@ -193,7 +193,7 @@ def build_record(
     if handshake and (error or client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {verdict}"
-    return Record(
+    rec = Record(
         id=id,
         request_id=request_id[:REQUEST_ID_MAX] if request_id else None,
         ts=round(ts, 3),
@@ -223,8 +223,11 @@ def build_record(
         prewarm=prewarm,
         upstream_request_id=upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
         upstream_processing_ms=upstream_processing_ms,
-        **links,
     )
+    # The self-watch's numbers (`LINK_KEYS`) by name: a type checker cannot match `**links`' keys to fields.
+    for key, value in links.items():
+        setattr(rec, key, value)
+    return rec
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -362,8 +365,7 @@ class RecordWriter:
         self.path = Path(path)
         self.rotation = rotation or logrotation.Rotation()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: BinaryIO | None = None
-        self._open()
+        self._file = self._opened()
         self._housekeeping: threading.Thread | None = None
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
@@ -384,14 +386,18 @@ class RecordWriter:
             self._housekeeping.join()
 
     def _open(self) -> None:
-        """Open `path` for appending; the file open before (if any) is closed only once
+        """Write to a new file at `path`; the file open before is closed only once
         the new one is open, so a failure leaves the writer writing where it was."""
-        file = open(self.path, "ab")
-        if self._file is not None:
-            self._file.close()
+        file = self._opened()
+        self._file.close()
         self._file = file
+
+    def _opened(self) -> BinaryIO:
+        """`path` opened for appending, its size and time taken as the log's."""
+        file = open(self.path, "ab")
         stat = os.fstat(file.fileno())
         self._size, self._last_write = stat.st_size, stat.st_mtime
+        return file
 
     def _run(self) -> None:
         closing = False
@@ -411,7 +417,7 @@ class RecordWriter:
                         self._open()
                     except OSError as e:
                         logger.error("cannot reopen timing log %s, still writing to the old file: %s", self.path, e)
-                elif item is not _CLOSE:
+                elif isinstance(item, bytes):  # not _CLOSE
                     lines.append(item)
             self._write(lines)
         self._file.close()

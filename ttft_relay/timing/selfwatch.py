@@ -140,10 +140,12 @@ class LoopLag:
             self._handle = None
 
     def _schedule(self) -> None:
+        assert self._loop is not None  # start() sets it before the first tick is scheduled
         due = self._loop.time() + self.interval
         self._handle = self._loop.call_at(due, self._tick, due)
 
     def _tick(self, due: float) -> None:
+        assert self._loop is not None  # set by start(), which scheduled this tick
         lag = max(0.0, self._loop.time() - due)
         self.samples.append((time.time(), lag))
         self.ticks += 1

@@ -299,9 +299,9 @@ class Timing:
 
     def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> record.Record:
         # A CONNECT's response is the proxy's own, never the upstream's.
-        upstream_answered = flow.response is not None and flow.request.method != "CONNECT"
-        status = flow.response.status_code if upstream_answered else None
-        if (status is not None and flow.error is not None and not flow.response.stream
+        response = flow.response if flow.request.method != "CONNECT" else None
+        status = response.status_code if response is not None else None
+        if (response is not None and flow.error is not None and not response.stream
                 and flow.error.msg != error_texts.KILLED):  # killed: the relay answered it itself
             # The upstream's head was held for its body, which failed: the client got the relay's error.
             status = st.error_status or 502
