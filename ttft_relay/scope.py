@@ -10,6 +10,7 @@ the other addons share.
 from __future__ import annotations
 
 import re
+import sys
 import zlib
 from typing import Any
 
@@ -161,18 +162,19 @@ def decompress(data: bytes, encoding: str, max_bytes: int) -> bytes:
             raise ValueError("compressed body ends early")
         return out
     if encoding == "zstd":
-        try:
-            from compression import zstd  # Python >= 3.14
-        except ImportError:
-            from backports import zstd  # what mitmproxy uses before 3.14
-        out, rest = bytearray(), data
+        # As mitmproxy chooses (net/encoding.py): the standard library's from 3.14 on.
+        if sys.version_info >= (3, 14):
+            from compression import zstd
+        else:
+            from backports import zstd
+        frames, rest = bytearray(), data
         while rest:  # one decompressor per frame, as zstd.decompress does
-            decoder = zstd.ZstdDecompressor()
-            out += decoder.decompress(rest, max_bytes + 1 - len(out))
-            if len(out) > max_bytes or not decoder.needs_input and not decoder.eof:
+            frame = zstd.ZstdDecompressor()
+            frames += frame.decompress(rest, max_bytes + 1 - len(frames))
+            if len(frames) > max_bytes or not frame.needs_input and not frame.eof:
                 raise too_large
-            if not decoder.eof:
+            if not frame.eof:
                 raise ValueError("compressed body ends early")
-            rest = decoder.unused_data
-        return bytes(out)
+            rest = frame.unused_data
+        return bytes(frames)
     raise ValueError(f"unknown content-encoding {encoding!r}")

@@ -68,7 +68,7 @@ def timed_events(data: bytes, flow: object) -> list[tuple[float | None, sse.Even
     out: list[tuple[float | None, sse.Event]] = []
     start = 0
     tap = flow.response.stream if isinstance(flow, http.HTTPFlow) and flow.response else None
-    if isinstance(tap, streaming.StreamTap) and data.startswith(tap.view):
+    if isinstance(tap, streaming.StreamTap) and isinstance(flow, http.HTTPFlow) and data.startswith(tap.view):
         t0 = flow.request.timestamp_start
         for i in range(0, len(tap.arrivals), 2):
             end = int(tap.arrivals[i])

@@ -19,6 +19,7 @@ the answer to a `HEAD` or a `CONNECT`.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import zlib
 from array import array
@@ -82,10 +83,11 @@ def incremental_decoder(encoding: str) -> _Decompressor | None:
 
         return _BrotliDecoder(brotli.Decompressor())
     if encoding == "zstd":
-        try:
-            from compression import zstd  # Python >= 3.14
-        except ImportError:
-            from backports import zstd  # what mitmproxy uses before 3.14
+        # As mitmproxy chooses (net/encoding.py): the standard library's from 3.14 on.
+        if sys.version_info >= (3, 14):
+            from compression import zstd
+        else:
+            from backports import zstd
         return zstd.ZstdDecompressor()
     return None
 
@@ -246,7 +248,7 @@ class Streaming:
         flow.response.stream = StreamTap(st.watcher, decoder, self.view_max)
 
     def response(self, flow: http.HTTPFlow) -> None:
-        tap = flow.response.stream if flow.response else None
-        if isinstance(tap, StreamTap) and flow.response.raw_content is None:
+        response = flow.response
+        if response is not None and isinstance(response.stream, StreamTap) and response.raw_content is None:
             # Give mitmweb and saved flows the (bounded) body that went through.
-            flow.response.raw_content = tap.stored_body()
+            response.raw_content = response.stream.stored_body()

@@ -146,7 +146,9 @@ class WebSocketTurns:
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        protocol = apis.get(st.api).websocket_turns if st is not None else None
+        if st is None:
+            return
+        protocol = apis.get(st.api).websocket_turns
         if protocol is not None:
             self.sessions[flow] = Session(st.api, protocol, handshake_comment=flow.comment)
 

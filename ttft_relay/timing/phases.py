@@ -148,12 +148,12 @@ ARRIVAL_MARKS = ("client_arrived", "body_arrived", "head_arrived", "token_arrive
 """When the kernel had bytes the relay read later: `selfwatch`'s, from TCP_INFO."""
 
 
-def relative_marks(absolute: Mapping[str, float], origin: float) -> dict[str, float]:
-    """Absolute `time.time()` marks → ms since `origin`, in timeline order."""
+def relative_marks(absolute: Mapping[str, float | None], origin: float) -> dict[str, float]:
+    """Absolute `time.time()` marks → ms since `origin`, in timeline order; None: not reached."""
     return {
-        name: round((absolute[name] - origin) * 1000, 3)
+        name: round((t - origin) * 1000, 3)
         for name in MARKS
-        if absolute.get(name) is not None
+        if (t := absolute.get(name)) is not None
     }
 
 
