@@ -353,7 +353,12 @@ class Deadlines:
         if flow.server_conn.alpn == b"h2" and (handler := connections.handler_of(flow.client_conn)) is not None:
             # The upstream connection carries other flows: reset this flow's stream only.
             reset = layer_events.ResetUpstreamStream(flow, reason=failure)
-            layer_events.hand(handler, reset, lambda done: done or self._close_upstream(flow, failure))
+
+            def close_unless_reset(done: bool) -> None:
+                if not done:
+                    self._close_upstream(flow, failure)
+
+            layer_events.hand(handler, reset, close_unless_reset)
         else:
             self._close_upstream(flow, failure)
 

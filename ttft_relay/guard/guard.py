@@ -43,7 +43,7 @@ import resource
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
@@ -95,7 +95,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def is_http_reverse(mode: mode_specs.ProxyMode) -> bool:
+def is_http_reverse(mode: mode_specs.ProxyMode) -> TypeGuard[mode_specs.ReverseMode]:
     return isinstance(mode, mode_specs.ReverseMode) and mode.scheme in HTTP_REVERSE_SCHEMES
 
 
@@ -418,6 +418,7 @@ class AccessKeys:
             # On the head: the body is never read, however large it says it is.
             answer_on_head.answer_now(flow, refusal(api_shape(flow.request), status, reason))
             return
+        assert upstream_key is not None  # without one, `reason` says so and the flow was refused above
         # The upstream key goes only into what is sent: mitmweb shows flows in flight.
         swap_credentials(flow.request, credentials, REDACTED)
         upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))

@@ -81,7 +81,8 @@ class Trim:
         )
         loader.add_option(
             "relay_tiktoken_file",
-            str | None,
+            # mitmproxy's Loader says `type`; its OptManager takes `type | object`, as optional ones are.
+            str | None,  # type: ignore[arg-type]
             None,
             """
             Local o200k_base.tiktoken file, for counting gpt-4o/4.1/5 and o-series tokens.

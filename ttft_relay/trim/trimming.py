@@ -456,11 +456,8 @@ class _Trimmer:
 
         key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
-        kept = plan is not None and self._valid(plan, lay)
-        if kept:
-            kept_total = self._apply(plan, lay, fixed, shape)
-            kept = kept_total <= budget.tokens
-        if kept:
+        kept_total = self._apply(plan, lay, fixed, shape) if plan is not None and self._valid(plan, lay) else None
+        if plan is not None and kept_total is not None and kept_total <= budget.tokens:
             stats["plan"] = "kept"
             total = kept_total
         else:
