@@ -71,8 +71,9 @@ def uninstall() -> None:
 def _apply() -> None:
     wrapped = _deferred is not None or _read_after_failure
     modes.DestinationKnown.finish_start = _finish_start if wrapped else _ORIGINAL_FINISH_START  # type: ignore[method-assign]
+    # assignment: mitmproxy's tls_clienthello has no return annotation; mypy then reads it as taking a second self.
     tlsconfig.TlsConfig.tls_clienthello = (  # type: ignore[method-assign]
-        _tls_clienthello if _deferred is not None else _ORIGINAL_TLS_CLIENTHELLO
+        _tls_clienthello if _deferred is not None else _ORIGINAL_TLS_CLIENTHELLO  # type: ignore[assignment]
     )
 
 
@@ -91,7 +92,7 @@ def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | 
     err = yield from _ORIGINAL_FINISH_START(self)
     if err and isinstance(self, modes.ReverseProxy) and _read_after_failure:
         logger.debug("eager upstream connect failed (%s); reading the request to answer it", err)
-        self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
+        self._handle_event = self.child_layer.handle_event
         yield from self.child_layer.handle_event(events.Start())
         return None
     return err

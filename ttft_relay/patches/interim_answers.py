@@ -26,11 +26,11 @@ ORIGINALS = {(Http1Client, "read_headers"): _ORIGINAL_READ_RESPONSE_HEADERS}
 
 
 def install() -> None:
-    Http1Client.read_headers = _read_response_headers
+    Http1Client.read_headers = _read_response_headers  # type: ignore[method-assign]  # the patch itself
 
 
 def uninstall() -> None:
-    Http1Client.read_headers = _ORIGINAL_READ_RESPONSE_HEADERS
+    Http1Client.read_headers = _ORIGINAL_READ_RESPONSE_HEADERS  # type: ignore[method-assign]  # the patch itself
 
 
 def interim_head_size(data: bytes) -> int:
@@ -42,9 +42,9 @@ def interim_head_size(data: bytes) -> int:
     return end + 4 if end >= 0 else 0
 
 
-def _read_response_headers(self: Http1Client, event: events.Event) -> layer.CommandGenerator[None]:
+def _read_response_headers(self: Http1Client, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
     if isinstance(event, events.DataReceived) and self.request is not None:
         while size := interim_head_size(bytes(self.buf)[:65536]):
             dropped = self.buf.maybe_extract_at_most(size)
-            logger.debug("dropped an interim answer from %s: %r", self.conn.address, bytes(dropped or b"")[:80])
+            logger.debug("dropped an interim answer from %s: %r", self.context.server.address, bytes(dropped or b"")[:80])
     return (yield from _ORIGINAL_READ_RESPONSE_HEADERS(self, event))

@@ -41,7 +41,8 @@ _ROUTE = "_ttft_relay_splice"
 
 
 def install() -> None:
-    Http1Client.read_body = _read_body  # type: ignore[method-assign]
+    # Installed on Http1Client alone, so its self is one (narrower than Http1Connection's).
+    Http1Client.read_body = _read_body  # type: ignore[method-assign, assignment]
 
 
 def uninstall() -> None:
@@ -61,10 +62,12 @@ class _Route:
     __slots__ = ("stream_id", "upstream", "http", "stream", "server", "client", "chunked", "response")
 
     def __init__(self, upstream: Http1Client, http_layer: HttpLayer) -> None:
+        # Routes are made for a body being read, which has a stream (mitmproxy's read_body asserts it).
+        assert upstream.stream_id is not None
         self.stream_id = upstream.stream_id
         self.upstream = upstream.conn
         self.http = http_layer
-        self.stream: HttpStream | None = http_layer.streams.get(upstream.stream_id)  # type: ignore[arg-type]
+        self.stream: HttpStream | None = http_layer.streams.get(upstream.stream_id)
         self.client = http_layer.context.client
         self.server = http_layer.connections.get(self.client)
         self.response: Any = None

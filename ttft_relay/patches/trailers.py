@@ -39,6 +39,7 @@ def _read_body(self: Http1Connection, event: events.Event) -> layer.CommandGener
     except NotImplementedError as e:
         if "trailers" not in str(e):
             raise
+        assert self.stream_id is not None  # the original read_body asserted it before it read
         if isinstance(self, Http1Server):
             # As for mitmproxy's own 400s, the server side answers: a request error
             # sends nothing to the client.
