@@ -151,8 +151,11 @@ class WarmStart:
         # Off the event loop, and waited for a bounded time: a first request right after
         # start would otherwise queue behind this lookup; a hanging resolver must not hold
         # the start.
-        lookups = threading.Thread(target=lambda: [_resolve(*a) for a in upstreams], name="ttft-relay-warm-dns",
-                                   daemon=True)
+        def resolve_all() -> None:
+            for address in upstreams:
+                _resolve(*address)
+
+        lookups = threading.Thread(target=resolve_all, name="ttft-relay-warm-dns", daemon=True)
         lookups.start()
         lookups.join(RESOLVE_WAIT_S)
 

@@ -47,9 +47,9 @@ class Reload:
 
     def reload(self) -> None:
         opts = ctx.options
-        kept = []
-        for names in RELOADED:
-            names = tuple(name for name in names if name in opts)
+        kept: list[str] = []
+        for reloaded in RELOADED:
+            names = tuple(name for name in reloaded if name in opts)
             if not names:
                 continue
             try:

@@ -179,8 +179,9 @@ def listeners(opts: optmanager.OptManager, workers: int) -> list[Listener]:
         # "both" (reverse https also takes HTTP/3 over UDP): HAProxy passes the TCP side.
         if not isinstance(mode, BALANCEABLE) or mode.transport_protocol == "udp":
             raise SystemExit(f"listener {spec!r} cannot be balanced over TCP; run it with --workers 1")
-        out.append(Listener(spec, mode.listen_host(opts.listen_host), mode.listen_port(opts.listen_port),
-                            [free_port() for _ in range(workers)]))
+        port = mode.listen_port(opts.listen_port)
+        assert port is not None  # None only for modes that bind no address, which are not BALANCEABLE
+        out.append(Listener(spec, mode.listen_host(opts.listen_host), port, [free_port() for _ in range(workers)]))
     return out
 
 
@@ -362,9 +363,11 @@ class Supervisor:
                 log(f"metrics of all workers at http://{host}:{port}/metrics")
             where = ", ".join(f"{lst.spec} on {lst.host or '*'}:{lst.port}" for lst in self.listeners)
             log(f"{len(self.workers)} workers behind haproxy: {where}")
+            haproxy = self.haproxy.proc
+            assert haproxy is not None  # started above
             while not self.stopping:
-                if self.haproxy.proc.poll() is not None:
-                    log(f"haproxy exited ({self.haproxy.proc.returncode}); stopping")
+                if haproxy.poll() is not None:
+                    log(f"haproxy exited ({haproxy.returncode}); stopping")
                     return 1
                 for w in self.workers:
                     self._look_after(w)
@@ -384,6 +387,7 @@ class Supervisor:
     def _look_after(self, w: Worker) -> None:
         now = time.monotonic()
         if w.restart_at is None and w.exited():
+            assert w.proc is not None  # exited() says it ran
             self.haproxy.set_worker_state(w.index, "maint")
             w.in_rotation = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])

@@ -120,7 +120,8 @@ class MessagesShape(Shape):
 
     def calls(self, item: dict) -> Iterator[str]:
         # tool_use, server_tool_use, mcp_tool_use: all answered by a block naming their id
-        for block in item.get("content") if isinstance(item.get("content"), list) else ():
+        content = item.get("content")
+        for block in content if isinstance(content, list) else ():
             if isinstance(block, dict) and str(block.get("type", "")).endswith("tool_use") and "id" in block:
                 yield block["id"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import io
 import re
 import sys
 import time
@@ -27,7 +28,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
@@ -52,7 +53,7 @@ def parse_since(text: str, now: float | None = None) -> float:
         raise argparse.ArgumentTypeError(f"not a duration (30m, 2h, 7d) or ISO time: {text!r}") from None
 
 
-def open_log(path: str | Path) -> BinaryIO:
+def open_log(path: str | Path) -> io.BufferedIOBase:
     """A timing log for reading: plain, or gzip-compressed (a rotated `.gz`, told by its
     magic bytes, whatever its name)."""
     f = open(path, "rb")
@@ -187,7 +188,9 @@ def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> d
     for name in METRICS:
         values = [v for r in timed if (v := (r.get("phases") or {}).get(name)) is not None]
         if values:
-            stats[name] = {f"p{q}": round(percentile(values, q), 1) for q in QUANTILES} | {"n": len(values)}
+            # Never None: `values` is not empty.
+            quantiles = {f"p{q}": round(x, 1) for q in QUANTILES if (x := percentile(values, q)) is not None}
+            stats[name] = quantiles | {"n": len(values)}
     ranked = sorted((r for r in timed if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])
     return {
         "requests": len(records),

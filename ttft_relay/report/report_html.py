@@ -156,7 +156,8 @@ def page(data: Mapping[str, Any]) -> str:
 def probe_rows(evidence, probe_phases: Sequence[str]) -> list[dict[str, Any]]:
     """Each probe as a record-like row (its own phases, marks from its start), each followed
     by the relay's record of it, shifted to start when the probe's request was sent."""
-    rows, seen = [], {}
+    rows: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
     kinds = {kind: i for i, kind in enumerate(dict.fromkeys(p.kind for p in evidence.probes))}
     for p in sorted(evidence.probes, key=lambda p: kinds[p.kind]):  # stable: each kind's tries in order
         seen[p.kind] = seen.get(p.kind, 0) + 1
