@@ -280,11 +280,11 @@ def test_codex_prints_as_soon_through_the_relay_as_direct(codex_pair: CodexPair)
 
 
 def assert_first_token_as_the_fake_wrote_it(rec: dict, fake_delay_s: float) -> None:
-    """The record's first token (from the request reaching the relay) is the time the fake took to
-    write it (from reading the request: prefill and the events before it) within 10 % or 5 ms, plus
-    however late the relay's own event loop ran meanwhile (its loop_lag_ms: on a loaded machine the
-    relay notices an arrival late by that much, and says so)."""
-    first_token = rec["marks"]["first_token"] - rec["marks"].get("request_body", 0)
+    """The record's first token (from the request leaving the relay's hooks, trimming included) is the
+    time the fake took to write it (from reading the request: prefill and the events before it) within
+    10 % or 5 ms, plus however late the relay's own event loop ran meanwhile (its loop_lag_ms: on a
+    loaded machine the relay notices an arrival late by that much, and says so)."""
+    first_token = rec["marks"]["first_token"] - rec["marks"]["forwarded"]
     allowed = max(0.1 * fake_delay_s * 1000, 5) + (rec["loop_lag_ms"] or 0)
     assert abs(first_token - fake_delay_s * 1000) <= allowed, (rec, fake_delay_s)
 
