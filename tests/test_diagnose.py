@@ -390,3 +390,12 @@ def test_websocket_through_the_relay_is_joined_with_its_turn_records_and_reporte
                           text=True, check=True, cwd=REPO)
     # Its handshake names no model, so each turn and its handshake fall in different groups.
     assert done.stdout.startswith("WebSocket, all upstreams: 5 turns (0 prewarm), 5 handshakes (0 failed)\n")
+
+
+def test_a_failed_record_without_a_verdict_is_left_out_of_the_relays_word():
+    # Records are read from a log that may not be the relay's: without the guard, joining a None failed.
+    gateway = ProbeResult("relayed", "tiny", "r2", 2, 8, {"dns": 0.1, "end": 3.0}, status=502,
+                          error="HTTP 502: bad gateway", error_phase="wait")
+    result = diagnosis.diagnose(diagnosis.Evidence([gateway], {"r2": {"error": "HTTP 502"}}))
+    assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    assert "the relay's records say" not in result.verdict.detail

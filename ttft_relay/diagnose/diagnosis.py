@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -257,9 +257,13 @@ class Spread:
 
     @classmethod
     def of(cls, values: Iterable[float]) -> Spread | None:
-        values = sorted(values)
-        if not values:
-            return None
+        """None without values."""
+        ordered = sorted(values)
+        return cls.of_sorted(ordered) if ordered else None
+
+    @classmethod
+    def of_sorted(cls, values: Sequence[float]) -> Spread:
+        """Of at least one value, in ascending order."""
         return cls(len(values), round(statistics.median(values), 1), round(values[0], 1), round(values[-1], 1))
 
     @property
@@ -316,6 +320,10 @@ class Evidence:
         values = [v for p in self.ok(kind) if (v := metric(p)) is not None]
         return statistics.median(values) if values else None
 
+    def median_measured(self, kind: str, metric: Callable[[ProbeResult], float]) -> float:
+        """The median of what every probe measures, for a kind with a successful probe (`first_kind`)."""
+        return statistics.median(metric(p) for p in self.ok(kind))
+
     def split(self, probe: ProbeResult) -> RelaySplit | None:
         rec = self.records.get(probe.request_id)
         return RelaySplit.from_record(rec) if rec and rec.get("phases") else None
@@ -347,7 +355,7 @@ def relay_table(ev: Evidence) -> dict[str, dict[str, Spread]]:
         splits = [s for _, s in ev.joined(kind)]
         if splits:
             out[kind] = {
-                name: Spread.of(getattr(s, name) for s in splits)
+                name: Spread.of_sorted(sorted(getattr(s, name) for s in splits))
                 for name in ("relay", "upstream_connect", "upstream_tls", "upstream_rtt", "upstream_own")
             }
     return out
@@ -371,7 +379,8 @@ def reachability(ev: Evidence) -> list[Finding]:
     # A relay answering 502/503/504 to everything could not get an answer from the upstream either.
     relay_gateway_errors = relay_down and all(p.status in GATEWAY_ERRORS for p in relayed)
     direct_answers = direct_down and all(p.status is not None for p in direct)
-    relay_says = sorted({rec.get("verdict") for rec in ev.records.values() if rec.get("error")})
+    # A record without a verdict (not the relay's, or cut short) has nothing to say.
+    relay_says = sorted({v for rec in ev.records.values() if rec.get("error") and isinstance(v := rec.get("verdict"), str)})
     relay_note = f"; the relay's records say: {', '.join(relay_says)}" if relay_says else ""
     out = []
     if relay_refused:
@@ -429,13 +438,13 @@ def network_to_relay(ev: Evidence) -> Finding | None:
     kind = ev.first_kind("relayed tiny", "relayed long")
     if kind is None:
         return None
-    setup = ev.median(kind, lambda p: p.setup_ms)
+    setup = ev.median_measured(kind, lambda p: p.setup_ms)
     joined = ev.joined(kind)
     if not joined:
         return measured(NETWORK_TO_RELAY, setup, f"connection setup to the relay {setup:.0f} ms ({kind}; "
                         "setup only: pass --relay-log for the full figure)", setup_ms=setup)
     ms = statistics.median(p.turn_ttft_ms - s.accounted for p, s in joined)
-    ttft = ev.median(kind, lambda p: p.turn_ttft_ms)
+    ttft = ev.median_measured(kind, lambda p: p.turn_ttft_ms)
     return measured(
         NETWORK_TO_RELAY, ms,
         f"{ms:.0f} ms of the {ttft:.0f} ms first token ({kind}) passed between this machine and the relay "
@@ -473,7 +482,7 @@ def relay_overhead(ev: Evidence, to_relay: Finding | None, to_upstream: Finding 
     if relayed_kind is None:
         return None
     direct_kind = relayed_kind.replace("relayed", "direct")
-    relayed_ttft = ev.median(relayed_kind, lambda p: p.marks["first_token"])
+    relayed_ttft = ev.median_measured(relayed_kind, lambda p: p.marks["first_token"])
     direct_ttft = ev.median(direct_kind, lambda p: p.marks["first_token"])
     own = statistics.median(s.relay for _, s in ev.joined(relayed_kind)) if ev.joined(relayed_kind) else None
     if direct_ttft is None:
@@ -506,8 +515,8 @@ def context_length(ev: Evidence) -> Finding | None:
             break
     else:
         return None
-    tiny_wait, long_wait = ev.median(tiny, lambda p: p.wait_ms), ev.median(long, lambda p: p.wait_ms)
-    tokens = ev.median(long, lambda p: p.prompt_tokens) - ev.median(tiny, lambda p: p.prompt_tokens)
+    tiny_wait, long_wait = ev.median_measured(tiny, lambda p: p.wait_ms), ev.median_measured(long, lambda p: p.wait_ms)
+    tokens = ev.median_measured(long, lambda p: p.prompt_tokens) - ev.median_measured(tiny, lambda p: p.prompt_tokens)
     extra = long_wait - tiny_wait
     per_1k = extra / (tokens / 1000) if tokens > 0 else None
     rate = f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else ""
@@ -527,7 +536,7 @@ def upstream_instability(ev: Evidence) -> Finding | None:
     for kind in KINDS:
         waits = sorted(p.wait_ms for p in ev.ok(kind))
         if len(waits) >= MIN_REPEATS_FOR_SPREAD:
-            spreads[kind] = (Spread.of(waits[1:-1]), Spread.of(waits))
+            spreads[kind] = (Spread.of_sorted(waits[1:-1]), Spread.of_sorted(waits))
     if not spreads:
         return None
     kind, (middle, whole) = max(spreads.items(), key=lambda item: item[1][0].spread)
@@ -557,11 +566,10 @@ def upstream_own_wait(ev: Evidence) -> Finding | None:
 
 def direct_network_finding(ev: Evidence) -> Finding | None:
     """This machine's own network to the upstream; a finding only when no relay is probed."""
-    mine = direct_network(ev)
-    if mine is None or ev.path_probes("relayed"):
+    mine, kind = direct_network(ev), ev.first_kind("direct tiny", "direct long")
+    if mine is None or kind is None or ev.path_probes("relayed"):
         return None
-    kind = ev.first_kind("direct tiny", "direct long")
-    setup, rtt = ev.median(kind, lambda p: p.setup_ms), ev.median(kind, lambda p: p.rtt_ms)
+    setup, rtt = ev.median_measured(kind, lambda p: p.setup_ms), ev.median(kind, lambda p: p.rtt_ms)
     return measured(DIRECT_NETWORK, mine, f"connection setup {setup:.0f} ms + round trip {rtt or 0:.0f} ms",
                     setup_ms=setup, rtt_ms=rtt)
 
