@@ -281,10 +281,10 @@ class WebSocketTurns:
             turn=turn.number,
             prewarm=turn.prewarm,
         )
-        self.timing.publish(rec, flow)
+        data = self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.
         slow = self.timing.is_slow(rec)
-        session.turn_lines.appendleft(record.turn_line(rec.as_dict(), slow=slow))
+        session.turn_lines.appendleft(record.turn_line(data, slow=slow))
         if slow:
             flow.marked = SLOW_MARKER
         flow.comment = "\n".join(line for line in (*session.turn_lines, session.handshake_comment) if line)

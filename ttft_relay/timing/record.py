@@ -371,8 +371,7 @@ class RecordWriter:
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
         self._thread.start()
 
-    def write(self, rec: Record | Mapping[str, Any]) -> None:
-        # orjson writes a dataclass as an object of its fields in order: `as_dict()`'s JSON.
+    def write(self, rec: Mapping[str, Any]) -> None:
         self._queue.put(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
 
     def reopen(self) -> None:

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from mitmproxy import command, ctx, exceptions, flow, hooks, http
@@ -273,20 +274,22 @@ class Timing:
         elif flow.response is not None and flow.response.timestamp_end is not None:
             marks.setdefault("end", flow.response.timestamp_end)
         rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
-        data = flow.metadata[METADATA_KEY] = rec.as_dict()
+        data = flow.metadata[METADATA_KEY] = self.publish(rec, flow)
         slow = self.is_slow(rec)
         flow.comment = record.comment(data, slow=slow)
         if slow:
             flow.marked = SLOW_MARKER
-        self.publish(rec, flow)
 
-    def publish(self, rec: record.Record, flow: http.HTTPFlow) -> None:
-        """Send a finished record to every sink: the log, the console, the `timing_record` hook."""
+    def publish(self, rec: record.Record, flow: http.HTTPFlow) -> dict[str, Any]:
+        """Send a finished record to every sink: the log, the console, the `timing_record`
+        hook. Returns its plain-data form (the JSON line's), for the flow's comment."""
+        data = rec.as_dict()  # once: a dict serialises faster than the dataclass
         if self.writer is not None:
-            self.writer.write(rec)
+            self.writer.write(data)
         if self.console and logger.isEnabledFor(logging.INFO):
-            self.console_lines.add(record.summary_line(rec.as_dict()))
+            self.console_lines.add(record.summary_line(data))
         ctx.master.addons.trigger(TimingRecordHook(rec, flow))
+        return data
 
     def upstream_rtt_ms(self, upstream: str) -> float | None:
         """The round-trip estimate for an upstream ("host[:port]"), or None before any handshake."""
