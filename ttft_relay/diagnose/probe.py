@@ -22,8 +22,9 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -306,132 +307,135 @@ PROBE_ERRORS = (OSError, ProbeError, RemoteProtocolError)
 """What a probe can end with (TimeoutError, socket.gaierror and ssl.SSLError are OSErrors)."""
 
 
-def run_probe(
+def run_probe(route: Route, request: ProbeRequest, **probe: Any) -> ProbeResult:
+    """Send `request` along `route` once and time it; failures end up in the result.
+    `probe`: the keywords of `_timed` (path, prompt, api, timeout, tls_context)."""
+    return _timed(route, request, _http_exchange, transport="http",
+                  no_token="the answer carried no token (not an event stream of this API?)", **probe)
+
+
+def run_websocket_probe(route: Route, request: ProbeRequest, **probe: Any) -> ProbeResult:
+    """Open a Responses WebSocket along `route`, send `request` as one turn, time it."""
+    return _timed(route, request, _websocket_exchange, transport="websocket", no_token="the turn carried no token",
+                  **probe)
+
+
+Exchange = Callable[["_Probe", Route, ProbeRequest, StreamWatcher], None]
+"""One transport's part of a probe: from the open connection to the stream's end."""
+
+
+def _timed(
     route: Route,
     request: ProbeRequest,
+    exchange: Exchange,
     *,
+    transport: str,
+    no_token: str,
     path: str,
     prompt: str,
     api: str,
     timeout: float,
     tls_context: ssl.SSLContext,
 ) -> ProbeResult:
-    """Send `request` along `route` once and time it; failures end up in the result."""
+    """A probe's frame, whatever its transport: the result and its marks, the connection,
+    the watcher that finds the first token, and every failure turned into the result."""
     result = ProbeResult(
         path=path, prompt=prompt, request_id=request.request_id,
-        prompt_tokens=request.prompt_tokens, body_bytes=len(request.body),
+        prompt_tokens=request.prompt_tokens, body_bytes=len(request.body), transport=transport,
     )
     run = _Probe(result, timeout)
     watcher = StreamWatcher(api)
     try:
         _open(run, route, tls_context)
         run.phase = "send"
-        run.send(request_bytes(route, request))
-        run.mark("sent")
-        run.phase = "wait"
-        result.status, headers, rest = run.read_head(on_first_byte=True)
-        if result.status >= 400:
-            run.phase = "wait"  # the upstream (or the relay) answered with a failure
-            body = b"".join(_limited(run.body_chunks(headers, rest), MAX_ERROR_BODY))
-            raise ProbeError(f"HTTP {result.status}: {error_excerpt(body)}")
-        for piece in run.body_chunks(headers, rest):
-            watcher.feed(piece, time.perf_counter())
-            if watcher.first_token is not None and "first_token" not in result.marks:
-                run.mark("first_token", watcher.first_token)
-                run.phase = "stream"
+        exchange(run, route, request, watcher)
         if watcher.error:
             raise ProbeError(f"error in the stream: {watcher.error}")
         if watcher.first_token is None:
-            raise ProbeError("the answer carried no token (not an event stream of this API?)")
+            raise ProbeError(no_token)
     except PROBE_ERRORS as e:
         _fail(result, run, e, timeout)
-        logger.debug("probe %s %s failed in %s: %s", path, prompt, run.phase, result.error)
+        logger.debug("%s probe %s %s failed in %s: %s", transport, path, prompt, run.phase, result.error)
     finally:
         run.close()
     run.mark("end")
     return result
 
 
-def run_websocket_probe(
-    route: Route,
-    request: ProbeRequest,
-    *,
-    path: str,
-    prompt: str,
-    api: str,
-    timeout: float,
-    tls_context: ssl.SSLContext,
-) -> ProbeResult:
-    """Open a Responses WebSocket along `route`, send `request` as one turn, time it."""
-    result = ProbeResult(
-        path=path, prompt=prompt, request_id=request.request_id,
-        prompt_tokens=request.prompt_tokens, body_bytes=len(request.body), transport="websocket",
-    )
-    run = _Probe(result, timeout)
-    watcher = StreamWatcher(api)
+def _watch(run: _Probe, watcher: StreamWatcher, piece: bytes) -> None:
+    """Feeds the watcher; its first token marks the probe and starts its stream phase."""
+    watcher.feed(piece, time.perf_counter())
+    if watcher.first_token is not None and "first_token" not in run.result.marks:
+        run.mark("first_token", watcher.first_token)
+        run.phase = "stream"
+
+
+def _http_exchange(run: _Probe, route: Route, request: ProbeRequest, watcher: StreamWatcher) -> None:
+    run.send(request_bytes(route, request))
+    run.mark("sent")
+    run.phase = "wait"
+    run.result.status, headers, rest = run.read_head(on_first_byte=True)
+    if run.result.status >= 400:
+        run.phase = "wait"  # the upstream (or the relay) answered with a failure
+        body = b"".join(_limited(run.body_chunks(headers, rest), MAX_ERROR_BODY))
+        raise ProbeError(f"HTTP {run.result.status}: {error_excerpt(body)}")
+    for piece in run.body_chunks(headers, rest):
+        _watch(run, watcher, piece)
+
+
+def _websocket_exchange(run: _Probe, route: Route, request: ProbeRequest, watcher: StreamWatcher) -> None:
+    try:
+        _websocket_turn(run, route, request, watcher)
+    except RemoteProtocolError as e:
+        raise ProbeError(f"WebSocket protocol error: {e}") from e
+
+
+def _websocket_turn(run: _Probe, route: Route, request: ProbeRequest, watcher: StreamWatcher) -> None:
+    result = run.result
     ws = WSConnection(ConnectionType.CLIENT)
     target = route.target
     resource = target.url(request.path) if route.proxy is not None and not target.tls else target.prefix + request.path
-    try:
-        _open(run, route, tls_context)
-        run.phase = "send"
-        headers = [(name.encode(), value.encode()) for name, value in websocket_headers(request)]
-        run.send(ws.send(Request(host=target.authority, target=resource, extensions=[PerMessageDeflate()],
-                                 extra_headers=headers)))
-        run.mark("sent")
-        run.phase = "wait"
-        message, rejected, done = [], b"", False
-        while not done:
-            data = run.recv()
-            if not data:
-                raise ProbeError("connection closed before the WebSocket answered" if run.phase == "wait"
-                                 else "connection closed before the turn completed")
-            ws.receive_data(data)
-            for event in ws.events():
-                if isinstance(event, AcceptConnection):
-                    result.status = 101
-                    run.mark("head")
-                    run.phase = "first_token"
-                    run.send(ws.send(TextMessage(data=websocket_message(request).decode())))
-                    run.mark("message")
-                elif isinstance(event, RejectConnection):
-                    result.status = event.status_code
-                    if not event.has_body:
-                        raise ProbeError(f"the WebSocket upgrade was refused: HTTP {event.status_code}")
-                elif isinstance(event, RejectData):
-                    rejected += event.data
-                    if event.body_finished:
-                        raise ProbeError(f"the WebSocket upgrade was refused: HTTP {result.status}: "
-                                         f"{error_excerpt(rejected)}")
-                elif isinstance(event, TextMessage):
-                    message.append(event.data)
-                    if event.message_finished:
-                        payload = "".join(message).encode()
-                        message.clear()
-                        watcher.feed(b"data: " + payload + b"\n\n", time.perf_counter())
-                        if watcher.first_token is not None and "first_token" not in result.marks:
-                            run.mark("first_token", watcher.first_token)
-                            run.phase = "stream"
-                        done = watcher.done or bool(watcher.error)
-                elif isinstance(event, Ping):
-                    run.send(ws.send(event.response()))
-                elif isinstance(event, CloseConnection):
-                    raise ProbeError(f"the WebSocket closed before the turn completed (code {event.code}"
-                                     f"{': ' + event.reason if event.reason else ''})")
-        if watcher.error:
-            raise ProbeError(f"error in the stream: {watcher.error}")
-        if watcher.first_token is None:
-            raise ProbeError("the turn carried no token")
-    except RemoteProtocolError as e:
-        _fail(result, run, ProbeError(f"WebSocket protocol error: {e}"), timeout)
-    except PROBE_ERRORS as e:
-        _fail(result, run, e, timeout)
-    finally:
-        run.close()
-    if result.error:
-        logger.debug("websocket probe %s %s failed in %s: %s", path, prompt, run.phase, result.error)
-    run.mark("end")
-    return result
+    headers = [(name.encode(), value.encode()) for name, value in websocket_headers(request)]
+    run.send(ws.send(Request(host=target.authority, target=resource, extensions=[PerMessageDeflate()],
+                             extra_headers=headers)))
+    run.mark("sent")
+    run.phase = "wait"
+    message: list[str] = []
+    rejected, done = b"", False
+    while not done:
+        data = run.recv()
+        if not data:
+            raise ProbeError("connection closed before the WebSocket answered" if run.phase == "wait"
+                             else "connection closed before the turn completed")
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                result.status = 101
+                run.mark("head")
+                run.phase = "first_token"
+                run.send(ws.send(TextMessage(data=websocket_message(request).decode())))
+                run.mark("message")
+            elif isinstance(event, RejectConnection):
+                result.status = event.status_code
+                if not event.has_body:
+                    raise ProbeError(f"the WebSocket upgrade was refused: HTTP {event.status_code}")
+            elif isinstance(event, RejectData):
+                rejected += event.data
+                if event.body_finished:
+                    raise ProbeError(f"the WebSocket upgrade was refused: HTTP {result.status}: "
+                                     f"{error_excerpt(rejected)}")
+            elif isinstance(event, TextMessage):
+                message.append(event.data)
+                if event.message_finished:
+                    payload = "".join(message).encode()
+                    message.clear()
+                    _watch(run, watcher, b"data: " + payload + b"\n\n")
+                    done = watcher.done or bool(watcher.error)
+            elif isinstance(event, Ping):
+                run.send(ws.send(event.response()))
+            elif isinstance(event, CloseConnection):
+                raise ProbeError(f"the WebSocket closed before the turn completed (code {event.code}"
+                                 f"{': ' + event.reason if event.reason else ''})")
 
 
 def _limited(chunks: Iterator[bytes], limit: int) -> Iterator[bytes]:
