@@ -14,11 +14,11 @@ import orjson
 from tests import report_samples
 from tests.harness import REPO
 
-from ttft_relay import cli
+from ttft_relay import cli, launch
 
 
 def test_addon_path_names_the_addon_file():
-    assert cli.ADDON.name == "relay.py" and cli.ADDON.parent.name == "ttft_relay" and cli.ADDON.exists()
+    assert launch.ADDON.name == "relay.py" and launch.ADDON.parent.name == "ttft_relay" and launch.ADDON.exists()
     assert cli.main(["no-such-command"]) == 2
 
 

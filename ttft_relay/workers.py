@@ -53,7 +53,7 @@ from pathlib import Path
 from mitmproxy import optmanager
 from mitmproxy.proxy import mode_specs
 
-from . import cli, config
+from . import config, launch
 from .guard import guard, tls
 from .timing import metrics, timing
 
@@ -116,7 +116,7 @@ SUPERVISOR_READS = (guard.Exposure, guard.AccessKeys, tls.ClientTLS, timing.Timi
 def worker_options(args: list[str]) -> tuple[list[str], optmanager.OptManager]:
     """The workers' command line (`args` with mitm.conf merged in, config.merged_args)
     and the options mitmdump makes of it, for the supervisor's own checks."""
-    merged = cli.relay_args(args)
+    merged = launch.relay_args(args)
     return merged, config.started_options(merged, [addon() for addon in SUPERVISOR_READS])
 
 
@@ -333,7 +333,7 @@ class Supervisor:
         if left := config.command_line_options(["mitmdump", *worker_args], self.opts) & OVERRIDDEN:
             raise SystemExit(f"cannot give the workers their own {', '.join(sorted(left))}: spell them "
                              "--mode, --listen-host, -p or --set NAME=VALUE")
-        base = [cli.tool_path("mitmdump"), "-s", str(cli.ADDON), *worker_args]
+        base = [launch.tool_path("mitmdump"), "-s", str(launch.ADDON), *worker_args]
         self.workers = []
         for i in range(workers):
             args = base + ["--listen-host", WORKER_LISTEN_HOST]
@@ -456,5 +456,5 @@ def main(argv: list[str]) -> int:
             f"({HAPROXY_INSTALL}); --workers 1 silences this note.")
         workers = 1
     if workers == 1:
-        cli.start("mitmdump", args)
+        launch.start("mitmdump", args)
     return Supervisor(args, workers).run()

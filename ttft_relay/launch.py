@@ -1,0 +1,48 @@
+"""How a mitmproxy tool starts as the relay: its addons loaded, mitm.conf merged under the
+command line before mitmproxy binds. Used by the command (`ttft-relay run|web`, cli.py)
+and by the supervisor for its workers (workers.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+ADDON = Path(__file__).resolve().parent / "relay.py"
+
+
+def tool_path(name: str) -> str:
+    """The mitmproxy tool installed beside this interpreter (the same environment), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise SystemExit(f"ttft-relay: {name} not found (is mitmproxy installed in this environment?)")
+    return found
+
+
+def start(tool: str, args: list[str]) -> NoReturn:
+    """Runs mitmproxy's `tool` (mitmdump, mitmweb) with the relay's addons and mitm.conf merged
+    into `args`, in this process as the tool's own console script would: the modules the merge
+    needed are the tool's, loaded once."""
+    from mitmproxy.tools import main as mitmproxy_main
+
+    tool_args = ["-s", str(ADDON), *relay_args(args, tool)]
+    sys.argv = [tool, *tool_args]  # what the tool and the addons read as its command line
+    getattr(mitmproxy_main, tool)(tool_args)
+    sys.exit(0)
+
+
+def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
+    """`args` with mitm.conf merged in; a config that cannot be applied stops here, in one line."""
+    from mitmproxy import exceptions
+
+    from . import config
+
+    try:
+        return config.merged_args(args, config.conf_path(), tool)
+    except exceptions.OptionsError as e:
+        raise SystemExit(f"ttft-relay: cannot start the relay: {e}") from None
