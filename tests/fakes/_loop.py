@@ -11,6 +11,7 @@ so a stalled connection can never keep a test process alive.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Self, TypeVar
@@ -77,8 +78,8 @@ class LoopThread:
 class LoopServer:
     """A TCP server on 127.0.0.1 (any free port) served by its own `LoopThread`.
 
-    Subclasses implement `_serve(reader, writer)` for each accepted connection.
-    Use as a context manager or call `start()` / `stop()`.
+    Subclasses implement `_serve(reader, writer)` for each accepted connection, and
+    `_ssl_context()` to serve TLS. Use as a context manager or call `start()` / `stop()`.
     """
 
     thread_name = "loop-server"
@@ -91,9 +92,14 @@ class LoopServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS the server speaks; None: plain TCP."""
+        return None
+
     def start(self) -> Self:
         self._loop_thread.start()
-        self._server = self._loop_thread.run(asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=1024))
+        self._server = self._loop_thread.run(
+            asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=1024, ssl=self._ssl_context()))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

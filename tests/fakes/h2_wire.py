@@ -31,7 +31,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
-from tests.fakes._loop import LoopThread
+from tests.fakes._loop import LoopServer
 from tests.fakes.certs import TestCerts
 from tests.fakes.replies import answer_pieces, build_reply
 
@@ -185,46 +185,28 @@ class UpstreamStream(Stream):
     """The whole response went out."""
 
 
-class H2Upstream:
+class H2Upstream(LoopServer):
     """An HTTP/2-only fake API upstream over TLS on 127.0.0.1 (any free port)."""
 
+    thread_name = "h2-upstream"
+
     def __init__(self, certs: TestCerts) -> None:
+        super().__init__()
         self.certs = certs
-        self.port = 0
         self.streams: list[UpstreamStream] = []
         """Every stream of every connection, in the order the requests arrived."""
         self.connections = 0
         self._changed = threading.Condition()
-        self._loop_thread = LoopThread("h2-upstream")
-        self._server: asyncio.Server | None = None
 
     @property
     def base_url(self) -> str:
         return f"https://localhost:{self.port}"
 
-    def start(self) -> H2Upstream:
-        self._loop_thread.start()
-        self._server = self._loop_thread.run(self._listen())
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def _listen(self) -> asyncio.Server:
+    def _ssl_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.certs.cert_pem, self.certs.key_pem)
         context.set_alpn_protocols(["h2"])
-        return await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context)
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._loop_thread.call_soon(self._server.close)
-            self._server = None
-        self._loop_thread.stop()
-
-    def __enter__(self) -> H2Upstream:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return context
 
     def wait(self, condition: Callable[[], bool], timeout: float = 30) -> bool:
         with self._changed:
