@@ -10,6 +10,8 @@ their records by their `x-request-id` (`rid`).
 
 from __future__ import annotations
 
+import http.client
+import json
 import ssl
 
 import anthropic
@@ -265,3 +267,34 @@ def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interi
         resp = conn.request("POST", path, body, {"x-request-id": rid})  # and the connection carries on
         assert resp.status == 200 and resp.read().endswith(b"data: [DONE]\n\n")
     assert [r["status"] for r in relay.log.of(rid, 2)] == [200, 200]
+
+
+def test_direct_reads_carry_long_streams_exactly(fake, shared_relay):
+    """Long streams, written back to back (reads of one event or several, cut anywhere),
+    two on one kept-alive connection: the client gets the upstream's bytes exactly, the
+    upstream's reads went below mitmproxy (`patches/splice.py`, its debug lines), and
+    each body's end was mitmproxy's again."""
+    relay = shared_relay(reverse_to(fake), termlog_verbosity="debug")
+    path, body = REQUESTS[apis.OPENAI_CHAT]
+    payload = json.dumps(body).encode()
+    knobs = {"content-type": "application/json", "x-fake-chunks": "400"}
+
+    def fetch(port: int, times: int) -> list[bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+        try:
+            bodies = []
+            for _ in range(times):
+                conn.request("POST", path, payload, knobs)
+                resp = conn.getresponse()
+                assert resp.status == 200 and resp.getheader("transfer-encoding") == "chunked"
+                bodies.append(resp.read())
+            return bodies
+        finally:
+            conn.close()
+
+    [expected] = fetch(fake.port, 1)
+    assert expected.count(b"data:") > 400
+    assert fetch(relay.port, 2) == [expected, expected]
+    lines = relay.text()
+    assert lines.count("direct reads of") >= 2 * 2  # each body: taken over, then its end handed back
+    assert "end: bytes for h11" in lines

@@ -3,23 +3,29 @@ path sends, in the same order, and the mitmproxy code the splice stands in for i
 (end to end: tests/test_streaming_e2e.py and every e2e suite that streams).
 
 The layer tests drive mitmproxy's real HttpLayer (client and upstream HTTP/1) event by
-event, once with the splice and once without, and compare everything that leaves it.
+event, once without the splice, once with it and once with its direct reads too (the
+upstream's reads then go to the protocol that stands in for its transport's, as asyncio
+would hand them, with mitmproxy's handler and the client's transport faked), and compare
+everything that leaves it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 
 import pytest
 from mitmproxy import connection, options
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.connection import ConnectionState
-from mitmproxy.proxy import commands, context, events, layer
+from h11._readers import ChunkedReader
+from mitmproxy.proxy import commands, context, events, layer, server
 from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
 
-from ttft_relay.patches import splice, trailers
-from tests.patches.pins import assert_unchanged
+from ttft_relay.patches import connections, splice, trailers
+from tests.patches.pins import assert_unchanged, source
 
 PINNED = {
     # what the splice does for each chunk instead, and the states it checks
@@ -31,11 +37,41 @@ PINNED = {
     "Http1Connection.read_body": (trailers._ORIGINAL_READ_BODY, "aece271029af36e4"),
     "Http1Connection._handle_event": (Http1Connection._handle_event, "2ac8db3e43ae743f"),
     "Layer.handle_event": (layer.Layer.handle_event, "fd88b0fb09ceddbb"),
+    # direct reads: h11's state they take over and hand back, what a read does in mitmproxy
+    # (handle_connection: server_event with the data, then drain_writers; EOF and errors
+    # through the reader), and the watchdog they tell
+    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
+    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
+    "ConnectionHandler.handle_connection": (server.ConnectionHandler.handle_connection, "95c3f93e9824e527"),
+    "ConnectionHandler.drain_writers": (server.ConnectionHandler.drain_writers, "6b57434604561e3e"),
+    "TimeoutWatchdog.register_activity": (server.TimeoutWatchdog.register_activity, "41e033f7debf79d3"),
 }
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
     assert_unchanged(PINNED, splice)
+
+
+def test_the_lines_direct_reads_depend_on():
+    src = source(server.ConnectionHandler.handle_connection)
+    assert "data = await reader.read(65535)" in src  # the reader its transport's protocol feeds
+    assert "await self.server_event(events.DataReceived(connection, data))" in src
+    assert "await self.drain_writers()" in src
+    # h11's state: what they take over, and what they hand back for it to go on from
+    src = source(ChunkedReader.__call__)
+    assert all(name in src for name in ("self._bytes_in_chunk", "self._bytes_to_discard", "self._reading_trailer"))
+
+
+def test_an_asyncio_stream_reader_s_buffer_is_where_they_look():
+    """`connections.plain_streams` takes over only from a reader that holds nothing."""
+
+    async def check():
+        reader = asyncio.StreamReader()
+        assert not reader._buffer
+        reader.feed_data(b"x")
+        assert reader._buffer == b"x"
+
+    asyncio.run(check())
 
 
 def test_install_and_uninstall():
@@ -64,14 +100,116 @@ class Tap:
         return chunk.upper()
 
 
-def drive(upstream_reads: list[bytes], *, requests: int = 1, tap_split: bool = False, stream: object = "tap",
-          store: bool = False, hold_responseheaders: bool = False, response_head: bytes | None = None,
-          client_leaves_after: int | None = None):
+class Transport:
+    """What the direct reads use of an asyncio transport: the upstream's protocol slot and
+    reading switch, the client's writes and write buffer."""
+
+    def __init__(self, protocol: object = None, written: list[bytes] | None = None, buffered: int = 0) -> None:
+        self.protocol = protocol
+        self.written = written
+        self.buffered = buffered
+        self.closing = False
+        self.reading = True
+
+    def get_protocol(self):
+        return self.protocol
+
+    def set_protocol(self, protocol) -> None:
+        self.protocol = protocol
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        assert self.written is not None
+        self.written.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16384, 65536
+
+
+class Writer:
+    """The client's StreamWriter: its transport, and a drain that waits until `drained` is set."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.drained = asyncio.Event()
+        if not transport.buffered:
+            self.drained.set()
+
+    async def drain(self) -> None:
+        await self.drained.wait()
+
+
+class Handler:
+    """mitmproxy's ConnectionHandler as the direct reads use it: its events go to `run`."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.timeout_watchdog = self
+        self.activity = 0
+
+    def register_activity(self) -> None:
+        self.activity += 1
+
+    async def server_event(self, event: events.Event) -> None:
+        self.run(event)
+
+    async def drain_writers(self) -> None:
+        pass
+
+
+class Original:
+    """The upstream transport's own protocol (mitmproxy's StreamReaderProtocol): what reaches
+    it, and the connection's end as `handle_connection` then tells the layers."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.closed = lambda: None
+
+    def eof_received(self) -> None:
+        self.calls.append("eof_received")
+        self.closed()
+
+    def connection_lost(self, exc) -> None:
+        self.calls.append(f"connection_lost({exc!r})")
+        self.closed()
+
+
+def drive(upstream_reads: list[bytes], *, direct: bool = False, **kwargs):
+    """`drive_layer` in an event loop, with the direct reads' handler and transports."""
+    loop = asyncio.new_event_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)  # as mitmproxy's loop
+    try:
+        return loop.run_until_complete(_drive(upstream_reads, direct, **kwargs))
+    finally:
+        loop.close()
+
+
+async def _drive(upstream_reads: list[bytes], direct: bool, **kwargs):
+    return drive_layer(upstream_reads, direct=direct, **kwargs)
+
+
+def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: int = 1, tap_split: bool = False,
+                stream: object = "tap", store: bool = False, hold_responseheaders: bool = False,
+                response_head: bytes | None = None, client_leaves_after: int | None = None,
+                client_buffered: int = 0, upstream_ends: bool = False):
     """mitmproxy's HttpLayer between an HTTP/1 client and an HTTP/1 upstream: `requests`
     requests on one kept-alive connection, each answered by `upstream_reads` (the
     upstream's reads, as they arrive). Returns (what went to the client, what went
     upstream, the other commands in order, what the taps saw and the flows kept, the
-    number of sends to the client)."""
+    number of sends to the client, and a record: reads the direct reads took and those
+    mitmproxy parsed, what reached the upstream transport's own protocol, the watchdog's
+    activity, the upstream transport and the client's writer)."""
     opts = options.Options()
     Proxyserver().load(opts)
     opts.store_streamed_bodies = store
@@ -114,33 +252,69 @@ def drive(upstream_reads: list[bytes], *, requests: int = 1, tap_split: bool = F
                             continue
                     queue.append(events.HookCompleted(command))
 
+    handler = Handler(run)
+    original = Original()
+    original.closed = lambda: run(events.ConnectionClosed(opened[-1]))
+    upstream_transport = Transport(original)
+    client_transport = Transport(written=sent["client"], buffered=client_buffered)
+    client_writer = Writer(client_transport)
+    record = {"direct": 0, "parsed": 0}
+
+    def read(conn: connection.Server, data: bytes) -> None:
+        protocol = upstream_transport.protocol
+        if isinstance(protocol, splice._DirectReads):
+            record["direct"] += 1
+            protocol.data_received(data)
+        else:
+            record["parsed"] += 1
+            run(events.DataReceived(conn, data))
+
+    original_plain_streams = connections.plain_streams
+    if direct:
+        connections.plain_streams = lambda c, s: (handler, upstream_transport, client_writer)  # type: ignore[assignment]
+    try:
+        _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
+                  client_leaves_after)
+        if upstream_ends:
+            upstream_transport.protocol.connection_lost(None)  # asyncio's call, whichever protocol it is
+    finally:
+        connections.plain_streams = original_plain_streams
+    record.update(original=original.calls, watchdog=handler.activity, upstream=upstream_transport, client=client_writer)
+    seen = [(t.seen, f.response.raw_content) for t, f in zip(taps, flows)] if taps else [f.response.raw_content for f in flows]
+    return b"".join(sent["client"]), b"".join(sent["upstream"]), others, seen, len(sent["client"]), record
+
+
+def _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
+              client_leaves_after) -> None:
     run(events.Start())
     head = response_head or b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     for _ in range(requests):
         run(events.DataReceived(client, b"POST /v1/chat/completions HTTP/1.1\r\nhost: upstream.test\r\n"
                                         b"content-length: 2\r\n\r\n{}"))
-        run(events.DataReceived(opened[-1], head))
+        read(opened[-1], head)
         for i, data in enumerate(upstream_reads):
-            run(events.DataReceived(opened[-1], data))
+            read(opened[-1], data)
             if i == 0:
                 while held:
                     run(held.pop(0))
             if i == client_leaves_after:
                 client.state = ConnectionState.CLOSED
+                client_transport.closing = True
                 run(events.ConnectionClosed(client))
-    seen = [(t.seen, f.response.raw_content) for t, f in zip(taps, flows)] if taps else [f.response.raw_content for f in flows]
-    return b"".join(sent["client"]), b"".join(sent["upstream"]), others, seen, len(sent["client"])
 
 
 def both(*args, **kwargs):
+    """(mitmproxy's path, the splice's, the splice's with direct reads) for the same reads."""
     assert not splice.installed()
     plain = drive(*args, **kwargs)
-    splice.install()
+    splice.install(direct=False)
     try:
         spliced = drive(*args, **kwargs)
+        splice.install(direct=True)
+        direct = drive(*args, direct=True, **kwargs)
     finally:
         splice.uninstall()
-    return plain, spliced
+    return plain, spliced, direct
 
 
 def chunked(*pieces: bytes) -> bytes:
@@ -166,8 +340,8 @@ def test_the_client_gets_exactly_what_mitmproxy_sends(seed):
     several chunks per read or several reads per chunk, two requests kept alive."""
     rng = random.Random(seed)
     reads = reads_of(events_body(30), rng, rng.choice([3, 40, 200, 5000]))
-    plain, spliced = both(reads, requests=2, tap_split=seed % 3 == 0, store=seed % 2 == 0)
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both(reads, requests=2, tap_split=seed % 3 == 0, store=seed % 2 == 0)
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert plain[0].count(b"HTTP/1.1 200") == 2 and plain[0].endswith(b"0\r\n\r\n")
     payloads = b"".join(b'data: {"choices":[{"delta":{"content":"tok%d"}}]}\n\n' % i for i in range(30))
     assert [b"".join(seen) for seen, _ in plain[3]] == [payloads, payloads]  # each tap saw its whole body
@@ -177,15 +351,15 @@ def test_the_client_gets_exactly_what_mitmproxy_sends(seed):
 def test_it_engages_and_sends_a_read_once():
     """Not a test of nothing: with the splice, the chunks of one read leave in one send."""
     reads = [events_body(5)[:-5], b"0\r\n\r\n"]
-    plain, spliced = both(reads)
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both(reads)
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert plain[4] == 1 + 5 + 1  # head, one send per chunk, the last chunk
     assert spliced[4] == 1 + 1 + 1
 
 
 def test_the_last_chunk_in_the_same_read_as_data():
-    plain, spliced = both([events_body(3)])
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both([events_body(3)])
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert plain[0].endswith(b"0\r\n\r\n") and spliced[4] < plain[4]
 
 
@@ -193,8 +367,8 @@ def test_chunks_that_arrive_while_the_response_hook_runs_wait_for_it():
     """Data read while `responseheaders` is still running is queued by mitmproxy; the
     splice must not overtake it."""
     reads = reads_of(events_body(10), random.Random(7), 60)
-    plain, spliced = both(reads, hold_responseheaders=True)
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both(reads, hold_responseheaders=True)
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
 
 
 @pytest.mark.parametrize("stream", [True, "tap"])
@@ -202,14 +376,14 @@ def test_a_client_framing_without_chunks(stream):
     """An upstream answering with a length: the client gets the raw bytes, unframed."""
     body = b"data: x\n\n" * 20
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body)
-    plain, spliced = both(reads_of(body, random.Random(3), 25), requests=2, stream=stream, response_head=head)
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both(reads_of(body, random.Random(3), 25), requests=2, stream=stream, response_head=head)
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert plain[0].count(body.upper() if stream == "tap" else body) == 2
 
 
 def test_a_broken_chunk_header_is_mitmproxy_s_protocol_error():
-    plain, spliced = both([b"5\r\nhello\r\nzz\r\n"])
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both([b"5\r\nhello\r\nzz\r\n"])
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert "CloseConnection" in plain[2]
 
 
@@ -217,6 +391,81 @@ def test_a_client_that_leaves_mid_stream():
     """mitmproxy drops the stream when its client goes; what the upstream still sends
     goes nowhere, with the splice too."""
     reads = reads_of(events_body(20), random.Random(5), 80)
-    plain, spliced = both(reads, client_leaves_after=len(reads) // 2)
-    assert spliced[:4] == plain[:4]
+    plain, spliced, direct = both(reads, client_leaves_after=len(reads) // 2)
+    assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert not plain[0].endswith(b"0\r\n\r\n")
+
+
+def test_direct_reads_take_every_read_after_the_first():
+    """Not a test of nothing: one chunk per read, and after the first body read mitmproxy
+    parses only the head; the last chunk is handed back and ends the flow as mitmproxy's."""
+    body = events_body(6)
+    reads = [body[i:j] for i, j in zip([0, *[m.end() for m in re.finditer(rb"\n\n\r\n", body)]],
+                                       [*[m.end() for m in re.finditer(rb"\n\n\r\n", body)], len(body)])]
+    assert len(reads) == 7 and reads[-1] == b"0\r\n\r\n"
+    plain, spliced, direct = both(reads, requests=2)
+    assert direct[:4] == plain[:4]
+    # per request: the head and the first body read parsed, the last chunk parsed when handed back
+    assert direct[5]["direct"] == 2 * 6 and direct[5]["parsed"] == 2 * 2
+    assert direct[5]["watchdog"] == 2 * 6  # each read they took told the inactivity watchdog
+    assert spliced[5]["direct"] == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_direct_reads_hand_back_at_what_they_do_not_decode(seed):
+    """A chunk extension, an upper-case hex size and a header split across reads are
+    h11's to read; the direct reads take over again after it."""
+    rng = random.Random(seed)
+    pieces = [b'data: {"n":%d}\n\n' % i for i in range(40)]
+    body = b"".join(b"%x;ext=%d\r\n%s\r\n" % (len(p), i, p) if i % 7 == 3 else b"%X\r\n%s\r\n" % (len(p), p)
+                    for i, p in enumerate(pieces)) + b"0\r\n\r\n"
+    plain, spliced, direct = both(reads_of(body, rng, rng.choice([7, 60, 400])))
+    assert direct[:4] == plain[:4]
+    assert direct[5]["direct"] > 0
+
+
+@pytest.mark.parametrize("cut", [3, 30, 31, 33])
+def test_an_upstream_that_ends_mid_body(cut):
+    """EOF inside a chunk's data, its CRLF or the next header: mitmproxy's own error, from
+    the state the direct reads handed back."""
+    body = events_body(4)
+    reads = [body[:60], body[60:60 + cut]]
+    plain, spliced, direct = both(reads, upstream_ends=True)
+    assert direct[:4] == plain[:4]
+    assert direct[5]["direct"] == 1 and direct[5]["original"] == ["connection_lost(None)"]
+    assert not plain[0].endswith(b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize("second", [b"\r", b"\rX5\r\nhello\r\n", b"\r\n5\r\nhelloXX", b"\r\n5\r\nhe"])
+def test_a_malformed_footer_after_direct_reads(second):
+    """A chunk's CRLF cut between reads or wrong, and a chunk cut inside: h11 is handed
+    its own state and fails or goes on exactly as it would have."""
+    first = b"5\r\nhello"
+    plain, spliced, direct = both([b"3\r\nabc\r\n", first, second, b"llo\r\n0\r\n\r\n"])
+    assert direct[:4] == plain[:4]
+    assert direct[5]["direct"] >= 2
+
+
+def test_direct_reads_wait_for_a_full_client_buffer():
+    """Over the client's write limit, upstream reading pauses until the client drains."""
+
+    async def run():
+        splice.install(direct=True)
+        try:
+            body = events_body(3)
+            result = drive_layer([body[:60], body[60:120]], direct=True, client_buffered=10**6)
+        finally:
+            splice.uninstall()
+        upstream, client = result[5]["upstream"], result[5]["client"]
+        assert not upstream.reading
+        client.transport.buffered = 0
+        client.drained.set()
+        await asyncio.sleep(0)  # the waiting task runs once the loop turns
+        assert upstream.reading
+
+    loop = asyncio.new_event_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()

@@ -34,7 +34,8 @@ from mitmproxy.proxy import mode_servers
 
 
 def _proxyserver() -> Any:
-    return ctx.master.addons.get("proxyserver")
+    master = getattr(ctx, "master", None)  # none where layers run without a proxy (their tests)
+    return master.addons.get("proxyserver") if master is not None else None
 
 
 def handler_of(client: connection.Client) -> Any:
@@ -74,6 +75,22 @@ def connection_socket(client: connection.Client, conn: connection.Connection) ->
     None once it is gone, or for a connection without a socket (UDP, WireGuard)."""
     w = writer(client, conn)
     return w.get_extra_info("socket") if isinstance(w, asyncio.StreamWriter) else None
+
+
+def plain_streams(client: connection.Client, server: connection.Connection) -> tuple[Any, Any, asyncio.StreamWriter] | None:
+    """(`client`'s handler, `server`'s asyncio transport, `client`'s writer) if both are asyncio TCP
+    streams and everything read from `server` has been handed to the layers (its reader
+    holds nothing, and its transport still feeds it); else None."""
+    handler = handler_of(client)
+    if handler is None:
+        return None
+    up, down = handler.transports.get(server), handler.transports.get(client)
+    if up is None or down is None or not isinstance(up.writer, asyncio.StreamWriter) or not isinstance(down.writer, asyncio.StreamWriter):
+        return None
+    transport = up.writer.transport
+    if up.reader._buffer or not isinstance(transport.get_protocol(), asyncio.StreamReaderProtocol):
+        return None
+    return handler, transport, down.writer
 
 
 def close(client: connection.Client, conn: connection.Connection) -> bool:

@@ -24,23 +24,57 @@ and errors stay mitmproxy's.
 
 Chunks that arrive in one read reach the client in one `SendData` (one send, their
 framing unchanged): data already received is never held back for more.
+
+**Direct reads** (`install(direct=True)`, the second stage): once a spliced body is
+chunked, its upstream connection is plain TCP, its client's too, and everything read
+so far has been parsed, the upstream's reads skip mitmproxy altogether. `_DirectReads`
+stands in for the upstream transport's asyncio protocol (mitmproxy's
+`StreamReaderProtocol`, whose reader feeds `ConnectionHandler.handle_connection`):
+each read is decoded where it arrives (`stream.chunked.ChunkedData`, which takes h11's
+`ChunkedReader` state over and yields the same pieces), tapped and framed by the same
+`_Route.forward`, and written to the client's transport. The wake-up of the reader's
+task, `server_event`'s lock, the layers, h11 and `drain_writers` are not paid per read;
+what they do for a body read is done here: the connection's inactivity watchdog is
+told, and upstream reads wait while the client's write buffer is over its limit.
+
+Anything else hands the connection back, with h11's state set to where the decoding
+stopped: the end of the body (the last chunk, trailers), a chunk header or footer the
+decoder does not take, a header split across reads, the flow leaving the state above
+(the client gone, a pause), and the connection's end (EOF, reset, a close by mitmproxy).
+The bytes not decoded are handed to mitmproxy as the `DataReceived` they were, through
+`server_event`, before any later read; EOF and errors go to mitmproxy's protocol as they
+came. mitmproxy then goes on exactly as if it had read everything itself, and the next
+read it parses may hand the connection over again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
+from h11._readers import ChunkedReader
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, ResponseData
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
 
+from ..stream.chunked import ChunkedData
+from . import connections
+
 assert "read_body" not in vars(Http1Client)  # it inherits Http1Connection's (which `trailers` wraps)
 ORIGINALS = {(Http1Client, "read_body"): Http1Connection.read_body}
+logger = logging.getLogger(__name__)
 _ROUTE = "_ttft_relay_splice"
 
 
-def install() -> None:
+_direct = True
+
+
+def install(direct: bool = True) -> None:
+    """Splice streamed bodies; with `direct`, hand their reads below mitmproxy too."""
+    global _direct
+    _direct = direct
     # Installed on Http1Client alone, so its self is one (narrower than Http1Connection's).
     Http1Client.read_body = _read_body  # type: ignore[method-assign, assignment]
 
@@ -59,7 +93,8 @@ class _Route:
     """Where one upstream connection's current response body goes: the flow's stream
     and the client's HTTP/1 layer, found once per response."""
 
-    __slots__ = ("stream_id", "upstream", "http", "stream", "server", "client", "chunked", "response")
+    __slots__ = ("stream_id", "upstream", "http", "stream", "server", "client", "chunked", "response", "store",
+                 "direct")
 
     def __init__(self, upstream: Http1Client, http_layer: HttpLayer) -> None:
         # Routes are made for a body being read, which has a stream (mitmproxy's read_body asserts it).
@@ -72,6 +107,9 @@ class _Route:
         self.server = http_layer.connections.get(self.client)
         self.response: Any = None
         self.chunked = False
+        # mitmproxy reads it for every chunk; an option access deep-copies its default.
+        self.store = bool(http_layer.context.options.store_streamed_bodies)
+        self.direct: _DirectReads | None = None
 
     def open(self) -> bool:
         """Whether mitmproxy would now pass a chunk straight from the stream callable to
@@ -105,9 +143,8 @@ class _Route:
         chunks = tap(data) if callable(tap) else [data]
         if isinstance(chunks, bytes):
             chunks = [chunks]
-        store = self.stream.context.options.store_streamed_bodies
         for chunk in chunks:
-            if store:
+            if self.store:
                 self.stream.response_body_buf += chunk
             if self.chunked:
                 out.append(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -149,3 +186,110 @@ def _read_body(self: Http1Client, event: events.Event) -> layer.CommandGenerator
         yield command
     if out:
         yield commands.SendData(route.client, b"".join(out))
+    if _direct and route.direct is None and route.open():
+        _hand_over(self, route)
+
+
+def _hand_over(upstream: Http1Client, route: _Route) -> None:
+    """Let `_DirectReads` read `upstream`'s body from now on, if it can (see the module's
+    docstring); runs inside `server_event`, after everything read so far was parsed."""
+    reader = upstream.body_reader
+    if (
+        type(reader) is not ChunkedReader
+        or reader._reading_trailer
+        or len(upstream.buf)
+        or upstream.conn.tls
+        or route.client.tls
+    ):
+        return
+    found = connections.plain_streams(route.client, upstream.conn)
+    if found is not None:
+        route.direct = _DirectReads(route, upstream, reader, *found)
+
+
+class _DirectReads(asyncio.Protocol):
+    """The upstream transport's protocol while its chunked body is spliced: each read
+    goes from the socket to the client's transport here, without mitmproxy."""
+
+    def __init__(self, route: _Route, upstream: Http1Client, reader: ChunkedReader, handler: Any,
+                 transport: Any, client: asyncio.StreamWriter) -> None:
+        self.route = route
+        self.upstream = upstream
+        self.reader = reader
+        self.handler = handler
+        self.transport = transport
+        self.client = client
+        self.client_transport: Any = client.transport
+        self.high_water = self.client_transport.get_write_buffer_limits()[1]
+        self.decoder = ChunkedData(reader._bytes_in_chunk, reader._bytes_to_discard)
+        self.original: Any = transport.get_protocol()
+        self.tasks: set[asyncio.Task] = set()
+        transport.set_protocol(self)
+        logger.debug("direct reads of %s", upstream.conn)
+
+    def data_received(self, data: bytes) -> None:
+        route = self.route
+        if not route.open() or self.client_transport.is_closing():
+            self._hand_back(data, "the flow left the splice")
+            return
+        self.handler.timeout_watchdog.register_activity()
+        pieces: list[bytes] = []
+        used = self.decoder.feed(data, pieces)
+        if pieces:
+            out: list[bytes] = []
+            for piece in pieces:
+                route.forward(piece, out)
+            if out:
+                self.client_transport.write(b"".join(out))
+        if used < len(data):
+            self._hand_back(data[used:], "bytes for h11")
+        elif self.client_transport.get_write_buffer_size() > self.high_water:
+            # mitmproxy's drain_writers: no more reads until the client takes what it has.
+            self.transport.pause_reading()
+            self._run(self._resume_when_drained())
+
+    def eof_received(self) -> bool | None:
+        self._restore("the upstream's end of the connection")
+        return self.original.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._restore("the connection closed")
+        self.original.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.original.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.original.resume_writing()
+
+    def _restore(self, why: str) -> None:
+        """mitmproxy reads the connection again, its h11 reader where the decoder is."""
+        logger.debug("direct reads of %s end: %s", self.upstream.conn, why)
+        if self.transport.get_protocol() is self:
+            self.transport.set_protocol(self.original)
+        self.reader._bytes_in_chunk, self.reader._bytes_to_discard = self.decoder.in_chunk, self.decoder.discard
+        self.route.direct = None
+
+    def _hand_back(self, rest: bytes, why: str) -> None:
+        self._restore(why)
+        # Started now, so mitmproxy parses `rest` before any later read (server_event's
+        # lock is free here, outside every event, and it is first in line).
+        self._run(self._parse(rest))
+
+    async def _parse(self, data: bytes) -> None:
+        """What handle_connection does with a read."""
+        await self.handler.server_event(events.DataReceived(self.upstream.conn, data))
+        await self.handler.drain_writers()
+
+    async def _resume_when_drained(self) -> None:
+        try:
+            await self.client.drain()
+        except OSError:
+            pass  # the client is gone: mitmproxy ends the flow and closes this connection
+        if self.transport.get_protocol() is self and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _run(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
