@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
-from mitmproxy import addonmanager, ctx, exceptions
+from mitmproxy import addonmanager, ctx, exceptions, hooks
 from mitmproxy.addons import script
 from mitmproxy.hooks import UpdateHook
 from mitmproxy.proxy.layers.http import HttpRequestHook
@@ -27,6 +28,9 @@ PINNED = {
     "AddonManager.clear": (addonmanager.AddonManager.clear, "5fd484329fa05882"),
     "AddonManager.add": (addonmanager.AddonManager.add, "6c26295c4f0f4eb9"),
     "addonmanager.traverse": (addonmanager.traverse, "bad3d9f88bdf9269"),
+    # what the plans do in its place: an addon's error, the event's arguments
+    "addonmanager.safecall": (addonmanager.safecall, "f2052c18340e99b0"),
+    "Hook.args": (hooks.Hook.args, "5bab95f7aa358e18"),
     # how the tree changes under plans: register, then the module set
     "Script.loadscript": (script.Script.loadscript, "f2972abb206ff2fe"),
     "ScriptLoader.configure": (script.ScriptLoader.configure, "d76470344008804a"),
@@ -89,6 +93,8 @@ def dispatch(addons_for_log, plans: bool, sync: bool, caplog) -> tuple[list, lis
                     tctx.master.addons.trigger(HttpRequestHook(tflow.tflow()))
                 else:
                     await tctx.master.addons.trigger_event(HttpRequestHook(tflow.tflow()))
+            except exceptions.OptionsError as e:  # the one error that leaves the event
+                log.append(f"raised {e}")
             finally:
                 await tctx.master.done()  # its log handler must not outlive this loop
 
@@ -110,6 +116,8 @@ SCENARIOS = {
         AsyncRecorder("b", log), Recorder("c", log)],
     "an error skips the rest of that addon's tree only": lambda log: [
         Recorder("a", log, children=[Recorder("a.1", log, then=ValueError), Recorder("a.2", log)]), Recorder("b", log)],
+    "OptionsError ends the event and propagates": lambda log: [
+        Recorder("a", log), Recorder("b", log, then=exceptions.OptionsError), Recorder("c", log)],
     "AddonHalt ends the event": lambda log: [
         Recorder("a", log), Recorder("b", log, then=exceptions.AddonHalt), Recorder("c", log)],
     "a non-callable hook attribute is mitmproxy's error": lambda log: [
@@ -126,6 +134,13 @@ def test_plans_call_what_mitmproxy_calls_in_its_order(scenario, sync, caplog):
     assert (planned_log, planned_errors) == (log, errors)
     # Plans serve the event, but where mitmproxy must report an error of its own.
     assert planned == ("non-callable" not in scenario and not (sync and "async" in scenario))
+
+
+def test_plans_pass_every_event_the_arguments_mitmproxy_passes():
+    for cls in set(hooks.all_hooks.values()):
+        event = cls(*(object() for _ in dataclasses.fields(cls)))
+        assert list(hook_plans._args(event)) == event.args(), cls
+        assert list(hook_plans._args(event)) == event.args(), cls  # from the kept getter
 
 
 def test_plans_follow_the_addon_tree_as_it_changes():

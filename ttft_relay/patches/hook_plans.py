@@ -9,8 +9,11 @@ walk was the largest single cost of a bare streaming mitmdump under py-spy. The 
 of `AddonManager.trigger_event` and `trigger` walk the tree once per hook name and keep
 the plan: per top-level addon, the hook functions of it and its children, in
 mitmproxy's order. They call them as mitmproxy does: each top-level addon's functions
-under `safecall` (an exception is logged and skips the rest of that addon's tree),
-awaiting what returns an awaitable, `AddonHalt` ending the event. Plans are dropped
+as under `safecall` (an exception is logged, by `safecall` itself, and skips the rest
+of that addon's tree; `AddonHalt` ends the event, `OptionsError` propagates), awaiting
+what returns an awaitable, with the event's arguments as `Hook.args` gives them
+(read by a getter kept per event class). A `with safecall()` per top-level addon per
+event, and `dataclasses.fields` per event, were most of what dispatch still cost. Plans are dropped
 when the tree can change: an addon registered or removed (`AddonManager.register`, a
 new chain list) and any option change (`forget_hook_plans`, e.g. scripts reordered).
 An event already running when a script reloads keeps the functions it started with
@@ -22,9 +25,11 @@ coroutine hook fired synchronously (mitmproxy reports both).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,14 +141,48 @@ def _plan(chain: list[Any], name: str) -> _Plan | None:
     return _Plan(funcs, sync=not any(inspect.iscoroutinefunction(f) for of_top in funcs for f in of_top))
 
 
-def _planned(manager: addonmanager.AddonManager, event: hooks.Hook, sync: bool) -> tuple[list[list[Callable]], list[Any]] | None:
+def _planned(manager: addonmanager.AddonManager, event: hooks.Hook, sync: bool) -> tuple[list[list[Callable]], Any] | None:
     """The hook functions per top-level addon and the event's arguments; None leaves
     the event to mitmproxy (see `_plan_for`; a coroutine hook fired synchronously,
     which mitmproxy reports)."""
     plan = _plan_for(manager, event.name)
     if plan is None or (sync and not plan.sync):
         return None
-    return plan.funcs, event.args() if plan.funcs else []
+    return plan.funcs, _args(event) if plan.funcs else ()
+
+
+_ARGS: dict[type, Callable[[Any], Sequence[Any]]] = {}
+"""Per event class, what `Hook.args` returns (its dataclass fields' values), without
+`dataclasses.fields` walked again for every event."""
+
+
+def _args(event: hooks.Hook) -> Any:
+    try:
+        return _ARGS[type(event)](event)
+    except KeyError:
+        pass
+    cls = type(event)
+    getter: Callable[[Any], Sequence[Any]] = cls.args
+    if cls.args is hooks.Hook.args:
+        getter = _fields_getter(tuple(f.name for f in dataclasses.fields(cls)))  # type: ignore[arg-type]  # every Hook is a dataclass
+    _ARGS[cls] = getter  # an event class with its own `args` is asked every time
+    return getter(event)
+
+
+def _fields_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        get = operator.attrgetter(names[0])
+        return lambda event: (get(event),)
+    return lambda event: ()
+
+
+def _addon_failed(error: Exception) -> None:
+    """An addon's hook raised: log it as mitmproxy's `safecall` does. Entered only on
+    failure, where mitmproxy enters it for every top-level addon of every event."""
+    with addonmanager.safecall():
+        raise error
 
 
 async def _trigger_event(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
@@ -153,13 +192,16 @@ async def _trigger_event(self: addonmanager.AddonManager, event: hooks.Hook) -> 
     funcs_by_addon, args = planned
     for funcs in funcs_by_addon:
         try:
-            with addonmanager.safecall():
-                for func in funcs:
-                    result = func(*args)
-                    if result is not None and inspect.isawaitable(result):
-                        await result
+            for func in funcs:
+                result = func(*args)
+                if result is not None and inspect.isawaitable(result):
+                    await result
         except exceptions.AddonHalt:
             return
+        except exceptions.OptionsError:  # safecall lets both through
+            raise
+        except Exception as e:
+            _addon_failed(e)
 
 
 def _trigger(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
@@ -169,8 +211,11 @@ def _trigger(self: addonmanager.AddonManager, event: hooks.Hook) -> None:
     funcs_by_addon, args = planned
     for funcs in funcs_by_addon:
         try:
-            with addonmanager.safecall():
-                for func in funcs:
-                    func(*args)
+            for func in funcs:
+                func(*args)
         except exceptions.AddonHalt:
             return
+        except exceptions.OptionsError:
+            raise
+        except Exception as e:
+            _addon_failed(e)
