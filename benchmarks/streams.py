@@ -25,7 +25,7 @@ The load generator, the fake upstream and the relay share the machine's cores: t
 load average is printed with the figures. Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
-    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N]
+    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import ssl
 import statistics
 import sys
 import time
@@ -70,10 +71,19 @@ class Window:
     """The client's first token per x-request-id, to hold the relay's records against."""
 
 
+def client_tls() -> ssl.SSLContext:
+    """TLS to a setup, as a client across the internet would speak it (not verified: the
+    benchmark measures the cost, not the trust)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 async def one_stream(host: str, port: int, due: float, expected_events: int | None,
-                     request_id: str = "") -> tuple[float, float, int]:
+                     request_id: str = "", tls: ssl.SSLContext | None = None) -> tuple[float, float, int]:
     """(ms from `due` to the first answer text, worst gap in ms after it, events); raises on failure."""
-    reader, writer = await asyncio.open_connection(host, port)
+    reader, writer = await asyncio.open_connection(host, port, ssl=tls)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
                      b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
@@ -101,7 +111,8 @@ async def one_stream(host: str, port: int, due: float, expected_events: int | No
         writer.close()
 
 
-async def arrivals(url: str, rate: float, seconds: float, expected_events: int | None, into: Window) -> None:
+async def arrivals(url: str, rate: float, seconds: float, expected_events: int | None, into: Window,
+                   tls: ssl.SSLContext | None = None) -> None:
     """Start `rate` streams per second for `seconds`, on schedule; wait for all to end."""
     u = urlsplit(url)
     loop = asyncio.get_running_loop()
@@ -112,7 +123,7 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
         request_id = uuid.uuid4().hex
         try:
             first, gap, events = await asyncio.wait_for(
-                one_stream(u.hostname, u.port, due, expected_events, request_id), STREAM_TIMEOUT)
+                one_stream(u.hostname, u.port, due, expected_events, request_id, tls), STREAM_TIMEOUT)
         except Exception:  # every failure is counted, none stops the window
             into.failures += 1
             return
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="direct,bare,relay-1,relay-N", help="which setups, comma-separated")
     ap.add_argument("--relay-set", action="append", default=[], metavar="NAME=VALUE",
                     help="an option for the relay setups (repeatable), e.g. relay_hook_plans=false")
+    ap.add_argument("--tls", action="store_true",
+                    help="TLS on both hops: the fake upstream serves HTTPS, clients speak TLS to every setup")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:OPTION=VALUE[,OPTION=VALUE]",
                     help="one more setup: the relay as one process with these options (repeatable), "
                          "e.g. nosplice:relay_stream_splice=false")
@@ -159,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = {name: dict(kv.split("=", 1) for kv in options.split(","))
                 for name, _, options in (v.partition(":") for v in args.variant)}
     with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
-                     names=tuple(args.setups.split(",")), variants=variants) as bench:
+                     names=tuple(args.setups.split(",")), variants=variants, tls=args.tls) as bench:
+        tls = client_tls() if args.tls else None
         setups = bench.setups
         time.sleep(2)  # start-up work (tokenizer loading) out of the way
         expected = None
         for url, _ in setups.values():  # warm-up; the direct stream's events are what every stream must carry
             warm = Window()
-            asyncio.run(arrivals(url, 5, 1, None, warm))
+            asyncio.run(arrivals(url, 5, 1, None, warm, tls))
             expected = expected or (min(warm.events // max(1, len(warm.first_ms)), args.events) if warm.first_ms else None)
         results = {(name, r): Window() for name in setups for r in rates}
         for rate in rates:
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     procs = processes()
                     c0 = cpu_of(procs)
                     w.load.append(os.getloadavg()[0])
-                    asyncio.run(arrivals(url, rate, args.seconds, expected, w))
+                    asyncio.run(arrivals(url, rate, args.seconds, expected, w, tls))
                     for pname, c in cpu_of(procs).items():
                         w.cpu[pname] = w.cpu.get(pname, 0.0) + c - c0[pname]
                     time.sleep(0.5)  # let connections close before the next window
@@ -216,7 +230,7 @@ def records_against_clients(rates: list[float], setups: dict, results: dict[tupl
 
 def report(args, rates: list[float], setups: dict, results: dict[tuple[str, float], Window]) -> None:
     loads = [x for w in results.values() for x in w.load]
-    print(f"fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
+    print(f"{'TLS on both hops; ' if args.tls else ''}fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
           f"{args.seconds:g} s of arrivals x {args.rounds} round(s) per setup and rate; {os.cpu_count()} cores; "
           f"load average (1 min) during the run {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'worst gap p50':>13} {'p99':>7} "

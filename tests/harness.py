@@ -243,7 +243,9 @@ class BenchSetups:
         relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
 
     and, for each of `variants` (name → options), the relay as one process with those
-    options over `relay_options`: an A/B of an option in the same interleaved run.
+    options over `relay_options`: an A/B of an option in the same interleaved run. With
+    `tls`, the fake serves HTTPS (every setup trusts its test CA), and every setup takes
+    TLS from its clients too (mitmproxy's own certificate; clients do not verify it).
 
     `setups` maps each name to (url, processes), `processes()` naming the pids whose
     CPU counts for it (none for direct). A context manager: everything stops on exit.
@@ -251,11 +253,14 @@ class BenchSetups:
 
     def __init__(self, knobs: dict[str, object], *, workers: int, relay_options: dict[str, object] | None = None,
                  names: tuple[str, ...] = ("direct", "bare", "relay-1", "relay-N"),
-                 variants: dict[str, dict[str, object]] | None = None) -> None:
+                 variants: dict[str, dict[str, object]] | None = None, tls: bool = False) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-"))
         self.knobs = knobs
         self.workers = workers
-        self.relay_options = {"flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0", **(relay_options or {})}
+        self.tls_dir = self.tmp / "upstream-ca" if tls else None
+        self.upstream_trust = {"ssl_verify_upstream_trusted_ca": self.tls_dir / "ca.pem"} if self.tls_dir else {}
+        self.relay_options = {"flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0", **self.upstream_trust,
+                              **(relay_options or {})}
         self.names = names
         self.variants = variants or {}
         self.setups: dict[str, tuple[str, Callable[[], dict[str, int]]]] = {}
@@ -263,14 +268,15 @@ class BenchSetups:
 
     def __enter__(self) -> BenchSetups:
         try:
-            fake, upstream = start_fake_upstream(**self.knobs)
+            fake, upstream = start_fake_upstream(tls_dir=self.tls_dir, **self.knobs)
             self._stoppers.append(lambda: (fake.terminate(), fake.wait(10)))
             mode = f"reverse:{upstream}@0"
             if "direct" in self.names:
                 self.setups["direct"] = (upstream, dict)
             singles = {}
             if "bare" in self.names:
-                singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT, options={"flow_detail": 0})
+                singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT,
+                                                  options={"flow_detail": 0, **self.upstream_trust})
             if "relay-1" in self.names:
                 singles["relay-1"] = MitmdumpProcess(
                     [mode], self.tmp, options={**self.relay_options, "relay_timing_log": self.tmp / "timing-1.jsonl"})
@@ -371,11 +377,14 @@ class TimingLog:
         return pick(recs)
 
 
-def start_fake_upstream(**knobs: object) -> tuple[subprocess.Popen[str], str]:
+def start_fake_upstream(*, tls_dir: Path | None = None, **knobs: object) -> tuple[subprocess.Popen[str], str]:
     """`tests.fakes.upstream` as its own process (so it does not share the load
     generator's interpreter), with behaviour knobs as keyword arguments
-    (`prefill_ms=50, chunks=20`). Returns the process and its base URL."""
+    (`prefill_ms=50, chunks=20`); with `tls_dir`, serving HTTPS with a test CA written
+    there (ca.pem). Returns the process and its base URL."""
     args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0"]
+    if tls_dir is not None:
+        args += ["--tls", "--certs-dir", str(tls_dir)]
     for knob, value in knobs.items():
         args += [f"--{knob.replace('_', '-')}", str(value)]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -269,18 +269,26 @@ def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interi
     assert [r["status"] for r in relay.log.of(rid, 2)] == [200, 200]
 
 
-def test_direct_reads_carry_long_streams_exactly(fake, shared_relay):
-    """Long streams, written back to back (reads of one event or several, cut anywhere),
-    two on one kept-alive connection: the client gets the upstream's bytes exactly, the
-    upstream's reads went below mitmproxy (`patches/splice.py`, its debug lines), and
-    each body's end was mitmproxy's again."""
-    relay = shared_relay(reverse_to(fake), termlog_verbosity="debug")
+@pytest.mark.parametrize("client_tls, upstream_tls", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["plain", "upstream-tls", "client-tls", "both-tls"])
+def test_direct_reads_carry_long_streams_exactly(client_tls, upstream_tls, request, certs, shared_relay):
+    """Long streams, written back to back (reads of one event or several, cut anywhere,
+    TLS records likewise), two on one kept-alive connection, plain TCP or TLS on either
+    side: the client gets the upstream's bytes exactly, the upstream's reads went below
+    mitmproxy (`patches/splice.py`, its debug lines), and each body's end was mitmproxy's again."""
+    fake = request.getfixturevalue("fake_tls" if upstream_tls else "fake")
+    options: dict[str, object] = {"termlog_verbosity": "debug"}
+    if client_tls:
+        options.update(relay_client_tls="all", certs=f"localhost={certs.cert_and_key_pem}")
+    relay = shared_relay(reverse_to(fake), **options)
     path, body = REQUESTS[apis.OPENAI_CHAT]
     payload = json.dumps(body).encode()
     knobs = {"content-type": "application/json", "x-fake-chunks": "400"}
+    verify = ssl.create_default_context(cafile=str(certs.ca_pem))
 
-    def fetch(port: int, times: int) -> list[bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+    def fetch(port: int, times: int, tls: bool) -> list[bytes]:
+        conn = (http.client.HTTPSConnection("localhost", port, timeout=WAIT, context=verify) if tls
+                else http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT))
         try:
             bodies = []
             for _ in range(times):
@@ -292,9 +300,10 @@ def test_direct_reads_carry_long_streams_exactly(fake, shared_relay):
         finally:
             conn.close()
 
-    [expected] = fetch(fake.port, 1)
+    [expected] = fetch(fake.port, 1, upstream_tls)
     assert expected.count(b"data:") > 400
-    assert fetch(relay.port, 2) == [expected, expected]
+    before = relay.text().count("direct reads of")
+    assert fetch(relay.port, 2, client_tls) == [expected, expected]
     lines = relay.text()
-    assert lines.count("direct reads of") >= 2 * 2  # each body: taken over, then its end handed back
+    assert lines.count("direct reads of") - before >= 2 * 2  # each body: taken over, then its end handed back
     assert "end: bytes for h11" in lines

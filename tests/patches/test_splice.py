@@ -12,6 +12,7 @@ everything that leaves it.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
 import re
 
@@ -19,8 +20,13 @@ import pytest
 from mitmproxy import connection, options
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.connection import ConnectionState
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
 from h11._readers import ChunkedReader
-from mitmproxy.proxy import commands, context, events, layer, server
+from OpenSSL import SSL
+from mitmproxy.proxy import commands, context, events, layer, server, tunnel
+from mitmproxy.proxy.layers.tls import TLSLayer
 from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
 
@@ -45,6 +51,16 @@ PINNED = {
     "ConnectionHandler.handle_connection": (server.ConnectionHandler.handle_connection, "95c3f93e9824e527"),
     "ConnectionHandler.drain_writers": (server.ConnectionHandler.drain_writers, "6b57434604561e3e"),
     "TimeoutWatchdog.register_activity": (server.TimeoutWatchdog.register_activity, "41e033f7debf79d3"),
+    # over TLS: what the TLS layer does with a read and a send (which they do the same way,
+    # and which reads what they leave in the TLS connection), where they find it (a
+    # connection's tunnel layers: in its context's layers, a fork keeps them)
+    "TLSLayer.receive_data": (TLSLayer.receive_data, "85c0e6b656c324e5"),
+    "TLSLayer.send_data": (TLSLayer.send_data, "35a29a1b0b0cb184"),
+    "TLSLayer.tls_interact": (TLSLayer.tls_interact, "62d6d57d43dd1a2e"),
+    "TunnelLayer._handle_event": (tunnel.TunnelLayer._handle_event, "00676a887c456cec"),
+    "TunnelLayer.event_to_child": (tunnel.TunnelLayer.event_to_child, "119a33642637d420"),
+    "Context.fork": (context.Context.fork, "cad9374a0689f10a"),
+    "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
 }
 
 
@@ -60,6 +76,9 @@ def test_the_lines_direct_reads_depend_on():
     # h11's state: what they take over, and what they hand back for it to go on from
     src = source(ChunkedReader.__call__)
     assert all(name in src for name in ("self._bytes_in_chunk", "self._bytes_to_discard", "self._reading_trailer"))
+    # the TLS layer reads everything its TLS connection holds, even for an empty read
+    src = source(TLSLayer.receive_data)
+    assert "if data:\n            self.tls.bio_write(data)" in src and "plaintext.extend(self.tls.recv(65535))" in src
 
 
 def test_an_asyncio_stream_reader_s_buffer_is_where_they_look():
@@ -150,11 +169,62 @@ class Writer:
         await self.drained.wait()
 
 
-class Handler:
-    """mitmproxy's ConnectionHandler as the direct reads use it: its events go to `run`."""
+class TlsPipe:
+    """An upstream's TLS connection in memory: `records` is what the upstream's end sends
+    for some bytes; `relay` is the relay's end, which the direct reads decrypt with, and
+    `receive` what mitmproxy's TLS layer gives its child layers for a read (receive_data)."""
 
-    def __init__(self, run) -> None:
+    def __init__(self) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "upstream.test")])
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(1).not_valid_before(datetime.datetime(2020, 1, 1))
+                .not_valid_after(datetime.datetime(2100, 1, 1)).sign(key, hashes.SHA256()))
+        server_context = SSL.Context(SSL.TLS_METHOD)
+        server_context.use_privatekey(key)
+        server_context.use_certificate(cert)
+        self.upstream = SSL.Connection(server_context, None)
+        self.upstream.set_accept_state()
+        self.relay = SSL.Connection(SSL.Context(SSL.TLS_METHOD), None)
+        self.relay.set_connect_state()
+        for _ in range(4):  # the handshake's flights
+            for end in (self.relay, self.upstream):
+                try:
+                    end.do_handshake()
+                except SSL.WantReadError:
+                    pass
+            self._carry(self.relay, self.upstream)
+            self._carry(self.upstream, self.relay)
+
+    @staticmethod
+    def _carry(source: SSL.Connection, to: SSL.Connection) -> None:
+        try:
+            to.bio_write(source.bio_read(65536))
+        except SSL.WantReadError:
+            pass
+
+    def records(self, data: bytes) -> bytes:
+        self.upstream.sendall(data)
+        return self.upstream.bio_read(1 << 20)
+
+    def receive(self, data: bytes) -> bytes:
+        if data:
+            self.relay.bio_write(data)
+        plaintext = b""
+        while True:
+            try:
+                plaintext += self.relay.recv(65535)
+            except SSL.WantReadError:
+                return plaintext
+
+
+class Handler:
+    """mitmproxy's ConnectionHandler as the direct reads use it: its events go to `run`
+    (an upstream read through `tls`, if set, as its TLS layer would pass it on)."""
+
+    def __init__(self, run, tls: TlsPipe | None = None) -> None:
         self.run = run
+        self.tls = tls
         self.timeout_watchdog = self
         self.activity = 0
 
@@ -162,6 +232,14 @@ class Handler:
         self.activity += 1
 
     async def server_event(self, event: events.Event) -> None:
+        self.receive(event)
+
+    def receive(self, event: events.Event) -> None:
+        if self.tls is not None and isinstance(event, events.DataReceived) and isinstance(event.connection, connection.Server):
+            plaintext = self.tls.receive(event.data)
+            if plaintext:
+                self.run(events.DataReceived(event.connection, plaintext))
+            return
         self.run(event)
 
     async def drain_writers(self) -> None:
@@ -202,7 +280,7 @@ async def _drive(upstream_reads: list[bytes], direct: bool, **kwargs):
 def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: int = 1, tap_split: bool = False,
                 stream: object = "tap", store: bool = False, hold_responseheaders: bool = False,
                 response_head: bytes | None = None, client_leaves_after: int | None = None,
-                client_buffered: int = 0, upstream_ends: bool = False):
+                client_buffered: int = 0, upstream_ends: bool = False, upstream_tls: bool = False):
     """mitmproxy's HttpLayer between an HTTP/1 client and an HTTP/1 upstream: `requests`
     requests on one kept-alive connection, each answered by `upstream_reads` (the
     upstream's reads, as they arrive). Returns (what went to the client, what went
@@ -252,33 +330,37 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
                             continue
                     queue.append(events.HookCompleted(command))
 
-    handler = Handler(run)
+    pipe = TlsPipe() if upstream_tls else None
+    handler = Handler(run, pipe)
     original = Original()
     original.closed = lambda: run(events.ConnectionClosed(opened[-1]))
-    upstream_transport = Transport(original)
+    upstream_transport = Transport(original, written=sent["upstream"])
     client_transport = Transport(written=sent["client"], buffered=client_buffered)
     client_writer = Writer(client_transport)
     record = {"direct": 0, "parsed": 0}
 
     def read(conn: connection.Server, data: bytes) -> None:
         protocol = upstream_transport.protocol
+        wire = pipe.records(data) if pipe is not None else data
         if isinstance(protocol, splice._DirectReads):
             record["direct"] += 1
-            protocol.data_received(data)
+            protocol.data_received(wire)
         else:
             record["parsed"] += 1
-            run(events.DataReceived(conn, data))
+            handler.receive(events.DataReceived(conn, wire))
 
-    original_plain_streams = connections.plain_streams
+    original_plain_streams, original_tls_of = connections.plain_streams, splice._tls_of
     if direct:
         connections.plain_streams = lambda c, s: (handler, upstream_transport, client_writer)  # type: ignore[assignment]
+        if pipe is not None:
+            splice._tls_of = lambda layers, conn: pipe.relay if isinstance(conn, connection.Server) else None
     try:
         _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
                   client_leaves_after)
         if upstream_ends:
             upstream_transport.protocol.connection_lost(None)  # asyncio's call, whichever protocol it is
     finally:
-        connections.plain_streams = original_plain_streams
+        connections.plain_streams, splice._tls_of = original_plain_streams, original_tls_of
     record.update(original=original.calls, watchdog=handler.activity, upstream=upstream_transport, client=client_writer)
     seen = [(t.seen, f.response.raw_content) for t, f in zip(taps, flows)] if taps else [f.response.raw_content for f in flows]
     return b"".join(sent["client"]), b"".join(sent["upstream"]), others, seen, len(sent["client"]), record
@@ -334,13 +416,16 @@ def reads_of(body: bytes, rng: random.Random, most: int) -> list[bytes]:
     return reads
 
 
+@pytest.mark.parametrize("upstream_tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_client_gets_exactly_what_mitmproxy_sends(seed):
+def test_the_client_gets_exactly_what_mitmproxy_sends(seed, upstream_tls):
     """Reads cut anywhere (inside a chunk header, its data, its CRLF, the last chunk),
-    several chunks per read or several reads per chunk, two requests kept alive."""
+    several chunks per read or several reads per chunk, two requests kept alive; over
+    TLS, each read one TLS record or more (the direct reads decrypt them)."""
     rng = random.Random(seed)
-    reads = reads_of(events_body(30), rng, rng.choice([3, 40, 200, 5000]))
-    plain, spliced, direct = both(reads, requests=2, tap_split=seed % 3 == 0, store=seed % 2 == 0)
+    reads = reads_of(events_body(30), rng, rng.choice([3, 40, 200, 5000, 40000]))
+    plain, spliced, direct = both(reads, requests=2, tap_split=seed % 3 == 0, store=seed % 2 == 0,
+                                  upstream_tls=upstream_tls)
     assert spliced[:4] == plain[:4] and direct[:4] == plain[:4]
     assert plain[0].count(b"HTTP/1.1 200") == 2 and plain[0].endswith(b"0\r\n\r\n")
     payloads = b"".join(b'data: {"choices":[{"delta":{"content":"tok%d"}}]}\n\n' % i for i in range(30))
@@ -411,15 +496,16 @@ def test_direct_reads_take_every_read_after_the_first():
     assert spliced[5]["direct"] == 0
 
 
+@pytest.mark.parametrize("upstream_tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.parametrize("seed", range(8))
-def test_direct_reads_hand_back_at_what_they_do_not_decode(seed):
+def test_direct_reads_hand_back_at_what_they_do_not_decode(seed, upstream_tls):
     """A chunk extension, an upper-case hex size and a header split across reads are
     h11's to read; the direct reads take over again after it."""
     rng = random.Random(seed)
     pieces = [b'data: {"n":%d}\n\n' % i for i in range(40)]
     body = b"".join(b"%x;ext=%d\r\n%s\r\n" % (len(p), i, p) if i % 7 == 3 else b"%X\r\n%s\r\n" % (len(p), p)
                     for i, p in enumerate(pieces)) + b"0\r\n\r\n"
-    plain, spliced, direct = both(reads_of(body, rng, rng.choice([7, 60, 400])))
+    plain, spliced, direct = both(reads_of(body, rng, rng.choice([7, 60, 400])), upstream_tls=upstream_tls)
     assert direct[:4] == plain[:4]
     assert direct[5]["direct"] > 0
 
@@ -469,3 +555,26 @@ def test_direct_reads_wait_for_a_full_client_buffer():
         loop.run_until_complete(run())
     finally:
         loop.close()
+
+
+def test_direct_reads_go_through_one_open_tls_layer_or_none():
+    """A connection with nothing between it and the HTTP layer is read as it is; one with
+    an open TLS layer through that layer's TLS connection; anything else is left alone (a
+    handshake not done, an upstream proxy's tunnel, TLS expected but no layer found)."""
+    opts = options.Options()
+    client = connection.Client(peername=("127.0.0.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=1.0)
+    server = connection.Server(address=("upstream.test", 443))
+    ctx = context.Context(client, opts)
+    assert splice._tls_of([], server) is None
+    tls_layer = TLSLayer(ctx, server)
+    tls_layer.tls = object()
+    assert splice._tls_of([tls_layer], server) is False  # its handshake is not done
+    tls_layer.tunnel_state = tunnel.TunnelState.OPEN
+    assert splice._tls_of([tls_layer], server) is tls_layer.tls
+    assert splice._tls_of([tls_layer], client) is None  # another connection's
+    proxy_tunnel = tunnel.TunnelLayer(ctx, server, server)
+    proxy_tunnel.tunnel_state = tunnel.TunnelState.OPEN
+    assert splice._tls_of([proxy_tunnel, tls_layer], server) is False
+    assert splice._tls_of([proxy_tunnel], server) is False
+    server.tls = True
+    assert splice._tls_of([], server) is False

@@ -33,7 +33,7 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   (`guard.AccessKeys`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
-  reads, a chunked one between plain TCP connections is read from socket to socket
+  reads, a chunked one (plain TCP or TLS) is read from socket to socket
   below mitmproxy's layers (`stream.Streaming`).
 
 Private mitmproxy code read but not patched, pinned the same way:

@@ -26,22 +26,27 @@ Chunks that arrive in one read reach the client in one `SendData` (one send, the
 framing unchanged): data already received is never held back for more.
 
 **Direct reads** (`install(direct=True)`, the second stage): once a spliced body is
-chunked, its upstream connection is plain TCP, its client's too, and everything read
-so far has been parsed, the upstream's reads skip mitmproxy altogether. `_DirectReads`
-stands in for the upstream transport's asyncio protocol (mitmproxy's
-`StreamReaderProtocol`, whose reader feeds `ConnectionHandler.handle_connection`):
-each read is decoded where it arrives (`stream.chunked.ChunkedData`, which takes h11's
+chunked, each of its two connections is plain TCP or TLS (mitmproxy's TLS layer on it,
+nothing else), and everything read so far has been parsed, the upstream's reads skip
+mitmproxy altogether. `_DirectReads` stands in for the upstream transport's asyncio
+protocol (mitmproxy's `StreamReaderProtocol`, whose reader feeds
+`ConnectionHandler.handle_connection`): each read is decoded where it arrives (`stream.chunked.ChunkedData`, which takes h11's
 `ChunkedReader` state over and yields the same pieces), tapped and framed by the same
 `_Route.forward`, and written to the client's transport. The wake-up of the reader's
 task, `server_event`'s lock, the layers, h11 and `drain_writers` are not paid per read;
 what they do for a body read is done here: the connection's inactivity watchdog is
-told, and upstream reads wait while the client's write buffer is over its limit.
+told, and upstream reads wait while the client's write buffer is over its limit. Over
+TLS, the TLS layers' own TLS connections are used as those layers use them (`_decrypt`,
+`_send`, `_flush`): the upstream's records are decrypted one at a time and only what
+was decoded is taken out of them, so that whatever is handed back is still there for
+the TLS layer to read; the client's bytes are encrypted and sent as its TLS layer would.
 
 Anything else hands the connection back, with h11's state set to where the decoding
 stopped: the end of the body (the last chunk, trailers), a chunk header or footer the
 decoder does not take, a header split across reads, the flow leaving the state above
 (the client gone, a pause), and the connection's end (EOF, reset, a close by mitmproxy).
-The bytes not decoded are handed to mitmproxy as the `DataReceived` they were, through
+The bytes not decoded are handed to mitmproxy as the `DataReceived` they were (over TLS,
+an empty one: the TLS layer reads what is left in its TLS connection), through
 `server_event`, before any later read; EOF and errors go to mitmproxy's protocol as they
 came. mitmproxy then goes on exactly as if it had read everything itself, and the next
 read it parses may hand the connection over again.
@@ -51,13 +56,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import socket
+from typing import Any, Literal
 
 from h11._readers import ChunkedReader
-from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy import commands, events, layer, tunnel
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, ResponseData
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
+from mitmproxy.proxy.layers.tls import TLSLayer
+from OpenSSL import SSL
 
 from ..stream.chunked import ChunkedData
 from . import connections
@@ -194,17 +202,26 @@ def _hand_over(upstream: Http1Client, route: _Route) -> None:
     """Let `_DirectReads` read `upstream`'s body from now on, if it can (see the module's
     docstring); runs inside `server_event`, after everything read so far was parsed."""
     reader = upstream.body_reader
-    if (
-        type(reader) is not ChunkedReader
-        or reader._reading_trailer
-        or len(upstream.buf)
-        or upstream.conn.tls
-        or route.client.tls
-    ):
+    if type(reader) is not ChunkedReader or reader._reading_trailer or len(upstream.buf):
+        return
+    upstream_tls = _tls_of(upstream.context.layers, upstream.conn)
+    client_tls = _tls_of(route.http.context.layers, route.client)
+    if upstream_tls is False or client_tls is False or (upstream_tls is not None and upstream_tls.pending()):
         return
     found = connections.plain_streams(route.client, upstream.conn)
     if found is not None:
-        route.direct = _DirectReads(route, upstream, reader, *found)
+        route.direct = _DirectReads(route, upstream, reader, *found, upstream_tls=upstream_tls, client_tls=client_tls)
+
+
+def _tls_of(layers: list[layer.Layer], conn: Any) -> SSL.Connection | None | Literal[False]:
+    """The TLS connection `conn`'s bytes go through: None for none (plain TCP), False for
+    anything else in between (a handshake not done, an upstream proxy's tunnel)."""
+    tunnels = [t for t in layers if isinstance(t, tunnel.TunnelLayer) and t.tunnel_connection is conn]
+    if not tunnels:
+        return False if conn.tls else None
+    if len(tunnels) == 1 and isinstance(tunnels[0], TLSLayer) and tunnels[0].tunnel_state is tunnel.TunnelState.OPEN:
+        return tunnels[0].tls
+    return False
 
 
 class _DirectReads(asyncio.Protocol):
@@ -212,7 +229,8 @@ class _DirectReads(asyncio.Protocol):
     goes from the socket to the client's transport here, without mitmproxy."""
 
     def __init__(self, route: _Route, upstream: Http1Client, reader: ChunkedReader, handler: Any,
-                 transport: Any, client: asyncio.StreamWriter) -> None:
+                 transport: Any, client: asyncio.StreamWriter, *,
+                 upstream_tls: SSL.Connection | None = None, client_tls: SSL.Connection | None = None) -> None:
         self.route = route
         self.upstream = upstream
         self.reader = reader
@@ -220,6 +238,8 @@ class _DirectReads(asyncio.Protocol):
         self.transport = transport
         self.client = client
         self.client_transport: Any = client.transport
+        self.upstream_tls = upstream_tls
+        self.client_tls = client_tls
         self.high_water = self.client_transport.get_write_buffer_limits()[1]
         self.decoder = ChunkedData(reader._bytes_in_chunk, reader._bytes_to_discard)
         self.original: Any = transport.get_protocol()
@@ -234,19 +254,59 @@ class _DirectReads(asyncio.Protocol):
             return
         self.handler.timeout_watchdog.register_activity()
         pieces: list[bytes] = []
-        used = self.decoder.feed(data, pieces)
+        if self.upstream_tls is None:
+            used = self.decoder.feed(data, pieces)
+            rest = data[used:] if used < len(data) else None
+        else:
+            rest = self._decrypt(data, pieces)
         if pieces:
             out: list[bytes] = []
             for piece in pieces:
                 route.forward(piece, out)
             if out:
-                self.client_transport.write(b"".join(out))
-        if used < len(data):
-            self._hand_back(data[used:], "bytes for h11")
+                self._send(b"".join(out))
+        if rest is not None:
+            self._hand_back(rest, "bytes for h11")
         elif self.client_transport.get_write_buffer_size() > self.high_water:
             # mitmproxy's drain_writers: no more reads until the client takes what it has.
             self.transport.pause_reading()
             self._run(self._resume_when_drained())
+
+    def _decrypt(self, data: bytes, pieces: list[bytes]) -> bytes | None:
+        """The TLS layer's `receive_data` up to the decoding: None if the decoder took all
+        there was, b"" if mitmproxy's TLS layer is to read the rest (still in the TLS
+        connection: each record is peeked at and only what was decoded taken out of it)."""
+        tls = self.upstream_tls
+        assert tls is not None
+        tls.bio_write(data)
+        rest = None
+        while True:
+            try:
+                record = tls.recv(RECORD_MAX, socket.MSG_PEEK)
+            except SSL.WantReadError:
+                break
+            except SSL.Error:  # close_notify or an alert: it stays, for the TLS layer to tell
+                rest = b""
+                break
+            used = self.decoder.feed(record, pieces)
+            if used:
+                tls.recv(used)
+            if used < len(record):
+                rest = b""
+                break
+        _flush(tls, self.transport)  # what the records read may have to answer (tls_interact)
+        return rest
+
+    def _send(self, data: bytes) -> None:
+        """SendData to the client, through its TLS layer's `send_data` if it has one."""
+        if self.client_tls is None:
+            self.client_transport.write(data)
+            return
+        try:
+            self.client_tls.sendall(data)
+        except (SSL.ZeroReturnError, SSL.SysCallError):
+            pass  # as the TLS layer: the client is going, what it would still send is dropped
+        _flush(self.client_tls, self.client_transport)
 
     def eof_received(self) -> bool | None:
         self._restore("the upstream's end of the connection")
@@ -293,3 +353,19 @@ class _DirectReads(asyncio.Protocol):
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+
+RECORD_MAX = 16 * 1024 + 256
+"""The most plaintext one TLS record holds (and `recv` with MSG_PEEK returns one record)."""
+
+
+def _flush(tls: SSL.Connection, transport: Any) -> None:
+    """Send what `tls` has for its peer, as the TLS layer's `tls_interact` does."""
+    out = []
+    while True:
+        try:
+            out.append(tls.bio_read(65535))
+        except SSL.WantReadError:
+            break
+    if out:
+        transport.write(b"".join(out))

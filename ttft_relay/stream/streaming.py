@@ -198,8 +198,8 @@ class Streaming:
             "relay_stream_direct_reads",
             bool,
             True,
-            "With relay_stream_splice: once a spliced body is chunked and both its connections are "
-            "plain TCP, read it from the upstream's socket straight into the client's, below "
+            "With relay_stream_splice: once a spliced body is chunked (over plain TCP or TLS on "
+            "either side), read it from the upstream's socket straight into the client's, below "
             "mitmproxy's event loop task and layers; the bytes are the same, the CPU per read lower.",
         )
 
