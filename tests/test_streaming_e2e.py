@@ -272,8 +272,8 @@ def test_an_interim_answer_before_the_real_one_does_not_cost_the_real_one(interi
 @pytest.mark.parametrize("client_tls, upstream_tls", [(False, False), (False, True), (True, False), (True, True)],
                          ids=["plain", "upstream-tls", "client-tls", "both-tls"])
 def test_direct_reads_carry_long_streams_exactly(client_tls, upstream_tls, request, certs, shared_relay):
-    """Long streams, written back to back (reads of one event or several, cut anywhere,
-    TLS records likewise), two on one kept-alive connection, plain TCP or TLS on either
+    """Long streams (reads of one event or several, cut anywhere, TLS records likewise),
+    two on one kept-alive connection, plain TCP or TLS on either
     side: the client gets the upstream's bytes exactly, the upstream's reads went below
     mitmproxy (`patches/splice.py`, its debug lines), and each body's end was mitmproxy's again."""
     fake = request.getfixturevalue("fake_tls" if upstream_tls else "fake")
@@ -283,7 +283,9 @@ def test_direct_reads_carry_long_streams_exactly(client_tls, upstream_tls, reque
     relay = shared_relay(reverse_to(fake), **options)
     path, body = REQUESTS[apis.OPENAI_CHAT]
     payload = json.dumps(body).encode()
-    knobs = {"content-type": "application/json", "x-fake-chunks": "400"}
+    # 1 ms apart: reads of one event or of several, and many chances for the direct reads
+    # to take over (events written all at once may all be parsed in the body's first read).
+    knobs = {"content-type": "application/json", "x-fake-chunks": "400", "x-fake-gap-ms": "1"}
     verify = ssl.create_default_context(cafile=str(certs.ca_pem))
 
     def fetch(port: int, times: int, tls: bool) -> list[bytes]:
