@@ -22,6 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
@@ -238,6 +239,7 @@ class BenchSetups:
     """The setups the benchmarks compare, against one fake upstream subprocess:
 
         direct    the fake upstream itself
+        floor     benchmarks/forwarder.py: a plain asyncio TCP forwarder (only if named; not with tls)
         bare      mitmdump -s benchmarks/baseline_stream.py (streaming, nothing else)
         relay-1   the relay as one mitmdump process
         relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
@@ -273,6 +275,8 @@ class BenchSetups:
             mode = f"reverse:{upstream}@0"
             if "direct" in self.names:
                 self.setups["direct"] = (upstream, dict)
+            if "floor" in self.names and self.tls_dir is None:
+                self.setups["floor"] = self._forwarder(upstream)
             singles = {}
             if "bare" in self.names:
                 singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT,
@@ -295,6 +299,17 @@ class BenchSetups:
             self.__exit__()
             raise
         return self
+
+    def _forwarder(self, upstream: str) -> tuple[str, Callable[[], dict[str, int]]]:
+        u = urlsplit(upstream)
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.forwarder", str(u.hostname), str(u.port)],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True)
+        self._stoppers.append(lambda: (proc.terminate(), proc.wait(10)))
+        assert proc.stdout
+        line = proc.stdout.readline().split()
+        if line[:1] != ["listening"]:
+            raise RuntimeError(f"forwarder did not start: {line}")
+        return line[1], lambda: {"forwarder": proc.pid}
 
     def __exit__(self, *exc: object) -> None:
         for stop in reversed(self._stoppers):

@@ -1,0 +1,29 @@
+"""`scripts/bench streams` runs, briefly, as anyone would rerun it: every setup asked for
+carries its streams with no failure and reports its CPU per event (the figures
+themselves belong to the benchmark, not to a test)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO
+
+
+@pytest.mark.parametrize("extra, setups", [([], "direct,floor,bare,relay-1"), (["--tls"], "direct,bare,relay-1")],
+                         ids=["plain", "tls"])
+def test_a_short_run(extra, setups):
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",
+         "--events", "20", "--setups", setups, "--variant", "layer:relay_stream_direct_reads=false", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("highest rate sustained")[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+5 (\S+) .*$", table, re.M)}
+    assert set(rows) == {*setups.split(","), "layer"}, out.stdout
+    for name, row in rows.items():
+        assert re.search(r"ms\s+0\s+5\s", row), row  # no failures, 5 streams
+        assert name == "direct" or re.search(r"all \d+$", row), row
