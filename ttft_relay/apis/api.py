@@ -69,6 +69,9 @@ class Turns:
     """The request only warms the session up: no output is asked for."""
     server_started: Callable[[bytes], bool]
     """A server message that opens a turn the server started on its own."""
+    start: Callable[[dict[str, Any]], bytes]
+    """The client message that starts a turn asking what an HTTP request's JSON body asks
+    (`ttft-relay diagnose --transport websocket`)."""
 
 
 @dataclass(frozen=True)

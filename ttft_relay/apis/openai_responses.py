@@ -199,12 +199,20 @@ def turn_model(body: dict[str, Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
+def turn_message(body: dict[str, Any]) -> bytes:
+    """The turn asking what the HTTP body `body` asks, as Codex sends it: `response.create`
+    with the body's fields (the socket is the stream, so no `stream` flags)."""
+    fields = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    return orjson.dumps({"type": "response.create", **fields})
+
+
 TURNS = Turns(
     request=parse_turn_request,
     model=turn_model,
     prewarm=lambda body: body.get("generate") is False,
     # The Realtime API starts turns of its own (voice activity): from their first event.
     server_started=lambda content: event_type(content) == "response.created",
+    start=turn_message,
 )
 """A turn per `response.create`, as Codex sends them (the Realtime API's turns too)."""
 

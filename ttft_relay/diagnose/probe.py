@@ -34,9 +34,10 @@ from wsproto.events import AcceptConnection, CloseConnection, Ping, RejectConnec
 from wsproto.extensions import PerMessageDeflate
 from wsproto.utilities import RemoteProtocolError
 
+from .. import apis
 from ..stream.sse import StreamWatcher
 from .diagnosis import ProbeResult
-from .probe_requests import ProbeRequest, websocket_headers, websocket_message
+from .probe_requests import ProbeRequest, websocket_headers
 
 logger = logging.getLogger(__name__)
 
@@ -390,6 +391,13 @@ def _websocket_exchange(run: _Probe, route: Route, request: ProbeRequest, watche
         raise ProbeError(f"WebSocket protocol error: {e}") from e
 
 
+def _turn_message(request: ProbeRequest) -> bytes:
+    """The request as the Responses WebSocket's turn (the socket the probe speaks)."""
+    turns = apis.get(apis.OPENAI_RESPONSES).websocket_turns
+    assert turns is not None  # the Responses API has them
+    return turns.start(orjson.loads(request.body))
+
+
 def _websocket_turn(run: _Probe, route: Route, request: ProbeRequest, watcher: StreamWatcher) -> None:
     result = run.result
     ws = WSConnection(ConnectionType.CLIENT)
@@ -413,7 +421,7 @@ def _websocket_turn(run: _Probe, route: Route, request: ProbeRequest, watcher: S
                 result.status = 101
                 run.mark("head")
                 run.phase = "first_token"
-                run.send(ws.send(TextMessage(data=websocket_message(request).decode())))
+                run.send(ws.send(TextMessage(data=_turn_message(request).decode())))
                 run.mark("message")
             elif isinstance(event, RejectConnection):
                 result.status = event.status_code

@@ -128,15 +128,6 @@ WEBSOCKET_SKIPPED_HEADERS = frozenset({"content-type", "accept", "accept-encodin
 """Request headers that describe an HTTP body; the WebSocket upgrade carries the rest."""
 
 
-def websocket_message(request: ProbeRequest) -> bytes:
-    """The request as one Responses WebSocket turn, as Codex sends it: `response.create`
-    with the HTTP body's fields (the socket is the stream, so no `stream` flag)."""
-    body = orjson.loads(request.body)
-    body.pop("stream", None)
-    body.pop("stream_options", None)
-    return orjson.dumps({"type": "response.create", **body})
-
-
 def websocket_headers(request: ProbeRequest) -> list[tuple[str, str]]:
     return [(name, value) for name, value in request.headers if name not in WEBSOCKET_SKIPPED_HEADERS]
 
