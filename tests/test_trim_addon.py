@@ -15,6 +15,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from ttft_relay import apis, state
 from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim import trim as trim_module
 from ttft_relay.trim.trim import HEADER, Trim
 
 
@@ -254,6 +255,42 @@ def test_counting_runs_in_the_worker_thread(addon, monkeypatch):
     flow, st = make_flow(orjson.dumps(conversation()))
     run(addon.request(flow))
     assert st.trim["trimmed"] and threads and threads[0].startswith("relay-trim")
+
+
+def test_a_small_request_is_counted_on_the_event_loop_while_the_worker_is_idle(addon, monkeypatch):
+    counted = []  # (messages, thread)
+    entered, release = threading.Event(), threading.Event()
+    real = trimming.trim
+
+    def spy(body, *args, **kwargs):
+        counted.append((len(body["messages"]), threading.current_thread().name))
+        if len(body["messages"]) > 1:  # the big one holds the worker
+            entered.set()
+            assert release.wait(10)
+        return real(body, *args, **kwargs)
+
+    monkeypatch.setattr(trimming, "trim", spy)
+    small = orjson.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+    assert len(small) <= trim_module.INLINE_MAX_BYTES
+
+    async def scenario() -> list[state.FlowState]:
+        flow, first = make_flow(small)
+        await addon.request(flow)
+        big_flow, big = make_flow(orjson.dumps(conversation()))
+        busy = asyncio.create_task(addon.request(big_flow))
+        await asyncio.to_thread(entered.wait, 10)
+        flow, queued = make_flow(small)
+        behind = asyncio.create_task(addon.request(flow))  # the worker's caches are in use: it queues
+        release.set()
+        await asyncio.gather(busy, behind)
+        return [first, big, queued]
+
+    results = run(scenario())
+    loop_thread = threading.current_thread().name
+    assert [(n, t == loop_thread) for n, t in counted] == [(1, True), (len(conversation()["messages"]), False), (1, False)]
+    assert all(st.trim and st.prompt_tokens for st in results)
+    same = [{k: v for k, v in st.trim.items() if k != "trim_ms"} for st in (results[0], results[2])]
+    assert same[0] == same[1]  # the same stats wherever it was counted
 
 
 def test_consecutive_requests_keep_their_cut(addon):
