@@ -245,6 +245,9 @@ class Handler:
     async def drain_writers(self) -> None:
         pass
 
+    def close_connection(self, conn: connection.Connection) -> None:
+        self.closed = conn
+
 
 class Original:
     """The upstream transport's own protocol (mitmproxy's StreamReaderProtocol): what reaches
@@ -361,7 +364,8 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
             upstream_transport.protocol.connection_lost(None)  # asyncio's call, whichever protocol it is
     finally:
         connections.plain_streams, splice._tls_of = original_plain_streams, original_tls_of
-    record.update(original=original.calls, watchdog=handler.activity, upstream=upstream_transport, client=client_writer)
+    record.update(original=original.calls, watchdog=handler.activity, upstream=upstream_transport, client=client_writer,
+                  handler=handler)
     seen = [(t.seen, f.response.raw_content) for t, f in zip(taps, flows)] if taps else [f.response.raw_content for f in flows]
     return b"".join(sent["client"]), b"".join(sent["upstream"]), others, seen, len(sent["client"]), record
 
@@ -578,3 +582,38 @@ def test_direct_reads_go_through_one_open_tls_layer_or_none():
     assert splice._tls_of([proxy_tunnel], server) is False
     server.tls = True
     assert splice._tls_of([], server) is False
+
+
+def test_a_tap_that_fails_under_direct_reads_closes_the_upstream(caplog):
+    """mitmproxy would log the exception and leave the flow hanging; the direct reads log
+    it, give the connection back and close it, so the flow fails and its client is told."""
+
+    class Failing(Tap):
+        failed = False
+
+        def __call__(self, chunk: bytes):
+            if len(self.seen) == 2 and not self.failed:
+                self.failed = True  # once: the harness goes on reading, a closed connection would not
+                raise ValueError("tap bug")
+            return super().__call__(chunk)
+
+    async def run():
+        splice.install(direct=True)
+        try:
+            body = events_body(5)
+            cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
+            return drive_layer([body[:cut[0]], body[cut[0]:cut[1]], body[cut[1]:cut[2]], body[cut[2]:]],
+                               direct=True, stream=Failing())
+        finally:
+            splice.uninstall()
+
+    loop = asyncio.new_event_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)
+    try:
+        result = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    record = result[5]
+    assert record["direct"] >= 1 and isinstance(record["upstream"].protocol, Original)
+    assert isinstance(record["handler"].closed, connection.Server)
+    assert "direct reads of" in caplog.text and "tap bug" in caplog.text

@@ -6,7 +6,11 @@ each listener); `faults` closes a flow's upstream connection on a deadline, canc
 upstream connect that takes too long, hands an HTTP/2 stream reset to a client's
 handler (`layer_events`) and asks whether a client's socket holds unsent bytes; `guard`
 hands it an early upstream connect (`layer_events`), counts client connections, writes
-a refusal before mitmproxy closes one, and closes one that sent no request head in time. All of it goes through here:
+a refusal before mitmproxy closes one, and closes one that sent no request head in time;
+the splice's direct reads take a streamed body's upstream reads over (`plain_streams`:
+the handler, whose `server_event`, `drain_writers`, `timeout_watchdog` and
+`close_connection` they use, the upstream's asyncio transport, the client's writer). All
+of it goes through here:
 
 - the proxyserver addon's `connections` maps a client's id to its `ConnectionHandler`
   (`ServerInstance.handle_stream`), whose `transports` map each connection (the

@@ -248,6 +248,17 @@ class _DirectReads(asyncio.Protocol):
         logger.debug("direct reads of %s", upstream.conn)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._read(data)
+        except Exception:
+            # mitmproxy logs an exception in its layers and carries on; here the flow would
+            # hang, so the upstream connection is closed as a CloseConnection would (the flow
+            # fails, its client is told).
+            logger.exception("direct reads of %s failed, closing it", self.upstream.conn)
+            self._restore("an error")
+            self.handler.close_connection(self.upstream.conn)
+
+    def _read(self, data: bytes) -> None:
         route = self.route
         if not route.open() or self.client_transport.is_closing():
             self._hand_back(data, "the flow left the splice")
