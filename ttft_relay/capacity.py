@@ -20,6 +20,9 @@ both (the patches live in `patches/`, each pinned to mitmproxy 12.3.1):
   system's resolver libraries (~40 ms that the first request's upstream connect
   showed; waited for up to RESOLVE_WAIT_S); and mitmproxy's second loading of
   its CA after the listeners are up, skipped (`ca_once.load_ca_once`).
+- `MessageChecks`: mitmproxy checks every field of each request and response it builds
+  against its type annotation, as dearly as it parses the head; the relay checks the
+  same from classes kept per field (`patches/message_checks.py`).
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
@@ -35,7 +38,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from .patches import ca_once, hook_plans, listen_backlog, upstream_tls_warmup
+from .patches import ca_once, hook_plans, listen_backlog, message_checks, upstream_tls_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -190,3 +193,13 @@ class HookPlans:
 
     def done(self) -> None:
         hook_plans.install_hook_plans(False)
+
+
+class MessageChecks:
+    """Each request's and response's field types checked as mitmproxy does, for less (`message_checks`)."""
+
+    def load(self, loader) -> None:
+        message_checks.install_message_checks(True)
+
+    def done(self) -> None:
+        message_checks.install_message_checks(False)

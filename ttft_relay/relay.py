@@ -58,6 +58,7 @@ timings = timing.Timing()
 addons = [
     capacity.ListenBacklog(),
     capacity.HookPlans(),
+    capacity.MessageChecks(),
     capacity.ConnectionLog(),
     capacity.WarmStart(),
     tls.ClientTLS(),

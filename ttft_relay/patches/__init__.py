@@ -31,6 +31,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   stream, not the connection its siblings share (`faults.Deadlines`); a keyed listener
   connects upstream once a request's key is accepted, while its body uploads
   (`guard.AccessKeys`).
+- `message_checks`: a request's and a response's field types checked as mitmproxy checks
+  them, from classes kept per field (`capacity.MessageChecks`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
@@ -61,6 +63,7 @@ from . import (
     interim_answers,
     layer_events,
     listen_backlog,
+    message_checks,
     splice,
     trailers,
     upstream_copy,
@@ -79,6 +82,7 @@ PATCHES: tuple[ModuleType, ...] = (
     ca_once,
     client_resets,
     layer_events,
+    message_checks,
     splice,
 )
 
