@@ -4,6 +4,7 @@ import dataclasses
 
 import orjson
 import pytest
+from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow
 
@@ -219,3 +220,19 @@ def test_a_websocket_handshake_gets_no_server_timing_header(addon):
     addon.response(f)
     (rec,) = records(addon)
     assert (rec["transport"], rec["turn"], rec["status"], rec["ttft_ms"]) == ("websocket", 0, 101, None)
+
+
+def test_the_upstream_headers_read_in_one_pass_are_what_headers_get_gives():
+    heads = [
+        [],
+        [(b"X-Request-Id", b"req_1"), (b"content-type", b"text/event-stream")],
+        [(b"request-id", b"a"), (b"REQUEST-ID", b"b"), (b"openai-processing-ms", b"12.5")],  # folded: "a, b"
+        [(b"x-request-id", b""), (b"request-id", b"anthropic"), (b"Openai-Processing-Ms", b"x")],
+        [(b"x-request-id", b"\xff\xfe"), (b"x-requestid", b"no")],  # not UTF-8; a name that only looks alike
+    ]
+    for fields in heads:
+        response = http.Response.make(200, b"", fields)
+        expected = {n: v for n in (*timing.UPSTREAM_REQUEST_ID_HEADERS, timing.PROCESSING_MS_HEADER)
+                    if (v := response.headers.get(n)) is not None}
+        assert timing.upstream_headers(response) == expected, fields
+    assert timing.upstream_headers(None) == {}

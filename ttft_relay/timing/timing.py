@@ -325,6 +325,7 @@ class Timing:
             st.record_error(f"HTTP {status}", phase="upstream_wait")
         upstream = upstream_name(flow)
         websocket = st.transport == record.WEBSOCKET
+        head = upstream_headers(flow.response)
         return record.build_record(
             id=flow.id,
             ts=flow.request.timestamp_start,
@@ -351,8 +352,8 @@ class Timing:
             request_id=flow.request.headers.get("x-request-id"),
             transport=st.transport,
             turn=0 if websocket else None,
-            upstream_request_id=upstream_request_id(flow.response),
-            upstream_processing_ms=upstream_processing_ms(flow.response),
+            upstream_request_id=upstream_request_id(head),
+            upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,
         )
 
@@ -371,18 +372,29 @@ def upstream_name(flow: http.HTTPFlow) -> str:
 
 UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
 """OpenAI (and most OpenAI-compatible APIs), Anthropic."""
+PROCESSING_MS_HEADER = "openai-processing-ms"
+_UPSTREAM_HEADERS = {name.encode(): name for name in (*UPSTREAM_REQUEST_ID_HEADERS, PROCESSING_MS_HEADER)}
 
 
-def upstream_request_id(response: http.Response | None) -> str | None:
-    """The upstream's own id for the request, from its response head."""
-    if response is None:
-        return None
-    return next((v for name in UPSTREAM_REQUEST_ID_HEADERS if (v := response.headers.get(name))), None)
+def upstream_headers(response: http.Response | None) -> dict[str, str]:
+    """The response head's headers the record reads, as `headers.get` gives each (its
+    values folded with ", "), in one pass over the raw fields: each `headers.get` is a
+    pass of its own, costlier than the rest of what they are read for."""
+    found: dict[str, list[bytes]] = {}
+    for key, value in response.headers.fields if response is not None else ():
+        if (name := _UPSTREAM_HEADERS.get(key.lower())) is not None:
+            found.setdefault(name, []).append(value)
+    return {name: ", ".join(v.decode("utf-8", "surrogateescape") for v in values) for name, values in found.items()}
 
 
-def upstream_processing_ms(response: http.Response | None) -> float | None:
+def upstream_request_id(headers: dict[str, str]) -> str | None:
+    """The upstream's own id for the request, from its response head (`upstream_headers`)."""
+    return next((v for name in UPSTREAM_REQUEST_ID_HEADERS if (v := headers.get(name))), None)
+
+
+def upstream_processing_ms(headers: dict[str, str]) -> float | None:
     """How long the upstream says it worked before its head (`openai-processing-ms`)."""
-    value = response.headers.get("openai-processing-ms") if response is not None else None
+    value = headers.get(PROCESSING_MS_HEADER)
     try:
         ms = float(value) if value is not None else None
     except ValueError:
