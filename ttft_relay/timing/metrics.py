@@ -34,6 +34,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
@@ -113,6 +114,9 @@ class RelayMetrics:
         self.loop_lag = Histogram("ttft_relay_event_loop_lag_seconds",
                                   "How late the relay's event loop ran a timer due every 50 ms: work waiting "
                                   "for the relay itself.", registry=registry, buckets=LAG_BUCKETS)
+        self._children: dict[tuple, Any] = {}
+        """Each instrument's child per label values, as `labels()` gives it (which checks
+        and converts its arguments and takes a lock on every call)."""
         self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
                                   "Connections the kernel holds for a listener until the relay accepts them.",
                                   ("listener",), registry=registry, multiprocess_mode="livesum")
@@ -123,30 +127,37 @@ class RelayMetrics:
         for listener, waiting in (accept_queues or {}).items():
             self.accept_queue.labels(listener).set(waiting)
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        try:
+            return self._children[metric, values]
+        except KeyError:
+            child = self._children[metric, values] = metric.labels(*values)
+            return child
+
     def observe(self, rec: record.Record) -> None:
         api = rec.api
         operation, provider = apis.get(api).semconv
         labels = (operation, provider, self.models(rec.model), self.hosts(rec.upstream), api, status_class(rec.status))
         phases = rec.phases
         failed = bool(rec.error or rec.client_aborted)
-        self.duration.labels(*labels, rec.error_phase or ("client_aborted" if failed else "")).observe(
+        self._child(self.duration, *labels, rec.error_phase or ("client_aborted" if failed else "")).observe(
             phases.get("total", 0.0) / 1000)
         for name in RELAY_PHASES:
             if (ms := phases.get(name, 0.0 if name in ALWAYS_OBSERVED else None)) is not None:
-                self.phases[name].labels(*labels).observe(ms / 1000)
+                self._child(self.phases[name], *labels).observe(ms / 1000)
         usage = rec.usage or {}
         for kind in ("input", "output"):
             if (n := usage.get(f"{kind}_tokens")) is not None:
-                self.tokens.labels(*labels, kind).observe(n)
+                self._child(self.tokens, *labels, kind).observe(n)
         if (trim := rec.trim) and (before := trim.get("tokens_before")) and (after := trim.get("tokens_after")):
             if before > after:
-                self.trimmed.labels(*labels).inc(before - after)
+                self._child(self.trimmed, *labels).inc(before - after)
         if failed or (rec.status or 0) >= 400 or (ttft := rec.ttft_ms) is None:
             return
-        self.ttft.labels(*labels).observe(ttft / 1000)
+        self._child(self.ttft, *labels).observe(ttft / 1000)
         out = usage.get("output_tokens")
         if out and out > 1 and (total := phases.get("total")) is not None:
-            self.tpot.labels(*labels).observe((total - ttft) / 1000 / (out - 1))
+            self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
 
 
 def multiprocess_registry(path: str | Path) -> CollectorRegistry:
