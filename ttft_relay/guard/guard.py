@@ -33,6 +33,7 @@ they stay out of mitm.conf, command lines and mitmweb's option editor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -83,9 +84,12 @@ HTTP_REVERSE_SCHEMES = ("http", "https", "http3")
 # --- exposure ---------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback(host: str) -> bool:
     """Whether a listen host is this machine only. "" means every interface; names
-    other than localhost are not resolved (and so count as exposed)."""
+    other than localhost are not resolved (and so count as exposed). Kept per host:
+    `tls.ClientTLS` asks for every request, and parsing the address is most of what
+    that hook costs."""
     host = host.strip("[]")
     if host.lower() == "localhost":
         return True
