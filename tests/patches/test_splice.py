@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import random
 import re
+import socket
 
 import pytest
 from mitmproxy import connection, options
@@ -26,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from h11._readers import ChunkedReader
 from OpenSSL import SSL
 from mitmproxy.proxy import commands, context, events, layer, server, tunnel
+from mitmproxy.proxy import server as server_mod
 from mitmproxy.proxy.layers.tls import TLSLayer
 from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode, HttpStream
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
@@ -207,7 +209,12 @@ class TlsPipe:
         self.upstream.sendall(data)
         return self.upstream.bio_read(1 << 20)
 
-    def receive(self, data: bytes) -> bytes:
+    def close_notify(self) -> bytes:
+        self.upstream.shutdown()
+        return self.upstream.bio_read(65536)
+
+    def receive(self, data: bytes) -> tuple[bytes, bool]:
+        """(plaintext, whether close_notify came), as the TLS layer's receive_data reads them."""
         if data:
             self.relay.bio_write(data)
         plaintext = b""
@@ -215,7 +222,9 @@ class TlsPipe:
             try:
                 plaintext += self.relay.recv(65535)
             except SSL.WantReadError:
-                return plaintext
+                return plaintext, False
+            except SSL.ZeroReturnError:
+                return plaintext, True
 
 
 class Handler:
@@ -236,11 +245,19 @@ class Handler:
 
     def receive(self, event: events.Event) -> None:
         if self.tls is not None and isinstance(event, events.DataReceived) and isinstance(event.connection, connection.Server):
-            plaintext = self.tls.receive(event.data)
+            plaintext, closed = self.tls.receive(event.data)
             if plaintext:
                 self.run(events.DataReceived(event.connection, plaintext))
+            if closed:
+                event.connection.state &= ~ConnectionState.CAN_READ
+                self.run(events.ConnectionClosed(event.connection))
             return
         self.run(event)
+
+    def log(self, message: str, level: int) -> None:
+        self.logged.append(message)
+
+    logged: list[str] = []
 
     async def drain_writers(self) -> None:
         pass
@@ -283,7 +300,8 @@ async def _drive(upstream_reads: list[bytes], direct: bool, **kwargs):
 def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: int = 1, tap_split: bool = False,
                 stream: object = "tap", store: bool = False, hold_responseheaders: bool = False,
                 response_head: bytes | None = None, client_leaves_after: int | None = None,
-                client_buffered: int = 0, upstream_ends: bool = False, upstream_tls: bool = False):
+                client_buffered: int = 0, upstream_ends: bool = False, upstream_tls: bool = False,
+                close_notify_after: int | None = None):
     """mitmproxy's HttpLayer between an HTTP/1 client and an HTTP/1 upstream: `requests`
     requests on one kept-alive connection, each answered by `upstream_reads` (the
     upstream's reads, as they arrive). Returns (what went to the client, what went
@@ -353,13 +371,25 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
             handler.receive(events.DataReceived(conn, wire))
 
     original_plain_streams, original_tls_of = connections.plain_streams, splice._tls_of
+    reader_task = asyncio.current_task()  # the upstream's reads come from here, as from handle_connection
     if direct:
-        connections.plain_streams = lambda c, s: (handler, upstream_transport, client_writer)  # type: ignore[assignment]
+        connections.plain_streams = lambda c, s: (  # type: ignore[assignment]
+            (handler, upstream_transport, client_writer) if asyncio.current_task() is reader_task else None)
         if pipe is not None:
             splice._tls_of = lambda layers, conn: pipe.relay if isinstance(conn, connection.Server) else None
     try:
+        if close_notify_after is not None:
+            assert pipe is not None and requests == 1
+            upstream_reads = upstream_reads[:close_notify_after]
         _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
                   client_leaves_after)
+        if close_notify_after is not None:
+            assert pipe is not None
+            protocol = upstream_transport.protocol
+            if isinstance(protocol, splice._DirectReads):
+                protocol.data_received(pipe.close_notify())
+            else:
+                handler.receive(events.DataReceived(opened[-1], pipe.close_notify()))
         if upstream_ends:
             upstream_transport.protocol.connection_lost(None)  # asyncio's call, whichever protocol it is
     finally:
@@ -617,3 +647,90 @@ def test_a_tap_that_fails_under_direct_reads_closes_the_upstream(caplog):
     assert record["direct"] >= 1 and isinstance(record["upstream"].protocol, Original)
     assert isinstance(record["handler"].closed, connection.Server)
     assert "direct reads of" in caplog.text and "tap bug" in caplog.text
+
+
+@pytest.mark.parametrize("after", [1, 3, 4])
+def test_an_upstream_closing_tls_mid_body(after):
+    """close_notify inside the body, read by the direct reads: handed back, so that the TLS
+    layer tells the flow the connection ended, as without them."""
+    body = events_body(6)
+    cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
+    reads = [body[i:j] for i, j in zip([0, *cut], cut)]
+    plain, spliced, direct = both(reads, upstream_tls=True, close_notify_after=after)
+    assert direct[:4] == plain[:4]
+    assert direct[5]["direct"] == after - 1  # the body's first read is mitmproxy's; the close_notify's was theirs
+    assert isinstance(direct[5]["upstream"].protocol, Original)
+    assert not plain[0].endswith(b"0\r\n\r\n")
+
+
+def test_over_tls_a_chunk_across_records_is_the_same_body():
+    """Events larger than a TLS record: each piece ends with its record, so the client's
+    chunks may begin elsewhere than on mitmproxy's path; the body it decodes, what the tap
+    saw and what the flow kept are the same."""
+    pieces = [b"data: " + bytes([65 + i % 26]) * 9000 + b"\n\n" for i in range(12)]
+    body = chunked(*pieces)
+    reads = reads_of(body, random.Random(1), 40000)
+    plain, spliced, direct = both(reads, upstream_tls=True, store=True)
+    assert direct[5]["direct"] > 0
+    assert dechunked(direct[0]) == dechunked(plain[0]) == b"".join(p.upper() for p in pieces)
+    assert [(b"".join(seen), kept) for seen, kept in direct[3]] == [(b"".join(seen), kept) for seen, kept in plain[3]]
+    assert direct[2] == plain[2]
+
+
+def dechunked(client_bytes: bytes) -> bytes:
+    """The body in what the client got: its chunks' data after the response head."""
+    rest, out = client_bytes.split(b"\r\n\r\n", 1)[1], b""
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if not int(size, 16):
+            return out
+        out, rest = out + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+
+
+def test_they_take_over_only_from_the_upstream_s_own_reader_task():
+    """`connections.plain_streams`: from the task that reads the upstream (mitmproxy's
+    handle_connection, between reads) and only then; never from another task (one
+    parsing a hand-back may run while that task holds a read not parsed yet), nor while
+    the reader holds bytes, nor once another protocol reads the transport."""
+
+    async def check():
+        loop = asyncio.get_running_loop()
+        pairs = [socket.socketpair() for _ in range(2)]
+        streams = [await asyncio.open_connection(sock=a) for a, _ in pairs]
+        try:
+            client = connection.Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=1.0)
+            server = connection.Server(address=("upstream.test", 80))
+            (up_reader, up_writer), (_, down_writer) = streams
+            results = []
+
+            async def reader_task():
+                results.append(connections.plain_streams(client, server))
+                up_reader.feed_data(b"x")
+                results.append(connections.plain_streams(client, server))
+                await up_reader.read(1)
+                protocol = up_writer.transport.get_protocol()
+                up_writer.transport.set_protocol(asyncio.Protocol())
+                results.append(connections.plain_streams(client, server))
+                up_writer.transport.set_protocol(protocol)
+
+            task = loop.create_task(reader_task())
+            handler = type("Handler", (), {})()
+            handler.transports = {server: server_mod.ConnectionIO(handler=task, reader=up_reader, writer=up_writer),
+                                  client: server_mod.ConnectionIO(handler=None, reader=None, writer=down_writer)}
+            original = connections.handler_of
+            connections.handler_of = lambda c: handler  # type: ignore[assignment]
+            try:
+                await task
+                assert connections.plain_streams(client, server) is None  # not from the reader task
+            finally:
+                connections.handler_of = original
+            assert results[0] == (handler, up_writer.transport, down_writer)
+            assert results[1] is None and results[2] is None
+        finally:
+            for _, w in streams:
+                w.close()
+            for a, b in pairs:
+                a.close()
+                b.close()
+
+    asyncio.run(check())

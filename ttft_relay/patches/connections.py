@@ -83,8 +83,13 @@ def connection_socket(client: connection.Client, conn: connection.Connection) ->
 
 def plain_streams(client: connection.Client, server: connection.Connection) -> tuple[Any, Any, asyncio.StreamWriter] | None:
     """(`client`'s handler, `server`'s asyncio transport, `client`'s writer) if both are asyncio TCP
-    streams and everything read from `server` has been handed to the layers (its reader
-    holds nothing, and its transport still feeds it); else None."""
+    streams and everything read from `server` has been handed to the layers; else None.
+
+    Handed to the layers means: the call comes from `server`'s own reader task (its
+    `handle_connection`, inside `server_event` with a read it just took: any other task
+    may run while that task holds a read it has not handed over yet, waiting for
+    `server_event`'s lock), its reader holds nothing more, and its transport still feeds
+    that reader."""
     handler = handler_of(client)
     if handler is None:
         return None
@@ -92,7 +97,11 @@ def plain_streams(client: connection.Client, server: connection.Connection) -> t
     if up is None or down is None or not isinstance(up.writer, asyncio.StreamWriter) or not isinstance(down.writer, asyncio.StreamWriter):
         return None
     transport = up.writer.transport
-    if up.reader._buffer or not isinstance(transport.get_protocol(), asyncio.StreamReaderProtocol):
+    if (
+        asyncio.current_task() is not up.handler
+        or up.reader._buffer
+        or not isinstance(transport.get_protocol(), asyncio.StreamReaderProtocol)
+    ):
         return None
     return handler, transport, down.writer
 

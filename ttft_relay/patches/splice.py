@@ -31,8 +31,12 @@ nothing else), and everything read so far has been parsed, the upstream's reads 
 mitmproxy altogether. `_DirectReads` stands in for the upstream transport's asyncio
 protocol (mitmproxy's `StreamReaderProtocol`, whose reader feeds
 `ConnectionHandler.handle_connection`): each read is decoded where it arrives (`stream.chunked.ChunkedData`, which takes h11's
-`ChunkedReader` state over and yields the same pieces), tapped and framed by the same
-`_Route.forward`, and written to the client's transport. The wake-up of the reader's
+`ChunkedReader` state over and yields the pieces h11 would for the same bytes), tapped
+and framed by the same `_Route.forward`, and written to the client's transport. The
+bytes the client decodes are the same; where its chunks begin may differ from
+mitmproxy's path, which frames every piece it reads as one chunk: asyncio hands this
+protocol reads of up to 256 KiB where mitmproxy's reader takes 64 KiB at a time, and
+over TLS a piece ends with its TLS record. The wake-up of the reader's
 task, `server_event`'s lock, the layers, h11 and `drain_writers` are not paid per read;
 what they do for a body read is done here: the connection's inactivity watchdog is
 told, and upstream reads wait while the client's write buffer is over its limit. Over
@@ -60,6 +64,7 @@ import socket
 from typing import Any, Literal
 
 from h11._readers import ChunkedReader
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer, tunnel
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, ResponseData
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
@@ -259,6 +264,8 @@ class _DirectReads(asyncio.Protocol):
             self.handler.close_connection(self.upstream.conn)
 
     def _read(self, data: bytes) -> None:
+        if not self.upstream.conn.state & ConnectionState.CAN_READ:
+            return  # closed by mitmproxy, the transport not yet: its reads were dropped too
         route = self.route
         if not route.open() or self.client_transport.is_closing():
             self._hand_back(data, "the flow left the splice")
@@ -296,8 +303,13 @@ class _DirectReads(asyncio.Protocol):
                 record = tls.recv(RECORD_MAX, socket.MSG_PEEK)
             except SSL.WantReadError:
                 break
-            except SSL.Error:  # close_notify or an alert: it stays, for the TLS layer to tell
+            except SSL.ZeroReturnError:  # close_notify: it stays, for the TLS layer to tell
                 rest = b""
+                break
+            except SSL.Error as e:
+                # As the TLS layer: said, and the connection left as it is (a later read says
+                # it again); the TLS connection keeps only a blank error for the layer to read.
+                self.handler.log(f"TLS Error: {e}", logging.WARNING)
                 break
             used = self.decoder.feed(record, pieces)
             if used:
