@@ -56,6 +56,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.client_resets.install(100, 10)
     patches.layer_events.install()
     patches.splice.install()
+    patches.message_checks.install_message_checks(True)
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())
     finally:

@@ -280,7 +280,8 @@ def test_a_small_request_is_counted_on_the_event_loop_while_the_worker_is_idle(a
         busy = asyncio.create_task(addon.request(big_flow))
         await asyncio.to_thread(entered.wait, 10)
         flow, queued = make_flow(small)
-        behind = asyncio.create_task(addon.request(flow))  # the worker's caches are in use: it queues
+        # Started at once, up to its wait: the worker's caches are in use, so it queues.
+        behind = asyncio.Task(addon.request(flow), loop=asyncio.get_running_loop(), eager_start=True)
         release.set()
         await asyncio.gather(busy, behind)
         return [first, big, queued]
