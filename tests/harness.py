@@ -152,6 +152,17 @@ class MitmdumpProcess:
             raise AssertionError(f"no output line matches {pattern!r}:\n{self.text()}")
         return found
 
+    def wait_for_lines(self, pattern: str, count: int, timeout: float = 10) -> list[str]:
+        """The output lines matching `pattern`, waiting until there are `count` of them (a
+        relay logs as it goes: a line may come moments after what a client saw)."""
+        rx = re.compile(pattern)
+        with self._changed:
+            self._changed.wait_for(lambda: sum(1 for ln in self.output if rx.search(ln)) >= count, timeout)
+            found = [ln for ln in self.output if rx.search(ln)]
+        if len(found) < count:
+            raise AssertionError(f"{len(found)} of {count} output lines match {pattern!r}:\n{self.text()}")
+        return found
+
     def text(self) -> str:
         return "\n".join(self.output)
 
