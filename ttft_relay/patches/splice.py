@@ -355,8 +355,9 @@ class _DirectReads(asyncio.Protocol):
 
     def _hand_back(self, rest: bytes, why: str) -> None:
         self._restore(why)
-        # Started now, so mitmproxy parses `rest` before any later read (server_event's
-        # lock is free here, outside every event, and it is first in line).
+        # Started now, so mitmproxy parses `rest` before any later read: this task asks
+        # for server_event's lock before the reader task can with a later read (the
+        # transport feeds it only from the next loop pass on), and the lock serves in order.
         self._run(self._parse(rest))
 
     async def _parse(self, data: bytes) -> None:
