@@ -301,7 +301,7 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
                 stream: object = "tap", store: bool = False, hold_responseheaders: bool = False,
                 response_head: bytes | None = None, client_leaves_after: int | None = None,
                 client_buffered: int = 0, upstream_ends: bool = False, upstream_tls: bool = False,
-                close_notify_after: int | None = None):
+                close_notify_after: int | None = None, upstream_closed_after: int | None = None):
     """mitmproxy's HttpLayer between an HTTP/1 client and an HTTP/1 upstream: `requests`
     requests on one kept-alive connection, each answered by `upstream_reads` (the
     upstream's reads, as they arrive). Returns (what went to the client, what went
@@ -382,7 +382,7 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
             assert pipe is not None and requests == 1
             upstream_reads = upstream_reads[:close_notify_after]
         _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
-                  client_leaves_after)
+                  client_leaves_after, upstream_closed_after)
         if close_notify_after is not None:
             assert pipe is not None
             protocol = upstream_transport.protocol
@@ -401,7 +401,7 @@ def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: 
 
 
 def _exchange(run, read, client, client_transport, opened, held, upstream_reads, requests, response_head,
-              client_leaves_after) -> None:
+              client_leaves_after, upstream_closed_after=None) -> None:
     run(events.Start())
     head = response_head or b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     for _ in range(requests):
@@ -413,6 +413,8 @@ def _exchange(run, read, client, client_transport, opened, held, upstream_reads,
             if i == 0:
                 while held:
                     run(held.pop(0))
+            if i == upstream_closed_after:
+                opened[-1].state = ConnectionState.CLOSED  # mitmproxy's close_connection; the transport closes later
             if i == client_leaves_after:
                 client.state = ConnectionState.CLOSED
                 client_transport.closing = True
@@ -734,3 +736,25 @@ def test_they_take_over_only_from_the_upstream_s_own_reader_task():
                 b.close()
 
     asyncio.run(check())
+
+
+def test_reads_after_mitmproxy_closed_the_upstream_are_dropped():
+    """mitmproxy's close_connection marks the connection closed and cancels its reader task
+    (which drops what is read until the transport closes); the direct reads drop it too."""
+    body = events_body(6)
+    cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
+    reads = [body[i:j] for i, j in zip([0, *cut], cut)]
+
+    def direct_run(**kwargs):
+        loop = asyncio.new_event_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)
+        splice.install(direct=True)
+        try:
+            return loop.run_until_complete(_drive(kwargs.pop("reads"), True, **kwargs))
+        finally:
+            splice.uninstall()
+            loop.close()
+
+    closed = direct_run(reads=reads, upstream_closed_after=2)
+    upto = direct_run(reads=reads[:3])
+    assert closed[5]["direct"] == 5 and closed[0] == upto[0]
