@@ -236,6 +236,7 @@ class Handler:
         self.tls = tls
         self.timeout_watchdog = self
         self.activity = 0
+        self.logged: list[str] = []
 
     def register_activity(self) -> None:
         self.activity += 1
@@ -256,8 +257,6 @@ class Handler:
 
     def log(self, message: str, level: int) -> None:
         self.logged.append(message)
-
-    logged: list[str] = []
 
     async def drain_writers(self) -> None:
         pass
@@ -283,18 +282,32 @@ class Original:
         self.closed()
 
 
-def drive(upstream_reads: list[bytes], *, direct: bool = False, **kwargs):
-    """`drive_layer` in an event loop, with the direct reads' handler and transports."""
+def in_mitmproxy_s_loop(coro):
+    """Run `coro` in an event loop whose tasks start eagerly, as in mitmproxy's."""
     loop = asyncio.new_event_loop()
-    loop.set_task_factory(asyncio.eager_task_factory)  # as mitmproxy's loop
+    loop.set_task_factory(asyncio.eager_task_factory)
     try:
-        return loop.run_until_complete(_drive(upstream_reads, direct, **kwargs))
+        return loop.run_until_complete(coro)
     finally:
         loop.close()
 
 
+def drive(upstream_reads: list[bytes], *, direct: bool = False, **kwargs):
+    """`drive_layer` in an event loop, with the direct reads' handler and transports."""
+    return in_mitmproxy_s_loop(_drive(upstream_reads, direct, **kwargs))
+
+
 async def _drive(upstream_reads: list[bytes], direct: bool, **kwargs):
     return drive_layer(upstream_reads, direct=direct, **kwargs)
+
+
+def drive_direct(upstream_reads: list[bytes], **kwargs):
+    """`drive` with the splice and its direct reads installed (only)."""
+    splice.install(direct=True)
+    try:
+        return drive(upstream_reads, direct=True, **kwargs)
+    finally:
+        splice.uninstall()
 
 
 def drive_layer(upstream_reads: list[bytes], *, direct: bool = False, requests: int = 1, tap_split: bool = False,
@@ -443,6 +456,13 @@ def events_body(n: int) -> bytes:
     return chunked(*(b'data: {"choices":[{"delta":{"content":"tok%d"}}]}\n\n' % i for i in range(n)))
 
 
+def chunk_per_read(body: bytes) -> list[bytes]:
+    """`body` read one chunk at a time (an `events_body`: each chunk's data ends in a blank
+    line), the last chunk a read of its own."""
+    ends = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
+    return [body[i:j] for i, j in zip([0, *ends], [*ends, len(body)])]
+
+
 def reads_of(body: bytes, rng: random.Random, most: int) -> list[bytes]:
     reads, at = [], 0
     while at < len(body):
@@ -520,9 +540,7 @@ def test_a_client_that_leaves_mid_stream():
 def test_direct_reads_take_every_read_after_the_first():
     """Not a test of nothing: one chunk per read, and after the first body read mitmproxy
     parses only the head; the last chunk is handed back and ends the flow as mitmproxy's."""
-    body = events_body(6)
-    reads = [body[i:j] for i, j in zip([0, *[m.end() for m in re.finditer(rb"\n\n\r\n", body)]],
-                                       [*[m.end() for m in re.finditer(rb"\n\n\r\n", body)], len(body)])]
+    reads = chunk_per_read(events_body(6))
     assert len(reads) == 7 and reads[-1] == b"0\r\n\r\n"
     plain, spliced, direct = both(reads, requests=2)
     assert direct[:4] == plain[:4]
@@ -585,12 +603,7 @@ def test_direct_reads_wait_for_a_full_client_buffer():
         await asyncio.sleep(0)  # the waiting task runs once the loop turns
         assert upstream.reading
 
-    loop = asyncio.new_event_loop()
-    loop.set_task_factory(asyncio.eager_task_factory)
-    try:
-        loop.run_until_complete(run())
-    finally:
-        loop.close()
+    in_mitmproxy_s_loop(run())
 
 
 def test_direct_reads_go_through_one_open_tls_layer_or_none():
@@ -629,23 +642,7 @@ def test_a_tap_that_fails_under_direct_reads_closes_the_upstream(caplog):
                 raise ValueError("tap bug")
             return super().__call__(chunk)
 
-    async def run():
-        splice.install(direct=True)
-        try:
-            body = events_body(5)
-            cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
-            return drive_layer([body[:cut[0]], body[cut[0]:cut[1]], body[cut[1]:cut[2]], body[cut[2]:]],
-                               direct=True, stream=Failing())
-        finally:
-            splice.uninstall()
-
-    loop = asyncio.new_event_loop()
-    loop.set_task_factory(asyncio.eager_task_factory)
-    try:
-        result = loop.run_until_complete(run())
-    finally:
-        loop.close()
-    record = result[5]
+    record = drive_direct(chunk_per_read(events_body(5)), stream=Failing())[5]
     assert record["direct"] >= 1 and isinstance(record["upstream"].protocol, Original)
     assert isinstance(record["handler"].closed, connection.Server)
     assert "direct reads of" in caplog.text and "tap bug" in caplog.text
@@ -655,9 +652,7 @@ def test_a_tap_that_fails_under_direct_reads_closes_the_upstream(caplog):
 def test_an_upstream_closing_tls_mid_body(after):
     """close_notify inside the body, read by the direct reads: handed back, so that the TLS
     layer tells the flow the connection ended, as without them."""
-    body = events_body(6)
-    cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
-    reads = [body[i:j] for i, j in zip([0, *cut], cut)]
+    reads = chunk_per_read(events_body(6))[:-1]
     plain, spliced, direct = both(reads, upstream_tls=True, close_notify_after=after)
     assert direct[:4] == plain[:4]
     assert direct[5]["direct"] == after - 1  # the body's first read is mitmproxy's; the close_notify's was theirs
@@ -741,20 +736,7 @@ def test_they_take_over_only_from_the_upstream_s_own_reader_task():
 def test_reads_after_mitmproxy_closed_the_upstream_are_dropped():
     """mitmproxy's close_connection marks the connection closed and cancels its reader task
     (which drops what is read until the transport closes); the direct reads drop it too."""
-    body = events_body(6)
-    cut = [m.end() for m in re.finditer(rb"\n\n\r\n", body)]
-    reads = [body[i:j] for i, j in zip([0, *cut], cut)]
-
-    def direct_run(**kwargs):
-        loop = asyncio.new_event_loop()
-        loop.set_task_factory(asyncio.eager_task_factory)
-        splice.install(direct=True)
-        try:
-            return loop.run_until_complete(_drive(kwargs.pop("reads"), True, **kwargs))
-        finally:
-            splice.uninstall()
-            loop.close()
-
-    closed = direct_run(reads=reads, upstream_closed_after=2)
-    upto = direct_run(reads=reads[:3])
+    reads = chunk_per_read(events_body(6))[:-1]
+    closed = drive_direct(reads, upstream_closed_after=2)
+    upto = drive_direct(reads[:3])
     assert closed[5]["direct"] == 5 and closed[0] == upto[0]
