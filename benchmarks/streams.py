@@ -23,11 +23,17 @@ received through that setup). A setup *sustains* a rate when it has no failures,
 first token p99 is within direct's + 100 ms and its worst-gap p99 within 2 x direct's
 at that rate (and it sustained every lower rate).
 
+`--tls` puts TLS on both hops; `--h2` also has the fake upstream and the clients offer
+HTTP/2 before HTTP/1.1 (as the real APIs and curl or reqwest, the Codex CLI's HTTP
+client, do), each setup picking, and says which protocol each setup's clients got. The
+relay setups start with the relay's defaults for mitmproxy's options
+(`config.MITMPROXY_DEFAULTS`: HTTP/1.1), as its command starts it.
+
 The load generator, the fake upstream and the relay share the machine's cores: the
 load average is printed with the figures. Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
-    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls]
+    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2]
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import h2.config
+import h2.connection
+import h2.events
 import orjson
 
 
@@ -69,32 +79,35 @@ class Window:
     events: int = 0
     cpu: dict[str, float] = field(default_factory=dict)
     load: list[float] = field(default_factory=list)
+    protocols: Counter[str] = field(default_factory=Counter)
+    """Streams per protocol the setup and its client agreed on ("h2", "http/1.1")."""
     first_by_id: dict[str, float] = field(default_factory=dict)
     """The client's first token per x-request-id, to hold the relay's records against."""
 
 
-def client_tls() -> ssl.SSLContext:
+def client_tls(h2: bool = False) -> ssl.SSLContext:
     """TLS to a setup, as a client across the internet would speak it (not verified: the
-    benchmark measures the cost, not the trust)."""
+    benchmark measures the cost, not the trust); with `h2`, offering HTTP/2 before HTTP/1.1
+    as curl and Rust's reqwest (the Codex CLI) do."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    if h2:
+        context.set_alpn_protocols(["h2", "http/1.1"])
     return context
 
 
 async def one_stream(host: str, port: int, due: float, expected_events: int | None,
-                     request_id: str = "", tls: ssl.SSLContext | None = None) -> tuple[float, float, int]:
-    """(ms from `due` to the first answer text, worst gap in ms after it, events); raises on failure."""
+                     request_id: str = "", tls: ssl.SSLContext | None = None) -> tuple[float, float, int, str]:
+    """(ms from `due` to the first answer text, worst gap in ms after it, events, "h2" or
+    "http/1.1"); raises on failure. HTTP/2 if the TLS handshake chose it, else HTTP/1.1."""
     reader, writer = await asyncio.open_connection(host, port, ssl=tls)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\ncontent-type: application/json\r\n"
-                     b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                     % (host.encode(), port, request_id.encode(), len(BODY), BODY))
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+        tls_object = writer.get_extra_info("ssl_object")
+        over_h2 = tls_object is not None and tls_object.selected_alpn_protocol() == "h2"
+        body = (h2_body if over_h2 else h1_body)(reader, writer, f"{host}:{port}", request_id)
         seen, first, last, worst, events = b"", None, 0.0, 0.0, 0
-        while data := await reader.read(65536):
+        async for data in body:
             now = time.perf_counter()
             events += data.count(b"data:")
             if first is None:
@@ -108,9 +121,48 @@ async def one_stream(host: str, port: int, due: float, expected_events: int | No
             raise RuntimeError("no answer text")
         if expected_events is not None and events < expected_events:
             raise RuntimeError(f"{events} of {expected_events} events")
-        return (first - due) * 1000, worst * 1000, events
+        return (first - due) * 1000, worst * 1000, events, "h2" if over_h2 else "http/1.1"
     finally:
         writer.close()
+
+
+async def h1_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, authority: str,
+                  request_id: str) -> AsyncIterator[bytes]:
+    """The request over HTTP/1.1; the response body's reads as they come (chunk framing included)."""
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\ncontent-type: application/json\r\n"
+                 b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                 % (authority.encode(), request_id.encode(), len(BODY), BODY))
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+    while data := await reader.read(65536):
+        yield data
+
+
+async def h2_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, authority: str,
+                  request_id: str) -> AsyncIterator[bytes]:
+    """The request over HTTP/2 (one stream); the response body's DATA as it comes."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "https"),
+                            (":authority", authority), ("content-type", "application/json"),
+                            ("x-request-id", request_id), ("content-length", str(len(BODY)))])
+    conn.send_data(sid, BODY, end_stream=True)
+    writer.write(conn.data_to_send())
+    while data := await reader.read(65536):
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived) and dict(event.headers).get(":status") != "200":
+                raise RuntimeError(f"status {dict(event.headers).get(':status')}")
+            if isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                yield event.data
+            elif isinstance(event, h2.events.StreamEnded):
+                return
+            elif isinstance(event, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                raise RuntimeError(f"HTTP/2: {type(event).__name__}")
+        writer.write(conn.data_to_send())
+    raise RuntimeError("HTTP/2: the connection closed mid-stream")
 
 
 async def arrivals(url: str, rate: float, seconds: float, expected_events: int | None, into: Window,
@@ -124,7 +176,7 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
     async def run(due: float) -> None:
         request_id = uuid.uuid4().hex
         try:
-            first, gap, events = await asyncio.wait_for(
+            first, gap, events, protocol = await asyncio.wait_for(
                 one_stream(u.hostname, u.port, due, expected_events, request_id, tls), STREAM_TIMEOUT)
         except Exception:  # every failure is counted, none stops the window
             into.failures += 1
@@ -133,6 +185,7 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
         into.first_by_id[request_id] = first
         into.worst_gap_ms.append(gap)
         into.events += events
+        into.protocols[protocol] += 1
 
     for i in range(int(rate * seconds)):
         due = start + i / rate
@@ -161,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="an option for the relay setups (repeatable), e.g. relay_hook_plans=false")
     ap.add_argument("--tls", action="store_true",
                     help="TLS on both hops: the fake upstream serves HTTPS, clients speak TLS to every setup")
+    ap.add_argument("--h2", action="store_true",
+                    help="with TLS on both hops, HTTP/2 offered too: the fake upstream and the clients offer h2 "
+                         "before http/1.1, as the real APIs and curl or reqwest (Codex) do; each setup picks")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:OPTION=VALUE[,OPTION=VALUE]",
                     help="one more setup: the relay as one process with these options (repeatable), "
                          "e.g. nosplice:relay_stream_splice=false")
@@ -168,14 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rates, args.seconds, args.rounds = "5,25", 6.0, 1
     rates = [float(r) for r in args.rates.split(",")]
+    args.tls = args.tls or args.h2
 
     knobs = {"prefill_ms": args.prefill_ms, "chunks": args.events, "gap_ms": args.gap_ms}
     relay_options = {"relay_timing_console": "false", **dict(kv.split("=", 1) for kv in args.relay_set)}
     variants = {name: dict(kv.split("=", 1) for kv in options.split(","))
                 for name, _, options in (v.partition(":") for v in args.variant)}
     with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
-                     names=tuple(args.setups.split(",")), variants=variants, tls=args.tls) as bench:
-        tls = client_tls() if args.tls else None
+                     names=tuple(args.setups.split(",")), variants=variants, tls=args.tls, h2=args.h2) as bench:
+        tls = client_tls(args.h2) if args.tls else None
         setups = bench.setups
         time.sleep(2)  # start-up work (tokenizer loading) out of the way
         expected = None
@@ -232,7 +289,7 @@ def records_against_clients(rates: list[float], setups: dict, results: dict[tupl
 
 def report(args, rates: list[float], setups: dict, results: dict[tuple[str, float], Window]) -> None:
     loads = [x for w in results.values() for x in w.load]
-    print(f"{'TLS on both hops; ' if args.tls else ''}fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
+    print(f"{'TLS on both hops' + (', h2 offered' if args.h2 else '') + '; ' if args.tls else ''}fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
           f"{args.seconds:g} s of arrivals x {args.rounds} round(s) per setup and rate; {os.cpu_count()} cores; "
           f"load average (1 min) during the run {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'worst gap p50':>13} {'p99':>7} "
@@ -269,6 +326,10 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
     for name, rate in sustained.items():
         if name != "direct":
             print(f"  {name:<9} {'none of the rates' if rate is None else f'{rate:g} streams/s (~{rate * stream_s:.0f} live)'}")
+    if args.h2:
+        got = {name: sum((results[name, r].protocols for r in rates), Counter()) for name in setups}
+        print("the protocol each setup's clients got: " + "; ".join(
+            f"{name} " + ", ".join(f"{p} {n}" for p, n in got[name].most_common()) for name in setups))
 
 
 def median(xs: list[float]) -> float:

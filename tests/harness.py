@@ -258,7 +258,8 @@ class BenchSetups:
     and, for each of `variants` (name → options), the relay as one process with those
     options over `relay_options`: an A/B of an option in the same interleaved run. With
     `tls`, the fake serves HTTPS (every setup trusts its test CA), and every setup takes
-    TLS from its clients too (mitmproxy's own certificate; clients do not verify it).
+    TLS from its clients too (mitmproxy's own certificate; clients do not verify it); with
+    `h2` as well, the fake offers HTTP/2 before HTTP/1.1, as the real APIs do.
 
     `setups` maps each name to (url, processes), `processes()` naming the pids whose
     CPU counts for it (none for direct). A context manager: everything stops on exit.
@@ -266,14 +267,18 @@ class BenchSetups:
 
     def __init__(self, knobs: dict[str, object], *, workers: int, relay_options: dict[str, object] | None = None,
                  names: tuple[str, ...] = ("direct", "bare", "relay-1", "relay-N"),
-                 variants: dict[str, dict[str, object]] | None = None, tls: bool = False) -> None:
+                 variants: dict[str, dict[str, object]] | None = None, tls: bool = False, h2: bool = False) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-"))
         self.knobs = knobs
         self.workers = workers
         self.tls_dir = self.tmp / "upstream-ca" if tls else None
+        self.h2 = h2
         self.upstream_trust = {"ssl_verify_upstream_trusted_ca": self.tls_dir / "ca.pem"} if self.tls_dir else {}
-        self.relay_options = {"flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0", **self.upstream_trust,
-                              **(relay_options or {})}
+        from ttft_relay import config  # here, not for every test: it loads mitmproxy's addons (and their imports)
+
+        # The relay as its command starts it: with the relay's defaults for mitmproxy's options.
+        self.relay_options = {**config.MITMPROXY_DEFAULTS, "flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0",
+                              **self.upstream_trust, **(relay_options or {})}
         self.names = names
         self.variants = variants or {}
         self.setups: dict[str, tuple[str, Callable[[], dict[str, int]]]] = {}
@@ -281,7 +286,7 @@ class BenchSetups:
 
     def __enter__(self) -> BenchSetups:
         try:
-            fake, upstream = start_fake_upstream(tls_dir=self.tls_dir, **self.knobs)
+            fake, upstream = start_fake_upstream(tls_dir=self.tls_dir, h2=self.h2, **self.knobs)
             self._stoppers.append(lambda: (fake.terminate(), fake.wait(10)))
             mode = f"reverse:{upstream}@0"
             if "direct" in self.names:
@@ -403,14 +408,15 @@ class TimingLog:
         return pick(recs)
 
 
-def start_fake_upstream(*, tls_dir: Path | None = None, **knobs: object) -> tuple[subprocess.Popen[str], str]:
+def start_fake_upstream(*, tls_dir: Path | None = None, h2: bool = False,
+                        **knobs: object) -> tuple[subprocess.Popen[str], str]:
     """`tests.fakes.upstream` as its own process (so it does not share the load
     generator's interpreter), with behaviour knobs as keyword arguments
     (`prefill_ms=50, chunks=20`); with `tls_dir`, serving HTTPS with a test CA written
-    there (ca.pem). Returns the process and its base URL."""
+    there (ca.pem), and with `h2` offering HTTP/2 too. Returns the process and its base URL."""
     args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0"]
     if tls_dir is not None:
-        args += ["--tls", "--certs-dir", str(tls_dir)]
+        args += ["--tls", "--certs-dir", str(tls_dir)] + (["--h2"] if h2 else [])
     for knob, value in knobs.items():
         args += [f"--{knob.replace('_', '-')}", str(value)]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)

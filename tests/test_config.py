@@ -38,7 +38,7 @@ def test_conf_goes_on_the_command_line_under_the_users_arguments(tmp_path):
     path = _conf(tmp_path, "listen_port: 7001\nlisten_host: 0.0.0.0\nmode: [regular@1, 'reverse:http://a@2']\n"
                            "relay_future_option: 5\nrelay_stream: false\nrelay_access_keys: []\ncerts: null\n")
     args = config.merged_args(["--set", "listen_host=127.0.0.2", "-q"], path)
-    assert args == ["--set", "listen_port=7001", "--set", "mode=regular@1", "--set", "mode=reverse:http://a@2",
+    assert args == ["--set", "http2=false", "--set", "listen_port=7001", "--set", "mode=regular@1", "--set", "mode=reverse:http://a@2",
                     "--set", "relay_future_option=5", "--set", "relay_stream=false", "--set", "relay_access_keys",
                     "--set", "certs", "--set", "listen_host=127.0.0.2", "-q"]
     # As mitmdump starts with them: the file's values, the command line's where it names one.
@@ -46,15 +46,23 @@ def test_conf_goes_on_the_command_line_under_the_users_arguments(tmp_path):
     assert (opts.listen_port, opts.listen_host, opts.mode) == (7001, "127.0.0.2", ["regular@1", "reverse:http://a@2"])
     assert opts.certs == [] and opts.deferred["relay_stream"].val == ["false"]  # set when the relay declares it
     # Every spelling of an option counts as the command line's.
-    assert config.merged_args(["-p", "9", "--mode", "socks5"], path)[:6] == [
+    assert config.merged_args(["-p", "9", "--mode", "socks5"], path)[2:8] == [
         "--set", "listen_host=0.0.0.0", "--set", "relay_future_option=5", "--set", "relay_stream=false"]
-    assert config.merged_args(["-q"], None) == ["-q"]
+
+
+def test_the_relays_defaults_for_mitmproxy_options_yield_to_the_file_and_the_command_line(tmp_path):
+    # HTTP/1.1 both sides (config.MITMPROXY_DEFAULTS), without a file too.
+    assert config.merged_args(["-q"], None) == ["--set", "http2=false", "-q"]
+    assert config.started_options(config.merged_args([], None) + ["--set", f"confdir={tmp_path}"]).http2 is False
+    assert config.merged_args([], _conf(tmp_path, "http2: true\n")) == ["--set", "http2=true"]
+    assert config.merged_args(["--set", "http2=true"], None) == ["--set", "http2=true"]
+    assert config.merged_args(["--no-http2"], None) == ["--no-http2"]  # every spelling counts
 
 
 def test_mitmweb_flags_count_as_its_command_line(tmp_path):
     path = _conf(tmp_path, "web_port: 9000\nweb_host: 0.0.0.0\n")
-    assert config.merged_args(["--web-port", "9100"], path, "mitmweb") == ["--set", "web_host=0.0.0.0", "--web-port",
-                                                                          "9100"]
+    assert config.merged_args(["--web-port", "9100"], path, "mitmweb") == ["--set", "http2=false", "--set",
+                                                                          "web_host=0.0.0.0", "--web-port", "9100"]
 
 
 def test_conf_must_not_load_scripts(tmp_path):

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from ttft_relay import apis, config
 from ttft_relay.workers import free_port
 from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
 from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
 from tests.fakes.replies import answer_text
+from tests.harness import MitmdumpProcess
 
 RELAY_KEY = "relay-key-0123456789-laptop"
 UPSTREAM_KEY = "sk-upstream-FAKEKEY-vps-0123456789"
@@ -35,16 +37,22 @@ def agent_fake() -> Iterator[FakeUpstream]:
         yield upstream
 
 
-@pytest.fixture
-def vps_relay(agent_fake, start_relay, certs, monkeypatch):
+def start_vps_relay(agent_fake, start_relay, certs, monkeypatch, **options) -> tuple[MitmdumpProcess, str]:
+    """The relay as on a VPS, with the relay's defaults for mitmproxy's options (as its
+    command starts it); returns it and its base URL."""
     monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
     monkeypatch.setenv("UPSTREAM_TEST_KEY", UPSTREAM_KEY)
     port = free_port()
     relay = start_relay(f"reverse:{agent_fake.base_url}@{port}", relay_client_tls="all",
                         certs=f"localhost={certs.cert_and_key_pem}", relay_access_keys="env:RELAY_TEST_KEYS",
-                        relay_upstream_keys="127.0.0.1=env:UPSTREAM_TEST_KEY")
+                        relay_upstream_keys="127.0.0.1=env:UPSTREAM_TEST_KEY", **{**config.MITMPROXY_DEFAULTS, **options})
     relay.wait_for_output("tokenizer ready")
-    return f"https://localhost:{port}"
+    return relay, f"https://localhost:{port}"
+
+
+@pytest.fixture
+def vps_relay(agent_fake, start_relay, certs, monkeypatch):
+    return start_vps_relay(agent_fake, start_relay, certs, monkeypatch)[1]
 
 
 def _upstream_credentials(fake: FakeUpstream) -> set[str]:
@@ -53,24 +61,48 @@ def _upstream_credentials(fake: FakeUpstream) -> set[str]:
             if (value := r.header(name)) is not None}
 
 
-def test_codex_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp_path):
+def ask_codex(clis, url: str, certs, tmp_path, *, websockets: bool) -> None:
+    """One Codex CLI turn through the relay at `url` with a relay key: it must get the fake's answer."""
     with RefusingProxy() as refusing:
         sandbox = AgentSandbox(tmp_path, refusing.url)
-        sandbox.write_codex_config(vps_relay + "/v1", websockets=True)
+        sandbox.write_codex_config(url + "/v1", websockets=websockets)
         run = codex_exec(clis, sandbox, PROMPT, sandbox.env(RELAYTEST_OPENAI_KEY=RELAY_KEY,
                                                             CODEX_CA_CERTIFICATE=str(certs.ca_pem)))
     answer = codex_answer(run)
     assert run.returncode == 0 and answer is not None and answer[1] == answer_text(5), run.describe()
+
+
+def test_codex_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp_path):
+    ask_codex(clis, vps_relay, certs, tmp_path, websockets=True)
     assert agent_fake.sockets and agent_fake.sockets[0].status == 101, "codex did not use its WebSocket"
     assert _upstream_credentials(agent_fake) == {f"Bearer {UPSTREAM_KEY}"}  # never the relay key
 
 
-def test_claude_code_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp_path):
+@pytest.mark.parametrize("http2", [False, True], ids=["relay-defaults", "http2-on"])
+def test_codex_http_over_tls_takes_http1_and_the_direct_reads(http2, clis, agent_fake, start_relay, certs,
+                                                              monkeypatch, tmp_path):
+    """Codex's HTTP fallback offers h2 first. The relay, as it starts, answers it HTTP/1.1 and its
+    stream goes socket to socket (the splice's direct reads); mitmproxy's default would take
+    h2 and carry every event through its h2 layers."""
+    relay, url = start_vps_relay(agent_fake, start_relay, certs, monkeypatch, termlog_verbosity="debug",
+                                 http2=http2)
+    ask_codex(clis, url, certs, tmp_path, websockets=False)
+    assert not agent_fake.sockets and agent_fake.received, "codex did not use HTTP"
+    # The request's console line comes after any direct-reads line of its body.
+    relay.wait_for_lines(rf"{apis.OPENAI_RESPONSES} .* ttft", len(agent_fake.received))
+    direct = relay.wait_for_lines(r"direct reads of .* end: bytes for h11", 0)
+    assert bool(direct) == (not http2), relay.text()
+
+
+def test_claude_code_over_tls_with_a_relay_key(clis, agent_fake, start_relay, certs, monkeypatch, tmp_path):
+    relay, url = start_vps_relay(agent_fake, start_relay, certs, monkeypatch, termlog_verbosity="debug")
     with RefusingProxy() as refusing:
         sandbox = AgentSandbox(tmp_path, refusing.url)
         run = claude_print(clis, sandbox, PROMPT, sandbox.env(
-            ANTHROPIC_BASE_URL=vps_relay, ANTHROPIC_API_KEY=RELAY_KEY, NODE_EXTRA_CA_CERTS=str(certs.ca_pem)))
+            ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY=RELAY_KEY, NODE_EXTRA_CA_CERTS=str(certs.ca_pem)))
     result = claude_result(run)
     assert run.returncode == 0 and result is not None and result["result"] == answer_text(5), run.describe()
     credentials = _upstream_credentials(agent_fake)
     assert credentials and credentials <= {UPSTREAM_KEY, f"Bearer {UPSTREAM_KEY}"}  # never the relay key
+    # Its streamed answer went socket to socket over TLS (the splice's direct reads).
+    relay.wait_for_lines(r"direct reads of .* end: bytes for h11", 1)

@@ -3,7 +3,8 @@
 The command that starts mitmproxy (`ttft-relay run|web`, `scripts/relay` and each of
 its workers) reads mitm.conf and puts its values on mitmproxy's command line, as
 `--set name=value` ahead of the user's arguments, leaving out every option those
-arguments set. mitmproxy then starts with the merged options: the listeners of
+arguments set; ahead of them, the relay's defaults for mitmproxy's own options
+(`MITMPROXY_DEFAULTS`), which mitm.conf and the command line override. mitmproxy then starts with the merged options: the listeners of
 mitm.conf are bound from its first moment, and the relay's own options (`relay_*`,
 declared later as the addons load) go through mitmproxy's deferred mechanism like any
 other `--set`. mitmproxy's own confdir/config.yaml, where there is one, is applied by
@@ -31,6 +32,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONF = REPO_ROOT / "mitm.conf"
 CONF_ENV = "TTFT_RELAY_CONF"
 """Environment variable naming another config file (empty: none)."""
+
+MITMPROXY_DEFAULTS: dict[str, Any] = {
+    # HTTP/1.1 to both sides whatever the client offers. mitmproxy carries HTTP/2 frame by
+    # frame through its h2 layers: 1.5-1.8x the CPU per streamed event of HTTP/1.1, where the
+    # splice and its direct reads apply (`scripts/bench streams --h2 --variant
+    # h2:http2=true`). The APIs' SDKs and Claude Code speak HTTP/1.1; the Codex CLI's HTTP
+    # fallback and curl offer h2 first and take HTTP/1.1. A client that insists on h2 gets
+    # no ALPN match: set `http2: true` for it.
+    "http2": False,
+}
+"""mitmproxy options the relay starts with at another default than mitmproxy's."""
 
 _PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy": cmdline.mitmproxy}
 
@@ -134,13 +146,12 @@ def set_args(name: str, value: Any) -> list[str]:
 
 
 def merged_args(args: list[str], path: Path | None, tool: str = "mitmdump") -> list[str]:
-    """`tool`'s command line `args` with the values of the config file at `path` ahead,
-    for every option `args` does not set. Raises OptionsError for a file that cannot
-    be read or holds what no command line could."""
-    if path is None:
-        return list(args)
+    """`tool`'s command line `args` with the values of the config file at `path` (none:
+    no file) ahead, over `MITMPROXY_DEFAULTS`, for every option `args` does not set.
+    Raises OptionsError for a file that cannot be read or holds what no command line could."""
     explicit = command_line_options([tool, *args], declared_options(tool))
-    conf = [a for name, value in read_conf(path).items() if name not in explicit for a in set_args(name, value)]
+    values = {**MITMPROXY_DEFAULTS, **(read_conf(path) if path is not None else {})}
+    conf = [a for name, value in values.items() if name not in explicit for a in set_args(name, value)]
     return [*conf, *args]
 
 

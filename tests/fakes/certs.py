@@ -64,11 +64,11 @@ class TestCerts:
         certs.cert_and_key_pem.write_bytes(certs.cert_pem.read_bytes() + certs.key_pem.read_bytes())
         return certs
 
-    def server_context(self) -> ssl.SSLContext:
-        """A server-side context presenting the localhost certificate, HTTP/1.1 only."""
+    def server_context(self, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLContext:
+        """A server-side context presenting the localhost certificate, offering `alpn` (HTTP/1.1 only)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.cert_pem, self.key_pem)
-        context.set_alpn_protocols(["http/1.1"])
+        context.set_alpn_protocols(list(alpn))
         return context
 
     def client_context(self) -> ssl.SSLContext:

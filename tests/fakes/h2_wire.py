@@ -21,7 +21,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,67 +217,106 @@ class H2Upstream(LoopServer):
             self._changed.notify_all()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
-        conn.initiate_connection()
-        writer.write(conn.data_to_send())
-        streams: dict[int, UpstreamStream] = {}
-        tasks: dict[int, asyncio.Task[None]] = {}
-        a_reset = asyncio.Event()
         with self._changed:
             self.connections += 1
-        try:
-            while data := await reader.read(READ_SIZE):
-                for event in conn.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        streams[event.stream_id] = stream = UpstreamStream(headers=dict(event.headers))
-                        with self._changed:
-                            self.streams.append(stream)
-                    elif isinstance(event, h2.events.DataReceived):
-                        streams[event.stream_id].body += event.data
-                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                    elif isinstance(event, h2.events.StreamEnded):
-                        streams[event.stream_id].ended = True
-                        tasks[event.stream_id] = asyncio.ensure_future(
-                            self._respond(conn, writer, event.stream_id, streams[event.stream_id], a_reset))
-                    elif isinstance(event, h2.events.StreamReset) and event.stream_id in streams:
-                        streams[event.stream_id].reset = event.error_code
-                        if task := tasks.pop(event.stream_id, None):
-                            task.cancel()
-                        a_reset.set()
-                    self._note()
-                writer.write(conn.data_to_send())
-        except (ConnectionError, h2.exceptions.ProtocolError):
-            pass
-        finally:
-            for task in tasks.values():
-                task.cancel()
-            writer.close()
+        await serve_h2(reader, writer, self._respond, self._arrived, self._note)
 
-    async def _respond(self, conn: h2.connection.H2Connection, writer: asyncio.StreamWriter, sid: int,
-                       stream: UpstreamStream, a_reset: asyncio.Event) -> None:
+    def _arrived(self, stream: UpstreamStream) -> None:
+        with self._changed:
+            self.streams.append(stream)
+
+    async def _respond(self, side: ServerSide, sid: int, stream: UpstreamStream) -> None:
         knob = {name.removeprefix("x-fake-"): int(value) for name, value in stream.headers.items()
                 if name.startswith("x-fake-")}
         reply = build_reply(stream.headers[":method"], stream.headers[":path"], bytes(stream.body),
                             answer_pieces(knob.get("chunks", 5)), 200, None)
-        conn.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
-        writer.write(conn.data_to_send())
+        side.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
         for index, chunk in enumerate(reply.chunks):
             if index == knob.get("stall-after-chunks"):
                 await asyncio.Event().wait()  # until the connection ends
-            while index == knob.get("hold-until-reset") and not a_reset.is_set():
-                await self._send(conn, writer, sid, stream, KEEPALIVE)  # not idle meanwhile
+            while index == knob.get("hold-until-reset") and not side.a_reset.is_set():
+                await side.send_data(sid, KEEPALIVE)  # not idle meanwhile
+                stream.sent += KEEPALIVE
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(a_reset.wait(), KEEPALIVE_EVERY_S)
-            await self._send(conn, writer, sid, stream, chunk)
-        conn.end_stream(sid)
-        writer.write(conn.data_to_send())
+                    await asyncio.wait_for(side.a_reset.wait(), KEEPALIVE_EVERY_S)
+            await side.send_data(sid, chunk)
+            stream.sent += chunk
+        side.end_stream(sid)
         stream.done = True
         self._note()
 
-    @staticmethod
-    async def _send(conn: h2.connection.H2Connection, writer: asyncio.StreamWriter, sid: int,
-                    stream: UpstreamStream, data: bytes) -> None:
-        conn.send_data(sid, data)
-        writer.write(conn.data_to_send())
-        stream.sent += data
-        await writer.drain()
+
+@dataclass
+class ServerSide:
+    """The server's end of one HTTP/2 connection, as a responder writes to it."""
+
+    conn: h2.connection.H2Connection
+    writer: asyncio.StreamWriter
+    a_reset: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set at the first stream reset on the connection."""
+    window_opened: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set at each WINDOW_UPDATE from the peer."""
+
+    def send_headers(self, sid: int, headers: list[tuple[str, str]]) -> None:
+        self.conn.send_headers(sid, headers)
+        self.writer.write(self.conn.data_to_send())
+
+    async def send_data(self, sid: int, data: bytes) -> None:
+        """`data` on stream `sid`, in as many frames as the peer's windows allow, each flushed."""
+        while data:
+            if (room := min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size)) <= 0:
+                self.window_opened.clear()
+                await self.window_opened.wait()
+                continue
+            self.conn.send_data(sid, data[:room])
+            data = data[room:]
+            self.writer.write(self.conn.data_to_send())
+            await self.writer.drain()
+
+    def end_stream(self, sid: int) -> None:
+        self.conn.end_stream(sid)
+        self.writer.write(self.conn.data_to_send())
+
+
+Respond = Callable[[ServerSide, int, UpstreamStream], Awaitable[None]]
+
+
+async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, respond: Respond,
+                   arrived: Callable[[UpstreamStream], None] = lambda stream: None,
+                   changed: Callable[[], None] = lambda: None) -> None:
+    """Serves one HTTP/2 connection: each request, once its body has ended, is answered by
+    `respond(side, stream_id, stream)` in a task of its own, cancelled when its stream is
+    reset or the connection ends. `arrived` sees each new stream, `changed` every event."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    side = ServerSide(conn, writer)
+    streams: dict[int, UpstreamStream] = {}
+    tasks: dict[int, asyncio.Task[None]] = {}
+    try:
+        while data := await reader.read(READ_SIZE):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.RequestReceived):
+                    streams[event.stream_id] = stream = UpstreamStream(headers=dict(event.headers))
+                    arrived(stream)
+                elif isinstance(event, h2.events.DataReceived):
+                    streams[event.stream_id].body += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    streams[event.stream_id].ended = True
+                    tasks[event.stream_id] = asyncio.ensure_future(respond(side, event.stream_id, streams[event.stream_id]))
+                elif isinstance(event, h2.events.StreamReset) and event.stream_id in streams:
+                    streams[event.stream_id].reset = event.error_code
+                    if task := tasks.pop(event.stream_id, None):
+                        task.cancel()
+                    side.a_reset.set()
+                elif isinstance(event, h2.events.WindowUpdated):
+                    side.window_opened.set()
+                changed()
+            writer.write(conn.data_to_send())
+    except (ConnectionError, h2.exceptions.ProtocolError):
+        pass
+    finally:
+        for task in tasks.values():
+            task.cancel()
+        writer.close()

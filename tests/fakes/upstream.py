@@ -25,7 +25,12 @@ Timeline of one reply:
     -> [prefill_ms + prefill_ms_per_1k_tokens * request tokens / 1000] -> first text chunk
     -> [gap_ms] -> next chunk -> ... -> end of body
 
-Run as a program for benchmarks: `python -m tests.fakes.upstream --port 0 [--tls]
+With `h2` (and `tls`) it offers HTTP/2 as well (ALPN h2, http/1.1), as the real APIs do:
+a client that picks h2 is answered over HTTP/2, a streamed reply one SSE event per DATA
+frame, shaped by the same knobs (prefill, gap, chunks, status; the reset, stall, gzip and
+gate knobs are HTTP/1's only).
+
+Run as a program for benchmarks: `python -m tests.fakes.upstream --port 0 [--tls [--h2]]
 [--certs-dir DIR] [--prefill-ms 50 ...]` prints `listening <base_url>`.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import http
 import itertools
 import signal
@@ -53,6 +59,7 @@ from mitmproxy.net import encoding as mitmproxy_encoding
 
 from tests.fakes._loop import LoopThread
 from tests.fakes.certs import TestCerts
+from tests.fakes.h2_wire import ServerSide, UpstreamStream, serve_h2
 from tests.fakes.http_wire import (
     BadRequest,
     Inbound,
@@ -118,6 +125,12 @@ class Behaviour:
     def prefill_for(self, request_body: bytes) -> float:
         tokens = len(request_body) / CHARS_PER_TOKEN
         return self.prefill_ms + self.prefill_ms_per_1k_tokens * tokens / 1000
+
+    def wait_before(self, index: int, reply: Reply, request_body: bytes) -> float:
+        """Milliseconds before chunk `index` of `reply`: the prefill before the first text, the gap before later ones."""
+        if index == reply.first_token_chunk:
+            return self.prefill_for(request_body)
+        return self.gap_ms if index > 0 else 0
 
 
 def decode_request_body(headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
@@ -289,8 +302,10 @@ class FakeUpstream:
         *,
         port: int = 0,
         behaviour: Behaviour | None = None,
+        h2: bool = False,
     ) -> None:
         self.tls = tls
+        self.h2 = h2
         self.certs = certs
         self.behaviour = behaviour or Behaviour()
         self.port = port
@@ -326,7 +341,8 @@ class FakeUpstream:
         return self
 
     async def _listen(self) -> asyncio.Server:
-        ssl_context = self.certs.server_context() if self.certs and self.tls else None
+        alpn = ("h2", "http/1.1") if self.h2 else ("http/1.1",)
+        ssl_context = self.certs.server_context(alpn) if self.certs and self.tls else None
         return await asyncio.start_server(
             self._serve_connection, "127.0.0.1", self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
         )
@@ -458,6 +474,14 @@ class FakeUpstream:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn_id = next(self._conn_ids)
+        tls = writer.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() == "h2":
+            self._count_connection(+1)
+            try:
+                await serve_h2(reader, writer, functools.partial(self._respond_h2, conn_id))
+            finally:
+                self._count_connection(-1)
+            return
         inbound = Inbound(reader)
         self._count_connection(+1)
         try:
@@ -531,6 +555,38 @@ class FakeUpstream:
         self._finish(sent, watch, outcome)
         return keep_alive and outcome == "complete"
 
+    async def _respond_h2(self, conn_id: int, side: ServerSide, sid: int, stream: UpstreamStream) -> None:
+        """One HTTP/2 request, answered as `_respond` answers HTTP/1 (the knobs HTTP/2 has)."""
+        headers = tuple((name, value) for name, value in stream.headers.items() if not name.startswith(":"))
+        body = bytes(stream.body)
+        received = Received(stream.headers[":method"], stream.headers[":path"], headers, body, conn_id, False, time.time())
+        sent = Sent(received)
+        with self._changed:
+            self._received.append(received)
+            self._sent.append(sent)
+        try:
+            behaviour = self.behaviour.overridden_by(headers)
+            reply = build_reply(received.method, received.path, body, answer_pieces(behaviour.chunks),
+                                behaviour.status, behaviour.error_body)
+        except ValueError as exc:
+            behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
+        await sleep_ms(behaviour.head_delay_ms)
+        side.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
+        with self._changed:
+            sent.status = reply.status
+        for index, chunk in enumerate(reply.chunks):
+            await sleep_ms(behaviour.wait_before(index, reply, body))
+            await side.send_data(sid, chunk)
+            with self._changed:
+                sent.body += chunk
+                sent.chunks_sent += 1
+                if index == reply.first_token_chunk:
+                    sent.first_token_at = time.time()
+        side.end_stream(sid)
+        with self._changed:
+            sent.outcome = "complete"
+            self._changed.notify_all()
+
     async def _serve_socket(
         self, conn_id: int, head: RequestHead, behaviour: Behaviour, sent: Sent, inbound: Inbound,
         writer: asyncio.StreamWriter,
@@ -598,10 +654,7 @@ class FakeUpstream:
                 await self._stall_release.wait()
             if index == len(wire_chunks):
                 break
-            if index == reply.first_token_chunk:
-                await sleep_ms(behaviour.prefill_for(body))
-            elif index > 0:
-                await sleep_ms(behaviour.gap_ms)
+            await sleep_ms(behaviour.wait_before(index, reply, body))
             await watch.pass_gate(index)
             payload = wire_chunks[index]
             writer.write(_chunk_frame(payload) if reply.streamed else payload)
@@ -664,6 +717,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.fakes.upstream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a test certificate")
+    parser.add_argument("--h2", action="store_true", help="with --tls: offer HTTP/2 too (ALPN h2, http/1.1)")
     parser.add_argument(
         "--certs-dir", help="with --tls: write ca.pem/cert.pem/key.pem here, so clients can trust ca.pem"
     )
@@ -677,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    with FakeUpstream(tls=args.tls, certs=certs, port=args.port, behaviour=Behaviour(**knobs)) as fake:
+    with FakeUpstream(tls=args.tls, certs=certs, port=args.port, behaviour=Behaviour(**knobs), h2=args.h2) as fake:
         print(f"listening {fake.base_url}", flush=True)
         stop.wait()
 
