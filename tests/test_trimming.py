@@ -278,13 +278,23 @@ def test_every_model_in_use_has_a_window():
 
 def test_budget_window_minus_reserved_output():
     windows = trimming.ContextWindows()
-    assert trimming.budget_for("gpt-4o-2024-08-06", {"max_tokens": 1000}, windows=windows) == Budget(127_000, "window")
-    assert trimming.budget_for("gpt-4o", {"max_completion_tokens": 2000}, windows=windows) == Budget(126_000, "window")
-    assert trimming.budget_for("gpt-4.1-mini", {"max_output_tokens": 1}, windows=windows).tokens == 1_047_575
-    assert trimming.budget_for("gpt-4o", {"max_tokens": True}, windows=windows).tokens == 128_000 - 4096
-    assert trimming.budget_for("gpt-4", {"max_tokens": 10_000}, windows=windows) == Budget(0, "window")
-    assert trimming.budget_for("gpt-5.1-codex", {}, windows=windows).tokens == 272_000  # its input limit
-    assert trimming.budget_for("claude-opus-4-6", {"max_tokens": 64_000}, windows=windows).tokens == 136_000
+    assert trimming.budget_for("gpt-4o-2024-08-06", 1000, windows=windows) == Budget(127_000, "window")
+    assert trimming.budget_for("gpt-4.1-mini", 1, windows=windows).tokens == 1_047_575
+    assert trimming.budget_for("gpt-4o", None, windows=windows).tokens == 128_000 - 4096
+    assert trimming.budget_for("gpt-4", 10_000, windows=windows) == Budget(0, "window")
+    assert trimming.budget_for("gpt-5.1-codex", None, windows=windows).tokens == 272_000  # its input limit
+    assert trimming.budget_for("claude-opus-4-6", 64_000, windows=windows).tokens == 136_000
+
+
+def test_the_answers_cap_is_read_from_each_apis_own_field():
+    assert trimming.max_output(CHAT, {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
+    assert trimming.max_output(CHAT, {"max_tokens": 1000}) == 1000  # the older name
+    assert trimming.max_output(RESPONSES, {"max_output_tokens": 1}) == 1
+    assert trimming.max_output(RESPONSES, {"max_tokens": 1000}) is None  # not this API's field
+    assert trimming.max_output(ANTHROPIC, {"max_tokens": 64_000}) == 64_000
+    assert trimming.max_output(CHAT, {"max_tokens": True}) is None and trimming.max_output(CHAT, {"max_tokens": 0}) is None
+    assert trimming.max_output(CHAT, ["not", "a", "body"]) is None
+    assert trimming.max_output(apis.GEMINI, {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
 
 
 def test_long_context_header_opens_the_1m_window():
@@ -292,16 +302,16 @@ def test_long_context_header_opens_the_1m_window():
     beta = "interleaved-thinking-2025-05-14, context-1m-2025-08-07"
     assert trimming.long_context(ANTHROPIC, beta) and not trimming.long_context(ANTHROPIC, "interleaved-thinking-2025-05-14")
     assert not trimming.long_context(CHAT, beta)
-    budget = trimming.budget_for("claude-sonnet-4-5", {"max_tokens": 64_000}, windows=windows, long_context=True)
+    budget = trimming.budget_for("claude-sonnet-4-5", 64_000, windows=windows, long_context=True)
     assert budget == Budget(936_000, "window")
-    assert trimming.budget_for("gpt-4o", {}, windows=windows, long_context=True).tokens == 128_000 - 4096
+    assert trimming.budget_for("gpt-4o", None, windows=windows, long_context=True).tokens == 128_000 - 4096
 
 
 def test_budget_user_and_unknown_models():
     windows = trimming.ContextWindows()
-    assert trimming.budget_for("gpt-4o", {}, windows=windows, user_max=32_000) == Budget(32_000, "user")
-    assert trimming.budget_for("llama-3", {}, windows=windows, user_max=5) == Budget(5, "user")
-    assert trimming.budget_for("llama-3", {}, windows=windows) is None
+    assert trimming.budget_for("gpt-4o", None, windows=windows, user_max=32_000) == Budget(32_000, "user")
+    assert trimming.budget_for("llama-3", None, windows=windows, user_max=5) == Budget(5, "user")
+    assert trimming.budget_for("llama-3", None, windows=windows) is None
 
 
 def test_context_window_overrides():

@@ -108,6 +108,7 @@ class MessagesShape(Shape):
     fixed_keys = ("system", "tools")
     text_part_type = "text"
     image_part_types = frozenset({"image", "document"})
+    max_output_keys = ("max_tokens",)
 
     def long_context(self, anthropic_beta: str | None) -> bool:
         # Claude's 1M window: `anthropic-beta: context-1m-2025-08-07`

@@ -105,6 +105,7 @@ class ChatShape(Shape):
     fixed_keys = ("tools", "functions")
     text_part_type = "text"
     image_part_types = frozenset({"image_url", "input_audio", "file"})
+    max_output_keys = ("max_completion_tokens", "max_tokens")  # max_tokens: the older name
 
     def problem(self, item: Any) -> str | None:
         if problem := super().problem(item):

@@ -123,6 +123,7 @@ class ResponsesShape(Shape):
     fixed_keys = ("instructions", "tools")
     text_part_type = "input_text"
     image_part_types = frozenset({"input_image", "input_file"})
+    max_output_keys = ("max_output_tokens",)
 
     _SHRUNK_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
     """Outputs whose `output` is text (or content parts) the model read; others (e.g. a

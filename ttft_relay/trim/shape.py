@@ -73,10 +73,20 @@ class Shape:
     text_part_type: str
     """Content part type of plain text (notice, image placeholders)."""
     image_part_types: frozenset[str]
+    max_output_keys: tuple[str, ...]
+    """Body keys that cap the answer's tokens, the first one set counting."""
 
     def items(self, body: dict) -> Any:
         """The body's conversation list (anything else when it is malformed)."""
         return body.get(self.items_key)
+
+    def max_output(self, body: dict) -> int | None:
+        """The cap on the answer's tokens the request sets, if it sets one."""
+        for key in self.max_output_keys:
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
 
     def long_context(self, anthropic_beta: str | None) -> bool:
         """The request opens a longer context window than the model's default."""

@@ -157,7 +157,7 @@ class Trim:
             return
         budget = trimming.budget_for(
             st.model,
-            st.request_json,
+            trimming.max_output(st.api, st.request_json),
             windows=self.windows,
             user_max=ctx.options.relay_trim_max_tokens,
             default_reserve=ctx.options.relay_trim_reserve_tokens,

@@ -124,9 +124,6 @@ for the record, up to this many tokens."""
 
 NOTICE = "[ttft-relay: {n} earlier turns of this conversation were left out to fit the context budget]"
 
-_MAX_OUTPUT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
-
-
 class TokenCounter(Protocol):
     """What `trim` needs to count tokens (`tokens.Counter`, or a fake in tests)."""
 
@@ -171,6 +168,12 @@ def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
     return table
 
 
+def max_output(api: str, body: Any) -> int | None:
+    """The cap on the answer's tokens the request sets in its API's field, if it sets one."""
+    shape = apis.get(api).trim_shape
+    return shape.max_output(body) if shape is not None and isinstance(body, dict) else None
+
+
 def long_context(api: str, anthropic_beta: str | None) -> bool:
     """The request opens the model's long window (Claude's 1M: `anthropic-beta: context-1m-…`)."""
     shape = apis.get(api).trim_shape
@@ -187,34 +190,26 @@ class Budget:
 
 def budget_for(
     model: str | None,
-    body: Any,
+    max_output: int | None,
     *,
     windows: ContextWindows,
     user_max: int = 0,
     default_reserve: int = DEFAULT_RESERVE_TOKENS,
     long_context: bool = False,
 ) -> Budget | None:
-    """The smallest of (context window - reserved output), the model's input limit and
-    `user_max` (0 = none). None when none applies (unknown model, no user budget)."""
+    """The smallest of (context window - reserved output: the request's `max_output`, else
+    `default_reserve`), the model's input limit and `user_max` (0 = none). None when none
+    applies (unknown model, no user budget)."""
     candidates = []
     window = windows.lookup(model, long_context=long_context)
     if window is not None:
-        room = max(window - _reserved_output(body, default_reserve), 0)
+        room = max(window - (max_output or default_reserve), 0)
         if (max_input := longest_prefix(MAX_INPUT_TOKENS, model)) is not None:
             room = min(room, max_input)
         candidates.append(Budget(room, "window"))
     if user_max > 0:
         candidates.append(Budget(user_max, "user"))
     return min(candidates, key=lambda b: b.tokens, default=None)
-
-
-def _reserved_output(body: Any, default: int) -> int:
-    if isinstance(body, dict):
-        for key in _MAX_OUTPUT_KEYS:
-            value = body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return default
 
 
 # --- conversation layout ---------------------------------------------------------------
