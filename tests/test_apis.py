@@ -34,6 +34,8 @@ PART_CHECKS = {
     "matches": callable,
     "model_and_stream": callable,
     "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
+    "key_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
+    "key_params": lambda v: isinstance(v, tuple) and all(isinstance(p, str) for p in v),
     "websocket_turns": lambda v: v is None or isinstance(v, Turns) and all(
         callable(getattr(v, f.name)) for f in dataclasses.fields(Turns)
     ),
@@ -114,3 +116,10 @@ def test_typed_events_are_recognised_before_chat_chunks():
     assert sse.detect_api([sse.Event("response.created", created)]) == apis.OPENAI_RESPONSES
     chunk = orjson.dumps({"object": "chat.completion.chunk", "choices": [{"delta": {"content": "hi"}}]})
     assert sse.detect_api([sse.Event("", chunk)]) == apis.OPENAI_CHAT
+
+
+def test_the_places_of_api_keys_come_from_every_api():
+    # Where the guard looks for a relay key and swaps in the upstream's (guard.presented_credentials).
+    assert set(apis.KEY_HEADERS) == {"authorization", "x-api-key", "api-key", "x-goog-api-key"}
+    assert apis.KEY_PARAMS == ("key",)  # Gemini's ?key=
+    assert apis.get(apis.ANTHROPIC_MESSAGES).key_headers == ("x-api-key", "authorization")

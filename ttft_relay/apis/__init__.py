@@ -1,11 +1,12 @@
 """The APIs the relay understands: one module each, everything it knows about that API.
 
 Each module ends in an `API` record (`api.Api`): its path match and part of the default
-scope, where its model and stream flag are, its stream reader, its trim shape, its
-WebSocket turns, its error format, its metric names and its diagnose probe. The other
-floors ask this registry and hold no list of APIs of their own: scope finds a request's
-API here, the SSE watcher its reader, the trimmer its shape, websocket its turns, faults
-and guard its error format, metrics its names, diagnose its probe. Adding an API is
+scope, where its model and stream flag are, where its clients put their key, its stream
+reader, its trim shape, its WebSocket turns, its error format, its metric names and its
+diagnose probe. The other floors ask this registry and hold no list of APIs of their
+own: scope finds a request's API here, the SSE watcher its reader, the trimmer its shape
+(and the answer's token cap), websocket its turns, faults and guard its error format,
+guard where keys travel, metrics its names, diagnose its probe. Adding an API is
 adding a module and listing it in `ALL` (`tests/test_apis.py` fails for a module that
 is not listed or lacks a part).
 """
@@ -55,6 +56,12 @@ def for_path(path: str) -> Api:
     in, whatever prefix the provider puts in front of it."""
     path = path.split("?", 1)[0].rstrip("/")
     return next((api for api in ALL if api.matches(path)), OTHER_API)
+
+
+KEY_HEADERS = tuple(dict.fromkeys(h for api in ALL for h in api.key_headers))
+"""Every request header some API's clients put their key in."""
+KEY_PARAMS = tuple(dict.fromkeys(p for api in ALL for p in api.key_params))
+"""Every query parameter some API's clients put their key in."""
 
 
 def for_refusal(path: str, headers: Mapping[str, str]) -> Api:

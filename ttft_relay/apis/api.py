@@ -118,6 +118,11 @@ class Api:
     client_headers: tuple[str, ...]
     """Request headers only this API's clients send: before scope has read a path, the
     guard answers a refusal in this API's error format when one is present."""
+    key_headers: tuple[str, ...]
+    """Request headers its clients put their API key in (`authorization` as a Bearer
+    token, the others bare): where the guard looks for a relay key and puts the upstream's."""
+    key_params: tuple[str, ...]
+    """Query parameters its clients may put their API key in instead."""
     websocket_turns: Turns | None
     """How its WebSocket's turns start, each timed like a request; None: its sockets only pass."""
     trim_shape: Shape | None

@@ -64,11 +64,8 @@ SECRET_HEADER_NAME = re.compile(r"authorization|cookie|(^|[-_])(api[-_]?key|key|
 (`x-api-key`, `api-key`, `x-goog-api-key`, `openai-api-key`, `x-auth-token`, ...)."""
 SECRET_PARAM_NAME = re.compile(r"(api[-_]?)?key|(access[-_])?token", re.I)
 """Query parameters redacted in any case: `?key=`, `?KEY=`, `?api_key=`, `?access_token=`."""
-CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
-"""Where API clients put their key: OpenAI and Anthropic (Bearer), Anthropic, Azure, Gemini."""
-KEY_PARAM = "key"
-"""Gemini's `?key=` query parameter, the one credential that travels in the URL."""
-QUERY_SLOT = "?" + KEY_PARAM
+QUERY_SLOT = "?"
+"""Leads a credential's slot that is a query parameter (`?key`); other slots are header names."""
 
 DEFAULT_UPSTREAM_KEYS = [
     "api.openai.com=env:OPENAI_API_KEY",
@@ -303,16 +300,18 @@ def reverse_upstream_hosts(modes: Sequence[str]) -> set[str]:
 
 
 def presented_credentials(request: http.Request) -> dict[str, str]:
-    """{slot: credential} for each place the request carries one: a header name, or
-    QUERY_SLOT. A Bearer token counts without its scheme; other schemes count whole
-    (and so never match a relay key)."""
+    """{slot: credential} for each place some API's clients put their key in
+    (`apis.KEY_HEADERS`, `apis.KEY_PARAMS`) and the request carries one: a header name,
+    or QUERY_SLOT and a parameter's. A Bearer token counts without its scheme; other
+    schemes count whole (and so never match a relay key)."""
     found = {}
-    for name in CREDENTIAL_HEADERS:
+    for name in apis.KEY_HEADERS:
         if (value := request.headers.get(name)) is not None:
             scheme, _, token = value.partition(" ")
             found[name] = token.strip() if name == "authorization" and scheme.lower() == "bearer" else value
-    if KEY_PARAM in request.query:
-        found[QUERY_SLOT] = request.query[KEY_PARAM]
+    for param in apis.KEY_PARAMS:
+        if param in request.query:
+            found[QUERY_SLOT + param] = request.query[param]
     return found
 
 
@@ -334,8 +333,8 @@ def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: 
     """Put the upstream key where the client put its relay key, in the same form:
     each SDK already presents keys the way its API expects them."""
     for slot in slots:
-        if slot == QUERY_SLOT:
-            request.query[KEY_PARAM] = upstream_key
+        if slot.startswith(QUERY_SLOT):
+            request.query[slot.removeprefix(QUERY_SLOT)] = upstream_key
         elif slot == "authorization":
             request.headers[slot] = f"Bearer {upstream_key}"
         else:
