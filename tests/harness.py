@@ -208,7 +208,7 @@ class RelayWorkers:
         options = {"confdir": tmp, "relay_timing_log": tmp / "timing-n.jsonl",
                    "relay_metrics_listen": "127.0.0.1:0", "flow_detail": 0, **(options or {})}
         for name, value in options.items():
-            args += ["--set", f"{name}={value}"]
+            args += ["--set", f"{name}={option_text(value)}"]
         self.args = args
         self.proc: subprocess.Popen[str] | None = None
 

@@ -5,6 +5,7 @@ themselves belong to the benchmark, not to a test)."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,9 +14,16 @@ import pytest
 from tests.harness import REPO
 
 
-@pytest.mark.parametrize("extra, setups", [([], "direct,floor,bare,relay-1"), (["--tls"], "direct,bare,relay-1"),
-                                           (["--h2", "--variant", "h2:http2=true"], "direct,bare,relay-1")],
-                         ids=["plain", "tls", "h2"])
+HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
+                             reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+
+
+@pytest.mark.parametrize("extra, setups", [
+    ([], "direct,floor,bare,relay-1"),
+    (["--tls"], "direct,bare,relay-1"),
+    (["--h2", "--variant", "h2:http2=true"], "direct,bare,relay-1"),
+    pytest.param(["--workers", "2"], "direct,relay-N", marks=HAPROXY),
+], ids=["plain", "tls", "h2", "workers"])
 def test_a_short_run(extra, setups):
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",
@@ -25,9 +33,9 @@ def test_a_short_run(extra, setups):
     table = out.stdout.split("highest rate sustained")[0]
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+5 (\S+) .*$", table, re.M)}
     variants = {"layer", *(["h2"] if "--h2" in extra else [])}
-    assert set(rows) == {*setups.split(","), *variants}, out.stdout
+    assert set(rows) == {*setups.replace("relay-N", "relay-2").split(","), *variants}, out.stdout
     for name, row in rows.items():
         assert re.search(r"ms\s+0\s+5\s", row), row  # no failures, 5 streams
-        assert name == "direct" or re.search(r"all \d+$", row), row
+        assert name == "direct" or re.search(r"all \d+(, per worker \d+(, \w+ \d+)+)?$", row), row
     if "--h2" in extra:  # the relay answers HTTP/1.1 to clients offering h2, unless told otherwise
         assert "direct h2 5; bare h2 5; relay-1 http/1.1 5; layer http/1.1 5; h2 h2 5" in out.stdout, out.stdout
