@@ -11,10 +11,11 @@ tests/test_agents_e2e.py (installed from npm on first use, skipped without npm).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from ttft_relay import apis, config
+from ttft_relay import apis
 from ttft_relay.workers import free_port
 from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
 from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
@@ -37,15 +38,16 @@ def agent_fake() -> Iterator[FakeUpstream]:
         yield upstream
 
 
-def start_vps_relay(agent_fake, start_relay, certs, monkeypatch, **options) -> tuple[MitmdumpProcess, str]:
-    """The relay as on a VPS, with the relay's defaults for mitmproxy's options (as its
-    command starts it); returns it and its base URL."""
+def start_vps_relay(agent_fake, start_relay, certs, monkeypatch, relay_conf: Path | None = None,
+                    **options) -> tuple[MitmdumpProcess, str]:
+    """The relay as on a VPS; with `relay_conf`, started by its command (`ttft-relay run`,
+    that file as its mitm.conf). Returns it and its base URL."""
     monkeypatch.setenv("RELAY_TEST_KEYS", RELAY_KEY)
     monkeypatch.setenv("UPSTREAM_TEST_KEY", UPSTREAM_KEY)
     port = free_port()
     relay = start_relay(f"reverse:{agent_fake.base_url}@{port}", relay_client_tls="all",
                         certs=f"localhost={certs.cert_and_key_pem}", relay_access_keys="env:RELAY_TEST_KEYS",
-                        relay_upstream_keys="127.0.0.1=env:UPSTREAM_TEST_KEY", **{**config.MITMPROXY_DEFAULTS, **options})
+                        relay_upstream_keys="127.0.0.1=env:UPSTREAM_TEST_KEY", relay_conf=relay_conf, **options)
     relay.wait_for_output("tokenizer ready")
     return relay, f"https://localhost:{port}"
 
@@ -78,18 +80,23 @@ def test_codex_over_tls_with_a_relay_key(clis, agent_fake, vps_relay, certs, tmp
     assert _upstream_credentials(agent_fake) == {f"Bearer {UPSTREAM_KEY}"}  # never the relay key
 
 
-@pytest.mark.parametrize("http2", [False, True], ids=["relay-defaults", "http2-on"])
+@pytest.mark.parametrize("http2", [None, True], ids=["relay-defaults", "http2-on"])
 def test_codex_http_over_tls_takes_http1_and_the_direct_reads(http2, clis, agent_fake, start_relay, certs,
                                                               monkeypatch, tmp_path):
-    """Codex's HTTP fallback offers h2 first. The relay, as it starts, answers it HTTP/1.1 and its
-    stream goes socket to socket (the splice's direct reads); mitmproxy's default would take
-    h2 and carry every event through its h2 layers."""
-    relay, url = start_vps_relay(agent_fake, start_relay, certs, monkeypatch, termlog_verbosity="debug",
-                                 http2=http2)
+    """Codex's HTTP fallback offers h2 first. The relay as its command starts it answers it
+    HTTP/1.1 and its stream goes socket to socket (the splice's direct reads); with
+    mitmproxy's default (`http2: true`) it takes h2 and every event goes through the h2 layers."""
+    conf = tmp_path / "mitm.conf"
+    conf.write_text("# nothing: the relay's own defaults\n" if http2 is None else "http2: true\n")
+    relay, url = start_vps_relay(agent_fake, start_relay, certs, monkeypatch, relay_conf=conf,
+                                 termlog_verbosity="debug", relay_metrics_listen="127.0.0.1:0")
     ask_codex(clis, url, certs, tmp_path, websockets=False)
-    assert not agent_fake.sockets and agent_fake.received, "codex did not use HTTP"
-    # The request's console line comes after any direct-reads line of its body.
-    relay.wait_for_lines(rf"{apis.OPENAI_RESPONSES} .* ttft", len(agent_fake.received))
+    asked = [r for r in agent_fake.received if r.path.split("?")[0].endswith("/responses")]
+    assert not agent_fake.sockets and asked, "codex did not use HTTP"
+    # mitmproxy's line of each flow names a version other than HTTP/1.1
+    assert relay.wait_for_lines(r"POST \S+/responses" + (r" HTTP/2\.0$" if http2 else "$"), len(asked))
+    # The requests' console lines come after any direct-reads line of their bodies.
+    relay.wait_for_lines(rf"{apis.OPENAI_RESPONSES} .* ttft", len(asked))
     direct = relay.wait_for_lines(r"direct reads of .* end: bytes for h11", 0)
     assert bool(direct) == (not http2), relay.text()
 
