@@ -24,6 +24,7 @@ import pytest
 from tests import sse_samples
 from tests.fakes import Behaviour, DelayingForwarder, FakeUpstream, TestCerts, answer_pieces, answer_text
 from tests.fakes.client import HttpConnection, request, slow_upload, stream_post
+from tests.fakes.h2_wire import H2Client
 from tests.fakes.upstream import main as upstream_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,6 +182,32 @@ def test_sdk_over_tls_trusting_the_test_ca(certs: TestCerts) -> None:
         client = openai_client(fake, http_client=httpx2.Client(verify=certs.client_context()))
         stream = client.chat.completions.create(model="m", messages=[], stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer_text(5)
+
+
+def test_over_http2_the_fake_answers_as_over_http1(certs: TestCerts) -> None:
+    """With `h2` it offers HTTP/2 as the APIs do: the same events, one DATA frame each; a
+    knob only HTTP/1 has is refused, not ignored; a stream the client resets is recorded so."""
+    body = json.dumps(CHAT_STREAM).encode()
+    head = [("content-type", "application/json")]
+    with FakeUpstream(tls=True, certs=certs, h2=True) as fake:
+        connection, response = request("POST", fake.base_url + CHAT, body, {"x-fake-chunks": "3"}, ca=certs.ca_pem)
+        with connection:
+            over_http1 = response.read()
+        with H2Client(fake.port, certs.ca_pem) as client:
+            answered = client.request("POST", CHAT, [*head, ("x-fake-chunks", "3")], body)
+            refused = client.request("POST", CHAT, [*head, ("x-fake-gzip", "true")], body)
+            held = client.request("POST", CHAT, [*head, ("x-fake-prefill-ms", "60000")], body)
+            client.flush()
+            streams = client.streams
+            client.pump(lambda: streams[answered].over and streams[refused].over and streams[held].status == 200, WAIT)
+            client.reset(held)
+            client.flush()
+            assert fake.wait_finished(4, WAIT)
+    assert streams[answered].status == 200 and bytes(streams[answered].body) == over_http1
+    assert over_http1.count(b"data:") > 3 and [s.outcome for s in fake.sent] == [
+        "complete", "complete", "complete", "client_closed"]
+    assert streams[refused].status == 400 and b"HTTP/1 only: gzip" in streams[refused].body
+    assert [r.path for r in fake.received] == [CHAT] * 4 and fake.received[1].body == body
 
 
 # --- knobs ------------------------------------------------------------------------

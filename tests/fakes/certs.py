@@ -65,7 +65,7 @@ class TestCerts:
         return certs
 
     def server_context(self, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl.SSLContext:
-        """A server-side context presenting the localhost certificate, offering `alpn` (HTTP/1.1 only)."""
+        """A server-side context presenting the localhost certificate, offering `alpn` (default: HTTP/1.1 only)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.cert_pem, self.key_pem)
         context.set_alpn_protocols(list(alpn))

@@ -255,7 +255,7 @@ class ServerSide:
     a_reset: asyncio.Event = field(default_factory=asyncio.Event)
     """Set at the first stream reset on the connection."""
     window_opened: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set at each WINDOW_UPDATE from the peer."""
+    """Set at each WINDOW_UPDATE or SETTINGS from the peer (either may open windows)."""
 
     def send_headers(self, sid: int, headers: list[tuple[str, str]]) -> None:
         self.conn.send_headers(sid, headers)
@@ -310,8 +310,8 @@ async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r
                     if task := tasks.pop(event.stream_id, None):
                         task.cancel()
                     side.a_reset.set()
-                elif isinstance(event, h2.events.WindowUpdated):
-                    side.window_opened.set()
+                elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+                    side.window_opened.set()  # a WINDOW_UPDATE, or a larger initial window
                 changed()
             writer.write(conn.data_to_send())
     except (ConnectionError, h2.exceptions.ProtocolError):

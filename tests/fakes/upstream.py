@@ -1,4 +1,4 @@
-"""`FakeUpstream`: an OpenAI / Anthropic / Gemini look-alike HTTP/1.1 server for tests and benchmarks.
+"""`FakeUpstream`: an OpenAI / Anthropic / Gemini look-alike HTTP/1.1 (and HTTP/2) server for tests and benchmarks.
 
 It runs on its own event loop in a background thread, so synchronous tests can
 use it, and speaks the real wire formats (bodies from `tests/sse_samples.py`) well
@@ -131,6 +131,13 @@ class Behaviour:
         if index == reply.first_token_chunk:
             return self.prefill_for(request_body)
         return self.gap_ms if index > 0 else 0
+
+
+KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
+H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens", "gap_ms", "chunks", "status",
+                      "error_body"})
+"""The knobs the fake's HTTP/2 answers have; the others are HTTP/1's."""
+assert H2_KNOBS <= KNOB_DEFAULTS.keys()
 
 
 def decode_request_body(headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
@@ -556,7 +563,8 @@ class FakeUpstream:
         return keep_alive and outcome == "complete"
 
     async def _respond_h2(self, conn_id: int, side: ServerSide, sid: int, stream: UpstreamStream) -> None:
-        """One HTTP/2 request, answered as `_respond` answers HTTP/1 (the knobs HTTP/2 has)."""
+        """One HTTP/2 request, answered as `_respond` answers HTTP/1 where HTTP/2 has the knob
+        (`H2_KNOBS`); a knob it has not is answered with 400, never ignored."""
         headers = tuple((name, value) for name, value in stream.headers.items() if not name.startswith(":"))
         body = bytes(stream.body)
         received = Received(stream.headers[":method"], stream.headers[":path"], headers, body, conn_id, False, time.time())
@@ -564,28 +572,40 @@ class FakeUpstream:
         with self._changed:
             self._received.append(received)
             self._sent.append(sent)
+            self._changed.notify_all()
         try:
             behaviour = self.behaviour.overridden_by(headers)
-            reply = build_reply(received.method, received.path, body, answer_pieces(behaviour.chunks),
-                                behaviour.status, behaviour.error_body)
+            if http1_only := [k for k in KNOB_DEFAULTS if k not in H2_KNOBS
+                              and getattr(behaviour, k) != KNOB_DEFAULTS[k]]:
+                raise ValueError(f"HTTP/1 only: {', '.join(http1_only)}")
+            reply = build_reply(received.method, received.path, decode_request_body(headers, body),
+                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body)
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
-        await sleep_ms(behaviour.head_delay_ms)
-        side.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
-        with self._changed:
-            sent.status = reply.status
-        for index, chunk in enumerate(reply.chunks):
-            await sleep_ms(behaviour.wait_before(index, reply, body))
-            await side.send_data(sid, chunk)
+        outcome = "stopped"
+        try:
+            await sleep_ms(behaviour.head_delay_ms)
+            side.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
             with self._changed:
-                sent.body += chunk
-                sent.chunks_sent += 1
-                if index == reply.first_token_chunk:
-                    sent.first_token_at = time.time()
-        side.end_stream(sid)
-        with self._changed:
-            sent.outcome = "complete"
-            self._changed.notify_all()
+                sent.status = reply.status
+            for index, chunk in enumerate(reply.chunks):
+                await sleep_ms(behaviour.wait_before(index, reply, body))
+                await side.send_data(sid, chunk)
+                with self._changed:
+                    sent.body += chunk
+                    sent.chunks_sent += 1
+                    if index == reply.first_token_chunk:
+                        sent.first_token_at = time.time()
+                    self._changed.notify_all()
+            side.end_stream(sid)
+            outcome = "complete"
+        except asyncio.CancelledError:
+            outcome = "client_closed"  # its stream reset, or the connection gone
+            raise
+        finally:
+            with self._changed:
+                sent.outcome = outcome
+                self._changed.notify_all()
 
     async def _serve_socket(
         self, conn_id: int, head: RequestHead, behaviour: Behaviour, sent: Sent, inbound: Inbound,
