@@ -116,7 +116,9 @@ class Relays:
 
     `start("reverse:http://127.0.0.1:PORT@0", relay_trim=False, ...)`: modes as positional
     arguments, options as keywords. Upstream TLS is verified against the test CA. The
-    timing log goes to `log_for()`.
+    timing log goes to `log_for()`. The relay starts as its command starts it, with the
+    relay's defaults for mitmproxy's options (`config.MITMPROXY_DEFAULTS`: HTTP/1.1 only;
+    an HTTP/2 test sets `http2=True`).
     """
 
     def __init__(self, confdir: Path, certs: TestCerts, log_for: Callable[[int], Path]) -> None:
@@ -125,9 +127,13 @@ class Relays:
 
     def start(self, *modes: str, script: Path | None | str = "relay", relay_conf: Path | None = None,
               **options: object) -> MitmdumpProcess:
+        from ttft_relay import config  # here: it loads mitmproxy's addons, which the fakes need not
+
         opts: dict[str, object] = {"ssl_verify_upstream_trusted_ca": self.certs.ca_pem}
         kwargs = {}
         if script == "relay":
+            if relay_conf is None:  # as its command starts it (which does this itself)
+                opts.update(config.MITMPROXY_DEFAULTS)
             opts["relay_timing_log"] = self.log_for(len(self.started))
         else:
             kwargs["script"] = script

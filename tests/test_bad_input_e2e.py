@@ -174,7 +174,7 @@ def test_garbage_instead_of_http_leaves_the_relay_serving(fake, shared_relay, ri
 def test_an_http2_client(fake, shared_relay, rid):
     """HTTP/2 (negotiated with ALPN over TLS to the relay's reverse listener): streamed
     answers, and an upstream failure answered in the API's format on the h2 stream."""
-    relay = shared_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake), http2=True)
     url = f"https://127.0.0.1:{relay.port}{CHAT}"
     mine = {**AUTH, "x-request-id": rid}
     with httpx2.Client(http2=True, verify=ssl.create_default_context(cafile=relay.ca_pem), timeout=WAIT) as h2:

@@ -41,7 +41,8 @@ def test_a_relay_whose_addon_raises(start_relay):
 def run_inner(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(source)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), *args, str(tmp_path / "test_inner.py")],
+                           "-c", str(REPO / "pytest.ini"), "--rootdir", str(tmp_path), *args,
+                           str(tmp_path / "test_inner.py")],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TTFT_TEST_LEFTOVER_GRACE_S": "1"})
 

@@ -6,6 +6,7 @@ a request refused on its head has its stream reset instead of its body read; a
 CONTINUATION flood is cut off.
 
 Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
+Every relay here has `http2: true` (the relay's default is HTTP/1.1 to clients).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def h2_upstream(certs):
 
 
 def test_a_rapid_reset_gets_goaway_and_costs_the_upstream_nothing(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), relay_h2_max_resets=100)
+    relay = start_relay(reverse_to(fake), http2=True, relay_h2_max_resets=100)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         # 2000 requests, each reset at once, in one write: the attack of CVE-2023-44487.
         for _ in range(2000):
@@ -64,7 +65,7 @@ def records(tmp_path) -> list[dict]:
 
 
 def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+    relay = start_relay(reverse_to(fake), http2=True)
     fake.behaviour.stall_after_chunks = 1
     with H2Client(relay.port, relay.ca_pem) as h2c:
         sid = h2c.request("POST", CHAT, JSON, STREAMED)
@@ -80,7 +81,7 @@ def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, t
 
 
 def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream, start_relay, tmp_path):
-    relay = start_relay(reverse_to(h2_upstream), relay_idle_timeout=1)
+    relay = start_relay(reverse_to(h2_upstream), http2=True, relay_idle_timeout=1)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         stalled = h2c.request("POST", CHAT, [*JSON, ("x-fake-stall-after-chunks", "2")], STREAMED)
         # The sibling sends the rest of its answer only once the stalled stream is reset
@@ -102,7 +103,7 @@ def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream
 
 
 def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+    relay = start_relay(reverse_to(fake), http2=True)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         # HTTP/2 needs no Content-Length; HTTP/1 does (mitmproxy sent none: the upstream
         # read an empty body, then the body as the start of another request).
@@ -118,7 +119,7 @@ def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, start_rel
 
 def test_a_request_refused_on_its_head_has_its_stream_reset_not_its_body_read(fake, start_relay, keys_file,  # noqa: F811
                                                                                tmp_path):
-    relay = keyed(start_relay, reverse_to(fake), keys_file)
+    relay = keyed(start_relay, reverse_to(fake), keys_file, http2=True)
     announced = 64 << 20
     with H2Client(relay.port, relay.ca_pem) as h2c:
         refused = h2c.request("POST", CHAT, [("content-type", "application/json"), ("content-length", str(announced))],
@@ -145,7 +146,7 @@ def test_a_continuation_flood_is_cut_off(fake, start_relay):
     # CVE-2024-27316 and kin: a header block that never ends, CONTINUATION after
     # CONTINUATION. h2 takes at most 64 of them (with mitmproxy's 128 KiB frames at
     # most 8 MiB per connection), then the connection closes.
-    relay = start_relay(reverse_to(fake))
+    relay = start_relay(reverse_to(fake), http2=True)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         head = HeadersFrame(1)
         head.data = hpack.Encoder().encode([(":method", "GET"), (":path", "/v1/models"), (":scheme", "https"),
@@ -168,7 +169,7 @@ def test_a_continuation_flood_is_cut_off(fake, start_relay):
 
 def test_an_http2_client_of_a_keyed_listener_connects_upstream_while_its_body_uploads(h2_upstream, start_relay,
                                                                                       keys_file):  # noqa: F811
-    relay = start_relay(reverse_to(h2_upstream), relay_access_keys=f"file:{keys_file}",
+    relay = start_relay(reverse_to(h2_upstream), http2=True, relay_access_keys=f"file:{keys_file}",
                         relay_upstream_keys="localhost=env:RELAY_TEST_UPSTREAM_KEY")
     with H2Client(relay.port, relay.ca_pem) as h2c:
         sid = h2c.request("POST", CHAT, [*JSON, ("authorization", f"Bearer {RELAY_KEY}")], end_stream=False)
