@@ -4,13 +4,14 @@ The command that starts mitmproxy (`ttft-relay run|web`, `scripts/relay` and eac
 its workers) reads mitm.conf and puts its values on mitmproxy's command line, as
 `--set name=value` ahead of the user's arguments, leaving out every option those
 arguments set; ahead of them, the relay's defaults for mitmproxy's own options
-(`MITMPROXY_DEFAULTS`), which mitm.conf and the command line override. mitmproxy then starts with the merged options: the listeners of
-mitm.conf are bound from its first moment, and the relay's own options (`relay_*`,
-declared later as the addons load) go through mitmproxy's deferred mechanism like any
-other `--set`. mitmproxy's own confdir/config.yaml, where there is one, is applied by
+(`MITMPROXY_DEFAULTS`), which mitm.conf and the command line override. mitmproxy then
+starts with the merged options: the listeners of mitm.conf are bound from its first
+moment, and the relay's own options (`relay_*`, declared later as the addons load) go
+through mitmproxy's deferred mechanism like any other `--set`. mitmproxy's own confdir/config.yaml, where there is one, is applied by
 mitmproxy over `--set` values (its rule), and under its flags (`-p`, `--mode`, ...).
 
-`mitmdump -s "$(ttft-relay addon-path)"` loads the addons without mitm.conf.
+`mitmdump -s "$(ttft-relay addon-path)"` loads the addons without mitm.conf (and without
+`MITMPROXY_DEFAULTS`).
 """
 
 from __future__ import annotations
