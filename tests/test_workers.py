@@ -137,8 +137,16 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         assert run(6) == [200] * 6
         pids = sup.children("mitmdump")
         assert len(pids) == 2 and len(sup.children("haproxy")) == 1
+        # The worker's live gauges (its accept queues), in the shared metrics directory.
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in v)
+        live = Path(environ["PROMETHEUS_MULTIPROC_DIR"]) / f"gauge_livesum_{pids[0]}.db"
+        deadline = time.time() + 10
+        while not live.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert live.exists()
         os.kill(pids[0], signal.SIGKILL)
         sup.wait_for(r"worker \d exited .* out of rotation")
+        assert not live.exists()  # out of the sums: a dead worker's queue is nobody's
         assert run(4) == [200] * 4  # the other worker serves meanwhile
         sup.wait_for(r"worker \d back in rotation", timeout=60)
         assert len(sup.children("mitmdump")) == 2

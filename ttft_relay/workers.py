@@ -389,6 +389,7 @@ class Supervisor:
         if w.restart_at is None and w.exited():
             assert w.proc is not None  # exited() says it ran
             self.haproxy.set_worker_state(w.index, "maint")
+            metrics.forget_process(w.proc.pid, self.metrics_dir)
             w.in_rotation = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause

@@ -160,6 +160,13 @@ class RelayMetrics:
             self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
 
 
+def forget_process(pid: int, path: str | Path) -> None:
+    """A worker gone: its live gauges (its accept queues) leave the sums, which would
+    otherwise hold its last values for ever (prometheus-client's `mark_process_dead`);
+    its counters and histograms stay, as what it did."""
+    multiprocess.mark_process_dead(pid, str(path))
+
+
 def multiprocess_registry(path: str | Path) -> CollectorRegistry:
     """A registry that reads what every process wrote into the multiprocess directory."""
     registry = CollectorRegistry()
