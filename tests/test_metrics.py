@@ -3,6 +3,7 @@ through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
 
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -112,3 +113,22 @@ def test_scrape_during_a_run_matches_the_records(fake, start_relay, tmp_path):
         sum(r["ttft_ms"] for r in ok) / 1000, rel=1e-6)
     out = sum(r["usage"]["output_tokens"] for r in ok)
     assert total(samples, "gen_ai_client_token_usage_sum", gen_ai_token_type="output") == out
+
+
+def test_requests_in_flight_from_their_head_to_their_record(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), relay_metrics_listen="127.0.0.1:0")
+    url = metrics_url(relay)
+    held, resp = client.request("POST", relay.url() + "/v1/chat/completions", CHAT,
+                                {"x-fake-stall-after-chunks": "1"}, timeout=20)
+    with held:
+        next(resp.chunks())  # its head and first event through: begun, not recorded
+        assert total(scrape(url), "ttft_relay_requests_in_flight") == 1
+    conn, resp = client.request("POST", relay.url() + "/v1/chat/completions", CHAT, timeout=20)
+    with conn:
+        resp.read()
+    TimingLog(tmp_path / "timing.jsonl").wait(2)  # the first one's client left, the second one ended: recorded
+    # The gauge goes down as the record leaves for its sinks, by the line in the log.
+    deadline = time.monotonic() + 10
+    while (in_flight := total(scrape(url), "ttft_relay_requests_in_flight")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert in_flight == 0

@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from ttft_relay import workers
+from ttft_relay.timing import metrics
 from tests.conftest import reverse_to
 from tests.fakes import client
 
@@ -137,16 +138,19 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         assert run(6) == [200] * 6
         pids = sup.children("mitmdump")
         assert len(pids) == 2 and len(sup.children("haproxy")) == 1
-        # The worker's live gauges (its accept queues), in the shared metrics directory.
+        # A stream held upstream after its first event, on one of the workers: the one
+        # whose in-flight gauge (in the shared metrics directory) says so is killed.
         environ = dict(v.split("=", 1) for v in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in v)
-        live = Path(environ["PROMETHEUS_MULTIPROC_DIR"]) / f"gauge_livesum_{pids[0]}.db"
-        deadline = time.time() + 10
-        while not live.exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert live.exists()
-        os.kill(pids[0], signal.SIGKILL)
-        sup.wait_for(r"worker \d exited .* out of rotation")
-        assert not live.exists()  # out of the sums: a dead worker's queue is nobody's
+        metrics_dir = Path(environ["PROMETHEUS_MULTIPROC_DIR"])
+        held, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
+                                    {"x-fake-stall-after-chunks": "1"}, timeout=20)
+        with held:
+            next(resp.chunks())
+            [busy] = [pid for pid in pids if metrics.in_flight_of(pid, metrics_dir) == 1]
+            live = metrics_dir / f"gauge_livesum_{busy}.db"
+            os.kill(busy, signal.SIGKILL)
+            sup.wait_for(r"worker \d exited \(-9\) with 1 request\(s\) in flight \(no record of them; .* out of rotation")
+        assert not live.exists()  # its gauges left the sums: a dead worker's queue is nobody's
         assert run(4) == [200] * 4  # the other worker serves meanwhile
         sup.wait_for(r"worker \d back in rotation", timeout=60)
         assert len(sup.children("mitmdump")) == 2

@@ -389,11 +389,15 @@ class Supervisor:
         if w.restart_at is None and w.exited():
             assert w.proc is not None  # exited() says it ran
             self.haproxy.set_worker_state(w.index, "maint")
+            lost = metrics.in_flight_of(w.proc.pid, self.metrics_dir)
             metrics.forget_process(w.proc.pid, self.metrics_dir)
             w.in_rotation = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause
-            log(f"worker {w.index} exited ({w.proc.returncode}); out of rotation, restarting in {w.pause:.0f} s")
+            unrecorded = (f" with {lost} request(s) in flight (no record of them; their clients saw the connection "
+                          f"reset)") if lost else ""
+            log(f"worker {w.index} exited ({w.proc.returncode}){unrecorded}; out of rotation, "
+                f"restarting in {w.pause:.0f} s")
         elif w.restart_at is not None and now >= w.restart_at:
             w.start()
         elif not w.in_rotation and w.restart_at is None and not w.exited() and w.accepting():

@@ -13,6 +13,8 @@ LLM call (each timing record):
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
     ttft_relay_accept_queue_connections          connections waiting to be accepted, per listener
+    ttft_relay_requests_in_flight                requests begun and not yet recorded (what a worker
+                                                 killed now would take with it, unrecorded)
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
-from .. import apis
+from .. import apis, state
 from . import record
 
 logger = logging.getLogger(__name__)
@@ -85,6 +88,9 @@ def status_class(status: int | None) -> str:
     return f"{status // 100}xx" if status else "none"
 
 
+IN_FLIGHT = "ttft_relay_requests_in_flight"
+
+
 class RelayMetrics:
     """The relay's instruments in one registry, and how a timing record feeds them (pure)."""
 
@@ -120,6 +126,8 @@ class RelayMetrics:
         self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
                                   "Connections the kernel holds for a listener until the relay accepts them.",
                                   ("listener",), registry=registry, multiprocess_mode="livesum")
+        self.in_flight = Gauge(IN_FLIGHT, "Requests the relay has begun and not yet recorded.", registry=registry,
+                               multiprocess_mode="livesum")
 
     def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """One sample of the self-watch: the loop's lag, and now and then the accept queues."""
@@ -160,6 +168,16 @@ class RelayMetrics:
             self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
 
 
+def in_flight_of(pid: int, path: str | Path) -> int:
+    """The requests the worker `pid` had begun and not recorded, as its live gauges in the
+    multiprocess directory `path` last said (0 where it never said)."""
+    live = Path(path) / f"gauge_livesum_{pid}.db"
+    if not live.exists():
+        return 0
+    return round(sum(sample.value for family in multiprocess.MultiProcessCollector.merge([str(live)])
+                     if family.name == IN_FLIGHT for sample in family.samples))
+
+
 def forget_process(pid: int, path: str | Path) -> None:
     """A worker gone: its live gauges (its accept queues) leave the sums, which would
     otherwise hold its last values for ever (prometheus-client's `mark_process_dead`);
@@ -191,12 +209,16 @@ def serve(listen: str, registry: CollectorRegistry):
 
 
 class Metrics:
-    """Turns each finished timing record into Prometheus metrics and serves them."""
+    """Turns each finished timing record into Prometheus metrics and serves them; counts
+    the requests in flight, from their head to their record."""
 
     def __init__(self) -> None:
         self.metrics: RelayMetrics | None = None
         self.server = None
         self.listen = ""
+        self.counted: weakref.WeakKeyDictionary[http.HTTPFlow, Gauge] = weakref.WeakKeyDictionary()
+        """The flows in the in-flight gauge, each with the gauge it went into (the registry
+        may be new by the time it is recorded)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -249,7 +271,14 @@ class Metrics:
     def done(self) -> None:
         self._stop_server()
 
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self.listen and self.metrics is not None and state.get(flow) is not None:  # timed: it will be recorded
+            self.metrics.in_flight.inc()
+            self.counted[flow] = self.metrics.in_flight
+
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+        if (gauge := self.counted.pop(flow, None)) is not None:  # its first record (a socket's turns come later)
+            gauge.dec()
         if self.listen and self.metrics is not None:
             self.metrics.observe(rec)
 
