@@ -193,6 +193,10 @@ def test_over_http2_the_fake_answers_as_over_http1(certs: TestCerts) -> None:
         connection, response = request("POST", fake.base_url + CHAT, body, {"x-fake-chunks": "3"}, ca=certs.ca_pem)
         with connection:
             over_http1 = response.read()
+        connection, response = request("POST", fake.base_url + CHAT, body, {"x-fake-hold-until-reset": "1"},
+                                       ca=certs.ca_pem)
+        with connection:
+            assert response.status == 400 and b"HTTP/2 only: hold_until_reset" in response.read()
         with H2Client(fake.port, certs.ca_pem) as client:
             answered = client.request("POST", CHAT, [*head, ("x-fake-chunks", "3")], body)
             refused = client.request("POST", CHAT, [*head, ("x-fake-gzip", "true")], body)
@@ -202,12 +206,12 @@ def test_over_http2_the_fake_answers_as_over_http1(certs: TestCerts) -> None:
             client.pump(lambda: streams[answered].over and streams[refused].over and streams[held].status == 200, WAIT)
             client.reset(held)
             client.flush()
-            assert fake.wait_finished(4, WAIT)
+            assert fake.wait_finished(5, WAIT)
     assert streams[answered].status == 200 and bytes(streams[answered].body) == over_http1
     assert over_http1.count(b"data:") > 3 and [s.outcome for s in fake.sent] == [
-        "complete", "complete", "complete", "client_closed"]
+        "complete", "complete", "complete", "complete", "client_closed"]
     assert streams[refused].status == 400 and b"HTTP/1 only: gzip" in streams[refused].body
-    assert [r.path for r in fake.received] == [CHAT] * 4 and fake.received[1].body == body
+    assert [r.path for r in fake.received] == [CHAT] * 5 and fake.received[2].body == body
 
 
 # --- knobs ------------------------------------------------------------------------

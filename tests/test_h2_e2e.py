@@ -21,7 +21,8 @@ import pytest
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.conftest import reverse_to
-from tests.fakes.h2_wire import H2Client, H2Upstream
+from tests.fakes import FakeUpstream
+from tests.fakes.h2_wire import H2Client
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 from tests.test_preauth_e2e import keyed, keys_file  # noqa: F401 (a fixture)
 from tests.harness import TimingLog, read_records
@@ -34,7 +35,8 @@ JSON = [("content-type", "application/json"), ("content-length", str(len(STREAME
 
 @pytest.fixture
 def h2_upstream(certs):
-    with H2Upstream(certs) as upstream:
+    """An upstream that speaks HTTP/2 (and HTTP/1.1), as the APIs do."""
+    with FakeUpstream(tls=True, certs=certs, h2=True) as upstream:
         yield upstream
 
 
@@ -90,10 +92,11 @@ def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream
                               STREAMED)
         h2c.flush()
         h2c.pump(lambda: h2c.streams[stalled].over and h2c.streams[sibling].over, WAIT)
-    assert h2_upstream.connections == 1
-    up_stalled, up_sibling = h2_upstream.streams
+    assert h2_upstream.wait_finished(2, WAIT)
+    assert {r.conn_id for r in h2_upstream.received} == {1}  # one upstream connection
+    up_stalled, up_sibling = h2_upstream.sent
     assert up_stalled.reset == h2.errors.ErrorCodes.CANCEL and up_sibling.reset is None
-    assert up_sibling.done and bytes(h2c.streams[sibling].body) == bytes(up_sibling.sent)
+    assert up_sibling.outcome == "complete" and bytes(h2c.streams[sibling].body) == up_sibling.body
     assert h2c.streams[sibling].ended and h2c.streams[sibling].status == 200
     cut = h2c.streams[stalled]
     assert cut.status == 200 and cut.ended and b"ttft-relay: stream idle for 1 s" in cut.body
@@ -175,7 +178,7 @@ def test_an_http2_client_of_a_keyed_listener_connects_upstream_while_its_body_up
         sid = h2c.request("POST", CHAT, [*JSON, ("authorization", f"Bearer {RELAY_KEY}")], end_stream=False)
         h2c.flush()
         # The key is accepted on the head; the body is not sent yet.
-        assert h2_upstream.wait(lambda: h2_upstream.connections == 1, 5), "no upstream connection while the body uploads"
+        assert h2_upstream.wait_connections(1, 5), "no upstream connection while the body uploads"
         h2c.conn.send_data(sid, STREAMED, end_stream=True)
         h2c.flush()
         h2c.pump(lambda: h2c.streams[sid].over)
@@ -184,5 +187,5 @@ def test_an_http2_client_of_a_keyed_listener_connects_upstream_while_its_body_up
         h2c.flush()
         h2c.pump(lambda: h2c.streams[again].over)
         assert h2c.streams[again].status == 200
-    assert h2_upstream.connections == 1  # both streams on the early connection
-    assert [s.headers["authorization"] for s in h2_upstream.streams] == [f"Bearer {UPSTREAM_KEY}"] * 2
+    assert {r.conn_id for r in h2_upstream.received} == {1}  # both streams on the early connection
+    assert [r.header("authorization") for r in h2_upstream.received] == [f"Bearer {UPSTREAM_KEY}"] * 2

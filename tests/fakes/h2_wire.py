@@ -1,25 +1,17 @@
-"""HTTP/2 on the wire for tests: a raw client (`H2Client`) and an upstream (`H2Upstream`).
+"""HTTP/2 on the wire for tests: a raw client (`H2Client`) and a server connection (`serve_h2`).
 
 `H2Client` speaks HTTP/2 over TLS (ALPN h2) frame by frame with the `h2` library, so
 a test can send what no polite client sends: thousands of HEADERS + RST_STREAM in one
-write, a body nobody reads. `H2Upstream` is an HTTP/2-only fake upstream over TLS,
-answering the API paths with the bodies of `tests/fakes/replies.py`, so several
-streams share one upstream connection as they do with a real HTTP/2 API.
-
-Upstream knobs, per request as headers (see `tests/fakes/upstream.py` for the shape):
-`x-fake-chunks: N` (answer pieces), `x-fake-stall-after-chunks: N` (send N chunks, then
-nothing until the connection ends), `x-fake-hold-until-reset: N` (send N chunks, then
-send an SSE comment every 0.2 s until the peer resets another stream on the same
-connection, then the rest).
+write, a body nobody reads. `serve_h2` serves one server-side HTTP/2 connection for
+`tests/fakes/upstream.py`'s fake (`FakeUpstream(h2=True)`), several streams sharing one
+upstream connection as they do with a real HTTP/2 API.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,14 +23,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
-from tests.fakes._loop import LoopServer
-from tests.fakes.certs import TestCerts
-from tests.fakes.replies import answer_pieces, build_reply
-
 READ_SIZE = 1 << 16
-KEEPALIVE = b": keep-alive\n\n"
-"""An SSE comment: what a held stream sends meanwhile, so it is never idle."""
-KEEPALIVE_EVERY_S = 0.2
 
 
 @dataclass
@@ -178,75 +163,6 @@ class H2Client:
 
 
 @dataclass
-class UpstreamStream(Stream):
-    sent: bytearray = field(default_factory=bytearray)
-    """The response body this fake sent on the stream."""
-    done: bool = False
-    """The whole response went out."""
-
-
-class H2Upstream(LoopServer):
-    """An HTTP/2-only fake API upstream over TLS on 127.0.0.1 (any free port)."""
-
-    thread_name = "h2-upstream"
-
-    def __init__(self, certs: TestCerts) -> None:
-        super().__init__()
-        self.certs = certs
-        self.streams: list[UpstreamStream] = []
-        """Every stream of every connection, in the order the requests arrived."""
-        self.connections = 0
-        self._changed = threading.Condition()
-
-    @property
-    def base_url(self) -> str:
-        return f"https://localhost:{self.port}"
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.certs.cert_pem, self.certs.key_pem)
-        context.set_alpn_protocols(["h2"])
-        return context
-
-    def wait(self, condition: Callable[[], bool], timeout: float = 30) -> bool:
-        with self._changed:
-            return self._changed.wait_for(condition, timeout)
-
-    def _note(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with self._changed:
-            self.connections += 1
-        await serve_h2(reader, writer, self._respond, self._arrived, self._note)
-
-    def _arrived(self, stream: UpstreamStream) -> None:
-        with self._changed:
-            self.streams.append(stream)
-
-    async def _respond(self, side: ServerSide, sid: int, stream: UpstreamStream) -> None:
-        knob = {name.removeprefix("x-fake-"): int(value) for name, value in stream.headers.items()
-                if name.startswith("x-fake-")}
-        reply = build_reply(stream.headers[":method"], stream.headers[":path"], bytes(stream.body),
-                            answer_pieces(knob.get("chunks", 5)), 200, None)
-        side.send_headers(sid, [(":status", str(reply.status)), ("content-type", reply.content_type)])
-        for index, chunk in enumerate(reply.chunks):
-            if index == knob.get("stall-after-chunks"):
-                await asyncio.Event().wait()  # until the connection ends
-            while index == knob.get("hold-until-reset") and not side.a_reset.is_set():
-                await side.send_data(sid, KEEPALIVE)  # not idle meanwhile
-                stream.sent += KEEPALIVE
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(side.a_reset.wait(), KEEPALIVE_EVERY_S)
-            await side.send_data(sid, chunk)
-            stream.sent += chunk
-        side.end_stream(sid)
-        stream.done = True
-        self._note()
-
-
-@dataclass
 class ServerSide:
     """The server's end of one HTTP/2 connection, as a responder writes to it."""
 
@@ -278,27 +194,24 @@ class ServerSide:
         self.writer.write(self.conn.data_to_send())
 
 
-Respond = Callable[[ServerSide, int, UpstreamStream], Awaitable[None]]
+Respond = Callable[[ServerSide, int, Stream], Awaitable[None]]
 
 
-async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, respond: Respond,
-                   arrived: Callable[[UpstreamStream], None] = lambda stream: None,
-                   changed: Callable[[], None] = lambda: None) -> None:
+async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, respond: Respond) -> None:
     """Serves one HTTP/2 connection: each request, once its body has ended, is answered by
     `respond(side, stream_id, stream)` in a task of its own, cancelled when its stream is
-    reset or the connection ends. `arrived` sees each new stream, `changed` every event."""
+    reset or the connection ends."""
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
     conn.initiate_connection()
     writer.write(conn.data_to_send())
     side = ServerSide(conn, writer)
-    streams: dict[int, UpstreamStream] = {}
+    streams: dict[int, Stream] = {}
     tasks: dict[int, asyncio.Task[None]] = {}
     try:
         while data := await reader.read(READ_SIZE):
             for event in conn.receive_data(data):
                 if isinstance(event, h2.events.RequestReceived):
-                    streams[event.stream_id] = stream = UpstreamStream(headers=dict(event.headers))
-                    arrived(stream)
+                    streams[event.stream_id] = Stream(headers=dict(event.headers))
                 elif isinstance(event, h2.events.DataReceived):
                     streams[event.stream_id].body += event.data
                     conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
@@ -312,7 +225,6 @@ async def serve_h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r
                     side.a_reset.set()
                 elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
                     side.window_opened.set()  # a WINDOW_UPDATE, or a larger initial window
-                changed()
             writer.write(conn.data_to_send())
     except (ConnectionError, h2.exceptions.ProtocolError):
         pass

@@ -27,8 +27,9 @@ Timeline of one reply:
 
 With `h2` (and `tls`) it offers HTTP/2 as well (ALPN h2, http/1.1), as the real APIs do:
 a client that picks h2 is answered over HTTP/2, a streamed reply one SSE event per DATA
-frame, shaped by the same knobs (prefill, gap, chunks, status; the reset, stall, gzip and
-gate knobs are HTTP/1's only).
+frame, shaped by the same knobs (prefill, gap, chunks, status, stall; the reset, gzip,
+slow-head and interim knobs and the gates are HTTP/1's, `hold_until_reset` is HTTP/2's).
+A knob the protocol has not is answered with 400.
 
 Run as a program for benchmarks: `python -m tests.fakes.upstream --port 0 [--tls [--h2]]
 [--certs-dir DIR] [--prefill-ms 50 ...]` prints `listening <base_url>`.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import http
@@ -59,7 +61,7 @@ from mitmproxy.net import encoding as mitmproxy_encoding
 
 from tests.fakes._loop import LoopThread
 from tests.fakes.certs import TestCerts
-from tests.fakes.h2_wire import ServerSide, UpstreamStream, serve_h2
+from tests.fakes.h2_wire import ServerSide, Stream, serve_h2
 from tests.fakes.http_wire import (
     BadRequest,
     Inbound,
@@ -109,6 +111,9 @@ class Behaviour:
     """gzip the body if the request's Accept-Encoding allows it (streams: flushed per chunk)."""
     interim_status: int = 0
     """Send an interim (1xx) response, e.g. 103 Early Hints, before the real one; 0: none."""
+    hold_until_reset: int | None = None
+    """HTTP/2: before this chunk, send an SSE comment every 0.2 s (never idle) until a stream
+    on the same connection is reset, then the rest."""
 
     def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
         """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
@@ -135,8 +140,11 @@ class Behaviour:
 
 KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
 H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens", "gap_ms", "chunks", "status",
-                      "error_body"})
-"""The knobs the fake's HTTP/2 answers have; the others are HTTP/1's."""
+                      "error_body", "stall_after_chunks", "hold_until_reset"})
+"""The knobs the fake's HTTP/2 answers have; the others are HTTP/1's (and hold_until_reset is HTTP/2's)."""
+KEEPALIVE = b": keep-alive\n\n"
+"""An SSE comment: what a held stream sends meanwhile, so it is never idle."""
+KEEPALIVE_EVERY_S = 0.2
 assert H2_KNOBS <= KNOB_DEFAULTS.keys()
 
 
@@ -198,6 +206,8 @@ class Sent:
     a WebSocket also "protocol_error" (`SocketSession.protocol_error` says what)."""
     first_token_at: float | None = None
     """`time.time()` right after the chunk with the first answer text was written (None until then)."""
+    reset: int | None = None
+    """HTTP/2: the error code of the RST_STREAM the client ended the stream with."""
 
     def decoded_body(self) -> bytes:
         """`body` with any gzip content coding removed (a partial gzip stream decodes as far as it goes)."""
@@ -532,6 +542,8 @@ class FakeUpstream:
             return False
         try:
             behaviour = self.behaviour.overridden_by(head.headers)
+            if behaviour.hold_until_reset is not None:
+                raise ValueError("HTTP/2 only: hold_until_reset")
             reply = build_reply(
                 head.method, head.target, decode_request_body(head.headers, body),
                 answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
@@ -562,7 +574,7 @@ class FakeUpstream:
         self._finish(sent, watch, outcome)
         return keep_alive and outcome == "complete"
 
-    async def _respond_h2(self, conn_id: int, side: ServerSide, sid: int, stream: UpstreamStream) -> None:
+    async def _respond_h2(self, conn_id: int, side: ServerSide, sid: int, stream: Stream) -> None:
         """One HTTP/2 request, answered as `_respond` answers HTTP/1 where HTTP/2 has the knob
         (`H2_KNOBS`); a knob it has not is answered with 400, never ignored."""
         headers = tuple((name, value) for name, value in stream.headers.items() if not name.startswith(":"))
@@ -589,6 +601,14 @@ class FakeUpstream:
             with self._changed:
                 sent.status = reply.status
             for index, chunk in enumerate(reply.chunks):
+                if index == behaviour.stall_after_chunks:
+                    await self._stall_release.wait()
+                while index == behaviour.hold_until_reset and not side.a_reset.is_set():
+                    await side.send_data(sid, KEEPALIVE)
+                    with self._changed:
+                        sent.body += KEEPALIVE
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(side.a_reset.wait(), KEEPALIVE_EVERY_S)
                 await sleep_ms(behaviour.wait_before(index, reply, body))
                 await side.send_data(sid, chunk)
                 with self._changed:
@@ -604,7 +624,7 @@ class FakeUpstream:
             raise
         finally:
             with self._changed:
-                sent.outcome = outcome
+                sent.outcome, sent.reset = outcome, stream.reset
                 self._changed.notify_all()
 
     async def _serve_socket(
