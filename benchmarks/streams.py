@@ -23,7 +23,8 @@ received through that setup). A setup *sustains* a rate when it has no failures,
 first token p99 is within direct's + 100 ms and its worst-gap p99 within 2 x direct's
 at that rate (and it sustained every lower rate).
 
-`--tls` puts TLS on both hops; `--h2` also has the fake upstream and the clients offer
+`--keep-alive` has the clients keep their HTTP/1.1 connections for the window's next
+streams (the count of connections opened is printed). `--tls` puts TLS on both hops; `--h2` also has the fake upstream and the clients offer
 HTTP/2 before HTTP/1.1 (as the real APIs and curl or reqwest, the Codex CLI's HTTP
 client, do), each setup picking, and says which protocol each setup's clients got. The
 relay setups start with the relay's defaults for mitmproxy's options
@@ -33,7 +34,7 @@ The load generator, the fake upstream and the relay share the machine's cores: t
 load average is printed with the figures. Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
-    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2]
+    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2] [--keep-alive]
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from ttft_relay import workers
 from tests.harness import BenchSetups, cpu_seconds, percentile
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
+LAST_CHUNK = b"\r\n0\r\n\r\n"
+"""How a chunked body (no trailers) ends: the last data chunk's CR LF, the zero-size chunk."""
 FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
 STREAM_TIMEOUT = 60.0
 FIRST_TOKEN_SLACK_MS = 100.0
@@ -81,6 +84,8 @@ class Window:
     load: list[float] = field(default_factory=list)
     protocols: Counter[str] = field(default_factory=Counter)
     """Streams per protocol the setup and its client agreed on ("h2", "http/1.1")."""
+    connections: int = 0
+    """Connections the clients opened (one per stream, unless kept alive)."""
     first_by_id: dict[str, float] = field(default_factory=dict)
     """The client's first token per x-request-id, to hold the relay's records against."""
 
@@ -97,15 +102,52 @@ def client_tls(h2: bool = False) -> ssl.SSLContext:
     return context
 
 
+@dataclass
+class Connections:
+    """Where the streams of a window get their connections: a new one each, or with
+    `keep_alive` an idle one the window's earlier HTTP/1.1 streams left, as SDKs pool theirs."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None = None
+    keep_alive: bool = False
+    opened: int = 0
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=list)
+
+    async def get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.idle:
+            return self.idle.pop()
+        self.opened += 1
+        return await asyncio.open_connection(self.host, self.port, ssl=self.tls)
+
+    def put(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], reusable: bool) -> None:
+        if self.keep_alive and reusable:
+            self.idle.append(conn)
+        else:
+            conn[1].close()
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
 async def one_stream(host: str, port: int, due: float, expected_events: int | None,
-                     request_id: str = "", tls: ssl.SSLContext | None = None) -> tuple[float, float, int, str]:
+                     request_id: str = "", tls: ssl.SSLContext | None = None,
+                     connections: Connections | None = None) -> tuple[float, float, int, str]:
     """(ms from `due` to the first answer text, worst gap in ms after it, events, "h2" or
-    "http/1.1"); raises on failure. HTTP/2 if the TLS handshake chose it, else HTTP/1.1."""
-    reader, writer = await asyncio.open_connection(host, port, ssl=tls)
+    "http/1.1"); raises on failure. HTTP/2 if the TLS handshake chose it, else HTTP/1.1;
+    on a connection of `connections` (default: a new one)."""
+    connections = connections or Connections(host, port, tls)
+    reader, writer = conn = await connections.get()
+    reusable = False
     try:
         tls_object = writer.get_extra_info("ssl_object")
         over_h2 = tls_object is not None and tls_object.selected_alpn_protocol() == "h2"
-        body = (h2_body if over_h2 else h1_body)(reader, writer, f"{host}:{port}", request_id)
+        if over_h2:
+            body = h2_body(reader, writer, f"{host}:{port}", request_id)
+        else:
+            body = h1_body(reader, writer, f"{host}:{port}", request_id, connections.keep_alive)
         seen, first, last, worst, events = b"", None, 0.0, 0.0, 0
         async for data in body:
             now = time.perf_counter()
@@ -121,22 +163,30 @@ async def one_stream(host: str, port: int, due: float, expected_events: int | No
             raise RuntimeError("no answer text")
         if expected_events is not None and events < expected_events:
             raise RuntimeError(f"{events} of {expected_events} events")
+        reusable = not over_h2
         return (first - due) * 1000, worst * 1000, events, "h2" if over_h2 else "http/1.1"
     finally:
-        writer.close()
+        connections.put(conn, reusable)
 
 
 async def h1_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, authority: str,
-                  request_id: str) -> AsyncIterator[bytes]:
-    """The request over HTTP/1.1; the response body's reads as they come (chunk framing included)."""
+                  request_id: str, keep_alive: bool = False) -> AsyncIterator[bytes]:
+    """The request over HTTP/1.1; the response body's reads as they come (chunk framing
+    included), to the connection's end, or with `keep_alive` to the body's last chunk."""
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\ncontent-type: application/json\r\n"
-                 b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                 % (authority.encode(), request_id.encode(), len(BODY), BODY))
+                 b"x-request-id: %s\r\nconnection: %s\r\ncontent-length: %d\r\n\r\n%s"
+                 % (authority.encode(), request_id.encode(), b"keep-alive" if keep_alive else b"close", len(BODY), BODY))
     head = await reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+    tail = b""
     while data := await reader.read(65536):
         yield data
+        tail = (tail + data)[-len(LAST_CHUNK):]
+        if keep_alive and tail == LAST_CHUNK:  # (events are LF-framed: only the chunk framing has CR LF)
+            return
+    if keep_alive:
+        raise RuntimeError("the connection closed before the body's end")
 
 
 async def h2_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, authority: str,
@@ -166,9 +216,12 @@ async def h2_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, au
 
 
 async def arrivals(url: str, rate: float, seconds: float, expected_events: int | None, into: Window,
-                   tls: ssl.SSLContext | None = None) -> None:
-    """Start `rate` streams per second for `seconds`, on schedule; wait for all to end."""
+                   tls: ssl.SSLContext | None = None, keep_alive: bool = False) -> None:
+    """Start `rate` streams per second for `seconds`, on schedule; wait for all to end.
+    With `keep_alive`, a stream takes an idle connection of the window's where there is one."""
     u = urlsplit(url)
+    assert u.hostname is not None and u.port is not None
+    connections = Connections(u.hostname, u.port, tls, keep_alive)
     loop = asyncio.get_running_loop()
     start = time.perf_counter() + 0.05
     tasks = []
@@ -177,7 +230,7 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
         request_id = uuid.uuid4().hex
         try:
             first, gap, events, protocol = await asyncio.wait_for(
-                one_stream(u.hostname, u.port, due, expected_events, request_id, tls), STREAM_TIMEOUT)
+                one_stream(u.hostname, u.port, due, expected_events, request_id, tls, connections), STREAM_TIMEOUT)
         except Exception:  # every failure is counted, none stops the window
             into.failures += 1
             return
@@ -193,6 +246,8 @@ async def arrivals(url: str, rate: float, seconds: float, expected_events: int |
         tasks.append(loop.create_task(run(due)))
     into.streams += len(tasks)
     await asyncio.gather(*tasks)
+    into.connections += connections.opened
+    connections.close()
 
 
 def cpu_of(processes: dict[str, int]) -> dict[str, float]:
@@ -217,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--h2", action="store_true",
                     help="with TLS on both hops, HTTP/2 offered too: the fake upstream and the clients offer h2 "
                          "before http/1.1, as the real APIs and curl or reqwest (Codex) do; each setup picks")
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="HTTP/1.1 clients keep their connections and the next streams of the window reuse them, "
+                         "as SDKs and coding agents do (default: a new connection per stream)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:OPTION=VALUE[,OPTION=VALUE]",
                     help="one more setup: the relay as one process with these options (repeatable), "
                          "e.g. nosplice:relay_stream_splice=false")
@@ -248,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     procs = processes()
                     c0 = cpu_of(procs)
                     w.load.append(os.getloadavg()[0])
-                    asyncio.run(arrivals(url, rate, args.seconds, expected, w, tls))
+                    asyncio.run(arrivals(url, rate, args.seconds, expected, w, tls, args.keep_alive))
                     for pname, c in cpu_of(procs).items():
                         w.cpu[pname] = w.cpu.get(pname, 0.0) + c - c0[pname]
                     time.sleep(0.5)  # let connections close before the next window
@@ -326,6 +384,10 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
     for name, rate in sustained.items():
         if name != "direct":
             print(f"  {name:<9} {'none of the rates' if rate is None else f'{rate:g} streams/s (~{rate * stream_s:.0f} live)'}")
+    if args.keep_alive:
+        print("connections the clients opened, kept alive: " + "; ".join(
+            f"{name} {sum(results[name, r].connections for r in rates)} for "
+            f"{sum(results[name, r].streams for r in rates)} streams" for name in setups))
     if args.h2:
         got = {name: sum((results[name, r].protocols for r in rates), Counter()) for name in setups}
         print("the protocol each setup's clients got: " + "; ".join(

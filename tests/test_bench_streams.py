@@ -22,8 +22,9 @@ HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
     ([], "direct,floor,bare,relay-1"),
     (["--tls"], "direct,bare,relay-1"),
     (["--h2", "--variant", "h2:http2=true"], "direct,bare,relay-1"),
+    (["--keep-alive"], "direct,floor,bare,relay-1"),
     pytest.param(["--workers", "2"], "direct,relay-N", marks=HAPROXY),
-], ids=["plain", "tls", "h2", "workers"])
+], ids=["plain", "tls", "h2", "keep-alive", "workers"])
 def test_a_short_run(extra, setups):
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",
@@ -37,5 +38,8 @@ def test_a_short_run(extra, setups):
     for name, row in rows.items():
         assert re.search(r"ms\s+0\s+5\s", row), row  # no failures, 5 streams
         assert name == "direct" or re.search(r"all \d+(, per worker \d+(, \w+ \d+)+)?$", row), row
+    if "--keep-alive" in extra:  # later streams of the window on the connections of earlier ones
+        opened = dict(re.findall(r"(\S+) (\d+) for 5 streams", out.stdout.split("kept alive:")[1].splitlines()[0]))
+        assert set(opened) == set(rows) and all(int(n) < 5 for n in opened.values()), out.stdout
     if "--h2" in extra:  # the relay answers HTTP/1.1 to clients offering h2, unless told otherwise
         assert "direct h2 5; bare h2 5; relay-1 http/1.1 5; layer http/1.1 5; h2 h2 5" in out.stdout, out.stdout
