@@ -87,6 +87,17 @@ def test_mitmproxys_own_lines_about_a_request_carry_no_key(data, close_early, lo
         assert "REDACTED" in out
 
 
+def test_a_key_quoted_by_mitmproxys_smuggling_check_is_redacted(fake, start_relay, keys_file):  # noqa: F811
+    """mitmproxy refuses two transfer-encodings, quoting their values in the flow's error,
+    which its dumper prints (not a log record: the log redaction never sees it). A relay
+    key in one is redacted there too (tests/test_wire_fuzz.py found it)."""
+    relay = keyed(start_relay, reverse_to(fake), keys_file, flow_detail=3)
+    sent_raw(relay, f"POST /v1/chat/completions HTTP/1.1\r\nauthorization: Bearer {RELAY_KEY}\r\n"
+                    f"transfer-encoding: Bearer {RELAY_KEY}\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n".encode())
+    out = stopped_output(relay)
+    assert "request smuggling" in out and RELAY_KEY not in out, out
+
+
 def test_every_key_spelling_is_redacted_in_console_and_saved_flows(fake, start_relay, tmp_path):
     saved = tmp_path / "flows"
     relay = start_relay(reverse_to(fake), flow_detail=3, save_stream_file=saved)

@@ -650,8 +650,11 @@ def without_known_secrets(text: str) -> str:
 
 def redact_flow(flow: http.HTTPFlow) -> None:
     """Replace every credential the flow holds: secret request headers, key and
-    token query parameters (any case), the relay's own keys wherever they are, and
-    the password proxyauth keeps in the metadata."""
+    token query parameters (any case), the relay's own keys wherever they are, what
+    its error message quotes of them (mitmproxy's smuggling check quotes header values,
+    and the dumper prints the message), and the password proxyauth keeps in the metadata."""
+    if flow.error is not None:
+        flow.error.msg = redacted_text(flow.error.msg)
     headers = flow.request.headers
     if _KNOWN_SECRETS:
         for name in {name.lower() for name, value in headers.items(multi=True) if without_known_secrets(value) != value}:
@@ -689,13 +692,16 @@ def _redact_param(m: re.Match) -> str:
     return m.group(0) if not value or not SECRET_PARAM_NAME.fullmatch(name) else f"{lead}{name}={REDACTED}"
 
 
+def redacted_text(text: str) -> str:
+    """`text` with the credentials in it redacted: header lines and query parameters (as
+    mitmproxy prints raw request bytes), and the relay's own keys anywhere."""
+    return _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, without_known_secrets(text)))
+
+
 def safe_log_text(text: str) -> str:
-    """A log message with credentials in it redacted (header lines and query
-    parameters, as mitmproxy prints raw request bytes, and the relay's own keys
-    anywhere), control characters escaped, and each line cut to MAX_LOG_LINE
-    characters."""
-    text = _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, without_known_secrets(text)))
-    lines = record.printable(text, keep="\n\t").split("\n")
+    """A log message with credentials in it redacted (`redacted_text`), control characters
+    escaped, and each line cut to MAX_LOG_LINE characters."""
+    lines = record.printable(redacted_text(text), keep="\n\t").split("\n")
     return "\n".join(
         line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}… ({len(line) - MAX_LOG_LINE} more characters)"
         for line in lines
