@@ -527,11 +527,7 @@ class FakeUpstream:
     ) -> bool:
         """Answer one request; True if the connection may carry another."""
         received = Received(head.method, head.target, head.headers, body, conn_id, chunked, time.time())
-        sent = Sent(received)
-        with self._changed:
-            self._received.append(received)
-            self._sent.append(sent)
-            self._changed.notify_all()
+        sent = self._arrived(received)
 
         if is_websocket_upgrade(head) and urlsplit(head.target).path == RESPONSES_SOCKET_PATH:
             try:
@@ -574,17 +570,30 @@ class FakeUpstream:
         self._finish(sent, watch, outcome)
         return keep_alive and outcome == "complete"
 
+    def _arrived(self, received: Received) -> Sent:
+        """A request read: recorded, with the record of what is sent for it."""
+        sent = Sent(received)
+        with self._changed:
+            self._received.append(received)
+            self._sent.append(sent)
+            self._changed.notify_all()
+        return sent
+
+    def _chunk_sent(self, sent: Sent, payload: bytes, first_token: bool) -> None:
+        with self._changed:
+            sent.body += payload
+            sent.chunks_sent += 1
+            if first_token:
+                sent.first_token_at = time.time()
+            self._changed.notify_all()
+
     async def _respond_h2(self, conn_id: int, side: ServerSide, sid: int, stream: Stream) -> None:
         """One HTTP/2 request, answered as `_respond` answers HTTP/1 where HTTP/2 has the knob
         (`H2_KNOBS`); a knob it has not is answered with 400, never ignored."""
         headers = tuple((name, value) for name, value in stream.headers.items() if not name.startswith(":"))
         body = bytes(stream.body)
         received = Received(stream.headers[":method"], stream.headers[":path"], headers, body, conn_id, False, time.time())
-        sent = Sent(received)
-        with self._changed:
-            self._received.append(received)
-            self._sent.append(sent)
-            self._changed.notify_all()
+        sent = self._arrived(received)
         try:
             behaviour = self.behaviour.overridden_by(headers)
             if http1_only := [k for k in KNOB_DEFAULTS if k not in H2_KNOBS
@@ -611,12 +620,7 @@ class FakeUpstream:
                         await asyncio.wait_for(side.a_reset.wait(), KEEPALIVE_EVERY_S)
                 await sleep_ms(behaviour.wait_before(index, reply, body))
                 await side.send_data(sid, chunk)
-                with self._changed:
-                    sent.body += chunk
-                    sent.chunks_sent += 1
-                    if index == reply.first_token_chunk:
-                        sent.first_token_at = time.time()
-                    self._changed.notify_all()
+                self._chunk_sent(sent, chunk, index == reply.first_token_chunk)
             side.end_stream(sid)
             outcome = "complete"
         except asyncio.CancelledError:
@@ -699,11 +703,7 @@ class FakeUpstream:
             payload = wire_chunks[index]
             writer.write(_chunk_frame(payload) if reply.streamed else payload)
             await writer.drain()
-            with self._changed:
-                sent.body += payload
-                sent.chunks_sent += 1
-                if index == reply.first_token_chunk:
-                    sent.first_token_at = time.time()
+            self._chunk_sent(sent, payload, index == reply.first_token_chunk)
             watch.note_sent()
 
         if reply.streamed:

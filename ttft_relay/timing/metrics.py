@@ -179,7 +179,7 @@ def in_flight_of(pid: int, path: str | Path) -> int:
 
 
 def forget_process(pid: int, path: str | Path) -> None:
-    """A worker gone: its live gauges (its accept queues) leave the sums, which would
+    """A worker gone: its live gauges (in flight, accept queues) leave the sums, which would
     otherwise hold its last values for ever (prometheus-client's `mark_process_dead`);
     its counters and histograms stay, as what it did."""
     multiprocess.mark_process_dead(pid, str(path))
