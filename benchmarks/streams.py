@@ -10,6 +10,9 @@ within each rate, round after round, so that drift on a shared machine hits all 
     floor         client → a plain asyncio TCP forwarder (benchmarks/forwarder.py): the least
                   Python spends per read and write, under any relay's cost (not with --tls)
     bare          client → mitmdump -s <script that only turns streaming on>
+    seams         client → mitmdump -s benchmarks/seams_stream.py: streaming through the relay's
+                  seams into mitmproxy (splice, direct reads, hook plans, ...) and no relay work:
+                  the least a relay on mitmproxy costs, under the relay's own work
     relay-1       client → the relay as one process (console off, trimming on)
     relay-N       client → scripts/relay --workers N (N workers behind HAProxy)
     NAME          client → the relay as one process with other options (--variant NAME:OPTION=VALUE):
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-ms", type=float, default=50)
     ap.add_argument("--events", type=int, default=200, help="answer events per stream")
     ap.add_argument("--gap-ms", type=float, default=20)
-    ap.add_argument("--setups", default="direct,floor,bare,relay-1,relay-N", help="which setups, comma-separated")
+    ap.add_argument("--setups", default="direct,floor,bare,seams,relay-1,relay-N", help="which setups, comma-separated")
     ap.add_argument("--relay-set", action="append", default=[], metavar="NAME=VALUE",
                     help="an option for the relay setups (repeatable), e.g. relay_hook_plans=false")
     ap.add_argument("--tls", action="store_true",

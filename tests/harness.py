@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
 BASELINE_SCRIPT = REPO / "benchmarks" / "baseline_stream.py"
+SEAMS_SCRIPT = REPO / "benchmarks" / "seams_stream.py"
 """A mitmproxy script that streams every response and does nothing else: what
 benchmarks measure the relay against."""
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
@@ -252,6 +253,8 @@ class BenchSetups:
         direct    the fake upstream itself
         floor     benchmarks/forwarder.py: a plain asyncio TCP forwarder (only if named; not with tls)
         bare      mitmdump -s benchmarks/baseline_stream.py (streaming, nothing else)
+        seams     mitmdump -s benchmarks/seams_stream.py: the relay's patches and streaming, no relay
+                  work (only if named), with the relay's defaults for mitmproxy's options
         relay-1   the relay as one mitmdump process
         relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
 
@@ -277,7 +280,8 @@ class BenchSetups:
         from ttft_relay import config  # here, not for every test: it loads mitmproxy's addons (and their imports)
 
         # The relay as its command starts it: with the relay's defaults for mitmproxy's options.
-        self.relay_options = {**config.MITMPROXY_DEFAULTS, "flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0",
+        self.relay_defaults = config.MITMPROXY_DEFAULTS
+        self.relay_options = {**self.relay_defaults, "flow_detail": 0, "relay_metrics_listen": "127.0.0.1:0",
                               **self.upstream_trust, **(relay_options or {})}
         self.names = names
         self.variants = variants or {}
@@ -297,6 +301,9 @@ class BenchSetups:
             if "bare" in self.names:
                 singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT,
                                                   options={"flow_detail": 0, **self.upstream_trust})
+            if "seams" in self.names:
+                singles["seams"] = MitmdumpProcess([mode], self.tmp, script=SEAMS_SCRIPT, options={
+                    **self.relay_defaults, "flow_detail": 0, **self.upstream_trust})
             if "relay-1" in self.names:
                 singles["relay-1"] = MitmdumpProcess(
                     [mode], self.tmp, options={**self.relay_options, "relay_timing_log": self.tmp / "timing-1.jsonl"})

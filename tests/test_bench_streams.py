@@ -4,6 +4,8 @@ themselves belong to the benchmark, not to a test)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import shutil
 import subprocess
@@ -11,7 +13,8 @@ import sys
 
 import pytest
 
-from tests.harness import REPO
+from tests.conftest import reverse_to
+from tests.harness import REPO, SEAMS_SCRIPT, MitmdumpProcess
 
 
 HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
@@ -19,7 +22,7 @@ HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
 
 
 @pytest.mark.parametrize("extra, setups", [
-    ([], "direct,floor,bare,relay-1"),
+    ([], "direct,floor,bare,seams,relay-1"),
     (["--tls"], "direct,bare,relay-1"),
     (["--h2", "--variant", "h2:http2=true"], "direct,bare,relay-1"),
     (["--keep-alive"], "direct,floor,bare,relay-1"),
@@ -43,3 +46,31 @@ def test_a_short_run(extra, setups):
         assert set(opened) == set(rows) and all(int(n) < 5 for n in opened.values()), out.stdout
     if "--h2" in extra:  # the relay answers HTTP/1.1 to clients offering h2, unless told otherwise
         assert "direct h2 5; bare h2 5; relay-1 http/1.1 5; layer http/1.1 5; h2 h2 5" in out.stdout, out.stdout
+
+
+def test_the_seams_setup_streams_through_the_direct_reads_and_records_nothing(fake, tmp_path):
+    """The bench's `seams` floor is what it says: the relay's streaming path (its direct
+    reads take the body over), the bytes unchanged, and none of the relay's work."""
+    relay = MitmdumpProcess([reverse_to(fake)], tmp_path, script=SEAMS_SCRIPT,
+                            options={"flow_detail": 0, "termlog_verbosity": "debug", "http2": False}).start()
+    try:
+        body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
+        knobs = {"content-type": "application/json", "x-fake-chunks": "50", "x-fake-gap-ms": "1"}
+
+        def fetch(port: int) -> tuple[dict[str, str], bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(), knobs)
+                resp = conn.getresponse()
+                return {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+            finally:
+                conn.close()
+
+        direct_head, direct_body = fetch(fake.port)
+        head, streamed = fetch(relay.port)
+        assert streamed == direct_body and direct_body.count(b"data:") > 50
+        relay.wait_for_lines(r"direct reads of .* end: bytes for h11", 1)
+        # Nothing of the relay's own: no timing header, no stream headers of its watched streams.
+        assert "server-timing" not in head and "x-accel-buffering" not in head, head
+    finally:
+        relay.stop()
