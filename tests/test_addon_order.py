@@ -8,7 +8,7 @@ from ttft_relay import config, relay, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.stream import streaming, websocket
-from ttft_relay.timing import selfwatch, timing
+from ttft_relay.timing import ledger, selfwatch, timing
 from ttft_relay.trim import trim
 
 ORDER = [type(addon) for addon in relay.addons]
@@ -26,6 +26,7 @@ BEFORE = [
     (guard.Guard, timing.Timing, "a refused key is the flow's error when timing writes the record"),
     (streaming.Streaming, selfwatch.SelfWatch, "selfwatch hooks the stream tap"),
     (selfwatch.SelfWatch, timing.Timing, "timing reads what selfwatch learned"),
+    (timing.Timing, ledger.Ledger, "the ledger opens beside the log timing configured, and closes after timing's done"),
 ]
 
 

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from ttft_relay import workers
-from ttft_relay.timing import metrics
+from ttft_relay.timing import ledger, metrics
 from tests.conftest import reverse_to
 from tests.fakes import client
 
@@ -143,13 +143,14 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         environ = dict(v.split("=", 1) for v in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in v)
         metrics_dir = Path(environ["PROMETHEUS_MULTIPROC_DIR"])
         held, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
-                                    {"x-fake-stall-after-chunks": "1"}, timeout=20)
+                                    {"x-fake-stall-after-chunks": "1", "x-request-id": "held"}, timeout=20)
         with held:
             next(resp.chunks())
             [busy] = [pid for pid in pids if metrics.in_flight_of(pid, metrics_dir) == 1]
             live = metrics_dir / f"gauge_livesum_{busy}.db"
             os.kill(busy, signal.SIGKILL)
-            sup.wait_for(r"worker \d exited \(-9\) with 1 request\(s\) in flight \(no record of them; .* out of rotation")
+            sup.wait_for(r"worker \d exited \(-9\) with 1 request\(s\) in flight \(the restarted worker records "
+                         r"them as lost; .* out of rotation")
         assert not live.exists()  # its gauges left the sums: a dead worker's queue is nobody's
         assert run(4) == [200] * 4  # the other worker serves meanwhile
         sup.wait_for(r"worker \d back in rotation", timeout=60)
@@ -159,9 +160,13 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         logs = sorted(tmp_path.glob("timing.*.jsonl"))
         assert [p.name for p in logs] == ["timing.0.jsonl", "timing.1.jsonl"]
         deadline = time.time() + 10
-        while sum(len(p.read_bytes().splitlines()) for p in logs) < 14 and time.time() < deadline:
+        while sum(len(p.read_bytes().splitlines()) for p in logs) < 15 and time.time() < deadline:
             time.sleep(0.05)
-        counts = [len(p.read_bytes().splitlines()) for p in logs]
+        records = [[orjson.loads(line) for line in p.read_bytes().splitlines()] for p in logs]
+        # The held stream, recorded by the restarted worker from its predecessor's ledger.
+        [lost] = [r for recs in records for r in recs if r["request_id"] == "held"]
+        assert lost["error"] == ledger.LOST_ERROR and lost["verdict"] == "error in relay"
+        counts = [len([r for r in recs if r["request_id"] != "held"]) for recs in records]
         assert all(counts), counts  # both workers served
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         scraped = sum(float(m) for m in re.findall(r"^gen_ai_client_operation_duration_seconds_count\{.*\} (\S+)$",
@@ -173,7 +178,7 @@ def test_workers_behind_haproxy(fake, tmp_path, confdir):
         report = subprocess.run([sys.executable, "-m", "ttft_relay", "report", str(tmp_path / "timing*.jsonl"), "--json"],
                                 cwd=REPO, capture_output=True, check=True)
         (group,) = orjson.loads(report.stdout).values()
-        assert group["requests"] == sum(counts)
+        assert group["requests"] == sum(counts) + 1  # the lost one too
     finally:
         children = sup.children("mitmdump") + sup.children("haproxy")
         sup.proc.send_signal(signal.SIGINT)  # as Ctrl-C

@@ -14,6 +14,7 @@ file only composes the addons; each concern lives in its own module under `ttft_
     faults     bounded waits, and upstream failures answered in the API's format
     selfwatch  the relay's own event-loop lag, accept queues and sockets
     timing     per-phase marks, one record per flow, verdicts
+    ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
     sseview    an event-stream view for mitmweb
@@ -29,7 +30,9 @@ and theirs record what is still in flight.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
 selfwatch comes after streaming (it hooks the stream tap) and before timing (which
-reads what it learned); its samples feed the metrics addon.
+reads what it learned); its samples feed the metrics addon. ledger comes after timing:
+it opens timing's log's ledger once timing has configured the log, and closes it
+after timing's `done` has recorded what was in flight.
 """
 
 import sys
@@ -47,7 +50,7 @@ from ttft_relay import capacity, config, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.stream import sseview, streaming, websocket
-from ttft_relay.timing import metrics, selfwatch, timing, webcolumns
+from ttft_relay.timing import ledger, metrics, selfwatch, timing, webcolumns
 from ttft_relay.trim import trim
 
 self_watch = selfwatch.SelfWatch()
@@ -73,6 +76,7 @@ addons = [
     self_watch,
     websocket.WebSocketTurns(timings),
     timings,
+    ledger.Ledger(timings),
     faults.ErrorReplies(),
     prometheus,
     sseview.SSEView(),

@@ -394,7 +394,9 @@ class Supervisor:
             w.in_rotation = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause
-            unrecorded = (f" with {lost} request(s) in flight (no record of them; their clients saw the connection "
+            recorded = ("the restarted worker records them as lost" if self.opts.relay_timing_log
+                        else "no record of them")
+            unrecorded = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
                           f"reset)") if lost else ""
             log(f"worker {w.index} exited ({w.proc.returncode}){unrecorded}; out of rotation, "
                 f"restarting in {w.pause:.0f} s")
