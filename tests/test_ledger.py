@@ -17,7 +17,7 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 
 
 def test_a_slot_keeps_its_entry_and_a_free_or_torn_one_is_skipped():
-    slot = ledger.encode_slot(dict(ENTRY))
+    slot = ledger.encode_slot(ENTRY)
     assert len(slot) == ledger.SLOT_SIZE
     free = bytes(ledger.SLOT_SIZE)
     torn = slot[:40] + bytes(ledger.SLOT_SIZE - 40)  # the process died mid-write
@@ -32,12 +32,13 @@ def test_long_client_strings_are_cut_to_fit_a_slot():
     assert len(slot) == ledger.SLOT_SIZE
     (back,) = ledger.filled_slots(slot)
     assert back["id"] == "f1" and back["request_id"] is None and back["model"] is None
-    (cut,) = ledger.filled_slots(ledger.encode_slot({**ENTRY, "model": "m" * 5000}))
-    assert cut["model"] == "m" * ledger.FIELD_MAX
+    long_model = {**ENTRY, "model": "m" * 5000}
+    (cut,) = ledger.filled_slots(ledger.encode_slot(long_model))
+    assert cut["model"] == "m" * ledger.FIELD_MAX and long_model["model"] == "m" * 5000  # the entry is left as it was
 
 
 def test_a_lost_request_is_an_error_in_the_relay_with_what_was_known():
-    data = ledger.lost_record(dict(ENTRY)).as_dict()
+    data = ledger.lost_record(ENTRY).as_dict()
     assert (data["id"], data["request_id"], data["ts"], data["model"], data["upstream"]) == (
         "f1", "req-1", 1700000000.5, "gpt-4o-mini", "api.openai.com")
     assert data["error"] == ledger.LOST_ERROR and data["error_phase"] == "relay"

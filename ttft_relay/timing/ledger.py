@@ -56,9 +56,8 @@ def encode_slot(entry: dict[str, Any]) -> bytes:
     """One filled slot of exactly `SLOT_SIZE` bytes holding `entry` (JSON-able values).
     The client's strings are cut to `FIELD_MAX`; if the entry is still too long (JSON
     escapes), they are dropped."""
-    for key in ("model", "request_id"):
-        if isinstance(entry.get(key), str):
-            entry[key] = entry[key][:FIELD_MAX]
+    entry = {key: value[:FIELD_MAX] if key in ("model", "request_id") and isinstance(value, str) else value
+             for key, value in entry.items()}
     data = orjson.dumps(entry)
     if len(data) > SLOT_SIZE - _HEADER:
         data = orjson.dumps({**entry, "model": None, "request_id": None})
