@@ -20,11 +20,4 @@ from ttft_relay.stream import streaming
 
 # Without the relay's scope no flow has its state: Streaming streams every stream and
 # watches none (a plain `stream = True`), exactly as for an API the relay does not know.
-addons = [
-    capacity.ListenBacklog(),
-    capacity.HookPlans(),
-    capacity.MessageChecks(),
-    capacity.ConnectionLog(),
-    capacity.WarmStart(),
-    streaming.Streaming(),
-]
+addons = [*capacity.addons(), streaming.Streaming()]

@@ -203,3 +203,9 @@ class MessageChecks:
 
     def done(self) -> None:
         message_checks.install_message_checks(False)
+
+
+def addons() -> list[Any]:
+    """The capacity addons, first in the relay's chain (relay.py); benchmarks/seams_stream.py
+    loads the same, to measure mitmproxy with the relay's seams and none of its work."""
+    return [ListenBacklog(), HookPlans(), MessageChecks(), ConnectionLog(), WarmStart()]

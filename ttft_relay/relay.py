@@ -59,11 +59,7 @@ self_watch.subscribe(prometheus.load_sample)
 
 timings = timing.Timing()
 addons = [
-    capacity.ListenBacklog(),
-    capacity.HookPlans(),
-    capacity.MessageChecks(),
-    capacity.ConnectionLog(),
-    capacity.WarmStart(),
+    *capacity.addons(),
     tls.ClientTLS(),
     guard.Guard(),
     reload.Reload(),
