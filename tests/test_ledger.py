@@ -7,7 +7,10 @@ import json
 import os
 import signal
 
-from ttft_relay.timing import ledger
+from mitmproxy.test import tflow
+
+from ttft_relay import apis, state
+from ttft_relay.timing import ledger, record
 from tests.conftest import reverse_to
 from tests.fakes import client
 
@@ -22,19 +25,22 @@ def test_a_slot_keeps_its_entry_and_a_free_or_torn_one_is_skipped():
     free = bytes(ledger.SLOT_SIZE)
     torn = slot[:40] + bytes(ledger.SLOT_SIZE - 40)  # the process died mid-write
     second = ledger.encode_slot({**ENTRY, "id": "f2"})
-    assert [e["id"] for e in ledger.filled_slots(slot + free + torn + second)] == ["f1", "f2"]
-    assert next(ledger.filled_slots(slot)) == ENTRY
+    found = ledger.filled_slots(slot + free + torn + second)
+    assert [(offset, e["id"]) for offset, e in found] == [(0, "f1"), (3 * ledger.SLOT_SIZE, "f2")]
+    assert next(ledger.filled_slots(slot)) == (0, ENTRY)
 
 
 def test_long_client_strings_are_cut_to_fit_a_slot():
     entry = {**ENTRY, "model": "m" * 5000, "request_id": "\x01" * 300}  # JSON escapes six times over
     slot = ledger.encode_slot(entry)
     assert len(slot) == ledger.SLOT_SIZE
-    (back,) = ledger.filled_slots(slot)
+    ((_, back),) = ledger.filled_slots(slot)
     assert back["id"] == "f1" and back["request_id"] is None and back["model"] is None
     long_model = {**ENTRY, "model": "m" * 5000}
-    (cut,) = ledger.filled_slots(ledger.encode_slot(long_model))
-    assert cut["model"] == "m" * ledger.FIELD_MAX and long_model["model"] == "m" * 5000  # the entry is left as it was
+    ((_, cut),) = ledger.filled_slots(ledger.encode_slot(long_model))
+    assert cut["model"] == "m" * record.REQUEST_ID_MAX and long_model["model"] == "m" * 5000  # the entry is left as it was
+    ((_, escaped),) = ledger.filled_slots(ledger.encode_slot({**ENTRY, "request_id": "r\udcff"}))  # a byte not UTF-8
+    assert escaped["request_id"] == "r\ufffd"
 
 
 def test_a_lost_request_is_an_error_in_the_relay_with_what_was_known():
@@ -43,6 +49,80 @@ def test_a_lost_request_is_an_error_in_the_relay_with_what_was_known():
         "f1", "req-1", 1700000000.5, "gpt-4o-mini", "api.openai.com")
     assert data["error"] == ledger.LOST_ERROR and data["error_phase"] == "relay"
     assert data["verdict"] == "error in relay" and data["status"] is None and data["phases"] == {}
+
+
+class _Writer:
+    """What the ledger reads of the timing log's writer; `written` moves when the test says."""
+
+    def __init__(self, path):
+        self.path, self.queued, self.written, self.records, self.on_written = path, 0, 0, [], None
+
+    def write(self, rec):
+        self.records.append(rec)
+        self.queued += 1
+
+
+class _Timings:
+    def __init__(self, writer):
+        self.writer = writer
+
+
+def _flow(recorded=False):
+    f = tflow.tflow()
+    state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, stream=True, recorded=recorded))
+    return f
+
+
+def _ids(path):
+    return [entry["id"] for _, entry in ledger.filled_slots(path.read_bytes())]
+
+
+def test_a_slot_is_cleared_once_its_record_is_in_the_log_not_when_it_is_published(tmp_path):
+    writer = _Writer(tmp_path / "timing.jsonl")
+    ledger_file = tmp_path / ".timing.jsonl.inflight"
+    book = ledger.Ledger(_Timings(writer))
+    book.configure({"relay_timing_log"})
+    first, second = _flow(), _flow()
+    book.requestheaders(first)
+    book.request(first)
+    book.requestheaders(second)
+    book.requestheaders(_flow(recorded=True))  # its record is out already: nothing to keep
+    assert _ids(ledger_file) == [first.id, second.id]
+    writer.write({"id": first.id})
+    book.timing_record(None, first)
+    assert _ids(ledger_file) == [first.id, second.id]  # queued, not written: a kill now must find it
+    writer.written = 1
+    book.timing_record(None, _flow())
+    assert _ids(ledger_file) == [second.id]
+    book.done()
+    assert ledger_file.stat().st_size == 0
+
+
+def test_a_lost_request_keeps_its_slot_until_its_lost_record_is_written(tmp_path):
+    ledger_file = tmp_path / ".timing.jsonl.inflight"
+    ledger_file.write_bytes(bytes(ledger.SLOT_SIZE) + ledger.encode_slot(ENTRY))
+    writer = _Writer(tmp_path / "timing.jsonl")
+    book = ledger.Ledger(_Timings(writer))
+    book.configure({"relay_timing_log"})
+    assert [(r["id"], r["error"]) for r in writer.records] == [("f1", ledger.LOST_ERROR)]
+    fresh = _flow()
+    book.requestheaders(fresh)  # takes a free slot, not the lost one's
+    assert _ids(ledger_file) == [fresh.id, "f1"]
+    writer.written = 1
+    book.requestheaders(_flow())
+    assert "f1" not in _ids(ledger_file)
+
+
+def test_a_ledger_path_that_is_not_a_file_of_its_own_means_no_ledger_and_no_error(tmp_path, caplog):
+    (tmp_path / ".timing.jsonl.inflight").symlink_to("/dev/null")
+    book = ledger.Ledger(_Timings(_Writer(tmp_path / "timing.jsonl")))
+    book.configure({"relay_timing_log"})
+    book.requestheaders(_flow())
+    assert book.path is None and "no in-flight ledger" in caplog.text
+    os.mkfifo(tmp_path / ".other.jsonl.inflight")
+    book = ledger.Ledger(_Timings(_Writer(tmp_path / "other.jsonl")))
+    book.configure({"relay_timing_log"})
+    assert book.path is None and "is not a regular file" in caplog.text
 
 
 def test_a_relay_killed_mid_stream_has_its_request_recorded_by_the_next_one(fake, start_relay, tmp_path):
@@ -62,20 +142,20 @@ def test_a_relay_killed_mid_stream_has_its_request_recorded_by_the_next_one(fake
     assert not [r for r in first.log.records() if r["request_id"] == "held"]  # it died without one
 
     second = start_relay(reverse_to(fake), relay_timing_log=log)
-    second.wait_for_output(r"1 request\(s\) were in flight when the relay process before this one died: "
-                           r"recorded as lost \(held\)")
+    second.wait_for_output(r"1 request\(s\) were in flight when the relay process before this one died, "
+                           r"recorded as lost: held$")
     (lost,) = second.log.of("held")
     assert lost["error"] == ledger.LOST_ERROR and lost["verdict"] == "error in relay"
     assert lost["model"] == "gpt-4o-mini" and lost["stream"] is True
     second.log.of("done")  # the first one's record stays one
 
-    # A clean stop leaves nothing to find: the ledger goes with the relay.
+    # A clean stop leaves nothing to find: the ledger is emptied.
     conn, resp = client.request("POST", f"{second.url()}/v1/chat/completions", CHAT, {"x-request-id": "after"})
     with conn:
         resp.read()
     second.log.of("after")
     second.stop()
-    assert not (tmp_path / ".timing.jsonl.inflight").exists()
+    assert (tmp_path / ".timing.jsonl.inflight").stat().st_size == 0
     assert [json.loads(line)["request_id"] for line in log.read_bytes().splitlines()].count("held") == 1
 
 

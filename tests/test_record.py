@@ -147,6 +147,15 @@ def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_pat
     assert len(path.read_bytes().splitlines()) == 2001
 
 
+def test_writer_writes_a_record_whose_header_value_is_not_utf8(tmp_path):
+    path = tmp_path / "timing.jsonl"
+    writer = record.RecordWriter(path)
+    writer.write({"request_id": "r\udcff1", "nested": {"error": ["x\udc80"]}})  # mitmproxy's surrogateescape
+    writer.close()
+    assert orjson.loads(path.read_bytes()) == {"request_id": "r\ufffd1", "nested": {"error": ["x\ufffd"]}}
+    assert writer.queued == writer.written == 1
+
+
 def test_links_fill_their_keys_and_a_saturated_relay_gets_advice():
     rec = make(marks={**MARKS, "client_arrived": -900.0},
                links={"loop_lag_ms": 850.0, "client_rtt_ms": 0.1, "client_retransmits": 0, "ignored": 1})

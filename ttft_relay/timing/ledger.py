@@ -3,10 +3,16 @@
 A relay process killed outright (the OOM killer, `kill -9`, a crash in C) writes no
 record for the requests it had in flight: their clients saw the connection reset, and
 the timing log says nothing of them. So each process keeps a ledger beside its timing
-log (`.<log's name>.inflight`, hidden: not one of the log's rotations): one fixed-size slot per request in flight, filled at its request
-head (and again once the request is read, with the model), cleared when its record is
-published. Slots are written into a shared mapping of the file: memory writes, no
-system call per request, and the kernel keeps them when the process dies.
+log (`.<log's name>.inflight`, hidden: not one of the log's rotations): one fixed-size
+slot per request in flight, filled at its request head (and again once the request is
+read, with the model), and cleared once its record is in the log file: not when the
+record is published but when the writer thread has written it
+(`RecordWriter.written`, which wakes the event loop after each batch), so that a kill
+in between leaves the slot; a kill between the write and the clearing leaves a slot
+whose record is in the log already, so the records at the log's end are looked at
+before one is recorded as lost (`RECENT_BYTES`). Each change is
+one `pwrite` into a file the process holds open: the kernel keeps it when the process
+dies, and a full disk is an error to handle, not a signal.
 
 The ledger is locked while its process lives. A process starting with the same timing
 log (a worker restarted by its supervisor, systemd restarting the relay) takes the
@@ -15,20 +21,24 @@ request that process never recorded. Each becomes a record now, with the error
 `LOST_ERROR` in phase `relay` (verdict "error in relay") and what was known of it: its
 flow id, client request id, time, API, model, upstream. Only its start is known, so a
 lost record has no phases. If the lock is held, another live relay writes the same log:
-this one keeps no ledger and says so.
+this one keeps no ledger and says so. A clean stop records everything itself and
+empties the ledger (it stays, locked until the process exits, so that a relay starting
+meanwhile finds it taken rather than a new file beside it).
 
 The slot format is sans-IO (`encode_slot`, `filled_slots`, `lost_record`); `Ledger` is
-the addon around it, and reads the timing log's path and writer from `Timing`.
-WebSocket turns are not in the ledger: the upgrade's flow is, until its handshake record.
+the addon around it, and reads the timing log's writer from `Timing`. WebSocket turns
+are not in the ledger: the upgrade's flow is, until its handshake's record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
-import mmap
 import os
-from collections.abc import Iterator
+import stat
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +46,7 @@ import orjson
 from mitmproxy import http
 
 from .. import state
+from ..guard import guard
 from . import record
 from .timing import Timing, upstream_name
 
@@ -47,25 +58,27 @@ SLOTS = 4096
 _FILLED = 0x01
 _HEADER = 3
 """A slot: one byte (0 free, 1 filled), two bytes big-endian length, then the JSON entry."""
-FIELD_MAX = 200
-"""Characters kept of the client's strings (model, request id) in a slot."""
+_CUT = ("model", "request_id")
+"""The client's strings in an entry: cut to `record.REQUEST_ID_MAX`, dropped if still too long."""
 LOST_ERROR = "relay process exited with the request in flight (no answer was recorded)"
+RECENT_BYTES = 1024 * 1024
+"""How much of the log's end is read for records already written of slots still filled."""
 
 
 def encode_slot(entry: dict[str, Any]) -> bytes:
-    """One filled slot of exactly `SLOT_SIZE` bytes holding `entry` (JSON-able values).
-    The client's strings are cut to `FIELD_MAX`; if the entry is still too long (JSON
-    escapes), they are dropped."""
-    entry = {key: value[:FIELD_MAX] if key in ("model", "request_id") and isinstance(value, str) else value
-             for key, value in entry.items()}
+    """One filled slot of exactly `SLOT_SIZE` bytes holding `entry` (JSON-able values; a
+    string that is not valid UTF-8 is repaired as the record writer repairs it). The
+    client's strings are cut; if the entry is still too long (JSON escapes), dropped."""
+    entry = record.valid_text({k: v[:record.REQUEST_ID_MAX] if k in _CUT and isinstance(v, str) else v
+                               for k, v in entry.items()})
     data = orjson.dumps(entry)
     if len(data) > SLOT_SIZE - _HEADER:
-        data = orjson.dumps({**entry, "model": None, "request_id": None})
+        data = orjson.dumps({**entry, **dict.fromkeys(_CUT)})
     return bytes((_FILLED,)) + len(data).to_bytes(2, "big") + data.ljust(SLOT_SIZE - _HEADER, b"\0")
 
 
-def filled_slots(ledger: bytes) -> Iterator[dict[str, Any]]:
-    """The entries of every filled slot of a ledger's bytes; torn or unreadable slots are skipped."""
+def filled_slots(ledger: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(offset, entry) of every filled slot of a ledger's bytes; torn or unreadable slots are skipped."""
     for start in range(0, len(ledger) - SLOT_SIZE + 1, SLOT_SIZE):
         if ledger[start] != _FILLED:
             continue
@@ -77,7 +90,7 @@ def filled_slots(ledger: bytes) -> Iterator[dict[str, Any]]:
         except orjson.JSONDecodeError:
             continue
         if isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("ts"), (int, float)):
-            yield entry
+            yield start, entry
 
 
 def lost_record(entry: dict[str, Any]) -> record.Record:
@@ -95,34 +108,63 @@ def lost_record(entry: dict[str, Any]) -> record.Record:
     )
 
 
+def recorded_ids(tail: bytes) -> set[str]:
+    """The flow ids of the records in the end of a log (its first line may be cut)."""
+    ids = set()
+    for line in tail.splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+            ids.add(rec["id"])
+    return ids
+
+
 def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
+    """What a slot keeps of a request: what its lost record would say. The client's request
+    id passes the relay's key redaction, as the record's does (its header is redacted
+    before the record is written, after the ledger read it)."""
+    request_id = flow.request.headers.get("x-request-id")
     return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api, "model": st.model,
             "stream": st.stream, "upstream": upstream_name(flow), "tls": flow.request.scheme == "https",
-            "request_id": flow.request.headers.get("x-request-id")}
+            "request_id": guard.without_known_secrets(request_id) if request_id else None}
 
 
 class Ledger:
-    """Each in-scope request in flight holds a slot of the timing log's ledger; at
-    start, the slots a dead process left filled are recorded as lost (module docstring)."""
+    """Each in-scope request in flight holds a slot of the timing log's ledger; at start,
+    the slots a dead process left filled are recorded as lost (the module's docstring)."""
 
     def __init__(self, timings: Timing) -> None:
         self.timings = timings
         self.path: Path | None = None
         self._fd: int | None = None
-        self._map: mmap.mmap | None = None
+        self._writer: record.RecordWriter | None = None
         self._free: list[int] = []
         self._slot_of: dict[str, int] = {}
-        """Flow id → its slot's offset."""
+        """Flow id → its slot's offset, until its record is published."""
+        self._recorded: deque[tuple[int, int]] = deque()
+        """(the writer's count of records once this one was queued, slot offset): slots whose
+        records are published, cleared once the writer has written that many."""
+        self._full_said = False
 
     def configure(self, updated: set[str]) -> None:
         # After Timing's configure (relay.py's order): its writer is the log's.
-        if "relay_timing_log" in updated:
-            log = self.timings.writer.path if self.timings.writer is not None else None
-            path = log.with_name(f".{log.name}.inflight") if log is not None else None
+        if updated & Timing.LOG_OPTIONS:
+            writer = self.timings.writer
+            path = writer.path.with_name(f".{writer.path.name}.inflight") if writer is not None else None
             if path != self.path:
                 self._close()
-                if path is not None:
-                    self._open(path)
+                if writer is not None and path is not None:
+                    self._open(path, writer)
+            elif writer is not self._writer:
+                # The same log, a new writer (its rotation changed): the old one wrote all it
+                # had before it closed.
+                self._clear_written(everything=True)
+                self._writer = writer
+
+    def running(self) -> None:
+        self._watch_writer()
 
     def done(self) -> None:
         self._close()
@@ -135,55 +177,125 @@ class Ledger:
 
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         offset = self._slot_of.pop(flow.id, None)
-        if offset is not None and self._map is not None:
-            self._map[offset] = 0
-            self._free.append(offset)
+        if offset is not None and self._writer is not None:
+            self._recorded.append((self._writer.queued, offset))
+        self._clear_written()
 
     def _fill(self, flow: http.HTTPFlow) -> None:
-        if self._map is None or (st := state.get(flow)) is None or st.recorded:
+        if self._fd is None or (st := state.get(flow)) is None or st.recorded:
             return
+        self._clear_written()
+        slot = encode_slot(entry_of(flow, st))
         offset = self._slot_of.get(flow.id)
         if offset is None:
             if not self._free:
-                return  # more in flight than SLOTS: this one goes unledgered
+                if not self._full_said:
+                    self._full_said = True
+                    logger.warning("more than %d requests in flight: the ones beyond go unledgered", SLOTS)
+                return
             offset = self._slot_of[flow.id] = self._free.pop()
-        self._map[offset:offset + SLOT_SIZE] = encode_slot(entry_of(flow, st))
+        self._pwrite(slot, offset)
 
-    def _open(self, path: Path) -> None:
+    def _clear_written(self, everything: bool = False) -> None:
+        writer, recorded = self._writer, self._recorded
+        while recorded and writer is not None and (everything or recorded[0][0] <= writer.written):
+            _, offset = recorded.popleft()
+            self._pwrite(b"\0", offset)
+            self._free.append(offset)
+
+    def _watch_writer(self) -> None:
+        """Clear the slots of what the writer thread wrote as soon as it says so."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not yet: `running` does it
+        if self._writer is not None:
+            self._writer.on_written = lambda: _call_soon(loop, self._clear_written)
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.pwrite(self._fd, data, offset)
+        except OSError as e:  # a full disk, a quota: the requests go on, unledgered
+            logger.warning("in-flight ledger %s: %s; keeping none from now on", self.path, e)
+            self._close(empty=False)
+
+    def _open(self, path: Path, writer: record.RecordWriter) -> None:
+        try:
+            # Not through a link or into a device someone put there: a regular file of our own.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as e:
             logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
             return
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             os.close(fd)
             logger.warning("another relay process is writing %s: this one keeps no in-flight ledger", path.parent)
             return
-        with open(fd, "rb", closefd=False) as f:
-            left = f.read(SLOTS * SLOT_SIZE)
-        lost = [lost_record(entry) for entry in filled_slots(left)]
-        if lost and self.timings.writer is not None:
-            for rec in lost:
-                self.timings.writer.write(rec.as_dict())
-            logger.warning("%d request(s) were in flight when the relay process before this one died: "
-                           "recorded as lost (%s)", len(lost), ", ".join(rec.request_id or rec.id for rec in lost))
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, SLOTS * SLOT_SIZE)  # zeroed, and sparse until slots are written
-        self._fd, self.path = fd, path
-        self._map = mmap.mmap(fd, SLOTS * SLOT_SIZE)
-        self._free = list(range((SLOTS - 1) * SLOT_SIZE, -1, -SLOT_SIZE))
-        self._slot_of = {}
+        except OSError as e:
+            os.close(fd)
+            logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
+            return
+        try:
+            left = os.pread(fd, SLOTS * SLOT_SIZE, 0)
+        except OSError as e:
+            os.close(fd)
+            logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
+            return
+        self._fd, self.path, self._writer = fd, path, writer
+        self._slot_of, self._recorded, self._full_said = {}, deque(), False
+        # A lost request's slot stays filled until its record is in the log, as any other's:
+        # dying again now would leave it for the next start.
+        lost = []
+        left_filled = list(filled_slots(left))
+        written = recorded_ids(_tail(writer.path)) if left_filled else set()
+        for offset, entry in left_filled:
+            if entry["id"] in written:
+                self._recorded.append((0, offset))  # in the log already: cleared at once
+                continue
+            rec = lost_record(entry)
+            writer.write(rec.as_dict())
+            self._recorded.append((writer.queued, offset))
+            lost.append(rec.request_id or rec.id)
+        taken = {offset for _, offset in self._recorded}
+        self._free = [offset for offset in range((SLOTS - 1) * SLOT_SIZE, -1, -SLOT_SIZE) if offset not in taken]
+        self._watch_writer()
+        if lost:
+            logger.warning("%d request(s) were in flight when the relay process before this one died, "
+                           "recorded as lost: %s", len(lost), ", ".join(lost))
 
-    def _close(self) -> None:
-        """A clean end: every flow was recorded (Timing's done), nothing is left to find."""
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+    def _close(self, empty: bool = True) -> None:
+        """Stop keeping the ledger: at the end every flow was recorded (Timing's `done`), or
+        the log moved (the flows in flight go unledgered). Emptied, not removed (module docstring)."""
         if self._fd is not None:
-            if self.path is not None:
-                self.path.unlink(missing_ok=True)
+            if empty:
+                try:
+                    os.ftruncate(self._fd, 0)
+                except OSError:
+                    pass  # it holds only what the next process would record: nothing is lost
             os.close(self._fd)  # releases the lock
-            self._fd = None
-        self.path = None
+        if self._writer is not None:
+            self._writer.on_written = None
+        self._fd, self.path, self._writer = None, None, None
+
+
+def _tail(path: Path) -> bytes:
+    """The last RECENT_BYTES of a file; b"" if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - RECENT_BYTES))
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """From the writer thread: `callback` on the event loop, unless the loop is gone."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass  # closed: the relay is stopping, and its ledger is emptied

@@ -16,7 +16,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -347,6 +347,23 @@ class ConsoleLines:
         self.last = time.monotonic()
 
 
+def valid_text(value: Any) -> Any:
+    """`value` with every string made valid UTF-8: a byte that was not UTF-8 (kept as a
+    surrogate, as mitmproxy decodes header values) becomes U+FFFD, as does any other
+    surrogate."""
+    if isinstance(value, str):
+        try:
+            raw = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that is not an escaped byte
+            raw = value.encode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", "replace")
+    if isinstance(value, Mapping):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [valid_text(v) for v in value]
+    return value
+
+
 class RecordWriter:
     """Appends records as JSON lines to `path` from a background thread.
 
@@ -368,11 +385,25 @@ class RecordWriter:
         self._file = self._opened()
         self._housekeeping: threading.Thread | None = None
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
+        self.queued = 0
+        """Records handed to `write` so far."""
+        self.written = 0
+        """Of those, how many the thread has written to the file and flushed (or failed to
+        write and said so): a process killed now keeps them (`ledger` waits for this)."""
+        self.on_written: Callable[[], object] | None = None
+        """Called from the writer thread after each batch it wrote."""
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
         self._thread.start()
 
     def write(self, rec: Mapping[str, Any]) -> None:
-        self._queue.put(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
+        try:
+            line = orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)
+        except orjson.JSONEncodeError:
+            # A header value that is not UTF-8 (mitmproxy keeps its bytes as surrogates,
+            # which JSON cannot carry): the record is written all the same.
+            line = orjson.dumps(valid_text(rec), option=orjson.OPT_APPEND_NEWLINE)
+        self._queue.put(line)
+        self.queued += 1
 
     def reopen(self) -> None:
         self._queue.put(_REOPEN)
@@ -446,6 +477,10 @@ class RecordWriter:
         except OSError as e:
             logger.error("cannot write timing records to %s: %s", self.path, e)
             return
+        finally:
+            self.written += len(lines)
+            if (told := self.on_written) is not None:
+                told()
         self._size += len(data)
         self._last_write = now
 
