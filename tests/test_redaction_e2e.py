@@ -36,6 +36,16 @@ def test_safe_log_text_redacts_keys_in_raw_request_bytes():
     assert "?KEY=REDACTED&alt=sse" in safe and "Authorization: Bearer REDACTED" in safe and "Host: a:1" in safe
 
 
+def test_a_known_key_in_prose_punctuation_is_redacted_and_one_holding_it_too(monkeypatch):
+    dotted = "key.with.dots-0123456789"  # a key may hold the punctuation prose puts around one
+    monkeypatch.setattr(guard, "_KNOWN_SECRETS", {guard.key_digest(SECRET), guard.key_digest(dotted)})
+    for around in ("({})", "[{}]", "<{}>", "{}.", "key {}!", "`{}`", "(req-1, {})"):
+        safe = guard.safe_log_text(around.format(SECRET))
+        assert SECRET not in safe and safe == around.format("REDACTED"), safe
+    assert guard.without_known_secrets(f"({dotted}).") == "(REDACTED)."
+    assert guard.without_known_secrets("(an-ordinary-long-token)") == "(an-ordinary-long-token)"
+
+
 def test_safe_log_text_escapes_controls_and_caps_each_line():
     assert guard.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\rfake line\nnext"
     line = guard.safe_log_text("a" * 10_000 + "\nshort")

@@ -639,13 +639,28 @@ _KNOWN_SECRETS: set[bytes] = set()
 """Digests of the relay's own secrets (relay access keys, upstream keys): redacted
 wherever they turn up, in any header or parameter (`AccessKeys` keeps it current)."""
 _TOKEN = re.compile(rf"[^\s'\"\\,;&=:]{{{MIN_ACCESS_KEY_LENGTH},}}")
+_TOKEN_EDGES = "()[]{}<>.!?|`*"
+"""Punctuation that may stand at a token's ends in prose ("(KEY)", "KEY."): a key is
+looked for without it too. Not split on: a key may hold any of these inside."""
 
 
 def without_known_secrets(text: str) -> str:
-    """`text` with every token that is one of the relay's own keys replaced."""
+    """`text` with every token that is one of the relay's own keys replaced, also where
+    punctuation of prose stands around it."""
     if not _KNOWN_SECRETS:
         return text
-    return _TOKEN.sub(lambda m: REDACTED if key_digest(m.group(0)) in _KNOWN_SECRETS else m.group(0), text)
+    return _TOKEN.sub(_known_secret_redacted, text)
+
+
+def _known_secret_redacted(match: re.Match[str]) -> str:
+    token = match.group(0)
+    if key_digest(token) in _KNOWN_SECRETS:
+        return REDACTED
+    core = token.strip(_TOKEN_EDGES)
+    if core != token and len(core) >= MIN_ACCESS_KEY_LENGTH and key_digest(core) in _KNOWN_SECRETS:
+        start = token.index(core)
+        return token[:start] + REDACTED + token[start + len(core):]
+    return token
 
 
 def redact_flow(flow: http.HTTPFlow) -> None:
