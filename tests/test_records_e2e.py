@@ -147,3 +147,17 @@ def test_http2_siblings_cut_by_a_relay_timeout_are_named_as_the_relays(monkeypat
         st = state.get(f)
         assert st.error.startswith("the relay closed the shared upstream connection: stream idle for 1 s")
         assert st.error_phase == "relay"
+
+
+def test_a_request_id_that_is_not_utf8_still_gets_its_record(fake, start_relay):
+    """mitmproxy keeps a header's non-UTF-8 bytes as surrogates, which JSON cannot carry:
+    the record was dropped (an addon error); it is written with U+FFFD in their place."""
+    relay = start_relay(reverse_to(fake))
+    body = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"x-request-id: r\xff1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+    with raw(relay) as s:
+        s.sendall(head + body)
+        assert read_until_closed(s).startswith(b"HTTP/1.1 200")
+    (rec,) = relay.log.wait(1)
+    assert rec["request_id"] == "r\ufffd1" and rec["status"] == 200 and rec["error"] is None
