@@ -69,9 +69,12 @@ def encode_slot(entry: dict[str, Any]) -> bytes:
     """One filled slot of exactly `SLOT_SIZE` bytes holding `entry` (JSON-able values; a
     string that is not valid UTF-8 is repaired as the record writer repairs it). The
     client's strings are cut; if the entry is still too long (JSON escapes), dropped."""
-    entry = record.valid_text({k: v[:record.REQUEST_ID_MAX] if k in _CUT and isinstance(v, str) else v
-                               for k, v in entry.items()})
-    data = orjson.dumps(entry)
+    entry = {k: v[:record.REQUEST_ID_MAX] if k in _CUT and isinstance(v, str) else v for k, v in entry.items()}
+    try:
+        data = orjson.dumps(entry)
+    except orjson.JSONEncodeError:  # repaired only where needed: this runs twice a request
+        entry = record.valid_text(entry)
+        data = orjson.dumps(entry)
     if len(data) > SLOT_SIZE - _HEADER:
         data = orjson.dumps({**entry, **dict.fromkeys(_CUT)})
     return bytes((_FILLED,)) + len(data).to_bytes(2, "big") + data.ljust(SLOT_SIZE - _HEADER, b"\0")
@@ -222,29 +225,21 @@ class Ledger:
             self._close(empty=False)
 
     def _open(self, path: Path, writer: record.RecordWriter) -> None:
+        fd = None
         try:
             # Not through a link or into a device someone put there: a regular file of our own.
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        except OSError as e:
-            logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
-            return
-        try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(f"{path} is not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            logger.warning("another relay process is writing %s: this one keeps no in-flight ledger", path.parent)
-            return
-        except OSError as e:
-            os.close(fd)
-            logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
-            return
-        try:
             left = os.pread(fd, SLOTS * SLOT_SIZE, 0)
         except OSError as e:
-            os.close(fd)
-            logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
+            if fd is not None:
+                os.close(fd)
+            if isinstance(e, BlockingIOError):  # the lock
+                logger.warning("another relay process is writing %s: this one keeps no in-flight ledger", path.parent)
+            else:
+                logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
             return
         self._fd, self.path, self._writer = fd, path, writer
         self._slot_of, self._recorded, self._full_said = {}, deque(), False
