@@ -396,9 +396,9 @@ class Supervisor:
             w.restart_at = now + w.pause
             recorded = ("the restarted worker records them as lost" if self.opts.relay_timing_log
                         else "no record of them")
-            unrecorded = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
-                          f"reset)") if lost else ""
-            log(f"worker {w.index} exited ({w.proc.returncode}){unrecorded}; out of rotation, "
+            in_flight = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
+                         f"reset)") if lost else ""
+            log(f"worker {w.index} exited ({w.proc.returncode}){in_flight}; out of rotation, "
                 f"restarting in {w.pause:.0f} s")
         elif w.restart_at is not None and now >= w.restart_at:
             w.start()
