@@ -55,9 +55,9 @@ def test_the_upstreams_own_processing_time_splits_its_wait_from_the_network():
 
 
 def readme_record_keys() -> list[str]:
-    """The keys README's "Record schema" table names, in its order."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Record schema"):]
+    """The keys docs/records.md's "Record schema" table names, in its order."""
+    text = (REPO / "docs" / "records.md").read_text()
+    section = text[text.index("## Record schema"):]
     section = section[:section.index("\n#", 1)]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     return [key for cell in rows for key in re.findall(r"`([a-z_]+)`", cell)]
@@ -65,7 +65,7 @@ def readme_record_keys() -> list[str]:
 
 def test_readme_documents_the_records_fields_in_their_order():
     assert readme_record_keys() == list(record.FIELDS)
-    assert f"### Record schema (`schema: {record.SCHEMA}`)" in (REPO / "README.md").read_text()
+    assert f"## Record schema (`schema: {record.SCHEMA}`)" in (REPO / "docs" / "records.md").read_text()
 
 
 def test_a_json_line_is_the_records_fields_in_order():

@@ -2,7 +2,7 @@
 
 A record holds timings, counts and names only: never header values, bodies or
 keys, so a timing log can be shared. `Record` is its one definition: its fields, in
-order, are the keys of a JSON line (schema `SCHEMA`), and README's "Record schema"
+order, are the keys of a JSON line (schema `SCHEMA`), and docs/records.md's "Record schema"
 table names them (tests/test_record.py holds the two together). Bump `SCHEMA`
 whenever a key changes meaning or goes away (adding keys is compatible).
 """
