@@ -483,3 +483,23 @@ def error_body(api: str, message: str = "Rate limit reached.", status: int = 429
         return {"error": {"code": status, "message": message, "status": "RESOURCE_EXHAUSTED" if status == 429 else "INTERNAL"}}
     kind = {429: "rate_limit_exceeded", 400: "invalid_request_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+
+
+def too_long_body(api: str, prompt_tokens: int, window: int) -> dict:
+    """The JSON body of a 400 refusing a prompt over the model's window, word for word as
+    each API sends it (OpenAI Chat Completions names the window, the Responses API does not)."""
+    if api == "anthropic.messages":
+        return {"type": "error", "error": {"type": "invalid_request_error",
+                                           "message": f"prompt is too long: {prompt_tokens} tokens > {window} maximum"},
+                "request_id": "req_011CVjxiYzEFcAQC4Fk87zw2"}  # fmt: skip
+    if api == "gemini":
+        return {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message":
+                          f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({window})."}}
+    if api == "openai.responses":
+        message = "Your input exceeds the context window of this model. Please adjust your input and try again."
+        return {"error": {"message": message, "type": "invalid_request_error", "param": "input",
+                          "code": "context_length_exceeded"}}
+    message = (f"This model's maximum context length is {window} tokens. However, your messages resulted in "
+               f"{prompt_tokens} tokens. Please reduce the length of the messages.")
+    return {"error": {"message": message, "type": "invalid_request_error", "param": "messages",
+                      "code": "context_length_exceeded"}}

@@ -90,9 +90,15 @@ def json_reply(status: int, body: Any) -> Reply:
     return Reply(status, "application/json", [json.dumps(body).encode()], streamed=False)
 
 
-def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None) -> Reply:
+CHARS_PER_TOKEN = 4
+"""The fake's token count of a request: its body's bytes over this."""
+
+
+def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None,
+                window: int | None = None) -> Reply:
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
-    (`error_body` verbatim when given); other statuses send the normal body with that status."""
+    (`error_body` verbatim when given); other statuses send the normal body with that status. A
+    request over `window` tokens (body bytes / 4) is refused as too long, in the API's words."""
     split = urlsplit(target)
     gemini = _GEMINI_PATH.search(split.path)
     if method == "GET" and split.path == "/v1/models":
@@ -104,6 +110,8 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
         return json_reply(404, sse_samples.error_body(OPENAI_CHAT, f"No fake route for {method} {split.path}", 404))
     if status in BODILESS_STATUSES:
         return Reply(status, "application/json", [], streamed=False)
+    if window is not None and len(body) // CHARS_PER_TOKEN > window:
+        return json_reply(400, sse_samples.too_long_body(endpoint.api, len(body) // CHARS_PER_TOKEN, window))
     if status >= 400:
         error = error_body.encode() if error_body is not None else json.dumps(_error(endpoint.api, status)).encode()
         return Reply(status, "application/json", [error], streamed=False)

@@ -114,6 +114,9 @@ class Behaviour:
     hold_until_reset: int | None = None
     """HTTP/2: before this chunk, send an SSE comment every 0.2 s (never idle) until a stream
     on the same connection is reset, then the rest."""
+    window: int | None = None
+    """The model's context window in the fake's tokens (request body bytes / 4): a longer
+    request is refused with a 400 in the API's own words (`sse_samples.too_long_body`)."""
 
     def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
         """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
@@ -140,7 +143,7 @@ class Behaviour:
 
 KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
 H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens", "gap_ms", "chunks", "status",
-                      "error_body", "stall_after_chunks", "hold_until_reset"})
+                      "error_body", "stall_after_chunks", "hold_until_reset", "window"})
 """The knobs the fake's HTTP/2 answers have; the others are HTTP/1's (and hold_until_reset is HTTP/2's)."""
 KEEPALIVE = b": keep-alive\n\n"
 """An SSE comment: what a held stream sends meanwhile, so it is never idle."""
@@ -542,7 +545,7 @@ class FakeUpstream:
                 raise ValueError("HTTP/2 only: hold_until_reset")
             reply = build_reply(
                 head.method, head.target, decode_request_body(head.headers, body),
-                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
+                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body, behaviour.window,
             )
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
@@ -600,7 +603,8 @@ class FakeUpstream:
                               and getattr(behaviour, k) != KNOB_DEFAULTS[k]]:
                 raise ValueError(f"HTTP/1 only: {', '.join(http1_only)}")
             reply = build_reply(received.method, received.path, decode_request_body(headers, body),
-                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body)
+                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
+                                behaviour.window)
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         outcome = "stopped"

@@ -14,7 +14,7 @@ from ..stream.reader import (
     Event, Reader, Transcript, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
 from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
-from .openai_chat import OpenAIErrors
+from .openai_chat import OPENAI_WINDOWS, OpenAIErrors
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -228,6 +228,7 @@ API = Api(
     key_params=(),
     websocket_turns=TURNS,
     trim_shape=ResponsesShape(),
+    windows=OPENAI_WINDOWS,
     reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),

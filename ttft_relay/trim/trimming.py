@@ -47,7 +47,6 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,61 +54,7 @@ import orjson
 
 from .. import apis
 from .shape import SHRINK_KINDS, Shape
-from .tokens import longest_prefix
-
-DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
-    # OpenAI
-    "gpt-5": 400_000,
-    "gpt-5-chat": 128_000,
-    "gpt-5.1-chat": 128_000,
-    "gpt-5.2-chat": 128_000,
-    "codex-mini": 200_000,
-    "gpt-4.1": 1_047_576,
-    "gpt-4.5": 128_000,
-    "gpt-4o": 128_000,
-    "chatgpt-4o": 128_000,
-    "gpt-4-turbo": 128_000,
-    "gpt-4-1106": 128_000,
-    "gpt-4-0125": 128_000,
-    "gpt-4-32k": 32_768,
-    "gpt-4": 8_192,
-    "gpt-3.5-turbo": 16_385,
-    "gpt-oss": 131_072,
-    "o1": 200_000,
-    "o1-mini": 128_000,
-    "o1-preview": 128_000,
-    "o3": 200_000,
-    "o4-mini": 200_000,
-    # Anthropic: 200k; 1M with the context-1m beta header (`LONG_CONTEXT_WINDOWS`)
-    "claude-": 200_000,
-    # Google
-    "gemini-": 1_048_576,
-    "gemini-1.5-pro": 2_097_152,
-}
-"""Context window (input + output tokens) by model name prefix; the longest prefix wins."""
-
-MAX_INPUT_TOKENS: dict[str, int] = {"gpt-5": 272_000, "gpt-5-chat": 128_000, "gpt-5.1-chat": 128_000, "gpt-5.2-chat": 128_000}
-"""Models whose API takes fewer input tokens than window minus output (GPT-5: 400k
-window, at most 272k of it input)."""
-
-LONG_CONTEXT_WINDOWS: dict[str, int] = {"claude-": 1_000_000}
-"""Windows with the long-context beta header."""
-
-KNOWN_MODELS = (
-    "claude-opus-4-6", "claude-opus-4-5-20251101", "claude-opus-4-1-20250805", "claude-opus-4-20250514",
-    "claude-sonnet-4-5-20250929", "claude-sonnet-4-20250514", "claude-haiku-4-5-20251001",
-    "claude-3-7-sonnet-latest", "claude-3-5-haiku-latest",
-    "gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-5-codex", "gpt-5-chat-latest", "gpt-5-pro",
-    "gpt-5.1", "gpt-5.1-codex", "gpt-5.1-codex-max", "gpt-5.1-codex-mini", "gpt-5.2", "gpt-5.2-codex",
-    "gpt-4.1", "gpt-4.1-mini", "gpt-4o", "gpt-4o-mini", "codex-mini-latest", "gpt-oss-120b",
-    "o1", "o3", "o3-mini", "o3-pro", "o4-mini",
-    "gemini-2.0-flash", "gemini-2.5-pro", "gemini-2.5-flash", "gemini-2.5-flash-lite",
-    "gemini-3-pro-preview", "gemini-3-flash-preview",
-)  # fmt: skip
-"""Models in use today: tests/test_trimming.py fails if one of them has no window."""
-
-DEFAULT_RESERVE_TOKENS = 4096
-"""Output tokens kept free when the request does not say how many it wants."""
+from .windows import Budget
 
 LOW_WATER = 0.6
 """A new cut brings the request down to this share of the budget, so that the next turns
@@ -129,6 +74,8 @@ class TokenCounter(Protocol):
 
     label: str
     """Name of the encoding, for the stats."""
+    source: str
+    """"exact" (the provider's tokenizer) or "estimate", for the stats."""
     request_overhead: int
     """Tokens added once per request."""
 
@@ -138,34 +85,6 @@ class TokenCounter(Protocol):
 
 
 # --- budget ----------------------------------------------------------------------------
-
-
-class ContextWindows:
-    """Context window per model name prefix: the defaults, updated by `overrides`.
-
-    An override of 0 removes a prefix, so its models count as unknown (user budget only).
-    Overrides apply with and without the long-context header.
-    """
-
-    def __init__(self, overrides: Mapping[str, int] | None = None) -> None:
-        overrides = {k.lower(): v for k, v in (overrides or {}).items()}
-        self.table = {p: t for p, t in {**DEFAULT_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
-        self.long_table = {p: t for p, t in {**self.table, **LONG_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
-
-    def lookup(self, model: str | None, *, long_context: bool = False) -> int | None:
-        return longest_prefix(self.long_table if long_context else self.table, model)
-
-
-def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
-    """`["gpt-4o=128000", "my-model=32000"]` -> `{"gpt-4o": 128000, ...}`; ValueError if malformed."""
-    table = {}
-    for entry in entries:
-        prefix, sep, tokens = entry.partition("=")
-        prefix, tokens = prefix.strip(), tokens.strip()
-        if not sep or not prefix or not tokens.isdigit():
-            raise ValueError(f"expected 'model-prefix=tokens', got {entry!r}")
-        table[prefix] = int(tokens)
-    return table
 
 
 def max_output(api: str, body: Any) -> int | None:
@@ -178,38 +97,6 @@ def long_context(api: str, anthropic_beta: str | None) -> bool:
     """The request opens the model's long window (Claude's 1M: `anthropic-beta: context-1m-…`)."""
     shape = apis.get(api).trim_shape
     return shape is not None and shape.long_context(anthropic_beta)
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    tokens: int
-    """Most prompt tokens the request may carry."""
-    source: str
-    """"window" (the model's context window minus reserved output) or "user" (relay_trim_max_tokens)."""
-
-
-def budget_for(
-    model: str | None,
-    max_output: int | None,
-    *,
-    windows: ContextWindows,
-    user_max: int = 0,
-    default_reserve: int = DEFAULT_RESERVE_TOKENS,
-    long_context: bool = False,
-) -> Budget | None:
-    """The smallest of (context window - reserved output: the request's `max_output`, else
-    `default_reserve`), the model's input limit and `user_max` (0 = none). None when none
-    applies (unknown model, no user budget)."""
-    candidates = []
-    window = windows.lookup(model, long_context=long_context)
-    if window is not None:
-        room = max(window - (max_output or default_reserve), 0)
-        if (max_input := longest_prefix(MAX_INPUT_TOKENS, model)) is not None:
-            room = min(room, max_input)
-        candidates.append(Budget(room, "window"))
-    if user_max > 0:
-        candidates.append(Budget(user_max, "user"))
-    return min(candidates, key=lambda b: b.tokens, default=None)
 
 
 # --- conversation layout ---------------------------------------------------------------
@@ -334,8 +221,16 @@ class TrimResult:
     """For the timing record: see `trim`."""
 
 
-def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: str | None = None) -> dict[str, Any]:
-    """Stats with every key, for a request left untouched because of `reason`."""
+def untouched_stats(
+    reason: str | None, budget: Budget | None = None, encoding: str | None = None, count_source: str | None = None
+) -> dict[str, Any]:
+    """Stats with every key, for a request left untouched because of `reason`.
+
+    `budget_source` says whose word the budget rests on (`windows`: "window" known,
+    "configured", "learned" from the provider's refusal, "user"), `window` the window it
+    came from; `count_source` whether the count is the provider's own tokenizer's
+    ("exact") or an estimate (Claude, Gemini: "estimate"). A request the upstream refused
+    as too long also has `refused` (set by the addon)."""
     return {
         "trimmed": False,
         "reason": reason,
@@ -350,7 +245,9 @@ def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: 
         "plan": None,
         "budget": budget.tokens if budget else None,
         "budget_source": budget.source if budget else None,
+        "window": budget.window if budget else None,
         "encoding": encoding,
+        "count_source": count_source,
         "over_budget": False,
         "trim_ms": 0.0,
     }
@@ -372,7 +269,7 @@ def trim(
     are counted even without a budget, so `tokens_after` is the prompt size either way.
     """
     started = time.perf_counter()
-    stats = untouched_stats(None, budget, counter.label)
+    stats = untouched_stats(None, budget, counter.label, getattr(counter, "source", None))
     new_body = _Trimmer(body, api, budget, counter, plans, notice, stats).run()
     stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
     return TrimResult(new_body, stats)
@@ -441,7 +338,7 @@ class _Trimmer:
         uncounted = any(not lay.always[i] for i in range(lay.head_end, counted_from))
         stats.update(tokens_before=total, tokens_before_lower_bound=uncounted, tokens_after=total)
         if budget is None:
-            stats["reason"] = "no budget: unknown model and relay_trim_max_tokens is 0"
+            stats["reason"] = "no budget: the model's window is not known and relay_trim_max_tokens is 0"
             return None
         if total <= budget.tokens and not uncounted:
             stats["reason"] = "fits"
@@ -545,17 +442,33 @@ def _shrunk(shape: Shape, item: dict) -> dict | None:
 def summary(stats: dict[str, Any]) -> str | None:
     """One line for the X-Relay-Trim header and the mitmweb comment; None if nothing to say.
 
-    Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000"
-                 ("+" after tokens before: at least that many, counting stopped early)
-    Over budget: "over_budget; tokens=150000+; budget=120000"
+    Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=window:200000"
+                 ("+" after tokens before: at least that many, counting stopped early;
+                 `by`: whose word the budget rests on, `by_word`)
+    Over budget: "over_budget; tokens=150000+; budget=120000; by=user"
+    Either, after a refusal as too long: "...; refused=219898>200000; resent"
     """
     before = f"{stats['tokens_before']}{'+' if stats['tokens_before_lower_bound'] else ''}"
     if stats.get("trimmed"):
-        return (
+        line = (
             f"dropped={stats['dropped_units']}; shrunk={stats['shrunk_messages']}; "
             f"messages={stats['messages_before']}->{stats['messages_after']}; "
-            f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}"
+            f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}; by={by_word(stats)}"
         )
-    if stats.get("over_budget"):
-        return f"over_budget; tokens={before}; budget={stats['budget']}"
-    return None
+    elif stats.get("over_budget"):
+        line = f"over_budget; tokens={before}; budget={stats['budget']}; by={by_word(stats)}"
+    elif not stats.get("refused"):
+        return None
+    else:
+        line = f"untouched ({stats.get('reason')})"
+    if refused := stats.get("refused"):
+        line += f"; refused={refused.get('provider_tokens') or '?'}>{refused.get('max_input') or refused.get('window')}"
+        line += "; resent" if refused.get("resent") else ""
+    return line
+
+
+def by_word(stats: dict[str, Any]) -> str:
+    """Whose word the budget rests on: "window:200000" (known), "learned:200000" (the
+    provider's refusal), "configured:32000" (relay_context_windows), "user"."""
+    source = stats.get("budget_source")
+    return f"{source}:{stats['window']}" if stats.get("window") else str(source)
