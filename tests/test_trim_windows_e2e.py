@@ -18,7 +18,6 @@ from tests import shaped
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import Behaviour, FakeUpstream
 from tests.fakes.replies import answer_text
-from tests.harness import read_records
 
 WAIT = 60
 NEW_CLAUDE = "claude-opus-5-5"

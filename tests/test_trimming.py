@@ -268,24 +268,6 @@ def test_policy_holds_for_random_sessions(api, turns, rounds, result_words, args
 # --- budgets ---------------------------------------------------------------------------------
 
 
-def test_every_model_in_use_has_a_window():
-    windows = trimming.ContextWindows()
-    missing = [m for m in trimming.KNOWN_MODELS if windows.lookup(m) is None]
-    assert missing == []
-    assert windows.lookup("claude-sonnet-4-5") == 200_000 and windows.lookup("gemini-3-pro-preview") == 1_048_576
-    assert windows.lookup("gpt-5.1-codex") == 400_000 and windows.lookup("gpt-5-chat-latest") == 128_000
-
-
-def test_budget_window_minus_reserved_output():
-    windows = trimming.ContextWindows()
-    assert trimming.budget_for("gpt-4o-2024-08-06", 1000, windows=windows) == Budget(127_000, "window")
-    assert trimming.budget_for("gpt-4.1-mini", 1, windows=windows).tokens == 1_047_575
-    assert trimming.budget_for("gpt-4o", None, windows=windows).tokens == 128_000 - 4096
-    assert trimming.budget_for("gpt-4", 10_000, windows=windows) == Budget(0, "window")
-    assert trimming.budget_for("gpt-5.1-codex", None, windows=windows).tokens == 272_000  # its input limit
-    assert trimming.budget_for("claude-opus-4-6", 64_000, windows=windows).tokens == 136_000
-
-
 def test_the_answers_cap_is_read_from_each_apis_own_field():
     assert trimming.max_output(CHAT, {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
     assert trimming.max_output(CHAT, {"max_tokens": 1000}) == 1000  # the older name
@@ -297,37 +279,15 @@ def test_the_answers_cap_is_read_from_each_apis_own_field():
     assert trimming.max_output(apis.GEMINI, {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
 
 
-def test_long_context_header_opens_the_1m_window():
-    windows = trimming.ContextWindows()
-    beta = "interleaved-thinking-2025-05-14, context-1m-2025-08-07"
-    assert trimming.long_context(ANTHROPIC, beta) and not trimming.long_context(ANTHROPIC, "interleaved-thinking-2025-05-14")
-    assert not trimming.long_context(CHAT, beta)
-    budget = trimming.budget_for("claude-sonnet-4-5", 64_000, windows=windows, long_context=True)
-    assert budget == Budget(936_000, "window")
-    assert trimming.budget_for("gpt-4o", None, windows=windows, long_context=True).tokens == 128_000 - 4096
-
-
-def test_budget_user_and_unknown_models():
-    windows = trimming.ContextWindows()
-    assert trimming.budget_for("gpt-4o", None, windows=windows, user_max=32_000) == Budget(32_000, "user")
-    assert trimming.budget_for("llama-3", None, windows=windows, user_max=5) == Budget(5, "user")
-    assert trimming.budget_for("llama-3", None, windows=windows) is None
-
-
-def test_context_window_overrides():
-    windows = trimming.ContextWindows(trimming.parse_context_windows(["llama-3=8192", " GPT-4o-mini = 64000", "claude-=0"]))
-    assert windows.lookup("llama-3.1-70b") == 8192
-    assert windows.lookup("gpt-4o-mini") == 64000
-    assert windows.lookup("claude-opus-4") is None and windows.lookup("claude-opus-4", long_context=True) is None
-    for bad in ["llama", "=5", "x=", "x=-1", "x=1k"]:
-        with pytest.raises(ValueError):
-            trimming.parse_context_windows([bad])
-
-
 def test_summary():
     stats = dict(
         trimmed=True, dropped_units=3, shrunk_messages=5, messages_before=120, messages_after=40,
         tokens_before=130512, tokens_before_lower_bound=True, tokens_after=31870, budget=32000,
     )  # fmt: skip
-    assert trimming.summary(stats) == "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000"
+    stats.update(budget_source="user", window=None)
+    assert trimming.summary(stats) == "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=user"
+    learned = {**stats, "budget_source": "learned", "window": 200_000}
+    assert trimming.summary(learned).endswith("budget=32000; by=learned:200000")
+    refused = {**learned, "refused": {"provider_tokens": 219898, "max_input": 200_000, "resent": True}}
+    assert trimming.summary(refused).endswith("by=learned:200000; refused=219898>200000; resent")
     assert trimming.summary({**stats, "trimmed": False, "over_budget": False}) is None

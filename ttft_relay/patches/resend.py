@@ -76,7 +76,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    return HttpStream.send_response is _send_response  # type: ignore[comparison-overlap]
+    return HttpStream.send_response is _send_response
 
 
 def hold(flow: http.HTTPFlow) -> None:

@@ -217,7 +217,7 @@ class Trim:
 
     async def _refused(self, flow: http.HTTPFlow, st: state.FlowState, response: http.Response) -> None:
         api = apis.get(st.api)
-        assert api.windows is not None
+        assert api.windows is not None and st.trim is not None
         refusal = api.windows.too_long(response.status_code, response.get_content(strict=False) or b"")
         if refusal is None:
             return

@@ -130,8 +130,9 @@ def budget_for(
             room = learned.window - reserve
         tokens = math.floor(max(room, 0) / learned.ratio * LEARNED_MARGIN)
         candidates.append(Budget(tokens, LEARNED, learned.max_input or learned.window))
-    elif (window := configured_window(configured or {}, model)) is not None and window > 0:
-        candidates.append(Budget(max(window - reserve, 0), CONFIGURED, window))
+    elif (window := configured_window(configured or {}, model)) is not None:
+        if window > 0:  # 0: the user says the model's window is unknown
+            candidates.append(Budget(max(window - reserve, 0), CONFIGURED, window))
     elif windows is not None and (window := windows.window(model, long_context=long_context)) is not None:
         room = max(window - reserve, 0)
         if (max_input := windows.lookup(windows.max_input, model)) is not None:
