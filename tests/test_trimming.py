@@ -45,6 +45,14 @@ def full_tokens(body: dict, api: str, counter) -> int:
     return counter.request_overhead + fixed + sum(counter.message(m) for m in body[shape.items_key])
 
 
+def without_notice(item: dict) -> dict:
+    """`item` without the notice a drop put in front of it (Anthropic's, always)."""
+    content = item.get("content")
+    if isinstance(content, list) and content and "[ttft-relay: " in str(content[0].get("text", "")):
+        return {**item, "content": content[1:]}
+    return item
+
+
 def head(api: str, body: dict) -> list:
     items = shaped.items_of(api, body)
     return items[: trimming.layout(items, apis.get(api).trim_shape).head_end]
@@ -69,11 +77,11 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming
     assert kept[: len(head(api, body))] == head(api, body), "the pinned head is sent byte for byte"
     pinned = [i for i in items if apis.get(api).trim_shape.pinned(i)]
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
-    assert kept[-1] == items[-1], "the newest message is sent whole"
+    assert kept[-1] == items[-1] or without_notice(kept[-1]) == items[-1], "the newest message is sent whole"
     lay = trimming.layout(items, apis.get(api).trim_shape)
     # The newest round (its calls and results) is never shrunk; the newest turn never dropped.
     whole = items[max(lay.protect_from, lay.newest) :]
-    assert kept[len(kept) - len(whole) :] == whole, "the newest round and turn are whole"
+    assert [without_notice(i) for i in kept[len(kept) - len(whole) :]] == whole, "the newest round and turn are whole"
     return result
 
 
@@ -291,3 +299,23 @@ def test_summary():
     refused = {**learned, "refused": {"provider_tokens": 219898, "max_input": 200_000, "resent": True}}
     assert trimming.summary(refused).endswith("by=learned:200000; refused=219898>200000; resent")
     assert trimming.summary({**stats, "trimmed": False, "over_budget": False}) is None
+
+
+def test_an_anthropic_drop_tells_the_model_what_is_missing_between_two_user_turns(claude_counter):
+    # The head ends with the first prompt; after a drop the first kept prompt follows it, and
+    # the API merges the two into one turn: the model must not read them as one question.
+    body = shaped.Session(ANTHROPIC, turns=20).last()
+    result = check(ANTHROPIC, body, Budget(30_000, "user"), claude_counter)
+    assert result.stats["dropped_units"] > 0
+    sent = [m for m in result.body["messages"] if m["role"] != "system"]
+    original = [m for m in body["messages"] if m["role"] != "system"]
+    for before, after in zip(sent, sent[1:]):
+        if before["role"] == after["role"] == "user" and not any(
+                b.get("type") == "tool_result" for b in after["content"] if isinstance(b, dict)):
+            at = next(i for i, m in enumerate(original) if m is before or m == before)
+            assert original[at + 1]["role"] == "assistant"  # the original had an answer between them
+            first = after["content"][0]
+            assert first["type"] == "text" and first["text"].startswith("[ttft-relay: ") and "left out" in first["text"]
+            break
+    else:
+        raise AssertionError("no drop between two user turns in this session")

@@ -109,6 +109,7 @@ class MessagesShape(Shape):
     text_part_type = "text"
     image_part_types = frozenset({"image", "document"})
     max_output_keys = ("max_tokens",)
+    gap_notice = True  # the API merges the head's user message and the first kept prompt
 
     def long_context(self, anthropic_beta: str | None) -> bool:
         # Claude's 1M window: `anthropic-beta: context-1m-2025-08-07`

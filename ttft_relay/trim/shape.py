@@ -75,6 +75,10 @@ class Shape:
     image_part_types: frozenset[str]
     max_output_keys: tuple[str, ...]
     """Body keys that cap the answer's tokens, the first one set counting."""
+    gap_notice: bool = False
+    """A drop always puts the notice in front of the first kept prompt (not only with
+    relay_trim_notice): where the API merges the head's user message and that prompt into
+    one turn, the model is told that turns are missing between them."""
 
     def items(self, body: dict) -> Any:
         """The body's conversation list (anything else when it is malformed)."""

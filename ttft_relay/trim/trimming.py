@@ -15,7 +15,9 @@ A request over budget is cut down in this order, each step oldest first, until i
 2. **Drop.** Whole turns — a turn starts at a user prompt, and a call and its results
    never straddle a cut — from the middle: the oldest ones after the pinned head first
    ("middle-out"). The head then meets the first kept prompt: two user messages in a
-   row, which Anthropic's Messages API combines into one turn, as its reference says.
+   row, which Anthropic's Messages API combines into one turn, as its reference says;
+   so that the model does not read the two as one question, a shape with `gap_notice`
+   (Anthropic's) always starts that prompt with the notice of what was left out.
 
 Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
 developer message, wherever it is (Anthropic's mid-conversation system messages too);
@@ -364,9 +366,9 @@ class _Trimmer:
 
         dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
         shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not items[i])
-        if self.notice and dropped_units and plan.cut < n:
+        if (self.notice or shape.gap_notice) and dropped_units and plan.cut < n:
             delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
-            if total + delta <= budget.tokens:
+            if total + delta <= budget.tokens or shape.gap_notice:
                 total += delta
             else:
                 self.replace(plan.cut, items[plan.cut])
