@@ -146,6 +146,11 @@ class ResponsesShape(Shape):
     def role(self, item: dict) -> str | None:
         return super().role(item) if item.get("type", "message") == "message" else None
 
+    def from_model(self, item: dict) -> bool:
+        # an assistant message, reasoning, or a call (function, custom, web search, ...)
+        kind = item.get("type", "message")
+        return super().from_model(item) if kind == "message" else kind == "reasoning" or kind.endswith("_call")
+
     def calls(self, item: dict) -> Iterator[str]:
         if item.get("type", "").endswith("_call") and "call_id" in item:
             yield item["call_id"]

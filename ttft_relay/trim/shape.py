@@ -118,6 +118,11 @@ class Shape:
         """A user message that asks something (not one carrying tool results)."""
         return self.role(item) == "user" and not any(self.results(item))
 
+    def from_model(self, item: dict) -> bool:
+        """An item the model wrote (its message, reasoning, tool calls): a run of them is one
+        request's answer, so the conversation's runs count its requests."""
+        return self.role(item) == "assistant"
+
     def calls(self, item: dict) -> Iterator[str]:
         """Ids of tool calls this item makes."""
         raise NotImplementedError

@@ -5,7 +5,7 @@ items are, their roles, calls and results, what a shrunk part looks like) is its
 module's trim shape (`shape.Shape`, `ttft_relay/apis/`).
 
 A request over budget is cut down in this order, each step oldest first, until it fits
-`LOW_WATER` of the budget:
+its target below the budget (see "Cache-stable cuts"):
 
 1. **Shrink.** The bodies of old tool results, then old tool-call arguments, then old
    images are replaced by a short placeholder saying how much was removed (what
@@ -29,11 +29,15 @@ relay does not recognise, which is carried as it is.
 
 **Cache-stable cuts.** A provider's prompt cache hits on an identical prefix. A cut made
 to just fit the budget moves on every turn and misses the cache every time; instead the
-cut goes to `LOW_WATER` of the budget, and the plan (how far shrinking reached, where the
-drop ends) is remembered per conversation — recognised by a hash of its pinned head, no
-server state — in a bounded `PlanCache`. The conversation's next requests get the same
-plan as long as it keeps them within the budget, so each one sends its predecessor's
-body plus its own new items.
+plan (how far shrinking reached, where the drop ends) is remembered per conversation —
+recognised by a hash of its pinned head, no server state — in a bounded `PlanCache`, and
+the conversation's next requests get the same plan as long as it keeps them within the
+budget, so each one sends its predecessor's body plus its own new items. A request that
+makes a new cut can share only the pinned head with its predecessor, so what keeps the
+cache is how rarely cuts come: a new cut goes below the budget by room for
+`REQUESTS_BETWEEN_CUTS` requests at the conversation's own recent growth per request
+(read from its history: `_Trimmer.growth`), within `LEAST_HEADROOM` and `MOST_HEADROOM`
+of the budget (docs/trimming.md weighs the cache against the context a deeper cut loses).
 
 **Bounded counting.** Items are counted newest first; once the count passes
 `COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
@@ -58,9 +62,22 @@ from .. import apis
 from .shape import SHRINK_KINDS, Shape
 from .windows import Budget
 
-LOW_WATER = 0.6
-"""A new cut brings the request down to this share of the budget, so that the next turns
-of the conversation fit below the budget with the same cut (and the same prefix)."""
+REQUESTS_BETWEEN_CUTS = 16
+"""A new cut leaves room below the budget for this many of the conversation's next
+requests at its recent growth per request, so that they go with the same cut (the same
+prefix, a prompt-cache hit) and at most about one request in this many makes a new cut."""
+
+GROWTH_WINDOW = 16
+"""The recent growth per request is read from this many of the conversation's last
+requests (the model's answers in its history, and what followed each)."""
+
+LEAST_HEADROOM = 0.1
+"""A new cut leaves at least this share of the budget free, however slowly the
+conversation grows: a cut that would hold only a few requests re-reads the whole prompt
+uncached for a few tokens of context."""
+
+MOST_HEADROOM = 0.6
+"""and at most this share: one cut never throws away more, however fast it grows."""
 
 COUNT_LIMIT = 2
 """Counting stops once this many budgets are counted; older items are dropped uncounted."""
@@ -245,6 +262,7 @@ def untouched_stats(
         "dropped_messages": 0,
         "shrunk_messages": 0,
         "plan": None,
+        "target": None,
         "budget": budget.tokens if budget else None,
         "budget_source": budget.source if budget else None,
         "window": budget.window if budget else None,
@@ -267,8 +285,9 @@ def trim(
     """Bring `body` within `budget` (see the module docstring).
 
     Stats keys: see `untouched_stats`. `reason` says why the body is untouched (None when
-    trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused); tokens
-    are counted even without a budget, so `tokens_after` is the prompt size either way.
+    trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused), and
+    `target` where a new cut aimed (the budget less the room it leaves); tokens are counted
+    even without a budget, so `tokens_after` is the prompt size either way.
     """
     started = time.perf_counter()
     stats = untouched_stats(None, budget, counter.label, getattr(counter, "source", None))
@@ -350,13 +369,19 @@ class _Trimmer:
 
         key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
-        kept_total = self._apply(plan, lay, fixed, shape) if plan is not None and self._valid(plan, lay) else None
+        kept_total = None
+        if plan is not None and self._valid(plan, lay):
+            kept_total = self._apply(plan, lay, fixed, shape)
+            if kept_total <= budget.tokens:
+                kept_total, shrunk = self._finish(plan, lay, shape, kept_total)  # the notice may not fit
         if plan is not None and kept_total is not None and kept_total <= budget.tokens:
             stats["plan"] = "kept"
             total = kept_total
         else:
             self._restore()
-            plan, total = self._new_plan(lay, floor, fixed, shape)
+            plan, total = self._new_plan(lay, floor, fixed, shape, counted_from)
+            if total <= budget.tokens:
+                total, shrunk = self._finish(plan, lay, shape, total)
             if total > budget.tokens:
                 stats.update(reason="over_budget", over_budget=True)
                 return None
@@ -365,13 +390,6 @@ class _Trimmer:
                 self.plans.put(key, plan)
 
         dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
-        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not items[i])
-        if (self.notice or shape.gap_notice) and dropped_units and plan.cut < n:
-            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
-            if total + delta <= budget.tokens or shape.gap_notice:
-                total += delta
-            else:
-                self.replace(plan.cut, items[plan.cut])
         new_items = [self.versions[i] for i in range(n) if lay.always[i] or i >= plan.cut]
         stats.update(
             trimmed=True,
@@ -382,6 +400,21 @@ class _Trimmer:
             shrunk_messages=shrunk,
         )
         return {**body, shape.items_key: new_items}
+
+    def _finish(self, plan: Plan, lay: Layout, shape: Shape, total: int) -> tuple[int, int]:
+        """After a drop, the notice in front of the first kept prompt (Anthropic's always, as
+        the API merges it with the head's user message; others' with relay_trim_notice, if it
+        fits). Returns the total with it, and how many kept items are shrunk."""
+        n = len(self.items)
+        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not self.items[i])
+        dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
+        if (self.notice or shape.gap_notice) and dropped_units and plan.cut < n:
+            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
+            if total + delta <= self.budget.tokens or shape.gap_notice:
+                total += delta
+            else:
+                self.replace(plan.cut, self.items[plan.cut])
+        return total, shrunk
 
     def _restore(self) -> None:
         """Every item back to its original, keeping the counts of those that were."""
@@ -411,9 +444,34 @@ class _Trimmer:
                 break
         return total
 
-    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape) -> tuple[Plan, int]:
-        """Shrink, then drop, oldest first, until the request fits the low-water mark."""
-        target = math.floor(self.budget.tokens * LOW_WATER)
+    def growth(self, lay: Layout, shape: Shape, counted_from: int) -> float | None:
+        """Tokens the conversation added per request over its last `GROWTH_WINDOW` requests:
+        each request added the model's previous answer and what followed it (tool results,
+        a prompt), so the items from the `GROWTH_WINDOW`-th last answer on are that many
+        requests' growth. Read from the request itself, it is there for a conversation's
+        first cut too, and after a restart. None before the model's first answer."""
+        items, answers, added = self.items, 0, 0
+        for i in range(len(items) - 1, max(lay.head_end, counted_from) - 1, -1):
+            added += self.count(i)
+            if shape.from_model(items[i]) and not (i > lay.head_end and shape.from_model(items[i - 1])):
+                answers += 1
+                if answers == GROWTH_WINDOW:
+                    break
+        return added / answers if answers else None
+
+    def target(self, lay: Layout, shape: Shape, counted_from: int) -> int:
+        """Where a new cut brings the request: `REQUESTS_BETWEEN_CUTS` requests' growth below
+        the budget, within `LEAST_HEADROOM` and `MOST_HEADROOM` of it."""
+        budget = self.budget.tokens
+        growth = self.growth(lay, shape, counted_from)
+        headroom = REQUESTS_BETWEEN_CUTS * growth if growth is not None else 0
+        headroom = min(max(headroom, LEAST_HEADROOM * budget), MOST_HEADROOM * budget)
+        return math.floor(budget - headroom)
+
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int) -> tuple[Plan, int]:
+        """Shrink, then drop, oldest first, until the request fits `target`."""
+        target = self.target(lay, shape, counted_from)
+        self.stats["target"] = target
         n = len(self.versions)
         cut = floor
         total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
