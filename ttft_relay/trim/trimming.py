@@ -33,8 +33,8 @@ plan (how far shrinking reached, where the drop ends) is remembered per conversa
 recognised by a hash of its pinned head, no server state — in a bounded `PlanCache`, and
 the conversation's next requests get the same plan as long as it keeps them within the
 budget, so each one sends its predecessor's body plus its own new items. A request that
-makes a new cut can share only the pinned head with its predecessor, so what keeps the
-cache is how rarely cuts come: a new cut goes below the budget by room for
+makes a new cut shares little more than the pinned head with its predecessor, so what
+keeps the cache is how rarely cuts come: a new cut goes below the budget by room for
 `REQUESTS_BETWEEN_CUTS` requests at the conversation's own recent growth per request
 (read from its history: `_Trimmer.growth`), within `LEAST_HEADROOM` and `MOST_HEADROOM`
 of the budget (docs/trimming.md weighs the cache against the context a deeper cut loses).
