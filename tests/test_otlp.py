@@ -417,3 +417,26 @@ def test_a_collector_that_refuses_is_not_retried():
         exporter.close()
         collector.close()
     assert len(collector.bodies) == 1 and drops == [(traces.DROP_REJECTED, 1)]
+
+
+def test_bench_streams_measures_the_exporter_beside_the_relay():
+    """`scripts/bench streams --otlp` (docs/telemetry.md's figures) runs: both exporting setups carry
+    their streams without failure and the collector got the traces."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",
+         "--events", "20", "--setups", "direct,relay-1", "--otlp"],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("highest rate sustained")[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+5 (\S+) .*$", table, re.M)}
+    assert set(rows) == {"direct", "relay-1", "otlp", "otlp-down"}, out.stdout
+    for name in ("otlp", "otlp-down"):
+        assert re.search(r"ms\s+0\s+5\s", rows[name]), rows[name]  # no failures, 5 streams
+    exports = re.search(r"collector took exports (\d+)", out.stdout)
+    assert exports and int(exports.group(1)) >= 1, out.stdout

@@ -260,7 +260,8 @@ def spans(rec: Mapping[str, Any], trace: Trace, *, origin_s: float | None = None
         if isinstance(trim.get(key), int):
             attributes[f"ttft_relay.trim.{key}"] = trim[key]
 
-    events = [(name, _ns(origin, marks[name]), {}) for name in EVENT_MARKS if name in marks]
+    events: list[tuple[str, int, Mapping[str, Any]]] = [
+        (name, _ns(origin, marks[name]), {}) for name in EVENT_MARKS if name in marks]
     if (gap := rec.get("max_gap_ms")) and (gap_end := marks.get("max_gap_end")) is not None:
         events.append(("longest_gap", _ns(origin, gap_end - gap), {"ttft_relay.gap_ms": gap}))
     events.sort(key=lambda e: e[1])
@@ -276,10 +277,11 @@ def spans(rec: Mapping[str, Any], trace: Trace, *, origin_s: float | None = None
             cursor += ms
     if (ms := p.get("stream")) is not None:
         out.append(_phase(trace, "stream", origin, marks.get("first_token", cursor), ms, rec))
-    if failed and (name := rec.get("error_phase")) in phases.PHASE_WORDS and name not in p:
+    error_phase = rec.get("error_phase")
+    if failed and isinstance(error_phase, str) and error_phase in phases.PHASE_WORDS and error_phase not in p:
         # The phase it failed in never completed, so the record has no duration for it: its
         # span runs from where the completed ones end to the failure.
-        out.append(_phase(trace, name, origin, cursor, max(0.0, end - cursor), rec))
+        out.append(_phase(trace, error_phase, origin, cursor, max(0.0, end - cursor), rec))
     if "forwarded" in marks:
         upstream_attrs: dict[str, Any] = {"server.address": host}
         if port is not None:

@@ -274,13 +274,14 @@ class Exporter:
     def _post(self, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int | None, str]:
         """(status, what went wrong) of one POST; status None: no answer."""
         url = urlsplit(self.settings.endpoint)
+        host = url.hostname or ""  # `settings` checked there is one
         try:
             if self._conn is None:
                 if url.scheme == "https":
                     context = ssl.create_default_context(cafile=self.settings.ca_file)
-                    self._conn = http_client.HTTPSConnection(url.hostname, url.port, timeout=timeout, context=context)
+                    self._conn = http_client.HTTPSConnection(host, url.port, timeout=timeout, context=context)
                 else:
-                    self._conn = http_client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+                    self._conn = http_client.HTTPConnection(host, url.port, timeout=timeout)
             self._conn.timeout = timeout
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout)
