@@ -302,9 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = {name: dict(kv.split("=", 1) for kv in options.split(","))
                 for name, _, options in (v.partition(":") for v in args.variant)}
     sink = otlp_sink() if args.otlp else None
-    if sink is not None:
-        variants["otlp"] = {"relay_otlp_endpoint": sink[1]}
-        variants["otlp-down"] = {"relay_otlp_endpoint": f"http://127.0.0.1:{workers.free_port()}"}
+    if sink is not None:  # before the --variant setups: one of those can be a control after them
+        variants = {"otlp": {"relay_otlp_endpoint": sink[1]},
+                    "otlp-down": {"relay_otlp_endpoint": f"http://127.0.0.1:{workers.free_port()}"}, **variants}
     with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
                      names=tuple(args.setups.split(",")), variants=variants, tls=args.tls, h2=args.h2) as bench:
         tls = client_tls(args.h2) if args.tls else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,12 @@ def hop(spans: list[dict], rec: dict) -> tuple[dict, dict[str, dict]]:
     return root, children
 
 
+def at(span: dict, key: str) -> datetime:
+    return datetime.fromisoformat(span[key])
+
+
 def duration_ms(span: dict) -> float:
-    from datetime import datetime
-    start, end = (datetime.fromisoformat(span[k]) for k in ("start_time", "end_time"))
-    return (end - start).total_seconds() * 1000
+    return (at(span, "end_time") - at(span, "start_time")).total_seconds() * 1000
 
 
 def assert_phases_match(children: dict[str, dict], rec: dict) -> None:
@@ -111,7 +114,9 @@ def assert_genai(root: dict, rec: dict) -> None:
 
 def test_a_chained_request_is_one_trace_with_both_relays_phases(chain, fake, phoenix, rid):
     near, far = chain
-    headers = {**AUTH, "x-request-id": rid, "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    # A prefill the far side waits for: the waterfall shows where the time went (docs/telemetry.md).
+    headers = {**AUTH, "x-request-id": rid, "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+               "x-fake-prefill-ms": "300"}
     conn, response = request("POST", near.url() + "/v1/chat/completions", CHAT, headers)
     with conn:
         assert response.status == 200 and b"[DONE]" in response.read()
@@ -125,6 +130,9 @@ def test_a_chained_request_is_one_trace_with_both_relays_phases(chain, fake, pho
     assert near_root["parent_id"] == CLIENT_SPAN
     near_upstream = near_children[f"upstream {near_rec['upstream']}"]
     assert far_root["parent_id"] == near_upstream["context"]["span_id"]
+    # One clock, one machine: the far relay's whole wait lies within the near relay's exchange with it.
+    assert at(near_upstream, "start_time") <= at(far_root, "start_time")
+    assert at(far_root, "end_time") <= at(near_upstream, "end_time")
     far_upstream = far_children[f"upstream {far_rec['upstream']}"]
     # And the far relay passed its own upstream span on to the provider.
     (got,) = [r for r in fake.received if r.header("x-request-id") == rid]

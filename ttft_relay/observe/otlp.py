@@ -12,9 +12,10 @@ One record (an HTTP request or a WebSocket turn) becomes the relay's part of one
                                       (their durations are the record's; relay_queue, which may be
                                       several moments, is drawn first as their sum)
       stream                 INTERNAL first → last token
-      upstream {host}        CLIENT   forwarded → end: the exchange with the upstream; its id is
-                                      the parent the relay passes upstream in `traceparent`, so the
-                                      next hop's spans (another ttft-relay's) nest under it
+      upstream {host}        CLIENT   forwarded (or the connect, when earlier) → end: the exchange
+                                      with the upstream; its id is the parent the relay passes
+                                      upstream in `traceparent`, so the next hop's spans (another
+                                      ttft-relay's) nest under it
 
 Trace context (https://www.w3.org/TR/trace-context/): a valid `traceparent` from the client
 is continued (its trace id, its span as the root's parent, its sampled flag); otherwise the
@@ -283,6 +284,9 @@ def spans(rec: Mapping[str, Any], trace: Trace, *, origin_s: float | None = None
         # span runs from where the completed ones end to the failure.
         out.append(_phase(trace, error_phase, origin, cursor, max(0.0, end - cursor), rec))
     if "forwarded" in marks:
+        # From the request leaving, or from the connect when it came first (mitmproxy connects
+        # eagerly in reverse mode): the next hop's wait starts with that connection.
+        sent = min(marks["forwarded"], marks.get("upstream_connect_start", marks["forwarded"]))
         upstream_attrs: dict[str, Any] = {"server.address": host}
         if port is not None:
             upstream_attrs["server.port"] = port
@@ -291,7 +295,7 @@ def spans(rec: Mapping[str, Any], trace: Trace, *, origin_s: float | None = None
         if rec.get("reused_connection") is not None:
             upstream_attrs["ttft_relay.reused_connection"] = rec["reused_connection"]
         out.append(Span(trace.upstream_id, trace.root_id, f"upstream {rec.get('upstream')}", CLIENT,
-                        _ns(origin, marks["forwarded"]), _ns(origin, max(end, marks["forwarded"])), upstream_attrs))
+                        _ns(origin, sent), _ns(origin, max(end, sent)), upstream_attrs))
     return out
 
 
