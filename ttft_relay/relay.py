@@ -17,6 +17,7 @@ file only composes the addons; each concern lives in its own module under `ttft_
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
+    traces     the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
     sseview    an event-stream view for mitmweb
     webcolumns the timing comment as a column of mitmweb's flow list
     config.OptionsCheck  a relay whose options do not parse does not start (last)
@@ -49,6 +50,7 @@ if _REPO_ROOT not in sys.path:
 from ttft_relay import capacity, config, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
+from ttft_relay.observe import traces
 from ttft_relay.stream import sseview, streaming, websocket
 from ttft_relay.timing import ledger, metrics, selfwatch, timing, webcolumns
 from ttft_relay.trim import trim
@@ -56,6 +58,7 @@ from ttft_relay.trim import trim
 self_watch = selfwatch.SelfWatch()
 prometheus = metrics.Metrics()
 self_watch.subscribe(prometheus.load_sample)
+otlp_traces = traces.Traces(on_dropped=prometheus.otlp_dropped)
 
 timings = timing.Timing()
 addons = [
@@ -75,6 +78,7 @@ addons = [
     ledger.Ledger(timings),
     faults.ErrorReplies(),
     prometheus,
+    otlp_traces,
     sseview.SSEView(),
     webcolumns.CommentColumn(),
     config.OptionsCheck(),

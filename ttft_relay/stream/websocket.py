@@ -75,6 +75,7 @@ def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: floa
         "first_event": w.first_event,
         "first_token": w.first_token,
         "last_token": w.last_token,
+        "max_gap_end": w.max_gap_end,
         "end": end,
     }
     return phases.relative_marks(absolute, started)

@@ -15,6 +15,8 @@ LLM call (each timing record):
     ttft_relay_accept_queue_connections          connections waiting to be accepted, per listener
     ttft_relay_requests_in_flight                requests begun and not yet recorded (what a worker
                                                  killed now would take with it, unrecorded)
+    ttft_relay_otlp_dropped_records_total        records whose trace was not exported (observe/traces.py),
+                                                 by reason: queue_full, export_failed, rejected
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -128,6 +130,9 @@ class RelayMetrics:
                                   ("listener",), registry=registry, multiprocess_mode="livesum")
         self.in_flight = Gauge(IN_FLIGHT, "Requests the relay has begun and not yet recorded.", registry=registry,
                                multiprocess_mode="livesum")
+        self.otlp_dropped = Counter("ttft_relay_otlp_dropped_records", "Records whose OpenTelemetry trace was not "
+                                    "exported: queue_full, export_failed (no answer), rejected.", ("reason",),
+                                    registry=registry)
 
     def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """One sample of the self-watch: the loop's lag, and now and then the accept queues."""
@@ -281,6 +286,11 @@ class Metrics:
             gauge.dec()
         if self.listen and self.metrics is not None:
             self.metrics.observe(rec)
+
+    def otlp_dropped(self, reason: str, records: int) -> None:
+        """`observe.traces.Traces`' callback (from its exporter thread too: counters take a lock)."""
+        if self.listen and self.metrics is not None:
+            self.metrics.otlp_dropped.labels(reason).inc(records)
 
     def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """`selfwatch.SelfWatch.subscribe`'s callback."""

@@ -23,6 +23,7 @@ reads the client's request only once that connection is ready.
     token_arrived           the kernel had the chunk of the first token (selfwatch)
     first_token             first visible output (text, reasoning, tool-call arguments)
     last_token              last visible output
+    max_gap_end             the chunk that ended the longest silence (`max_gap_ms` before it)
     end                     response complete, or the error
 
 Phases are the request's *critical path*: the slices of the client's wait that
@@ -92,6 +93,7 @@ MARKS = (
     "token_arrived",
     "first_token",
     "last_token",
+    "max_gap_end",
     "end",
 )
 

@@ -256,7 +256,7 @@ class Timing:
         if flow.response is not None:
             marks.setdefault("response_head", flow.response.timestamp_start)
         if (w := st.watcher) is not None:
-            for name in ("first_byte", "first_event", "first_token", "last_token"):
+            for name in ("first_byte", "first_event", "first_token", "last_token", "max_gap_end"):
                 if (t := getattr(w, name)) is not None:
                     marks.setdefault(name, t)
         return marks

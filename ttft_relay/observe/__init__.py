@@ -1,0 +1,1 @@
+"""What watches many records: exporters and what the relay learns across requests."""
