@@ -12,7 +12,8 @@ A conversation is known by what a request repeats unchanged: the client, the mod
 request-level parts a provider caches before the messages (system, instructions, tools),
 its first item and the ids some clients send (`prompt_cache_key`, `metadata.user_id`). A
 request continues it when it has more items and the item at the previous request's last
-position is that last item. Only digests are kept, never content. A request that was
+position is that last item. Only digests are kept, never content (of each part, its
+length and its ends: `EDGE`). A request that was
 trimmed is left alone: the provider read the trimmed body, whose prefix is the relay's.
 """
 
@@ -49,11 +50,18 @@ class Turn:
     ts: float
 
 
+EDGE = 2048
+"""Of each part's JSON only its length and this many bytes at each end are hashed: a system
+prompt and tools of tens of KB cost the hash more than the rest of the record (27 µs)."""
+
+
 def _digest(*parts: Any) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for part in parts:
-        h.update(part if isinstance(part, bytes) else orjson.dumps(part, option=orjson.OPT_SORT_KEYS))
-        h.update(b"\0")
+        data = orjson.dumps(part, option=orjson.OPT_SORT_KEYS)
+        h.update(b"%d\0" % len(data))
+        h.update(data[:EDGE])
+        h.update(data[-EDGE:])
     return h.digest()
 
 
