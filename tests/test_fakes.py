@@ -25,7 +25,7 @@ from tests import sse_samples
 from tests.fakes import Behaviour, DelayingForwarder, FakeUpstream, TestCerts, answer_pieces, answer_text
 from tests.fakes.client import HttpConnection, request, slow_upload, stream_post
 from tests.fakes.h2_wire import H2Client
-from tests.fakes.replies import usage_kw
+from tests.fakes.replies import prompt_tokens, usage_kw
 from tests.fakes.upstream import main as upstream_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def model_of(api: str, body: dict) -> str:
 
 def usage(api: str, body: dict) -> dict[str, int]:
     """The sample bodies' usage arguments for this request: its size in tokens, as the fake reports it."""
-    return usage_kw(api, *Behaviour().prompt_tokens(json.dumps(body).encode()))
+    return usage_kw(api, *prompt_tokens(json.dumps(body).encode()))
 
 
 # --- wire formats -------------------------------------------------------------

@@ -325,7 +325,7 @@ def test_a_stall_is_named_against_the_streams_own_cadence():
     m, p = healthy_stream(20.0, 10.0, 100, end=3000.0 + 10 * 98)
     stalled = phases.gap_after_first_token(m | {"longest_gap": 500.0}, 3000.0, 100)
     v = phases.judge(p, gap=stalled)
-    assert v.words == phases.STREAM_STALL and v.detail.startswith("3000 ms of silence after the first token, ")
+    assert v.words == phases.STREAM_STALL and v.detail.startswith("3.0 s of silence after the first token, ")
     assert "the stream's 10 ms between chunks" in v.detail
 
 
@@ -362,16 +362,16 @@ def waiting(own: float) -> dict[str, float]:
 def test_context_length_when_the_prompt_explains_the_wait():
     v = phases.judge(waiting(1100.0), expectation=expect(1100.0, 1000.0))
     assert v.words == phases.CONTEXT_LENGTH
-    assert v.detail == ("first token 1102 ms: 10.0k prompt tokens (0 cached) at 100 ms per 1k explain 1000 ms of it "
-                        "(this prompt predicts 1102 ms)")
+    assert v.detail == ("first token 1.1 s: 10.0k prompt tokens (0 cached) at 100 ms per 1k explain 1.0 s of it "
+                        "(this prompt predicts 1.1 s)")
     assert v.expected_ttft_ms == 1102.0
 
 
 def test_upstream_queueing_when_the_wait_is_far_beyond_what_the_prompt_predicts():
     v = phases.judge(waiting(1900.0), expectation=expect(300.0, 25.0, tokens=250))
     assert v.words == phases.UPSTREAM_QUEUEING
-    assert v.detail == ("first token 1902 ms, 6.3× the 302 ms this prompt predicts (250 prompt tokens (0 cached); "
-                        "the upstream's own wait 1900 ms against 300 ms)")
+    assert v.detail == ("first token 1.9 s, 6.3× the 302 ms this prompt predicts (250 prompt tokens (0 cached); "
+                        "the upstream's own wait 1.9 s against 300 ms)")
     # A long prompt's wait with a 1.5 s queue on top: queueing too, though it is "only" 2.4x.
     assert phases.verdict(waiting(2600.0), expectation=expect(1100.0, 1000.0)) == phases.UPSTREAM_QUEUEING
 

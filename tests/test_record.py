@@ -136,10 +136,10 @@ def test_summary_line_and_comment():
                  expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
                                                 uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
     text = record.comment(judged_rec.as_dict())
-    assert text.startswith("upstream queueing: first token 2310 ms, 4.6× the 504 ms this prompt predicts")
+    assert text.startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
     assert text.splitlines()[1] == "ttft 2310 ms, expected 504 ms."
     assert record.turn_line(judged_rec.as_dict() | {"turn": 3}, slow=True).startswith(
-        "upstream queueing (turn 3, SLOW): first token 2310 ms, 4.6× ")
+        "upstream queueing (turn 3, SLOW): first token 2.3 s, 4.6× ")
 
 
 def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_path):

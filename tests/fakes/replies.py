@@ -90,11 +90,21 @@ def json_reply(status: int, body: Any) -> Reply:
     return Reply(status, "application/json", [json.dumps(body).encode()], streamed=False)
 
 
+CHARS_PER_TOKEN = 4
+"""The usual rough estimate; good enough to make prefill and usage grow with the prompt's size."""
+
+
+def prompt_tokens(body: bytes, cached: int = 0) -> tuple[int, int]:
+    """(all, cached) prompt tokens of a request body, as the fake's usage reports them."""
+    tokens = max(1, round(len(body) / CHARS_PER_TOKEN))
+    return tokens, min(cached, tokens)
+
+
 def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None,
-                prompt: tuple[int, int] = (12, 0)) -> Reply:
+                cached_tokens: int = 0) -> Reply:
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
-    (`error_body` verbatim when given); other statuses send the normal body with that status.
-    `prompt`: (all, cached) prompt tokens its usage reports, in the API's own terms."""
+    (`error_body` verbatim when given); other statuses send the normal body with that status. Its
+    usage reports the body's size as prompt tokens (`prompt_tokens`), `cached_tokens` of them cached."""
     split = urlsplit(target)
     gemini = _GEMINI_PATH.search(split.path)
     if method == "GET" and split.path == "/v1/models":
@@ -124,7 +134,7 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     else:
         model, streamed = request.get("model"), request.get("stream") is True
     model_kw = {"model": model} if isinstance(model, str) else {}
-    model_kw |= usage_kw(endpoint.api, *prompt)
+    model_kw |= usage_kw(endpoint.api, *prompt_tokens(body, cached_tokens))
 
     if not streamed:
         return Reply(status, "application/json", [json.dumps(endpoint.json_body(pieces, **model_kw)).encode()],

@@ -73,13 +73,12 @@ from tests.fakes.http_wire import (
     reset_connection,
     sleep_ms,
 )
-from tests.fakes.replies import Reply, answer_pieces, build_reply, json_reply
+from tests.fakes.replies import Reply, answer_pieces, build_reply, json_reply, prompt_tokens
 from tests.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
 
 KNOB_HEADER_PREFIX = "x-fake-"
 LISTEN_BACKLOG = 1024  # the default 100 makes bursts of hundreds of connections wait for SYN retransmits
 SLOW_HEADER_SLICES = 16
-CHARS_PER_TOKEN = 4  # the usual rough estimate; good enough to make prefill grow with prompt size
 
 
 @dataclass
@@ -133,13 +132,8 @@ class Behaviour:
                 changes[knob] = parse_knob(hints[knob], value)
         return dataclasses.replace(self, **changes)
 
-    def prompt_tokens(self, request_body: bytes) -> tuple[int, int]:
-        """(all, cached) prompt tokens of a request, as the usage reports them."""
-        tokens = max(1, round(len(request_body) / CHARS_PER_TOKEN))
-        return tokens, min(self.cached_tokens, tokens)
-
     def prefill_for(self, request_body: bytes) -> float:
-        tokens, cached = self.prompt_tokens(request_body)
+        tokens, cached = prompt_tokens(request_body, self.cached_tokens)
         return self.prefill_ms + self.prefill_ms_per_1k_tokens * (tokens - cached) / 1000
 
     def wait_before(self, index: int, reply: Reply, request_body: bytes) -> float:
@@ -552,9 +546,9 @@ class FakeUpstream:
             behaviour = self.behaviour.overridden_by(head.headers)
             if behaviour.hold_until_reset is not None:
                 raise ValueError("HTTP/2 only: hold_until_reset")
-            decoded = decode_request_body(head.headers, body)
-            reply = build_reply(head.method, head.target, decoded, answer_pieces(behaviour.chunks), behaviour.status,
-                                behaviour.error_body, behaviour.prompt_tokens(decoded))
+            reply = build_reply(head.method, head.target, decode_request_body(head.headers, body),
+                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
+                                behaviour.cached_tokens)
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         watch = self._claim_watch() if reply.streamed else StreamWatch(self._loop_thread)
@@ -610,9 +604,9 @@ class FakeUpstream:
             if http1_only := [k for k in KNOB_DEFAULTS if k not in H2_KNOBS
                               and getattr(behaviour, k) != KNOB_DEFAULTS[k]]:
                 raise ValueError(f"HTTP/1 only: {', '.join(http1_only)}")
-            decoded = decode_request_body(headers, body)
-            reply = build_reply(received.method, received.path, decoded, answer_pieces(behaviour.chunks),
-                                behaviour.status, behaviour.error_body, behaviour.prompt_tokens(decoded))
+            reply = build_reply(received.method, received.path, decode_request_body(headers, body),
+                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
+                                behaviour.cached_tokens)
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         outcome = "stopped"

@@ -54,7 +54,7 @@ from wsproto.extensions import PerMessageDeflate
 
 from tests import sse_samples
 from tests.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
-from tests.fakes.replies import OPENAI_RESPONSES, answer_pieces
+from tests.fakes.replies import OPENAI_RESPONSES, answer_pieces, prompt_tokens
 
 if TYPE_CHECKING:
     from tests.fakes.upstream import Behaviour
@@ -268,7 +268,7 @@ class ResponsesSocket:
         else:
             model = message.get("model") if isinstance(message.get("model"), str) else sse_samples.OPENAI_MODEL
             pieces = [] if turn.prewarm else answer_pieces(behaviour.chunks)
-            tokens, cached = behaviour.prompt_tokens(json.dumps(message).encode())
+            tokens, cached = prompt_tokens(json.dumps(message).encode(), behaviour.cached_tokens)
             events = [_sse_payload(e) for e in sse_samples.responses_stream(
                 pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached)]
             first_token = next((i for i, e in enumerate(events) if '"response.output_text.delta"' in e), None)

@@ -527,8 +527,8 @@ def verdict(phases: Mapping[str, float], **inputs: Any) -> str:
 
 
 def _s(ms: float) -> str:
-    """A duration for a sentence: ms below 10 s, else seconds."""
-    return f"{ms:.0f} ms" if ms < 10_000 else f"{ms / 1000:.1f} s"
+    """A duration for a sentence: ms below a second, else seconds."""
+    return f"{ms:.0f} ms" if ms < 999.5 else f"{ms / 1000:.1f} s"
 
 
 def _tokens(n: int) -> str:
