@@ -14,9 +14,9 @@ failed: a retry may follow); each retry the same group and the next number. A re
 that succeeds closes its group: the same request sent again after a success is not a retry.
 
 Each relay process looks up and writes the attempts in one table of fixed-size slots,
-a file beside the timing log (`.<log's name>.attempts`) shared by every process on that
-log (a retry on a new connection may reach another worker): one `pread` and at most one
-`pwrite` per record. A slot holds only a digest, a record id, a number and two times. Two
+a file in the timing log's directory (`.ttft-relay.attempts`) shared by every process
+that logs there, each worker of `--workers N` among them (a retry on a new connection may
+reach another worker): one `pread` and at most one `pwrite` per record. A slot holds only a digest, a record id, a number and two times. Two
 requests whose digests fall into one slot evict each other: the table remembers the
 latest of them, enough for retries that follow within minutes. Without a timing log
 the table is kept in memory.
@@ -166,7 +166,8 @@ class Table:
 
 
 def table_path(log: Path) -> Path:
-    return log.with_name(f".{log.name}.attempts")
+    """The table every relay process logging into `log`'s directory shares."""
+    return log.with_name(".ttft-relay.attempts")
 
 
 class AttemptGroups:

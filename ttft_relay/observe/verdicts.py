@@ -9,10 +9,11 @@ provider had cached its prefix (`conversations.Conversations`). So a long wait r
 a repeated prefix was read uncached, and `ok` when it is in line. Then the record's own
 sample is learned, unless it failed or is a handshake or prewarm.
 
-The samples persist in a state file beside the timing log (`.<log's name>.learned`,
-JSON): loaded when the log is configured, and merged with it (under an exclusive lock:
-read, union, write) every SAVE_EVERY_S in a thread and when the relay stops. Every
-process on one log (the workers of `ttft-relay run --workers N`) does the same, so each
+The samples persist in a state file in the timing log's directory
+(`.ttft-relay.learned`, JSON): loaded when the log is configured, and merged with it
+(under an exclusive lock: read, union, write) every SAVE_EVERY_S in a thread and when the
+relay stops. Every process logging into that directory (each worker of `ttft-relay run
+--workers N`, whether the workers write one log or one each) does the same, so each
 learns from all within a minute, and a restart starts from what was learned. Seeded by
 nothing but the traffic: a new relay says `upstream wait (prefill/queue)` and how much it
 still has to learn until MIN_SAMPLES requests of an upstream · model have been seen.
@@ -41,7 +42,8 @@ SAVE_EVERY_S = 60.0
 
 
 def state_path(log: Path) -> Path:
-    return log.with_name(f".{log.name}.learned")
+    """The state every relay process logging into `log`'s directory shares."""
+    return log.with_name(".ttft-relay.learned")
 
 
 def merge_into(path: Path, samples: Mapping[str, list[prefill.Sample]]) -> dict[str, list[prefill.Sample]]:
