@@ -347,6 +347,10 @@ def test_a_slow_handshake_names_its_phase_and_never_prefill_or_queue():
     assert v.words == phases.UPSTREAM_ANSWER == "upstream wait" and v.expected_ttft_ms is None
     assert phases.verdict(p | {"upstream_tls": 600.0, "upstream_wait": 3.0, "total": 606.0},
                           no_prefill=True) == phases.UPSTREAM_TLS
+    # A prewarm turn: response.created at once, response.completed 400 ms later: the upstream's work.
+    prewarm = phases.compute({"request_body": 0.0, "forwarded": 0.5, "response_head": 2.0, "end": 402.0},
+                             tokens_expected=False)
+    assert phases.verdict(prewarm, no_prefill=True) == phases.UPSTREAM_ANSWER
 
 
 def expect(own: float, prompt: float, tokens: int = 10_000, cached: int = 0) -> phases.Expectation:

@@ -466,7 +466,8 @@ def judge(
          Without an expectation (not learned yet: `unlearned` says why) it is
          `upstream wait (prefill/queue)`, prefill and queueing not told apart, against
          nothing. A WebSocket handshake or a prewarm (`no_prefill`) has no prefill and no
-         first token: its upstream wait is `upstream wait`, against nothing;
+         first token: its upstream wait (a prewarm's events up to the last included) is
+         `upstream wait`, against nothing;
        - the longest silence after the first token (`gap`) against the stream's own
          cadence: a `stream stall` when `Gap.out_of_line` (the part the relay's own event
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
@@ -504,9 +505,11 @@ def judge(
         if name == RELAY_SATURATED and relay_stall > phases.get("relay_queue", 0.0):
             beyond[name] = ms  # a stall the loop explains: judged as a stall, not against the wait
             continue
+        if no_prefill and name == RESPONSE_DOWNLOAD:
+            continue  # a prewarm's events after its first one: the upstream's work, in its wait below
         if name == UPSTREAM_WAIT:
             if no_prefill:
-                name = UPSTREAM_ANSWER
+                name, ms = UPSTREAM_ANSWER, ms + contrib[RESPONSE_DOWNLOAD]
             elif expectation is not None:
                 if ms <= expectation.own_ms + expectation.tolerance_ms:
                     continue
