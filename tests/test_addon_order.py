@@ -7,7 +7,7 @@ import pytest
 from ttft_relay import config, relay, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
-from ttft_relay.observe import traces
+from ttft_relay.observe import attempts, traces, verdicts
 from ttft_relay.stream import streaming, websocket
 from ttft_relay.timing import ledger, selfwatch, timing
 from ttft_relay.trim import trim
@@ -29,6 +29,8 @@ BEFORE = [
     (streaming.Streaming, selfwatch.SelfWatch, "selfwatch hooks the stream tap"),
     (selfwatch.SelfWatch, timing.Timing, "timing reads what selfwatch learned"),
     (timing.Timing, ledger.Ledger, "the ledger opens beside the log timing configured, and closes after timing's done"),
+    *((timing.Timing, observer, "it reads timing's log option; its done comes after timing's last records")
+      for observer in (verdicts.Verdicts, attempts.AttemptGroups)),
 ]
 
 

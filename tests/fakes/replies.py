@@ -90,9 +90,21 @@ def json_reply(status: int, body: Any) -> Reply:
     return Reply(status, "application/json", [json.dumps(body).encode()], streamed=False)
 
 
-def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None) -> Reply:
+CHARS_PER_TOKEN = 4
+"""The usual rough estimate; good enough to make prefill and usage grow with the prompt's size."""
+
+
+def prompt_tokens(body: bytes, cached: int = 0) -> tuple[int, int]:
+    """(all, cached) prompt tokens of a request body, as the fake's usage reports them."""
+    tokens = max(1, round(len(body) / CHARS_PER_TOKEN))
+    return tokens, min(cached, tokens)
+
+
+def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None,
+                cached_tokens: int = 0) -> Reply:
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
-    (`error_body` verbatim when given); other statuses send the normal body with that status."""
+    (`error_body` verbatim when given); other statuses send the normal body with that status. Its
+    usage reports the body's size as prompt tokens (`prompt_tokens`), `cached_tokens` of them cached."""
     split = urlsplit(target)
     gemini = _GEMINI_PATH.search(split.path)
     if method == "GET" and split.path == "/v1/models":
@@ -122,6 +134,7 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     else:
         model, streamed = request.get("model"), request.get("stream") is True
     model_kw = {"model": model} if isinstance(model, str) else {}
+    model_kw |= usage_kw(endpoint.api, *prompt_tokens(body, cached_tokens))
 
     if not streamed:
         return Reply(status, "application/json", [json.dumps(endpoint.json_body(pieces, **model_kw)).encode()],
@@ -130,6 +143,14 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     events = endpoint.stream_body(pieces, **model_kw, **({"thinking": thinking} if thinking else {}))
     return Reply(status, "text/event-stream; charset=utf-8", events, streamed=True,
                  first_token_chunk=_first_chunk_with(events, thinking or pieces))
+
+
+def usage_kw(api: str, tokens: int, cached: int) -> dict[str, int]:
+    """The sample bodies' usage arguments: Anthropic counts the cached part apart from its
+    `input_tokens`, the others within it."""
+    if api == ANTHROPIC_MESSAGES:
+        return {"input_tokens": tokens - cached, "cache_read_tokens": cached}
+    return {"input_tokens": tokens, "cached_tokens": cached}
 
 
 def _thinking_pieces(api: str, request: dict) -> list[str]:

@@ -263,8 +263,8 @@ def spans(rec: Mapping[str, Any], trace: Trace, *, origin_s: float | None = None
 
     events: list[tuple[str, int, Mapping[str, Any]]] = [
         (name, _ns(origin, marks[name]), {}) for name in EVENT_MARKS if name in marks]
-    if (gap := rec.get("max_gap_ms")) and (gap_end := marks.get("max_gap_end")) is not None:
-        events.append(("longest_gap", _ns(origin, gap_end - gap), {"ttft_relay.gap_ms": gap}))
+    if (gap := rec.get("max_gap_ms")) and (gap_began := marks.get("longest_gap")) is not None:
+        events.append(("longest_gap", _ns(origin, gap_began), {"ttft_relay.gap_ms": gap}))
     events.sort(key=lambda e: e[1])
 
     root = Span(trace.root_id, trace.parent_id, f"{operation} {model}" if model else operation, SERVER,
