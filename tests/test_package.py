@@ -47,6 +47,14 @@ def test_help_leads_with_the_relays_own_options(command, tool, capsys):
     assert len(documented) > 30 and [n for n in documented if f"\n  {n} = " not in relay_part] == []
 
 
+def test_diagnose_help_says_where_the_key_comes_from():
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "diagnose", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0
+    assert re.search(r"OPENAI_API_KEY +--api openai.chat / openai.responses", done.stdout), done.stdout
+    assert re.search(r"ANTHROPIC_API_KEY +--api anthropic.messages", done.stdout), done.stdout
+
+
 def test_bench_runs_the_checkouts_benchmarks(capsys):
     assert cli.main(["bench", "--help"]) == 0
     listed = capsys.readouterr().out
