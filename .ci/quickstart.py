@@ -582,6 +582,9 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave the scratch directory for a look")
     args = ap.parse_args()
     started = time.monotonic()
+    # A stop from outside (CI's timeout, Ctrl-C) unwinds through the walk's cleanup, which stops
+    # every process the check started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     scratch = Path(tempfile.mkdtemp(prefix=f"ttft-quickstart-{os.getpid()}-"))
     print(f"[quickstart] the README's commands, in {scratch}", flush=True)
     with ports_lock():
