@@ -26,7 +26,7 @@ README there, on the README's own ports (8080, 8001, 8002, 8081), under
   8. the installed package: `pip install .` into a fresh venv, then from an empty
      directory `ttft-relay --version`, `ttft-relay run --help`, `ttft-relay run` (the same
      listeners on 127.0.0.1; a request through its proxy listener), `ttft-relay report
-     logs/timing.jsonl`;
+     logs/timing.jsonl`, and `mitmdump -s "$(ttft-relay addon-path)" --listen-host 127.0.0.1`;
   9. the container (no Docker daemon here): the Dockerfile's COPY steps done by hand in a
      scratch WORKDIR, its `RUN ... ensure_venv requirements.txt` run as written (a real pip
      install), then its ENTRYPOINT with `--version`: the image's .venv serves it as built.
@@ -90,8 +90,9 @@ VERSION = "ttft-relay --version"
 RUN_HELP = "ttft-relay run --help"
 INSTALLED_RUN = "ttft-relay run"
 INSTALLED_REPORT = "ttft-relay report logs/timing.jsonl"
+INSTALLED_ADDON = 'mitmdump -s "$(ttft-relay addon-path)" --listen-host 127.0.0.1'
 README_COMMANDS = (RUN, CURL, REPORT, DIAGNOSE, WEB, ADDONS, PIP_INSTALL, VERSION, RUN_HELP, INSTALLED_RUN,
-                   INSTALLED_REPORT)
+                   INSTALLED_REPORT, INSTALLED_ADDON)
 MITM_CONF_LISTENERS = ("reverse:https://api.openai.com@8001", "reverse:https://api.anthropic.com@8002")
 
 
@@ -526,6 +527,15 @@ class QuickStart:
         if counted(done.stdout) != 1:
             raise StepFailed(f"the installed relay's report counts {counted(done.stdout)} requests, not its "
                              f"one:\n{tail(done.stdout)}")
+        wait_ports_free(INSTALLED_ADDON)  # the installed addons alone, in mitmdump
+        dump = self.procs.start("installed-mitmdump", INSTALLED_ADDON, home, env)
+        wait_for_ports(dump, (8080,), START_TIMEOUT)
+        assert_openai_stream(post_stream(f"{self.fake_url}/v1/chat/completions", CHAT,
+                                         {"authorization": f"Bearer {FAKE_KEY}"}, proxy="http://127.0.0.1:8080"),
+                             "through mitmdump with the installed addon")
+        self.procs.stop(dump, signal.SIGINT)
+        if counted(run(INSTALLED_REPORT, home, env).stdout) != 2:
+            raise StepFailed("mitmdump with the installed addon did not record its request")
 
     def dockerfile(self) -> None:
         image = self.scratch / "image"
