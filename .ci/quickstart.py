@@ -328,9 +328,12 @@ class QuickStart:
     def step(self, title: str, fn, needed: bool = False) -> bool:
         print(f"[quickstart] {title}", flush=True)
         started = time.monotonic()
+        before = len(self.procs.running)
         try:
             fn()
         except Exception as e:
+            for _, proc in self.procs.running[before:]:  # what the step started goes with it: the next steps need the ports
+                self.procs.kill_group(proc)
             took = time.monotonic() - started
             detail = str(e) if isinstance(e, StepFailed | subprocess.TimeoutExpired) else traceback.format_exc()
             print(f"[quickstart] FAILED: {title} ({took:.0f} s)\n  {detail}", flush=True)
