@@ -542,32 +542,41 @@ class QuickStart:
 
     def dockerfile(self) -> None:
         image = self.scratch / "image"
-        image.mkdir()
-        dockerfile = (self.clone / "deploy" / "Dockerfile").read_text()
-        entrypoint = None
-        for line in dockerfile.replace("\\\n", " ").splitlines():
-            words = line.split()
-            if words[:1] == ["COPY"]:
-                *sources, dest = words[1:]
-                for source in sources:
-                    if (self.clone / source).is_dir():
-                        shutil.copytree(self.clone / source, image / dest, dirs_exist_ok=True)
-                    else:
-                        target = image / dest / Path(source).name if dest.endswith("/") else image / dest
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        shutil.copy2(self.clone / source, target)
-            elif words[:1] == ["RUN"] and "ensure_venv" in line:
-                run(line.split(None, 1)[1], image, self.env, timeout=900)
-            elif words[:1] == ["ENTRYPOINT"]:
-                entrypoint = json.loads(line.split(None, 1)[1])
-        if entrypoint is None:
-            raise StepFailed("the Dockerfile has no ENTRYPOINT")
+        venv_step, entrypoint = docker_build_by_hand(self.clone / "deploy" / "Dockerfile", self.clone, image)
+        run(venv_step, image, self.env, timeout=900)
         command = [entrypoint[0].replace("/opt/ttft-relay", str(image)), *entrypoint[1:], "--version"]
         done = subprocess.run(command, cwd=image, env={**self.env, "TTFT_RELAY_CONF": ""}, capture_output=True,
                               text=True, timeout=120, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or "installing" in done.stderr:
             raise StepFailed(f"the image's entry point (exit {done.returncode}) did not run on the .venv its build "
                              f"made:\n{tail(done.stdout + done.stderr)}")
+
+
+def docker_build_by_hand(dockerfile: Path, context: Path, image: Path) -> tuple[str, list[str]]:
+    """What can be done of an image build without Docker: the Dockerfile's COPY steps from
+    `context` into `image` (its WORKDIR), as Docker copies (a directory's contents into the
+    destination, a file into a destination ending in `/`). Returns the RUN command that builds
+    .venv (ensure_venv) and the ENTRYPOINT; the other RUN steps (apt-get, useradd) are not run."""
+    image.mkdir(parents=True, exist_ok=True)
+    venv_step, entrypoint = "", []
+    for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"]:
+            *sources, dest = words[1:]
+            for source in sources:
+                if (context / source).is_dir():
+                    shutil.copytree(context / source, image / dest, dirs_exist_ok=True)
+                else:
+                    target = image / dest / Path(source).name if dest.endswith("/") else image / dest
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(context / source, target)
+        elif words[:1] == ["RUN"] and "ensure_venv" in line:
+            venv_step = line.split(None, 1)[1]
+        elif words[:1] == ["ENTRYPOINT"]:
+            entrypoint = json.loads(line.split(None, 1)[1])
+    if not venv_step or not entrypoint:
+        raise StepFailed(f"{dockerfile} has no RUN step building .venv (ensure_venv) or no ENTRYPOINT")
+    return venv_step, entrypoint
 
 
 def local_addresses() -> list[str]:
