@@ -33,6 +33,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   (`guard.AccessKeys`).
 - `message_checks`: a request's and a response's field types checked as mitmproxy checks
   them, from classes kept per field (`capacity.MessageChecks`).
+- `web_options`: mitmweb's option dumps (`GET /options`, its `options/update` messages) show
+  the secrets of `proxyauth`, `upstream_auth` and `web_password` redacted (`guard.WebOptions`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
@@ -67,6 +69,7 @@ from . import (
     splice,
     trailers,
     upstream_copy,
+    web_options,
 )
 
 PATCHES: tuple[ModuleType, ...] = (
@@ -84,10 +87,11 @@ PATCHES: tuple[ModuleType, ...] = (
     layer_events,
     message_checks,
     splice,
+    web_options,
 )
 
 
-def originals() -> dict[tuple[type, str], Callable]:
+def originals() -> dict[tuple[type | ModuleType, str], Callable]:
     """Every mitmproxy function some patch replaces, by (owner, attribute name)."""
     return {key: original for patch in PATCHES for key, original in patch.ORIGINALS.items()}
 
