@@ -26,6 +26,11 @@ received through that setup). A setup *sustains* a rate when it has no failures,
 first token p99 is within direct's + 100 ms and its worst-gap p99 within 2 x direct's
 at that rate (and it sustained every lower rate).
 
+`--otlp` adds two setups, the relay as one process exporting every record as an
+OpenTelemetry trace (docs/telemetry.md): `otlp` to a collector that takes every export at
+once (benchmarks/_otlp_sink.py, a process of its own), `otlp-down` to a port where no
+collector listens; their cost is read against relay-1 in the same run.
+
 `--keep-alive` has the clients keep their HTTP/1.1 connections for the window's next
 streams (the count of connections opened is printed). `--tls` puts TLS on both hops; `--h2` also has the fake upstream and the clients offer
 HTTP/2 before HTTP/1.1 (as the real APIs and curl or reqwest, the Codex CLI's HTTP
@@ -37,16 +42,18 @@ The load generator, the fake upstream and the relay share the machine's cores: t
 load average is printed with the figures. Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
-    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2] [--keep-alive]
+    scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2] [--keep-alive] [--otlp]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
 import ssl
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -281,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:OPTION=VALUE[,OPTION=VALUE]",
                     help="one more setup: the relay as one process with these options (repeatable), "
                          "e.g. nosplice:relay_stream_splice=false")
+    ap.add_argument("--otlp", action="store_true",
+                    help="two more setups: the relay exporting OpenTelemetry traces to a collector that takes "
+                         "them at once (otlp) and to one that is down (otlp-down)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rates, args.seconds, args.rounds = "5,25", 6.0, 1
@@ -291,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     relay_options = {"relay_timing_console": "false", **dict(kv.split("=", 1) for kv in args.relay_set)}
     variants = {name: dict(kv.split("=", 1) for kv in options.split(","))
                 for name, _, options in (v.partition(":") for v in args.variant)}
+    sink = otlp_sink() if args.otlp else None
+    if sink is not None:  # before the --variant setups: one of those can be a control after them
+        variants = {"otlp": {"relay_otlp_endpoint": sink[1]},
+                    "otlp-down": {"relay_otlp_endpoint": f"http://127.0.0.1:{workers.free_port()}"}, **variants}
     with BenchSetups(knobs, workers=args.workers, relay_options=relay_options,
                      names=tuple(args.setups.split(",")), variants=variants, tls=args.tls, h2=args.h2) as bench:
         tls = client_tls(args.h2) if args.tls else None
@@ -316,7 +330,23 @@ def main(argv: list[str] | None = None) -> int:
 
     report(args, rates, setups, results)
     records_against_clients(rates, setups, results, read_records(bench.tmp))
+    if sink is not None:
+        sink[0].terminate()
+        print(f"the otlp setup's collector took {sink[0].communicate(timeout=10)[0].strip().splitlines()[-1]}")
     return 0
+
+
+def otlp_sink() -> tuple[subprocess.Popen[str], str]:
+    """benchmarks/_otlp_sink.py started: (its process, its URL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks._otlp_sink"], cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.PIPE, text=True)
+    atexit.register(lambda: proc.poll() is None and proc.kill())  # a bench that fails leaves no sink behind
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    if line[:1] != ["listening"]:
+        proc.kill()
+        raise RuntimeError(f"the OTLP sink did not start: {line}")
+    return proc, line[1]
 
 
 def read_records(folder: Path) -> dict[str, dict]:

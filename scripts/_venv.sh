@@ -52,8 +52,13 @@ ensure_venv() {
     "$VENV_PY" -m pip install -q --disable-pip-version-check \
         -r "$REPO/$reqs" -c "$REPO/constraints.txt" >&2 || {
         echo "[ttft-relay] pip install failed (see above)" >&2; exit 1; }
-    # The dev set includes the runtime set, so a dev install satisfies both stamps.
-    { echo "$want"; [ "$reqs" = requirements-dev.txt ] && echo "requirements.txt:${want#*:}"; } > "$stamp"
+    # The dev set includes the runtime set, so a dev install satisfies both stamps. (An `if`,
+    # not `[ ... ] && echo`: as the last command that would make the function fail under
+    # `set -e` whenever the test is false, and every script's first run with it.)
+    echo "$want" > "$stamp"
+    if [ "$reqs" = requirements-dev.txt ]; then
+        echo "requirements.txt:${want#*:}" >> "$stamp"
+    fi
 }
 
 ttft_relay_command() {  # runs `ttft-relay "$@"` from this checkout, in .venv

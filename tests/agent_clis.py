@@ -183,7 +183,7 @@ class AgentSandbox:
     def write_codex_config(
         self, base_url: str, *, websockets: bool, headers: dict[str, str] | None = None, **provider: object
     ) -> Path:
-        """`config.toml` with a custom Responses provider at `base_url` (the recipe in the README).
+        """`config.toml` with a custom Responses provider at `base_url` (the recipe in the README and docs/agents.md).
         `provider` adds keys to the provider table (e.g. `stream_max_retries=1`)."""
         lines = [
             'model = "gpt-test"',

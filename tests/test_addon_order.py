@@ -7,6 +7,7 @@ import pytest
 from ttft_relay import config, relay, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
+from ttft_relay.observe import attempts, traces, verdicts
 from ttft_relay.stream import streaming, websocket
 from ttft_relay.timing import ledger, selfwatch, timing
 from ttft_relay.trim import trim
@@ -17,7 +18,8 @@ BEFORE = [
     (tls.ClientTLS, guard.Guard, "tls refuses plain HTTP before guard looks at a key"),
     *((scope.Scope, later, "scope attaches the per-flow state the others read")
       for later in (streaming.Streaming, trim.Trim, faults.Shutdown, faults.FailedConnects, faults.Deadlines,
-                    selfwatch.SelfWatch, websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies)),
+                    selfwatch.SelfWatch, websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies,
+                    traces.Traces)),
     (trim.Trim, timing.Timing, "timing's request hook marks the moment the request leaves"),
     (faults.Shutdown, timing.Timing, "timing's done closes the log; Shutdown records what is in flight"),
     (websocket.WebSocketTurns, timing.Timing, "timing's done closes the log; the turns in flight are recorded"),
@@ -27,6 +29,8 @@ BEFORE = [
     (streaming.Streaming, selfwatch.SelfWatch, "selfwatch hooks the stream tap"),
     (selfwatch.SelfWatch, timing.Timing, "timing reads what selfwatch learned"),
     (timing.Timing, ledger.Ledger, "the ledger opens beside the log timing configured, and closes after timing's done"),
+    *((timing.Timing, observer, "it reads timing's log option; its done comes after timing's last records")
+      for observer in (verdicts.Verdicts, attempts.AttemptGroups)),
 ]
 
 

@@ -12,7 +12,7 @@ WebSocket, and no HTTP fallback); the time from the fake writing the first token
 to the CLI printing the answer through the relay is within `ADDED_LATENCY_S` of
 the direct run's (never an absolute time); each turn has one correct record. And
 what each client does with the relay's errors (a first-token timeout, an upstream
-cut mid-stream); the README's "Coding agents" section reports it.
+cut mid-stream); docs/agents.md reports it.
 
 The CLIs are installed from npm on first use (`tests/agent_clis.py`); without npm
 or a reachable registry the module skips. Outside hosts the CLIs call (Codex asks for
@@ -382,7 +382,7 @@ def test_claude_turn_has_one_record(claude_pair: ClaudePair) -> None:
 
 
 # --- what the clients do with the relay's errors -----------------------------------------------------
-# Observed with the pinned versions; the README's "Coding agents" section says the same in words.
+# Observed with the pinned versions; docs/agents.md says the same in words.
 
 BEFORE_FIRST_TOKEN = {"responses": 4, "anthropic": 2}
 """Event index of the first text (Responses: created, in_progress, item added, part added) or thinking
@@ -436,7 +436,7 @@ def test_claude_answers_a_first_token_timeout_with_a_non_streamed_resend(clis, r
 def test_claude_without_its_non_streamed_fallback_reports_the_relays_timeout(
     clis, refusing, fake, strict_relay, tmp_path
 ) -> None:
-    """CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1 (the README's recipe against paying twice): one streamed
+    """CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1 (docs/agents.md's recipe against paying twice): one streamed
     request, and the turn fails with the relay's message."""
     seen = run_claude(clis, fake, tmp_path, refusing.url, strict_relay.reverse_url, {
         "ANTHROPIC_CUSTOM_HEADERS": f"x-fake-stall-after-chunks: {BEFORE_FIRST_TOKEN['anthropic']}",

@@ -50,19 +50,39 @@ def test_conf_goes_on_the_command_line_under_the_users_arguments(tmp_path):
         "--set", "listen_host=0.0.0.0", "--set", "relay_future_option=5", "--set", "relay_stream=false"]
 
 
+LISTENERS = ["--set", "listen_host=127.0.0.1", "--set", "mode=regular@8080", "--set",
+             "mode=reverse:https://api.openai.com@8001", "--set", "mode=reverse:https://api.anthropic.com@8002"]
+
+
 def test_the_relays_defaults_for_mitmproxy_options_yield_to_the_file_and_the_command_line(tmp_path):
     # HTTP/1.1 both sides (config.MITMPROXY_DEFAULTS), without a file too.
-    assert config.merged_args(["-q"], None) == ["--set", "http2=false", "-q"]
+    assert config.merged_args(["-q"], None) == ["--set", "http2=false", *LISTENERS, "-q"]
     assert config.started_options(config.merged_args([], None) + ["--set", f"confdir={tmp_path}"]).http2 is False
-    assert config.merged_args([], _conf(tmp_path, "http2: true\n")) == ["--set", "http2=true"]
-    assert config.merged_args(["--set", "http2=true"], None) == ["--set", "http2=true"]
-    assert config.merged_args(["--no-http2"], None) == ["--no-http2"]  # every spelling counts
+    assert config.merged_args([], _conf(tmp_path, "http2: true\n")) == ["--set", "http2=true", *LISTENERS]
+    assert config.merged_args(["--set", "http2=true"], None) == [*LISTENERS, "--set", "http2=true"]
+    assert config.merged_args(["--no-http2"], None) == [*LISTENERS, "--no-http2"]  # every spelling counts
+
+
+def test_without_a_config_file_the_command_opens_the_readmes_listeners(tmp_path):
+    # An installed relay has no mitm.conf: it serves the client settings all the same, on loopback
+    # (it once refused to start as an open proxy on all interfaces, then opened only 8080).
+    opts = config.started_options(config.merged_args([], None) + ["--set", f"confdir={tmp_path}"])
+    assert (opts.listen_host, opts.mode) == ("127.0.0.1", config.DEFAULT_MODES)
+    shipped = config.read_conf(config.DEFAULT_CONF)  # the checkout's file spells out the same
+    assert (shipped["listen_host"], shipped["mode"]) == (config.DEFAULT_LISTEN_HOST, config.DEFAULT_MODES)
+    # Listeners named anywhere replace them; -p alone is mitmproxy's regular proxy on that port.
+    assert config.merged_args(["-p", "0"], None) == ["--set", "http2=false", *LISTENERS[:2], "-p", "0"]
+    assert config.merged_args(["--mode", "socks5"], None) == ["--set", "http2=false", *LISTENERS[:2], "--mode", "socks5"]
+    assert config.merged_args(["--listen-host", "::1"], None) == ["--set", "http2=false", *LISTENERS[2:],
+                                                                  "--listen-host", "::1"]
+    assert "mode" not in " ".join(config.merged_args([], _conf(tmp_path, "mode: [socks5]\n"))).replace("mode=socks5", "")
 
 
 def test_mitmweb_flags_count_as_its_command_line(tmp_path):
     path = _conf(tmp_path, "web_port: 9000\nweb_host: 0.0.0.0\n")
     assert config.merged_args(["--web-port", "9100"], path, "mitmweb") == ["--set", "http2=false", "--set",
-                                                                          "web_host=0.0.0.0", "--web-port", "9100"]
+                                                                          "web_host=0.0.0.0", *LISTENERS,
+                                                                          "--web-port", "9100"]
 
 
 def test_conf_must_not_load_scripts(tmp_path):
@@ -104,7 +124,7 @@ def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, co
 
 
 def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path):
-    # mitm.conf sets only what differs from the code (the listeners) and lists every relay
+    # mitm.conf sets only the listeners (the command's defaults, spelled out) and lists every relay
     # option, commented out, with its default: a default changed in code must change there.
     import os
     import re

@@ -117,6 +117,20 @@ def test_instability_needs_a_spread_large_against_the_median_and_more_than_one_o
     assert spread_of(100, 500, 900) is None  # too few tries to tell
 
 
+def test_a_mid_stream_stall_of_seconds_is_a_finding():
+    probes = [probe_result("direct", "tiny", 100 + i) for i in range(3)]
+    assert diagnosis.mid_stream_stall(diagnosis.Evidence(probes)) is None  # no chunk after the first token
+    for i, p in enumerate(probes):
+        p.stall_ms = 20.0 + i
+    assert not diagnosis.mid_stream_stall(diagnosis.Evidence(probes)).significant
+    stalled = probe_result("relayed", "tiny", 110)
+    stalled.stall_ms = 3000.0
+    result = diagnosis.diagnose(diagnosis.Evidence(probes + [stalled]))
+    assert result.verdict.cause == diagnosis.MID_STREAM_STALL and result.verdict.ms == 3000.0
+    assert result.verdict.detail == ("relayed tiny: 3000 ms of silence after the first token (direct probes at most "
+                                     "22 ms; relayed probes at most 3000 ms)")
+
+
 def test_every_probe_failing_is_the_verdict():
     refused = ProbeResult("direct", "tiny", "r1", 2, 8, {"dns": 0.1, "end": 0.3}, error="Connection refused",
                           error_phase="tcp")
@@ -246,6 +260,15 @@ def test_dead_upstream_gives_a_verdict_and_exit_2_not_a_hang(start_relay, tmp_pa
     assert "verdict: upstream unreachable" in done.stdout
     assert "direct: Connection refused (in tcp) 1/1; via relay: " in done.stdout
     assert time.monotonic() - started < 30  # a failed warm-up ends its path's probing
+
+
+def test_a_stream_that_stops_for_seconds_stands_out(fake):
+    # "nothing stands out" for a 3 s mid-stream stall, before.
+    fake.behaviour.midstream_pause_ms = 1500
+    evidence, result = run_diagnosis("--upstream", fake.base_url, "--repeat", "2", "--long-tokens", "200")
+    print(diagnosis.render(evidence, result))
+    assert all(p.stall_ms >= 1500 * 0.9 for p in evidence.ok("direct tiny"))
+    assert result.verdict.cause == diagnosis.MID_STREAM_STALL and result.verdict.significant
 
 
 def test_silent_upstream_times_out_in_the_wait(fake):

@@ -25,6 +25,7 @@ from tests import sse_samples
 from tests.fakes import Behaviour, DelayingForwarder, FakeUpstream, TestCerts, answer_pieces, answer_text
 from tests.fakes.client import HttpConnection, request, slow_upload, stream_post
 from tests.fakes.h2_wire import H2Client
+from tests.fakes.replies import prompt_tokens, usage_kw
 from tests.fakes.upstream import main as upstream_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,6 +52,11 @@ def model_of(api: str, body: dict) -> str:
     return "gemini-test" if api == "gemini" else body["model"]
 
 
+def usage(api: str, body: dict) -> dict[str, int]:
+    """The sample bodies' usage arguments for this request: its size in tokens, as the fake reports it."""
+    return usage_kw(api, *prompt_tokens(json.dumps(body).encode()))
+
+
 # --- wire formats -------------------------------------------------------------
 
 
@@ -63,7 +69,7 @@ def test_streams_the_sample_events_one_per_chunk(fake: FakeUpstream, api: str) -
     assert response.status == 200
     assert response.header("content-type").startswith("text/event-stream")
     assert response.header("transfer-encoding") == "chunked"
-    assert chunks == build(answer_pieces(5), model=model_of(api, body))
+    assert chunks == build(answer_pieces(5), model=model_of(api, body), **usage(api, body))
     assert fake.wait_finished(1, WAIT)
     assert fake.sent_bodies == [b"".join(chunks)]
     assert fake.sent[0].outcome == "complete"
@@ -75,7 +81,7 @@ def test_non_streamed_replies_are_the_sample_json(fake: FakeUpstream, api: str) 
     connection, response = request("POST", fake.base_url + path, body)
     with connection:
         assert response.header("content-type") == "application/json"
-        assert response.json() == build(answer_pieces(5), model=model_of(api, body))
+        assert response.json() == build(answer_pieces(5), model=model_of(api, body), **usage(api, body))
 
 
 def test_records_requests_in_order_with_headers_and_body(fake: FakeUpstream) -> None:
@@ -222,7 +228,8 @@ def test_header_knobs_override_defaults_per_request(fake: FakeUpstream) -> None:
     connection, response = request("POST", fake.base_url + "/v1/messages", {"stream": True}, {"x-fake-chunks": "4"})
     with connection:
         response.read()
-    assert fake.sent[0].decoded_body() == b"".join(sse_samples.anthropic_stream(answer_pieces(4)))
+    assert fake.sent[0].decoded_body() == b"".join(sse_samples.anthropic_stream(
+        answer_pieces(4), **usage("anthropic.messages", {"stream": True})))
 
 
 def test_unknown_knob_header_is_a_400(fake: FakeUpstream) -> None:
@@ -321,6 +328,24 @@ def test_prefill_grows_with_request_size(fake: FakeUpstream) -> None:
     assert chunks[1].at - started >= DELAY_SLACK * 0.300
 
 
+def test_usage_reports_the_prompts_size_and_its_cached_part_costs_no_prefill(fake: FakeUpstream) -> None:
+    body = {**CHAT_STREAM, "messages": [{"role": "user", "content": "x" * 8000}]}  # ~2000 tokens
+    tokens = round(len(json.dumps(body)) / 4)
+    knobs = {"x-fake-prefill-ms-per-1k-tokens": "1000", "x-fake-cached-tokens": str(tokens - 100)}
+    started = time.time()
+    chunks = list(stream_post(fake.base_url + CHAT, body, knobs))
+    usage = json.loads(chunks[-2].data.removeprefix(b"data: "))["usage"]
+    assert usage["prompt_tokens"] == tokens and usage["prompt_tokens_details"]["cached_tokens"] == tokens - 100
+    assert chunks[1].at - started >= DELAY_SLACK * 0.100  # the 100 uncached tokens' prefill
+    assert fake.sent[0].first_token_at - fake.received[0].at < 1.0  # not the 2000 tokens' 2 s
+    not_streamed = {"model": "c", "messages": body["messages"]}
+    connection, response = request("POST", fake.base_url + "/v1/messages", not_streamed, {"x-fake-cached-tokens": "500"})
+    with connection:
+        usage = response.json()["usage"]
+    assert usage["input_tokens"] + 500 == round(len(json.dumps(not_streamed)) / 4)  # Anthropic's: the uncached part
+    assert usage["cache_read_input_tokens"] == 500
+
+
 def test_slow_headers_dribble_the_head(fake: FakeUpstream) -> None:
     with socket.create_connection(("127.0.0.1", fake.port)) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-fake-slow-headers-ms: 200\r\n\r\n")
@@ -339,7 +364,7 @@ def test_gzip_honours_accept_encoding_and_flushes_per_chunk(fake: FakeUpstream) 
         assert response.header("content-encoding") == "gzip"
         decoder = zlib.decompressobj(wbits=31)
         events = [decoder.decompress(c.data) for c in response.chunks()]
-    expected = sse_samples.openai_chat_stream(answer_pieces(5), model="gpt-test")
+    expected = sse_samples.openai_chat_stream(answer_pieces(5), model="gpt-test", **usage("openai.chat", CHAT_STREAM))
     assert events[: len(expected)] == expected  # each chunk decodes on its own: nothing held back
     assert fake.sent[0].decoded_body() == b"".join(expected)
     connection, response = request("POST", fake.base_url + CHAT, CHAT_STREAM)
@@ -472,7 +497,8 @@ def test_cli_serves_with_knobs_until_terminated(tmp_path: Path) -> None:
             line = proc.stdout.readline().split()
             assert line[0] == "listening" and line[1].startswith("https://localhost:")
             chunks = list(stream_post(line[1] + "/v1/messages", {"stream": True}, ca=tmp_path / "ca.pem"))
-            assert b"".join(c.data for c in chunks) == b"".join(sse_samples.anthropic_stream(answer_pieces(3)))
+            assert b"".join(c.data for c in chunks) == b"".join(sse_samples.anthropic_stream(
+                answer_pieces(3), **usage("anthropic.messages", {"stream": True})))
         finally:
             proc.terminate()
         assert proc.wait(WAIT) == 0

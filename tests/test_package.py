@@ -5,21 +5,54 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests import report_samples
 from tests.harness import REPO
 
-from ttft_relay import cli, launch
+from ttft_relay import cli, config, launch
 
 
 def test_addon_path_names_the_addon_file():
     assert launch.ADDON.name == "relay.py" and launch.ADDON.parent.name == "ttft_relay" and launch.ADDON.exists()
     assert cli.main(["no-such-command"]) == 2
+
+
+def test_version_names_the_relay_mitmproxy_and_python(capsys):
+    from mitmproxy.version import VERSION
+
+    import ttft_relay
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"ttft-relay {ttft_relay.__version__} (mitmproxy {VERSION}, Python 3.")
+
+
+@pytest.mark.parametrize("command, tool", [("run", "mitmdump"), ("web", "mitmweb")])
+def test_help_leads_with_the_relays_own_options(command, tool, capsys):
+    # It was mitmproxy's 400 lines of help, with no word of --workers or any relay_* option.
+    assert cli.main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: ttft-relay {command} ")
+    relay_part, _, tool_part = text.partition(f"{tool}'s own options")
+    assert "--listen-host" in tool_part and "--listen-host" not in relay_part
+    assert ("--workers N|auto" in relay_part) == (command == "run")
+    assert "listeners:   regular@8080, reverse:https://api.openai.com@8001" in relay_part
+    documented = re.findall(r"^# (relay_\w+): ", config.DEFAULT_CONF.read_text(), re.M)
+    assert len(documented) > 30 and [n for n in documented if f"\n  {n} = " not in relay_part] == []
+
+
+def test_diagnose_help_says_where_the_key_comes_from():
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "diagnose", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0
+    assert re.search(r"OPENAI_API_KEY +--api openai.chat / openai.responses", done.stdout), done.stdout
+    assert re.search(r"ANTHROPIC_API_KEY +--api anthropic.messages", done.stdout), done.stdout
 
 
 def test_bench_runs_the_checkouts_benchmarks(capsys):
@@ -68,6 +101,11 @@ def test_pip_install_gives_a_working_command(tmp_path):
                             env=env, cwd=tmp_path)
     assert report.returncode == 0 and " requests, " in report.stdout, report.stdout + report.stderr
     assert "<script" in page.read_text()  # the page's script and style are in the package
+    version = subprocess.run([str(command), "--version"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.startswith("ttft-relay 0."), version.stdout + version.stderr
+    helped = subprocess.run([str(command), "run", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert helped.returncode == 0 and "config file: none" in helped.stdout, helped.stdout + helped.stderr
+    assert "reverse:https://api.anthropic.com@8002 on 127.0.0.1" in helped.stdout  # no mitm.conf: the same listeners
     bench = subprocess.run([str(command), "bench", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bench.returncode == 2 and "from a checkout" in bench.stderr
     # The installed relay starts (no mitm.conf beside it: the code's defaults) with its addons loaded.

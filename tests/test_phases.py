@@ -170,13 +170,18 @@ def test_verdict_names_the_dominant_phase(phase, words):
     assert phases.verdict(p) == words
 
 
-def test_stall_only_counts_when_it_cannot_be_prefill():
-    m = stream_marks(first_byte=61.0, first_token=461.0)
-    assert phases.stall_ms(m, 400.0) == 0.0  # fits between first byte and first token
-    assert phases.stall_ms(m, 900.0) == 900.0
-    assert phases.stall_ms({"first_byte": 1.0}, 900.0) == 0.0  # no token at all
+def test_the_longest_gap_counts_as_a_stall_only_after_the_first_token():
+    m = stream_marks(first_byte=61.0, first_token=461.0, last_token=1400.0, end=1401.0)
+    assert phases.gap_after_first_token(m | {"longest_gap": 61.0}, 400.0, 100) is None  # the prefill
+    gap = phases.gap_after_first_token(m | {"longest_gap": 800.0}, 400.0, 100)
+    assert gap == phases.Gap(400.0, pytest.approx((1401.0 - 61.0 - 400.0) / 98))
+    # An older record without the mark: only a gap longer than first byte → first token must be after it.
+    assert phases.gap_after_first_token(m, 400.0, 100) is None
+    assert phases.gap_after_first_token(m, 900.0, 100).ms == 900.0
+    assert phases.gap_after_first_token({"first_byte": 1.0}, 900.0, 10) is None  # no token at all
     p = phases.compute(stream_marks(), tokens_expected=True)
-    assert phases.verdict(p, stall=phases.stall_ms(stream_marks(), 600.0)) == phases.STREAM_STALL
+    stalled = phases.gap_after_first_token(stream_marks(longest_gap=100.0), 600.0, 3)
+    assert phases.verdict(p, gap=stalled) == phases.STREAM_STALL
 
 
 def test_error_verdicts_name_the_phase():
@@ -253,9 +258,9 @@ def test_not_streamed_answer_read_late():
 
 def test_a_stall_the_event_loop_explains_is_the_relays():
     p = phases.compute(stream_marks(), tokens_expected=True)
-    stall = phases.stall_ms(stream_marks(), 600.0)
-    assert phases.verdict(p, stall=stall, loop_lag_ms=550.0) == phases.RELAY_SATURATED
-    assert phases.verdict(p, stall=stall, loop_lag_ms=5.0) == phases.STREAM_STALL
+    stall = phases.Gap(600.0, 5.0)
+    assert phases.verdict(p, gap=stall, loop_lag_ms=550.0) == phases.RELAY_SATURATED
+    assert phases.verdict(p, gap=stall, loop_lag_ms=5.0) == phases.STREAM_STALL
 
 
 def test_the_client_link_is_named_even_on_a_kept_alive_connection():
@@ -286,3 +291,119 @@ def test_phases_with_arrivals_add_up_to_what_the_client_saw(queue_in, body, body
     assert sum(p.get(name, 0.0) for name in ("relay_queue", *CRITICAL_UP_TO_TTFT)) == pytest.approx(p["ttft"], abs=0.01)
     assert p["ttft"] == pytest.approx(m["first_token"] + queue_in, abs=0.01)
     assert p["upstream_wait"] == pytest.approx(wait, abs=0.01)
+
+
+# --- verdicts: ok unless a phase is out of line ------------------------------------------
+
+
+def healthy_stream(first_token: float, cadence: float, chunks: int, **overrides: float) -> tuple[dict, dict]:
+    """Marks and phases of a kept-alive request whose events come `cadence` ms apart."""
+    m = {"request_body": 0.3, "forwarded": 0.8, "response_head": first_token - 1.0, "first_byte": first_token - 0.5,
+         "first_event": first_token - 0.5, "first_token": first_token,
+         "last_token": first_token + cadence * (chunks - 2), "end": first_token + cadence * (chunks - 2) + 0.2}
+    m |= overrides
+    return m, phases.compute(m, tokens_expected=True)
+
+
+@given(first_token=st.floats(2, 40), cadence=st.floats(1, 30), jitter=st.floats(1, 3), chunks=st.integers(3, 400),
+       client_rtt=st.floats(0, 7), lag=st.floats(0, 20))
+def test_a_healthy_request_is_ok_whatever_its_cadence_and_the_loopback_noise(first_token, cadence, jitter, chunks,
+                                                                              client_rtt, lag):
+    # 5 ms first tokens and events 10 ms apart read "stream stall" in 19 of 20 requests before;
+    # a kept loopback connection's smoothed RTT of 2.4-7 ms read "client network".
+    m, p = healthy_stream(first_token, cadence, chunks)
+    gap = phases.gap_after_first_token(m | {"longest_gap": first_token + cadence}, cadence * jitter, chunks)
+    v = phases.judge(p, gap=gap, client_rtt_ms=client_rtt, loop_lag_ms=lag)
+    assert v.words == phases.OK, v
+    assert "nothing out of line" in v.detail
+
+
+def test_a_stall_is_named_against_the_streams_own_cadence():
+    m, p = healthy_stream(20.0, 350.0, 30)
+    slow_pace = phases.gap_after_first_token(m | {"longest_gap": 300.0}, 400.0, 30)  # events 350 ms apart anyway
+    assert slow_pace.cadence_ms > 300 and phases.verdict(p, gap=slow_pace) == phases.OK
+    m, p = healthy_stream(20.0, 10.0, 100, end=3000.0 + 10 * 98)
+    stalled = phases.gap_after_first_token(m | {"longest_gap": 500.0}, 3000.0, 100)
+    v = phases.judge(p, gap=stalled)
+    assert v.words == phases.STREAM_STALL and v.detail.startswith("3.0 s of silence after the first token, ")
+    assert "the stream's 10 ms between chunks" in v.detail
+
+
+@given(tls=st.floats(0, 40), wait=st.floats(0, 12), client_rtt=st.floats(0, 7))
+def test_a_websocket_handshake_is_never_prefill_and_a_quick_one_is_ok(tls, wait, client_rtt):
+    m = {"request_body": 0.2, "forwarded": 0.5, "upstream_connect_start": 0.6, "upstream_tcp": 1.0,
+         "upstream_tls": 1.0 + tls, "response_head": 1.0 + tls + wait, "end": 1.0 + tls + wait}
+    p = phases.compute(m, tokens_expected=False)
+    p.pop("ttft")  # a handshake has no first token (record.build_record)
+    assert phases.verdict(p, no_prefill=True, client_rtt_ms=client_rtt) == phases.OK
+
+
+def test_a_slow_handshake_names_its_phase_and_never_prefill_or_queue():
+    p = {"client_upload": 0.2, "relay": 0.3, "upstream_connect": 0.4, "upstream_tls": 2.0, "upstream_wait": 900.0,
+         "total": 903.0}
+    expectation = phases.Expectation(own_ms=100.0, tolerance_ms=250.0, prompt_ms=50.0, uncached_tokens=500,
+                                     cached_tokens=0, ms_per_1k=100.0, learned_from=20)
+    v = phases.judge(p, no_prefill=True, expectation=expectation)
+    assert v.words == phases.UPSTREAM_ANSWER == "upstream wait" and v.expected_ttft_ms is None
+    assert phases.verdict(p | {"upstream_tls": 600.0, "upstream_wait": 3.0, "total": 606.0},
+                          no_prefill=True) == phases.UPSTREAM_TLS
+    # A prewarm turn: response.created at once, response.completed 400 ms later: the upstream's work.
+    prewarm = phases.compute({"request_body": 0.0, "forwarded": 0.5, "response_head": 2.0, "end": 402.0},
+                             tokens_expected=False)
+    assert phases.verdict(prewarm, no_prefill=True) == phases.UPSTREAM_ANSWER
+
+
+def expect(own: float, prompt: float, tokens: int = 10_000, cached: int = 0) -> phases.Expectation:
+    return phases.Expectation(own_ms=own, tolerance_ms=max(250.0, own / 2), prompt_ms=prompt, uncached_tokens=tokens,
+                              cached_tokens=cached, ms_per_1k=prompt / (tokens / 1000), learned_from=40)
+
+
+def waiting(own: float) -> dict[str, float]:
+    """A kept-alive request whose upstream waited `own` ms before its first token."""
+    return {"client_upload": 1.0, "relay": 1.0, "upstream_wait": own, "ttft": own + 2.0, "total": own + 500.0}
+
+
+def test_context_length_when_the_prompt_explains_the_wait():
+    v = phases.judge(waiting(1100.0), expectation=expect(1100.0, 1000.0))
+    assert v.words == phases.CONTEXT_LENGTH
+    assert v.detail == ("first token 1.1 s: 10.0k prompt tokens (0 cached) at 100 ms per 1k explain 1.0 s of it "
+                        "(this prompt predicts 1.1 s)")
+    assert v.expected_ttft_ms == 1102.0
+
+
+def test_upstream_queueing_when_the_wait_is_far_beyond_what_the_prompt_predicts():
+    v = phases.judge(waiting(1900.0), expectation=expect(300.0, 25.0, tokens=250))
+    assert v.words == phases.UPSTREAM_QUEUEING
+    assert v.detail == ("first token 1.9 s, 6.3× the 302 ms this prompt predicts (250 prompt tokens (0 cached); "
+                        "the upstream's own wait 1.9 s against 300 ms)")
+    # A long prompt's wait with a 1.5 s queue on top: queueing too, though it is "only" 2.4x.
+    assert phases.verdict(waiting(2600.0), expectation=expect(1100.0, 1000.0)) == phases.UPSTREAM_QUEUEING
+
+
+def test_a_wait_in_line_with_a_short_prompt_is_ok_and_a_small_excess_is_noise():
+    v = phases.judge(waiting(130.0), expectation=expect(110.0, 10.0, tokens=100))
+    assert v.words == phases.OK and v.detail == "first token 132 ms, in line with the 112 ms this prompt predicts"
+    assert phases.verdict(waiting(330.0), expectation=expect(110.0, 10.0, tokens=100)) == phases.OK
+
+
+def test_a_prompt_cache_miss_is_named_where_the_uncached_prompt_explains_the_wait():
+    miss = "this conversation's previous request, 12 s earlier, had 45,000 tokens cached"
+    v = phases.judge(waiting(2000.0), expectation=expect(2000.0, 1900.0, tokens=48_000), cache_miss=miss)
+    assert v.words == phases.PROMPT_CACHE_MISS and v.detail.endswith("although " + miss)
+    assert phases.verdict(waiting(130.0), expectation=expect(110.0, 10.0), cache_miss=miss) == phases.OK
+
+
+def test_before_anything_is_learned_the_wait_is_prefill_or_queue_and_says_why():
+    v = phases.judge(waiting(1900.0), unlearned="learning this upstream · model: 3 of 8 requests")
+    assert v.words == phases.UPSTREAM_WAIT and v.expected_ttft_ms is None
+    assert v.detail.endswith("prefill and queueing not told apart (learning this upstream · model: 3 of 8 requests)")
+    assert phases.verdict(waiting(20.0)) == phases.OK  # quick: nothing to tell apart
+
+
+def test_a_far_link_that_adds_little_to_a_long_wait_is_not_the_verdict():
+    # 150 ms to the client on top of a 2 s context-length wait: the prompt is why it was slow.
+    assert phases.verdict(waiting(2000.0), client_rtt_ms=150.0,
+                          expectation=expect(2000.0, 1900.0)) == phases.CONTEXT_LENGTH
+    # The same link on a quick answer is the slow hop.
+    v = phases.judge(waiting(20.0), client_rtt_ms=150.0, expectation=expect(20.0, 2.0))
+    assert v.words == phases.CLIENT_NETWORK and v.detail.startswith("a 150 ms round trip to the client")

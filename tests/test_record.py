@@ -16,6 +16,10 @@ MARKS = {
 
 
 def make(**overrides):
+    return record.build_record(**make_kwargs(**overrides)).as_dict()
+
+
+def make_kwargs(**overrides):
     kwargs = dict(
         id="f1", ts=1700000000.12345, api="openai.chat", model="gpt-x", stream=True, status=200,
         upstream="api.example.com", marks=MARKS, tokens_expected=True, tls_expected=True,
@@ -24,7 +28,7 @@ def make(**overrides):
         usage={"input_tokens": 1234, "output_tokens": 200, "cached_tokens": 0, "reasoning_tokens": 0},
     )
     kwargs.update(overrides)
-    return record.build_record(**kwargs).as_dict()
+    return kwargs
 
 
 def test_a_websocket_handshake_has_no_first_token_and_its_failure_names_the_transport():
@@ -117,12 +121,25 @@ def test_long_errors_are_cut():
 def test_summary_line_and_comment():
     rec = make()
     line = record.summary_line(rec)
-    assert "ttft 460 ms" in line and "upstream_wait 247" in line and line.endswith(phases.UPSTREAM_TLS)
+    assert "ttft 460 ms" in line and "upstream_wait 247" in line
+    assert line.endswith("→ upstream TLS: 200 ms, 43% of the 460 ms to the first token")
     text = record.comment(rec)
-    assert text.splitlines()[0] == "ttft 460 ms → upstream TLS."
-    assert "upstream_wait 247" in text.splitlines()[1]
+    # mitmweb's Comment column shows the start: the verdict and its numbers first.
+    assert text.splitlines()[0] == "upstream TLS: 200 ms, 43% of the 460 ms to the first token."
+    assert "upstream_wait 247" in text.splitlines()[2]
     assert "Connection new, rtt 200 ms; 120 chunks" in text
-    assert record.comment(rec, slow=True).startswith("SLOW ttft 460 ms → ")
+    assert record.comment(rec, slow=True).splitlines()[:2] == [
+        "upstream TLS: 200 ms, 43% of the 460 ms to the first token.", "SLOW: ttft 460 ms."]
+    judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
+                         "last_token": 3000.0, "end": 3001.0})
+    record.judge(judged_rec := record.build_record(**make_kwargs(marks=judged["marks"])),
+                 expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
+                                                uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
+    text = record.comment(judged_rec.as_dict())
+    assert text.startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
+    assert text.splitlines()[1] == "ttft 2310 ms, expected 504 ms."
+    assert record.turn_line(judged_rec.as_dict() | {"turn": 3}, slow=True).startswith(
+        "upstream queueing (turn 3, SLOW): first token 2.3 s, 4.6× ")
 
 
 def test_writer_appends_lines_creates_parents_and_loses_nothing_on_close(tmp_path):

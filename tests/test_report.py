@@ -39,24 +39,61 @@ def test_percentile_interpolates():
     assert report.percentile(list(range(101)), 90) == 90
 
 
-def test_fit_recovers_base_and_slope():
-    fit = report.fit_wait_vs_prompt([rec(i, prompt=p) for i, p in enumerate([500, 1000, 4000, 8000, 16000])])
-    assert fit["ms_per_1k_prompt_tokens"] == pytest.approx(500.0)
-    assert fit["base_ms"] == pytest.approx(100.0)
-    assert fit["r2"] == pytest.approx(1.0)
+def test_the_first_token_model_is_the_relays_median_fit():
+    prompts = [500, 1000, 4000, 8000, 16000, 2000, 12000, 6000, 3000, 10000]
+    fit = report.first_token_model([rec(i, prompt=p) for i, p in enumerate(prompts)])
+    assert fit.per_1k_uncached == pytest.approx(500.0, rel=0.001)
+    assert fit.base_ms == pytest.approx(100.0, abs=1)
+    # A queue spike on a few requests moves a median fit no more than any point above the line.
+    spiked = [rec(i, prompt=p, wait=100 + 0.5 * p + (1500 if i % 4 == 0 else 0)) for i, p in enumerate(prompts)]
+    assert report.first_token_model(spiked).per_1k_uncached == pytest.approx(500.0, rel=0.05)
 
 
-def test_fit_needs_spread():
-    assert report.fit_wait_vs_prompt([rec(i, prompt=1000) for i in range(5)]) is None
-    assert report.fit_wait_vs_prompt([rec(0), rec(1, prompt=2)]) is None
+def test_the_model_needs_enough_requests_and_spread():
+    assert report.first_token_model([rec(i, prompt=1000) for i in range(7)]) is None
+    alike = report.first_token_model([rec(i, prompt=1000) for i in range(10)])
+    assert alike.per_1k_uncached is None and alike.base_ms == pytest.approx(600.0)
+    assert "prompt sizes too alike for a rate" in report.model_text(alike.as_dict())
 
 
-def test_fit_takes_the_round_trip_out():
-    far = [r | {"rtt_ms": 300.0} for r in (rec(i, prompt=p, wait=300 + 0.5 * p) for i, p in enumerate([1000, 2000, 3000]))]
-    fit = report.fit_wait_vs_prompt(far)
-    assert fit["base_ms"] == pytest.approx(0.0, abs=0.01)
+def test_the_model_takes_the_round_trip_out():
+    far = [r | {"rtt_ms": 300.0} for r in (rec(i, prompt=p, wait=300 + 0.5 * p)
+                                          for i, p in enumerate(range(1000, 11000, 1000)))]
+    assert report.first_token_model(far).base_ms == pytest.approx(0.0, abs=1)
 
 
+def test_queueing_outliers_are_listed_worst_first():
+    records = [rec(i) | {"verdict": "upstream queueing", "expected_ttft_ms": 300.0, "ttft_ms": 600.0 + 100 * i}
+               for i in range(8)] + [rec(9)]
+    n, worst = report.queueing_outliers(records)
+    assert n == 8 and [w["id"] for w in worst] == ["f7", "f6", "f5", "f4", "f3"]
+    text = report.format_text({"k": report.summarize_group(records)})
+    assert "8 requests beyond what their prompt predicts (upstream queueing), the worst:" in text
+    assert "4.3× the 300 ms expected" in text
+
+
+def attempt(i: int, group: str, n: int, ts: float, *, cut: bool, total: float = 60_000.0) -> dict:
+    marks = {"request_body": 1.0, "forwarded": 2.0, "end": total}
+    if not cut:
+        marks |= {"response_head": total - 500, "first_byte": total - 499, "first_token": total - 400}
+    r = record.build_record(id=f"a{i}", ts=ts, api="openai.chat", model="m", stream=True,
+                            status=None if cut else 200, upstream="u", marks=marks, tokens_expected=True,
+                            tls_expected=False, reused_connection=True, rtt_ms=None, client_aborted=cut,
+                            error="Client disconnected." if cut else None)
+    return r.as_dict() | {"attempt_group": group, "attempt": n}
+
+
+def test_attempt_groups_say_how_long_the_user_waited_and_why_each_attempt_ended():
+    records = [attempt(1, "a1", 1, 1000.0, cut=True), attempt(2, "a1", 2, 1060.2, cut=True),
+               attempt(3, "a1", 3, 1120.4, cut=False, total=4000.0), attempt(4, "a4", 1, 2000.0, cut=True),
+               rec(9)]
+    (group,) = report.attempt_groups(records)  # a4 was never retried: not a group of attempts
+    assert group["attempts"] == 3 and group["ids"] == ["a1", "a2", "a3"] and group["succeeded"]
+    assert group["waited_ms"] == pytest.approx((1120.4 - 1000.0) * 1000 + 3600, abs=1)
+    assert group["ended"][0] == "cut by the client after 60.0 s in upstream wait while the upstream had not answered"
+    assert group["ended"][2].endswith(", first token after 3600 ms")
+    text = "\n".join(report.format_attempts([group]))
+    assert "a1: waited 2.1 min over 3 attempts" in text and "  3. " in text
 def test_read_filters_and_skips_broken_lines(tmp_path):
     log = write_log(tmp_path / "a.jsonl", [rec(0, ts=100), rec(1, ts=200, model="other")])
     with open(log, "ab") as f:
@@ -86,12 +123,13 @@ def test_summary_groups_by_upstream_and_model():
 
 
 def test_cli_text_and_json(tmp_path):
-    log = write_log(tmp_path / "t.jsonl", [rec(i, prompt=500 * (i + 1)) for i in range(6)])
+    log = write_log(tmp_path / "t.jsonl", [rec(i, prompt=500 * (i + 1)) for i in range(10)])
     command = [sys.executable, "-m", "ttft_relay", "report"]
     text = subprocess.run([*command, log], capture_output=True, text=True, check=True, cwd=REPO).stdout
-    assert "api.example.com · gpt-x: 6 requests" in text and "per 1k prompt tokens" in text
+    assert "api.example.com · gpt-x: 10 requests" in text
+    assert "first token learned: 100 ms + 500.0 ms per 1k uncached tokens (median fit of 10 requests" in text
     js = subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout
-    assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 6
+    assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 10
 
 
 def test_websocket_turns_and_failed_handshakes_are_counted_apart():

@@ -22,19 +22,31 @@ pytestmark = pytest.mark.skipif(not browser.available(), reason=browser.SKIP_REA
 KNOWN = "known-slow"
 
 
+PREFILL_GAP = "known-prefill-gap"
+
+
 def known_record() -> dict:
-    """The slowest request of the log, with phases the test can check bar by bar."""
+    """The slowest request of the log, with phases the test can check bar by bar; its longest
+    gap (900 ms) came after the first token."""
     marks = {"request_body": 3.0, "forwarded": 5.0, "upstream_connect_start": 5.5, "upstream_tcp": 40.0,
-             "upstream_tls": 75.0, "response_head": 60075.0, "first_byte": 60076.0, "first_event": 60076.0,
-             "first_token": 60400.0, "last_token": 63000.0, "end": 63002.0}
+             "upstream_tls": 75.0, "response_head": 60075.0, "first_byte": 60076.0, "longest_gap": 61000.0,
+             "first_event": 60076.0, "first_token": 60400.0, "last_token": 63000.0, "end": 63002.0}
     return report_samples.build(KNOWN, report_samples.DAY_START + 40000, "api.openai.com", "gpt-4o-mini", marks,
                                 prompt=30000, rtt=35.0, max_gap=900.0, new_connection=True)
+
+
+def prefill_gap_record() -> dict:
+    """A request whose longest silence was its prefill: head and first byte at once, the first token 2 s later."""
+    marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 40.0, "first_byte": 41.0, "longest_gap": 41.0,
+             "first_event": 41.0, "first_token": 2041.0, "last_token": 2500.0, "end": 2501.0}
+    return report_samples.build(PREFILL_GAP, report_samples.DAY_START + 50000, "api.openai.com", "gpt-4o-mini",
+                                marks, prompt=3000, rtt=35.0, max_gap=2000.0)
 
 
 @pytest.fixture(scope="module")
 def report_page(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
-    records = report_samples.day(400) + [known_record()]
+    records = report_samples.day(400) + [known_record(), prefill_gap_record()]
     log = tmp / "timing.jsonl"
     log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     out = tmp / "report.html"
@@ -71,7 +83,37 @@ def test_the_slowest_waterfall_shows_the_known_request_bar_by_bar(report_page):
     assert tick == pytest.approx(rec["marks"]["first_token"], abs=0.05)
     verdict = page.evaluate(f"document.querySelector('{first_row} text.verdict').textContent")
     assert verdict == rec["verdict"]
-    assert page.evaluate(f"!!document.querySelector('{first_row} path.gap')")  # the 900 ms gap is drawn
+    gap = page.evaluate(f"(({{dataset}}) => [+dataset.from, +dataset.ms, dataset.where])("
+                        f"document.querySelector('{first_row} path.gap'))")
+    assert gap == [61000.0, 900.0, "after the first token"]  # the 900 ms gap, where it happened
+
+
+def test_the_longest_gap_is_drawn_where_it_happened_even_before_the_first_token(report_page):
+    page, _ = report_page
+    page.evaluate(f"""(() => {{ const i = document.querySelector('.controls input'); i.value = '{PREFILL_GAP}';
+                     i.dispatchEvent(new Event('input')); }})()""")
+    page.click("#requests tbody tr")
+    row = "section:nth-of-type(2) svg.waterfall .wf-row"
+    page.wait_for(f"!!document.querySelector('{row}[data-id=\"{PREFILL_GAP}\"]')")
+    drawn = page.evaluate(f"""(() => {{ const g = document.querySelector('{row} path.gap');
+        const at = (name) => +document.querySelector('{row} line.tick.' + name).getAttribute('x1');
+        const [x0, x1] = g.getAttribute('d').match(/M([\\d.]+) [\\d.]+v2h([\\d.]+)/).slice(1).map(Number);
+        return {{from: x0, to: x0 + x1, byte: at('first_byte'), token: at('first_token'), where: g.dataset.where}}; }})()""")
+    # Before: drawn from the first token on, 2 s into a stream that ended 0.5 s later.
+    assert drawn["where"] == "before the first token"
+    assert drawn["from"] == pytest.approx(drawn["byte"], abs=1) and drawn["to"] == pytest.approx(drawn["token"], abs=1)
+
+
+def test_time_axes_have_a_tick_at_or_above_their_largest_value(report_page):
+    page, records = report_page
+    ticks, y_max = page.evaluate("(({dataset}) => [JSON.parse(dataset.yTicks), +dataset.yMax])("
+                                 "document.getElementById('ttft-over-time'))")
+    assert y_max == max(r["ttft_ms"] for r in records if r["ttft_ms"] is not None and not r.get("prewarm"))
+    assert y_max > 1000 and ticks[-1] >= y_max and any(t > 1000 for t in ticks), ticks  # not "no tick above 1 s"
+    axis_max, last_tick = page.evaluate("""(() => { const svg = document.querySelector('svg.waterfall');
+        const labels = [...svg.querySelectorAll('.axis text')].map((t) => t.textContent);
+        return [+svg.dataset.axisMax, labels[labels.length - 1]]; })()""")
+    assert axis_max >= 63002.0 and last_tick == f"{axis_max / 1000:.1f} s"
 
 
 def test_plots_draw_every_request_and_every_group(report_page):
@@ -82,7 +124,7 @@ def test_plots_draw_every_request_and_every_group(report_page):
     bar_groups = page.evaluate("[...new Set([...document.querySelectorAll('svg.percentiles .pbar')].map((g) => g.dataset.group))]")
     assert set(bar_groups) == groups
     legend = page.evaluate("[...document.querySelectorAll('section .legend')].map((l) => l.textContent).join(' | ')")
-    assert "ms per 1k tokens" in legend and "websocket handshake failed (1)" in legend
+    assert "ms per 1k uncached tokens" in legend and "websocket handshake failed (1)" in legend
     assert page.evaluate("document.querySelectorAll('svg.buckets g.bucket').length") > 10
 
 

@@ -91,7 +91,8 @@ def test_each_turn_gets_one_record_with_its_own_marks_and_usage(relay):
     assert turn["usage"] == {"input_tokens": 12, "output_tokens": 2}
     assert turn["error"] is None and turn["reused_connection"] is True
     lines = f.comment.split("\n")  # mitmweb: the socket's turns, newest first
-    assert lines[0].startswith("Turn 2: ttft 70 ms") and lines[1].startswith("Turn 1 (prewarm): ttft -")
+    assert "(turn 2)" in lines[0] and lines[0].endswith(", ttft 70 ms.")
+    assert "(turn 1 (prewarm))" in lines[1] and lines[1].endswith(", ttft -.")
 
 
 def test_a_socket_closed_mid_turn_records_the_cut_turn(relay):
@@ -172,4 +173,5 @@ def test_a_slow_turn_marks_its_socket_and_a_slow_prewarm_does_not(relay):
     for i, event in enumerate(responses_events()):
         send(turns, f, event, from_client=False, at=1010.6 + 0.01 * i)
     assert f.marked == timing.SLOW_MARKER
-    assert f.comment.split("\n")[0].startswith("SLOW Turn 2: ttft 620 ms")  # the first delta is the third event
+    first = f.comment.split("\n")[0]
+    assert "(turn 2, SLOW)" in first and first.endswith(", ttft 620 ms.")  # the first delta is the third event

@@ -40,7 +40,9 @@ def test_the_supervisor_checks_the_options_its_workers_start_with(tmp_path, monk
     monkeypatch.setenv("TTFT_RELAY_CONF", str(conf))
     args, opts = workers.worker_options(["--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"])
     assert args == ["--set", "http2=false", "--set", "mode=regular@9100",
-                    "--set", "mode=reverse:https://api.openai.com@9101", "--set", "relay_trim=false", "--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"]
+                    "--set", "mode=reverse:https://api.openai.com@9101", "--set", "relay_trim=false",
+                    "--set", "listen_host=127.0.0.1",  # the relay's default: the file names no listen_host
+                    "--set", "relay_metrics_listen=", "--set", f"confdir={tmp_path}"]
     assert opts.mode == ["regular@9100", "reverse:https://api.openai.com@9101"]
     assert opts.relay_metrics_listen == ""  # the command line wins
     args, opts = workers.worker_options(["--mode", "regular@9200", "--set", f"confdir={tmp_path}"])

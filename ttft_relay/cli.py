@@ -1,26 +1,32 @@
 """`ttft-relay`: the relay's one command.
 
     ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons);
-                   [--workers N|auto]     N of them behind HAProxy (auto: one per core)
+                   [--workers N|auto]     N of them (auto: one per core)
+                                          (run --help: the relay's options, then mitmdump's)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
     ttft-relay report LOG ... [--html F]  the timing logs summarised (--help: the options)
     ttft-relay diagnose [--relay URL]     why is my first token slow? probes it, names the cause
     ttft-relay bench NAME [arguments]     a benchmark, from a checkout (bench --help: their names)
     ttft-relay addon-path                 the addon file for any mitmproxy tool:
                                           mitmproxy -s "$(ttft-relay addon-path)" (no mitm.conf)
+    ttft-relay --version                  its version, mitmproxy's and Python's
 
 `run` and `web` read mitm.conf (TTFT_RELAY_CONF names another file, empty: none) under
-their arguments and start mitmproxy with both (see ttft_relay/config.py). From a
-checkout, `scripts/relay` is `ttft-relay run --workers auto` (ttft_relay/workers.py).
+their arguments and start mitmproxy with both (see ttft_relay/config.py); without a file
+they open the README's listeners on 127.0.0.1 (OpenAI 8001, Anthropic 8002, proxy 8080).
+From a checkout, `scripts/relay` is `ttft-relay run --workers auto` (ttft_relay/workers.py).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
-from . import launch
+from . import __version__, launch
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 BENCHMARKS = CHECKOUT / "benchmarks"
@@ -57,12 +63,93 @@ def first_line(path: Path) -> str:
     return doc.split("\n\n", 1)[0].replace("\n", " ").split(". ", 1)[0]
 
 
+def version() -> str:
+    from mitmproxy.version import VERSION
+
+    return f"ttft-relay {__version__} (mitmproxy {VERSION}, Python {platform.python_version()})"
+
+
+WORKERS_HELP = """\
+  --workers N|auto      N relay processes sharing the listeners (auto: one per core);
+                        default 1, scripts/relay: auto (docs/scaling.md)"""
+
+
+def tool_help(command: str, tool: str, args: list[str]) -> str:
+    """`ttft-relay run|web --help`: what the relay starts with and its own options, then the
+    mitmproxy tool's help."""
+    from . import config
+
+    lines = [f"usage: ttft-relay {command} {'[--workers N|auto] ' if command == 'run' else ''}[{tool} options]",
+             "",
+             f"The relay: {tool} with the relay's addons. Options: built-in defaults < config file < this",
+             "command line (--set NAME=VALUE, or the flags below).",
+             ""]
+    conf = config.conf_path()
+    lines.append(f"  config file: {conf if conf else 'none'} (TTFT_RELAY_CONF=PATH names another, empty: none)")
+    try:
+        opts = config.started_options(launch.relay_args([a for a in args if a not in ("-h", "--help")], tool),
+                                      tool=tool)
+        lines.append(f"  listeners:   {', '.join(opts.mode)} on {opts.listen_host or 'all interfaces'}")
+    except (SystemExit, Exception) as e:  # a config that cannot be read: says why
+        lines.append(f"  listeners:   cannot tell ({e})")
+    if command == "run":
+        lines += ["", WORKERS_HELP]
+    lines += ["", "The relay's options, with their defaults (mitm.conf documents each):"]
+    for name, default, text in relay_options():
+        lines.append(f"  {name} = {default}")
+        lines += textwrap.wrap(" ".join(text.split()), 92, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    lines += ["", f"{tool}'s own options ({tool} --options lists every option):", ""]
+    lines.append(config._PARSERS[tool](config.declared_options(tool)).format_help())
+    return "\n".join(lines)
+
+
+def relay_options() -> list[tuple[str, str, str]]:
+    """(name, default as mitm.conf writes it, help) of every relay option, in the addons' order."""
+    from mitmproxy import ctx, options
+
+    from . import config, relay
+
+    opts = options.Options()
+    declarer = config._Declarer(opts)
+    ctx.options = opts  # some addons' `load` reads options (in a running tool, ctx's)
+
+    def declare(addon: Any) -> None:
+        try:
+            if load := getattr(addon, "load", None):
+                load(declarer)
+        except Exception:  # a load that needs a running tool: its options were declared first
+            pass
+        for child in getattr(addon, "addons", []):
+            declare(child)
+
+    for addon in relay.addons:
+        declare(addon)
+    return [(name, _shown_default(opts.default(name)), opts._options[name].help)
+            for name in opts._options if name.startswith("relay_")]  # declared: grouped by concern
+
+
+def _shown_default(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if value is None or value == "":
+        return "''"
+    return str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         print(__doc__.strip())
         return 0
+    if args[0] in ("--version", "-V", "version"):
+        print(version())
+        return 0
     command, rest = args[0], args[1:]
+    if command in ("run", "web") and ("-h" in rest or "--help" in rest):
+        print(tool_help(command, "mitmdump" if command == "run" else "mitmweb", rest))
+        return 0
     if command == "addon-path":
         print(launch.ADDON)
         return 0

@@ -4,7 +4,8 @@ The command that starts mitmproxy (`ttft-relay run|web`, `scripts/relay` and eac
 its workers) reads mitm.conf and puts its values on mitmproxy's command line, as
 `--set name=value` ahead of the user's arguments, leaving out every option those
 arguments set; ahead of them, the relay's defaults for mitmproxy's own options
-(`MITMPROXY_DEFAULTS`), which mitm.conf and the command line override. mitmproxy then
+(`MITMPROXY_DEFAULTS`, and the listeners of the README's client settings on loopback,
+`DEFAULT_MODES`), which mitm.conf and the command line override. mitmproxy then
 starts with the merged options: the listeners of mitm.conf are bound from its first
 moment, and the relay's own options (`relay_*`, declared later as the addons load) go
 through mitmproxy's deferred mechanism like any other `--set`. mitmproxy's own confdir/config.yaml, where there is one, is applied by
@@ -44,6 +45,12 @@ MITMPROXY_DEFAULTS: dict[str, Any] = {
     "http2": False,
 }
 """mitmproxy options the relay starts with at another default than mitmproxy's."""
+
+DEFAULT_LISTEN_HOST = "127.0.0.1"
+DEFAULT_MODES = ["regular@8080", "reverse:https://api.openai.com@8001", "reverse:https://api.anthropic.com@8002"]
+"""The listeners of the README's client settings, on loopback: what the command opens where
+neither the config file nor the command line names listeners (an installed relay has no
+mitm.conf). The checkout's mitm.conf spells out the same (tests/test_config.py keeps them equal)."""
 
 _PARSERS = {"mitmdump": cmdline.mitmdump, "mitmweb": cmdline.mitmweb, "mitmproxy": cmdline.mitmproxy}
 
@@ -146,12 +153,26 @@ def set_args(name: str, value: Any) -> list[str]:
     raise exceptions.OptionsError(f"{name}: expected a value or a list of values, not {value!r}")
 
 
+def default_listeners(named: set[str]) -> dict[str, Any]:
+    """The relay's default listeners for a command line and config file that set the options
+    `named`: loopback unless `listen_host` is named, and `DEFAULT_MODES` unless `mode` or
+    `listen_port` is (`-p 9000` alone is mitmproxy's regular proxy on 9000, as in mitmdump)."""
+    defaults: dict[str, Any] = {"listen_host": DEFAULT_LISTEN_HOST}
+    if not named & {"mode", "listen_port"}:
+        defaults["mode"] = DEFAULT_MODES
+    return defaults
+
+
 def merged_args(args: list[str], path: Path | None, tool: str = "mitmdump") -> list[str]:
     """`tool`'s command line `args` with the values of the config file at `path` (none:
-    no file) ahead, over `MITMPROXY_DEFAULTS`, for every option `args` does not set.
-    Raises OptionsError for a file that cannot be read or holds what no command line could."""
+    no file) ahead, over `MITMPROXY_DEFAULTS` and the default listeners, for every option
+    `args` does not set. Raises OptionsError for a file that cannot be read or holds what no
+    command line could."""
     explicit = command_line_options([tool, *args], declared_options(tool))
-    values = {**MITMPROXY_DEFAULTS, **(read_conf(path) if path is not None else {})}
+    file_values = read_conf(path) if path is not None else {}
+    values = {**MITMPROXY_DEFAULTS, **file_values}
+    for name, value in default_listeners(explicit | set(file_values)).items():
+        values.setdefault(name, value)
     conf = [a for name, value in values.items() if name not in explicit for a in set_args(name, value)]
     return [*conf, *args]
 

@@ -14,9 +14,12 @@ file only composes the addons; each concern lives in its own module under `ttft_
     faults     bounded waits, and upstream failures answered in the API's format
     selfwatch  the relay's own event-loop lag, accept queues and sockets
     timing     per-phase marks, one record per flow, verdicts
+    observe    verdicts against the first token each prompt predicts (learned per upstream ·
+               model, prompt cache misses), attempt groups of retried requests
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
+    traces     the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
     sseview    an event-stream view for mitmweb
     webcolumns the timing comment as a column of mitmweb's flow list
     config.OptionsCheck  a relay whose options do not parse does not start (last)
@@ -30,7 +33,9 @@ and theirs record what is still in flight.
 The faults addons that touch a failed flow's marks and state (FailedConnects,
 Deadlines) come before timing, which writes the record in the same `error` hook.
 selfwatch comes after streaming (it hooks the stream tap) and before timing (which
-reads what it learned); its samples feed the metrics addon. ledger comes after timing:
+reads what it learned); its samples feed the metrics addon. The observe addons come after
+timing: they read its log option, and their `done` keeps what the records timing's `done`
+publishes taught them. ledger comes after timing:
 it opens timing's log's ledger once timing has configured the log, and closes it
 after timing's `done` has recorded what was in flight.
 """
@@ -49,6 +54,7 @@ if _REPO_ROOT not in sys.path:
 from ttft_relay import capacity, config, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
+from ttft_relay.observe import attempts, traces, verdicts
 from ttft_relay.stream import sseview, streaming, websocket
 from ttft_relay.timing import ledger, metrics, selfwatch, timing, webcolumns
 from ttft_relay.trim import trim
@@ -56,6 +62,7 @@ from ttft_relay.trim import trim
 self_watch = selfwatch.SelfWatch()
 prometheus = metrics.Metrics()
 self_watch.subscribe(prometheus.load_sample)
+otlp_traces = traces.Traces(on_dropped=prometheus.otlp_dropped)
 
 timings = timing.Timing()
 addons = [
@@ -72,9 +79,12 @@ addons = [
     self_watch,
     websocket.WebSocketTurns(timings),
     timings,
+    verdicts.Verdicts(),
+    attempts.AttemptGroups(),
     ledger.Ledger(timings),
     faults.ErrorReplies(),
     prometheus,
+    otlp_traces,
     sseview.SSEView(),
     webcolumns.CommentColumn(),
     config.OptionsCheck(),

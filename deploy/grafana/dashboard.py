@@ -24,10 +24,18 @@ OUTPUT = Path(__file__).resolve().parent / "dashboards" / "ttft-relay.json"
 RATE_INTERVAL = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 """The uid the provisioned data source (provisioning/datasources/prometheus.yaml) has."""
-PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
+PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token")
 """The phases ttft_relay/timing/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it is
 observed for every call (0 when the kernel held nothing), so its mean per call that had it would be its
 mean over all calls; it has a saturation panel of its own."""
+EPSILON = "1e-12"
+"""A rate no real traffic has: dividing by at least it, a mean over no calls is 0, not NaN."""
+
+
+def or_zero(expr: str) -> str:
+    """`expr`, or 0 while it has no series (before the first call that has the metric): a panel
+    shows 0, not nothing."""
+    return f"({expr}) or on() vector(0)"
 
 
 @dataclass(frozen=True)
@@ -60,9 +68,16 @@ def relay_queue_quantile(q: float) -> Query:
                                      f"(rate(ttft_relay_relay_queue_seconds_bucket[{RATE_INTERVAL}])))")
 
 
+def expected_ttft_quantile(q: float) -> Query:
+    return Query("{{gen_ai_request_model}} via {{server_address}}, expected",
+                 f"histogram_quantile({q}, sum by (le, gen_ai_request_model, server_address) "
+                 f"(rate(ttft_relay_expected_time_to_first_token_seconds_bucket[{RATE_INTERVAL}])))")
+
+
 def phase_mean(phase: str) -> Query:
     metric = f"ttft_relay_{phase}_seconds"
-    return Query(phase, f"sum(rate({metric}_sum[{RATE_INTERVAL}])) / sum(rate({metric}_count[{RATE_INTERVAL}]))")
+    return Query(phase, or_zero(f"sum(rate({metric}_sum[{RATE_INTERVAL}])) / "
+                                f"clamp_min(sum(rate({metric}_count[{RATE_INTERVAL}])), {EPSILON})"))
 
 
 CALLS = f"sum(rate(gen_ai_client_operation_duration_seconds_count[{RATE_INTERVAL}]))"
@@ -71,15 +86,21 @@ PANELS = (
     Panel("Time to first token p50", "Successful calls, request head at the relay to first token, per model and "
           "upstream.", "s", (ttft_quantile(0.5),)),
     Panel("Time to first token p95", "As p50, the slow tail.", "s", (ttft_quantile(0.95),)),
+    Panel("Time to first token p95 vs expected", "The slow tail of the first token, beside the first token the "
+          "relay learned each call's prompt predicts (ttft_relay/observe/prefill.py; from the 8th call of a model on): "
+          "a first token far above its expected one is upstream queueing, one that follows it is context length.",
+          "s", (ttft_quantile(0.95), expected_ttft_quantile(0.95))),
     Panel("Phase breakdown (mean)", "Where a call's time before the first token went: the relay's phases "
-          "(ttft_relay/timing/phases.py), mean per call that had the phase.", "s", tuple(phase_mean(p) for p in PHASES)),
-    Panel("Error rate by phase", "Share of calls that failed, by the phase they failed in (error_type).",
-          "percentunit",
-          (Query("{{error_type}}",
-                 f"sum by (error_type) (rate(gen_ai_client_operation_duration_seconds_count{{error_type!=\"\"}}"
-                 f"[{RATE_INTERVAL}])) / scalar({CALLS})"),)),
+          "(ttft_relay/timing/phases.py), mean per call that had the phase; head_to_first_token is the prefill of "
+          "an upstream that sends its head at once.", "s", tuple(phase_mean(p) for p in PHASES)),
+    Panel("Error rate by phase", "Share of calls that failed, by the phase they failed in (error_type); none: "
+          "no call failed.", "percentunit",
+          (Query("{{error_type}}", f"(sum by (error_type) (rate(gen_ai_client_operation_duration_seconds_count"
+                                   f"{{error_type!=\"\"}}[{RATE_INTERVAL}])) / scalar({CALLS})) or on() "
+                                   f"label_replace(vector(0), \"error_type\", \"none\", \"\", \"\")"),)),
     Panel("Trimmed tokens per call", "Prompt tokens the trimmer removed, per call through the relay.", "short",
-          (Query("trimmed", f"sum(rate(ttft_relay_trimmed_tokens_total[{RATE_INTERVAL}])) / {CALLS}"),)),
+          (Query("trimmed", or_zero(f"sum(rate(ttft_relay_trimmed_tokens_total[{RATE_INTERVAL}])) / "
+                                    f"clamp_min({CALLS}, {EPSILON})")),)),
     Panel("Relay saturation: event-loop lag", "How late the relay's event loop runs a timer due every 50 ms "
           "(ttft_relay/timing/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
           "then add workers, see Scaling out).", "s", (loop_lag_quantile(0.5), loop_lag_quantile(0.99))),

@@ -91,15 +91,20 @@ def json_reply(status: int, body: Any) -> Reply:
 
 
 CHARS_PER_TOKEN = 4
-"""The fake's token count of a request: its body's bytes over this."""
+"""The usual rough estimate; good enough to make prefill and usage grow with the prompt's size."""
+
+
+def prompt_tokens(body: bytes, cached: int = 0) -> tuple[int, int]:
+    """(all, cached) prompt tokens of a request body, as the fake's usage reports them."""
+    tokens = max(1, round(len(body) / CHARS_PER_TOKEN))
+    return tokens, min(cached, tokens)
 
 
 @dataclass(frozen=True)
 class ToolLoop:
     """An agent loop: while a request carries fewer than `rounds` tool results, the answer is a
     call of the tool `name` with the JSON `arguments` (`{n}` in them replaced by the round, 0,
-    1, ...); then the text answer. Each answer has its own ids and reports the request's own
-    size as its input tokens (body bytes / 4), as a real API would."""
+    1, ...); then the text answer. Each answer has its own ids."""
 
     name: str
     arguments: str
@@ -130,10 +135,11 @@ def tool_results(api: str, request: dict) -> int:
 
 
 def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None,
-                window: int | None = None, loop: ToolLoop | None = None) -> Reply:
+                cached_tokens: int = 0, window: int | None = None, loop: ToolLoop | None = None) -> Reply:
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
-    (`error_body` verbatim when given); other statuses send the normal body with that status. A
-    request over `window` tokens (body bytes / 4) is refused as too long, in the API's words.
+    (`error_body` verbatim when given); other statuses send the normal body with that status. Its
+    usage reports the body's size as prompt tokens (`prompt_tokens`), `cached_tokens` of them cached.
+    A request over `window` tokens (body bytes / 4) is refused as too long, in the API's words.
     With a `loop`, the answer is its tool call until the request carries its rounds of results."""
     split = urlsplit(target)
     gemini = _GEMINI_PATH.search(split.path)
@@ -168,9 +174,9 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     else:
         model, streamed = request.get("model"), request.get("stream") is True
     model_kw: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+    model_kw |= usage_kw(endpoint.api, *prompt_tokens(body, cached_tokens))
     if loop is not None and not gemini:
         n = tool_results(endpoint.api, request)
-        model_kw["input_tokens"] = len(body) // CHARS_PER_TOKEN
         if endpoint.api != OPENAI_CHAT:  # each answer its own id (Claude Code merges the blocks of one id)
             model_kw["id"] = f"msg_fake{n}" if endpoint.api == ANTHROPIC_MESSAGES else f"resp_fake{n}"
         if n < loop.rounds:
@@ -185,6 +191,14 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     events = endpoint.stream_body(pieces, **model_kw, **({"thinking": thinking} if thinking else {}))
     return Reply(status, "text/event-stream; charset=utf-8", events, streamed=True,
                  first_token_chunk=_first_chunk_with(events, thinking or pieces))
+
+
+def usage_kw(api: str, tokens: int, cached: int) -> dict[str, int]:
+    """The sample bodies' usage arguments: Anthropic counts the cached part apart from its
+    `input_tokens`, the others within it."""
+    if api == ANTHROPIC_MESSAGES:
+        return {"input_tokens": tokens - cached, "cache_read_tokens": cached}
+    return {"input_tokens": tokens, "cached_tokens": cached}
 
 
 def _thinking_pieces(api: str, request: dict) -> list[str]:

@@ -12,7 +12,8 @@ anything else gets a 404 JSON error. A
 WebSocket upgrade on GET /v1/responses serves the Responses API over WebSocket
 (`tests/fakes/websocket.py`; recorded in `sockets`).
 
-Behaviour knobs (`Behaviour`) are set as instance defaults (`fake.behaviour.gap_ms = 20`)
+Usage reports the request's size as its prompt tokens (body bytes / 4), `cached_tokens` of
+them read from a cache. Behaviour knobs (`Behaviour`) are set as instance defaults (`fake.behaviour.gap_ms = 20`)
 or per request with `x-fake-<knob>` headers, underscores as dashes
 (`x-fake-prefill-ms: 300`), so a subprocess client can drive them too. An
 unknown or unparsable `x-fake-*` header is answered with 400.
@@ -23,8 +24,8 @@ Timeline of one reply:
 
     request read -> [head_delay_ms] -> head (dribbled over slow_headers_ms)
     -> chunks before the first answer text, back to back (e.g. Anthropic message_start)
-    -> [prefill_ms + prefill_ms_per_1k_tokens * request tokens / 1000] -> first text chunk
-    -> [gap_ms] -> next chunk -> ... -> end of body
+    -> [prefill_ms + prefill_ms_per_1k_tokens * uncached request tokens / 1000] -> first text chunk
+    -> [gap_ms + midstream_pause_ms] -> next chunk -> [gap_ms] -> ... -> end of body
 
 With `h2` (and `tls`) it offers HTTP/2 as well (ALPN h2, http/1.1), as the real APIs do:
 a client that picks h2 is answered over HTTP/2, a streamed reply one SSE event per DATA
@@ -73,13 +74,12 @@ from tests.fakes.http_wire import (
     reset_connection,
     sleep_ms,
 )
-from tests.fakes.replies import Reply, ToolLoop, answer_pieces, build_reply, json_reply
+from tests.fakes.replies import Reply, ToolLoop, answer_pieces, build_reply, json_reply, prompt_tokens
 from tests.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
 
 KNOB_HEADER_PREFIX = "x-fake-"
 LISTEN_BACKLOG = 1024  # the default 100 makes bursts of hundreds of connections wait for SYN retransmits
 SLOW_HEADER_SLICES = 16
-CHARS_PER_TOKEN = 4  # the usual rough estimate; good enough to make prefill grow with prompt size
 
 
 @dataclass
@@ -94,6 +94,8 @@ class Behaviour:
     """Extra prefill per 1000 request tokens (request body bytes / 4): prefill that grows with the prompt."""
     gap_ms: float = 0
     """Wait before every chunk after the first, except the first text chunk (which waits the prefill)."""
+    midstream_pause_ms: float = 0
+    """Wait this much longer before the chunk after the first text chunk: a stall mid-stream."""
     chunks: int = 5
     """Number of answer text pieces ("Hello", " t1", ...); see `replies.answer_text`."""
     status: int = 200
@@ -115,6 +117,9 @@ class Behaviour:
     hold_until_reset: int | None = None
     """HTTP/2: before this chunk, send an SSE comment every 0.2 s (never idle) until a stream
     on the same connection is reset, then the rest."""
+    cached_tokens: int = 0
+    """Prompt tokens read from the provider's cache: reported in the usage (at most the whole
+    prompt), and left out of `prefill_ms_per_1k_tokens`, as a cached prefix costs next to nothing."""
     window: int | None = None
     """The model's context window in the fake's tokens (request body bytes / 4): a longer
     request is refused with a 400 in the API's own words (`sse_samples.too_long_body`)."""
@@ -137,20 +142,21 @@ class Behaviour:
         return dataclasses.replace(self, **changes)
 
     def prefill_for(self, request_body: bytes) -> float:
-        tokens = len(request_body) / CHARS_PER_TOKEN
-        return self.prefill_ms + self.prefill_ms_per_1k_tokens * tokens / 1000
+        tokens, cached = prompt_tokens(request_body, self.cached_tokens)
+        return self.prefill_ms + self.prefill_ms_per_1k_tokens * (tokens - cached) / 1000
 
     def wait_before(self, index: int, reply: Reply, request_body: bytes) -> float:
         """Milliseconds before chunk `index` of `reply`: the prefill before the first text, the gap before later ones."""
         if index == reply.first_token_chunk:
             return self.prefill_for(request_body)
-        return self.gap_ms if index > 0 else 0
+        pause = self.midstream_pause_ms if index == reply.first_token_chunk + 1 else 0
+        return self.gap_ms + pause if index > 0 else 0
 
 
 KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
 H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens", "gap_ms", "chunks", "status",
-                      "error_body", "stall_after_chunks", "hold_until_reset", "window", "tool_call",
-                      "tool_rounds"})
+                      "error_body", "stall_after_chunks", "hold_until_reset", "cached_tokens", "midstream_pause_ms",
+                      "window", "tool_call", "tool_rounds"})
 """The knobs the fake's HTTP/2 answers have; the others are HTTP/1's (and hold_until_reset is HTTP/2's)."""
 KEEPALIVE = b": keep-alive\n\n"
 """An SSE comment: what a held stream sends meanwhile, so it is never idle."""
@@ -550,11 +556,10 @@ class FakeUpstream:
             behaviour = self.behaviour.overridden_by(head.headers)
             if behaviour.hold_until_reset is not None:
                 raise ValueError("HTTP/2 only: hold_until_reset")
-            reply = build_reply(
-                head.method, head.target, decode_request_body(head.headers, body),
-                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body, behaviour.window,
-                ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds),
-            )
+            reply = build_reply(head.method, head.target, decode_request_body(head.headers, body),
+                                answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
+                                behaviour.cached_tokens, behaviour.window,
+                                ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds))
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         watch = self._claim_watch() if reply.streamed else StreamWatch(self._loop_thread)
@@ -612,7 +617,8 @@ class FakeUpstream:
                 raise ValueError(f"HTTP/1 only: {', '.join(http1_only)}")
             reply = build_reply(received.method, received.path, decode_request_body(headers, body),
                                 answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
-                                behaviour.window, ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds))
+                                behaviour.cached_tokens, behaviour.window,
+                                ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds))
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         outcome = "stopped"

@@ -16,9 +16,12 @@ The knobs are `Behaviour`'s, read from the upgrade request's `x-fake-*` headers
 
 - `status` >= 400 rejects the upgrade with that status and a JSON error body;
   `head_delay_ms` delays the `101`; `reset_before_headers` resets instead of answering;
-- per turn: `prefill_ms` before the first text delta, `gap_ms` between the other
-  events, `chunks` text pieces, `reset_after_chunks` / `stall_after_chunks` as for
-  HTTP (a reset ends the whole socket, as a crashed upstream would).
+- per turn: the prefill before the first text delta (`prefill_ms`, and
+  `prefill_ms_per_1k_tokens` of the message's uncached tokens, which its usage reports with
+  `cached_tokens`), `gap_ms` between the other events (and `midstream_pause_ms` more after
+  the first text delta), `chunks` text pieces,
+  `reset_after_chunks` / `stall_after_chunks` as for HTTP (a reset ends the whole socket,
+  as a crashed upstream would).
 
 A `previous_response_id` the fake never created is answered with the API's
 `previous_response_not_found` error event. Everything the client sent is
@@ -51,7 +54,7 @@ from wsproto.extensions import PerMessageDeflate
 
 from tests import sse_samples
 from tests.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
-from tests.fakes.replies import OPENAI_RESPONSES, answer_pieces
+from tests.fakes.replies import OPENAI_RESPONSES, answer_pieces, prompt_tokens
 
 if TYPE_CHECKING:
     from tests.fakes.upstream import Behaviour
@@ -265,7 +268,9 @@ class ResponsesSocket:
         else:
             model = message.get("model") if isinstance(message.get("model"), str) else sse_samples.OPENAI_MODEL
             pieces = [] if turn.prewarm else answer_pieces(behaviour.chunks)
-            events = [_sse_payload(e) for e in sse_samples.responses_stream(pieces, model=model, id=turn.response_id)]
+            tokens, cached = prompt_tokens(json.dumps(message).encode(), behaviour.cached_tokens)
+            events = [_sse_payload(e) for e in sse_samples.responses_stream(
+                pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached)]
             first_token = next((i for i, e in enumerate(events) if '"response.output_text.delta"' in e), None)
         try:
             for index in range(len(events) + 1):
@@ -277,9 +282,10 @@ class ResponsesSocket:
                 if index == len(events):
                     break
                 if index == first_token:
-                    await sleep_ms(behaviour.prefill_ms)
+                    await sleep_ms(behaviour.prefill_for(json.dumps(message).encode()))
                 elif index > 0:
-                    await sleep_ms(behaviour.gap_ms)
+                    pause = behaviour.midstream_pause_ms if first_token is not None and index == first_token + 1 else 0
+                    await sleep_ms(behaviour.gap_ms + pause)
                 writer.write(self._ws.send(TextMessage(data=events[index])))
                 await writer.drain()
                 with self._changed:

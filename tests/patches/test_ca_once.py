@@ -39,3 +39,20 @@ def test_the_ca_loaded_at_start_is_not_loaded_again_when_running(tmp_path):
         finally:
             ca_once.load_ca_once(addon, on=False)
     assert tlsconfig.TlsConfig.running is ca_once._ORIGINAL_TLS_RUNNING
+
+
+def test_a_store_mitmproxy_has_not_loaded_is_loaded_before_the_listeners_accept(tmp_path):
+    # With the default confdir mitmproxy loads the store only in `running`, after its
+    # listeners are up: a request in between failed, and stopped mitmproxy at start.
+    addon = tlsconfig.TlsConfig()
+    with taddons.context(addon) as tctx:
+        tctx.options.confdir = str(tmp_path)
+        addon.certstore = None
+        ca_once.load_ca_once(addon)
+        try:
+            assert addon.certstore is not None and (tmp_path / "mitmproxy-ca.pem").exists()
+            loaded = addon.certstore
+            addon.running()
+            assert addon.certstore is loaded
+        finally:
+            ca_once.load_ca_once(addon, on=False)

@@ -48,7 +48,7 @@ REDACTED = "[redacted]"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="ttft-relay diagnose", description=__doc__.split("\n\n")[0],
+        prog="ttft-relay diagnose", description=__doc__.split("\n\n")[0], epilog=key_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--api", choices=sorted(probe_requests.API_SHAPES),
@@ -82,6 +82,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.no_direct and not args.relay:
         parser.error("--no-direct needs --relay: there would be nothing to probe")
     return args
+
+
+def key_help() -> str:
+    """Where the probes' API key comes from, per API (the --help epilog)."""
+    by_env: dict[str, list[str]] = {}
+    for name, shape in sorted(probe_requests.API_SHAPES.items()):
+        by_env.setdefault(shape.key_env, []).append(name)
+    lines = [f"  {env:<20} --api {' / '.join(names)}" for env, names in by_env.items()]
+    return ("The API key comes from the environment, never from the command line, and is never printed:\n"
+            + "\n".join(lines) + "\n"
+            "Through a relay that takes relay keys, that variable holds your relay key (with --no-direct).\n"
+            "e.g. OPENAI_API_KEY=sk-... ttft-relay diagnose --relay http://127.0.0.1:8001 --relay-log logs/timing.jsonl")
 
 
 class Redactor(logging.Filter):

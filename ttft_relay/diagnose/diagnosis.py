@@ -21,6 +21,7 @@ Findings, each in ms of the client's wait for the first token (medians over repe
     upstream queueing/instability  the largest spread of the wait within a kind, the single
                               lowest and highest try left out (one outlier is not instability)
     upstream's own wait       the upstream's wait for a tiny prompt, minus one round trip
+    mid-stream stall          the longest silence between chunks after a first token, any probe
     WebSocket handshake       upgrade request → `101`, the wait a client pays before its first
                               turn (a relayed one includes the relay's upstream connect and TLS)
     unreachable / failing     every probe of a path failed: the verdict, whatever else; on a
@@ -80,6 +81,7 @@ NO_DIRECT_PATH = "no direct path to the upstream"
 SOME_PROBES_FAILED = "some probes failed"
 WEBSOCKET_FAILING = "WebSocket transport failing"
 WEBSOCKET_HANDSHAKE = "WebSocket handshake"
+MID_STREAM_STALL = "mid-stream stall"
 TRANSPORTS = ("http", "websocket")
 NETWORK_PHASES = ("dns", "tcp", "tunnel", "tls")
 
@@ -93,6 +95,7 @@ THRESHOLDS_MS = {
     UPSTREAM_OWN_WAIT: 800.0,  # providers' usual tiny-prompt wait is a few hundred ms
     DIRECT_NETWORK: 100.0,
     WEBSOCKET_HANDSHAKE: 300.0,  # a round trip or two; Codex waits this before every session's first turn
+    MID_STREAM_STALL: 1000.0,  # an answer that stops for a second or more, once it has begun
 }
 INSTABILITY_RELATIVE = 0.5
 """A spread is instability only if it is also at least this fraction of the kind's median."""
@@ -136,6 +139,10 @@ ADVICE = {
     "seconds lost per session, turns the upstream may bill twice). Check that every proxy on the path "
     "passes `Upgrade: websocket` and the 101 through untouched (an old relay chunk-framed it), or turn the "
     "client's WebSocket transport off until it is fixed.",
+    MID_STREAM_STALL: "The answer stopped for this long after it had begun: the provider paused generating (load, "
+    "reasoning it does not stream), or something on the path held the stream back (a buffering proxy, antivirus, a "
+    "lossy link). If only relayed probes stall, look at the relay's records of them (their `stream stall` verdicts); "
+    "if direct ones do too, it is the provider.",
     WEBSOCKET_HANDSHAKE: "Every new WebSocket waits this long before its first turn: keep sessions (and "
     "their socket) open, and if the relayed handshake is much slower than the direct one, look at the "
     "relay's upstream connect and TLS (ttft-relay report, `websocket` handshake records).",
@@ -157,6 +164,8 @@ class ProbeResult:
     error: str | None = None
     error_phase: str | None = None
     transport: str = "http"
+    stall_ms: float | None = None
+    """The longest silence between two chunks after the first token (None: fewer than two chunks after it)."""
 
     @property
     def kind(self) -> str:
@@ -564,6 +573,19 @@ def upstream_own_wait(ev: Evidence) -> Finding | None:
     return measured(UPSTREAM_OWN_WAIT, ms, f"{ms:.0f} ms from request to first token beyond the round trip ({where})")
 
 
+def mid_stream_stall(ev: Evidence) -> Finding | None:
+    """The longest silence after a first token, over every probe that got one, and per path."""
+    stalled = [p for p in ev.probes if p.ok and p.stall_ms is not None]
+    if not stalled:
+        return None
+    worst = max(stalled, key=lambda p: p.stall_ms or 0.0)
+    per_path = {path: max((p.stall_ms or 0.0 for p in stalled if p.path == path), default=None) for path in PATHS}
+    paths = "; ".join(f"{path} probes at most {ms:.0f} ms" for path, ms in per_path.items() if ms is not None)
+    ms = worst.stall_ms or 0.0
+    return measured(MID_STREAM_STALL, ms, f"{worst.kind}: {ms:.0f} ms of silence after the first token ({paths})",
+                    direct_ms=per_path["direct"], relayed_ms=per_path["relayed"])
+
+
 def direct_network_finding(ev: Evidence) -> Finding | None:
     """This machine's own network to the upstream; a finding only when no relay is probed."""
     mine, kind = direct_network(ev), ev.first_kind("direct tiny", "direct long")
@@ -608,6 +630,7 @@ def diagnose(ev: Evidence) -> Diagnosis:
             upstream_own_wait(ev),
             direct_network_finding(ev),
             websocket_handshake(ev),
+            mid_stream_stall(ev),
         ) if f is not None
     ]
     return Diagnosis(findings)

@@ -364,11 +364,17 @@ def _timed(
 
 
 def _watch(run: _Probe, watcher: StreamWatcher, piece: bytes) -> None:
-    """Feeds the watcher; its first token marks the probe and starts its stream phase."""
-    watcher.feed(piece, time.perf_counter())
-    if watcher.first_token is not None and "first_token" not in run.result.marks:
+    """Feeds the watcher; its first token marks the probe and starts its stream phase, in
+    which the longest silence between pieces is the probe's `stall_ms`."""
+    now = time.perf_counter()
+    after = watcher.last_chunk
+    watcher.feed(piece, now)
+    result = run.result
+    if watcher.first_token is not None and "first_token" not in result.marks:
         run.mark("first_token", watcher.first_token)
         run.phase = "stream"
+    elif run.phase == "stream" and after is not None:
+        result.stall_ms = round(max(result.stall_ms or 0.0, (now - after) * 1000), 3)
 
 
 def _http_exchange(run: _Probe, route: Route, request: ProbeRequest, watcher: StreamWatcher) -> None:

@@ -25,6 +25,12 @@ A relay sits between its users and a paid API key. These addons keep it that way
     SecretRedaction credentials are replaced by "REDACTED" in every flow once its
                     request has gone upstream, before mitmproxy's console dumper,
                     flow savers and mitmweb see the finished flow.
+    WebOptions      mitmweb's option editor shows the secrets of proxyauth,
+                    upstream_auth and web_password as REDACTED.
+
+mitmweb's own access URL (`http://127.0.0.1:8081/?token=…`) is the one credential the log
+keeps: it grants that UI only, which stays on loopback unless `web_password` is set (and
+then mitmweb prints no token), and the operator opens the UI with it.
 
 Keys are never written in options: `env:NAME` and `file:PATH` point at them, so
 they stay out of mitm.conf, command lines and mitmweb's option editor.
@@ -52,7 +58,9 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy
+from ..patches import (
+    answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy, web_options,
+)
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -723,10 +731,26 @@ def safe_log_text(text: str) -> str:
     )
 
 
+MITMWEB_LOGGERS = frozenset({"mitmproxy.tools.web.master", "mitmproxy.tools.web.webaddons"})
+"""mitmweb's own loggers: they print its access URL, never a request."""
+_WEB_ACCESS_URL = re.compile(r"(http://[^\s/?]+/\?token=)([0-9a-f]{32})(?![\w-])")
+"""mitmweb's access URL with the random token it makes (`secrets.token_hex(16)`)."""
+
+
+def web_log_text(text: str) -> str:
+    """A line of mitmweb's own loggers as `safe_log_text` makes it, with mitmweb's access
+    URL whole: its token is what the operator opens the UI with (loopback only, unless
+    `web_password` is set, and then mitmweb prints no token)."""
+    safe = safe_log_text(text)
+    for prefix, token in _WEB_ACCESS_URL.findall(text):
+        safe = safe.replace(f"{prefix}{REDACTED}", f"{prefix}{token}", 1)
+    return safe
+
+
 class LogRedaction:
     """Every log record of the process, mitmproxy's own included, passes
     `safe_log_text` before any handler (console, mitmweb's event log, a file) sees
-    it. mitmproxy logs some requests outside any flow, where flow redaction cannot
+    it (mitmweb's own lines `web_log_text`). mitmproxy logs some requests outside any flow, where flow redaction cannot
     reach: a bad request line, a head the client abandoned, both with the raw bytes
     (`Authorization: Bearer …`, `?key=…`). Done with the standard library's log
     record factory, so no handler is missed. A refused setting (OptionsError) is
@@ -755,7 +779,7 @@ class LogRedaction:
             # A setting refused (the script loader logs it with a traceback): the
             # reason is the message, one line.
             message, rec.exc_info = f"{message}: {rec.exc_info[1]}", None
-        safe = safe_log_text(message)
+        safe = web_log_text(message) if rec.name in MITMWEB_LOGGERS else safe_log_text(message)
         if safe != rec.msg or rec.args:
             rec.msg, rec.args = safe, None
         return rec
@@ -790,9 +814,48 @@ class SecretRedaction:
             self.response(flow)
 
 
+SECRET_OPTIONS = ("proxyauth", "upstream_auth", "web_password")
+"""mitmproxy options whose values hold a password."""
+
+
+def shown_option_value(name: str, value: Any) -> Any:
+    """An option's value as mitmweb's option editor may show it: the password in
+    `proxyauth` (`user:password`, LDAP's bind password), `upstream_auth` and `web_password`
+    redacted, `proxyauth`'s `any` and `@htpasswd-file` as they are, and the relay's own
+    keys redacted wherever they were pasted."""
+    if isinstance(value, str) and value:
+        if name == "web_password":
+            return REDACTED
+        if name == "proxyauth" and value != "any" and not value.startswith("@"):
+            if value.startswith(("ldap:", "ldaps:")):  # ldap[s]:server[:port]:bind-dn:password:subtree
+                fields = value.split(":")
+                return ":".join([*fields[:-2], REDACTED, fields[-1]]) if len(fields) >= 5 else REDACTED
+            user, sep, _ = value.partition(":")
+            return f"{user}:{REDACTED}" if sep else REDACTED
+        if name == "upstream_auth":
+            user, sep, _ = value.partition(":")
+            return f"{user}:{REDACTED}" if sep else REDACTED
+        return without_known_secrets(value)
+    if isinstance(value, list | tuple):
+        return [shown_option_value(name, v) for v in value]
+    return value
+
+
+class WebOptions:
+    """mitmweb's option editor (`GET /options`, and its `options/update` messages) shows
+    the passwords of `SECRET_OPTIONS` as REDACTED (ttft_relay/patches/web_options.py); the
+    options keep their values."""
+
+    def load(self, loader) -> None:
+        web_options.install(shown_option_value)
+
+    def done(self) -> None:
+        web_options.uninstall()
+
+
 class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
         self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), RequestFraming(), AccessKeys(),
-                       SecretRedaction()]
+                       SecretRedaction(), WebOptions()]

@@ -36,6 +36,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 - `resend`: an answer held for a look before the client gets any of it, and the
   request sent once more in its place (`trim.Trim`: a refusal as too long, trimmed to
   the provider's word).
+- `web_options`: mitmweb's option dumps (`GET /options`, its `options/update` messages) show
+  the secrets of `proxyauth`, `upstream_auth` and `web_password` redacted (`guard.WebOptions`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
@@ -71,6 +73,7 @@ from . import (
     splice,
     trailers,
     upstream_copy,
+    web_options,
 )
 
 PATCHES: tuple[ModuleType, ...] = (
@@ -89,10 +92,11 @@ PATCHES: tuple[ModuleType, ...] = (
     message_checks,
     resend,
     splice,
+    web_options,
 )
 
 
-def originals() -> dict[tuple[type, str], Callable]:
+def originals() -> dict[tuple[type | ModuleType, str], Callable]:
     """Every mitmproxy function some patch replaces, by (owner, attribute name)."""
     return {key: original for patch in PATCHES for key, original in patch.ORIGINALS.items()}
 

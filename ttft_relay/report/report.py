@@ -1,9 +1,12 @@
 """Summarise ttft-relay timing logs (JSONL, one record per request).
 
 Grouped by upstream host and model: p50/p90/p99 of every phase and of ttft,
-error counts, the slowest requests with their verdict, and a least-squares fit
-of the upstream's own wait against prompt tokens (ms per 1k prompt tokens plus a
-base), which tells context-length slowness from a slow or far-away upstream.
+error counts, the slowest requests with their verdict, the first token as the relay
+learns it (a median fit of the upstream's own wait against uncached and cached prompt
+tokens, `ttft_relay/observe/prefill.py`: ms per 1k tokens plus a base), and the
+requests that waited beyond what their prompt predicts (upstream queueing). Above the
+groups, the requests clients sent again after a failure or a cut (`attempt_group`):
+how long the user waited over how many attempts, and why each one ended.
 WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
@@ -32,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from ..observe import prefill
 from ..timing import phases, record
 
 QUANTILES = (50, 90, 99)
@@ -107,15 +111,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def upstream_own_wait(rec: Mapping[str, Any]) -> float | None:
     """The upstream's own share of the wait (network round trip taken out), as in the verdict."""
-    p = rec.get("phases") or {}
-    if "upstream_wait" not in p:
-        return None
-    return phases.contributions(p, rtt_ms=rec.get("rtt_ms"))[phases.UPSTREAM_WAIT]
+    return prefill.own_wait(rec)
 
 
 def is_handshake(rec: Mapping[str, Any]) -> bool:
     """The record of a WebSocket's opening handshake (turn 0), not of a turn."""
-    return rec.get("transport") == "websocket" and rec.get("turn") == 0
+    return record.is_handshake(rec.get("transport"), rec.get("turn"))
 
 
 def is_prewarm(rec: Mapping[str, Any]) -> bool:
@@ -151,34 +152,31 @@ def prompt_tokens(rec: Mapping[str, Any]) -> int | None:
     return rec.get("prompt_tokens") or (rec.get("usage") or {}).get("input_tokens")
 
 
-def fit_wait_vs_prompt(records: Iterable[Mapping[str, Any]]) -> dict[str, float] | None:
-    """Least squares `own wait = base + slope * prompt_tokens` over successful
-    requests; None with fewer than 3 points or a single prompt size."""
-    pts = [
-        (float(x), y)
-        for rec in records
-        if not rec.get("error")
-        and (x := prompt_tokens(rec)) is not None
-        and (y := upstream_own_wait(rec)) is not None
-    ]
-    n = len(pts)
-    if n < 3:
-        return None
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    base = my - slope * mx
-    syy = sum((y - my) ** 2 for _, y in pts)
-    ss_res = sum((y - base - slope * x) ** 2 for x, y in pts)
-    return {
-        "ms_per_1k_prompt_tokens": round(slope * 1000, 3),
-        "base_ms": round(base, 3),
-        "r2": round(1 - ss_res / syy, 3) if syy else 1.0,
-        "n": n,
-    }
+FIT_POINTS = 2048
+"""A group's first-token model is fitted to at most this many of its requests, spread over the log."""
+OUTLIERS = 5
+
+
+def first_token_model(records: Sequence[Mapping[str, Any]]) -> prefill.Fit | None:
+    """The first token's time against the prompt's uncached and cached tokens, as the relay
+    learns it (`prefill.fit`, a median fit), over the group's requests in the log but those
+    the relay judged `upstream queueing` (listed apart, `queueing_outliers`: a log whose
+    spikes all hit short prompts would lift the line there); None with fewer than
+    `prefill.MIN_SAMPLES` of them."""
+    samples = sorted(s for rec in records
+                     if rec.get("verdict") != phases.UPSTREAM_QUEUEING and (s := prefill.sample_of(rec)) is not None)
+    step = -(-len(samples) // FIT_POINTS) or 1
+    return prefill.fit(samples[::step])
+
+
+def queueing_outliers(records: Iterable[Mapping[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """How many requests waited beyond what their prompt predicts (`upstream queueing`), and
+    the worst of them by how many times their expected first token."""
+    queued = [r for r in records if r.get("verdict") == phases.UPSTREAM_QUEUEING and r.get("expected_ttft_ms")
+              and r.get("ttft_ms") is not None]
+    queued.sort(key=lambda r: -r["ttft_ms"] / r["expected_ttft_ms"])
+    return len(queued), [{k: r.get(k) for k in ("id", "ts", "ttft_ms", "expected_ttft_ms", "verdict_detail")}
+                         for r in queued[:OUTLIERS]]
 
 
 def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> dict[str, Any]:
@@ -205,7 +203,9 @@ def summarize_group(records: Sequence[Mapping[str, Any]], slowest: int = 5) -> d
             {k: r.get(k) for k in ("id", "ts", "ttft_ms", "verdict", "prompt_tokens", "status")}
             for r in ranked[:slowest]
         ],
-        "wait_vs_prompt": fit_wait_vs_prompt(timed),
+        "first_token_model": (fit.as_dict() if (fit := first_token_model(timed)) is not None else None),
+        "queueing": (outliers := queueing_outliers(timed))[0],
+        "queueing_worst": outliers[1],
     }
 
 
@@ -235,17 +235,93 @@ def format_text(report: Mapping[str, Mapping[str, Any]], websocket: Mapping[str,
         out.append(f"   {'ms':<22}{'p50':>10}{'p90':>10}{'p99':>10}{'n':>7}")
         for name, s in g["stats"].items():
             out.append(f"   {name:<22}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}{s['n']:>7}")
-        if fit := g["wait_vs_prompt"]:
-            out.append(f"   upstream own wait ≈ {fit['base_ms']:.0f} ms + {fit['ms_per_1k_prompt_tokens']:.1f} ms"
-                       f" per 1k prompt tokens (r² {fit['r2']:.2f}, n {fit['n']})")
+        if fit := g["first_token_model"]:
+            out.append(f"   first token learned: {model_text(fit)}")
+        if g["queueing"]:
+            out.append(f"   {g['queueing']} requests beyond what their prompt predicts (upstream queueing), the worst:")
+            for r in g["queueing_worst"]:
+                out.append(f"     {r['ttft_ms']:>9.0f} ms  {r['ttft_ms'] / r['expected_ttft_ms']:4.1f}× the "
+                           f"{r['expected_ttft_ms']:.0f} ms expected  {_when(r.get('ts'))}  {r['id']}")
         out.append("   verdicts: " + ", ".join(f"{k} {v}" for k, v in g["verdicts"].items()))
         if g["slowest"]:
             out.append("   slowest:")
             for r in g["slowest"]:
-                when = datetime.fromtimestamp(r["ts"]).isoformat(timespec="seconds") if r.get("ts") else "?"
-                out.append(f"     {r['ttft_ms']:>9.0f} ms  {when}  {r['id']}  → {r['verdict']}")
+                out.append(f"     {r['ttft_ms']:>9.0f} ms  {_when(r.get('ts'))}  {r['id']}  → {r['verdict']}")
         out.append("")
     return "\n".join(out)
+
+
+def _when(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts else "?"
+
+
+def model_text(fit: Mapping[str, Any]) -> str:
+    """A learned first-token model in words: its base, its rates, what it stands on."""
+    parts = [f"{fit['base_ms']:.0f} ms"]
+    for key, what in (("ms_per_1k_uncached", "uncached"), ("ms_per_1k_cached", "cached")):
+        if fit[key] is not None:
+            parts.append(f"{fit[key]:.1f} ms per 1k {what} tokens")
+    alike = "" if fit["ms_per_1k_uncached"] is not None else "; prompt sizes too alike for a rate"
+    return f"{' + '.join(parts)} (median fit of {fit['n']} requests, spread {fit['spread_ms']:.0f} ms{alike})"
+
+
+# --- attempt groups ------------------------------------------------------------------------
+
+
+def _duration(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 10_000 else f"{ms / 1000:.1f} s" if ms < 120_000 else f"{ms / 60_000:.1f} min"
+
+
+def attempt_ended(rec: Mapping[str, Any]) -> str:
+    """Why an attempt ended, in a few words."""
+    marks, p = rec.get("marks") or {}, rec.get("phases") or {}
+    took = _duration(p.get("total", marks.get("end", 0.0)))
+    where = phases.PHASE_WORDS.get(rec.get("error_phase") or "", rec.get("error_phase") or "?")
+    unanswered = " while the upstream had not answered" if "response_head" not in marks else ""
+    if rec.get("client_aborted"):
+        return f"cut by the client after {took} in {where}{unanswered}"
+    if rec.get("error"):
+        return record.printable(f"{rec['error']} after {took} in {where}{unanswered}")
+    ttft = rec.get("ttft_ms")
+    return f"{rec.get('verdict')}, first token after {_duration(ttft)}" if ttft is not None else f"{rec.get('verdict')}"
+
+
+def attempt_groups(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The requests a client sent more than once (`attempt_group`), oldest first: how long the
+    user waited from the first attempt to the last one's first token (or end), and why each
+    attempt ended."""
+    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for rec in records:
+        if (g := rec.get("attempt_group")) is not None:
+            groups[g].append(rec)
+    out = []
+    for g, recs in groups.items():
+        if len(recs) < 2:
+            continue
+        recs = sorted(recs, key=lambda r: (r.get("attempt") or 0, r.get("ts") or 0))
+        last, p = recs[-1], recs[-1].get("phases") or {}
+        ended = (last.get("ts") or 0) + (last.get("ttft_ms") or p.get("total") or 0.0) / 1000
+        out.append({
+            "group": g,
+            "ts": recs[0].get("ts"),
+            "attempts": len(recs),
+            "waited_ms": round((ended - (recs[0].get("ts") or 0)) * 1000, 1),
+            "succeeded": not (last.get("error") or last.get("client_aborted")),
+            "ended": [attempt_ended(r) for r in recs],
+            "ids": [r.get("id") for r in recs],
+        })
+    return sorted(out, key=lambda a: a["ts"] or 0)
+
+
+def format_attempts(groups: Sequence[Mapping[str, Any]], shown: int = 10) -> list[str]:
+    if not groups:
+        return []
+    out = [f"Retried requests: {len(groups)} sent again after failing or being cut (the worst {min(shown, len(groups))}):"]
+    for a in sorted(groups, key=lambda a: -a["waited_ms"])[:shown]:
+        out.append(f"   {_when(a['ts'])}  {a['group']}: waited {_duration(a['waited_ms'])} over {a['attempts']} "
+                   f"attempts{'' if a['succeeded'] else ', none answered'}")
+        out += [f"     {i}. {why}" for i, why in enumerate(a["ended"], 1)]
+    return [*out, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -281,8 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"report: {e}", file=sys.stderr)
             return 1
         print(f"report: wrote {args.html} ({len(records)} records)", file=sys.stderr)
+    retried = attempt_groups(records)
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        sys.stdout.buffer.write(orjson.dumps(report | ({"attempt_groups": retried} if retried else {}),
+                                             option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        print(format_text(report, websocket_counts(records)) if report else "no records")
+        print("\n".join(format_attempts(retried)) + format_text(report, websocket_counts(records)) if report
+              else "no records")
     return 0

@@ -32,6 +32,13 @@
     for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-9; v += step) out.push(+v.toFixed(6));
     return out;
   }
+  // An axis from lo to the first tick at or above hi: its largest value is never above its last tick.
+  function niceAxis(lo, hi, count) {
+    let ticks = niceTicks(lo, hi, count);
+    const step = ticks.length > 1 ? ticks[1] - ticks[0] : (hi - lo || 1);
+    while (!ticks.length || ticks[ticks.length - 1] < hi - 1e-9) ticks = ticks.concat([+((ticks.length ? ticks[ticks.length - 1] : lo) + step).toFixed(6)]);
+    return { lo, hi: ticks[ticks.length - 1], ticks };
+  }
   function el(tag, attrs, html) {
     const e = document.createElement(tag);
     for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
@@ -62,12 +69,14 @@
   }
   function waterfall(rows, opts) {
     const W = opts.width || 1180, LW = 300, RW = 250, RH = 24, top = 22;
-    const lo = Math.min(0, ...rows.map((i) => C.s[i] || 0)), hi = Math.max(1, ...rows.map(rowEnd));
+    const axis = niceAxis(Math.min(0, ...rows.map((i) => C.s[i] || 0)), Math.max(1, ...rows.map(rowEnd)), 8);
+    const lo = axis.lo, hi = axis.hi;
     const x = (ms) => LW + (ms - lo) / (hi - lo) * (W - LW - RW);
     const H = top + rows.length * RH + 6;
-    let s = `<svg class="waterfall" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}" data-rows="${rows.length}">`;
+    let s = `<svg class="waterfall" width="${W}" height="${H}" viewBox="0 0 ${W} ${H}" data-rows="${rows.length}" ` +
+      `data-axis-max="${hi}">`;
     s += `<g class="axis">`;
-    for (const t of niceTicks(lo, hi, 8)) {
+    for (const t of axis.ticks) {
       s += `<line class="grid" x1="${x(t)}" x2="${x(t)}" y1="${top - 4}" y2="${H}"/>` +
         `<text x="${x(t)}" y="${top - 8}" text-anchor="middle">${fmtMs(t)}</text>`;
     }
@@ -92,16 +101,19 @@
       }
       for (const name of D.marks) {
         const t = mk(i, name);
-        if (t == null || (name === "end" && D.errors[i])) continue;
+        if (t == null || (name === "end" && D.errors[i]) || name === "longest_gap") continue;
         const big = name === "first_token";
         s += `<line class="tick ${name}" data-ms="${t}" x1="${x(t)}" x2="${x(t)}" y1="${big ? y + 1 : by}" ` +
           `y2="${big ? y + RH - 1 : by + bh}"><title>${esc(name)} at ${t} ms</title></line>`;
       }
-      const gap = C.gap[i], first = mk(i, "first_token");
-      if (gap && first != null && gap > 1) {
-        const gx = x(first), gw = Math.max(2, x(first + gap) - gx), gy = by + bh + 2;
-        s += `<path class="gap" d="M${gx} ${gy - 2}v2h${gw}v-2"><title>longest gap between chunks: ${gap} ms ` +
-          `(its place in the stream is not recorded)</title></path>`;
+      // The longest gap where it happened: before the first token (prefill) or after it (a stall).
+      const gap = C.gap[i], first = mk(i, "first_token"), began = mk(i, "longest_gap");
+      if (gap && gap > 1 && (began != null || first != null)) {
+        const from = began ?? first, gx = x(from), gw = Math.max(2, x(from + gap) - gx), gy = by + bh + 2;
+        const where = began == null ? "its place in the stream is not recorded" :
+          first != null && began < first ? "before the first token" : "after the first token";
+        s += `<path class="gap" data-from="${from}" data-ms="${gap}" data-where="${where}" d="M${gx} ${gy - 2}v2h${gw}v-2">` +
+          `<title>longest gap between chunks: ${gap} ms from ${Math.round(from)} ms, ${where}</title></path>`;
       }
       if (D.errors[i] != null) {
         const end = mk(i, "end"), name = (D.error_phases || {})[i];
@@ -165,17 +177,18 @@
     for (const v of ys.ticks) { const py = ys.map(v); g.beginPath(); g.moveTo(L, py); g.lineTo(R, py); g.stroke(); g.fillText(fy(v), L - 5, py + 4); }
   }
   function linear(lo, hi, a, b, n) {
-    const span = hi - lo || 1;
-    return { map: (v) => a + (v - lo) / span * (b - a), ticks: niceTicks(lo, hi, n), lo, hi };
+    const axis = niceAxis(lo, hi, n), span = axis.hi - lo || 1;
+    return { map: (v) => a + (v - lo) / span * (b - a), ticks: axis.ticks, lo, hi: axis.hi };
   }
   function logScale(lo, hi, a, b) {
-    const l0 = Math.log10(Math.max(1, lo)), l1 = Math.log10(Math.max(hi, lo * 10, 10));
-    const ticks = [];
-    for (let e = Math.floor(l0); e <= Math.ceil(l1); e++) for (const f of [1, 3]) {
-      const v = f * Math.pow(10, e);
-      if (v >= Math.pow(10, l0) * 0.99 && v <= Math.pow(10, l1) * 1.01) ticks.push(v);
-    }
-    return { map: (v) => a + (Math.log10(Math.max(1, v)) - l0) / (l1 - l0) * (b - a), ticks };
+    // From lo up to the first 1·10ⁿ or 3·10ⁿ at or above hi: the slowest dot is below the top tick, not on the edge.
+    const steps = [];
+    for (let e = Math.floor(Math.log10(Math.max(1, lo))); steps.length < 2 || steps[steps.length - 1] < hi; e++)
+      for (const f of [1, 3]) steps.push(f * Math.pow(10, e));
+    const top = Math.max(steps.find((v) => v >= hi), lo * 10, 10);
+    const l0 = Math.log10(Math.max(1, lo)), l1 = Math.log10(top);
+    const ticks = steps.filter((v) => v >= Math.pow(10, l0) * 0.99 && v <= top * 1.01);
+    return { map: (v) => a + (Math.log10(Math.max(1, v)) - l0) / (l1 - l0) * (b - a), ticks, hi: top };
   }
   function clickNearest(c, points, onPick) {
     c.addEventListener("click", (ev) => {
@@ -219,6 +232,8 @@
     xs.ticks = timeTicks(xs.hi, 10);
     const ys = logScale(ymin, ymax, box[3], box[1]);
     axes(g, xs, ys, box, timeLabel, fmtMs);
+    c.dataset.yTicks = JSON.stringify(ys.ticks);
+    c.dataset.yMax = ymax;
     const pts = { i: [], x: [], y: [] };
     const order = rows.slice().sort((a, b) => C.v[a] - C.v[b]).reverse(); // rare verdicts drawn last, on top
     // Many dots: small and faint for the commonest verdict, so density shows and the rare ones stand out.
@@ -269,8 +284,8 @@
     const W = 1180, H = 320, box = [60, 10, W - 10, H - 24];
     const rows = [];
     const xs_all = [], ys_all = [];
-    for (let i = 0; i < N; i++) if (C.pt[i] != null && C.own[i] != null && D.errors[i] == null && C.kind[i] !== "prewarm") {
-      rows.push(i); xs_all.push(C.pt[i]); ys_all.push(C.own[i]);
+    for (let i = 0; i < N; i++) if (C.up[i] != null && C.own[i] != null && D.errors[i] == null && C.kind[i] !== "prewarm") {
+      rows.push(i); xs_all.push(C.up[i]); ys_all.push(C.own[i]);
     }
     if (!rows.length) { s.appendChild(el("p", { class: "note" }, "No request with both a prompt size and an upstream wait.")); return; }
     // The axes end a little past the 99.5th percentile: a few outliers would squeeze everything else.
@@ -283,8 +298,8 @@
     const dot = rows.length > 20000 ? 2 : 3, pts = { i: [], x: [], y: [] };
     let beyond = 0;
     for (const i of rows) {
-      if (C.pt[i] > xmax || C.own[i] > ycap) { beyond++; continue; }
-      const px = xs.map(C.pt[i]), py = ys.map(C.own[i]);
+      if (C.up[i] > xmax || C.own[i] > ycap) { beyond++; continue; }
+      const px = xs.map(C.up[i]), py = ys.map(C.own[i]);
       g.fillStyle = groupColor(C.g[i]); g.fillRect(px - dot / 2, py - dot / 2, dot, dot);
       pts.i.push(i); pts.x.push(px); pts.y.push(py);
     }
@@ -293,32 +308,35 @@
     const items = [];
     Object.entries(D.fits).forEach(([group, f]) => {
       const gi = D.groups.indexOf(group), color = groupColor(gi);
+      const rate = f.ms_per_1k_uncached || 0;
       g.strokeStyle = color; g.beginPath();
-      g.moveTo(xs.map(0), ys.map(f.base_ms)); g.lineTo(xs.map(xmax), ys.map(f.base_ms + f.ms_per_1k_prompt_tokens * xmax / 1000));
+      g.moveTo(xs.map(0), ys.map(f.base_ms)); g.lineTo(xs.map(xs.hi), ys.map(f.base_ms + rate * xs.hi / 1000));
       g.stroke();
-      items.push([color, `${group}: ${Math.round(f.base_ms)} ms + ${f.ms_per_1k_prompt_tokens.toFixed(1)} ms per 1k tokens (r² ${f.r2.toFixed(2)}, n ${f.n})`]);
+      items.push([color, `${group}: ${Math.round(f.base_ms)} ms + ${rate.toFixed(1)} ms per 1k uncached tokens ` +
+        `(median fit of ${f.n} requests, spread ${Math.round(f.spread_ms)} ms)`]);
     });
     g.restore();
     clickNearest(c, pts, pick);
     c.id = "wait-vs-prompt";
     s.appendChild(legend(items));
     s.appendChild(c);
-    s.appendChild(el("p", { class: "note" }, "x: prompt tokens · y: the upstream's own wait (upstream wait + head to first token, one round trip taken out)" +
+    s.appendChild(el("p", { class: "note" }, "x: uncached prompt tokens · y: the upstream's own wait (upstream wait + head to first token, one round trip taken out); the line: the first token the relay learns to expect, without cached tokens" +
       (beyond ? ` · ${beyond} requests beyond the axes (past the 99.5th percentile) not drawn, but fitted` : "")));
   }
 
   function percentileBars(s) {
     const W = 1180, LW = 300, BH = 16, crit = D.phases.filter((p) => p !== "stream");
     const groups = Object.keys(D.percentiles);
-    let max = 1;
+    let most = 1;
     for (const gname of groups) for (const q of ["p50", "p90", "p99"]) {
       const st = D.percentiles[gname];
-      max = Math.max(max, crit.reduce((a, p) => a + (st[p] ? st[p][q] : 0), 0), st.ttft ? st.ttft[q] : 0);
+      most = Math.max(most, crit.reduce((a, p) => a + (st[p] ? st[p][q] : 0), 0), st.ttft ? st.ttft[q] : 0);
     }
+    const axis = niceAxis(0, most, 8), max = axis.hi;
     const x = (v) => LW + v / max * (W - LW - 20);
     const H = 20 + groups.length * (3 * BH + 16);
     let svg = `<svg class="percentiles" width="${W}" height="${H}"><g class="axis">`;
-    for (const t of niceTicks(0, max, 8)) svg += `<line class="grid" x1="${x(t)}" x2="${x(t)}" y1="14" y2="${H}"/><text x="${x(t)}" y="10" text-anchor="middle">${fmtMs(t)}</text>`;
+    for (const t of axis.ticks) svg += `<line class="grid" x1="${x(t)}" x2="${x(t)}" y1="14" y2="${H}"/><text x="${x(t)}" y="10" text-anchor="middle">${fmtMs(t)}</text>`;
     svg += `</g>`;
     let y = 18;
     for (const gname of groups) {
@@ -405,12 +423,12 @@
     w.appendChild(phaseLegend());
   } else {
     app.appendChild(el("p", { class: "note" }, `${N} records · generated ${esc(D.generated)} · first ${new Date(D.t0 * 1000).toISOString().slice(0, 19)} UTC`));
-    const slow = section(`Slowest ${D.slowest.length} first tokens`, "One row per request on a shared time axis from the request head (0): a bar per phase on the critical path to the first token (red line), then the stream. Dashed: the longest gap between chunks. Click a row, a dot or a table row to see that request alone below.");
+    const slow = section(`Slowest ${D.slowest.length} first tokens`, "One row per request on a shared time axis from the request head (0): a bar per phase on the critical path to the first token (red line), then the stream. Dashed: the longest gap between chunks, where it happened (before the first token: prefill; after it: a stall). Click a row, a dot or a table row to see that request alone below.");
     slow.appendChild(waterfall(D.slowest, { rank: true }));
     slow.appendChild(phaseLegend());
     picked = section("Picked request", "Click a row, a dot or a table row.");
     ttftOverTime(section("First token over time", "Each request a dot (log scale), coloured by verdict; squares: failed requests, at the time they failed."));
-    waitVsPrompt(section("Upstream wait vs prompt tokens", "A steep line (many ms per 1k tokens) means context length drives the wait; a high base means network, queueing or a slow model."));
+    waitVsPrompt(section("Upstream wait vs prompt tokens", "A steep line (many ms per 1k tokens) means context length drives the wait; a high base means queueing or a slow model; dots far above the line: upstream queueing."));
     percentileBars(section("Phase percentiles per upstream · model"));
     requestTable(section("Requests", "Click a column to sort, a row to see its waterfall."));
   }

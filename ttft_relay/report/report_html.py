@@ -23,13 +23,15 @@ from typing import Any
 
 import orjson
 
+from ..observe import prefill
 from ..timing import phases
 from .report import counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_own_wait
 
 HERE = Path(__file__).resolve().parent
 BAR_PHASES = phases.CRITICAL_PHASES + ("stream",)
 """A request's bars, left to right: the critical path to the first token, then the stream."""
-TICK_MARKS = ("first_byte", "first_token", "last_token", "end")
+TICK_MARKS = ("first_byte", "first_token", "last_token", "end", "longest_gap")
+"""Marks the waterfall draws (the longest gap as the dashed stretch it began)."""
 MAX_BUCKETS = 48
 BUCKET_SIZES_S = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 
@@ -85,7 +87,7 @@ def columns(records: Sequence[Mapping[str, Any]], t0: float, bar_phases: Sequenc
     v_index = {v: i for i, v in enumerate(verdicts)}
     g_index = {g: i for i, g in enumerate(groups)}
     col: dict[str, list[Any]] = {k: [] for k in (
-        "id", "t", "ttft", "v", "g", "pt", "own", "gap", "status", "s", "ph", "mk", "kind")}
+        "id", "t", "ttft", "v", "g", "pt", "up", "own", "gap", "status", "s", "ph", "mk", "kind")}
     errors, error_phases = {}, {}
     for i, r in enumerate(records):
         p, m = r.get("phases") or {}, r.get("marks") or {}
@@ -95,6 +97,7 @@ def columns(records: Sequence[Mapping[str, Any]], t0: float, bar_phases: Sequenc
         col["v"].append(v_index[r.get("verdict") or "?"])
         col["g"].append(g_index[group_key(r)])
         col["pt"].append(prompt_tokens(r))
+        col["up"].append(prompt[0] if (prompt := prefill.prompt_of(r.get("usage"), r.get("prompt_tokens"))) else None)
         col["own"].append(_r(upstream_own_wait(r)))
         col["gap"].append(_r(r.get("max_gap_ms")))
         col["status"].append(r.get("status"))
@@ -127,7 +130,7 @@ def report_data(records: Sequence[Mapping[str, Any]], summary: Mapping[str, Mapp
         "marks": list(TICK_MARKS),
         "slowest": ranked[:slowest],
         "buckets": time_buckets(records, t0),
-        "fits": {key: g["wait_vs_prompt"] for key, g in summary.items() if g.get("wait_vs_prompt")},
+        "fits": {key: g["first_token_model"] for key, g in summary.items() if g.get("first_token_model")},
         "percentiles": {
             key: {name: g["stats"][name] for name in (*BAR_PHASES, "ttft") if name in g["stats"]}
             for key, g in summary.items()

@@ -180,6 +180,8 @@ class StreamWatcher:
         self.events = 0
         self.max_gap = 0.0
         """Longest time between two consecutive chunks, in seconds."""
+        self.longest_gap: float | None = None
+        """When that longest silence began (the chunk before it arrived)."""
         self.token_events = 0
         """Events that carried visible output (not tokens: an event may hold several)."""
         self.error: str | None = None
@@ -220,6 +222,7 @@ class StreamWatcher:
             self.first_byte = now
         elif now - self._last_chunk > self.max_gap:
             self.max_gap = now - self._last_chunk
+            self.longest_gap = self._last_chunk
         self._last_chunk = now
 
     def _read(self, events: list[Event], now: float) -> None:

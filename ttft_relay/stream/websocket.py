@@ -72,6 +72,7 @@ def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: floa
         "forwarded": forwarded,
         "response_head": w.first_event,
         "first_byte": w.first_byte,
+        "longest_gap": w.longest_gap,
         "first_event": w.first_event,
         "first_token": w.first_token,
         "last_token": w.last_token,

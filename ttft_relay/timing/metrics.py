@@ -8,13 +8,18 @@ LLM call (each timing record):
     gen_ai_client_operation_duration_seconds     every call: request head → end (error_type label)
     gen_ai_client_token_usage                    tokens the upstream reported, gen_ai_token_type=input|output
     ttft_relay_<phase>_seconds                   the relay's phases: upstream_connect, upstream_tls,
-                                                 upstream_wait, client_upload, relay
+                                                 upstream_wait, head_to_first_token (the prefill of an
+                                                 upstream that sends its head at once), client_upload, relay
+    ttft_relay_expected_time_to_first_token_seconds  successful calls whose prompt's first token the relay
+                                                 has learned to predict: that prediction (observe/prefill.py)
     ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
     ttft_relay_accept_queue_connections          connections waiting to be accepted, per listener
     ttft_relay_requests_in_flight                requests begun and not yet recorded (what a worker
                                                  killed now would take with it, unrecorded)
+    ttft_relay_otlp_dropped_records_total        records whose trace was not exported (observe/traces.py),
+                                                 by reason: queue_full, export_failed, rejected
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -58,7 +63,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
-RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "client_upload", "relay", "relay_queue")
+RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token", "client_upload", "relay",
+                "relay_queue")
 ALWAYS_OBSERVED = ("relay_queue",)
 """Phases observed as 0 for the calls that did not have them: relay_queue exists only for
 requests whose bytes the kernel held, and a series born with its first queued call would
@@ -115,6 +121,10 @@ class RelayMetrics:
                             LABELS, registry=registry, buckets=TTFT_BUCKETS)
             for name in RELAY_PHASES
         }
+        self.expected_ttft = Histogram("ttft_relay_expected_time_to_first_token_seconds",
+                                       "The first token each successful call's prompt predicts (learned per upstream "
+                                       "and model; calls before it is learned are not counted).",
+                                       LABELS, registry=registry, buckets=TTFT_BUCKETS)
         self.trimmed = Counter("ttft_relay_trimmed_tokens", "Prompt tokens removed by trimming.",
                                LABELS, registry=registry)
         self.loop_lag = Histogram("ttft_relay_event_loop_lag_seconds",
@@ -128,6 +138,9 @@ class RelayMetrics:
                                   ("listener",), registry=registry, multiprocess_mode="livesum")
         self.in_flight = Gauge(IN_FLIGHT, "Requests the relay has begun and not yet recorded.", registry=registry,
                                multiprocess_mode="livesum")
+        self.otlp_dropped = Counter("ttft_relay_otlp_dropped_records", "Records whose OpenTelemetry trace was not "
+                                    "exported: queue_full, export_failed (no answer), rejected.", ("reason",),
+                                    registry=registry)
 
     def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """One sample of the self-watch: the loop's lag, and now and then the accept queues."""
@@ -157,12 +170,16 @@ class RelayMetrics:
         for kind in ("input", "output"):
             if (n := usage.get(f"{kind}_tokens")) is not None:
                 self._child(self.tokens, *labels, kind).observe(n)
+        trimmed = self._child(self.trimmed, *labels)  # at 0 from the first call: rate() sees the first trim
         if (trim := rec.trim) and (before := trim.get("tokens_before")) and (after := trim.get("tokens_after")):
             if before > after:
-                self._child(self.trimmed, *labels).inc(before - after)
+                trimmed.inc(before - after)
         if failed or (rec.status or 0) >= 400 or (ttft := rec.ttft_ms) is None:
             return
         self._child(self.ttft, *labels).observe(ttft / 1000)
+        expected = self._child(self.expected_ttft, *labels)  # from the first call on, as `trimmed`
+        if rec.expected_ttft_ms is not None:
+            expected.observe(rec.expected_ttft_ms / 1000)
         out = usage.get("output_tokens")
         if out and out > 1 and (total := phases.get("total")) is not None:
             self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
@@ -281,6 +298,11 @@ class Metrics:
             gauge.dec()
         if self.listen and self.metrics is not None:
             self.metrics.observe(rec)
+
+    def otlp_dropped(self, reason: str, records: int) -> None:
+        """`observe.traces.Traces`' callback (from its exporter thread too: counters take a lock)."""
+        if self.listen and self.metrics is not None:
+            self.metrics.otlp_dropped.labels(reason).inc(records)
 
     def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
         """`selfwatch.SelfWatch.subscribe`'s callback."""

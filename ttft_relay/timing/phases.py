@@ -19,6 +19,8 @@ reads the client's request only once that connection is ready.
     head_arrived            the kernel had the response head (selfwatch)
     response_head           response head parsed
     first_byte              first response body chunk
+    longest_gap             the longest silence between two response chunks began (it lasted
+                            `max_gap_ms`): before the first token (prefill) or after it (a stall)
     first_event             first complete SSE event
     token_arrived           the kernel had the chunk of the first token (selfwatch)
     first_token             first visible output (text, reasoning, tool-call arguments)
@@ -74,6 +76,8 @@ lazy connect that overlapped the upload counts only where it outlasted
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 MARKS = (
     "client_arrived",
@@ -88,6 +92,7 @@ MARKS = (
     "head_arrived",
     "response_head",
     "first_byte",
+    "longest_gap",
     "first_event",
     "token_arrived",
     "first_token",
@@ -121,8 +126,15 @@ UPSTREAM_CONNECT = "upstream connect"
 UPSTREAM_TLS = "upstream TLS"
 UPSTREAM_NETWORK = "upstream network (round trip)"
 UPSTREAM_WAIT = "upstream wait (prefill/queue)"
+"""The upstream's own wait before anything was learned to tell its prefill from its queue."""
+UPSTREAM_QUEUEING = "upstream queueing"
+UPSTREAM_ANSWER = "upstream wait"
+"""A WebSocket handshake's or a prewarm's upstream wait: neither has a prefill to tell apart."""
 RESPONSE_DOWNLOAD = "response download"
 STREAM_STALL = "stream stall"
+OK = "ok"
+CONTEXT_LENGTH = "context length"
+PROMPT_CACHE_MISS = "prompt cache miss"
 UNKNOWN = "unknown"
 
 PHASE_WORDS = {
@@ -142,6 +154,21 @@ BUFFERED_MS = 5.0
 
 NEAR_TIE = 0.05
 """A later contributor must beat the leader by more than this fraction to win."""
+
+NOISE_MS = 50.0
+"""No hop is out of line by less than this: on loopback a kept client connection's smoothed
+RTT reads 2.4–7 ms, a WebSocket handshake takes 3–15 ms, a loaded event loop runs tens of ms
+late; none of that is a reason a person waited."""
+SHARE = 0.25
+"""Nor by less than this share of the wait: a far link that adds 150 ms to a 2 s prefill is
+not why that first token was slow."""
+CONTEXT_SHARE = 0.5
+"""The prompt explains a wait (`context length`) when its predicted share is at least this."""
+STALL_MIN_MS = 300.0
+"""A silence mid-stream shorter than this is no stall, whatever the stream's pace."""
+STALL_RATIO = 8.0
+"""A silence is a stall only at this many times the stream's own gap between chunks: a
+stream whose events come 10 ms apart has 10 ms gaps, and that is its cadence."""
 
 
 ARRIVAL_MARKS = ("client_arrived", "body_arrived", "head_arrived", "token_arrived")
@@ -264,18 +291,44 @@ def handshake_rtt_ms(marks: Mapping[str, float], tls_version: str | None) -> flo
     return None
 
 
-def stall_ms(marks: Mapping[str, float], max_gap_ms: float | None) -> float:
-    """The longest silence after the first token, as far as one `max_gap_ms` tells.
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """The longest silence between response chunks, after the first token, and the stream's
+    own pace around it."""
 
-    A gap that fits between first byte and first token may be prefill (already in
-    `head_to_first_token`); only a gap longer than that must lie after the first
-    token, in the middle of the answer.
+    ms: float
+    cadence_ms: float | None
+    """The mean of the stream's other gaps between chunks; None with fewer than three chunks."""
+
+    @property
+    def out_of_line(self) -> bool:
+        """A stall: long enough to notice, and many times the stream's own cadence."""
+        return self.ms >= STALL_MIN_MS and (self.cadence_ms is None or self.ms >= STALL_RATIO * self.cadence_ms)
+
+
+def gap_after_first_token(marks: Mapping[str, float], max_gap_ms: float | None, chunks: int | None) -> Gap | None:
+    """The longest silence between response chunks (`max_gap_ms`) if it came after the first
+    token, with the stream's cadence; None when it came before (it was prefill, already in
+    `head_to_first_token`) or there was none.
+
+    Where the silence began (`longest_gap`) says which; without that mark (an older
+    record), only a gap longer than first byte → first token must lie after the first token.
     """
     first_byte, first_token = marks.get("first_byte"), marks.get("first_token")
     if not max_gap_ms or first_token is None:
-        return 0.0
-    before_first_token = first_token - first_byte if first_byte is not None else 0.0
-    return max_gap_ms if max_gap_ms > before_first_token + 1.0 else 0.0
+        return None
+    began = marks.get("longest_gap")
+    if began is not None:
+        if began + 0.001 < first_token:
+            return None
+    elif max_gap_ms <= first_token - (first_byte if first_byte is not None else first_token) + 1.0:
+        return None
+    last = marks.get("end", marks.get("last_token"))
+    cadence = None
+    if chunks is not None and chunks >= 3 and first_byte is not None and last is not None:
+        others = last - first_byte - max_gap_ms
+        cadence = others / (chunks - 2) if others >= 0 else None
+    return Gap(max_gap_ms, cadence)
 
 
 def contributions(
@@ -357,36 +410,176 @@ def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expect
     return "stream"
 
 
-def verdict(
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What the upstream's own wait for this request's prompt should be, learned from the
+    traffic to its upstream · model (`ttft_relay/observe/prefill.py`)."""
+
+    own_ms: float
+    """The upstream's own wait (queue and prefill, one round trip taken out) this prompt predicts."""
+    tolerance_ms: float
+    """How far beyond `own_ms` a wait is still in line (the traffic's own spread, and more)."""
+    prompt_ms: float
+    """The part of `own_ms` the prompt's tokens account for (the rest: the model's base)."""
+    uncached_tokens: int
+    cached_tokens: int
+    ms_per_1k: float | None
+    """The learned rate per 1k uncached prompt tokens; None while prompt sizes did not vary enough."""
+    learned_from: int
+    """Requests behind the prediction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A verdict: its words (one of a few, for grouping and counting) and what they stand on."""
+
+    words: str
+    detail: str | None = None
+    """The numbers behind it, one sentence: how far out of line, or what it was in line with."""
+    expected_ttft_ms: float | None = None
+    """This request's first token had the upstream waited what its prompt predicts."""
+
+
+def judge(
     phases: Mapping[str, float],
     *,
     rtt_ms: float | None = None,
     upstream_ms: float | None = None,
-    stall: float = 0.0,
+    gap: Gap | None = None,
     error: str | None = None,
     error_phase: str | None = None,
     client_aborted: bool = False,
     loop_lag_ms: float | None = None,
     client_rtt_ms: float | None = None,
-) -> str:
-    """The request's verdict in words.
+    no_prefill: bool = False,
+    expectation: Expectation | None = None,
+    unlearned: str | None = None,
+    cache_miss: str | None = None,
+) -> Verdict:
+    """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
-    1. A client abort: `client aborted in <phase>`; any other failure (transport
-       error, error event in the stream, HTTP status >= 400): `error in <phase>`.
-    2. Otherwise the dominant contributor of `contributions` (largest, near-ties
-       to the earlier phase): `client network (round trip)`, `relay saturated`,
-       `client upload`, `relay`, `upstream connect`,
-       `upstream TLS`, `upstream network (round trip)`, `upstream wait
-       (prefill/queue)`, `response download`, or `stream stall` when the longest
-       silence mid-stream outlasts every phase before the first token.
+    1. A client abort: `client aborted in <phase>`; any other failure (transport error,
+       error event in the stream, HTTP status >= 400): `error in <phase>`.
+    2. Each hop's cost (`contributions`) against what is normal for it:
+       - the upstream's own wait against the `expectation` for this prompt: beyond
+         `own_ms + tolerance_ms` it is `upstream queueing`, out of line by the difference.
+         Without an expectation (not learned yet: `unlearned` says why) it is
+         `upstream wait (prefill/queue)`, prefill and queueing not told apart, against
+         nothing. A WebSocket handshake or a prewarm (`no_prefill`) has no prefill and no
+         first token: its upstream wait (a prewarm's events up to the last included) is
+         `upstream wait`, against nothing;
+       - the longest silence after the first token (`gap`) against the stream's own
+         cadence: a `stream stall` when `Gap.out_of_line` (the part the relay's own event
+         loop explains, up to `loop_lag_ms`, is `relay saturated`);
+       - every other hop (client network, relay queue, client upload, relay, upstream
+         connect, TLS and network, response download) against nothing: any cost is its own.
+       A hop is out of line when it costs at least NOISE_MS beyond its normal and at least
+       SHARE of the wait (the first token, or the whole answer without one): a few ms of
+       noise, or a far link that adds little to a long wait, never make a verdict. The hop
+       most out of line is named; near-ties go to the earlier one on the timeline.
+    3. Nothing out of line: `prompt cache miss` when the prompt explains the wait (below) and
+       `cache_miss` says the provider read a repeated prefix uncached; `context length`
+       when the prompt's predicted share (`prompt_ms`) is at least NOISE_MS and CONTEXT_SHARE
+       of the wait; else `ok`.
     """
     where = PHASE_WORDS.get(error_phase or "", error_phase or "unknown phase")
     if client_aborted:
-        return f"client aborted in {where}"
+        return Verdict(f"client aborted in {where}")
     if error:
-        return f"error in {where}"
-    return dominant(contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
-                                  loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms))
+        return Verdict(f"error in {where}")
+    stall = gap.ms if gap is not None and gap.out_of_line else 0.0
+    contrib = contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
+                            loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms)
+    wait = phases.get("ttft", phases.get("total", 0.0))
+    own = contrib[UPSTREAM_WAIT]
+    expected_ttft = None
+    if expectation is not None and not no_prefill and "ttft" in phases:
+        expected_ttft = round(max(0.0, wait - own + expectation.own_ms), 1)
+    relay_stall = min(stall, loop_lag_ms or 0.0)
+    beyond: dict[str, float] = {}
+    for name, ms in contrib.items():
+        if name == STREAM_STALL:
+            if ms > 0 and gap is not None:
+                beyond[name] = ms - (gap.cadence_ms or 0.0)
+            continue
+        if name == RELAY_SATURATED and relay_stall > phases.get("relay_queue", 0.0):
+            beyond[name] = ms  # a stall the loop explains: judged as a stall, not against the wait
+            continue
+        if no_prefill and name == RESPONSE_DOWNLOAD:
+            continue  # a prewarm's events after its first one: the upstream's work, in its wait below
+        if name == UPSTREAM_WAIT:
+            if no_prefill:
+                name, ms = UPSTREAM_ANSWER, ms + contrib[RESPONSE_DOWNLOAD]
+            elif expectation is not None:
+                if ms <= expectation.own_ms + expectation.tolerance_ms:
+                    continue
+                name, ms = UPSTREAM_QUEUEING, ms - expectation.own_ms
+        if ms >= NOISE_MS and ms >= SHARE * wait:
+            beyond[name] = ms
+    words = dominant(beyond)
+    if words == UNKNOWN:
+        return _in_line(wait, expectation, expected_ttft, cache_miss, no_prefill)
+    detail = _out_of_line(words, beyond[words], wait, contrib, gap, expectation, expected_ttft, unlearned,
+                          client_rtt_ms, loop_lag_ms, no_prefill)
+    return Verdict(words, detail, expected_ttft)
+
+
+def verdict(phases: Mapping[str, float], **inputs: Any) -> str:
+    """The words of `judge`'s verdict."""
+    return judge(phases, **inputs).words
+
+
+def _s(ms: float) -> str:
+    """A duration for a sentence: ms below a second, else seconds."""
+    return f"{ms:.0f} ms" if ms < 999.5 else f"{ms / 1000:.1f} s"
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def _prompt(e: Expectation) -> str:
+    return f"{_tokens(e.uncached_tokens + e.cached_tokens)} prompt tokens ({_tokens(e.cached_tokens)} cached)"
+
+
+def _in_line(wait: float, e: Expectation | None, expected_ttft: float | None, cache_miss: str | None,
+             no_prefill: bool) -> Verdict:
+    what = "the answer" if no_prefill else "first token"
+    if e is None or expected_ttft is None:
+        return Verdict(OK, f"{what} {_s(wait)}, nothing out of line", expected_ttft)
+    prompt_explains = e.prompt_ms >= NOISE_MS and e.prompt_ms >= CONTEXT_SHARE * wait
+    rate = f" at {e.ms_per_1k:.0f} ms per 1k" if e.ms_per_1k is not None else ""
+    if prompt_explains and cache_miss:
+        return Verdict(PROMPT_CACHE_MISS, f"first token {_s(wait)}: {_prompt(e)} read uncached{rate} explain "
+                       f"{_s(e.prompt_ms)} of it, although {cache_miss}", expected_ttft)
+    if prompt_explains:
+        return Verdict(CONTEXT_LENGTH, f"first token {_s(wait)}: {_prompt(e)}{rate} explain {_s(e.prompt_ms)} "
+                       f"of it (this prompt predicts {_s(expected_ttft)})", expected_ttft)
+    return Verdict(OK, f"first token {_s(wait)}, in line with the {_s(expected_ttft)} this prompt predicts",
+                   expected_ttft)
+
+
+def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float], gap: Gap | None,
+                 e: Expectation | None, expected_ttft: float | None, unlearned: str | None,
+                 client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool) -> str:
+    """How far out of line the named hop is, in one sentence."""
+    share = f", {ms / wait:.0%} of the {_s(wait)} {'it took' if no_prefill else 'to the first token'}" if wait else ""
+    if words == UPSTREAM_QUEUEING and e is not None and expected_ttft:
+        return (f"first token {_s(wait)}, {wait / expected_ttft:.1f}× the {_s(expected_ttft)} this prompt "
+                f"predicts ({_prompt(e)}; the upstream's own wait {_s(contrib[UPSTREAM_WAIT])} against "
+                f"{_s(e.own_ms)})")
+    if words == UPSTREAM_WAIT:
+        why = f" ({unlearned})" if unlearned else ""
+        return f"the upstream's own wait {_s(ms)}{share}: prefill and queueing not told apart{why}"
+    if words == STREAM_STALL and gap is not None:
+        pace = f", {gap.ms / gap.cadence_ms:.0f}× the stream's {_s(gap.cadence_ms)} between chunks" \
+            if gap.cadence_ms else ""
+        return f"{_s(gap.ms)} of silence after the first token{pace}"
+    if words == RELAY_SATURATED:
+        return f"{_s(ms)} waiting on the relay itself (its event loop up to {_s(loop_lag_ms or 0.0)} late){share}"
+    if words == CLIENT_NETWORK:
+        return f"a {_s(client_rtt_ms or 0.0)} round trip to the client{share}"
+    return f"{_s(ms)}{share}"
 
 
 def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None) -> str | None:

@@ -83,7 +83,12 @@ class Record:
     usage: dict[str, Any] | None
     """{input_tokens, output_tokens, cached_tokens, reasoning_tokens, ...} as the upstream reported them."""
     verdict: str
-    """The dominant phase in words (`phases.verdict`)."""
+    """`ok`, or the phase most out of line, in words (`phases.judge`)."""
+    verdict_detail: str | None = None
+    """The verdict's numbers in a sentence: how far out of line, or what the wait was in line with."""
+    expected_ttft_ms: float | None = None
+    """The first token had the upstream waited what this prompt predicts (learned per upstream ·
+    model, `ttft_relay/observe/prefill.py`); None before that is learned."""
     error: str | None
     """What went wrong (transport error, stream error event, HTTP status), cut to ERROR_MAX."""
     error_phase: str | None
@@ -105,6 +110,12 @@ class Record:
     in support tickets."""
     upstream_processing_ms: float | None
     """The upstream's own processing time as it reports it (`openai-processing-ms`)."""
+    attempt_group: str | None = None
+    """The id of the first record of a request the client sent again after it failed or was
+    cut (`ttft_relay/observe/attempts.py`): set on that first attempt's record (it failed)
+    and on each retry's; None for a request that neither failed nor repeated one."""
+    attempt: int | None = None
+    """This record's attempt in its group: 1 for the first, 2 for the first retry, ..."""
     loop_lag_ms: float | None = None
     """The relay's event loop: its worst lag while the request ran (selfwatch)."""
     client_rtt_ms: float | None = None
@@ -167,7 +178,7 @@ def build_record(
     reported no output token count. A WebSocket handshake (`turn` 0) has no first
     token of its own: its phases end at the `101`. `links`: the `LINK_KEYS` known.
     """
-    handshake = transport == WEBSOCKET and turn == 0
+    handshake = is_handshake(transport, turn)
     p = phases.compute(marks, tokens_expected=tokens_expected)
     if handshake or prewarm:
         # Neither is an answer: their time is in the phases, never a (slow) first token.
@@ -179,20 +190,6 @@ def build_record(
         )
     output_tokens = (usage or {}).get("output_tokens") or token_events
     stream_s = p.get("stream", 0.0) / 1000
-    verdict = phases.verdict(
-        p,
-        rtt_ms=rtt_ms,
-        upstream_ms=upstream_processing_ms,
-        stall=phases.stall_ms(marks, max_gap_ms),
-        error=error,
-        error_phase=error_phase,
-        client_aborted=client_aborted,
-        loop_lag_ms=links["loop_lag_ms"],
-        client_rtt_ms=links["client_rtt_ms"],
-    )
-    if handshake and (error or client_aborted):
-        # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
-        verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {verdict}"
     rec = Record(
         id=id,
         request_id=request_id[:REQUEST_ID_MAX] if request_id else None,
@@ -213,7 +210,7 @@ def build_record(
         output_tokens_per_s=round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
         prompt_tokens=prompt_tokens,
         usage=dict(usage) if usage else None,
-        verdict=verdict,
+        verdict=phases.UNKNOWN,
         error=error[:ERROR_MAX] if error else None,
         error_phase=error_phase,
         client_aborted=client_aborted,
@@ -227,7 +224,42 @@ def build_record(
     # The self-watch's numbers (`LINK_KEYS`) by name: a type checker cannot match `**links`' keys to fields.
     for key, value in links.items():
         setattr(rec, key, value)
+    judge(rec)
     return rec
+
+
+def is_handshake(transport: str | None, turn: int | None) -> bool:
+    """The record of a WebSocket's opening handshake (turn 0), not of a turn."""
+    return transport == WEBSOCKET and turn == 0
+
+
+def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearned: str | None = None,
+          cache_miss: str | None = None) -> None:
+    """Set the record's verdict, its detail and expected first token from its own numbers
+    and what the relay learned across records (`phases.judge`): `build_record` judges
+    with nothing learned, the observe floor again with its expectation before the record
+    is published."""
+    handshake = is_handshake(rec.transport, rec.turn)
+    error = rec.error
+    v = phases.judge(
+        rec.phases,
+        rtt_ms=rec.rtt_ms,
+        upstream_ms=rec.upstream_processing_ms,
+        gap=phases.gap_after_first_token(rec.marks, rec.max_gap_ms, rec.chunks),
+        error=error,
+        error_phase=rec.error_phase,
+        client_aborted=rec.client_aborted,
+        loop_lag_ms=rec.loop_lag_ms,
+        client_rtt_ms=rec.client_rtt_ms,
+        no_prefill=handshake or rec.prewarm,
+        expectation=expectation,
+        unlearned=unlearned,
+        cache_miss=cache_miss,
+    )
+    rec.verdict, rec.verdict_detail, rec.expected_ttft_ms = v.words, v.detail, v.expected_ttft_ms
+    if handshake and (error or rec.client_aborted):
+        # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
+        rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -254,13 +286,19 @@ def top_phases(rec: Mapping[str, Any], n: int = 3) -> list[tuple[str, float]]:
     return ranked[:n]
 
 
+def _verdict_words(rec: Mapping[str, Any]) -> str:
+    """The verdict, and its detail unless it is a plain `ok`."""
+    verdict, detail = rec.get("verdict"), rec.get("verdict_detail")
+    return f"{verdict}: {detail}" if detail and verdict != phases.OK else str(verdict)
+
+
 def summary_line(rec: Mapping[str, Any]) -> str:
     """One line for the console: who, ttft, the biggest phases, the verdict."""
     biggest = ", ".join(f"{name} {ms:.0f}" for name, ms in top_phases(rec))
     return printable(
         f"{rec.get('upstream')} {rec.get('api')} {rec.get('model') or '?'} "
         f"{rec.get('status') or 'ERR'} ttft {_ms(rec.get('ttft_ms'))}"
-        f" [{biggest}] → {rec.get('verdict')}{_trim_note(rec.get('trim'))}"
+        f" [{biggest}] → {_verdict_words(rec)}{_trim_note(rec.get('trim'))}"
     )
 
 
@@ -283,18 +321,22 @@ def _trim_note(trim: Any) -> str:
 
 
 SLOW_WORD = "SLOW"
-"""Leads a slow flow's comment: plain letters read in mitmweb's list with any font."""
+"""Marks a slow flow's comment, after its verdict (mitmweb's Comment column is 150 px wide:
+it shows the verdict's first words and little more): plain letters any font draws."""
 
 
 def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
     """The breakdown shown as the flow's comment in mitmweb (and in its flow list's
-    Comment column, which shows the start of it: ttft and verdict come first).
+    Comment column, which shows the start of it: the verdict comes first).
 
     One short sentence per line: mitmweb collapses line breaks and runs of
     spaces, so the text must read as well run together as on separate lines.
     """
-    lead = f"{SLOW_WORD} " if slow else ""
-    lines = [f"{lead}ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."]
+    detail = rec.get("verdict_detail")
+    lines = [printable(f"{rec.get('verdict')}: {detail}." if detail else f"{rec.get('verdict')}.")]
+    expected = rec.get("expected_ttft_ms")
+    lines.append(f"{SLOW_WORD + ': ' if slow else ''}ttft {_ms(rec.get('ttft_ms'))}"
+                 + (f", expected {_ms(expected)}." if expected is not None else "."))
     phase_list = " · ".join(f"{name} {ms:.1f}" for name, ms in (rec.get("phases") or {}).items())
     if phase_list:
         lines.append(f"Phases (ms): {phase_list}.")
@@ -308,14 +350,17 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
         lines.append(advice)
     if rec.get("error"):
         lines.append(printable(f"Error ({rec.get('error_phase')}): {rec['error']}"))
+    if (attempt := rec.get("attempt") or 0) > 1:
+        lines.append(printable(f"Attempt {attempt} of a request the client sent again (first: {rec.get('attempt_group')})."))
     return "\n".join(lines)
 
 
 def turn_line(rec: Mapping[str, Any], slow: bool = False) -> str:
-    """One WebSocket turn in a sentence, for the socket's comment in mitmweb."""
-    kind = " (prewarm)" if rec.get("prewarm") else ""
-    lead = f"{SLOW_WORD} " if slow else ""
-    return f"{lead}Turn {rec.get('turn')}{kind}: ttft {_ms(rec.get('ttft_ms'))} → {rec.get('verdict')}."
+    """One WebSocket turn in a sentence, for the socket's comment in mitmweb: its verdict first."""
+    which = f"turn {rec.get('turn')}" + (" (prewarm)" if rec.get("prewarm") else "") + (f", {SLOW_WORD}" if slow else "")
+    verdict, detail = rec.get("verdict"), rec.get("verdict_detail")
+    said = f"{verdict} ({which}): {detail}" if detail and verdict != phases.OK else f"{verdict} ({which})"
+    return printable(f"{said}, ttft {_ms(rec.get('ttft_ms'))}.")
 
 
 _CLOSE = object()

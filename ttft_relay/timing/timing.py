@@ -9,7 +9,8 @@ mitmweb (slow flows marked) and kept as plain data (`Record.as_dict()`) in
 the head leaves.
 
 Every record — an HTTP flow's, a WebSocket handshake's, each WebSocket turn's
-(`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: appended to
+(`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: completed by the
+addons that implement `timing_observe(record, flow)` (`ttft_relay/observe/`), appended to
 `relay_timing_log`, logged as a console line, and handed to every addon that
 implements the `timing_record(record, flow)` hook (metrics), which gets the `Record`.
 
@@ -40,6 +41,16 @@ from ..stream import sse, streaming
 from . import logrotation, phases, record
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TimingObserveHook(hooks.Hook):
+    """A timing record is complete but not yet published: the addons that watch many
+    records (`ttft_relay/observe/`) add what they learned across them (the expected first
+    token and the verdict against it, the attempt group). Before any sink sees it."""
+
+    record: record.Record
+    flow: http.HTTPFlow
 
 
 @dataclass
@@ -256,7 +267,7 @@ class Timing:
         if flow.response is not None:
             marks.setdefault("response_head", flow.response.timestamp_start)
         if (w := st.watcher) is not None:
-            for name in ("first_byte", "first_event", "first_token", "last_token"):
+            for name in ("first_byte", "longest_gap", "first_event", "first_token", "last_token"):
                 if (t := getattr(w, name)) is not None:
                     marks.setdefault(name, t)
         return marks
@@ -283,6 +294,7 @@ class Timing:
     def publish(self, rec: record.Record, flow: http.HTTPFlow) -> dict[str, Any]:
         """Send a finished record to every sink: the log, the console, the `timing_record`
         hook. Returns its plain-data form (the JSON line's), for the flow's comment."""
+        ctx.master.addons.trigger(TimingObserveHook(rec, flow))
         data = rec.as_dict()  # once: a dict serialises faster than the dataclass
         if self.writer is not None:
             self.writer.write(data)

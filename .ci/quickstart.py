@@ -1,0 +1,623 @@
+"""The README's commands, run as a new user runs them, before the suite (`.ci/run`).
+
+The suite builds its own environment and starts the relay its own way, which hides what a
+user meets first: a `.venv` built by the first `scripts/relay`, the log path the README names,
+the URL mitmweb prints, the listeners an installed package opens. This check copies the
+checkout (tracked and new files, no `.venv`, no `logs/`) to a scratch directory and walks the
+README there, on the README's own ports (8080, 8001, 8002, 8081), under
+`flock /tmp/ttft-ports.lock`:
+
+  1. mitm.conf's two reverse listeners pointed at a fake upstream, as a user edits them for
+     another upstream (README "Other upstreams"); then `scripts/relay`, its first run
+     (no .venv), with the default workers;
+  2. the README's curl through 8001 streams; the Anthropic (8002) and proxy (8080) listeners
+     of the client settings table answer;
+  3. `scripts/report logs/timing.jsonl`;
+  4. `scripts/diagnose --relay http://127.0.0.1:8001 --relay-log logs/timing.jsonl`, with
+     `--upstream <the fake> --repeat 2 --long-tokens 2000` added (its direct probes would go
+     to api.openai.com; fewer, smaller probes keep it quick): the probes are joined with
+     the relay's records;
+  5. a stop (SIGTERM, as systemd and Docker stop it) while a client holds a keep-alive
+     connection, and at once `scripts/relay` again: it starts, streams, and stops;
+  6. `.venv/bin/python -m ttft_relay web` (with `--set web_open_browser=false`: a headless
+     machine): the URL it prints opens the UI (a real HTTP request with its token);
+  7. `.venv/bin/mitmdump -s addons/relay.py --listen-host 127.0.0.1`: streams through its
+     proxy listener and records;
+  8. the installed package: `pip install .` into a fresh venv, then from an empty
+     directory `ttft-relay --version`, `ttft-relay run --help`, `ttft-relay run` (the same
+     listeners on 127.0.0.1; a request through its proxy listener), `ttft-relay report
+     logs/timing.jsonl`, and `mitmdump -s "$(ttft-relay addon-path)" --listen-host 127.0.0.1`;
+  9. the container (no Docker daemon here): the Dockerfile's COPY steps done by hand in a
+     scratch WORKDIR, its `RUN ... ensure_venv requirements.txt` run as written (a real pip
+     install), then its ENTRYPOINT with `--version`: the image's .venv serves it as built.
+     Its apt-get and useradd steps are not run.
+
+Every command above that the README shows is looked up in README.md first (`README_COMMANDS`):
+a command the README no longer shows fails the check, and tests/test_readme.py checks the
+same list in the suite. A step that fails is named with the output that says why; the check
+goes on where the next steps do not need it, then exits 1. Every process it starts runs in
+a process group of its own and is stopped, group and all.
+
+    python3 .ci/quickstart.py [--keep]     (--keep: leave the scratch directory for a look)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PORTS_LOCK = "/tmp/ttft-ports.lock"
+RELAY_PORTS = (8080, 8001, 8002)
+WEB_PORT = 8081
+METRICS_PORT = 9464
+PORTS_FREE_TIMEOUT = 120
+"""A port of the README's taken before a start is waited for this long (on a shared machine a
+test of someone else's may hold the metrics port a moment), then the step fails. The metrics
+port is waited for only where its being taken stops the start (the workers' supervisor; one
+relay process warns and goes on)."""
+FIRST_RUN_TIMEOUT = 900  # the first scripts/relay installs mitmproxy and the rest into .venv
+START_TIMEOUT = 90
+STOP_TIMEOUT = 40
+FAKE_KEY = "sk-quickstart-not-a-real-key"
+
+# The README's own lines this check runs, verbatim (a trailing comment aside).
+RUN = "scripts/relay"
+CURL = ("curl -N http://127.0.0.1:8001/v1/chat/completions"
+        " -H \"Authorization: Bearer $OPENAI_API_KEY\" -H 'content-type: application/json'"
+        " -d '{\"model\":\"gpt-4o-mini\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'")
+REPORT = "scripts/report logs/timing.jsonl"
+DIAGNOSE = "scripts/diagnose --relay http://127.0.0.1:8001 --relay-log logs/timing.jsonl"
+WEB = ".venv/bin/python -m ttft_relay web"
+ADDONS = ".venv/bin/mitmdump -s addons/relay.py --listen-host 127.0.0.1"
+PIP_INSTALL = "pip install ."
+VERSION = "ttft-relay --version"
+RUN_HELP = "ttft-relay run --help"
+INSTALLED_RUN = "ttft-relay run"
+INSTALLED_REPORT = "ttft-relay report logs/timing.jsonl"
+INSTALLED_ADDON = 'mitmdump -s "$(ttft-relay addon-path)" --listen-host 127.0.0.1'
+README_COMMANDS = (RUN, CURL, REPORT, DIAGNOSE, WEB, ADDONS, PIP_INSTALL, VERSION, RUN_HELP, INSTALLED_RUN,
+                   INSTALLED_REPORT, INSTALLED_ADDON)
+MITM_CONF_LISTENERS = ("reverse:https://api.openai.com@8001", "reverse:https://api.anthropic.com@8002")
+
+
+class StepFailed(Exception):
+    pass
+
+
+# --- the README -------------------------------------------------------------------------
+
+
+def shell_lines(markdown: str) -> list[str]:
+    """The command lines of the fenced sh blocks, continuation lines joined and trailing
+    comments (` # ...` outside quotes) removed."""
+    lines: list[str] = []
+    for block in re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", markdown, re.S | re.M):
+        pending = ""
+        for raw in block.splitlines():
+            line = pending + raw.strip()
+            if line.endswith("\\"):
+                pending = line[:-1].rstrip() + " "
+                continue
+            pending = ""
+            if code := without_comment(line).strip():
+                lines.append(code)
+    return lines
+
+
+def without_comment(line: str) -> str:
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def missing_from_readme(readme: Path = REPO / "README.md") -> list[str]:
+    shown = set(shell_lines(readme.read_text(encoding="utf8")))
+    return [command for command in README_COMMANDS if command not in shown]
+
+
+# --- processes and ports ----------------------------------------------------------------
+
+
+class Processes:
+    """Every process the check starts, each in a process group of its own, its output in a file."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.running: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, command: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.log_path = self.logs / f"{name}.log"  # type: ignore[attr-defined]
+        self.running.append((name, proc))
+        return proc
+
+    def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> int:
+        """Sends `sig` to the process (as systemd does: the main process only), waits for it and
+        then for its whole group; kills what is left after `timeout`. Returns its exit status."""
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        deadline = time.monotonic() + timeout
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill_group(proc)
+            raise StepFailed(f"it did not stop within {timeout:.0f} s of {signal.Signals(sig).name}") from None
+        while group_alive(proc.pid):
+            if time.monotonic() > deadline:
+                self.kill_group(proc)
+                raise StepFailed(f"it exited but left processes behind: {group_members(proc.pid)}")
+            time.sleep(0.1)
+        return proc.returncode
+
+    @staticmethod
+    def kill_group(proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        for _, proc in self.running:
+            if proc.poll() is None or group_alive(proc.pid):
+                with contextlib.suppress(StepFailed):
+                    self.stop(proc, signal.SIGTERM, 15)
+                self.kill_group(proc)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return bool(group_members(pgid))  # zombies only: gone
+
+
+def group_members(pgid: int) -> list[str]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{stat.parent.name} {command[:80]}")
+    return found
+
+
+def accepting(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_for_ports(proc: subprocess.Popen, ports: tuple[int, ...], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(accepting(p) for p in ports):
+        if proc.poll() is not None:
+            raise StepFailed(f"it exited ({proc.returncode}) before listening on {ports}")
+        if time.monotonic() > deadline:
+            raise StepFailed(f"not listening on {[p for p in ports if not accepting(p)]} after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def wait_ports_free(what: str, ports: tuple[int, ...] = (*RELAY_PORTS, WEB_PORT)) -> None:
+    deadline = time.monotonic() + PORTS_FREE_TIMEOUT
+    while taken := [p for p in ports if accepting(p)]:
+        if time.monotonic() > deadline:
+            raise StepFailed(f"port(s) {taken} taken before {what} starts (another relay running?)")
+        time.sleep(0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match[str]:
+    rx = re.compile(pattern, re.M)
+    deadline = time.monotonic() + timeout
+    while True:
+        if m := rx.search(path.read_text(errors="replace")):
+            return m
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise StepFailed(f"no output line matches {pattern!r}")
+        time.sleep(0.2)
+
+
+def run(command: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise StepFailed(f"exit status {done.returncode}\n{tail(done.stdout + done.stderr)}")
+    return done
+
+
+PIP_NOISE = re.compile(r"^WARNING: Location '.*' is ignored")
+"""pip's word on a find-links folder some machines configure and lack: nothing to do with the relay."""
+
+
+def tail(text: str, lines: int = 40) -> str:
+    kept = [line for line in text.rstrip().splitlines() if not PIP_NOISE.match(line)]
+    return "\n".join("    | " + line for line in kept[-lines:])
+
+
+def counted(report: str) -> int:
+    """The requests `scripts/report` counts, over its groups (`== upstream · model: N requests, ...`)."""
+    return sum(int(n) for n in re.findall(r"^== .*?: (\d+) requests?,", report, re.M))
+
+
+def records(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+# --- HTTP -------------------------------------------------------------------------------
+
+
+def post_stream(url: str, body: dict, headers: dict[str, str], proxy: str | None = None) -> bytes:
+    handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json", **headers})
+    try:
+        with urllib.request.build_opener(*handlers).open(request, timeout=60) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        raise StepFailed(f"{url}: {e.code} {e.read()[:500]!r}") from None
+    except OSError as e:
+        raise StepFailed(f"{url}: {e}") from None
+
+
+CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"model": "claude-3-5-haiku-latest", "max_tokens": 16, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+
+
+def assert_openai_stream(body: bytes, what: str) -> None:
+    if b"data: " not in body or b"[DONE]" not in body:
+        raise StepFailed(f"{what}: not an OpenAI event stream: {body[:300]!r}")
+
+
+# --- the walk ----------------------------------------------------------------------------
+
+
+class QuickStart:
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.clone = scratch / "ttft-relay"
+        self.logs = scratch / "output"
+        self.logs.mkdir(parents=True)
+        self.procs = Processes(self.logs)
+        self.env = {**os.environ, "OPENAI_API_KEY": FAKE_KEY, "ANTHROPIC_API_KEY": FAKE_KEY}
+        for name in ("TTFT_RELAY_CONF", "VIRTUAL_ENV", "PYTHONPATH", "HTTPS_PROXY", "HTTP_PROXY", "https_proxy",
+                     "http_proxy", "ALL_PROXY", "all_proxy"):
+            self.env.pop(name, None)
+        self.fake_port = free_port()
+        self.fake_url = f"http://127.0.0.1:{self.fake_port}"
+        self.results: list[tuple[str, str, float]] = []
+        self.relay: subprocess.Popen | None = None
+        self.fake: subprocess.Popen | None = None
+
+    # Each step: a title, and whether the walk can go on without it.
+    def step(self, title: str, fn, needed: bool = False) -> bool:
+        print(f"[quickstart] {title}", flush=True)
+        started = time.monotonic()
+        before = len(self.procs.running)
+        try:
+            fn()
+        except Exception as e:
+            for _, proc in self.procs.running[before:]:  # what the step started goes with it: the next steps need the ports
+                self.procs.kill_group(proc)
+            took = time.monotonic() - started
+            detail = str(e) if isinstance(e, StepFailed | subprocess.TimeoutExpired) else traceback.format_exc()
+            print(f"[quickstart] FAILED: {title} ({took:.0f} s)\n  {detail}", flush=True)
+            for name, proc in self.procs.running[-2:]:
+                log = proc.log_path  # type: ignore[attr-defined]
+                print(f"  last lines of {name} ({log}):\n{tail(log.read_text(errors='replace'), 25)}", flush=True)
+            self.results.append(("FAILED", title, took))
+            if needed:
+                raise StepFailed(f"cannot go on without: {title}") from None
+            return False
+        took = time.monotonic() - started
+        print(f"[quickstart] ok ({took:.0f} s)", flush=True)
+        self.results.append(("ok", title, took))
+        return True
+
+    def walk(self) -> bool:
+        steps = [
+            ("README.md shows the commands this check runs", self.readme_lists_them, True),
+            ("a copy of the checkout, mitm.conf's reverse listeners pointed at a fake upstream",
+             self.copy_checkout, True),
+            (f"{RUN}: its first run (no .venv) starts with the default workers", self.first_run, True),
+            ("the fake upstream (python -m tests.fakes.upstream)", self.start_fake, True),
+            ("the README's curl streams through 8001", self.readme_curl, False),
+            ("the client settings' Anthropic (8002) and proxy (8080) listeners answer", self.other_listeners, False),
+            (REPORT, self.report, False),
+            (DIAGNOSE, self.diagnose, False),
+            (f"a stop (SIGTERM) with a keep-alive client, then {RUN} again at once", self.restart, False),
+            (f"{WEB}: the printed URL opens the UI", self.web, False),
+            (f"{ADDONS}: streams and records", self.addons_entry, False),
+            (f"{PIP_INSTALL} into a fresh venv, then the installed commands", self.installed, False),
+            ("the Dockerfile's steps, without Docker", self.dockerfile, False),
+        ]
+        try:
+            for title, fn, needed in steps:
+                self.step(title, fn, needed)
+        except StepFailed as e:
+            print(f"[quickstart] {e}", flush=True)
+        finally:
+            self.procs.stop_all()
+        print("[quickstart] summary:")
+        for status, title, took in self.results:
+            print(f"  {status:<6} {took:4.0f} s  {title}")
+        for title, _, _ in steps[len(self.results):]:
+            print(f"  {'not run':<6}         {title}")
+        return len(self.results) == len(steps) and all(status == "ok" for status, _, _ in self.results)
+
+    # --- steps ---
+
+    def readme_lists_them(self) -> None:
+        if missing := missing_from_readme():
+            raise StepFailed("README.md no longer shows " + "; ".join(missing) + " (update .ci/quickstart.py with it)")
+
+    def copy_checkout(self) -> None:
+        try:
+            listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                    capture_output=True, check=True).stdout.decode().split("\0")
+        except (OSError, subprocess.CalledProcessError):
+            listed = [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()
+                      and not {".git", ".venv", "logs", "__pycache__"} & set(p.relative_to(REPO).parts)]
+        for name in filter(None, listed):
+            source = REPO / name
+            if source.is_file():
+                (self.clone / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, self.clone / name)
+        conf = self.clone / "mitm.conf"
+        text = conf.read_text()
+        for listener in MITM_CONF_LISTENERS:
+            if listener not in text:
+                raise StepFailed(f"mitm.conf has no {listener}: the README's listeners changed")
+            text = text.replace(listener, re.sub(r"https://[^@]+", self.fake_url, listener))
+        conf.write_text(text)
+        if (self.clone / ".venv").exists():
+            raise StepFailed("the copy has a .venv")
+
+    def start_relay(self, name: str, timeout: float) -> None:
+        wait_ports_free(RUN, (*RELAY_PORTS, WEB_PORT, METRICS_PORT))
+        self.relay = self.procs.start(name, RUN, self.clone, self.env)
+        wait_for_ports(self.relay, RELAY_PORTS, timeout)
+
+    def first_run(self) -> None:
+        self.start_relay("relay", FIRST_RUN_TIMEOUT)
+        if not (self.clone / ".venv" / "bin" / "python").exists():
+            raise StepFailed("no .venv after the first run")
+
+    def start_fake(self) -> None:
+        self.fake = self.procs.start(
+            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m tests.fakes.upstream --port {self.fake_port} --prefill-ms 150 "
+            "--prefill-ms-per-1k-tokens 20 --gap-ms 10", self.clone, self.env)
+        wait_for_line(self.fake.log_path, r"^listening ", self.fake, START_TIMEOUT)  # type: ignore[attr-defined]
+
+    def readme_curl(self) -> None:
+        done = run(CURL, self.clone, self.env, timeout=60)
+        assert_openai_stream(done.stdout.encode(), "curl")
+
+    def other_listeners(self) -> None:
+        body = post_stream("http://127.0.0.1:8002/v1/messages", MESSAGES,
+                           {"x-api-key": FAKE_KEY, "anthropic-version": "2023-06-01"})
+        if b"event: message_stop" not in body:
+            raise StepFailed(f"8002: not an Anthropic event stream: {body[:300]!r}")
+        body = post_stream(f"{self.fake_url}/v1/chat/completions", CHAT, {"authorization": f"Bearer {FAKE_KEY}"},
+                           proxy="http://127.0.0.1:8080")
+        assert_openai_stream(body, "through the proxy listener 8080")
+
+    def report(self) -> None:
+        done = run(REPORT, self.clone, self.env, timeout=120)
+        if counted(done.stdout) != 3:
+            raise StepFailed(f"the report counts {counted(done.stdout)} requests, not the 3 sent:\n{tail(done.stdout)}")
+
+    def diagnose(self) -> None:
+        done = run(f"{DIAGNOSE} --upstream {self.fake_url} --repeat 2 --long-tokens 2000", self.clone, self.env,
+                   timeout=300)
+        if "no record in" in done.stderr or "relay" not in done.stdout:
+            raise StepFailed(f"the probes were not joined with the relay's records:\n{tail(done.stdout + done.stderr)}")
+        print(tail(done.stdout, 12), flush=True)
+
+    def restart(self) -> None:
+        assert self.relay is not None
+        with socket.create_connection(("127.0.0.1", 8001), timeout=30) as held:  # keep-alive, as SDKs do
+            held.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:8001\r\nAuthorization: Bearer x\r\n\r\n")
+            if not held.recv(65536).startswith(b"HTTP/1.1 "):
+                raise StepFailed("no answer on the keep-alive connection")
+            status = self.procs.stop(self.relay)
+        if status not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+            raise StepFailed(f"the stop exited {status}")
+        self.start_relay("relay-restarted", START_TIMEOUT)
+        self.readme_curl()
+        self.procs.stop(self.relay)
+
+    def web(self) -> None:
+        wait_ports_free(WEB)
+        web = self.procs.start("web", f"{WEB} --set web_open_browser=false", self.clone, self.env)
+        m = wait_for_line(web.log_path, r"Web server listening at (\S+)", web, START_TIMEOUT)  # type: ignore[attr-defined]
+        url = m.group(1)
+        if "REDACTED" in url or "?token=" not in url:
+            raise StepFailed(f"mitmweb's printed URL cannot open its UI: {m.group(0)}")
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            if resp.status != 200 or b"<html" not in resp.read().lower():
+                raise StepFailed(f"{url}: {resp.status}")
+        try:
+            urllib.request.urlopen(url.split("?")[0], timeout=30)
+            raise StepFailed("the UI opened without its token")
+        except urllib.error.HTTPError as e:
+            if e.code != 403:
+                raise
+        wait_for_ports(web, RELAY_PORTS, START_TIMEOUT)
+        assert_openai_stream(post_stream("http://127.0.0.1:8001/v1/chat/completions", CHAT,
+                                         {"authorization": f"Bearer {FAKE_KEY}"}), "through mitmweb's 8001")
+        token = url.split("?token=")[1]
+        with urllib.request.urlopen(f"{url.split('?')[0]}flows?token={token}", timeout=30) as resp:
+            flows = json.loads(resp.read())
+        if not any(f["request"]["path"] == "/v1/chat/completions" and f.get("comment") for f in flows):
+            raise StepFailed(f"the UI lists no flow with its timing: {str(flows)[:300]}")
+        self.procs.stop(web, signal.SIGINT)  # Ctrl-C
+
+    def addons_entry(self) -> None:
+        log = self.clone / "logs" / "timing.jsonl"
+        before = len(records(log))
+        wait_ports_free(ADDONS)
+        dump = self.procs.start("mitmdump-addons", ADDONS, self.clone, self.env)
+        wait_for_ports(dump, (8080,), START_TIMEOUT)
+        assert_openai_stream(post_stream(f"{self.fake_url}/v1/chat/completions", CHAT,
+                                         {"authorization": f"Bearer {FAKE_KEY}"}, proxy="http://127.0.0.1:8080"),
+                             "through mitmdump -s addons/relay.py")
+        self.procs.stop(dump, signal.SIGINT)
+        if len(records(log)) != before + 1:
+            raise StepFailed(f"{log}: {len(records(log)) - before} new records, not 1")
+
+    def installed(self) -> None:
+        venv = self.scratch / "venv"
+        python = run('source scripts/_venv.sh && find_python', self.clone, self.env).stdout.strip()
+        run(f"{python} -m venv {venv}", self.clone, self.env)
+        env = {**self.env, "PATH": f"{venv / 'bin'}:{self.env['PATH']}", "VIRTUAL_ENV": str(venv)}
+        run(f"{PIP_INSTALL} -q --disable-pip-version-check", self.clone, env, timeout=900)
+        home = self.scratch / "installed-user"
+        home.mkdir()
+        if not run(VERSION, home, env).stdout.startswith("ttft-relay "):
+            raise StepFailed("ttft-relay --version says no version")
+        helped = run(RUN_HELP, home, env).stdout
+        if not helped.startswith("usage: ttft-relay run [--workers") or "relay_" not in helped.split("mitmdump's own")[0]:
+            raise StepFailed(f"run --help does not lead with the relay's options:\n{tail(helped, 10)}")
+        wait_ports_free(INSTALLED_RUN)
+        relay = self.procs.start("installed-relay", INSTALLED_RUN, home, env)
+        wait_for_ports(relay, RELAY_PORTS, START_TIMEOUT)
+        for port in RELAY_PORTS:  # loopback only
+            with socket.socket() as s:
+                s.settimeout(1)
+                if host := next((a for a in local_addresses() if s.connect_ex((a, port)) == 0), None):
+                    raise StepFailed(f"the installed relay answers on {host}:{port}, not only on loopback")
+        assert_openai_stream(post_stream(f"{self.fake_url}/v1/chat/completions", CHAT,
+                                         {"authorization": f"Bearer {FAKE_KEY}"}, proxy="http://127.0.0.1:8080"),
+                             "through the installed relay's proxy listener")
+        self.procs.stop(relay)
+        done = run(INSTALLED_REPORT, home, env)
+        if counted(done.stdout) != 1:
+            raise StepFailed(f"the installed relay's report counts {counted(done.stdout)} requests, not its "
+                             f"one:\n{tail(done.stdout)}")
+        wait_ports_free(INSTALLED_ADDON)  # the installed addons alone, in mitmdump
+        dump = self.procs.start("installed-mitmdump", INSTALLED_ADDON, home, env)
+        wait_for_ports(dump, (8080,), START_TIMEOUT)
+        assert_openai_stream(post_stream(f"{self.fake_url}/v1/chat/completions", CHAT,
+                                         {"authorization": f"Bearer {FAKE_KEY}"}, proxy="http://127.0.0.1:8080"),
+                             "through mitmdump with the installed addon")
+        self.procs.stop(dump, signal.SIGINT)
+        if counted(run(INSTALLED_REPORT, home, env).stdout) != 2:
+            raise StepFailed("mitmdump with the installed addon did not record its request")
+
+    def dockerfile(self) -> None:
+        image = self.scratch / "image"
+        venv_step, entrypoint = docker_build_by_hand(self.clone / "deploy" / "Dockerfile", self.clone, image)
+        run(venv_step, image, self.env, timeout=900)
+        command = [entrypoint[0].replace("/opt/ttft-relay", str(image)), *entrypoint[1:], "--version"]
+        done = subprocess.run(command, cwd=image, env={**self.env, "TTFT_RELAY_CONF": ""}, capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        if done.returncode != 0 or "installing" in done.stderr:
+            raise StepFailed(f"the image's entry point (exit {done.returncode}) did not run on the .venv its build "
+                             f"made:\n{tail(done.stdout + done.stderr)}")
+
+
+def docker_build_by_hand(dockerfile: Path, context: Path, image: Path) -> tuple[str, list[str]]:
+    """What can be done of an image build without Docker: the Dockerfile's COPY steps from
+    `context` into `image` (its WORKDIR), as Docker copies (a directory's contents into the
+    destination, a file into a destination ending in `/`). Returns the RUN command that builds
+    .venv (ensure_venv) and the ENTRYPOINT; the other RUN steps (apt-get, useradd) are not run."""
+    image.mkdir(parents=True, exist_ok=True)
+    venv_step, entrypoint = "", []
+    for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"]:
+            *sources, dest = words[1:]
+            for source in sources:
+                if (context / source).is_dir():
+                    shutil.copytree(context / source, image / dest, dirs_exist_ok=True)
+                else:
+                    target = image / dest / Path(source).name if dest.endswith("/") else image / dest
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(context / source, target)
+        elif words[:1] == ["RUN"] and "ensure_venv" in line:
+            venv_step = line.split(None, 1)[1]
+        elif words[:1] == ["ENTRYPOINT"]:
+            entrypoint = json.loads(line.split(None, 1)[1])
+    if not venv_step or not entrypoint:
+        raise StepFailed(f"{dockerfile} has no RUN step building .venv (ensure_venv) or no ENTRYPOINT")
+    return venv_step, entrypoint
+
+
+def local_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout
+    except OSError:
+        return []
+    return [a for a in out.split() if "." in a and not a.startswith("127.")]
+
+
+@contextlib.contextmanager
+def ports_lock():
+    with open(PORTS_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[quickstart] waiting for {PORTS_LOCK} (another check uses the README's ports)", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", action="store_true", help="leave the scratch directory for a look")
+    args = ap.parse_args()
+    started = time.monotonic()
+    # A stop from outside (CI's timeout, Ctrl-C) unwinds through the walk's cleanup, which stops
+    # every process the check started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    scratch = Path(tempfile.mkdtemp(prefix=f"ttft-quickstart-{os.getpid()}-"))
+    print(f"[quickstart] the README's commands, in {scratch}", flush=True)
+    with ports_lock():
+        ok = QuickStart(scratch).walk()
+    if args.keep or not ok:
+        print(f"[quickstart] kept {scratch} (each process's output in {scratch / 'output'})")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"[quickstart] {'passed' if ok else 'FAILED'} in {time.monotonic() - started:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The observe floor's pure logic: the learned prefill model, prompt cache misses, attempt groups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ttft_relay.observe import attempts, conversations, prefill
+from ttft_relay.timing import phases, record
+
+# --- the prefill model ------------------------------------------------------------------------
+
+
+def traffic(n: int, *, base=100.0, per_1k=100.0, per_1k_cached=10.0, noise=15.0, spikes=0.0, spike_ms=1500.0,
+            seed=1, cached=True) -> list[prefill.Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        u, c = rng.randint(100, 20_000), rng.randint(0, 50_000) if cached else 0
+        y = base + per_1k * u / 1000 + per_1k_cached * c / 1000 + rng.gauss(0, noise)
+        if rng.random() < spikes:
+            y += spike_ms
+        out.append((1000.0 + i, u, c, max(0.0, y)))
+    return out
+
+
+def test_the_fit_recovers_base_and_both_rates():
+    f = prefill.fit(traffic(120))
+    assert f.base_ms == pytest.approx(100, abs=15)
+    assert f.per_1k_uncached == pytest.approx(100, rel=0.05)
+    assert f.per_1k_cached == pytest.approx(10, rel=0.2)
+    assert f.scale_ms == pytest.approx(15, rel=0.5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), spikes=st.floats(0, 0.35), base=st.floats(50, 800), per_1k=st.floats(5, 300))
+def test_queue_spikes_on_a_third_of_the_requests_do_not_bend_the_fit(seed, spikes, base, per_1k):
+    f = prefill.fit(traffic(96, base=base, per_1k=per_1k, spikes=spikes, seed=seed))
+    clean = prefill.fit(traffic(96, base=base, per_1k=per_1k, seed=seed))
+    for tokens in (500, 5_000, 20_000):
+        assert f.expect(tokens, 0).own_ms == pytest.approx(clean.expect(tokens, 0).own_ms, abs=60 + 0.1 * base)
+    # Least squares would have lifted every prediction by about spikes × 1.5 s.
+    spiked = prefill.fit(traffic(96, base=base, per_1k=per_1k, spikes=spikes, seed=seed))
+    assert spiked.expect(5_000, 0).tolerance_ms >= prefill.QUEUE_MIN_MS
+
+
+def test_nothing_is_predicted_before_enough_requests_nor_far_beyond_what_was_seen():
+    rates = prefill.PrefillRates()
+    for s in traffic(prefill.MIN_SAMPLES - 1, cached=False):
+        rates.add("up · m", s)
+    expectation, why = rates.expect("up · m", (5000, 0))
+    assert expectation is None and why == f"learning this upstream · model: {prefill.MIN_SAMPLES - 1} of 8 requests"
+    rates.add("up · m", (2000.0, 10_000, 0, 1100.0))
+    expectation, why = rates.expect("up · m", (5000, 0))
+    assert expectation is not None and why is None and expectation.learned_from == prefill.MIN_SAMPLES
+    expectation, why = rates.expect("up · m", (500_000, 0))
+    assert expectation is None and why.startswith("no prompt this long learned yet")
+    assert rates.expect("up · m", None) == (None, "the prompt's size is unknown: the upstream reported no usage")
+
+
+def test_a_rate_is_learned_only_from_sizes_that_varied_and_never_negative():
+    same_size = [(float(i), 1000 + i % 3, 0, 300.0 + i % 5) for i in range(20)]
+    f = prefill.fit(same_size)
+    assert f.per_1k_uncached is None and f.per_1k_cached is None and f.base_ms == pytest.approx(302, abs=2)
+    assert f.expect(1001, 0).prompt_ms == 0  # no claim about the prompt's share: never "context length"
+    shrinking = [(float(i), 1000 * i, 0, 2000.0 - 10 * i) for i in range(1, 20)]
+    assert prefill.fit(shrinking).per_1k_uncached is None
+
+
+def test_the_tolerance_grows_with_the_prediction_and_the_traffics_own_spread():
+    calm = prefill.fit(traffic(60, noise=5)).expect(10_000, 0)
+    assert calm.tolerance_ms == pytest.approx(prefill.QUEUE_RELATIVE * calm.own_ms, rel=0.01)
+    noisy = prefill.fit(traffic(60, noise=400)).expect(10_000, 0)
+    assert noisy.tolerance_ms > noisy.own_ms  # its own spread: a 1.5 s wait more is not queueing there
+    assert prefill.fit(traffic(60)).expect(200, 0).tolerance_ms == prefill.QUEUE_MIN_MS
+
+
+def test_prompt_tokens_come_from_the_providers_usage_first():
+    assert prefill.prompt_of({"input_tokens": 5000, "cached_tokens": 4000}, 7) == (1000, 4000)
+    assert prefill.prompt_of({"input_tokens": 5000}, 7) == (5000, 0)
+    assert prefill.prompt_of({"output_tokens": 5}, 700) == (700, 0)
+    assert prefill.prompt_of(None, None) is None
+    assert prefill.prompt_of({"input_tokens": True}, None) is None
+
+
+def test_samples_merge_by_union_and_survive_the_state_file():
+    a = traffic(300, seed=1)
+    b = [(t + 1000, u, c, y) for t, u, c, y in traffic(10, seed=2)]  # learned later, in another process
+    merged = prefill.merge({"k": a[:200]}, {"k": a[100:] + b[:10]})
+    assert len(merged["k"]) == prefill.WINDOW and merged["k"][-1] == b[9]  # newest kept, no sample twice
+    assert prefill.decode(prefill.encode(merged)) == merged
+    for garbage in (b"", b"{", b'{"version": 9, "samples": {}}', b'{"version": 1, "samples": {"k": [[1, -2, 0, 3]]}}',
+                    b'{"version": 1, "samples": {"k": [["x", 1, 0, 3]]}}', b"[]"):
+        assert prefill.decode(garbage) == {}
+
+
+def test_the_models_learned_are_bounded_whatever_clients_name():
+    rates = prefill.PrefillRates()
+    for i in range(prefill.MAX_MODELS + 10):
+        rates.add(prefill.model_key("up", f"model-{i}" * 50), (float(i), 100, 0, 10.0))
+    assert len(rates.samples) == prefill.MAX_MODELS
+    assert all(len(key) <= prefill.KEY_MAX for key in rates.samples)
+    many = {f"k{i}": [(float(i), 1, 0, 1.0)] for i in range(prefill.MAX_MODELS * 2)}
+    assert len(prefill.merge(many, {})) == prefill.MAX_MODELS
+
+
+def test_merging_in_another_process_samples_refits():
+    rates = prefill.PrefillRates()
+    for s in traffic(10, per_1k=100, cached=False, seed=3):
+        rates.add("k", s)
+    before = rates.expect("k", (10_000, 0))[0].own_ms
+    rates.merge({"k": [(5000.0 + i, s[1], 0, s[3] * 3) for i, s in enumerate(traffic(30, per_1k=100, cached=False))]})
+    assert rates.expect("k", (10_000, 0))[0].own_ms > 2 * before
+
+
+# --- prompt cache misses ---------------------------------------------------------------------
+
+
+def chat(turns: int, system: str = "You are terse.") -> dict:
+    messages = [{"role": "system", "content": system}]
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"question {i} " + "x" * 4000},
+                     {"role": "assistant", "content": f"answer {i}"}]
+    return {"model": "gpt-4o", "stream": True, "messages": messages[:-1]}
+
+
+def step(conv: conversations.Conversations, body: dict, cached: int, *, ts: float, total: int = 8000,
+         client: str = "10.0.0.1") -> str | None:
+    return conv.step("openai.chat", body, client=client, model="gpt-4o", ts=ts,
+                     usage={"input_tokens": total, "cached_tokens": cached})
+
+
+def test_a_continuation_the_provider_reads_uncached_after_caching_is_a_miss():
+    conv = conversations.Conversations()
+    assert step(conv, chat(1), 0, ts=0) is None  # nothing cached yet: no miss to speak of
+    assert step(conv, chat(2), 4000, ts=10) is None  # cached: a hit
+    miss = step(conv, chat(3), 0, ts=22)
+    assert miss == "this conversation's previous request, 12 s earlier, had 4,000 tokens cached"
+    assert step(conv, chat(4), 0, ts=30) is None  # the one before reported nothing cached
+
+
+def test_no_miss_without_a_continuation_a_long_pause_or_a_cacheable_size():
+    conv = conversations.Conversations()
+    step(conv, chat(2), 4000, ts=0)
+    assert step(conv, chat(3, system="Another agent."), 0, ts=5) is None  # another conversation
+    step(conv, chat(2), 4000, ts=10)
+    edited = chat(3)
+    edited["messages"][3]["content"] = "the user edited an earlier turn"
+    assert step(conv, edited, 0, ts=15) is None  # not the previous prefix
+    step(conv, chat(2), 4000, ts=20)
+    assert step(conv, chat(3), 0, ts=20 + conversations.CACHE_TTL_S + 1) is None  # the cache may have expired
+    step(conv, chat(2), 4000, ts=1000)
+    assert step(conv, chat(3), 0, ts=1001, total=500) is None  # below what providers cache
+    step(conv, chat(2), 4000, ts=2000)
+    assert step(conv, chat(3), 0, ts=2001, client="10.0.0.2") is None  # another client
+
+
+def test_conversations_remembered_are_bounded_and_odd_bodies_pass():
+    conv = conversations.Conversations(limit=10)
+    for i in range(50):
+        step(conv, chat(1, system=f"s{i}"), 100, ts=i)
+    assert len(conv.known) == 10
+    for body in (None, [], {"messages": "text"}, {"messages": []}, {"messages": [{"content": 2 ** 70}]}):
+        assert conv.step("openai.chat", body, client="c", model="m", usage={"input_tokens": 9000}, ts=0) is None
+
+
+# --- attempt groups --------------------------------------------------------------------------
+
+
+def attempt_record(rid: str, ts: float, *, cut: bool, total_ms: float) -> record.Record:
+    marks = {"request_body": 1.0, "forwarded": 2.0, "end": total_ms}
+    if not cut:
+        marks |= {"response_head": total_ms - 50, "first_token": total_ms - 40}
+    return record.build_record(id=rid, ts=ts, api="openai.chat", model="m", stream=True, status=None if cut else 200,
+                               upstream="u", marks=marks, tokens_expected=True, tls_expected=False,
+                               reused_connection=True, rtt_ms=None, client_aborted=cut,
+                               error="Client disconnected." if cut else None)
+
+
+def run(table: dict[int, bytes], rec: record.Record, key: bytes) -> record.Record:
+    offset = attempts.slot_offset(key)
+    after = attempts.group(rec, attempts.decode(table.get(offset, bytes(attempts.SLOT_SIZE))), key)
+    if after is not None:
+        table[offset] = attempts.encode(after)
+    return rec
+
+
+def test_three_attempts_each_cut_at_60_s_share_a_group():
+    table: dict[int, bytes] = {}
+    key = attempts.request_key("10.0.0.1", "POST", "/v1/chat/completions", b'{"model": "m"}')
+    first = run(table, attempt_record("a", 1000.0, cut=True, total_ms=60_000), key)
+    second = run(table, attempt_record("b", 1060.5, cut=True, total_ms=60_000), key)
+    third = run(table, attempt_record("c", 1121.0, cut=False, total_ms=4_000), key)
+    assert [(r.attempt_group, r.attempt) for r in (first, second, third)] == [("a", 1), ("a", 2), ("a", 3)]
+    # The success closed the group: the same request again is a new one.
+    again = run(table, attempt_record("d", 1130.0, cut=False, total_ms=100), key)
+    assert (again.attempt_group, again.attempt) == (None, None)
+
+
+def test_not_a_retry_another_request_another_client_too_late_or_alongside():
+    table: dict[int, bytes] = {}
+    key = attempts.request_key("10.0.0.1", "POST", "/v1/x", b"body")
+    run(table, attempt_record("a", 1000.0, cut=True, total_ms=5_000), key)
+    for other in (attempts.request_key("10.0.0.2", "POST", "/v1/x", b"body"),
+                  attempts.request_key("10.0.0.1", "POST", "/v1/x", b"bodY")):
+        assert run(dict(table), attempt_record("b", 1006.0, cut=False, total_ms=100), other).attempt is None
+    late = attempt_record("c", 1005.0 + attempts.WINDOW_S + 1, cut=False, total_ms=100)
+    assert run(dict(table), late, key).attempt is None
+    alongside = attempt_record("d", 1001.0, cut=False, total_ms=100)  # sent while the first still ran
+    assert run(dict(table), alongside, key).attempt is None
+
+
+@given(key=st.binary(min_size=16, max_size=16), group=st.text(max_size=200), attempt=st.integers(1, 70_000),
+       started=st.floats(0, 2e9), took=st.floats(0, 1e6), failed=st.booleans())
+def test_a_slot_holds_an_attempt_and_a_torn_slot_reads_as_empty(key, group, attempt, started, took, failed):
+    a = attempts.Attempt(key, group, attempt, started, started + took, failed)
+    data = attempts.encode(a)
+    assert len(data) == attempts.SLOT_SIZE
+    got = attempts.decode(data)
+    assert got is not None and got.key == key and got.attempt == min(attempt, 0xFFFF) and got.failed == failed
+    assert group.encode("utf-8", "replace")[:attempts.GROUP_MAX].decode("utf-8", "replace").startswith(
+        got.group.rstrip("\ufffd"))
+    torn = data[:40] + bytes(8) + data[48:]
+    assert torn == data or attempts.decode(torn) is None
+    assert attempts.decode(bytes(attempts.SLOT_SIZE)) is None
+
+
+def test_the_body_digest_reads_only_its_edges():
+    big = b"a" * (3 * attempts.BODY_EDGE)
+    middle_changed = big[:attempts.BODY_EDGE + 5] + b"b" + big[attempts.BODY_EDGE + 6:]
+    assert attempts.request_key("c", "POST", "/p", big) == attempts.request_key("c", "POST", "/p", middle_changed)
+    assert attempts.request_key("c", "POST", "/p", big) != attempts.request_key("c", "POST", "/p", big + b"a")
+    assert attempts.request_key("c", "GET", "/p", None) == attempts.request_key("c", "GET", "/p", b"")
+
+
+def test_phases_expectation_is_what_the_fit_says():
+    f = prefill.fit(traffic(40, cached=False))
+    e = f.expect(10_000, 0)
+    assert isinstance(e, phases.Expectation) and e.prompt_ms == pytest.approx(e.ms_per_1k * 10, abs=1)

@@ -1,0 +1,92 @@
+"""scripts/: each command a user types builds `.venv` on its first run and then does its job, under
+`set -e`, as the README says. A stand-in Python (a shell script that answers the few calls
+`scripts/_venv.sh` makes) keeps this fast; `.ci/quickstart.py` runs the real first run on a
+fresh clone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Answers what scripts/_venv.sh asks of a Python; anything else it runs is echoed as "RAN ...".
+case "$1" in
+  -c) exit 0 ;;
+  --version) echo "Python 3.12.99" ;;
+  -m)
+    case "$2" in
+      venv) mkdir -p "$3/bin" && cp "$0" "$3/bin/python" ;;
+      pip) echo "pip $*" >> "$(dirname "$0")/../pip.log" ;;
+      *) echo "RAN $*" ;;
+    esac ;;
+  *) echo "RAN $*" ;;
+esac
+"""
+
+
+def _repo_copy(tmp_path: Path, files: list[str]) -> Path:
+    repo = tmp_path / "repo"
+    for name in files:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, repo / name)
+    return repo
+
+
+def _fake_python(tmp_path: Path) -> dict[str, str]:
+    python = tmp_path / "python3.12"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    return {**os.environ, "RELAY_PYTHON": str(python), "TTFT_RELAY_NO_INSTALL": "1"}
+
+
+SCRIPT_FILES = ["requirements.txt", "requirements-dev.txt", "constraints.txt", "scripts/_venv.sh",
+                "scripts/_system.sh"]
+
+
+@pytest.mark.parametrize("script", ["relay", "report", "diagnose", "bench", "test"])
+def test_each_script_works_on_its_first_run(tmp_path, script):
+    # The last line of ensure_venv once returned 1 under `set -e` (`[ ... ] && echo`): the first
+    # run of scripts/relay printed "installing requirements.txt into .venv" and exited 1.
+    repo = _repo_copy(tmp_path, [*SCRIPT_FILES, f"scripts/{script}"])
+    env = _fake_python(tmp_path)
+    for run in ("first", "second"):
+        done = subprocess.run([str(repo / "scripts" / script), "--help"], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=60)
+        assert done.returncode == 0, f"{run} run: {done.stdout}{done.stderr}"
+        assert "RAN -m" in done.stdout and "--help" in done.stdout, f"{run} run: {done.stdout}{done.stderr}"
+    installs = (repo / ".venv" / "pip.log").read_text().splitlines()
+    assert len(installs) == 1, installs  # the second run found the stamp
+
+
+def test_a_dev_install_serves_the_runtime_scripts_without_a_second_install(tmp_path):
+    repo = _repo_copy(tmp_path, [*SCRIPT_FILES, "scripts/test", "scripts/relay"])
+    env = _fake_python(tmp_path)
+    for script in ("test", "relay"):
+        done = subprocess.run([str(repo / "scripts" / script), "--help"], capture_output=True, text=True, env=env,
+                              timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert len((repo / ".venv" / "pip.log").read_text().splitlines()) == 1
+
+
+def test_the_dockerfiles_venv_step_succeeds(tmp_path):
+    # No container engine here: the Dockerfile's COPY steps are done by hand in a scratch
+    # WORKDIR (as .ci/quickstart.py does them, with a real pip there), then its .venv step runs.
+    spec = importlib.util.spec_from_file_location("quickstart", REPO / ".ci" / "quickstart.py")
+    assert spec and spec.loader
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    image = tmp_path / "image"
+    venv_step, entrypoint = quickstart.docker_build_by_hand(REPO / "deploy" / "Dockerfile", REPO, image)
+    done = subprocess.run(["sh", "-c", venv_step], cwd=image, capture_output=True, text=True,
+                          env=_fake_python(tmp_path), timeout=60)
+    assert done.returncode == 0, f"{venv_step}: {done.stdout}{done.stderr}"
+    assert (image / ".venv" / ".installed").exists()
+    assert entrypoint[0] == "/opt/ttft-relay/scripts/relay"

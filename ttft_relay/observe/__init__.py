@@ -1,0 +1,1 @@
+"""What watches many records: the learned prefill rates, attempt groups, trace export (and, as the house moves, metrics, ledger)."""

@@ -1,0 +1,381 @@
+"""Traces: every timing record as an OpenTelemetry trace, sent to a collector over OTLP/HTTP.
+
+Off by default. On when `relay_otlp_endpoint` names an endpoint, or when the standard
+variables every OpenTelemetry SDK honours are set (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, used
+as it is, or `OTEL_EXPORTER_OTLP_ENDPOINT`, + `/v1/traces`); `OTEL_EXPORTER_OTLP_(TRACES_)HEADERS`,
+`…_TIMEOUT`, `…_COMPRESSION` (gzip), `…_CERTIFICATE`, `OTEL_SERVICE_NAME` and
+`OTEL_RESOURCE_ATTRIBUTES` apply either way; `OTEL_SDK_DISABLED=true` or an
+`OTEL_TRACES_EXPORTER` without `otlp` turn the variables' endpoint off. Headers (a collector's
+API key) come only from the environment, never from an option that /options or mitm.conf shows.
+
+Per in-scope request the addon fixes the trace's ids when the head arrives (`requestheaders`):
+the client's `traceparent` continued, or a new trace, and (`relay_otlp_propagate`) the
+relay's `traceparent` / `tracestate` set on the request it forwards, naming its upstream span
+as the parent, so that a ttft-relay behind it (or any traced upstream) joins the same trace.
+When the record is published (timing's `timing_record` hook) it is queued, nothing more:
+a thread turns the queued records into spans (`otlp.spans`), encodes them and POSTs them in
+batches. The queue is bounded (QUEUE_MAX records); what does not fit, and what a collector
+does not take (down, refusing, too slow), is dropped, counted
+(`ttft_relay_otlp_dropped_records_total`, by reason) and logged once per episode. An
+unreachable collector changes nothing else. Each process (a worker of `--workers N`)
+exports its own spans.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import random
+import ssl
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import client as http_client
+from importlib import metadata
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from mitmproxy import ctx, exceptions, http
+
+from .. import apis, state
+from ..timing import record
+from . import otlp
+
+logger = logging.getLogger(__name__)
+
+QUEUE_MAX = 4096
+"""Records waiting for the exporter thread; beyond, a record's spans are dropped (and counted)."""
+BATCH_MAX = 256
+"""Records per POST; a full batch wakes the thread before its schedule."""
+SCHEDULE_S = 1.0
+"""The thread sends what has queued at least this often."""
+RETRIES = (1.0, 2.0)
+"""Waits before the second and third try of a batch the collector could not take for now."""
+RETRYABLE = {429, 502, 503, 504}
+SHUTDOWN_S = 3.0
+"""At a clean stop, how long the last batch may take."""
+DEFAULT_TIMEOUT_S = 10.0
+SCOPE_NAME = "ttft_relay"
+DROP_QUEUE_FULL, DROP_EXPORT_FAILED, DROP_REJECTED = "queue_full", "export_failed", "rejected"
+
+_ids = random.Random()
+"""Span and trace ids: randomness seeded from os.urandom, without a system call per id."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and how to export, from the option and the environment (`settings`)."""
+
+    endpoint: str
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    gzip: bool = False
+    ca_file: str | None = None
+    source: str = "relay_otlp_endpoint"
+    warnings: tuple[str, ...] = ()
+
+
+def _env(env: Mapping[str, str], name: str) -> str:
+    """A per-signal variable (OTEL_EXPORTER_OTLP_TRACES_X) before the general one (…_OTLP_X)."""
+    return (env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}") or "").strip()
+
+
+def settings(option: str, env: Mapping[str, str]) -> Settings | None:
+    """The export settings, or None when exporting is off. Raises ValueError for an endpoint
+    that is not an http(s) URL (the option's, or a variable's)."""
+    option = option.strip()
+    warnings: list[str] = []
+    if option:
+        endpoint, source = _with_path(option), "relay_otlp_endpoint"
+    else:
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return None
+        exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        if exporters and "otlp" not in {e.strip() for e in exporters.split(",")}:
+            return None
+        if signal := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+            endpoint, source = signal, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+        elif base := env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+            endpoint, source = base.rstrip("/") + "/v1/traces", "OTEL_EXPORTER_OTLP_ENDPOINT"
+        else:
+            return None
+    url = urlsplit(endpoint)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"{source}: expected an http:// or https:// URL, got {endpoint!r}")
+    protocol = _env(env, "PROTOCOL")
+    if protocol and protocol != "http/protobuf":
+        warnings.append(f"OTLP protocol {protocol!r} is not supported: sending http/protobuf to {endpoint}")
+    headers: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in _env(env, "HEADERS").split(","))):
+        name, eq, value = item.partition("=")
+        if eq and name.strip():
+            headers[unquote(name.strip())] = unquote(value.strip())
+        else:  # its value may be a secret: only its position is said
+            warnings.append("an OTEL_EXPORTER_OTLP_HEADERS entry without 'name=' was ignored")
+    try:
+        timeout_s = float(_env(env, "TIMEOUT") or DEFAULT_TIMEOUT_S * 1000) / 1000
+    except ValueError:
+        warnings.append("OTEL_EXPORTER_OTLP_TIMEOUT is not a number of milliseconds: 10000 used")
+        timeout_s = DEFAULT_TIMEOUT_S
+    compression = _env(env, "COMPRESSION").lower()
+    if compression not in ("", "none", "gzip"):
+        warnings.append(f"OTLP compression {compression!r} is not supported: sending uncompressed")
+    return Settings(endpoint, headers, timeout_s if timeout_s > 0 else DEFAULT_TIMEOUT_S, compression == "gzip",
+                    _env(env, "CERTIFICATE") or None, source, tuple(warnings))
+
+
+def _with_path(endpoint: str) -> str:
+    """The option's endpoint: a collector's address alone gets OTLP's `/v1/traces`."""
+    url = urlsplit(endpoint)
+    return endpoint.rstrip("/") + "/v1/traces" if url.path in ("", "/") else endpoint
+
+
+def resource(env: Mapping[str, str]) -> dict[str, Any]:
+    """The resource attributes: `OTEL_RESOURCE_ATTRIBUTES`, then the service's name
+    (`OTEL_SERVICE_NAME`, default ttft-relay), version, host and process."""
+    attrs: dict[str, Any] = {}
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        name, eq, value = item.partition("=")
+        if eq and name.strip():
+            attrs[unquote(name.strip())] = unquote(value.strip())
+    attrs["service.name"] = env.get("OTEL_SERVICE_NAME", "").strip() or attrs.get("service.name") or "ttft-relay"
+    attrs.setdefault("service.version", _version())
+    attrs.setdefault("host.name", os.uname().nodename)
+    attrs["process.pid"] = os.getpid()
+    attrs["telemetry.sdk.name"] = SCOPE_NAME
+    attrs["telemetry.sdk.language"] = "python"
+    return attrs
+
+
+def _version() -> str:
+    try:
+        return metadata.version("ttft-relay")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(slots=True)
+class Queued:
+    """A published record and what its spans need besides it."""
+
+    rec: record.Record
+    trace: otlp.Trace
+    origin_s: float
+    port: int | None
+    method: str | None
+
+
+class Exporter:
+    """The batching thread: `put` (event loop) only appends to a bounded deque."""
+
+    def __init__(self, settings: Settings, resource: Mapping[str, Any],
+                 on_dropped: Callable[[str, int], object] | None = None) -> None:
+        self.settings = settings
+        self.resource = dict(resource)
+        self.on_dropped = on_dropped
+        self.queue: deque[Queued] = deque()
+        self.exported = 0
+        """Records the collector took (for tests and the log)."""
+        self.dropped: dict[str, int] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._failing = False
+        self._overflowing = False
+        self._conn: http_client.HTTPConnection | None = None
+        self._thread = threading.Thread(target=self._run, name="ttft-relay-otlp", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Queued) -> None:
+        if len(self.queue) >= QUEUE_MAX:
+            if not self._overflowing:
+                self._overflowing = True
+                logger.warning("OTLP export queue full (%d records): dropping traces until the collector at %s "
+                               "catches up (counted in ttft_relay_otlp_dropped_records_total)",
+                               QUEUE_MAX, self.settings.endpoint)
+            self._drop(DROP_QUEUE_FULL, 1)
+            return
+        self.queue.append(item)
+        if len(self.queue) >= BATCH_MAX:
+            self._wake.set()
+
+    def close(self) -> None:
+        """Send what is queued (one try, SHUTDOWN_S at most) and stop the thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(SHUTDOWN_S + 1)
+
+    def _drop(self, reason: str, n: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+        if self.on_dropped is not None:
+            self.on_dropped(reason, n)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(SCHEDULE_S)
+            self._wake.clear()
+            stopping = self._stopping
+            while self.queue:
+                batch = [self.queue.popleft() for _ in range(min(BATCH_MAX, len(self.queue)))]
+                try:
+                    body = self.encode(batch)
+                except Exception:  # a bug here must cost spans, never the thread
+                    logger.exception("OTLP: could not encode %d records", len(batch))
+                    self._drop(DROP_REJECTED, len(batch))
+                    continue
+                self._send(body, len(batch), retry=not stopping)
+            if stopping:
+                if self._conn is not None:
+                    self._conn.close()
+                return
+
+    def encode(self, batch: list[Queued]) -> bytes:
+        encoded = []
+        for item in batch:
+            time.sleep(0)  # the GIL back to the event loop between records: a batch never holds it long
+            rec = item.rec.as_dict()
+            for span in otlp.spans(rec, item.trace, origin_s=item.origin_s, semconv=apis.get(item.rec.api).semconv,
+                                   server_port=item.port, method=item.method):
+                encoded.append(otlp.encode_span(span, item.trace))
+        return otlp.export_request(self.resource, (SCOPE_NAME, self.resource.get("service.version", "")), encoded)
+
+    def _send(self, body: bytes, records: int, retry: bool) -> None:
+        s = self.settings
+        headers = {**s.headers, "Content-Type": "application/x-protobuf"}
+        if s.gzip:
+            body = gzip.compress(body, 6)
+            headers["Content-Encoding"] = "gzip"
+        waits = RETRIES if retry else ()
+        for attempt in range(len(waits) + 1):
+            status, problem = self._post(body, headers, SHUTDOWN_S if self._stopping else s.timeout_s)
+            if status is not None and 200 <= status < 300:
+                self.exported += records
+                if self._failing or self._overflowing:
+                    logger.info("OTLP export to %s works again", s.endpoint)
+                self._failing = self._overflowing = False
+                return
+            if status is not None and status not in RETRYABLE:
+                self._fail(f"the collector refused the spans: {problem}", DROP_REJECTED, records)
+                return
+            if attempt < len(waits) and not self._stopping:
+                time.sleep(waits[attempt])
+        self._fail(problem or "no answer", DROP_EXPORT_FAILED, records)
+
+    def _fail(self, problem: str, reason: str, records: int) -> None:
+        if not self._failing:
+            self._failing = True
+            logger.warning("OTLP export to %s failed (%s): dropping traces until it works "
+                           "(counted in ttft_relay_otlp_dropped_records_total)", self.settings.endpoint, problem)
+        self._drop(reason, records)
+
+    def _post(self, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int | None, str]:
+        """(status, what went wrong) of one POST; status None: no answer."""
+        url = urlsplit(self.settings.endpoint)
+        host = url.hostname or ""  # `settings` checked there is one
+        try:
+            if self._conn is None:
+                if url.scheme == "https":
+                    context = ssl.create_default_context(cafile=self.settings.ca_file)
+                    self._conn = http_client.HTTPSConnection(host, url.port, timeout=timeout, context=context)
+                else:
+                    self._conn = http_client.HTTPConnection(host, url.port, timeout=timeout)
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
+            self._conn.request("POST", url.path + (f"?{url.query}" if url.query else ""), body, headers)
+            response = self._conn.getresponse()
+            detail = response.read(300).decode("utf-8", "replace")
+            response.read()
+            if response.will_close:
+                self._conn.close()
+                self._conn = None
+            return response.status, f"HTTP {response.status} {detail}".strip()
+        except (OSError, http_client.HTTPException, ValueError) as e:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            return None, f"{type(e).__name__}: {e}"
+
+
+class Traces:
+    """Every record as an OpenTelemetry trace over OTLP/HTTP, and W3C trace context passed on."""
+
+    def __init__(self, on_dropped: Callable[[str, int], object] | None = None) -> None:
+        self.on_dropped = on_dropped
+        """Told of every drop (reason, records): the metrics addon's counter."""
+        self.exporter: Exporter | None = None
+        self.propagate = True
+        self.traces: weakref.WeakKeyDictionary[http.HTTPFlow, otlp.Trace] = weakref.WeakKeyDictionary()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_otlp_endpoint",
+            str,
+            "",
+            "Send every record as an OpenTelemetry trace to this OTLP/HTTP endpoint (protobuf), e.g. "
+            "http://127.0.0.1:4318 (/v1/traces is added to an address alone). Empty: the standard "
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables, else off. Headers "
+            "(a collector's key) only from OTEL_EXPORTER_OTLP_HEADERS.",
+        )
+        loader.add_option(
+            "relay_otlp_propagate",
+            bool,
+            True,
+            "While exporting traces: pass the trace upstream in traceparent / tracestate, so that a next hop "
+            "that traces (another ttft-relay) joins it. Off: the request's headers are left as the client sent them.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_otlp_propagate" in updated:
+            self.propagate = ctx.options.relay_otlp_propagate
+        if "relay_otlp_endpoint" not in updated:
+            return
+        try:
+            found = settings(ctx.options.relay_otlp_endpoint, os.environ)
+        except ValueError as e:
+            if ctx.options.relay_otlp_endpoint.strip():
+                raise exceptions.OptionsError(str(e)) from None
+            logger.error("OpenTelemetry traces off: %s", e)  # a variable: the relay runs without traces
+            found = None
+        self._stop()
+        if found is None:
+            return
+        for warning in found.warnings:
+            logger.warning("OpenTelemetry traces: %s", warning)
+        self.exporter = Exporter(found, resource(os.environ), self.on_dropped)
+        logger.info("OpenTelemetry traces to %s (from %s)", found.endpoint, found.source)
+
+    def done(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if self.exporter is None or state.get(flow) is None:
+            return
+        headers = flow.request.headers
+        trace = otlp.start(otlp.parse_traceparent(headers.get("traceparent"), headers.get("tracestate")),
+                           _ids.randbytes)
+        self.traces[flow] = trace
+        if self.propagate:
+            headers["traceparent"] = otlp.traceparent(trace)
+            headers["tracestate"] = trace.tracestate
+
+    def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+        if (exporter := self.exporter) is None:
+            return
+        trace = self.traces.get(flow)
+        if trace is None:  # its head came before exporting began, or it never had one (a failed CONNECT)
+            trace = self.traces[flow] = otlp.start(None, _ids.randbytes)
+        if rec.turn:  # a WebSocket turn: its own trace, derived from the handshake's
+            trace = otlp.turn(trace, rec.turn, _ids.randbytes)
+        if not trace.sampled:
+            return
+        origin = rec.ts if rec.turn else flow.request.timestamp_start
+        exporter.put(Queued(rec, trace, origin, flow.request.port, flow.request.method if not rec.turn else None))
