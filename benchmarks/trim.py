@@ -1,6 +1,6 @@
 """Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Two parts, each beside baselines measured in the same run:
+Three parts, each beside baselines measured in the same run:
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
@@ -18,12 +18,24 @@ Two parts, each beside baselines measured in the same run:
    --share-budget): for each trimmed request, the share of the previous request's items
    (bytes of their JSON, `cache_control` markers ignored: clients move them every turn)
    that it sends again as its own prefix. A provider's prompt cache hits on that prefix.
-   Untrimmed it is the whole previous request.
+   Untrimmed it is the whole previous request. The same over --generated sessions per
+   profile of other shapes (`tests/shaped.py`'s `generated`: tool-heavy, long messages,
+   many short turns, images, mixed), each until --generated-trimmed of its requests were
+   trimmed, at --generated-budgets, with the relay's cut depth (room for 16 requests at the
+   conversation's growth) beside the fixed 60 % before it and 8 or 24 requests' room:
+   the mean and minimum share, how often a new cut came, and the context kept.
+3. Counting speed on English, Chinese and code text (the `chat` history's messages):
+   tiktoken with cl100k_base (what counted gpt-4o before o200k_base could be had
+   offline: the baseline), tiktoken with o200k_base from the bpe-openai wheel (what
+   counts now), and bpe-openai's own Rust BPE with o200k_base; time per pass, ratios
+   against the baseline, and whether the two o200k_base counts agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import random
 import statistics
@@ -31,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +258,94 @@ def sharing_table(trimmers: list[Trimmer], budget: int) -> None:
                   f"{min(shares):>7.1%}  {new_plans if trimmer and trimmer.new else ''}")
 
 
+CUT_POLICIES = {
+    "fixed 40 %": (trimming.REQUESTS_BETWEEN_CUTS, 0.4, 0.4),
+    "8 requests": (8, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
+    "16 requests": (16, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
+    "24 requests": (24, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
+}
+"""How deep a new cut goes: (REQUESTS_BETWEEN_CUTS, LEAST_HEADROOM, MOST_HEADROOM). "fixed 40 %":
+every cut to 60 % of the budget, as before issue 25; the others leave room for that many
+requests at the conversation's growth (16: the relay's)."""
+
+
+@contextlib.contextmanager
+def cut_policy(name: str) -> Iterator[None]:
+    names = ("REQUESTS_BETWEEN_CUTS", "LEAST_HEADROOM", "MOST_HEADROOM")
+    saved = [getattr(trimming, n) for n in names]
+    for n, value in zip(names, CUT_POLICIES[name]):
+        setattr(trimming, n, value)
+    try:
+        yield
+    finally:
+        for n, value in zip(names, saved):
+            setattr(trimming, n, value)
+
+
+def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, trimmed: int) -> None:
+    apis_ = (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT)
+    print(f"\nprefix sharing on generated sessions (tests/shaped.py generated), {seeds} per profile and API, each "
+          f"until {trimmed} of its requests were trimmed:")
+    print("mean: of a session's trimmed requests' shares (the worst session's, and over all); min: the lowest share "
+          "(a new cut);\nnew cuts: of the trimmed requests; context: tokens sent / budget, mean over trimmed requests "
+          "and right after a new cut\n")
+    header = (f"{'budget':>7} {'cuts':<12} {'profile':<17} {'sessions':>8} {'worst':>7} {'mean':>7} {'min':>6} "
+              f"{'new cuts':>8} {'context':>8} {'at cut':>7}")
+    print(header)
+    print("-" * len(header))
+    new = next(t for t in trimmers if t.new)
+    for budget in budgets:
+        for policy in CUT_POLICIES:
+            rows: dict[str, list[tuple[list[float], list[dict]]]] = {}
+            with cut_policy(policy):
+                for api in apis_:
+                    for seed in range(seeds * len(shaped.PROFILES)):
+                        state = new.fresh()
+                        session = shaped.generated(api, seed, turns=100_000)
+                        trim = functools.partial(new.trim, api=api, budget=budget, state=state)
+                        found = shaped.trimmed_shares(api, session, trim, trimmed)
+                        rows.setdefault(shaped.PROFILES[seed % len(shaped.PROFILES)], []).append(found)
+            for profile, sessions in rows.items():
+                means = [statistics.mean(shares) for shares, _ in sessions]
+                stats = [st for _, sts in sessions for st in sts]
+                cuts = [st for st in stats if st["plan"] == "new"]
+                print(f"{budget:>7,} {policy:<12} {profile:<17} {len(sessions):>8} {min(means):>7.1%} "
+                      f"{statistics.mean(means):>7.1%} {min(min(sh) for sh, _ in sessions):>6.1%} "
+                      f"{len(cuts) / len(stats):>8.1%} {statistics.mean(st['tokens_after'] for st in stats) / budget:>8.0%} "
+                      f"{statistics.mean(st['tokens_after'] for st in cuts) / budget:>7.0%}")
+
+
+def counting_speed(repeat: int, messages: int) -> None:
+    import bpe_openai
+
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
+    o200k = loader.get(tokens.O200K)
+    cl100k = loader.get(tokens.CL100K)
+    assert o200k is not None and cl100k is not None and o200k.label == tokens.O200K
+    rust = bpe_openai.get_encoding("o200k_base")
+    texts = [m["content"] for m in history(messages) if isinstance(m.get("content"), str)]
+    chars = sum(map(len, texts))
+    counters = [("tiktoken cl100k_base (before)", cl100k.encoding), ("tiktoken o200k_base (now)", o200k.encoding),
+                ("bpe-openai o200k_base", rust)]  # fmt: skip
+    print(f"\ncounting speed: {len(texts)} messages, {chars:,} characters (English, Chinese, code); median of {repeat}\n")
+    header = f"{'counter':<32} {'tokens':>9} {'ms':>8} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    base = None
+    for name, encoding in counters:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            n = sum(len(encoding.encode_ordinary(x)) for x in texts)
+            times.append((time.perf_counter() - t) * 1000)
+        ms = statistics.median(times)
+        base = base or ms
+        print(f"{name:<32} {n:>9,} {ms:>8.1f} {ms / base:>7.2f}")
+    same = all(o200k.encoding.encode_ordinary(x) == rust.encode_ordinary(x) for x in texts)
+    print(f"o200k_base: tiktoken and bpe-openai give the same tokens: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
@@ -252,7 +353,10 @@ def main() -> None:
     parser.add_argument("--share-budget", type=int, default=40_000)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--baseline-commit", default=BASELINE_COMMIT)
-    parser.add_argument("--tiktoken-file", help="local o200k_base.tiktoken (else cl100k_base offline)")
+    parser.add_argument("--tiktoken-file", help="local o200k_base.tiktoken (else the bpe-openai wheel's)")
+    parser.add_argument("--generated", type=int, default=2, help="generated sessions per profile and API (0: none)")
+    parser.add_argument("--generated-budgets", type=int, nargs="+", default=[40_000, 80_000])
+    parser.add_argument("--generated-trimmed", type=int, default=60, help="trimmed requests per generated session")
     args = parser.parse_args()
 
     loader = tokens.TokenizerLoader(args.tiktoken_file)
@@ -265,6 +369,9 @@ def main() -> None:
     print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")
     cost_table(trimmers, args, plain)
     sharing_table(trimmers, args.share_budget)
+    if args.generated:
+        sharing_generated(trimmers, args.generated_budgets, args.generated, args.generated_trimmed)
+    counting_speed(args.repeat, args.messages)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ and what trimming must never change.
 from __future__ import annotations
 
 import base64
-import copy
 import hashlib
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from ttft_relay import apis
 
@@ -59,6 +61,10 @@ class Session:
     result_words: int = 600
     args_words: int = 60
     seed: int = 1
+    shape_seed: int | None = None
+    """None: the hand-written shape above. A number: a session of another shape, drawn from
+    it (`generated`): how many tool rounds each turn has, how long prompts, results,
+    arguments and answers are, where images come, all varying turn by turn."""
 
     def requests(self) -> Iterator[dict]:
         """Every request of the session, oldest first (deep copies: safe to modify)."""
@@ -70,18 +76,65 @@ class Session:
         return body
 
 
+def generated(api: str, shape_seed: int, turns: int = 30) -> Session:
+    """A session of a shape the suite did not grow up with, drawn from `shape_seed`."""
+    return Session(api, turns=turns, shape_seed=shape_seed, seed=shape_seed + 1000)
+
+
+PROFILES = ("tool-heavy", "long-messages", "many-short-turns", "images", "mixed")
+
+
 class _Agent:
     def __init__(self, s: Session) -> None:
         self.s = s
         self.items: list[dict] = []
         self.n = 0
+        self.rng = random.Random(s.shape_seed) if s.shape_seed is not None else None
+        self.profile = PROFILES[s.shape_seed % len(PROFILES)] if s.shape_seed is not None else None
+        self._body: dict | None = None
+
+    def _draw(self, fixed: int, low: int, high: int) -> int:
+        """`fixed` for the hand-written shape; else a length from [low, high], long-tailed."""
+        if self.rng is None:
+            return fixed
+        return int(low + (high - low) * self.rng.random() ** 3)
+
+    def rounds(self, t: int) -> int:
+        if self.rng is None:
+            return self.s.rounds
+        most = {"tool-heavy": 10, "long-messages": 2, "many-short-turns": 1, "images": 3, "mixed": 6}[self.profile]
+        return self.rng.randint(0, most)
+
+    def prompt_words(self, fixed: int) -> int:
+        high = {"long-messages": 6000, "many-short-turns": 40}.get(self.profile or "", 800)
+        return self._draw(fixed, 3, high)
+
+    def result_words(self) -> int:
+        high = {"tool-heavy": 8000, "many-short-turns": 200}.get(self.profile or "", 2500)
+        return self._draw(self.s.result_words, 5, high)
+
+    def args_words(self) -> int:
+        return self._draw(self.s.args_words, 2, 400)
+
+    def answer_words(self, fixed: int) -> int:
+        high = {"long-messages": 3000, "many-short-turns": 60}.get(self.profile or "", 600)
+        return self._draw(fixed, 2, high)
+
+    def image(self, t: int) -> bool:
+        if self.rng is None:
+            return t % 7 == 3
+        return self.rng.random() < {"images": 0.6}.get(self.profile or "", 0.05)
 
     def seed(self) -> int:
         self.n += 1
         return self.s.seed * 100_003 + self.n
 
     def snapshot(self) -> dict:
-        return copy.deepcopy({**self.body(), self.items_key: self.items})
+        # A deep copy by a JSON round trip (many times faster than copy.deepcopy); the
+        # request-level parts are made once per session.
+        if self._body is None:
+            self._body = self.body()
+        return orjson.loads(orjson.dumps({**self._body, self.items_key: self.items}))
 
     def requests(self) -> Iterator[dict]:
         self.opening()
@@ -90,7 +143,7 @@ class _Agent:
             if t:
                 self.prompt(t)
                 yield self.snapshot()
-            for r in range(self.s.rounds):
+            for r in range(self.rounds(t)):
                 self.round(t, r)
                 yield self.snapshot()
             self.answer(t)
@@ -130,8 +183,8 @@ class _ClaudeCode(_Agent):
         ]  # fmt: skip
 
     def prompt(self, t: int) -> None:
-        content = [{"type": "text", "text": f"Next: step {t}. " + words(50, self.seed())}]
-        if t % 7 == 3:
+        content = [{"type": "text", "text": f"Next: step {t}. " + words(self.prompt_words(50), self.seed())}]
+        if self.image(t):
             content.append({"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                         "data": _blob(6000, self.seed())}})
         self.items.append({"role": "user", "content": content})
@@ -153,13 +206,13 @@ class _ClaudeCode(_Agent):
         calls = 2 if r % 4 == 1 else 1
         ids = [f"toolu_{seed}_{c}" for c in range(calls)]
         blocks += [{"type": "tool_use", "id": i, "name": f"Tool{(seed + c) % 24}",
-                    "input": {"path": f"src/f{seed}.py", "arg": words(self.s.args_words, seed + c)}}
+                    "input": {"path": f"src/f{seed}.py", "arg": words(self.args_words(), seed + c)}}
                    for c, i in enumerate(ids)]  # fmt: skip
         self.items.append({"role": "assistant", "content": blocks})
-        results: list[dict] = [{"type": "tool_result", "tool_use_id": i, "content": words(self.s.result_words, seed + 7 + c)}
+        results: list[dict] = [{"type": "tool_result", "tool_use_id": i, "content": words(self.result_words(), seed + 7 + c)}
                                for c, i in enumerate(ids)]  # fmt: skip
         if r == 1:
-            results[0]["content"] = [{"type": "text", "text": words(self.s.result_words, seed + 9)}]
+            results[0]["content"] = [{"type": "text", "text": words(self.result_words(), seed + 9)}]
         if r == 2:
             results.append({"type": "text", "text": "<system-reminder>file changed on disk</system-reminder>"})
         results[-1]["cache_control"] = {"type": "ephemeral"}  # Claude Code marks the newest message
@@ -173,7 +226,7 @@ class _ClaudeCode(_Agent):
         seed = self.seed()
         self.items.append({"role": "assistant", "content": [
             {"type": "thinking", "thinking": words(40, seed), "signature": _blob(300, seed)},
-            {"type": "text", "text": words(120, seed + 1)}]})  # fmt: skip
+            {"type": "text", "text": words(self.answer_words(120), seed + 1)}]})  # fmt: skip
 
 
 class _Codex(_Agent):
@@ -216,8 +269,8 @@ class _Codex(_Agent):
         if t % 8 == 5:
             self.items.append({"type": "message", "role": "user", "content": [
                 {"type": "input_text", "text": f"<environment_context>\n  <cwd>/repo/sub{t}</cwd>\n</environment_context>"}]})
-        content = [{"type": "input_text", "text": f"Now step {t}. " + words(40, self.seed())}]
-        if t % 7 == 3:
+        content = [{"type": "input_text", "text": f"Now step {t}. " + words(self.prompt_words(40), self.seed())}]
+        if self.image(t):
             content.append({"type": "input_image", "image_url": "data:image/png;base64," + _blob(6000, self.seed())})
         self.items.append({"type": "message", "role": "user", "content": content})
 
@@ -232,14 +285,14 @@ class _Codex(_Agent):
         if r % 3 == 2:
             self.items += [
                 {"type": "custom_tool_call", "id": f"ctc_{seed}", "status": "completed", "call_id": call_id,
-                 "name": "apply_patch", "input": "*** Begin Patch\n" + words(self.s.args_words * 3, seed) + "\n*** End Patch"},
-                {"type": "custom_tool_call_output", "call_id": call_id, "output": words(self.s.result_words // 4, seed + 1)},
+                 "name": "apply_patch", "input": "*** Begin Patch\n" + words(self.args_words() * 3, seed) + "\n*** End Patch"},
+                {"type": "custom_tool_call_output", "call_id": call_id, "output": words(self.result_words() // 4, seed + 1)},
             ]  # fmt: skip
         else:
             self.items += [
                 {"type": "function_call", "id": f"fc_{seed}", "name": "shell", "call_id": call_id,
-                 "arguments": '{"command":["bash","-lc","' + words(self.s.args_words, seed) + '"]}'},
-                {"type": "function_call_output", "call_id": call_id, "output": words(self.s.result_words, seed + 1)},
+                 "arguments": '{"command":["bash","-lc","' + words(self.args_words(), seed) + '"]}'},
+                {"type": "function_call_output", "call_id": call_id, "output": words(self.result_words(), seed + 1)},
             ]  # fmt: skip
 
     def answer(self, t: int) -> None:
@@ -247,7 +300,7 @@ class _Codex(_Agent):
         self.items += [
             {"type": "reasoning", "id": f"rs_{seed}", "summary": [], "content": None, "encrypted_content": "gAAAAB" + _blob(900, seed)},
             {"type": "message", "role": "assistant", "id": f"msg_{seed}",
-             "content": [{"type": "output_text", "text": words(120, seed), "annotations": []}]},
+             "content": [{"type": "output_text", "text": words(self.answer_words(120), seed), "annotations": []}]},
         ]  # fmt: skip
 
 
@@ -266,8 +319,8 @@ class _ChatAgent(_Agent):
         ]
 
     def prompt(self, t: int) -> None:
-        content: Any = f"Next step {t}. " + words(40, self.seed())
-        if t % 7 == 3:
+        content: Any = f"Next step {t}. " + words(self.prompt_words(40), self.seed())
+        if self.image(t):
             content = [{"type": "text", "text": content},
                        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _blob(6000, self.seed())}}]
         self.items.append({"role": "user", "content": content})
@@ -277,12 +330,12 @@ class _ChatAgent(_Agent):
         calls = 2 if r % 3 == 1 else 1
         ids = [f"call_{seed}_{c}" for c in range(calls)]
         self.items.append({"role": "assistant", "content": None, "tool_calls": [
-            {"id": i, "type": "function", "function": {"name": "read_file", "arguments": '{"path": "' + words(self.s.args_words, seed) + '"}'}}
+            {"id": i, "type": "function", "function": {"name": "read_file", "arguments": '{"path": "' + words(self.args_words(), seed) + '"}'}}
             for i in ids]})  # fmt: skip
-        self.items += [{"role": "tool", "tool_call_id": i, "content": words(self.s.result_words, seed + c)} for c, i in enumerate(ids)]
+        self.items += [{"role": "tool", "tool_call_id": i, "content": words(self.result_words(), seed + c)} for c, i in enumerate(ids)]
 
     def answer(self, t: int) -> None:
-        self.items.append({"role": "assistant", "content": words(120, self.seed())})
+        self.items.append({"role": "assistant", "content": words(self.answer_words(120), self.seed())})
 
 
 # --- validity --------------------------------------------------------------------------
@@ -397,3 +450,45 @@ def _chat_problems(messages: list[dict]) -> list[str]:
                 found.append(f"calls {sorted(open_calls)} not answered before the next message")
             open_calls = {c["id"] for c in m.get("tool_calls") or ()}
     return found
+
+
+# --- prefix sharing ------------------------------------------------------------------------
+
+
+def _without_cache_control(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without_cache_control(v) for k, v in obj.items() if k != "cache_control"}
+    if isinstance(obj, list):
+        return [_without_cache_control(v) for v in obj]
+    return obj
+
+
+def trimmed_shares(api: str, session: Session, trim: Callable[[dict], Any], trimmed: int) -> tuple[list[float], list[dict]]:
+    """Send `session`'s requests through `trim` (a body to a `trimming.TrimResult`) until `trimmed`
+    of them were trimmed (or the session ends): the `prefix_share` of each trimmed request with
+    the request sent before it (trimmed or not), and the stats of those trimmed requests."""
+    shares, stats, previous = [], [], None
+    for body in session.requests():
+        result = trim(body)
+        sent = result.body if result.body is not None else body
+        if result.stats["trimmed"]:
+            shares.append(prefix_share(api, previous, sent) if previous is not None else 0.0)
+            stats.append(result.stats)
+            if len(shares) == trimmed:
+                break
+        previous = sent
+    return shares, stats
+
+
+def prefix_share(api: str, previous: dict, body: dict) -> float:
+    """The share of `previous`'s items (bytes of their JSON, `cache_control` ignored: clients
+    move it every turn) that `body` sends again as its own prefix: what a provider's prompt
+    cache can hit."""
+    before = [orjson.dumps(_without_cache_control(i)) for i in items_of(api, previous)]
+    now = [orjson.dumps(_without_cache_control(i)) for i in items_of(api, body)]
+    common = 0
+    for a, b in zip(before, now):
+        if a != b:
+            break
+        common += len(a)
+    return common / max(sum(map(len, before)), 1)

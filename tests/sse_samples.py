@@ -80,6 +80,7 @@ def openai_chat_stream(
     cached_tokens: int = 0,
     reasoning: Sequence[str] = (),
     tool_call: ToolCall | None = None,
+    tool_id: str = "call_sample0",
     done: bool = True,
     id: str = "chatcmpl-AbC123sample",
 ) -> list[bytes]:
@@ -116,7 +117,7 @@ def openai_chat_stream(
                     "tool_calls": [
                         {
                             "index": 0,
-                            "id": "call_sample0",
+                            "id": tool_id,
                             "type": "function",
                             "function": {"name": name, "arguments": ""},
                         }
@@ -141,6 +142,7 @@ def openai_chat_completion(
     input_tokens: int = 12,
     cached_tokens: int = 0,
     tool_call: ToolCall | None = None,
+    tool_id: str = "call_sample0",
     id: str = "chatcmpl-AbC123sample",
 ) -> dict:
     """The non-streamed `/v1/chat/completions` response body for the same answer."""
@@ -148,7 +150,7 @@ def openai_chat_completion(
     if tool_call:
         name, args = tool_call
         message["tool_calls"] = [
-            {"id": "call_sample0", "type": "function", "function": {"name": name, "arguments": "".join(args)}}
+            {"id": tool_id, "type": "function", "function": {"name": name, "arguments": "".join(args)}}
         ]
     return {
         "id": id,
@@ -200,7 +202,8 @@ def _responses_object(model: str, id: str, status: str, output: list, usage: dic
     }
 
 
-def _responses_output(pieces: Sequence[str], reasoning: Sequence[str], tool_call: ToolCall | None) -> list[dict]:
+def _responses_output(pieces: Sequence[str], reasoning: Sequence[str], tool_call: ToolCall | None,
+                      tool_id: str = "call_sample0") -> list[dict]:
     output: list[dict] = []
     if reasoning:
         output.append(
@@ -223,10 +226,10 @@ def _responses_output(pieces: Sequence[str], reasoning: Sequence[str], tool_call
     if tool_call:
         output.append(
             {
-                "id": "fc_sample0",
+                "id": "fc_" + tool_id.removeprefix("call_"),
                 "type": "function_call",
                 "status": "completed",
-                "call_id": "call_sample0",
+                "call_id": tool_id,
                 "name": tool_call[0],
                 "arguments": "".join(tool_call[1]),
             }
@@ -242,11 +245,13 @@ def responses_stream(
     cached_tokens: int = 0,
     reasoning: Sequence[str] = (),
     tool_call: ToolCall | None = None,
+    tool_id: str = "call_sample0",
     id: str = "resp_sample0",
 ) -> list[bytes]:
     """A `/v1/responses` stream: created, in_progress, reasoning summary, output text, function call, completed.
 
     Every event carries `event:` and a `type` plus `sequence_number` in its data, as OpenAI sends.
+    `tool_id`: the function call's `call_id`.
     """
     events: list[bytes] = []
 
@@ -255,7 +260,7 @@ def responses_stream(
 
     emit("response.created", response=_responses_object(model, id, "in_progress", [], None))
     emit("response.in_progress", response=_responses_object(model, id, "in_progress", [], None))
-    output = _responses_output(pieces, reasoning, tool_call)
+    output = _responses_output(pieces, reasoning, tool_call, tool_id)
     for index, item in enumerate(output):
         if item["type"] == "reasoning":
             emit("response.output_item.added", output_index=index, item={**item, "summary": []})
@@ -295,11 +300,12 @@ def responses_response(
     cached_tokens: int = 0,
     reasoning: Sequence[str] = (),
     tool_call: ToolCall | None = None,
+    tool_id: str = "call_sample0",
     id: str = "resp_sample0",
 ) -> dict:
     """The non-streamed `/v1/responses` body for the same answer."""
     usage = _responses_usage(_usage_counts(pieces, reasoning, tool_call), input_tokens, cached_tokens, len(reasoning))
-    return _responses_object(model, id, "completed", _responses_output(pieces, reasoning, tool_call), usage)
+    return _responses_object(model, id, "completed", _responses_output(pieces, reasoning, tool_call, tool_id), usage)
 
 
 # --- Anthropic Messages ------------------------------------------------------
@@ -314,12 +320,13 @@ def anthropic_stream(
     cache_creation_tokens: int = 0,
     thinking: Sequence[str] = (),
     tool_call: ToolCall | None = None,
+    tool_id: str = "toolu_01Sample",
     ping: bool = True,
     id: str = "msg_01SampleXyz",
 ) -> list[bytes]:
     """A `/v1/messages` stream: message_start, ping, thinking / text / tool_use blocks, message_delta, message_stop.
 
-    A thinking block ends with a `signature_delta`, as the real API sends.
+    A thinking block ends with a `signature_delta`, as the real API sends. `tool_id`: the tool_use block's id.
     """
     events: list[bytes] = []
 
@@ -360,7 +367,7 @@ def anthropic_stream(
         emit("content_block_stop", index=index)
         index += 1
     if tool_call:
-        block = {"type": "tool_use", "id": "toolu_01Sample", "name": tool_call[0], "input": {}}
+        block = {"type": "tool_use", "id": tool_id, "name": tool_call[0], "input": {}}
         emit("content_block_start", index=index, content_block=block)
         for a in tool_call[1]:
             emit("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": a})
@@ -383,13 +390,14 @@ def anthropic_message(
     cache_read_tokens: int = 0,
     cache_creation_tokens: int = 0,
     tool_call: ToolCall | None = None,
+    tool_id: str = "toolu_01Sample",
     id: str = "msg_01SampleXyz",
 ) -> dict:
     """The non-streamed `/v1/messages` body for the same answer."""
     content: list[dict] = [{"type": "text", "text": "".join(pieces)}] if pieces else []
     if tool_call:
         content.append(
-            {"type": "tool_use", "id": "toolu_01Sample", "name": tool_call[0], "input": json.loads("".join(tool_call[1]))}
+            {"type": "tool_use", "id": tool_id, "name": tool_call[0], "input": json.loads("".join(tool_call[1]))}
         )
     return {
         "id": id,
@@ -483,3 +491,23 @@ def error_body(api: str, message: str = "Rate limit reached.", status: int = 429
         return {"error": {"code": status, "message": message, "status": "RESOURCE_EXHAUSTED" if status == 429 else "INTERNAL"}}
     kind = {429: "rate_limit_exceeded", 400: "invalid_request_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+
+
+def too_long_body(api: str, prompt_tokens: int, window: int) -> dict:
+    """The JSON body of a 400 refusing a prompt over the model's window, word for word as
+    each API sends it (OpenAI Chat Completions names the window, the Responses API does not)."""
+    if api == "anthropic.messages":
+        return {"type": "error", "error": {"type": "invalid_request_error",
+                                           "message": f"prompt is too long: {prompt_tokens} tokens > {window} maximum"},
+                "request_id": "req_011CVjxiYzEFcAQC4Fk87zw2"}  # fmt: skip
+    if api == "gemini":
+        return {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message":
+                          f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({window})."}}
+    if api == "openai.responses":
+        message = "Your input exceeds the context window of this model. Please adjust your input and try again."
+        return {"error": {"message": message, "type": "invalid_request_error", "param": "input",
+                          "code": "context_length_exceeded"}}
+    message = (f"This model's maximum context length is {window} tokens. However, your messages resulted in "
+               f"{prompt_tokens} tokens. Please reduce the length of the messages.")
+    return {"error": {"message": message, "type": "invalid_request_error", "param": "messages",
+                      "code": "context_length_exceeded"}}

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from ttft_relay import apis
-from ttft_relay.apis.api import Api, ErrorFormat, Probe, Turns
+from ttft_relay.apis.api import Api, ErrorFormat, Probe, Turns, Windows
 from ttft_relay.stream import sse
 from ttft_relay.stream.reader import Reader
 from ttft_relay.trim.shape import Shape
@@ -43,6 +43,9 @@ PART_CHECKS = {
         isinstance(getattr(v, key, None), kind)
         for key, kind in (("items_key", str), ("fixed_keys", tuple), ("text_part_type", str), ("image_part_types", frozenset))
     ) and type(v).calls is not Shape.calls and type(v).results is not Shape.results,
+    "windows": lambda v: v is None or isinstance(v, Windows) and callable(v.too_long) and all(
+        isinstance(w, int) and w > 0 for table in (v.known, v.max_input, v.long_context) for w in table.values()
+    ),
     "reader": lambda v: isinstance(v, Reader),
     "errors": lambda v: isinstance(v, ErrorFormat) and type(v).body is not ErrorFormat.body,
     "probe": lambda v: v is None or isinstance(v, Probe),

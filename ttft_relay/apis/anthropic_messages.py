@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
 from ..trim.shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
-from .api import Api, ErrorFormat, Probe, model_and_stream_from_body
+from .api import Api, ErrorFormat, Probe, TooLong, Windows, error_message, model_and_stream_from_body
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -109,6 +109,7 @@ class MessagesShape(Shape):
     text_part_type = "text"
     image_part_types = frozenset({"image", "document"})
     max_output_keys = ("max_tokens",)
+    gap_notice = True  # the API merges the head's user message and the first kept prompt
 
     def long_context(self, anthropic_beta: str | None) -> bool:
         # Claude's 1M window: `anthropic-beta: context-1m-2025-08-07`
@@ -165,6 +166,39 @@ class MessagesShape(Shape):
         return {**text, "cache_control": part["cache_control"]} if "cache_control" in part else text
 
 
+WINDOWS: dict[str, int] = dict.fromkeys((
+    "claude-opus-4-6", "claude-opus-4-5", "claude-opus-4-5-20251101", "claude-opus-4-1", "claude-opus-4-1-20250805",
+    "claude-opus-4-0", "claude-opus-4-20250514", "claude-sonnet-4-5", "claude-sonnet-4-5-20250929",
+    "claude-sonnet-4-0", "claude-sonnet-4-20250514", "claude-haiku-4-5", "claude-haiku-4-5-20251001",
+    "claude-3-7-sonnet-latest", "claude-3-7-sonnet-20250219", "claude-3-5-haiku-latest", "claude-3-5-haiku-20241022",
+), 200_000)  # fmt: skip
+"""Claude's context windows by exact model id (docs.anthropic.com's models overview). A
+model not named here is unknown: Claude Code's newest model is learned, not assumed."""
+
+LONG_CONTEXT: dict[str, int] = dict.fromkeys((
+    "claude-opus-4-6", "claude-sonnet-4-5", "claude-sonnet-4-5-20250929", "claude-sonnet-4-0", "claude-sonnet-4-20250514",
+), 1_000_000)  # fmt: skip
+"""The models the `context-1m-…` beta header opens a 1M window for."""
+
+_TOO_LONG = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
+_WITH_OUTPUT = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
+
+
+def too_long(status: int, body: bytes) -> TooLong | None:
+    """Anthropic's 400 `invalid_request_error`: "prompt is too long: 219898 tokens > 200000
+    maximum", or, for prompt and answer together, "input length and `max_tokens` exceed
+    context limit: 188240 + 21333 > 200000, …"."""
+    if status != 400:
+        return None
+    message = error_message(body) or ""
+    if m := _TOO_LONG.search(message):
+        return TooLong(max_input=int(m.group(2)), window=None, prompt_tokens=int(m.group(1)), output_tokens=None)
+    if m := _WITH_OUTPUT.search(message):
+        return TooLong(max_input=None, window=int(m.group(3)), prompt_tokens=int(m.group(1)),
+                       output_tokens=int(m.group(2)))
+    return None
+
+
 class MessagesProbe(Probe):
     def auth_headers(self, key: str | None) -> list[tuple[str, str]]:
         return ([("x-api-key", key)] if key else []) + [("anthropic-version", "2023-06-01")]
@@ -180,6 +214,7 @@ API = Api(
     key_params=(),
     websocket_turns=None,
     trim_shape=MessagesShape(),
+    windows=Windows(known=WINDOWS, max_input={}, long_context=LONG_CONTEXT, too_long=too_long),
     reader=MessagesReader(),
     errors=AnthropicErrors(),
     semconv=("chat", "anthropic"),

@@ -8,7 +8,8 @@ in this package is registered and gives each part its proper type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,92 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class TooLong:
+    """An upstream's refusal of a prompt longer than the model takes, read from its error.
+    Each number is what the provider's message says (None: it does not say)."""
+
+    max_input: int | None
+    """The most prompt tokens the model takes (Anthropic's and Gemini's "maximum")."""
+    window: int | None
+    """The most tokens of prompt and answer together (OpenAI's "maximum context length")."""
+    prompt_tokens: int | None
+    """The provider's own count of the refused prompt."""
+    output_tokens: int | None
+    """The answer tokens the request asked for, as the provider counted them."""
+
+    @property
+    def limit_given(self) -> bool:
+        """The error says how long a prompt may be: the relay can trim to it."""
+        return self.max_input is not None or self.window is not None
+
+
+_SNAPSHOT = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8})$")
+"""A dated snapshot of a model (`gpt-4o-2024-08-06`, `claude-sonnet-4-5-20250929`): the same model."""
+
+
+def model_id(model: str | None) -> str:
+    """Lower-case model name without a routing prefix ("openai/gpt-4o" -> "gpt-4o")."""
+    return (model or "").rsplit("/", 1)[-1].lower()
+
+
+@dataclass(frozen=True)
+class Windows:
+    """What the relay knows for certain of a provider's context windows, and how the
+    provider says that a prompt is too long.
+
+    Only exact model ids (and their dated snapshots) are known: a family prefix is not
+    certainty, a new model of a known family is unknown (its window is learned from the
+    provider's refusal, `TooLong`, or set by the user).
+    """
+
+    known: Mapping[str, int]
+    """Exact model id → context window (prompt and answer together), from the provider's model pages."""
+    max_input: Mapping[str, int]
+    """Exact model id → most prompt tokens, where the API takes fewer than window minus output."""
+    long_context: Mapping[str, int]
+    """Exact model id → window when the request opens the long context (`Shape.long_context`)."""
+    too_long: Callable[[int, bytes], TooLong | None]
+    """(status, error body) → the refusal, if the upstream refused the prompt as too long; never raises."""
+
+    def lookup(self, table: Mapping[str, int], model: str | None) -> int | None:
+        name = model_id(model)
+        found = table.get(name)
+        return found if found is not None else table.get(_SNAPSHOT.sub("", name))
+
+    def window(self, model: str | None, *, long_context: bool = False) -> int | None:
+        """The model's window if the relay knows it, else None."""
+        long = self.lookup(self.long_context, model) if long_context else None
+        return long if long is not None else self.lookup(self.known, model)
+
+
+def error_message(body: bytes) -> str | None:
+    """`error.message` of an error body as OpenAI, Anthropic and Google send it (None if not one)."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(obj, list) and obj:  # Google's REST errors sometimes come as a one-element array
+        obj = obj[0]
+    error = obj.get("error") if isinstance(obj, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
+
+
+def error_code_of(body: bytes) -> str | None:
+    """`error.code` of an OpenAI error body, if it is a string."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    code = obj.get("error", {}).get("code") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else None
+    return code if isinstance(code, str) else None
+
+
+def number(match: re.Match[str] | None, group: int = 1) -> int | None:
+    return int(match.group(group)) if match is not None else None
+
+
+@dataclass(frozen=True, slots=True)
 class Api:
     """Everything the relay knows about one API shape."""
 
@@ -127,6 +214,9 @@ class Api:
     """How its WebSocket's turns start, each timed like a request; None: its sockets only pass."""
     trim_shape: Shape | None
     """How its requests lay out a conversation, for trimming; None: never trimmed."""
+    windows: Windows | None
+    """Its models' context windows the relay knows, and how its refusals of a too long
+    prompt read; None: no model of it is trimmed by a window."""
     reader: Reader
     """What its stream's events mean: first and last token, usage, errors, the end."""
     errors: ErrorFormat

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
-from .api import Api, ErrorFormat
+from .api import Api, ErrorFormat, TooLong, Windows, error_message, number
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -103,6 +103,21 @@ def _gemini_parts(obj: Any) -> list[dict]:
     ]
 
 
+_TOO_LONG = re.compile(r"input token count (?:\((\d+)\) )?exceeds the maximum number of tokens allowed \((\d+)\)")
+
+
+def too_long(status: int, body: bytes) -> TooLong | None:
+    """Google's 400 `INVALID_ARGUMENT`: "The input token count (1200293) exceeds the
+    maximum number of tokens allowed (1048576)." (the count is sometimes left out)."""
+    if status != 400:
+        return None
+    m = _TOO_LONG.search(error_message(body) or "")
+    if m is None:
+        return None
+    return TooLong(max_input=int(m.group(2)), window=None, prompt_tokens=number(m) if m.group(1) else None,
+                   output_tokens=None)
+
+
 API = Api(
     name=NAME,
     scope=r":(?:stream)?[gG]enerateContent",
@@ -113,6 +128,8 @@ API = Api(
     key_params=("key",),
     websocket_turns=None,
     trim_shape=None,
+    # Not trimmed (no trim shape yet): its refusals are read for the record and the learned windows.
+    windows=Windows(known={}, max_input={}, long_context={}, too_long=too_long),
     reader=GeminiReader(),
     errors=GeminiErrors(),
     semconv=("generate_content", "gcp.gemini"),

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
-from .api import Api, ErrorFormat, Probe, error_code, model_and_stream_from_body
+from .api import (
+    Api, ErrorFormat, Probe, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,
+    number)
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -143,6 +145,57 @@ class ChatShape(Shape):
         return super().shrink(item, kind)
 
 
+WINDOWS: dict[str, int] = {
+    # GPT-5 family: 400k, of which at most 272k prompt (MAX_INPUT); the chat snapshots 128k
+    **dict.fromkeys(("gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-5-pro", "gpt-5-codex", "gpt-5.1", "gpt-5.1-codex",
+                     "gpt-5.1-codex-mini", "gpt-5.1-codex-max", "gpt-5.2", "gpt-5.2-codex", "gpt-5.2-pro"), 400_000),
+    **dict.fromkeys(("gpt-5-chat-latest", "gpt-5.1-chat-latest", "gpt-5.2-chat-latest"), 128_000),
+    "codex-mini-latest": 200_000,
+    **dict.fromkeys(("gpt-4.1", "gpt-4.1-mini", "gpt-4.1-nano"), 1_047_576),
+    **dict.fromkeys(("gpt-4o", "gpt-4o-mini", "chatgpt-4o-latest", "gpt-4.5-preview", "gpt-4-turbo",
+                     "gpt-4-turbo-preview", "gpt-4-1106-preview", "gpt-4-0125-preview"), 128_000),
+    "gpt-4": 8_192,
+    "gpt-4-0613": 8_192,
+    "gpt-4-32k": 32_768,
+    **dict.fromkeys(("gpt-3.5-turbo", "gpt-3.5-turbo-0125", "gpt-3.5-turbo-1106"), 16_385),
+    **dict.fromkeys(("gpt-oss-120b", "gpt-oss-20b"), 131_072),
+    **dict.fromkeys(("o1", "o1-pro", "o3", "o3-mini", "o3-pro", "o4-mini"), 200_000),
+    **dict.fromkeys(("o1-mini", "o1-preview"), 128_000),
+}  # fmt: skip
+"""OpenAI's context windows by exact model id (platform.openai.com/docs/models), dated
+snapshots included. A model not named here is unknown: `gpt-5.5` is not `gpt-5`."""
+
+MAX_INPUT: dict[str, int] = dict.fromkeys(
+    ("gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-5-pro", "gpt-5-codex", "gpt-5.1", "gpt-5.1-codex", "gpt-5.1-codex-mini",
+     "gpt-5.1-codex-max", "gpt-5.2", "gpt-5.2-codex", "gpt-5.2-pro"), 272_000)  # fmt: skip
+"""GPT-5's API takes at most 272k prompt tokens of its 400k window."""
+
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
+_RESULTED = re.compile(r"(?:messages|input) resulted in (\d+) tokens")
+_REQUESTED = re.compile(r"you requested (\d+) tokens \((\d+) in the messages, (\d+) in the completion\)")
+
+
+def too_long(status: int, body: bytes) -> TooLong | None:
+    """OpenAI's `context_length_exceeded` (400). Chat Completions says the window
+    ("This model's maximum context length is 128000 tokens. However, your messages
+    resulted in 130012 tokens …", or "… you requested 8250 tokens (250 in the messages,
+    8000 in the completion) …"); the Responses API does not ("Your input exceeds the
+    context window of this model …")."""
+    if status != 400 or error_code_of(body) != "context_length_exceeded":
+        return None
+    message = error_message(body) or ""
+    requested = _REQUESTED.search(message)
+    return TooLong(
+        max_input=None,
+        window=number(_CONTEXT.search(message)),
+        prompt_tokens=number(requested, 2) if requested else number(_RESULTED.search(message)),
+        output_tokens=number(requested, 3),
+    )
+
+
+OPENAI_WINDOWS = Windows(known=WINDOWS, max_input=MAX_INPUT, long_context={}, too_long=too_long)
+
+
 class ChatProbe(Probe):
     def streamed(self, body: dict[str, Any]) -> dict[str, Any]:
         """`body` with streaming, and usage in the stream, switched on."""
@@ -159,6 +212,7 @@ API = Api(
     key_params=(),
     websocket_turns=None,
     trim_shape=ChatShape(),
+    windows=OPENAI_WINDOWS,
     reader=ChatReader(),
     errors=OpenAIErrors(),
     semconv=("chat", "openai"),

@@ -70,6 +70,7 @@ API = Api(
     key_params=(),
     websocket_turns=TURNS,
     trim_shape=None,
+    windows=None,
     reader=RealtimeReader(),
     errors=RealtimeErrors(),
     semconv=("chat", "openai"),

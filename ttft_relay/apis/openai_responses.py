@@ -14,7 +14,7 @@ from ..stream.reader import (
     Event, Reader, Transcript, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
 from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
 from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
-from .openai_chat import OpenAIErrors
+from .openai_chat import OPENAI_WINDOWS, OpenAIErrors
 
 if TYPE_CHECKING:
     from ..stream.sse import StreamWatcher
@@ -146,6 +146,11 @@ class ResponsesShape(Shape):
     def role(self, item: dict) -> str | None:
         return super().role(item) if item.get("type", "message") == "message" else None
 
+    def from_model(self, item: dict) -> bool:
+        # an assistant message, reasoning, or a call (function, custom, web search, ...)
+        kind = item.get("type", "message")
+        return super().from_model(item) if kind == "message" else kind == "reasoning" or kind.endswith("_call")
+
     def calls(self, item: dict) -> Iterator[str]:
         if item.get("type", "").endswith("_call") and "call_id" in item:
             yield item["call_id"]
@@ -228,6 +233,7 @@ API = Api(
     key_params=(),
     websocket_turns=TURNS,
     trim_shape=ResponsesShape(),
+    windows=OPENAI_WINDOWS,
     reader=ResponsesReader(),
     errors=ResponsesErrors(),
     semconv=("chat", "openai"),

@@ -19,6 +19,7 @@ API = Api(
     key_params=(),
     websocket_turns=None,
     trim_shape=None,
+    windows=None,
     reader=Reader(),  # never a token (content cannot be told from metadata), but [DONE] and errors
     errors=OpenAIErrors(),
     semconv=("other", "other"),

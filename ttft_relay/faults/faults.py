@@ -297,6 +297,10 @@ class Deadlines:
         if flow in self.timers:
             self._check(flow)
 
+    def relay_resent(self, flow: http.HTTPFlow) -> None:
+        """The request went out once more (`patches.resend`): bounded from now as when forwarded."""
+        self.request(flow)
+
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)
 

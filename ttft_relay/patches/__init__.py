@@ -33,6 +33,9 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   (`guard.AccessKeys`).
 - `message_checks`: a request's and a response's field types checked as mitmproxy checks
   them, from classes kept per field (`capacity.MessageChecks`).
+- `resend`: an answer held for a look before the client gets any of it, and the
+  request sent once more in its place (`trim.Trim`: a refusal as too long, trimmed to
+  the provider's word).
 - `web_options`: mitmweb's option dumps (`GET /options`, its `options/update` messages) show
   the secrets of `proxyauth`, `upstream_auth` and `web_password` redacted (`guard.WebOptions`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
@@ -66,6 +69,7 @@ from . import (
     layer_events,
     listen_backlog,
     message_checks,
+    resend,
     splice,
     trailers,
     upstream_copy,
@@ -86,6 +90,7 @@ PATCHES: tuple[ModuleType, ...] = (
     client_resets,
     layer_events,
     message_checks,
+    resend,
     splice,
     web_options,
 )

@@ -32,6 +32,17 @@ def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], Non
     HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
 
 
+def outgoing(flow: http.HTTPFlow, request: http.Request) -> http.Request:
+    """`request` as it goes upstream for `flow`: a copy with its swap applied, or itself
+    if it has none (also for a request sent once more, `patches.resend`)."""
+    change = _outgoing.get(flow)
+    if change is None:
+        return request
+    sent = request.copy()
+    change(sent)
+    return sent
+
+
 def uninstall() -> None:
     HttpStream.state_consume_request_body = _ORIGINAL_CONSUME_REQUEST_BODY  # type: ignore[method-assign]
 
@@ -45,9 +56,8 @@ def _outgoing_head(stream: HttpStream, command: Any) -> list[SendHttp] | None:
         isinstance(command, SendHttp)
         and isinstance(command.event, RequestHeaders)
         and command.connection is stream.context.server
-        and (change := _outgoing.pop(stream.flow, None)) is not None
+        and stream.flow in _outgoing
     ):
         return None
-    sent = command.event.request.copy()
-    change(sent)
+    sent = outgoing(stream.flow, command.event.request)
     return [SendHttp(RequestHeaders(command.event.stream_id, sent, command.event.end_stream), command.connection)]

@@ -298,8 +298,26 @@ def summary_line(rec: Mapping[str, Any]) -> str:
     return printable(
         f"{rec.get('upstream')} {rec.get('api')} {rec.get('model') or '?'} "
         f"{rec.get('status') or 'ERR'} ttft {_ms(rec.get('ttft_ms'))}"
-        f" [{biggest}] → {_verdict_words(rec)}"
+        f" [{biggest}] → {_verdict_words(rec)}{_trim_note(rec.get('trim'))}"
     )
+
+
+def _trim_note(trim: Any) -> str:
+    """What trimming did, by whose word, when it did anything (the trim addon's stats)."""
+    if not isinstance(trim, Mapping) or not (trim.get("trimmed") or trim.get("refused") or trim.get("over_budget")):
+        return ""
+    by = trim.get("budget_source")
+    by = f"{by} {trim['window']}" if trim.get("window") else by
+    if trim.get("trimmed"):
+        note = f"; trimmed {trim.get('tokens_before')}→{trim.get('tokens_after')} tokens (budget {trim.get('budget')} by {by})"
+    elif trim.get("over_budget"):
+        note = f"; over budget {trim.get('budget')} by {by}"
+    else:
+        note = ""
+    if refused := trim.get("refused"):
+        limit = refused.get("max_input") or refused.get("window")
+        note += f"; upstream refused it as too long (limit {limit})" + (", resent trimmed" if refused.get("resent") else "")
+    return note
 
 
 SLOW_WORD = "SLOW"

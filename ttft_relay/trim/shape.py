@@ -75,6 +75,10 @@ class Shape:
     image_part_types: frozenset[str]
     max_output_keys: tuple[str, ...]
     """Body keys that cap the answer's tokens, the first one set counting."""
+    gap_notice: bool = False
+    """A drop always puts the notice in front of the first kept prompt (not only with
+    relay_trim_notice): where the API merges the head's user message and that prompt into
+    one turn, the model is told that turns are missing between them."""
 
     def items(self, body: dict) -> Any:
         """The body's conversation list (anything else when it is malformed)."""
@@ -113,6 +117,11 @@ class Shape:
     def is_prompt(self, item: dict) -> bool:
         """A user message that asks something (not one carrying tool results)."""
         return self.role(item) == "user" and not any(self.results(item))
+
+    def from_model(self, item: dict) -> bool:
+        """An item the model wrote (its message, reasoning, tool calls): a run of them is one
+        request's answer, so the conversation's runs count its requests."""
+        return self.role(item) == "assistant"
 
     def calls(self, item: dict) -> Iterator[str]:
         """Ids of tool calls this item makes."""

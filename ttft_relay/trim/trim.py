@@ -3,10 +3,19 @@
 The model reads the whole prompt before its first token, so a long history means a slow
 first token, a high bill, or a "context length exceeded" error. This addon keeps each
 OpenAI chat / Responses and Anthropic Messages request within the model's context window
-(minus the output it reserves), or within a smaller budget the user sets: old tool
-results and arguments shrunk, then old turns dropped, in cuts that stay put from turn to
-turn so the provider's prompt cache keeps hitting (see `trimming`). It fails open: when
-nothing is trimmed, or anything goes wrong, the client's exact bytes go upstream.
+(minus the output it reserves) where the relay knows that window for certain (`windows`:
+learned from the provider, configured by the user, or the API module's table of exact
+model ids), or within a smaller budget the user sets: old tool results and arguments
+shrunk, then old turns dropped, in cuts that stay put from turn to turn so the
+provider's prompt cache keeps hitting (see `trimming`). A model whose window it does not
+know is not trimmed unless the user set a budget. It fails open: when nothing is
+trimmed, or anything goes wrong, the client's exact bytes go upstream.
+
+When the upstream refuses a request as too long and its error names the limit (before
+any byte of the answer went to the client), the addon learns that window for the
+upstream·model (kept beside the timing log, shared by every worker), trims the request
+to it and sends it once more (`patches.resend`); the client gets only the second answer,
+streamed, and the record both attempts (`trim.refused`).
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
 many megabytes is counted while every other flow keeps streaming (the hook awaits the
@@ -18,14 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 
 from .. import apis, state
-from . import tokens, trimming
+from ..patches import resend
+from ..timing.timing import upstream_name
+from . import tokens, trimming, windows
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +53,22 @@ thread and back costs the relay (80-100 us of CPU, two thread wake-ups and one m
 pass of the event loop, measured on 2 cores)."""
 
 
+REFUSAL_MAX_BYTES = 64 * 1024
+"""An error answer up to this size (by its Content-Length) is read whole, for a look at it
+before the client gets it; longer or unframed ones pass as they come."""
+REFUSAL_STATUSES = frozenset({400, 413})
+
+
 def _small(request: http.Request) -> bool:
     raw = request.raw_content
     return raw is not None and len(raw) <= INLINE_MAX_BYTES and "content-encoding" not in request.headers
+
+
+def _readable(response: http.Response) -> bool:
+    """An answer small enough to read whole before the client gets it: a Content-Length
+    within REFUSAL_MAX_BYTES (a refusal is a small JSON object)."""
+    length = response.headers.get("content-length", "")
+    return length.isdigit() and int(length) <= REFUSAL_MAX_BYTES and "transfer-encoding" not in response.headers
 
 
 class Trim:
@@ -59,7 +85,12 @@ class Trim:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
         self.plans = trimming.PlanCache()
-        self.windows = trimming.ContextWindows()
+        self.configured: dict[str, int] = {}
+        """relay_context_windows: the user's windows by model prefix."""
+        self.learned = windows.LearnedWindows()
+        """Windows the providers' refusals named, shared through a file beside the timing log."""
+        self._refusable: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+        """Flows whose refusal as too long the relay can act on (trimmed shape, known error format)."""
         # One thread: the caches are only touched there (or, for a small request, on the
         # event loop while that thread has nothing to do), and one huge request at a time
         # bounds the memory counting can take.
@@ -83,7 +114,7 @@ class Trim:
         loader.add_option(
             "relay_trim_reserve_tokens",
             int,
-            trimming.DEFAULT_RESERVE_TOKENS,
+            windows.DEFAULT_RESERVE_TOKENS,
             """
             Output tokens to keep free in the context window when a request sets none of
             max_tokens, max_completion_tokens, max_output_tokens.
@@ -111,18 +142,23 @@ class Trim:
             Sequence[str],
             [],
             """
-            Context window overrides as "model-prefix=tokens", e.g. "gpt-4o=128000"; the
-            longest matching prefix wins; 0 makes a prefix unknown (user budget only).
+            Context windows as "model-prefix=tokens", e.g. "my-model=32000": the longest
+            matching prefix wins over the windows the relay knows (exact model ids); 0 makes
+            a prefix unknown (user budget only). A window a provider's refusal named wins
+            over both.
             """,
         )
 
     def configure(self, updated: set[str]) -> None:
         if "relay_context_windows" in updated:
             try:
-                overrides = trimming.parse_context_windows(ctx.options.relay_context_windows)
+                self.configured = windows.parse_context_windows(ctx.options.relay_context_windows)
             except ValueError as e:
                 raise exceptions.OptionsError(f"relay_context_windows: {e}") from e
-            self.windows = trimming.ContextWindows(overrides)
+        if "relay_timing_log" in updated:
+            log = getattr(ctx.options, "relay_timing_log", "")
+            self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
+            self.learned.refresh()
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
@@ -130,8 +166,12 @@ class Trim:
             # no request waits for it or shares the GIL with it. Later (trimming switched
             # on, a new file) it costs the event loop that long once.
             self.tokenizers.load()
+            resend.install()
+        else:
+            resend.uninstall()
 
     def done(self) -> None:
+        resend.uninstall()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -146,23 +186,99 @@ class Trim:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        line = trimming.summary(st.trim) if st is not None and st.trim else None
+        response = flow.response
+        if st is None or response is None:
+            return
+        if flow in self._refusable and response.status_code in REFUSAL_STATUSES and _readable(response):
+            # Maybe a refusal as too long: read it whole, and look at it before the client gets it.
+            self._refusable.discard(flow)
+            response.stream = False
+            st.watcher = None
+            resend.hold(flow)
+            return
+        line = trimming.summary(st.trim) if st.trim else None
+        if line is not None:
+            response.headers[HEADER] = line
+
+    async def relay_held_answer(self, flow: http.HTTPFlow) -> None:
+        """An error answer held before the client got any of it: if it refuses the prompt as
+        too long and names the limit, learn the window, trim to it, and send once more."""
+        st = state.get(flow)
+        response = flow.response
+        if st is None or response is None or st.trim is None:
+            return
+        try:
+            await self._refused(flow, st, response)
+        except Exception as e:  # the refusal goes to the client as it came
+            self._log_failure_once(e)
+        line = trimming.summary(st.trim)
         if line is not None and flow.response is not None:
             flow.response.headers[HEADER] = line
+
+    async def _refused(self, flow: http.HTTPFlow, st: state.FlowState, response: http.Response) -> None:
+        api = apis.get(st.api)
+        assert api.windows is not None and st.trim is not None
+        refusal = api.windows.too_long(response.status_code, response.get_content(strict=False) or b"")
+        if refusal is None:
+            return
+        sent_tokens = st.trim.get("tokens_after")
+        forwarded = st.marks.get("forwarded")
+        refused = {
+            "status": response.status_code,
+            "max_input": refusal.max_input,
+            "window": refusal.window,
+            "provider_tokens": refusal.prompt_tokens,
+            "relay_tokens": sent_tokens,
+            "after_ms": round((response.timestamp_start - forwarded) * 1000, 1) if forwarded else None,
+            "resent": False,
+        }
+        st.trim = {**st.trim, "refused": refused}
+        upstream = upstream_name(flow)
+        learned = windows.learned_from(upstream, st.model, refusal, sent_tokens)
+        if learned is None:
+            logger.info("%s refused %s as too long without naming its limit: passed to the client", upstream, st.model)
+            return
+        self.learned.learn(learned)
+        counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
+        budget = self._budget(flow, st, learned)
+        if counter is None or budget is None:
+            return
+        work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
+        self._handed = self.worker.submit(self._work, *work)
+        result, content = await asyncio.wrap_future(self._handed)
+        logger.info(
+            "%s: %s takes at most %s tokens (its refusal): learned; %s", upstream, st.model,
+            refusal.max_input or refusal.window,
+            "trimmed to it and sent once more" if content is not None else f"not resent ({result.stats['reason']})",
+        )  # fmt: skip
+        if content is None:
+            st.trim = {**result.stats, "refused": refused}
+            return
+        flow.request.content = content
+        st.trim = {**result.stats, "refused": {**refused, "resent": True}}
+        st.prompt_tokens = result.stats["tokens_after"]
+        st.marks.pop("head_arrived", None)  # the refused answer's head
+        resend.again(flow)
+
+    def _budget(self, flow: http.HTTPFlow, st: state.FlowState,
+                learned: windows.Learned | None) -> windows.Budget | None:
+        return windows.budget_for(
+            st.model,
+            trimming.max_output(st.api, st.request_json),
+            windows=apis.get(st.api).windows,
+            configured=self.configured,
+            learned=learned,
+            user_max=ctx.options.relay_trim_max_tokens,
+            default_reserve=ctx.options.relay_trim_reserve_tokens,
+            long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
+        )
 
     async def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
         if counter is None:
             st.trim = trimming.untouched_stats("no tokenizer")
             return
-        budget = trimming.budget_for(
-            st.model,
-            trimming.max_output(st.api, st.request_json),
-            windows=self.windows,
-            user_max=ctx.options.relay_trim_max_tokens,
-            default_reserve=ctx.options.relay_trim_reserve_tokens,
-            long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
-        )
+        budget = self._budget(flow, st, self.learned.get(upstream_name(flow), st.model))
         work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
         if (self._handed is None or self._handed.done()) and _small(flow.request):
             # The worker has nothing left to do, so its caches are free; this little is
@@ -176,6 +292,8 @@ class Trim:
             flow.request.content = content
         st.trim = result.stats
         st.prompt_tokens = result.stats["tokens_after"]
+        if apis.get(st.api).windows is not None and not flow.request.stream:
+            self._refusable.add(flow)
 
     def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:
         """In the worker thread: the trim, and the new body's bytes if there is one."""

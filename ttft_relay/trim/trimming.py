@@ -5,7 +5,7 @@ items are, their roles, calls and results, what a shrunk part looks like) is its
 module's trim shape (`shape.Shape`, `ttft_relay/apis/`).
 
 A request over budget is cut down in this order, each step oldest first, until it fits
-`LOW_WATER` of the budget:
+its target below the budget (see "Cache-stable cuts"):
 
 1. **Shrink.** The bodies of old tool results, then old tool-call arguments, then old
    images are replaced by a short placeholder saying how much was removed (what
@@ -15,7 +15,9 @@ A request over budget is cut down in this order, each step oldest first, until i
 2. **Drop.** Whole turns — a turn starts at a user prompt, and a call and its results
    never straddle a cut — from the middle: the oldest ones after the pinned head first
    ("middle-out"). The head then meets the first kept prompt: two user messages in a
-   row, which Anthropic's Messages API combines into one turn, as its reference says.
+   row, which Anthropic's Messages API combines into one turn, as its reference says;
+   so that the model does not read the two as one question, a shape with `gap_notice`
+   (Anthropic's) always starts that prompt with the notice of what was left out.
 
 Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
 developer message, wherever it is (Anthropic's mid-conversation system messages too);
@@ -27,11 +29,15 @@ relay does not recognise, which is carried as it is.
 
 **Cache-stable cuts.** A provider's prompt cache hits on an identical prefix. A cut made
 to just fit the budget moves on every turn and misses the cache every time; instead the
-cut goes to `LOW_WATER` of the budget, and the plan (how far shrinking reached, where the
-drop ends) is remembered per conversation — recognised by a hash of its pinned head, no
-server state — in a bounded `PlanCache`. The conversation's next requests get the same
-plan as long as it keeps them within the budget, so each one sends its predecessor's
-body plus its own new items.
+plan (how far shrinking reached, where the drop ends) is remembered per conversation —
+recognised by a hash of its pinned head, no server state — in a bounded `PlanCache`, and
+the conversation's next requests get the same plan as long as it keeps them within the
+budget, so each one sends its predecessor's body plus its own new items. A request that
+makes a new cut shares little more than the pinned head with its predecessor, so what
+keeps the cache is how rarely cuts come: a new cut goes below the budget by room for
+`REQUESTS_BETWEEN_CUTS` requests at the conversation's own recent growth per request
+(read from its history: `_Trimmer.growth`), within `LEAST_HEADROOM` and `MOST_HEADROOM`
+of the budget (docs/trimming.md weighs the cache against the context a deeper cut loses).
 
 **Bounded counting.** Items are counted newest first; once the count passes
 `COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
@@ -47,7 +53,6 @@ import hashlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,65 +60,24 @@ import orjson
 
 from .. import apis
 from .shape import SHRINK_KINDS, Shape
-from .tokens import longest_prefix
+from .windows import Budget
 
-DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {
-    # OpenAI
-    "gpt-5": 400_000,
-    "gpt-5-chat": 128_000,
-    "gpt-5.1-chat": 128_000,
-    "gpt-5.2-chat": 128_000,
-    "codex-mini": 200_000,
-    "gpt-4.1": 1_047_576,
-    "gpt-4.5": 128_000,
-    "gpt-4o": 128_000,
-    "chatgpt-4o": 128_000,
-    "gpt-4-turbo": 128_000,
-    "gpt-4-1106": 128_000,
-    "gpt-4-0125": 128_000,
-    "gpt-4-32k": 32_768,
-    "gpt-4": 8_192,
-    "gpt-3.5-turbo": 16_385,
-    "gpt-oss": 131_072,
-    "o1": 200_000,
-    "o1-mini": 128_000,
-    "o1-preview": 128_000,
-    "o3": 200_000,
-    "o4-mini": 200_000,
-    # Anthropic: 200k; 1M with the context-1m beta header (`LONG_CONTEXT_WINDOWS`)
-    "claude-": 200_000,
-    # Google
-    "gemini-": 1_048_576,
-    "gemini-1.5-pro": 2_097_152,
-}
-"""Context window (input + output tokens) by model name prefix; the longest prefix wins."""
+REQUESTS_BETWEEN_CUTS = 16
+"""A new cut leaves room below the budget for this many of the conversation's next
+requests at its recent growth per request, so that they go with the same cut (the same
+prefix, a prompt-cache hit) and at most about one request in this many makes a new cut."""
 
-MAX_INPUT_TOKENS: dict[str, int] = {"gpt-5": 272_000, "gpt-5-chat": 128_000, "gpt-5.1-chat": 128_000, "gpt-5.2-chat": 128_000}
-"""Models whose API takes fewer input tokens than window minus output (GPT-5: 400k
-window, at most 272k of it input)."""
+GROWTH_WINDOW = 16
+"""The recent growth per request is read from this many of the conversation's last
+requests (the model's answers in its history, and what followed each)."""
 
-LONG_CONTEXT_WINDOWS: dict[str, int] = {"claude-": 1_000_000}
-"""Windows with the long-context beta header."""
+LEAST_HEADROOM = 0.1
+"""A new cut leaves at least this share of the budget free, however slowly the
+conversation grows: a cut that would hold only a few requests re-reads the whole prompt
+uncached for a few tokens of context."""
 
-KNOWN_MODELS = (
-    "claude-opus-4-6", "claude-opus-4-5-20251101", "claude-opus-4-1-20250805", "claude-opus-4-20250514",
-    "claude-sonnet-4-5-20250929", "claude-sonnet-4-20250514", "claude-haiku-4-5-20251001",
-    "claude-3-7-sonnet-latest", "claude-3-5-haiku-latest",
-    "gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-5-codex", "gpt-5-chat-latest", "gpt-5-pro",
-    "gpt-5.1", "gpt-5.1-codex", "gpt-5.1-codex-max", "gpt-5.1-codex-mini", "gpt-5.2", "gpt-5.2-codex",
-    "gpt-4.1", "gpt-4.1-mini", "gpt-4o", "gpt-4o-mini", "codex-mini-latest", "gpt-oss-120b",
-    "o1", "o3", "o3-mini", "o3-pro", "o4-mini",
-    "gemini-2.0-flash", "gemini-2.5-pro", "gemini-2.5-flash", "gemini-2.5-flash-lite",
-    "gemini-3-pro-preview", "gemini-3-flash-preview",
-)  # fmt: skip
-"""Models in use today: tests/test_trimming.py fails if one of them has no window."""
-
-DEFAULT_RESERVE_TOKENS = 4096
-"""Output tokens kept free when the request does not say how many it wants."""
-
-LOW_WATER = 0.6
-"""A new cut brings the request down to this share of the budget, so that the next turns
-of the conversation fit below the budget with the same cut (and the same prefix)."""
+MOST_HEADROOM = 0.6
+"""and at most this share: one cut never throws away more, however fast it grows."""
 
 COUNT_LIMIT = 2
 """Counting stops once this many budgets are counted; older items are dropped uncounted."""
@@ -129,6 +93,8 @@ class TokenCounter(Protocol):
 
     label: str
     """Name of the encoding, for the stats."""
+    source: str
+    """"exact" (the provider's tokenizer) or "estimate", for the stats."""
     request_overhead: int
     """Tokens added once per request."""
 
@@ -138,34 +104,6 @@ class TokenCounter(Protocol):
 
 
 # --- budget ----------------------------------------------------------------------------
-
-
-class ContextWindows:
-    """Context window per model name prefix: the defaults, updated by `overrides`.
-
-    An override of 0 removes a prefix, so its models count as unknown (user budget only).
-    Overrides apply with and without the long-context header.
-    """
-
-    def __init__(self, overrides: Mapping[str, int] | None = None) -> None:
-        overrides = {k.lower(): v for k, v in (overrides or {}).items()}
-        self.table = {p: t for p, t in {**DEFAULT_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
-        self.long_table = {p: t for p, t in {**self.table, **LONG_CONTEXT_WINDOWS, **overrides}.items() if t > 0}
-
-    def lookup(self, model: str | None, *, long_context: bool = False) -> int | None:
-        return longest_prefix(self.long_table if long_context else self.table, model)
-
-
-def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
-    """`["gpt-4o=128000", "my-model=32000"]` -> `{"gpt-4o": 128000, ...}`; ValueError if malformed."""
-    table = {}
-    for entry in entries:
-        prefix, sep, tokens = entry.partition("=")
-        prefix, tokens = prefix.strip(), tokens.strip()
-        if not sep or not prefix or not tokens.isdigit():
-            raise ValueError(f"expected 'model-prefix=tokens', got {entry!r}")
-        table[prefix] = int(tokens)
-    return table
 
 
 def max_output(api: str, body: Any) -> int | None:
@@ -178,38 +116,6 @@ def long_context(api: str, anthropic_beta: str | None) -> bool:
     """The request opens the model's long window (Claude's 1M: `anthropic-beta: context-1m-…`)."""
     shape = apis.get(api).trim_shape
     return shape is not None and shape.long_context(anthropic_beta)
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    tokens: int
-    """Most prompt tokens the request may carry."""
-    source: str
-    """"window" (the model's context window minus reserved output) or "user" (relay_trim_max_tokens)."""
-
-
-def budget_for(
-    model: str | None,
-    max_output: int | None,
-    *,
-    windows: ContextWindows,
-    user_max: int = 0,
-    default_reserve: int = DEFAULT_RESERVE_TOKENS,
-    long_context: bool = False,
-) -> Budget | None:
-    """The smallest of (context window - reserved output: the request's `max_output`, else
-    `default_reserve`), the model's input limit and `user_max` (0 = none). None when none
-    applies (unknown model, no user budget)."""
-    candidates = []
-    window = windows.lookup(model, long_context=long_context)
-    if window is not None:
-        room = max(window - (max_output or default_reserve), 0)
-        if (max_input := longest_prefix(MAX_INPUT_TOKENS, model)) is not None:
-            room = min(room, max_input)
-        candidates.append(Budget(room, "window"))
-    if user_max > 0:
-        candidates.append(Budget(user_max, "user"))
-    return min(candidates, key=lambda b: b.tokens, default=None)
 
 
 # --- conversation layout ---------------------------------------------------------------
@@ -334,8 +240,16 @@ class TrimResult:
     """For the timing record: see `trim`."""
 
 
-def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: str | None = None) -> dict[str, Any]:
-    """Stats with every key, for a request left untouched because of `reason`."""
+def untouched_stats(
+    reason: str | None, budget: Budget | None = None, encoding: str | None = None, count_source: str | None = None
+) -> dict[str, Any]:
+    """Stats with every key, for a request left untouched because of `reason`.
+
+    `budget_source` says whose word the budget rests on (`windows`: "window" known,
+    "configured", "learned" from the provider's refusal, "user"), `window` the window it
+    came from; `count_source` whether the count is the provider's own tokenizer's
+    ("exact") or an estimate (Claude, Gemini: "estimate"). A request the upstream refused
+    as too long also has `refused` (set by the addon)."""
     return {
         "trimmed": False,
         "reason": reason,
@@ -348,9 +262,12 @@ def untouched_stats(reason: str | None, budget: Budget | None = None, encoding: 
         "dropped_messages": 0,
         "shrunk_messages": 0,
         "plan": None,
+        "target": None,
         "budget": budget.tokens if budget else None,
         "budget_source": budget.source if budget else None,
+        "window": budget.window if budget else None,
         "encoding": encoding,
+        "count_source": count_source,
         "over_budget": False,
         "trim_ms": 0.0,
     }
@@ -368,11 +285,12 @@ def trim(
     """Bring `body` within `budget` (see the module docstring).
 
     Stats keys: see `untouched_stats`. `reason` says why the body is untouched (None when
-    trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused); tokens
-    are counted even without a budget, so `tokens_after` is the prompt size either way.
+    trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused), and
+    `target` where a new cut aimed (the budget less the room it leaves); tokens are counted
+    even without a budget, so `tokens_after` is the prompt size either way.
     """
     started = time.perf_counter()
-    stats = untouched_stats(None, budget, counter.label)
+    stats = untouched_stats(None, budget, counter.label, getattr(counter, "source", None))
     new_body = _Trimmer(body, api, budget, counter, plans, notice, stats).run()
     stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
     return TrimResult(new_body, stats)
@@ -441,7 +359,7 @@ class _Trimmer:
         uncounted = any(not lay.always[i] for i in range(lay.head_end, counted_from))
         stats.update(tokens_before=total, tokens_before_lower_bound=uncounted, tokens_after=total)
         if budget is None:
-            stats["reason"] = "no budget: unknown model and relay_trim_max_tokens is 0"
+            stats["reason"] = "no budget: the model's window is not known and relay_trim_max_tokens is 0"
             return None
         if total <= budget.tokens and not uncounted:
             stats["reason"] = "fits"
@@ -451,13 +369,19 @@ class _Trimmer:
 
         key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
-        kept_total = self._apply(plan, lay, fixed, shape) if plan is not None and self._valid(plan, lay) else None
+        kept_total = None
+        if plan is not None and self._valid(plan, lay):
+            kept_total = self._apply(plan, lay, fixed, shape)
+            if kept_total <= budget.tokens:
+                kept_total, shrunk = self._finish(plan, lay, shape, kept_total)  # the notice may not fit
         if plan is not None and kept_total is not None and kept_total <= budget.tokens:
             stats["plan"] = "kept"
             total = kept_total
         else:
             self._restore()
-            plan, total = self._new_plan(lay, floor, fixed, shape)
+            plan, total = self._new_plan(lay, floor, fixed, shape, counted_from)
+            if total <= budget.tokens:
+                total, shrunk = self._finish(plan, lay, shape, total)
             if total > budget.tokens:
                 stats.update(reason="over_budget", over_budget=True)
                 return None
@@ -466,13 +390,6 @@ class _Trimmer:
                 self.plans.put(key, plan)
 
         dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
-        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not items[i])
-        if self.notice and dropped_units and plan.cut < n:
-            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
-            if total + delta <= budget.tokens:
-                total += delta
-            else:
-                self.replace(plan.cut, items[plan.cut])
         new_items = [self.versions[i] for i in range(n) if lay.always[i] or i >= plan.cut]
         stats.update(
             trimmed=True,
@@ -483,6 +400,21 @@ class _Trimmer:
             shrunk_messages=shrunk,
         )
         return {**body, shape.items_key: new_items}
+
+    def _finish(self, plan: Plan, lay: Layout, shape: Shape, total: int) -> tuple[int, int]:
+        """After a drop, the notice in front of the first kept prompt (Anthropic's always, as
+        the API merges it with the head's user message; others' with relay_trim_notice, if it
+        fits). Returns the total with it, and how many kept items are shrunk."""
+        n = len(self.items)
+        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not self.items[i])
+        dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
+        if (self.notice or shape.gap_notice) and dropped_units and plan.cut < n:
+            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
+            if total + delta <= self.budget.tokens or shape.gap_notice:
+                total += delta
+            else:
+                self.replace(plan.cut, self.items[plan.cut])
+        return total, shrunk
 
     def _restore(self) -> None:
         """Every item back to its original, keeping the counts of those that were."""
@@ -512,9 +444,34 @@ class _Trimmer:
                 break
         return total
 
-    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape) -> tuple[Plan, int]:
-        """Shrink, then drop, oldest first, until the request fits the low-water mark."""
-        target = math.floor(self.budget.tokens * LOW_WATER)
+    def growth(self, lay: Layout, shape: Shape, counted_from: int) -> float | None:
+        """Tokens the conversation added per request over its last `GROWTH_WINDOW` requests:
+        each request added the model's previous answer and what followed it (tool results,
+        a prompt), so the items from the `GROWTH_WINDOW`-th last answer on are that many
+        requests' growth. Read from the request itself, it is there for a conversation's
+        first cut too, and after a restart. None before the model's first answer."""
+        items, answers, added = self.items, 0, 0
+        for i in range(len(items) - 1, max(lay.head_end, counted_from) - 1, -1):
+            added += self.count(i)
+            if shape.from_model(items[i]) and not (i > lay.head_end and shape.from_model(items[i - 1])):
+                answers += 1
+                if answers == GROWTH_WINDOW:
+                    break
+        return added / answers if answers else None
+
+    def target(self, lay: Layout, shape: Shape, counted_from: int) -> int:
+        """Where a new cut brings the request: `REQUESTS_BETWEEN_CUTS` requests' growth below
+        the budget, within `LEAST_HEADROOM` and `MOST_HEADROOM` of it."""
+        budget = self.budget.tokens
+        growth = self.growth(lay, shape, counted_from)
+        headroom = REQUESTS_BETWEEN_CUTS * growth if growth is not None else 0
+        headroom = min(max(headroom, LEAST_HEADROOM * budget), MOST_HEADROOM * budget)
+        return math.floor(budget - headroom)
+
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int) -> tuple[Plan, int]:
+        """Shrink, then drop, oldest first, until the request fits `target`."""
+        target = self.target(lay, shape, counted_from)
+        self.stats["target"] = target
         n = len(self.versions)
         cut = floor
         total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
@@ -545,17 +502,33 @@ def _shrunk(shape: Shape, item: dict) -> dict | None:
 def summary(stats: dict[str, Any]) -> str | None:
     """One line for the X-Relay-Trim header and the mitmweb comment; None if nothing to say.
 
-    Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000"
-                 ("+" after tokens before: at least that many, counting stopped early)
-    Over budget: "over_budget; tokens=150000+; budget=120000"
+    Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=window:200000"
+                 ("+" after tokens before: at least that many, counting stopped early;
+                 `by`: whose word the budget rests on, `by_word`)
+    Over budget: "over_budget; tokens=150000+; budget=120000; by=user"
+    Either, after a refusal as too long: "...; refused=219898>200000; resent"
     """
     before = f"{stats['tokens_before']}{'+' if stats['tokens_before_lower_bound'] else ''}"
     if stats.get("trimmed"):
-        return (
+        line = (
             f"dropped={stats['dropped_units']}; shrunk={stats['shrunk_messages']}; "
             f"messages={stats['messages_before']}->{stats['messages_after']}; "
-            f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}"
+            f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}; by={by_word(stats)}"
         )
-    if stats.get("over_budget"):
-        return f"over_budget; tokens={before}; budget={stats['budget']}"
-    return None
+    elif stats.get("over_budget"):
+        line = f"over_budget; tokens={before}; budget={stats['budget']}; by={by_word(stats)}"
+    elif not stats.get("refused"):
+        return None
+    else:
+        line = f"untouched ({stats.get('reason')})"
+    if refused := stats.get("refused"):
+        line += f"; refused={refused.get('provider_tokens') or '?'}>{refused.get('max_input') or refused.get('window')}"
+        line += "; resent" if refused.get("resent") else ""
+    return line
+
+
+def by_word(stats: dict[str, Any]) -> str:
+    """Whose word the budget rests on: "window:200000" (known), "learned:200000" (the
+    provider's refusal), "configured:32000" (relay_context_windows), "user"."""
+    source = stats.get("budget_source")
+    return f"{source}:{stats['window']}" if stats.get("window") else str(source)

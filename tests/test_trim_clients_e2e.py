@@ -1,0 +1,218 @@
+"""The real coding-agent CLIs (the newest Claude Code and Codex CLI on npm) in agent loops through a
+real relay: with no budget set, trimmed only on the provider's word; with one, cache-stable.
+
+The fake upstream answers each request with a tool call (Claude Code: `Read` a file of the
+sandbox; Codex: `exec_command` to `cat` it) until the conversation carries `rounds` results, so
+the CLI sends one request per round, each the previous history plus the call and its result,
+as in a real session; then the text answer. With a `window`, the fake refuses a longer request
+(its tokens: body bytes / 4) in its API's own words: Anthropic names the limit ("prompt is too
+long: N tokens > M maximum"), the Responses API does not. Codex talks HTTP SSE
+(`supports_websockets = false`): the relay trims HTTP requests.
+
+What each CLI did is what docs/trimming.md reports.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ttft_relay.trim import windows
+from tests import shaped
+from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec, installed_clis
+from tests.conftest import reverse_to
+from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
+from tests.fakes.replies import CHARS_PER_TOKEN, answer_text
+
+PROMPT = "Read the files f0.txt, f1.txt, ... one by one."
+RUN_TIMEOUT_S = 240
+CLAUDE_MODEL, CLAUDE_MAX_TOKENS = "claude-opus-5-5", 128_000
+"""What Claude Code 2.1.332 asks for: a model in no table of the relay's, and 128k of output,
+so that a guessed 200k window would leave 72,000 tokens of prompt."""
+GUESSED_BUDGET = 200_000 - CLAUDE_MAX_TOKENS
+NEW_GPT = "gpt-5.5"
+"""A model the Codex CLI knows (its own window: 272k) and the relay's table does not."""
+CODEX_CONTEXT_FULL = "Codex ran out of room in the model's context window"
+SHARE_GOAL = 0.90
+
+
+@pytest.fixture(scope="module")
+def clis() -> Clis:
+    return installed_clis()
+
+
+@pytest.fixture(scope="module")
+def refusing() -> Iterator[RefusingProxy]:
+    with RefusingProxy() as proxy:
+        yield proxy
+
+
+def write_files(sandbox: AgentSandbox, rounds: int, lines: int) -> None:
+    """`f0.txt` ... one per round, `lines` numbered lines of filler words each (English, code, Chinese)."""
+    for n in range(rounds):
+        text = "\n".join(f"{i} " + shaped.words(8, n * 100_003 + i) for i in range(lines))
+        (sandbox.workdir / f"f{n}.txt").write_text(text + "\n")
+
+
+def claude_loop(clis: Clis, refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str,
+                rounds: int, lines: int) -> CliRun:
+    sandbox = AgentSandbox(root, refusing.url)
+    write_files(sandbox, rounds, lines)
+    fake.behaviour.tool_call = 'Read {"file_path": "%s/f{n}.txt"}' % sandbox.workdir
+    fake.behaviour.tool_rounds = rounds
+    return claude_print(clis, sandbox, PROMPT, sandbox.env(ANTHROPIC_BASE_URL=relay_url), timeout=RUN_TIMEOUT_S)
+
+
+def codex_sandbox(refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str, rounds: int, lines: int,
+                  model: str) -> AgentSandbox:
+    sandbox = AgentSandbox(root, refusing.url)
+    write_files(sandbox, rounds, lines)
+    config = sandbox.write_codex_config(relay_url + "/v1", websockets=False)
+    config.write_text(config.read_text().replace('model = "gpt-test"', f'model = "{model}"'))
+    fake.behaviour.tool_call = 'exec_command {"cmd": "cat f{n}.txt"}'
+    fake.behaviour.tool_rounds = rounds
+    return sandbox
+
+
+def codex_failure(run: CliRun) -> str | None:
+    return next((e["error"]["message"] for _, e in run.events() if e.get("type") == "turn.failed"), None)
+
+
+def posts(fake: FakeUpstream) -> list[tuple[bytes, int]]:
+    """Each model request the fake read (Claude Code also counts big tool results' tokens at
+    /v1/messages/count_tokens), its body and the status it answered."""
+    return [(r.body, s.status) for r, s in zip(fake.received, fake.sent)
+            if r.method == "POST" and r.path.partition("?")[0].endswith(("/messages", "/responses"))]
+
+
+def fake_tokens(body: bytes) -> int:
+    return len(body) // CHARS_PER_TOKEN
+
+
+def records(relay) -> list[dict]:
+    relay.stop()  # flushes the timing log
+    return [r for r in relay.log.records() if r["trim"] is not None]  # model requests (not count_tokens)
+
+
+def tool_results(body: dict) -> list[str]:
+    return [str(b["content"]) for m in body["messages"] if isinstance(m["content"], list)
+            for b in m["content"] if b.get("type") == "tool_result"]
+
+
+# --- no budget: trimmed on the provider's word only ---------------------------------------------
+
+
+def test_claude_code_with_no_budget_is_not_trimmed_on_a_guess(clis, refusing, start_relay, tmp_path):
+    # Claude Code's newest model is in no table: its window is not known, so nothing is trimmed,
+    # however long the prompt grows (here beyond the 72,000 tokens a guessed 200k window left).
+    with FakeUpstream(behaviour=Behaviour()) as fake:
+        relay = start_relay(reverse_to(fake))
+        run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=9, lines=600)
+        assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
+        sent = [orjson.loads(body) for body, status in posts(fake)]
+    assert len(sent) == 10 and {(b["model"], b["max_tokens"]) for b in sent} == {(CLAUDE_MODEL, CLAUDE_MAX_TOKENS)}
+    for n, body in enumerate(sent):  # every file's content went upstream whole
+        assert len(tool_results(body)) == n and "[ttft-relay:" not in orjson.dumps(body).decode()
+    recs = records(relay)
+    assert len(recs) == len(sent)
+    for rec in recs:
+        assert rec["trim"]["trimmed"] is False and rec["trim"]["budget"] is None, rec["trim"]
+        assert rec["trim"]["reason"].startswith("no budget: the model's window is not known")
+    assert recs[-1]["prompt_tokens"] > GUESSED_BUDGET
+
+
+def test_claude_code_refused_as_too_long_is_trimmed_once_on_the_providers_word(clis, refusing, start_relay, tmp_path):
+    # The fake's window is 40k of its tokens: the loop's fifth request is over it. The relay
+    # learns the limit from the refusal, trims that request to it and sends it once more;
+    # Claude Code gets the answer and goes on, and its next requests are trimmed at once.
+    window = 40_000
+    with FakeUpstream(behaviour=Behaviour(window=window)) as fake:
+        relay = start_relay(reverse_to(fake))
+        run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=9, lines=600)
+        assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
+        sent = posts(fake)
+        learned_file = relay.log.path.parent / windows.FILE_NAME
+    statuses = [status for _, status in sent]
+    assert statuses.count(400) == 1 and set(statuses) == {200, 400}, statuses
+    refused_at = statuses.index(400)
+    refused, resent = (orjson.loads(body) for body, _ in sent[refused_at : refused_at + 2])
+    assert fake_tokens(sent[refused_at][0]) > window
+    assert all(fake_tokens(body) <= window for body, status in sent if status == 200)
+    assert shaped.problems(shaped.ANTHROPIC, refused, resent) == []  # a request the API takes
+    assert resent["messages"][-1] == refused["messages"][-1]  # the newest result whole
+    assert len(tool_results(resent)) == len(tool_results(refused)) and "[ttft-relay:" in str(tool_results(resent)[0])
+
+    recs = records(relay)
+    assert len(recs) == len(sent) - 1  # one record for the refused request and its resend
+    before, (refusal_rec, *after) = recs[:refused_at], recs[refused_at:]
+    assert [r["trim"]["trimmed"] for r in before] == [False] * refused_at  # accepted: untouched
+    refusal = refusal_rec["trim"]["refused"]
+    assert refusal["resent"] is True and refusal["max_input"] == window and refusal_rec["status"] == 200
+    assert after and all(r["trim"]["budget_source"] == "learned" and r["trim"]["trimmed"] for r in after)
+    assert all("refused" not in r["trim"] for r in after)
+    # Only requests the provider would refuse are trimmed: none smaller than the refused one.
+    assert min(r["trim"]["tokens_before"] for r in [refusal_rec, *after]) >= refusal["relay_tokens"]
+    lessons = [orjson.loads(line) for line in learned_file.read_bytes().splitlines()]
+    assert [(w["model"], w["max_input"]) for w in lessons] == [(CLAUDE_MODEL, window)]
+
+
+def test_codex_gets_a_refusal_that_names_no_limit_as_it_came(clis, refusing, start_relay, tmp_path):
+    # The Responses API's refusal names no limit: nothing to trim to, so the relay passes it on.
+    # Codex CLI 0.171.0 then fails the turn at once, and a resumed thread sends its whole history
+    # again, to the same refusal: it does not compact on a refusal.
+    with FakeUpstream(behaviour=Behaviour(window=30_000)) as fake:
+        relay = start_relay(reverse_to(fake))
+        sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=12, lines=300, model=NEW_GPT)
+        run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+        assert run.returncode != 0 and CODEX_CONTEXT_FULL in (codex_failure(run) or ""), run.describe()
+        first = posts(fake)
+        fake.behaviour.tool_rounds = 0
+        resumed = sandbox.run([str(clis.codex), "exec", "--json", "--skip-git-repo-check", "resume", "--last",
+                               "Go on."], sandbox.env(), timeout=RUN_TIMEOUT_S)
+        assert resumed.returncode != 0 and CODEX_CONTEXT_FULL in (codex_failure(resumed) or ""), resumed.describe()
+        again = posts(fake)[len(first):]
+    statuses = [status for _, status in first]
+    assert statuses[-1] == 400 and statuses[:-1] == [200] * (len(first) - 1)  # refused once, not retried
+    ((body, status),) = again
+    assert status == 400 and fake_tokens(body) > fake_tokens(first[-1][0])  # the whole history and "Go on."
+    recs = records(relay)
+    assert [r["status"] for r in recs] == statuses + [400]
+    assert all(r["trim"]["trimmed"] is False and r["trim"]["budget"] is None for r in recs)
+    for rec in recs[-2:]:
+        assert rec["trim"]["refused"]["resent"] is False and rec["trim"]["refused"]["window"] is None
+    assert not (relay.log.path.parent / windows.FILE_NAME).exists()
+
+
+# --- a budget set: prefix sharing on the real sessions -------------------------------------------
+
+
+@pytest.mark.parametrize("cli", ["claude", "codex"])
+def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli):
+    # 80 tool rounds of ~700 tokens each over a 40k budget: about half the session is trimmed.
+    budget = 40_000
+    with FakeUpstream(behaviour=Behaviour()) as fake:
+        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
+        if cli == "claude":
+            api = shaped.ANTHROPIC
+            run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=80, lines=40)
+            assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
+        else:
+            api = shaped.RESPONSES
+            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=80, lines=40, model="gpt-test")
+            run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+            assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        sent = [orjson.loads(body) for body, status in posts(fake)]
+    recs = records(relay)
+    assert len(recs) == len(sent) == 81
+    shares = [shaped.prefix_share(api, previous, body)
+              for previous, body, rec in zip(sent, sent[1:], recs[1:]) if rec["trim"]["trimmed"]]
+    new_cuts = sum(rec["trim"]["plan"] == "new" for rec in recs)
+    summary = (f"{cli}: {len(shares)} of {len(sent)} requests trimmed, {new_cuts} new cuts, prefix share mean "
+               f"{statistics.mean(shares):.3f}, min {min(shares):.3f}")
+    print(summary)
+    assert len(shares) > 30 and all(r["trim"]["tokens_after"] <= budget for r in recs), summary
+    assert statistics.mean(shares) >= SHARE_GOAL, summary
