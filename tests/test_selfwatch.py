@@ -99,7 +99,8 @@ def test_forgets_a_connections_retransmit_count_when_it_closes():
 
     watch = selfwatch.SelfWatch()
     client, server = tflow.tclient_conn(), tflow.tserver_conn()
-    watch.retrans_seen.update({client.id: 3, server.id: 1})
+    watch.counted.update({client.id: selfwatch.Counters(3, 0, 0), server.id: selfwatch.Counters(1, 0, 0)})
+    watch.handshakes[client.id] = 1.0
     watch.client_disconnected(client)
     watch.server_disconnected(server_hooks.ServerConnectionHookData(server=server, client=client))
-    assert watch.retrans_seen == {}
+    assert watch.counted == {} and watch.handshakes == {}

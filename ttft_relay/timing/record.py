@@ -110,11 +110,25 @@ class Record:
     client_rtt_ms: float | None = None
     """The client connection's smoothed round trip (Linux TCP_INFO)."""
     client_retransmits: int | None = None
-    """Segments the kernel retransmitted to the client during the request."""
+    """Segments the kernel retransmitted to the client during the request, counted once the
+    client acknowledged the response (or `selfwatch.SETTLE_MAX_S` passed)."""
     upstream_tcp_rtt_ms: float | None = None
     """The upstream connection's smoothed round trip (TCP_INFO: to the next hop)."""
     upstream_retransmits: int | None = None
     """Segments retransmitted to the upstream during the request."""
+    client_min_rtt_ms: float | None = None
+    """The client connection's minimum round trip (TCP_INFO): the path's own, without the
+    queueing and delayed acknowledgements that inflate the smoothed one."""
+    client_retransmit_ms: float | None = None
+    """Time the relay's sending to the client spent in retransmission timeouts during the
+    request (TCP_INFO, Linux 6.7+)."""
+    client_out_of_order: int | None = None
+    """Packets from the client that arrived out of order during the request: the client
+    lost segments and sent them again."""
+    upstream_retransmit_ms: float | None = None
+    """As `client_retransmit_ms`, towards the upstream."""
+    upstream_out_of_order: int | None = None
+    """As `client_out_of_order`, from the upstream."""
 
     def as_dict(self) -> dict[str, Any]:
         """The record as plain data: one JSON line of the timing log, `flow.metadata`'s copy."""
@@ -168,15 +182,17 @@ def build_record(
     token of its own: its phases end at the `101`. `links`: the `LINK_KEYS` known.
     """
     handshake = transport == WEBSOCKET and turn == 0
-    p = phases.compute(marks, tokens_expected=tokens_expected)
-    if handshake or prewarm:
-        # Neither is an answer: their time is in the phases, never a (slow) first token.
-        p.pop("ttft", None)
-    links = {key: (links or {}).get(key) for key in LINK_KEYS}
     if (error or client_aborted) and error_phase is None:
         error_phase = phases.error_phase(
             marks, tls_expected=tls_expected, tokens_expected=tokens_expected
         )
+    # A failed request's wait runs on in the phase it failed in, up to its end.
+    p = phases.compute(marks, tokens_expected=tokens_expected,
+                       unfinished=error_phase if error or client_aborted else None)
+    if handshake or prewarm:
+        # Neither is an answer: their time is in the phases, never a (slow) first token.
+        p.pop("ttft", None)
+    links = {key: (links or {}).get(key) for key in LINK_KEYS}
     output_tokens = (usage or {}).get("output_tokens") or token_events
     stream_s = p.get("stream", 0.0) / 1000
     verdict = phases.verdict(
@@ -188,7 +204,8 @@ def build_record(
         error_phase=error_phase,
         client_aborted=client_aborted,
         loop_lag_ms=links["loop_lag_ms"],
-        client_rtt_ms=links["client_rtt_ms"],
+        client_rtt_ms=client_link_ms(links),
+        upstream_retransmit_ms=links["upstream_retransmit_ms"],
     )
     if handshake and (error or client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
@@ -228,6 +245,19 @@ def build_record(
     for key, value in links.items():
         setattr(rec, key, value)
     return rec
+
+
+def client_link_ms(links: Mapping[str, Any]) -> float | None:
+    """What the client's link cost the request, as far as the kernel tells: one round trip
+    (the request in, the first token out; the path's minimum, so that a smoothed RTT that
+    delayed acknowledgements inflated on loopback is not taken for a far client) plus the
+    time the relay's sending to the client spent waiting on retransmission timeouts."""
+    rtt = links.get("client_min_rtt_ms")
+    if rtt is None:
+        rtt = links.get("client_rtt_ms")
+    if rtt is None:
+        return None
+    return rtt + (links.get("client_retransmit_ms") or 0.0)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
