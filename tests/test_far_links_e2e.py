@@ -303,3 +303,84 @@ def test_a_far_lossy_client_of_n_workers_is_named_client_network(far_link, fake_
         output = workers.stop()
     assert "Addon error" not in output, output[-3000:]
     check_client_link(seen, records, drops, RELAY_PORT)
+
+
+UPSTREAM_ONE_WAY_MS = 50  # a 100 ms round trip from the VPS to its provider
+UPSTREAM_LOSS = 0.05
+SLOW_SERVER_MS = 300
+UPSTREAM_LINK = (phases.UPSTREAM_CONNECT, phases.UPSTREAM_TLS, phases.UPSTREAM_NETWORK)
+"""The verdicts that name the upstream's link: its TCP connect, its TLS handshake, its round trip."""
+
+
+def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool) -> list[str]:
+    """`n` requests from a client beside the relay (call inside its namespace): each on a
+    connection of its own (so each opens an upstream connection), or all on one kept-alive
+    connection. Returns their request ids."""
+    ids = [f"{label}-{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
+    conn = None
+    try:
+        for rid in ids:
+            if conn is None or fresh:
+                if conn is not None:
+                    conn.close()
+                conn = HttpConnection(relay.url())
+            response = conn.request("POST", "/v1/chat/completions", BODY, {"x-request-id": rid})
+            assert response.status == 200, response.read()
+            response.read()
+    finally:
+        if conn is not None:
+            conn.close()
+    return ids
+
+
+def test_a_far_upstream_is_its_network_and_a_lossy_one_is_told_apart_from_a_slow_server(far_link, certs, confdir,
+                                                                                       tmp_path):
+    far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, seed=11)
+    with far.far.entered():
+        fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip).start()
+    try:
+        fake.behaviour.prefill_ms = 10
+        # The test CA names localhost, not the far side's address: TLS is real, its name unchecked.
+        relay = relay_in(far.near, [f"reverse:https://{far.far.ip}:{fake.port}@0"], confdir,
+                         tmp_path / "timing.jsonl", ssl_insecure=True)
+        with relay, far.near.entered():
+            fresh = upstream_requests(relay, 6, "fresh", fresh=True)  # each opens an upstream connection
+            kept = upstream_requests(relay, 6, "kept", fresh=False)
+            fake.behaviour.head_delay_ms = SLOW_SERVER_MS  # a slow server behind the same far link
+            slow = upstream_requests(relay, 8, "slow", fresh=False)
+            fake.behaviour.head_delay_ms = 0
+            far.set(NEAR, loss=UPSTREAM_LOSS)  # a fast server behind a lossy link
+            far.set(FAR, loss=UPSTREAM_LOSS)
+            lossy = upstream_requests(relay, 24, "lossy", fresh=False)
+            records = {r["request_id"]: r for r in relay.log.wait(6 + 6 + 8 + 24)}
+    finally:
+        fake.stop()
+    assert "Addon error" not in relay.text()
+
+    def table(ids: list[str]) -> dict[str, tuple]:
+        return {rid: (records[rid]["verdict"], records[rid]["ttft_ms"], records[rid]["upstream_retransmits"],
+                      records[rid]["upstream_out_of_order"], records[rid]["upstream_retransmit_ms"],
+                      records[rid]["phases"].get("upstream_wait")) for rid in ids}
+
+    # Far: the relay learns the round trip from the handshakes, and names the link.
+    assert all(0.9 * 2 * UPSTREAM_ONE_WAY_MS <= records[rid]["rtt_ms"] <= 1.5 * 2 * UPSTREAM_ONE_WAY_MS
+               for rid in fresh + kept), table(fresh + kept)
+    assert all(records[rid]["verdict"] in UPSTREAM_LINK for rid in fresh), table(fresh)
+    assert all(records[rid]["verdict"] == phases.UPSTREAM_NETWORK for rid in kept[1:]), table(kept)
+    # Slow: the same link, a server that takes its time: the upstream's own wait, no loss.
+    assert all(records[rid]["verdict"] == phases.UPSTREAM_WAIT and not records[rid]["upstream_retransmits"]
+               and not records[rid]["upstream_out_of_order"] for rid in slow), table(slow)
+    # Lossy: told apart from a slow server. The loss a request met is in its record, and names
+    # the link wherever the record can time it: a request resent (the kernel's last send of
+    # it), an answer segment lost and sent again (one round trip at least). An answer segment
+    # the upstream resent only after its retransmission timeout is counted, not timed.
+    def lost(rid: str) -> bool:
+        return bool(records[rid]["upstream_retransmits"] or records[rid]["upstream_out_of_order"])
+
+    assert not [rid for rid in lossy if records[rid]["verdict"] == phases.UPSTREAM_WAIT and not lost(rid)], \
+        table(lossy)
+    clean = statistics.median(records[rid]["ttft_ms"] for rid in kept)
+    slowed = [rid for rid in lossy if records[rid]["ttft_ms"] > clean + 0.4 * 2 * UPSTREAM_ONE_WAY_MS]
+    assert len(slowed) >= 2, f"the link's loss slowed {len(slowed)} requests: too few to tell anything apart {table(lossy)}"
+    named = [rid for rid in slowed if records[rid]["verdict"] in UPSTREAM_LINK]
+    assert len(named) >= 0.75 * len(slowed), table(slowed)

@@ -308,7 +308,7 @@ class _ContentCoding:
 class FakeUpstream:
     """The fake API server. Use as a context manager or call `start()` / `stop()` (once each).
 
-    Binds 127.0.0.1 (`port` 0: any free port). With `tls` and no `certs`, it makes
+    Binds `host` (127.0.0.1; `port` 0: any free port). With `tls` and no `certs`, it makes
     its own in a temporary directory (`fake.certs.ca_pem` is the CA to trust).
     """
 
@@ -320,8 +320,10 @@ class FakeUpstream:
         port: int = 0,
         behaviour: Behaviour | None = None,
         h2: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         self.tls = tls
+        self.host = host
         self.h2 = h2
         self.certs = certs
         self.behaviour = behaviour or Behaviour()
@@ -361,7 +363,7 @@ class FakeUpstream:
         alpn = ("h2", "http/1.1") if self.h2 else ("http/1.1",)
         ssl_context = self.certs.server_context(alpn) if self.certs and self.tls else None
         return await asyncio.start_server(
-            self._serve_connection, "127.0.0.1", self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
+            self._serve_connection, self.host, self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
         )
 
     def stop(self) -> None:

@@ -20,6 +20,8 @@ only once that connection is ready.
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
     upstream_tcp            TCP is up                                           } this request
     upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    upstream_resent         the relay's kernel last sent the request again: only when it was
+                            retransmitted on the way (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)
     response_head           response head parsed
     first_byte              first response body chunk
@@ -90,6 +92,7 @@ MARKS = (
     "upstream_connect_start",
     "upstream_tcp",
     "upstream_tls",
+    "upstream_resent",
     "head_arrived",
     "response_head",
     "first_byte",
@@ -310,15 +313,17 @@ def contributions(
     a far-away upstream differs from a slow one. Where the upstream says how long it
     worked on the request before its head (`upstream_ms`, OpenAI's
     `openai-processing-ms`), the rest of the wait is network; otherwise the
-    round-trip estimate is, plus the time the request spent in retransmission
-    timeouts on the way (`upstream_retransmit_ms`): a lossy link, not a slow server.
+    round-trip estimate is, plus what the link lost to retransmissions before the
+    first token (`upstream_retransmit_ms`): a lossy link, not a slow server.
     The time from head to first token is the upstream's too (prefill after an early head).
     """
     wait = phases.get("upstream_wait", 0.0)
     if upstream_ms is not None:
         network = max(0.0, wait - upstream_ms)
     else:
-        network = min((rtt_ms or 0.0) + (upstream_retransmit_ms or 0.0), wait)
+        # A lost segment of the answer delays the first token after the head as well.
+        network = min(rtt_ms or 0.0, wait)
+        network += min(upstream_retransmit_ms or 0.0, wait - network + phases.get("head_to_first_token", 0.0))
     relay_stall = min(stall, loop_lag_ms or 0.0)
     return {
         CLIENT_NETWORK: client_rtt_ms or 0.0,

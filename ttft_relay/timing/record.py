@@ -126,7 +126,9 @@ class Record:
     """Packets from the client that arrived out of order during the request: the client
     lost segments and sent them again."""
     upstream_retransmit_ms: float | None = None
-    """As `client_retransmit_ms`, towards the upstream."""
+    """What the upstream link lost to retransmissions before the first token: the request
+    resent (`upstream_resent` after it was first sent), plus one round trip where answer
+    packets came out of order (the least a lost segment costs); upstream network in the verdict."""
     upstream_out_of_order: int | None = None
     """As `client_out_of_order`, from the upstream."""
 

@@ -52,6 +52,7 @@ import logging
 import socket
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
@@ -91,7 +92,8 @@ class TcpInfo(NamedTuple):
     """The fields of Linux's `struct tcp_info` the relay reads (times in ms)."""
 
     unacked: int
-    """For a listening socket: connections waiting in its accept queue."""
+    """For a listening socket: connections waiting in its accept queue; else segments sent
+    and not acknowledged yet."""
     sacked: int
     """For a listening socket: the accept queue's limit (the backlog)."""
     last_data_recv_ms: int
@@ -100,6 +102,8 @@ class TcpInfo(NamedTuple):
     """Smoothed round-trip time."""
     total_retrans: int
     """Segments retransmitted over the connection's life."""
+    last_data_sent_ms: int | None = None
+    """How long ago the kernel last sent data (a retransmission included)."""
     bytes_received: int | None = None
     """Payload bytes received over the connection's life."""
     notsent_bytes: int | None = None
@@ -131,6 +135,7 @@ def parse_tcp_info(raw: bytes) -> TcpInfo | None:
     min_rtt_us = _field(raw, "=I", 148)
     return TcpInfo(
         unacked, sacked, last_data_recv, rtt_us / 1000, total_retrans,
+        last_data_sent_ms=_field(raw, "=I", 44),
         bytes_received=_field(raw, "=Q", 128),
         notsent_bytes=_field(raw, "=I", 144),
         min_rtt_ms=None if min_rtt_us in (None, _NO_MIN_RTT) else min_rtt_us / 1000,
@@ -249,13 +254,6 @@ class LoopLag:
         return worst
 
 
-def _probe_token(st: state.FlowState, sock: socket.socket | None) -> None:
-    """Mark when the kernel had the first token's chunk (called once by the stream tap)."""
-    if st.watcher is not None and st.watcher.first_token is not None:
-        if (t := arrival(sock, st.watcher.first_token)) is not None:
-            st.marks.setdefault("token_arrived", t)
-
-
 class SelfWatch:
     """Measures the relay's own event loop and sockets; marks what the kernel held."""
 
@@ -269,6 +267,8 @@ class SelfWatch:
         """Per client id whose first request is still to come: when its SYN reached the relay."""
         self.settling: dict[str, http.HTTPFlow] = {}
         """Per client id, its flow whose client figures wait for the client's acknowledgement."""
+        self.reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
+        """Per flow, answer packets from the upstream that came out of order before its first token."""
 
     def subscribe(self, fn: Callable[[float, dict[str, int] | None], None]) -> None:
         """`fn(lag_s, accept_queues)` for every lag sample; `accept_queues` ({listen
@@ -349,9 +349,23 @@ class SelfWatch:
         upstream = self._socket(flow, flow.server_conn)
         if (t := arrival(upstream, flow.response.timestamp_start)) is not None:
             state.mark(flow, "head_arrived", t)
+        self._count_reordered(flow, upstream)
         tap = flow.response.stream
         if hasattr(tap, "on_first_token"):  # streaming.StreamTap: it calls back once, after the first token
-            tap.on_first_token = functools.partial(_probe_token, st, upstream)
+            tap.on_first_token = functools.partial(self._probe_token, flow, st, upstream)
+
+    def _probe_token(self, flow: http.HTTPFlow, st: state.FlowState, sock: socket.socket | None) -> None:
+        """Mark when the kernel had the first token's chunk (called once by the stream tap)."""
+        if st.watcher is not None and st.watcher.first_token is not None:
+            if (t := arrival(sock, st.watcher.first_token)) is not None:
+                st.marks.setdefault("token_arrived", t)
+        self._count_reordered(flow, sock)
+
+    def _count_reordered(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
+        if (info := tcp_info(sock)) is not None:
+            before = self.counted.get(flow.server_conn.id)
+            if (ooo := Counters.of(info).since(before).out_of_order) is not None:
+                self.reordered[flow] = ooo
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._links(flow)
@@ -368,8 +382,11 @@ class SelfWatch:
         start = min(st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
         # A WebSocket's handshake: its turns follow at once on the same connection.
         settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
+        self._mark_resent(flow, st)
         st.links = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3),
                     **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
+        if "upstream_retransmit_ms" in st.links:
+            st.links["upstream_retransmit_ms"] = self._upstream_lost_ms(flow, st)
         if settling:
             st.settle = functools.partial(self._settle, flow, time.monotonic() + SETTLE_MAX_S)
             self.settling[flow.client_conn.id] = flow
@@ -397,6 +414,35 @@ class SelfWatch:
         if st is not None and st.links is not None and st.settle is not None:
             st.links.update(self.side_links(flow, "client"))
             st.settle = None
+
+    def _mark_resent(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+        """Mark `upstream_resent` if the upstream connection retransmitted during the request:
+        the kernel's last send on it then is the request's last resending (the relay sends
+        the upstream nothing else while it waits on its answer)."""
+        conn = flow.server_conn
+        info = tcp_info(self._socket(flow, conn)) if conn.timestamp_start is not None else None
+        if info is None or info.last_data_sent_ms is None:
+            return
+        before = self.counted.get(conn.id)
+        if info.total_retrans > (before.retransmits if before is not None else 0):
+            state.mark(flow, "upstream_resent", time.time() - info.last_data_sent_ms / 1000)
+
+    def _upstream_lost_ms(self, flow: http.HTTPFlow, st: state.FlowState) -> float:
+        """What the upstream link lost to retransmissions before the first token: the request's
+        resending (`upstream_resent` after it was first sent) and, where answer packets came out
+        of order, one round trip: the least a lost segment costs (the sender learns of the
+        hole from the relay's acknowledgements)."""
+        m = st.marks
+        sent = max(t for t in (m.get("forwarded"), m.get("upstream_tcp"), m.get("upstream_tls")) if t is not None) \
+            if m.get("forwarded") is not None else None
+        lost = 0.0
+        if (resent := m.get("upstream_resent")) is not None and sent is not None:
+            lost += max(0.0, resent - sent) * 1000
+        if self.reordered.get(flow):
+            info = tcp_info(self._socket(flow, flow.server_conn))
+            if info is not None and info.min_rtt_ms is not None:
+                lost += info.min_rtt_ms
+        return round(lost, 3)
 
     def side_links(self, flow: http.HTTPFlow, side: str, *, final: bool = True) -> dict[str, float | int | None]:
         """The `record.LINK_KEYS` of one side of `flow` ("client", "upstream"): its round
