@@ -110,8 +110,10 @@ def test_a_hung_handshake_is_recorded_with_the_time_it_cost(fake, shared_relay, 
     waited_ms = (time.time() - started) * 1000
     (rec,) = relay.log.of(rid)
     assert rec["client_aborted"] and rec["verdict"] == "websocket handshake failed: client aborted in upstream wait"
-    # The second the client waited, less however late a busy relay read the head.
+    # The second the client waited, less however late a busy relay read the head: all of it
+    # in the phase the handshake was in.
     assert 500 <= rec["phases"]["total"] <= waited_ms + 1000, rec["marks"]
+    assert rec["phases"]["upstream_wait"] >= 0.9 * rec["phases"]["total"], rec["phases"]
 
 
 def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, shared_relay, rid):
@@ -157,3 +159,20 @@ def test_the_openai_sdks_websocket_client(fake, shared_relay, rid):
     turns = [r for r in relay.log.of(rid, 2) if r["turn"]]
     assert [(r["turn"], r["error"], r["model"]) for r in turns] == [(1, None, "gpt-5.1-codex")]
     assert turns[0]["ttft_ms"] is not None
+
+
+def test_an_upstream_that_closes_the_socket_it_accepted_fails_the_turn_the_client_sent(fake, shared_relay, rid):
+    # An upstream that takes the upgrade and closes the socket at once (1011): Codex has sent its
+    # first response.create (12 KB of context) by then, and gets no answer to it.
+    relay = shared_relay(reverse_to(fake))
+    create = {"type": "response.create", "model": "gpt-5.1-codex",
+              "input": [{"type": "message", "role": "user", "content": "x" * 12_000}]}
+    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-close-after-accept": "1011",
+                                                 "x-request-id": rid}) as client:
+        client.send_text(json.dumps(create))
+        assert client.receive(WAIT) is None  # closed, never answered
+        assert client.closed is not None and client.closed.code == 1011
+    handshake, failed = relay.log.of(rid, 2)
+    assert (handshake["turn"], handshake["status"], handshake["error"]) == (0, 101, None)
+    assert failed["turn"] == 1 and "close code 1011" in failed["error"] and not failed["client_aborted"], failed
+    assert failed["verdict"] == "error in upstream wait", failed

@@ -111,6 +111,9 @@ class Behaviour:
     """gzip the body if the request's Accept-Encoding allows it (streams: flushed per chunk)."""
     interim_status: int = 0
     """Send an interim (1xx) response, e.g. 103 Early Hints, before the real one; 0: none."""
+    close_after_accept: int = 0
+    """WebSocket: close the socket with this close code right after accepting the upgrade (an
+    upstream that takes the upgrade, then refuses the session); 0: do not."""
     hold_until_reset: int | None = None
     """HTTP/2: before this chunk, send an SSE comment every 0.2 s (never idle) until a stream
     on the same connection is reset, then the rest."""

@@ -16,6 +16,7 @@ The knobs are `Behaviour`'s, read from the upgrade request's `x-fake-*` headers
 
 - `status` >= 400 rejects the upgrade with that status and a JSON error body;
   `head_delay_ms` delays the `101`; `reset_before_headers` resets instead of answering;
+  `close_after_accept` closes the socket with that code right after the `101`;
 - per turn: `prefill_ms` before the first text delta, `gap_ms` between the other
   events, `chunks` text pieces, `reset_after_chunks` / `stall_after_chunks` as for
   HTTP (a reset ends the whole socket, as a crashed upstream would).
@@ -175,6 +176,11 @@ class ResponsesSocket:
             self.session.status = 101
             self.session.extensions = _header_in(accept, "sec-websocket-extensions")
             self._changed.notify_all()
+        if behaviour.close_after_accept:
+            writer.write(self._ws.send(CloseConnection(code=behaviour.close_after_accept, reason="session refused")))
+            await writer.drain()
+            writer.close()
+            return "complete"
 
         turns = asyncio.ensure_future(self._serve_turns(writer))
         try:

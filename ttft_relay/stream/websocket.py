@@ -28,7 +28,10 @@ A prewarm (`"generate": false`) is recorded as such, without a first token. The
 first-token and idle bounds of `faults.Deadlines` apply to turns as well: a turn
 that passes one is ended for the client with the API's own failure event
 (`response.failed`), and the upstream side of the socket is closed, so the client
-reconnects rather than waits on a response it was told has failed.
+reconnects rather than waits on a response it was told has failed. An upstream that
+accepts the upgrade and closes the socket before any turn fails the turn the client
+sent meanwhile (mitmproxy drops it unseen): a turn record with the close code, timed
+from the `101`.
 
 mitmproxy keeps every message of a WebSocket flow in `flow.websocket.messages` for
 the life of the flow, so one coding-agent session would hold every request and
@@ -58,6 +61,7 @@ from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 logger = logging.getLogger(__name__)
 
 CLOSED_EARLY = "WebSocket closed before the turn ended"
+CLOSED_BEFORE_TURN = "WebSocket closed by the upstream before its first turn"
 COMMENT_TURNS = 20
 """The newest turns listed in the flow's comment (mitmweb), newest first."""
 
@@ -163,12 +167,24 @@ class WebSocketTurns:
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         session = self.sessions.pop(flow, None)
-        if session is None or session.turn is None:
+        if session is None:
             return
         ws = flow.websocket
         code = f" (close code {ws.close_code})" if ws is not None and ws.close_code is not None else ""
-        self._finish(flow, session, error=CLOSED_EARLY + code,
-                     client_aborted=bool(ws is not None and ws.closed_by_client))
+        by_client = bool(ws is not None and ws.closed_by_client)
+        if session.turn is None and session.turns == 0 and not by_client:
+            # An upstream that takes the upgrade and ends the socket before answering a turn:
+            # a client sends its first turn as soon as it is connected (mitmproxy drops what
+            # arrives after the close), and that turn failed with the socket. Timed from the 101.
+            opened = flow.response.timestamp_start if flow.response is not None else time.time()
+            st = state.get(flow)
+            session.turns = 1
+            session.turn = Turn(1, opened, opened, st.model if st is not None else None, False,
+                                sse.StreamWatcher(session.api))
+            self._finish(flow, session, error=CLOSED_BEFORE_TURN + code)
+            return
+        if session.turn is not None:
+            self._finish(flow, session, error=CLOSED_EARLY + code, client_aborted=by_client)
 
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.websocket is not None:
