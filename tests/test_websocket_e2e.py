@@ -9,6 +9,9 @@ handshake's `x-request-id` (`rid`), which every record of its socket carries."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
+import sys
 import time
 
 import openai
@@ -176,3 +179,26 @@ def test_an_upstream_that_closes_the_socket_it_accepted_fails_the_turn_the_clien
     assert (handshake["turn"], handshake["status"], handshake["error"]) == (0, 101, None)
     assert failed["turn"] == 1 and "close code 1011" in failed["error"] and not failed["client_aborted"], failed
     assert failed["verdict"] == "error in upstream wait", failed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts segments with Linux's TCP_INFO")
+def test_a_refused_upgrade_reaches_the_client_in_one_write(fake, shared_relay, rid):
+    # Codex reads a refused upgrade's answer once: a head without its body reads as "Unknown
+    # error" instead of the upstream's text. On loopback one write is one segment.
+    relay = shared_relay(reverse_to(fake))
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=WAIT) as sock:
+        sock.sendall(("GET /v1/responses HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                      "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+                      f"x-fake-status: 404\r\nx-request-id: {rid}\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < content_length(answer):
+            answer += sock.recv(65536)
+        segments = struct.unpack_from("=I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 160), 152)[0]
+    assert answer.startswith(b"HTTP/1.1 404") and b"refused the WebSocket" in answer
+    assert segments == 1, f"the answer came in {segments} segments"
+    relay.log.of(rid)
+
+
+def content_length(answer: bytes) -> int:
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    return next(int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:"))

@@ -43,25 +43,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import orjson
 from mitmproxy import ctx, http
+from mitmproxy.net.http import http1
 from mitmproxy.websocket import WebSocketMessage
 
 from .. import apis, state
 from ..apis.api import Turns
 from ..faults import apierrors, faults
+from ..patches import connections, error_texts
 from . import sse
-from ..timing import phases, record
+from ..timing import phases, record, selfwatch
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
 CLOSED_EARLY = "WebSocket closed before the turn ended"
 CLOSED_BEFORE_TURN = "WebSocket closed by the upstream before its first turn"
+CORK_POLL_S, CORK_POLLS = 0.001, 50
+"""How often, and how many times at most, a refused upgrade's client socket is looked at for
+the whole answer before it is let go (the kernel lets a corked socket go after 200 ms anyway)."""
 COMMENT_TURNS = 20
 """The newest turns listed in the flow's comment (mitmweb), newest first."""
 
@@ -82,6 +89,44 @@ def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: floa
         "end": end,
     }
     return phases.relative_marks(absolute, started)
+
+
+QUICK_CLOSE_S = 5.0
+"""An upstream that closes a socket this soon after accepting it, before any turn, refused the session."""
+NORMAL_CLOSES = (1000, 1001)
+"""Normal closure, going away (RFC 6455 7.4.1): an idle socket ended, not a refusal."""
+
+
+def refused_session(flow: http.HTTPFlow, open_s: float) -> bool:
+    """Whether the upstream ended an accepted socket that carried no turn as a refusal: it
+    closed it (or the connection broke on its side) at once, or with a code that is not a
+    normal closure."""
+    ws = flow.websocket
+    if ws is None or ws.closed_by_client:
+        return False
+    if ws.closed_by_client is None:  # no close frame: the connection broke (the `error` hook)
+        return flow.error is not None and not error_texts.client_gone(flow.error.msg)
+    return open_s <= QUICK_CLOSE_S or ws.close_code not in NORMAL_CLOSES
+
+
+def _uncork_when_written(sock: socket.socket, size: int, polls: int) -> None:
+    """Let `sock` send once `size` bytes wait in it (or after `polls` more looks, or when it is gone).
+    Counted in looks, not time: on a busy event loop the writes wait their turn as the looks do."""
+    info = selfwatch.tcp_info(sock)
+    if info is None or info.notsent_bytes is None or info.notsent_bytes >= size or polls <= 0:
+        _cork(sock, False)
+        return
+    asyncio.get_running_loop().call_later(CORK_POLL_S, _uncork_when_written, sock, size, polls - 1)
+
+
+def _cork(sock: socket.socket, on: bool) -> bool:
+    """Hold (or let go) what is written to `sock` until a full segment or the release (Linux's
+    TCP_CORK; elsewhere nothing). False where it cannot be set."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, int(on))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 # --- the addon -------------------------------------------------------------------------
@@ -124,6 +169,8 @@ class WebSocketTurns:
         self.sessions: dict[http.HTTPFlow, Session] = {}
         self.keep = 100
         self.limits = faults.Limits()
+        self.corked: weakref.WeakKeyDictionary[http.HTTPFlow, socket.socket] = weakref.WeakKeyDictionary()
+        """Refused upgrades whose client socket holds the answer until it is complete."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -147,6 +194,25 @@ class WebSocketTurns:
         for flow, session in list(self.sessions.items()):
             self._finish(flow, session, error=SHUTDOWN_ERROR)
         self.sessions.clear()
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or st.transport != record.WEBSOCKET or flow.response is None or flow.response.status_code == 101:
+            return
+        # A refused upgrade leaves in one write: a WebSocket client (Codex's) reads the answer
+        # once, and a head without its body reads as "Unknown error" instead of the
+        # upstream's text. mitmproxy writes head and body apart; the client's socket holds
+        # them (TCP_CORK) until the answer is complete (`response`, or `error`).
+        sock = connections.connection_socket(flow.client_conn, flow.client_conn)
+        if sock is not None and _cork(sock, True):
+            self.corked[flow] = sock
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        if (sock := self.corked.pop(flow, None)) is not None and flow.response is not None:
+            # mitmproxy writes the answer after this hook, in a step of its own: let it go once
+            # the socket holds all of it.
+            whole = len(http1.assemble_response_head(flow.response)) + len(flow.response.raw_content or b"")
+            _uncork_when_written(sock, whole, CORK_POLLS)
 
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -172,11 +238,10 @@ class WebSocketTurns:
         ws = flow.websocket
         code = f" (close code {ws.close_code})" if ws is not None and ws.close_code is not None else ""
         by_client = bool(ws is not None and ws.closed_by_client)
-        if session.turn is None and session.turns == 0 and not by_client:
-            # An upstream that takes the upgrade and ends the socket before answering a turn:
-            # a client sends its first turn as soon as it is connected (mitmproxy drops what
-            # arrives after the close), and that turn failed with the socket. Timed from the 101.
-            opened = flow.response.timestamp_start if flow.response is not None else time.time()
+        opened = flow.response.timestamp_start if flow.response is not None else time.time()
+        if session.turn is None and session.turns == 0 and refused_session(flow, time.time() - opened):
+            # A client sends its first turn as soon as it is connected (mitmproxy drops what
+            # arrives after the close): that turn failed with the socket. Timed from the 101.
             st = state.get(flow)
             session.turns = 1
             session.turn = Turn(1, opened, opened, st.model if st is not None else None, False,
@@ -187,6 +252,8 @@ class WebSocketTurns:
             self._finish(flow, session, error=CLOSED_EARLY + code, client_aborted=by_client)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        if (sock := self.corked.pop(flow, None)) is not None:
+            _cork(sock, False)
         if flow.websocket is not None:
             self.websocket_end(flow)
 
