@@ -27,12 +27,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tests.fakes import link
 from tests.fakes.client import HttpConnection
 from tests.fakes.link import FAR, NEAR, FarLink
 from tests.fakes.upstream import FakeUpstream
+from tests.fakes.ws_client import WebSocketClient
 from tests.harness import REPO, MitmdumpProcess, read_records
 from ttft_relay.timing import phases
 
@@ -384,3 +386,27 @@ def test_a_far_upstream_is_its_network_and_a_lossy_one_is_told_apart_from_a_slow
     assert len(slowed) >= 2, f"the link's loss slowed {len(slowed)} requests: too few to tell anything apart {table(lossy)}"
     named = [rid for rid in slowed if records[rid]["verdict"] in UPSTREAM_LINK]
     assert len(named) >= 0.75 * len(slowed), table(slowed)
+
+
+def test_websocket_turns_of_a_far_client_are_named_client_network(far_link, fake_in, confdir, tmp_path):
+    """Codex's transport: one socket, a turn per `response.create`. Each turn record reads the
+    socket's own link, so a far client is named on every turn of a long session."""
+    far = far_link(delay_ms=CLIENT_ONE_WAY_MS, seed=5)
+    fake = fake_in(far.far)
+    fake.behaviour.prefill_ms = 20
+    relay = relay_in(far.far, [f"reverse:{fake.base_url}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    rid = uuid.uuid4().hex
+    with relay:
+        with far.near.entered():
+            client = WebSocketClient(f"ws://{far.far.ip}:{RELAY_PORT}/v1/responses",
+                                     headers={"x-request-id": rid, "openai-beta": "responses_websockets=2026-02-06"})
+        with client:
+            for _ in range(3):
+                client.send_text(orjson.dumps({"type": "response.create", "model": "gpt-5.1-codex",
+                                               "input": [{"type": "message", "role": "user", "content": "hi"}]}).decode())
+                while (message := client.receive(30)) is not None and '"response.completed"' not in message.text:
+                    pass
+        turns = sorted((r for r in relay.log.of(rid, 4) if r["turn"]), key=lambda r: r["turn"])
+    named = [(r["turn"], r["client_min_rtt_ms"], r["ttft_ms"], r["verdict"]) for r in turns]
+    assert len(turns) == 3 and all(r["client_min_rtt_ms"] >= 1.8 * CLIENT_ONE_WAY_MS for r in turns), named
+    assert all(r["verdict"] == phases.CLIENT_NETWORK for r in turns), named

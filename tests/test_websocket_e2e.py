@@ -82,6 +82,9 @@ def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake,
     assert (first["prewarm"], first["ttft_ms"]) == (True, None)
     assert (second["prewarm"], second["model"], second["api"]) == (False, "gpt-5.1-codex", "openai.responses")
     assert second["error"] is None and second["usage"]["output_tokens"] > 0
+    # Each turn has its socket's link figures (loopback: microseconds, nothing lost).
+    assert all(r["client_min_rtt_ms"] is not None and r["client_retransmits"] == 0 for r in (first, second)), second
+    assert all(r["upstream_tcp_rtt_ms"] is not None and r["loop_lag_ms"] is not None for r in (first, second))
     # The first token as the relay timed it is the prefill the upstream injected, as it happened
     # (±10 % or ±5 ms; on a busy machine the fake's own sleep runs late), and no more than the
     # client's own wait.

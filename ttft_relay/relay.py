@@ -70,7 +70,7 @@ addons = [
     faults.FailedConnects(),
     faults.Deadlines(),
     self_watch,
-    websocket.WebSocketTurns(timings),
+    websocket.WebSocketTurns(timings, self_watch),
     timings,
     ledger.Ledger(timings),
     faults.ErrorReplies(),

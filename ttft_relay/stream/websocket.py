@@ -164,8 +164,10 @@ class WebSocketTurns:
     """Times each turn of a Responses (or Realtime) WebSocket and publishes one
     record per turn through `timing`; bounds what mitmproxy keeps of the socket."""
 
-    def __init__(self, timing: Timing) -> None:
+    def __init__(self, timing: Timing, watch: selfwatch.SelfWatch | None = None) -> None:
         self.timing = timing
+        self.watch = watch
+        """The self-watch, for each turn's link figures (the client's round trip, retransmits, ...)."""
         self.sessions: dict[http.HTTPFlow, Session] = {}
         self.keep = 100
         self.limits = faults.Limits()
@@ -363,6 +365,7 @@ class WebSocketTurns:
             transport=record.WEBSOCKET,
             turn=turn.number,
             prewarm=turn.prewarm,
+            links=self.watch.turn_links(flow, turn.started) if self.watch is not None else None,
         )
         data = self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.

@@ -444,6 +444,12 @@ class SelfWatch:
                 lost += info.min_rtt_ms
         return round(lost, 3)
 
+    def turn_links(self, flow: http.HTTPFlow, since: float) -> dict[str, float | int | None]:
+        """The `record.LINK_KEYS` of a WebSocket turn that began at `since`: what the socket's
+        two connections added since the previous turn's record (read as the turn ends)."""
+        return {"loop_lag_ms": round(self.lag.worst(since) * 1000, 3),
+                **self.side_links(flow, "upstream"), **self.side_links(flow, "client")}
+
     def side_links(self, flow: http.HTTPFlow, side: str, *, final: bool = True) -> dict[str, float | int | None]:
         """The `record.LINK_KEYS` of one side of `flow` ("client", "upstream"): its round
         trips and what its totals added since the last record on the connection (`final`:
