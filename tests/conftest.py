@@ -1,4 +1,5 @@
-"""Shared fixtures: fake upstreams and real mitmdump relays, all on loopback."""
+"""Shared fixtures: fake upstreams and real mitmdump relays on loopback, and real far links
+(`far_link`: network namespaces joined by a delaying, lossy packet forwarder)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes import link
 from tests.fakes.certs import TestCerts
 from tests.fakes.upstream import FakeUpstream
 from tests.harness import MitmdumpProcess, descendants
@@ -187,3 +189,35 @@ def shared_relay(tmp_path_factory, confdir, certs) -> Iterator[RelayFactory]:
 
 def reverse_to(upstream: FakeUpstream) -> str:
     return f"reverse:{upstream.base_url}@0"
+
+
+@pytest.fixture
+def fake_in() -> Iterator[Callable[[link.Side], FakeUpstream]]:
+    """A fake upstream started in a namespace (its event loop's thread lives there), stopped after the test."""
+    made: list[FakeUpstream] = []
+
+    def make(side: link.Side) -> FakeUpstream:
+        with side.entered():
+            made.append(FakeUpstream().start())
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.stop()
+
+
+@pytest.fixture
+def far_link() -> Iterator[Callable[..., link.FarLink]]:
+    """`FarLink(**shape)` for this test (tests/fakes/link.py), closed after it with everything
+    still running in its namespaces; skipped where this machine cannot build one."""
+    if (reason := link.unavailable()) is not None:
+        pytest.skip(f"no far link here: {reason}")
+    made: list[link.FarLink] = []
+
+    def make(**shape: object) -> link.FarLink:
+        made.append(link.FarLink(**shape))  # type: ignore[arg-type]
+        return made[-1].start()
+
+    yield make
+    for built in made:
+        built.close()

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -53,35 +52,6 @@ RELAY_OPTIONS = {
     "relay_client_tls": "optional", "relay_allow_open_proxy": True,
     "relay_timing_console": False, "relay_metrics_listen": "", "flow_detail": 0,
 }
-
-
-@pytest.fixture
-def fake_in() -> Iterator[Callable[[link.Side], FakeUpstream]]:
-    """A fake upstream started in a namespace (its event loop's thread lives there), stopped after the test."""
-    made: list[FakeUpstream] = []
-
-    def make(side: link.Side) -> FakeUpstream:
-        with side.entered():
-            made.append(FakeUpstream().start())
-        return made[-1]
-
-    yield make
-    for fake in made:
-        fake.stop()
-
-
-@pytest.fixture
-def far_link() -> Iterator[Callable[..., FarLink]]:
-    """`FarLink(**shape)` for this test, closed after it (everything in its namespaces ended)."""
-    made: list[FarLink] = []
-
-    def make(**shape: object) -> FarLink:
-        made.append(FarLink(**shape))  # type: ignore[arg-type]
-        return made[-1].start()
-
-    yield make
-    for built in made:
-        built.close()
 
 
 def relay_in(side: link.Side, modes: list[str], confdir: Path, log: Path, **options: object) -> MitmdumpProcess:
