@@ -184,7 +184,8 @@ class FarLink:
                 _ip("-n", side.name, "link", "set", "lo", "up")
             (far_ms, far_loss), (near_ms, near_loss) = self.shape[FAR], self.shape[NEAR]
             self.forwarder = subprocess.Popen(
-                [sys.executable, "-m", "tests.fakes.link", str(self.near.path), str(self.far.path),
+                [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.link", str(self.near.path),
+                 str(self.far.path),
                  f"{far_ms}", f"{far_loss}", f"{near_ms}", f"{near_loss}", str(self.seed), str(self._drop_log)],
                 cwd=Path(__file__).resolve().parent.parent.parent, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True)

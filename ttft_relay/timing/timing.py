@@ -84,6 +84,8 @@ class Timing:
         self.settling: dict[http.HTTPFlow, tuple[asyncio.TimerHandle, dict[str, float]]] = {}
         """Finished flows whose record waits for the self-watch's link figures (`FlowState.settle`),
         with the timer that asks again and their marks."""
+        self.settling_on: dict[str, http.HTTPFlow] = {}
+        """Per client connection id, its flow whose record waits so."""
         self.served_clients: set[str] = set()
         """Ids of open client connections whose first request has been seen."""
 
@@ -185,10 +187,16 @@ class Timing:
             self.writer = None
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        client = flow.client_conn
+        if (earlier := self.settling_on.pop(client.id, None)) is not None and earlier in self.settling:
+            # The connection's next request: the self-watch made the earlier one's figures
+            # final (it comes first); its record goes first too.
+            timer, marks = self.settling[earlier]
+            timer.cancel()
+            self._record(earlier, marks, settled=True)
         if state.get(flow) is None:
             return
         self.in_flight.add(flow)
-        client = flow.client_conn
         if client.id not in self.served_clients:
             # The connection's first request: its set-up is before it (`phases.SETUP_PHASE`).
             self.served_clients.add(client.id)
@@ -198,6 +206,7 @@ class Timing:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.served_clients.discard(client.id)
+        self.settling_on.pop(client.id, None)
 
     def request(self, flow: http.HTTPFlow) -> None:
         state.mark(flow, "forwarded", time.time())
@@ -296,6 +305,8 @@ class Timing:
         st = state.get(flow)
         assert st is not None  # _finish checked
         self.settling.pop(flow, None)
+        if self.settling_on.get(flow.client_conn.id) is flow:
+            del self.settling_on[flow.client_conn.id]
         if st.settle is not None and not settled:
             wait = st.settle()
             if wait is not None:
@@ -305,6 +316,7 @@ class Timing:
                     pass
                 else:
                     self.settling[flow] = (timer, marks)
+                    self.settling_on[flow.client_conn.id] = flow
                     return
         st.settle = None
         rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
