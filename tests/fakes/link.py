@@ -185,8 +185,8 @@ class FarLink:
             (far_ms, far_loss), (near_ms, near_loss) = self.shape[FAR], self.shape[NEAR]
             self.forwarder = subprocess.Popen(
                 [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.link", str(self.near.path),
-                 str(self.far.path),
-                 f"{far_ms}", f"{far_loss}", f"{near_ms}", f"{near_loss}", str(self.seed), str(self._drop_log)],
+                 str(self.far.path), f"{far_ms}", f"{far_loss}", f"{near_ms}", f"{near_loss}", str(self.seed),
+                 str(self._drop_log)],
                 cwd=Path(__file__).resolve().parent.parent.parent, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, text=True)
             assert self.forwarder.stdout is not None
