@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from tests.fakes import link
 from tests.fakes.certs import TestCerts
 from tests.fakes.upstream import FakeUpstream
-from tests.harness import MitmdumpProcess, descendants
+from tests.harness import MitmdumpProcess, descendants, start_fake_upstream
 
 FAKE_OPENAI_KEY = "sk-test-FAKEKEY-0123456789abcdefghij"
 FAKE_ANTHROPIC_KEY = "sk-ant-test-FAKEKEY-0123456789abcdef"
@@ -192,18 +193,20 @@ def reverse_to(upstream: FakeUpstream) -> str:
 
 
 @pytest.fixture
-def fake_in() -> Iterator[Callable[[link.Side], FakeUpstream]]:
-    """A fake upstream started in a namespace (its event loop's thread lives there), stopped after the test."""
-    made: list[FakeUpstream] = []
+def fake_in() -> Iterator[Callable[..., str]]:
+    """`fake_in(side, **knobs)`: a fake upstream as its own process in a far link's namespace
+    (`start_fake_upstream`), stopped after the test; returns its base URL there."""
+    started: list[subprocess.Popen[str]] = []
 
-    def make(side: link.Side) -> FakeUpstream:
-        with side.entered():
-            made.append(FakeUpstream().start())
-        return made[-1]
+    def make(side: link.Side, **knobs: object) -> str:
+        proc, url = start_fake_upstream(wrap=side.adopt, **knobs)
+        started.append(proc)
+        return url
 
     yield make
-    for fake in made:
-        fake.stop()
+    for proc in started:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture

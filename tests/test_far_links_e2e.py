@@ -43,6 +43,9 @@ BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 CLIENT_ONE_WAY_MS = 75  # a 150 ms round trip: a client across a continent from its VPS
 CLIENT_LOSS = 0.02
 FRESH, KEPT = 16, 16
+TOLERANCE, TOLERANCE_MS = 0.15, 25
+"""How far a record's account of one request may be from what the client measured: two clocks
+read by processes that a loaded machine schedules late."""
 RELAY_PORT = 8443
 """Inside the test's own namespace, where nothing else listens (the workers' relay needs a port it knows)."""
 CLIENT_LINK = (phases.CLIENT_NETWORK, phases.CLIENT_UPLOAD)
@@ -181,7 +184,8 @@ def check_client_link(seen: list[Seen], records: dict[str, dict], drops: list[li
     assert all(r["client_min_rtt_ms"] is not None and r["client_min_rtt_ms"] >= 1.8 * CLIENT_ONE_WAY_MS
                for r in mine), table
     # ... and named: the client's round trip, on fresh and on kept-alive connections alike.
-    assert all(r["verdict"] in CLIENT_LINK for r in mine), table
+    assert all(r["verdict"] in CLIENT_LINK for r in mine), \
+        [(r["verdict"], r["phases"], r["loop_lag_ms"]) for r in mine if r["verdict"] not in CLIENT_LINK]
     for fresh in (True, False):
         named = [records[s.request_id]["verdict"] for s in seen if s.fresh == fresh]
         assert named.count(phases.CLIENT_NETWORK) >= 0.8 * len(named), table
@@ -194,7 +198,7 @@ def check_client_link(seen: list[Seen], records: dict[str, dict], drops: list[li
         off = s.waited_ms - accounted_ms(rec, s.fresh)
         named_loss = rec["client_retransmits"] or rec["client_out_of_order"]
         lost_syn = s.fresh and s.connect_ms >= 900
-        if abs(off) > 0.10 * s.waited_ms + 15 and not named_loss and not lost_syn:
+        if abs(off) > TOLERANCE * s.waited_ms + TOLERANCE_MS and not named_loss and not lost_syn:
             misses[s.request_id[:6]] = round(off)
     assert not misses, (misses, table)
     typical = [s.waited_ms - accounted_ms(records[s.request_id], s.fresh) for s in seen]
@@ -244,9 +248,8 @@ def test_the_link_delays_and_drops_both_ways_and_leaves_nothing_behind():
 def test_a_far_lossy_client_is_named_client_network_and_every_wait_is_accounted(far_link, fake_in, confdir,
                                                                                 tmp_path):
     far = far_link(delay_ms=CLIENT_ONE_WAY_MS, loss=CLIENT_LOSS, seed=7)
-    fake = fake_in(far.far)  # the relay reaches it on far's loopback
-    fake.behaviour.prefill_ms = 20
-    relay = relay_in(far.far, [f"reverse:{fake.base_url}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    upstream = fake_in(far.far, prefill_ms=20)  # the relay reaches it on far's loopback
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
     with relay:
         seen = client_requests(far.near, (far.far.ip, RELAY_PORT))
         records = {r["request_id"]: r for r in relay.log.wait(len(seen))}
@@ -260,9 +263,8 @@ def test_a_far_lossy_client_of_n_workers_is_named_client_network(far_link, fake_
     """The same far client with `ttft-relay run --workers 2`: each worker must see its clients' own
     sockets (an L4 balancer in front owns them and reports its own loopback RTT)."""
     far = far_link(delay_ms=CLIENT_ONE_WAY_MS, loss=CLIENT_LOSS, seed=7)
-    fake = fake_in(far.far)
-    fake.behaviour.prefill_ms = 20
-    workers = Workers(far.far, 2, fake.base_url, confdir, tmp_path / "timing.jsonl")
+    upstream = fake_in(far.far, prefill_ms=20)
+    workers = Workers(far.far, 2, upstream, confdir, tmp_path / "timing.jsonl")
     try:
         wait_until_serving(far.near, (far.far.ip, RELAY_PORT), workers.proc)
         seen = client_requests(far.near, (far.far.ip, RELAY_PORT))
@@ -334,9 +336,10 @@ def test_a_far_upstream_is_its_network_and_a_lossy_one_is_told_apart_from_a_slow
                       records[rid]["upstream_out_of_order"], records[rid]["upstream_retransmit_ms"],
                       records[rid]["phases"].get("upstream_wait")) for rid in ids}
 
-    # Far: the relay learns the round trip from the handshakes, and names the link.
-    assert all(0.9 * 2 * UPSTREAM_ONE_WAY_MS <= records[rid]["rtt_ms"] <= 1.5 * 2 * UPSTREAM_ONE_WAY_MS
-               for rid in fresh + kept), table(fresh + kept)
+    # Far: the relay learns the round trip from the handshakes (TLS's includes both ends' crypto,
+    # which a loaded machine slows), and names the link.
+    assert all(0.9 * 2 * UPSTREAM_ONE_WAY_MS <= records[rid]["rtt_ms"] <= 2 * 2 * UPSTREAM_ONE_WAY_MS
+               for rid in fresh + kept), {rid: records[rid]["rtt_ms"] for rid in fresh + kept}
     assert all(records[rid]["verdict"] in UPSTREAM_LINK for rid in fresh), table(fresh)
     assert all(records[rid]["verdict"] == phases.UPSTREAM_NETWORK for rid in kept[1:]), table(kept)
     # Slow: the same link, a server that takes its time: the upstream's own wait, no loss.
@@ -362,9 +365,8 @@ def test_websocket_turns_of_a_far_client_are_named_client_network(far_link, fake
     """Codex's transport: one socket, a turn per `response.create`. Each turn record reads the
     socket's own link, so a far client is named on every turn of a long session."""
     far = far_link(delay_ms=CLIENT_ONE_WAY_MS, seed=5)
-    fake = fake_in(far.far)
-    fake.behaviour.prefill_ms = 20
-    relay = relay_in(far.far, [f"reverse:{fake.base_url}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    upstream = fake_in(far.far, prefill_ms=20)
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
     rid = uuid.uuid4().hex
     with relay:
         with far.near.entered():

@@ -17,6 +17,7 @@ import time
 import openai
 import pytest
 from wsproto.extensions import PerMessageDeflate
+from wsproto.utilities import LocalProtocolError
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes.ws_client import HandshakeRefused, WebSocketClient
@@ -175,7 +176,10 @@ def test_an_upstream_that_closes_the_socket_it_accepted_fails_the_turn_the_clien
               "input": [{"type": "message", "role": "user", "content": "x" * 12_000}]}
     with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-close-after-accept": "1011",
                                                  "x-request-id": rid}) as client:
-        client.send_text(json.dumps(create))
+        try:
+            client.send_text(json.dumps(create))
+        except LocalProtocolError:  # the close came with the 101: too soon even to send the turn
+            pass
         assert client.receive(WAIT) is None  # closed, never answered
         assert client.closed is not None and client.closed.code == 1011
     handshake, failed = relay.log.of(rid, 2)

@@ -269,6 +269,10 @@ class SelfWatch:
         """Per client id, its flow whose client figures wait for the client's acknowledgement."""
         self.reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
         """Per flow, answer packets from the upstream that came out of order before its first token."""
+        self.request_reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
+        """Per flow, packets of its request that came out of order (the client's losses)."""
+        self.uploads_reordered: dict[str, int] = {}
+        """Per client id, its out-of-order packets already counted in a request."""
 
     def subscribe(self, fn: Callable[[float, dict[str, int] | None], None]) -> None:
         """`fn(lag_s, accept_queues)` for every lag sample; `accept_queues` ({listen
@@ -313,6 +317,7 @@ class SelfWatch:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.counted.pop(client.id, None)
+        self.uploads_reordered.pop(client.id, None)
         self.handshakes.pop(client.id, None)
         self.settling.pop(client.id, None)
 
@@ -336,11 +341,21 @@ class SelfWatch:
             state.mark(flow, "client_arrived", accepted if accepted - HOLD_MIN_MS / 1000 < t < accepted else t)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is None:
+            return
+        sock = self._socket(flow, flow.client_conn)
         end = flow.request.timestamp_end
-        if state.get(flow) is not None and end is not None and end - flow.request.timestamp_start > HOLD_MIN_MS / 1000:
+        if end is not None and end - flow.request.timestamp_start > HOLD_MIN_MS / 1000:
             # The body was read after the head: did it arrive after it too?
-            if (t := arrival(self._socket(flow, flow.client_conn), end)) is not None:
+            if (t := arrival(sock, end)) is not None:
                 state.mark(flow, "body_arrived", t)
+        # The client sends nothing more until its next request: what came out of order
+        # so far is this request's (counted now, not when the answer was acknowledged,
+        # by when the next request's first packets may be in).
+        if (info := tcp_info(sock)) is not None and info.out_of_order is not None:
+            seen = self.uploads_reordered.get(flow.client_conn.id, 0)
+            self.request_reordered[flow] = info.out_of_order - seen
+            self.uploads_reordered[flow.client_conn.id] = info.out_of_order
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -470,4 +485,6 @@ class SelfWatch:
         links[f"{side}_retransmits"] = added.retransmits
         links[f"{side}_retransmit_ms"] = None if added.rto_time_ms is None else float(added.rto_time_ms)
         links[f"{side}_out_of_order"] = added.out_of_order
+        if side == "client" and (request := self.request_reordered.get(flow)) is not None:
+            links["client_out_of_order"] = request  # an HTTP request's, counted when it was in (`request`)
         return links
