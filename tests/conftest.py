@@ -1,17 +1,20 @@
-"""Shared fixtures: fake upstreams and real mitmdump relays, all on loopback."""
+"""Shared fixtures: fake upstreams and real mitmdump relays on loopback, and real far links
+(`far_link`: network namespaces joined by a delaying, lossy packet forwarder)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fakes import link
 from tests.fakes.certs import TestCerts
 from tests.fakes.upstream import FakeUpstream
-from tests.harness import MitmdumpProcess, descendants
+from tests.harness import MitmdumpProcess, descendants, start_fake_upstream
 
 FAKE_OPENAI_KEY = "sk-test-FAKEKEY-0123456789abcdefghij"
 FAKE_ANTHROPIC_KEY = "sk-ant-test-FAKEKEY-0123456789abcdef"
@@ -187,3 +190,37 @@ def shared_relay(tmp_path_factory, confdir, certs) -> Iterator[RelayFactory]:
 
 def reverse_to(upstream: FakeUpstream) -> str:
     return f"reverse:{upstream.base_url}@0"
+
+
+@pytest.fixture
+def fake_in() -> Iterator[Callable[..., str]]:
+    """`fake_in(side, **knobs)`: a fake upstream as its own process in a far link's namespace
+    (`start_fake_upstream`), stopped after the test; returns its base URL there."""
+    started: list[subprocess.Popen[str]] = []
+
+    def make(side: link.Side, **knobs: object) -> str:
+        proc, url = start_fake_upstream(wrap=side.adopt, **knobs)
+        started.append(proc)
+        return url
+
+    yield make
+    for proc in started:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def far_link() -> Iterator[Callable[..., link.FarLink]]:
+    """`FarLink(**shape)` for this test (tests/fakes/link.py), closed after it with everything
+    still running in its namespaces; skipped where this machine cannot build one."""
+    if (reason := link.unavailable()) is not None:
+        pytest.skip(f"no far link here: {reason}")
+    made: list[link.FarLink] = []
+
+    def make(**shape: object) -> link.FarLink:
+        made.append(link.FarLink(**shape))  # type: ignore[arg-type]
+        return made[-1].start()
+
+    yield make
+    for built in made:
+        built.close()

@@ -420,16 +420,20 @@ class TimingLog:
 
 
 def start_fake_upstream(*, tls_dir: Path | None = None, h2: bool = False,
+                        wrap: Callable[[list[str]], list[str]] | None = None,
                         **knobs: object) -> tuple[subprocess.Popen[str], str]:
     """`tests.fakes.upstream` as its own process (so it does not share the load
     generator's interpreter), with behaviour knobs as keyword arguments
     (`prefill_ms=50, chunks=20`); with `tls_dir`, serving HTTPS with a test CA written
-    there (ca.pem), and with `h2` offering HTTP/2 too. Returns the process and its base URL."""
+    there (ca.pem), and with `h2` offering HTTP/2 too; `wrap` rewrites its command line
+    (a far link's `Side.adopt`: in a network namespace). Returns the process and its base URL."""
     args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0"]
     if tls_dir is not None:
         args += ["--tls", "--certs-dir", str(tls_dir)] + (["--h2"] if h2 else [])
     for knob, value in knobs.items():
         args += [f"--{knob.replace('_', '-')}", str(value)]
+    if wrap is not None:
+        args = wrap(args)
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout
     line = proc.stdout.readline().split()

@@ -495,3 +495,30 @@ def test_a_client_hanging_up_after_the_terminal_event_had_a_complete_turn(fake, 
     assert (rec["error"], rec["client_aborted"]) == (None, False), rec
     assert rec["usage"]["output_tokens"] == 5 and "client aborted" not in rec["verdict"], rec
 
+
+
+REFUSAL_RUNS = 4
+"""Codex runs against a busy relay: each is a chance for mitmproxy to write the refusal's body late."""
+
+
+def test_codex_shows_the_upstreams_text_for_a_refused_websocket_through_a_busy_relay(
+    clis, refusing, fake, confdir, certs, tmp_path
+) -> None:
+    """An upstream refuses the upgrade (404, a JSON error). Codex reads the answer once: when a busy
+    relay's loop wrote the body after the head, it said "Unknown error" instead of the upstream's text.
+    The relay's event loop is kept busy (tests/fakes/hog.py) so that the two writes fall apart."""
+    proc = MitmdumpProcess([f"reverse:{fake.base_url}@0"], confdir,
+                           options={"ssl_verify_upstream_trusted_ca": certs.ca_pem, "relay_metrics_listen": "",
+                                    "relay_timing_log": tmp_path / "timing.jsonl"},
+                           extra_args=["-s", str(Path(__file__).parent / "fakes" / "hog.py")],
+                           env={"TTFT_HOG_MS": "40", "TTFT_HOG_EVERY_MS": "45"})
+    with proc.start():
+        shown = []
+        for attempt in range(REFUSAL_RUNS):
+            seen = run_codex(clis, fake, tmp_path / str(attempt), refusing.url, f"{proc.url()}/v1", websockets=True,
+                             env={}, headers={"x-fake-status": "404"}, stream_max_retries=1)
+            falling_back = [e["item"]["message"] for _, e in seen.run.events()
+                            if e.get("type") == "item.completed" and "Falling back" in e["item"].get("message", "")]
+            assert falling_back, seen.run.describe()
+            shown.append(falling_back[0])
+    assert all("Fake upstream refused the WebSocket (404)" in message for message in shown), shown

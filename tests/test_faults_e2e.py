@@ -28,6 +28,7 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.faults import apierrors, faults
+from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
 from tests.harness import metrics_url, scrape, total
@@ -277,6 +278,10 @@ def test_stall_before_first_token_hits_the_first_token_timeout(api, fake, shared
     rec = one_record(relay, rid)
     assert rec["error"] == "first token timeout after 1 s" and rec["error_phase"] == "head_to_first_token"
     assert rec["verdict"].startswith("error in")
+    # The second the request waited is in its phases: the unfinished one runs on to the end.
+    p = rec["phases"]
+    assert sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES) == pytest.approx(p["total"], abs=0.01), p
+    assert p["head_to_first_token"] >= 900, p
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -54,37 +54,54 @@ def test_lazy_connect_after_forwarded_is_on_the_critical_path():
     assert p["ttft"] == 470.0
 
 
-def test_eager_connect_before_head_holds_the_head_back():
-    # Connect at -300 ms, TCP at -280, TLS at -80; the client's head parsed at 0.
-    m = stream_marks(client_connect=-301.0, upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
+def test_eager_connect_the_request_waited_on_is_on_its_path():
+    # Accepted at -301, connect at -300, TCP at -280, TLS at -80; the client's request was in
+    # the kernel from the accept on (client_arrived), its head parsed at 0, once the connect was done.
+    m = stream_marks(client_connect=-301.0, client_arrived=-301.0, upstream_connect_start=-300.0,
+                     upstream_tcp=-280.0, upstream_tls=-80.0)
     p = phases.compute(m, tokens_expected=True)
-    assert p["relay"] == 1.0 + 1.0  # accept → connect start, body → forwarded
+    assert p["connection_setup"] == 0.0
+    assert p["relay_queue"] == 1.0 + 80.0  # held: accept → connect start, TLS done → head read
     assert p["upstream_connect"] == 20.0
     assert p["upstream_tls"] == 200.0
-    assert p["client_upload"] == 80.0 + 2.0  # pre-head client time + the body
+    assert p["client_upload"] == 2.0 and p["relay"] == 1.0
     assert p["upstream_wait"] == 57.0
     assert p["ttft"] == 371.0
 
 
-def test_eager_connect_hidden_behind_a_slow_upload_is_the_clients():
-    # The client kept sending for 300 ms after its head was read: it was the slow one.
+def test_the_clock_starts_at_the_requests_first_byte_not_at_the_connection():
+    # A client that opened its connection 777 ms before writing the request (Codex's fallback):
+    # the early connect ended long before; the relay read the head as it came.
+    m = stream_marks(client_connect=-777.0, upstream_connect_start=-776.0, upstream_tcp=-770.0, upstream_tls=-760.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert p["connection_setup"] == 777.0
+    assert p["ttft"] == 70.0 and p["client_upload"] == 2.0
+    assert p["upstream_connect"] == p["upstream_tls"] == 0.0  # this request opened it, but did not wait on it
+    # The TCP handshake is set-up too: from the client's SYN.
+    assert phases.compute(stream_marks(client_syn=-150.0, client_connect=-1.0), tokens_expected=True)[
+        "connection_setup"] == 150.0
+
+
+def test_a_slow_upload_after_an_early_connect_is_the_clients():
+    # The client kept sending for 300 ms after its head was read; the connect was done before.
     m = stream_marks(request_body=300.0, forwarded=301.0, upstream_connect_start=-50.0, upstream_tcp=-40.0,
                      upstream_tls=-1.0, response_head=360.0, first_token=370.0)
     p = phases.compute(m, tokens_expected=True)
-    assert p["client_upload"] == 350.0
+    assert p["client_upload"] == 300.0
     assert p["upstream_connect"] == p["upstream_tls"] == 0.0
-    assert p["ttft"] == 420.0
+    assert p["ttft"] == 370.0
 
 
-def test_tls_client_could_not_send_before_the_eager_connect_whatever_its_body_timing():
-    # CONNECT + TLS: the client's handshake ended (-70) after the upstream's (-80), so
-    # it could not send earlier; its body arriving 30 ms after the head (a second TCP
-    # segment read late on a busy loop) does not make the connect the client's.
+def test_connect_and_tls_to_the_relay_are_connection_setup():
+    # CONNECT + TLS: accepted at -301; mitmproxy finished the upstream's TLS (-80) before the
+    # client's (-70); the request's first byte came after. None of that is the request's upload.
     m = stream_marks(client_connect=-301.0, client_tls=-70.0, request_body=30.0, forwarded=31.0,
                      upstream_connect_start=-300.0, upstream_tcp=-280.0, upstream_tls=-80.0)
     p = phases.compute(m, tokens_expected=True)
-    assert p["upstream_connect"] == 20.0 and p["upstream_tls"] == 200.0
-    assert p["client_upload"] == 80.0 + 30.0
+    assert p["connection_setup"] == 301.0
+    assert p["client_upload"] == 30.0
+    assert p["upstream_connect"] == p["upstream_tls"] == 0.0
+    assert sum(p[name] for name in CRITICAL_UP_TO_TTFT if name in p) == p["ttft"]
 
 
 def test_connect_overlapping_the_upload_counts_only_past_forwarded():
@@ -235,17 +252,18 @@ def test_arrivals_later_than_the_reads_change_nothing():
 
 
 def test_a_body_read_late_by_a_busy_relay_is_not_a_slow_upload():
-    # The "5 ms rule": an eager 400 ms connect; head and body were both in the kernel at
-    # accept, the busy relay read the body 11 ms after the head.
+    # An eager 400 ms connect; head and body were both in the kernel at accept (-401), the
+    # busy relay read the body 11 ms after the head.
     m = stream_marks(client_connect=-401.0, upstream_connect_start=-400.0, upstream_tcp=-1.0,
                      request_body=11.0, forwarded=12.0)
-    before = phases.compute(m, tokens_expected=True)
-    assert before["client_upload"] > 400  # misattributed without the kernel's view
-    m["body_arrived"] = -401.0
+    blind = phases.compute(m, tokens_expected=True)
+    assert blind["upstream_connect"] == 0.0 and blind["connection_setup"] == 401.0  # missed without the kernel's view
+    m |= {"client_arrived": -401.0, "body_arrived": -401.0}
     p = phases.compute(m, tokens_expected=True)
+    assert p["connection_setup"] == 0.0
     assert p["upstream_connect"] == 399.0
-    assert p["client_upload"] == pytest.approx(0.0, abs=1.0)
-    assert p["relay_queue"] == 11.0
+    assert p["client_upload"] == 0.0
+    assert p["relay_queue"] == 1.0 + 1.0 + 11.0  # before the connect, after it, the body read late
     assert phases.verdict(p) == phases.UPSTREAM_CONNECT
 
 
@@ -407,3 +425,41 @@ def test_a_far_link_that_adds_little_to_a_long_wait_is_not_the_verdict():
     # The same link on a quick answer is the slow hop.
     v = phases.judge(waiting(20.0), client_rtt_ms=150.0, expectation=expect(20.0, 2.0))
     assert v.words == phases.CLIENT_NETWORK and v.detail.startswith("a 150 ms round trip to the client")
+
+
+@pytest.mark.parametrize("marks, unfinished", [
+    # A first-token deadline: the head came at 37 ms, the relay gave up at 3021 ms.
+    ({"request_body": 1.0, "forwarded": 2.0, "response_head": 37.0, "first_byte": 37.0, "end": 3021.0},
+     "head_to_first_token"),
+    # A WebSocket handshake that hung until the client left at 14,986 ms.
+    ({"request_body": 0.0, "forwarded": 1.0, "end": 14986.0}, "upstream_wait"),
+    # An upstream connect that never completed.
+    ({"request_body": 1.0, "forwarded": 2.0, "upstream_connect_start": 2.5, "end": 10002.0}, "upstream_connect"),
+    # A client that never finished its body.
+    ({"end": 5000.0}, "client_upload"),
+])
+def test_every_wait_of_a_failed_request_is_in_a_phase(marks, unfinished):
+    p = phases.compute(marks, tokens_expected=True, unfinished=unfinished)
+    assert phases.error_phase(marks, tls_expected=False, tokens_expected=True) == unfinished
+    assert sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES) == pytest.approx(p["total"])
+    assert p[unfinished] >= 0.9 * p["total"]
+    assert "ttft" not in p
+
+
+def test_a_request_cut_after_its_first_token_keeps_its_phases():
+    p = phases.compute(stream_marks(), tokens_expected=True, unfinished="stream")
+    assert p == phases.compute(stream_marks(), tokens_expected=True)
+
+
+@given(queue_in=ms, body=ms, relay=ms, wait=ms, cut=ms, head=st.booleans(), arrived=st.booleans())
+def test_a_failed_requests_phases_add_up_to_its_total(queue_in, body, relay, wait, cut, head, arrived):
+    m = {"request_body": body, "forwarded": body + relay}
+    if arrived:
+        m["client_arrived"] = -queue_in
+    if head:
+        m["response_head"] = body + relay + wait
+    m["end"] = max(m.values()) + cut
+    unfinished = phases.error_phase(m, tls_expected=False, tokens_expected=True)
+    p = phases.compute(m, tokens_expected=True, unfinished=unfinished)
+    covered = sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES)
+    assert covered == pytest.approx(p["total"], abs=0.01)

@@ -81,7 +81,8 @@ def test_a_json_line_is_the_records_fields_in_order():
     assert line == orjson.dumps(rec)  # the dataclass itself serialises the same
     assert list(orjson.loads(line)) == list(record.FIELDS)
     assert record.LINK_KEYS == ("loop_lag_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms",
-                                "upstream_retransmits")
+                                "upstream_retransmits", "client_min_rtt_ms", "client_retransmit_ms",
+                                "client_out_of_order", "upstream_retransmit_ms", "upstream_out_of_order")
 
 
 def test_record_has_every_key_and_plain_json_values():

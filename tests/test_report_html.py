@@ -10,11 +10,11 @@ from tests import report_samples
 
 def test_bars_start_where_the_phases_end_at_the_first_token():
     rec = report_samples.build("a", 1000.0, "up", "m", {
-        "client_connect": -40.0, "upstream_connect_start": -39.0, "upstream_tcp": -20.0, "upstream_tls": -1.0,
-        "request_body": 0.5, "forwarded": 1.0, "response_head": 200.0, "first_byte": 201.0, "first_token": 250.0,
-        "last_token": 900.0, "end": 901.0}, new_connection=True)
+        "client_connect": -40.0, "client_arrived": -40.0, "upstream_connect_start": -39.0, "upstream_tcp": -20.0,
+        "upstream_tls": -1.0, "request_body": 0.5, "forwarded": 1.0, "response_head": 200.0, "first_byte": 201.0,
+        "first_token": 250.0, "last_token": 900.0, "end": 901.0}, new_connection=True)
     start = report_html.bar_start(rec)
-    assert start == pytest.approx(-40.0)  # the wait began when the client connected (eager connect)
+    assert start == pytest.approx(-40.0)  # the request was in the kernel from the accept on (eager connect)
     critical = sum(rec["phases"].get(p, 0) for p in phases.CRITICAL_PHASES)
     assert start + critical == pytest.approx(rec["marks"]["first_token"])
 
@@ -22,6 +22,9 @@ def test_bars_start_where_the_phases_end_at_the_first_token():
 def test_a_failed_request_starts_at_zero():
     rec = report_samples.build("e", 1000.0, "up", "m", {"request_body": 1.0, "forwarded": 2.0, "end": 5.0}, error="boom")
     assert rec["ttft_ms"] is None and report_html.bar_start(rec) == 0.0
+    held = report_samples.build("h", 1000.0, "up", "m", {"client_arrived": -30.0, "request_body": 1.0, "forwarded": 2.0,
+                                                         "end": 5.0}, error="boom")
+    assert report_html.bar_start(held) == -30.0  # its phases add up to its total, from its first byte
 
 
 def test_time_buckets_hold_the_medians_of_each_phase():

@@ -17,13 +17,48 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INF
 
 
 def test_parse_tcp_info_reads_the_fields_at_their_offsets():
-    raw = bytearray(selfwatch._TCP_INFO_LEN)
+    raw = bytearray(selfwatch._TCP_INFO_ASK)
     struct.pack_into("=II", raw, 24, 7, 4096)
+    struct.pack_into("=I", raw, 44, 321)
     struct.pack_into("=I", raw, 52, 1234)
     struct.pack_into("=I", raw, 68, 25_500)
     struct.pack_into("=I", raw, 100, 3)
-    assert selfwatch.parse_tcp_info(bytes(raw)) == selfwatch.TcpInfo(7, 4096, 1234, 25.5, 3)
+    struct.pack_into("=Q", raw, 128, 5000)
+    struct.pack_into("=II", raw, 144, 17, 24_250)
+    struct.pack_into("=I", raw, 224, 2)
+    struct.pack_into("=HHI", raw, 240, 1, 1, 1110)
+    assert selfwatch.parse_tcp_info(bytes(raw)) == selfwatch.TcpInfo(
+        7, 4096, 1234, 25.5, 3, last_data_sent_ms=321, bytes_received=5000, notsent_bytes=17, min_rtt_ms=24.25,
+        out_of_order=2, rto_count=1, rto_time_ms=1110)
+    # An older kernel's shorter struct: what it does not fill is None.
+    assert selfwatch.parse_tcp_info(bytes(raw[:selfwatch._TCP_INFO_LEN])) == selfwatch.TcpInfo(
+        7, 4096, 1234, 25.5, 3, last_data_sent_ms=321)
     assert selfwatch.parse_tcp_info(bytes(raw[:60])) is None
+    # No RTT sample yet: no minimum.
+    struct.pack_into("=I", raw, 148, 0xFFFFFFFF)
+    assert selfwatch.parse_tcp_info(bytes(raw)).min_rtt_ms is None
+
+
+def test_a_handshake_took_its_round_trip_or_its_syn_ack_timeouts():
+    info = selfwatch.TcpInfo(0, 0, 0, 151.0, 0, rto_count=0, rto_time_ms=0)
+    assert selfwatch.handshake_ms(info) == 151.0
+    assert selfwatch.handshake_ms(info._replace(total_retrans=1, rto_count=1, rto_time_ms=1110)) == 1110.0
+
+
+def test_counters_since_an_earlier_reading():
+    now = selfwatch.Counters(5, 300, 7)
+    assert now.since(None) == now
+    assert now.since(selfwatch.Counters(2, 100, 7)) == selfwatch.Counters(3, 200, 0)
+    assert selfwatch.Counters(1, None, None).since(selfwatch.Counters(0, None, None)) == selfwatch.Counters(1, None, None)
+
+
+def test_settled_once_everything_written_is_acknowledged():
+    info = selfwatch.TcpInfo(0, 0, 0, 1.0, 0, notsent_bytes=0)
+    assert selfwatch.settled(info, 0)
+    assert not selfwatch.settled(info._replace(unacked=2), 0)
+    assert not selfwatch.settled(info._replace(notsent_bytes=10), 0)
+    assert not selfwatch.settled(info, 512)  # still in the relay's own write buffer
+    assert selfwatch.settled(None, 512)  # nothing more to learn
 
 
 def test_no_socket_or_a_closed_one_gives_nothing():
@@ -99,7 +134,8 @@ def test_forgets_a_connections_retransmit_count_when_it_closes():
 
     watch = selfwatch.SelfWatch()
     client, server = tflow.tclient_conn(), tflow.tserver_conn()
-    watch.retrans_seen.update({client.id: 3, server.id: 1})
+    watch.counted.update({client.id: selfwatch.Counters(3, 0, 0), server.id: selfwatch.Counters(1, 0, 0)})
+    watch.handshakes[client.id] = 1.0
     watch.client_disconnected(client)
     watch.server_disconnected(server_hooks.ServerConnectionHookData(server=server, client=client))
-    assert watch.retrans_seen == {}
+    assert watch.counted == {} and watch.handshakes == {}

@@ -20,7 +20,7 @@ import pytest
 
 from ttft_relay.timing import phases
 from tests.conftest import reverse_to
-from tests.fakes.client import stream_post
+from tests.fakes.client import HttpConnection, stream_post
 from tests.harness import REPO, MitmdumpProcess, metrics_url, scrape, total
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux's")
@@ -94,3 +94,24 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
     assert count > 0 and late > 0, (count, late)
     assert any(k.startswith("ttft_relay_accept_queue_connections[") for k in samples)
     assert total(samples, "ttft_relay_relay_queue_seconds_count") == REQUESTS
+
+
+KEPT_REQUESTS, KEPT_EVERY_S = 40, 0.02
+
+
+def test_healthy_kept_alive_requests_on_loopback_are_never_called_client_network(fake, start_relay, tmp_path):
+    # On a kept connection the kernel's smoothed RTT takes samples the client's delayed
+    # acknowledgements and a busy machine inflate (milliseconds on loopback, next to
+    # phases of a millisecond or two); the path's own round trip is microseconds.
+    fake.behaviour.prefill_ms = 0
+    fake.behaviour.chunks = 3
+    relay = start_relay(reverse_to(fake), relay_timing_console=False)
+    with HttpConnection(relay.url()) as conn:
+        for i in range(KEPT_REQUESTS):
+            response = conn.request("POST", "/v1/chat/completions", BODY, {"x-request-id": f"kept-{i}"})
+            assert response.status == 200 and response.read()
+            time.sleep(KEPT_EVERY_S)  # the injected pace of an agent's requests, not a sync
+    records = relay.log.wait(KEPT_REQUESTS)
+    called = [(r["client_rtt_ms"], r["client_min_rtt_ms"], r["phases"].get("ttft"), r["verdict"]) for r in records]
+    assert all(r["client_min_rtt_ms"] is not None and r["client_min_rtt_ms"] < 1.0 for r in records), called
+    assert not [c for c in called if c[-1] == phases.CLIENT_NETWORK], called

@@ -237,3 +237,36 @@ def test_the_upstream_headers_read_in_one_pass_are_what_headers_get_gives():
                     if (v := response.headers.get(n)) is not None}
         assert timing.upstream_headers(response) == expected, fields
     assert timing.upstream_headers(None) == {}
+
+
+def test_a_record_waits_for_the_self_watchs_final_figures_and_goes_before_the_next_request(addon):
+    import asyncio
+
+    async def main():
+        f, st = make_flow()
+        answers = iter([0.01, None])  # not acknowledged yet; then final
+        st.settle = lambda: next(answers)
+        st.links = {"client_retransmits": 0}
+        addon.response(f)
+        assert f.metadata.get(timing.METADATA_KEY) is None and f in addon.settling  # waits
+        st.links["client_retransmits"] = 2  # what the self-watch learned meanwhile
+        await asyncio.sleep(0.05)
+        assert f.metadata[timing.METADATA_KEY]["client_retransmits"] == 2 and not addon.settling
+        # The connection's next request ends the wait at once: its record goes first.
+        g, gst = make_flow()
+        gst.settle = lambda: 10.0
+        addon.response(g)
+        assert g in addon.settling
+        nxt, _ = make_flow()
+        nxt.client_conn = g.client_conn
+        gst.settle = None  # the self-watch's requestheaders (before timing's) made g's figures final
+        addon.requestheaders(nxt)
+        assert g.metadata[timing.METADATA_KEY] and not addon.settling and not addon.settling_on
+        # At shutdown whatever still waits is recorded.
+        h, hst = make_flow()
+        hst.settle = lambda: 10.0
+        addon.response(h)
+        addon.done()
+        assert h.metadata[timing.METADATA_KEY] and not addon.settling
+
+    asyncio.run(main())

@@ -124,6 +124,24 @@ def test_slow_client_upload(fake, relay_at, rid):
         assert rec["verdict"] == phases.CLIENT_UPLOAD, rec
 
 
+IDLE_BEFORE_REQUEST_S = 0.5
+
+
+@pytest.mark.parametrize("strategy", ["eager", "lazy"])
+def test_a_connection_opened_ahead_is_set_up_not_the_requests_wait(fake, relay_at, rid, strategy):
+    # Codex opens its fallback connection before it writes the request (777 ms, seen): the
+    # request's clock starts at its first byte, the idle connection is connection_setup.
+    relay = relay_at(reverse_to(fake), connection_strategy=strategy)
+    with HttpConnection(relay.url()) as conn:
+        time.sleep(IDLE_BEFORE_REQUEST_S)  # the client's own pause, being measured
+        post(conn, "openai.chat", {"x-request-id": rid})
+    (rec,) = relay.log.of(rid)
+    p = rec["phases"]
+    assert_within(p["connection_setup"], IDLE_BEFORE_REQUEST_S * 1000, "connection_setup", rec)
+    assert p["client_upload"] < JITTER_MS and rec["ttft_ms"] < SLACK_MS, p
+    assert rec["verdict"] != phases.CLIENT_UPLOAD, rec
+
+
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
 def test_far_upstream_lands_in_upstream_tls(fake_tls, far_fake_tls, relay_at, rid, strategy):
     relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy=strategy)
@@ -233,6 +251,16 @@ def test_regular_proxy_mode_https_through_connect(fake_tls, far_fake_tls, relay_
         post(conn, "openai.chat", {"x-request-id": rid})
     first, second = relay.log.of(rid, 2)
     assert first["upstream"] == f"localhost:{far_fake_tls.port}"
-    assert_within(first["phases"]["upstream_tls"], 2 * ONE_WAY_MS, "upstream_tls", first)
-    assert first["verdict"] == phases.UPSTREAM_TLS, first
+    if strategy == "lazy":
+        assert_within(first["phases"]["upstream_tls"], 2 * ONE_WAY_MS, "upstream_tls", first)
+        assert first["verdict"] == phases.UPSTREAM_TLS, first
+    else:
+        # Eager: mitmproxy connected upstream during the client's own TLS handshake, before the
+        # request's first byte: that handshake is the connection's set-up, not the request's wait.
+        m = first["marks"]
+        assert_within(m["upstream_tls"] - m["upstream_tcp"], 2 * ONE_WAY_MS, "upstream TLS (marks)", first)
+        assert m["upstream_tls"] < m["client_tls"] < 0
+        assert first["phases"]["connection_setup"] >= 2 * ONE_WAY_MS - JITTER_MS, first
+        assert first["phases"]["upstream_tls"] == 0.0
+        assert first["verdict"] == phases.UPSTREAM_NETWORK, first
     assert second["reused_connection"] is True and second["verdict"] == phases.UPSTREAM_NETWORK, second

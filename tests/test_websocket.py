@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from mitmproxy import flow
 from mitmproxy.test import taddons, tflow
 from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
@@ -175,3 +176,18 @@ def test_a_slow_turn_marks_its_socket_and_a_slow_prewarm_does_not(relay):
     assert f.marked == timing.SLOW_MARKER
     first = f.comment.split("\n")[0]
     assert "(turn 2, SLOW)" in first and first.endswith(", ttft 620 ms.")  # the first delta is the third event
+
+
+@pytest.mark.parametrize("closed_by_client, code, open_s, error, refused", [
+    (False, 1011, 60.0, None, True),  # an error code, however late
+    (False, 1000, 0.2, None, True),  # a normal close right after the 101, before the turn the client sent
+    (False, 1000, 60.0, None, False),  # an idle socket closed normally
+    (True, 1000, 0.2, None, False),  # the client left
+    (None, None, 0.2, "Connection reset by peer", True),  # the upstream's side broke
+    (None, None, 0.2, "Client disconnected.", False),
+])
+def test_which_upstream_closes_refused_the_session(closed_by_client, code, open_s, error, refused):
+    f = socket_flow()
+    f.websocket.closed_by_client, f.websocket.close_code = closed_by_client, code
+    f.error = flow.Error(error) if error else None
+    assert websocket.refused_session(f, open_s) is refused

@@ -9,11 +9,15 @@ handshake's `x-request-id` (`rid`), which every record of its socket carries."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
+import sys
 import time
 
 import openai
 import pytest
 from wsproto.extensions import PerMessageDeflate
+from wsproto.utilities import LocalProtocolError
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.fakes.ws_client import HandshakeRefused, WebSocketClient
@@ -79,6 +83,9 @@ def test_a_codex_like_session_passes_whole_and_each_turn_is_recorded(mode, fake,
     assert (first["prewarm"], first["ttft_ms"]) == (True, None)
     assert (second["prewarm"], second["model"], second["api"]) == (False, "gpt-5.1-codex", "openai.responses")
     assert second["error"] is None and second["usage"]["output_tokens"] > 0
+    # Each turn has its socket's link figures (loopback: microseconds, nothing lost).
+    assert all(r["client_min_rtt_ms"] is not None and r["client_retransmits"] == 0 for r in (first, second)), second
+    assert all(r["upstream_tcp_rtt_ms"] is not None and r["loop_lag_ms"] is not None for r in (first, second))
     # The first token as the relay timed it is the prefill the upstream injected, as it happened
     # (±10 % or ±5 ms; on a busy machine the fake's own sleep runs late), and no more than the
     # client's own wait.
@@ -110,8 +117,10 @@ def test_a_hung_handshake_is_recorded_with_the_time_it_cost(fake, shared_relay, 
     waited_ms = (time.time() - started) * 1000
     (rec,) = relay.log.of(rid)
     assert rec["client_aborted"] and rec["verdict"] == "websocket handshake failed: client aborted in upstream wait"
-    # The second the client waited, less however late a busy relay read the head.
+    # The second the client waited, less however late a busy relay read the head: all of it
+    # in the phase the handshake was in.
     assert 500 <= rec["phases"]["total"] <= waited_ms + 1000, rec["marks"]
+    assert rec["phases"]["upstream_wait"] >= 0.9 * rec["phases"]["total"], rec["phases"]
 
 
 def test_a_turn_past_its_first_token_deadline_ends_with_response_failed(fake, shared_relay, rid):
@@ -157,3 +166,45 @@ def test_the_openai_sdks_websocket_client(fake, shared_relay, rid):
     turns = [r for r in relay.log.of(rid, 2) if r["turn"]]
     assert [(r["turn"], r["error"], r["model"]) for r in turns] == [(1, None, "gpt-5.1-codex")]
     assert turns[0]["ttft_ms"] is not None
+
+
+def test_an_upstream_that_closes_the_socket_it_accepted_fails_the_turn_the_client_sent(fake, shared_relay, rid):
+    # An upstream that takes the upgrade and closes the socket at once (1011): Codex has sent its
+    # first response.create (12 KB of context) by then, and gets no answer to it.
+    relay = shared_relay(reverse_to(fake))
+    create = {"type": "response.create", "model": "gpt-5.1-codex",
+              "input": [{"type": "message", "role": "user", "content": "x" * 12_000}]}
+    with WebSocketClient(ws_url(relay), headers={**HEADERS, "x-fake-close-after-accept": "1011",
+                                                 "x-request-id": rid}) as client:
+        try:
+            client.send_text(json.dumps(create))
+        except LocalProtocolError:  # the close came with the 101: too soon even to send the turn
+            pass
+        assert client.receive(WAIT) is None and client.closed is not None  # closed, never answered
+    handshake, failed = relay.log.of(rid, 2)
+    assert (handshake["turn"], handshake["status"], handshake["error"]) == (0, 101, None)
+    assert failed["turn"] == 1 and "close code 1011" in failed["error"] and not failed["client_aborted"], failed
+    assert failed["verdict"] == "error in upstream wait", failed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts segments with Linux's TCP_INFO")
+def test_a_refused_upgrade_reaches_the_client_in_one_write(fake, shared_relay, rid):
+    # Codex reads a refused upgrade's answer once: a head without its body reads as "Unknown
+    # error" instead of the upstream's text. On loopback one write is one segment.
+    relay = shared_relay(reverse_to(fake))
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=WAIT) as sock:
+        sock.sendall(("GET /v1/responses HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                      "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+                      f"x-fake-status: 404\r\nx-request-id: {rid}\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < content_length(answer):
+            answer += sock.recv(65536)
+        segments = struct.unpack_from("=I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 160), 152)[0]
+    assert answer.startswith(b"HTTP/1.1 404") and b"refused the WebSocket" in answer
+    assert segments == 1, f"the answer came in {segments} segments"
+    relay.log.of(rid)
+
+
+def content_length(answer: bytes) -> int:
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    return next(int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:"))

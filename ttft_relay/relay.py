@@ -77,7 +77,7 @@ addons = [
     faults.FailedConnects(),
     faults.Deadlines(),
     self_watch,
-    websocket.WebSocketTurns(timings),
+    websocket.WebSocketTurns(timings, self_watch),
     timings,
     verdicts.Verdicts(),
     attempts.AttemptGroups(),

@@ -12,6 +12,7 @@ must not be. What should survive a save (the finished timing record) is put in
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,10 @@ class FlowState:
     client_aborted: bool = False
     links: dict[str, Any] | None = None
     """What the self-watch learned of the request's event loop and sockets (`record.LINK_KEYS`)."""
+    settle: Callable[[], float | None] | None = None
+    """Set by the self-watch when `links` may still change (the client has not acknowledged
+    the answer yet): timing calls it until it returns None, waiting the seconds it returns
+    in between, before it makes the record."""
     recorded: bool = False
     """The timing record has been written: each flow gets exactly one."""
 

@@ -4,13 +4,16 @@
   the Responses API over WebSocket too (websocket.py: `SocketSession`, `SocketTurn`).
 - `RefusingProxy` (refusing_proxy.py): an HTTP(S) proxy that refuses every host, for clients that call home.
 - `TestCerts` (certs.py): a test CA and a localhost server certificate.
-- `DelayingForwarder` (forwarder.py): a TCP forwarder that makes an upstream far away.
+- `DelayingForwarder` (forwarder.py): a TCP forwarder that makes an upstream far away (its TCP ends there).
+- `FarLink` (link.py): a real far and lossy link: two network namespaces joined by a userspace packet
+  forwarder between TUN devices, so TCP on both ends sees a real round trip and real retransmits.
 - client.py: raw HTTP/1.1 client helpers that never buffer (`stream_post`, `slow_upload`, ...) and a
   WebSocket client (`WebSocketClient`, permessage-deflate, one Responses `turn()` at a time).
 """
 
 from tests.fakes.certs import TestCerts
 from tests.fakes.forwarder import DelayingForwarder
+from tests.fakes.link import FarLink
 from tests.fakes.refusing_proxy import RefusingProxy
 from tests.fakes.replies import answer_pieces, answer_text
 from tests.fakes.upstream import Behaviour, FakeUpstream, Gate, Received, Sent, StreamWatch
@@ -20,6 +23,7 @@ __all__ = [
     "Behaviour",
     "DelayingForwarder",
     "FakeUpstream",
+    "FarLink",
     "Gate",
     "Received",
     "RefusingProxy",

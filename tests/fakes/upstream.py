@@ -114,6 +114,9 @@ class Behaviour:
     """gzip the body if the request's Accept-Encoding allows it (streams: flushed per chunk)."""
     interim_status: int = 0
     """Send an interim (1xx) response, e.g. 103 Early Hints, before the real one; 0: none."""
+    close_after_accept: int = 0
+    """WebSocket: close the socket with this close code right after accepting the upgrade (an
+    upstream that takes the upgrade, then refuses the session); 0: do not."""
     hold_until_reset: int | None = None
     """HTTP/2: before this chunk, send an SSE comment every 0.2 s (never idle) until a stream
     on the same connection is reset, then the rest."""
@@ -324,7 +327,7 @@ class _ContentCoding:
 class FakeUpstream:
     """The fake API server. Use as a context manager or call `start()` / `stop()` (once each).
 
-    Binds 127.0.0.1 (`port` 0: any free port). With `tls` and no `certs`, it makes
+    Binds `host` (127.0.0.1; `port` 0: any free port). With `tls` and no `certs`, it makes
     its own in a temporary directory (`fake.certs.ca_pem` is the CA to trust).
     """
 
@@ -336,8 +339,10 @@ class FakeUpstream:
         port: int = 0,
         behaviour: Behaviour | None = None,
         h2: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         self.tls = tls
+        self.host = host
         self.h2 = h2
         self.certs = certs
         self.behaviour = behaviour or Behaviour()
@@ -377,7 +382,7 @@ class FakeUpstream:
         alpn = ("h2", "http/1.1") if self.h2 else ("http/1.1",)
         ssl_context = self.certs.server_context(alpn) if self.certs and self.tls else None
         return await asyncio.start_server(
-            self._serve_connection, "127.0.0.1", self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
+            self._serve_connection, self.host, self._requested_port, ssl=ssl_context, backlog=LISTEN_BACKLOG
         )
 
     def stop(self) -> None:

@@ -16,6 +16,7 @@ The knobs are `Behaviour`'s, read from the upgrade request's `x-fake-*` headers
 
 - `status` >= 400 rejects the upgrade with that status and a JSON error body;
   `head_delay_ms` delays the `101`; `reset_before_headers` resets instead of answering;
+  `close_after_accept` closes the socket with that code right after the `101`;
 - per turn: the prefill before the first text delta (`prefill_ms`, and
   `prefill_ms_per_1k_tokens` of the message's uncached tokens, which its usage reports with
   `cached_tokens`), `gap_ms` between the other events (and `midstream_pause_ms` more after
@@ -178,6 +179,11 @@ class ResponsesSocket:
             self.session.status = 101
             self.session.extensions = _header_in(accept, "sec-websocket-extensions")
             self._changed.notify_all()
+        if behaviour.close_after_accept:
+            writer.write(self._ws.send(CloseConnection(code=behaviour.close_after_accept, reason="session refused")))
+            await writer.drain()
+            writer.close()
+            return "complete"
 
         turns = asyncio.ensure_future(self._serve_turns(writer))
         try:

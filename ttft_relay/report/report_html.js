@@ -88,11 +88,17 @@
       const head = opts.rank ? `${r + 1}. ` : "";
       s += `<text x="4" y="${y + 16}">${esc(head + fmtMs(C.ttft[i]))}  ${esc(label(i)).slice(0, 46)}</text>`;
       let at = C.s[i] || 0;
+      const failedIn = D.errors[i] != null ? (D.error_phases || {})[i] : null;
       for (let k = 0; k < P; k++) {
         const d = ph(i, k);
         if (d == null) continue;
         const name = D.phases[k];
-        if (d > 0) {
+        if (d > 0 && name === failedIn) {  // the phase it failed in runs on to the error: unfinished
+          s += `<rect class="bar unfinished" data-phase="${name}" data-ms="${d}" x="${x(at)}" y="${by}" ` +
+            `width="${Math.max(1, x(at + d) - x(at))}" height="${bh}" fill="${phaseColor(name, k)}" ` +
+            `fill-opacity="0.3" stroke="#c0392b" stroke-dasharray="4 2"><title>${esc(name)} unfinished: ` +
+            `${Math.round(d)} ms until the error</title></rect>`;
+        } else if (d > 0) {
           s += `<rect class="bar" data-phase="${name}" data-ms="${d}" x="${x(at)}" y="${by}" ` +
             `width="${Math.max(1, x(at + d) - x(at))}" height="${bh}" fill="${phaseColor(name, k)}">` +
             `<title>${esc(name)}: ${d} ms (from ${Math.round(at)} to ${Math.round(at + d)} ms)</title></rect>`;
@@ -117,7 +123,8 @@
       }
       if (D.errors[i] != null) {
         const end = mk(i, "end"), name = (D.error_phases || {})[i];
-        if (end != null && end > at + 0.5 && name) {  // the phase it failed in, unfinished: what the failure cost
+        // Records written before the failed phase ran on to the error: what the failure cost, drawn after.
+        if (end != null && end > at + 0.5 && name) {
           s += `<rect class="bar unfinished" data-phase="${name}" data-ms="${+(end - at).toFixed(1)}" x="${x(at)}" y="${by}" ` +
             `width="${Math.max(1, x(end) - x(at))}" height="${bh}" fill="${phaseColor(name, D.phases.indexOf(name))}" ` +
             `fill-opacity="0.3" stroke="#c0392b" stroke-dasharray="4 2"><title>${esc(name)} unfinished: ` +

@@ -42,14 +42,17 @@ def _r(value: float | None) -> float | None:
 
 def bar_start(rec: Mapping[str, Any]) -> float:
     """Where the first bar begins (ms from the request head): the phases add up to ttft
-    and end at the first token, or at the end for an answer not streamed; the wait can
-    begin before the head (an early upstream connect, see `phases.compute`)."""
-    marks, ttft = rec.get("marks") or {}, rec.get("ttft_ms")
+    and end at the first token, or at the end for an answer not streamed or a failed
+    one (to its total); the wait can begin before the head (the request's first byte
+    held in the kernel, see `phases.compute`)."""
+    marks, ttft, total = rec.get("marks") or {}, rec.get("ttft_ms"), (rec.get("phases") or {}).get("total")
     if ttft is not None:
         end_of_path = marks.get("first_token", marks.get("end"))
         if end_of_path is not None:
             return end_of_path - ttft
-    return min(0.0, marks.get("client_connect", 0.0), marks.get("upstream_connect_start", 0.0))
+    if total is not None and marks.get("end") is not None:
+        return marks["end"] - total
+    return min(0.0, marks.get("client_arrived", 0.0))
 
 
 def bucket_size(span_s: float) -> int:

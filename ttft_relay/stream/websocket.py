@@ -28,7 +28,10 @@ A prewarm (`"generate": false`) is recorded as such, without a first token. The
 first-token and idle bounds of `faults.Deadlines` apply to turns as well: a turn
 that passes one is ended for the client with the API's own failure event
 (`response.failed`), and the upstream side of the socket is closed, so the client
-reconnects rather than waits on a response it was told has failed.
+reconnects rather than waits on a response it was told has failed. An upstream that
+accepts the upgrade and closes the socket before any turn fails the turn the client
+sent meanwhile (mitmproxy drops it unseen): a turn record with the close code, timed
+from the `101`.
 
 mitmproxy keeps every message of a WebSocket flow in `flow.websocket.messages` for
 the life of the flow, so one coding-agent session would hold every request and
@@ -40,24 +43,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import orjson
 from mitmproxy import ctx, http
+from mitmproxy.net.http import http1
 from mitmproxy.websocket import WebSocketMessage
 
 from .. import apis, state
 from ..apis.api import Turns
 from ..faults import apierrors, faults
+from ..patches import connections, error_texts
 from . import sse
-from ..timing import phases, record
+from ..timing import phases, record, selfwatch
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
 CLOSED_EARLY = "WebSocket closed before the turn ended"
+CLOSED_BEFORE_TURN = "WebSocket closed by the upstream before its first turn"
+CORK_POLL_S, CORK_POLLS = 0.001, 50
+"""How often, and how many times at most, a refused upgrade's client socket is looked at for
+the whole answer before it is let go (the kernel lets a corked socket go after 200 ms anyway)."""
 COMMENT_TURNS = 20
 """The newest turns listed in the flow's comment (mitmweb), newest first."""
 
@@ -79,6 +90,44 @@ def turn_marks(started: float, forwarded: float, w: sse.StreamWatcher, end: floa
         "end": end,
     }
     return phases.relative_marks(absolute, started)
+
+
+QUICK_CLOSE_S = 5.0
+"""An upstream that closes a socket this soon after accepting it, before any turn, refused the session."""
+NORMAL_CLOSES = (1000, 1001)
+"""Normal closure, going away (RFC 6455 7.4.1): an idle socket ended, not a refusal."""
+
+
+def refused_session(flow: http.HTTPFlow, open_s: float) -> bool:
+    """Whether the upstream ended an accepted socket that carried no turn as a refusal: it
+    closed it (or the connection broke on its side) at once, or with a code that is not a
+    normal closure."""
+    ws = flow.websocket
+    if ws is None or ws.closed_by_client:
+        return False
+    if ws.closed_by_client is None:  # no close frame: the connection broke (the `error` hook)
+        return flow.error is not None and not error_texts.client_gone(flow.error.msg)
+    return open_s <= QUICK_CLOSE_S or ws.close_code not in NORMAL_CLOSES
+
+
+def _uncork_when_written(sock: socket.socket, size: int, polls: int) -> None:
+    """Let `sock` send once `size` bytes wait in it (or after `polls` more looks, or when it is gone).
+    Counted in looks, not time: on a busy event loop the writes wait their turn as the looks do."""
+    info = selfwatch.tcp_info(sock)
+    if info is None or info.notsent_bytes is None or info.notsent_bytes >= size or polls <= 0:
+        _cork(sock, False)
+        return
+    asyncio.get_running_loop().call_later(CORK_POLL_S, _uncork_when_written, sock, size, polls - 1)
+
+
+def _cork(sock: socket.socket, on: bool) -> bool:
+    """Hold (or let go) what is written to `sock` until a full segment or the release (Linux's
+    TCP_CORK; elsewhere nothing). False where it cannot be set."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, int(on))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 # --- the addon -------------------------------------------------------------------------
@@ -116,11 +165,15 @@ class WebSocketTurns:
     """Times each turn of a Responses (or Realtime) WebSocket and publishes one
     record per turn through `timing`; bounds what mitmproxy keeps of the socket."""
 
-    def __init__(self, timing: Timing) -> None:
+    def __init__(self, timing: Timing, watch: selfwatch.SelfWatch | None = None) -> None:
         self.timing = timing
+        self.watch = watch
+        """The self-watch, for each turn's link figures (the client's round trip, retransmits, ...)."""
         self.sessions: dict[http.HTTPFlow, Session] = {}
         self.keep = 100
         self.limits = faults.Limits()
+        self.corked: weakref.WeakKeyDictionary[http.HTTPFlow, socket.socket] = weakref.WeakKeyDictionary()
+        """Refused upgrades whose client socket holds the answer until it is complete."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -145,6 +198,25 @@ class WebSocketTurns:
             self._finish(flow, session, error=SHUTDOWN_ERROR)
         self.sessions.clear()
 
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or st.transport != record.WEBSOCKET or flow.response is None or flow.response.status_code == 101:
+            return
+        # A refused upgrade leaves in one write: a WebSocket client (Codex's) reads the answer
+        # once, and a head without its body reads as "Unknown error" instead of the
+        # upstream's text. mitmproxy writes head and body apart; the client's socket holds
+        # them (TCP_CORK) until the answer is complete (`response`, or `error`).
+        sock = connections.connection_socket(flow.client_conn, flow.client_conn)
+        if sock is not None and _cork(sock, True):
+            self.corked[flow] = sock
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        if (sock := self.corked.pop(flow, None)) is not None and flow.response is not None:
+            # mitmproxy writes the answer after this hook, in a step of its own: let it go once
+            # the socket holds all of it.
+            whole = len(http1.assemble_response_head(flow.response)) + len(flow.response.raw_content or b"")
+            _uncork_when_written(sock, whole, CORK_POLLS)
+
     def websocket_start(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
         if st is None:
@@ -164,14 +236,27 @@ class WebSocketTurns:
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         session = self.sessions.pop(flow, None)
-        if session is None or session.turn is None:
+        if session is None:
             return
         ws = flow.websocket
         code = f" (close code {ws.close_code})" if ws is not None and ws.close_code is not None else ""
-        self._finish(flow, session, error=CLOSED_EARLY + code,
-                     client_aborted=bool(ws is not None and ws.closed_by_client))
+        by_client = bool(ws is not None and ws.closed_by_client)
+        opened = flow.response.timestamp_start if flow.response is not None else time.time()
+        if session.turn is None and session.turns == 0 and refused_session(flow, time.time() - opened):
+            # A client sends its first turn as soon as it is connected (mitmproxy drops what
+            # arrives after the close): that turn failed with the socket. Timed from the 101.
+            st = state.get(flow)
+            session.turns = 1
+            session.turn = Turn(1, opened, opened, st.model if st is not None else None, False,
+                                sse.StreamWatcher(session.api))
+            self._finish(flow, session, error=CLOSED_BEFORE_TURN + code)
+            return
+        if session.turn is not None:
+            self._finish(flow, session, error=CLOSED_EARLY + code, client_aborted=by_client)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        if (sock := self.corked.pop(flow, None)) is not None:
+            _cork(sock, False)
         if flow.websocket is not None:
             self.websocket_end(flow)
 
@@ -281,6 +366,7 @@ class WebSocketTurns:
             transport=record.WEBSOCKET,
             turn=turn.number,
             prewarm=turn.prewarm,
+            links=self.watch.turn_links(flow, turn.started) if self.watch is not None else None,
         )
         data = self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.

@@ -1,21 +1,27 @@
 """Marks on a request's timeline → phases → a verdict in words (pure).
 
 Marks are milliseconds relative to the moment the request head reached the
-relay (`request.timestamp_start` = 0). They can be negative: with mitmproxy's
-default `connection_strategy=eager`, reverse mode (and regular mode on CONNECT)
-opens the upstream connection as soon as the client connects, and mitmproxy
-reads the client's request only once that connection is ready.
+relay (`request.timestamp_start` = 0). They can be negative: the client's
+connection was set up before its first request, the kernel may have held the
+request's bytes before the relay read them, and with mitmproxy's default
+`connection_strategy=eager`, reverse mode (and regular mode on CONNECT) opens the
+upstream connection as soon as the client connects, reading the client's request
+only once that connection is ready.
 
-    client_arrived          the kernel had the client's connection (its first request) or
-                            this request (a kept-alive connection): `selfwatch`, from TCP_INFO
-    client_connect          client connection accepted (only with an early connect, below)
-    client_tls              client's TLS handshake with the relay done (same condition)
+    client_syn              the client's TCP handshake began: its SYN reached the relay  } the first
+                            (`selfwatch`: the handshake's duration, from TCP_INFO)        } request of
+    client_connect          client connection accepted                                    } a client
+    client_tls              client's TLS handshake with the relay done (TLS clients)      } connection
+    client_arrived          the kernel had this request's bytes while the relay had not read
+                            them (a busy event loop, or an early upstream connect): `selfwatch`
     request_body            last request body byte from the client
     body_arrived            the kernel had that last byte (selfwatch)
     forwarded               every request hook has run (trimming included)
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
     upstream_tcp            TCP is up                                           } this request
     upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    upstream_resent         the relay's kernel last sent the request again: only when it was
+                            retransmitted on the way (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)
     response_head           response head parsed
     first_byte              first response body chunk
@@ -27,39 +33,39 @@ reads the client's request only once that connection is ready.
     last_token              last visible output
     end                     response complete, or the error
 
-Phases are the request's *critical path*: the slices of the client's wait that
-each hop is responsible for. They do not overlap, and for a streamed answer
+The request's clock starts at its first byte: `client_arrived` when the kernel
+held the request, else the head. Everything on its connection before that is
+`connection_setup`, a phase of its own outside ttft: the TCP handshake, CONNECT,
+the TLS handshake with the relay (and the upstream connect mitmproxy makes during
+it), and any time the client let the connection idle before it wrote the request
+(a client that opens a connection ahead of need). A kept-alive connection's later
+requests have none.
+
+Phases after the start are the request's *critical path*: the slices of the
+client's wait that each hop is responsible for. They do not overlap, and for a
+streamed answer
 
     relay_queue + client_upload + relay + upstream_connect + upstream_tls
         + upstream_wait + head_to_first_token == ttft
 
-The client's wait starts at the request head, except for the request that got a
-connection opened before its head (eager strategy): mitmproxy did not read that
-request until the connect was done, so its wait starts when its connection was
-accepted, `client_connect` (the client is assumed to send as soon as it has
-connected). Before the head, connect and client upload ran side by side; the
-critical path goes through the one that finished last. The client waited on the
-connect if its own TLS handshake ended after the upstream connection was ready
-(it could not send before), or if the body was complete as soon as the head was
-read (`BUFFERED_MS`: it had all been sent; by `body_arrived` when known, so a body
-the busy relay read late still counts as sent): then accept → connect start is the
-relay's, the connect and handshake count, and the rest of the pre-head time
-(client TLS handshake) is the client's. Otherwise the client was still sending:
-the whole pre-head time is the client's upload. A
-lazy connect that overlapped the upload counts only where it outlasted
-`forwarded`. A reused connection has no connect or TLS phase.
+Before the head was read the request's bytes were held: by an early upstream
+connect (its connect and TLS handshake count where they overlap that time) or by
+the busy relay (`relay_queue`). A lazy connect that overlapped the upload counts
+only where it outlasted `forwarded`. A reused connection has no connect or TLS
+phase. A request that failed or was cut before its first token (`unfinished`:
+the phase it was in) has that phase run on to `end`, so its phases add up to
+`total`: no wait falls outside them.
 
-    relay_queue          bytes the kernel held because the relay's event loop was busy:
-                         a connection waiting to be accepted or a request to be read
-                         (client_arrived → start), a body read late (body_arrived →
-                         request_body), the first token read late (token_arrived →
-                         first_token; the head, for an answer not streamed as tokens).
-                         Only with the `*_arrived` marks; the other phases then hold
-                         only time outside the relay, and the client's wait starts at
-                         client_arrived when that is earlier
-    client_upload        client's link: head (and pre-head client time) → last body byte
+    connection_setup     client_syn (or client_connect) → the request's first byte: outside ttft
+    relay_queue          bytes the kernel held because the relay did not read them yet:
+                         the request before the head was read (client_arrived → head,
+                         except an early connect it waited on), a body read late
+                         (body_arrived → request_body), the first token read late
+                         (token_arrived → first_token; the head, for an answer not
+                         streamed as tokens). Only with the `*_arrived` marks; the other
+                         phases then hold only time outside the relay
+    client_upload        client's link: head → last body byte (its arrival)
     relay                last body byte → forwarded, plus forwarded → connect start
-                         (or accept → early connect start)
     upstream_connect     critical part of DNS + TCP connect
     upstream_tls         critical part of the upstream TLS handshake
     upstream_wait        max(forwarded, connection ready) → response head: one network
@@ -80,15 +86,17 @@ from dataclasses import dataclass
 from typing import Any
 
 MARKS = (
-    "client_arrived",
+    "client_syn",
     "client_connect",
     "client_tls",
+    "client_arrived",
     "request_body",
     "body_arrived",
     "forwarded",
     "upstream_connect_start",
     "upstream_tcp",
     "upstream_tls",
+    "upstream_resent",
     "head_arrived",
     "response_head",
     "first_byte",
@@ -112,7 +120,10 @@ CRITICAL_PHASES = (
 )
 """In timeline order; together they cover the client's wait up to `ttft`."""
 
-PHASES = CRITICAL_PHASES + ("stream", "ttft", "total")
+SETUP_PHASE = "connection_setup"
+"""Before the request's first byte: outside ttft and the critical path (see the docstring)."""
+
+PHASES = (SETUP_PHASE,) + CRITICAL_PHASES + ("stream", "ttft", "total")
 
 HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
 """The phases complete when the response head leaves for the client (Server-Timing)."""
@@ -148,9 +159,6 @@ PHASE_WORDS = {
     "response_body": "response body",
     "stream": "stream",
 }
-
-BUFFERED_MS = 5.0
-"""A body complete within this long after its head was already waiting in the buffer."""
 
 NEAR_TIE = 0.05
 """A later contributor must beat the leader by more than this fraction to win."""
@@ -188,12 +196,14 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, float]:
+def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: str | None = None) -> dict[str, float]:
     """Phase durations in ms from relative marks; a phase whose marks are missing
     (an error cut the request short, a reused connection) is absent.
 
     `tokens_expected`: the answer was streamed as events, so the time to first
     token is `first_token`; otherwise it is the time to the full response.
+    `unfinished`: the critical phase the request failed or was cut in (`error_phase`),
+    which then runs on to `end`.
     """
     m = marks
     body, fwd = m.get("request_body"), m.get("forwarded")
@@ -202,35 +212,28 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
     conn0, tcp, tls = m.get("upstream_connect_start"), m.get("upstream_tcp"), m.get("upstream_tls")
     head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
 
-    # Before the head, the client's sending and the early connect ran side by side,
-    # and the one that finished last is on the critical path: if the whole body was
-    # there the moment the head was read, the client had been waiting on the connect;
-    # otherwise it was still sending, and the connect hid behind its upload.
-    # A TLS client (CONNECT, or an HTTPS listener) cannot send before its own
-    # handshake, which mitmproxy finishes only after the upstream's: then the
-    # connect gated the client whatever the body timing says.
-    start, pre_relay, pre_connect, pre_tls = 0.0, 0.0, 0.0, 0.0
-    if conn0 is not None and tcp is not None and conn0 < 0:  # an early connect
-        start = min(conn0, m.get("client_connect", conn0))
-        client_tls, ready = m.get("client_tls"), (tls if tls is not None else tcp)
-        if (client_tls is not None and client_tls >= ready) or (body_in is not None and body_in <= BUFFERED_MS):
-            pre_relay = conn0 - start
-            pre_connect = _overlap(start, 0.0, conn0, tcp)
-            pre_tls = _overlap(start, 0.0, tcp, tls) if tls is not None else 0.0
-    pre_client = -start - pre_relay - pre_connect - pre_tls
-
-    # What the kernel held while the relay was busy: before the start, and the body.
+    # The clock starts at the request's first byte: when the kernel had it, if the relay read it later.
     arrived = m.get("client_arrived")
-    queue = start - arrived if arrived is not None and arrived < start else 0.0
-    start -= queue
-
+    start = min(0.0, arrived) if arrived is not None else 0.0
     p: dict[str, float] = {}
+    setup_from = m.get("client_syn", m.get("client_connect"))
+    if setup_from is not None:
+        p[SETUP_PHASE] = max(0.0, start - setup_from)
+
+    # Until the head was read the request's bytes were held: by an early upstream
+    # connect where one ran (the request waited on it), else by the relay.
+    pre_connect, pre_tls = 0.0, 0.0
+    if conn0 is not None and tcp is not None and conn0 < 0:
+        pre_connect = _overlap(start, 0.0, conn0, tcp)
+        pre_tls = _overlap(start, 0.0, tcp, tls) if tls is not None else 0.0
+    queue = -start - pre_connect - pre_tls
+
     if body is not None and body_in is not None:  # body_in is None exactly when body is
         queue += body - max(body_in, 0.0)
-        p["client_upload"] = pre_client + max(0.0, body_in)
+        p["client_upload"] = max(0.0, body_in)
     sent = None
     if body is not None and fwd is not None:
-        relay = pre_relay + max(0.0, fwd - body)
+        relay = max(0.0, fwd - body)
         sent = fwd
         if conn0 is not None and tcp is not None:  # a new connection
             ready = tls if tls is not None else tcp
@@ -245,6 +248,7 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
                 p["upstream_tls"] = pre_tls + handshake
         else:
             p["relay"] = relay
+    reached_first_token = False
     if head is not None:
         # The upstream's side ends when the kernel had its bytes; the relay read them later.
         head_in = head
@@ -256,20 +260,26 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool) -> dict[str, f
             first_in = first if m.get("token_arrived") is None else max(head_in, min(first, m["token_arrived"]))
             p["head_to_first_token"] = max(0.0, first_in - head_in)
             queue += first - first_in
+            reached_first_token = True
         else:
             queue += head - head_in
             if not tokens_expected and end is not None:
                 p["response_body"] = max(0.0, end - head)
                 p["ttft"] = end - start
+                reached_first_token = True
     if tokens_expected:
         if first is not None and last is not None:
             p["stream"] = max(0.0, last - first)
         if first is not None:
             p["ttft"] = first - start
-    if end is not None:
-        p["total"] = end - start
     if any(m.get(name) is not None for name in ARRIVAL_MARKS):
         p["relay_queue"] = queue
+    if end is not None:
+        p["total"] = end - start
+        if unfinished in CRITICAL_PHASES and not reached_first_token:
+            # The wait from the last mark reached to the failure is the unfinished phase's.
+            covered = sum(p.get(name, 0.0) for name in CRITICAL_PHASES)
+            p[unfinished] = p.get(unfinished, 0.0) + max(0.0, p["total"] - covered)
     return {name: round(p[name], 3) for name in PHASES if name in p}
 
 
@@ -339,12 +349,14 @@ def contributions(
     stall: float = 0.0,
     loop_lag_ms: float | None = None,
     client_rtt_ms: float | None = None,
+    upstream_retransmit_ms: float | None = None,
 ) -> dict[str, float]:
     """What each hop cost the client, in verdict words, in timeline order.
 
     The client's request and its first token each cross the client's link once:
-    one round trip (`client_rtt_ms`, the kernel's smoothed RTT of the client
-    connection) that no mark shows, least of all on a kept-alive connection.
+    one round trip that no mark shows, least of all on a kept-alive connection
+    (`client_rtt_ms`: what the link cost, `record.client_link_ms`: the path's
+    minimum RTT from the kernel, plus time lost to retransmission timeouts).
     The relay is saturated by what the kernel held for it (`relay_queue`) or,
     mid-stream, by a stall its own event loop explains: the part of the longest
     silence up to the loop's worst lag during the request (`loop_lag_ms`) is the
@@ -354,14 +366,17 @@ def contributions(
     a far-away upstream differs from a slow one. Where the upstream says how long it
     worked on the request before its head (`upstream_ms`, OpenAI's
     `openai-processing-ms`), the rest of the wait is network; otherwise the
-    round-trip estimate is. The time from head to first token is the upstream's too
-    (prefill after an early head).
+    round-trip estimate is, plus what the link lost to retransmissions before the
+    first token (`upstream_retransmit_ms`): a lossy link, not a slow server.
+    The time from head to first token is the upstream's too (prefill after an early head).
     """
     wait = phases.get("upstream_wait", 0.0)
     if upstream_ms is not None:
         network = max(0.0, wait - upstream_ms)
     else:
-        network = min(rtt_ms, wait) if rtt_ms else 0.0
+        # A lost segment of the answer delays the first token after the head as well.
+        network = min(rtt_ms or 0.0, wait)
+        network += min(upstream_retransmit_ms or 0.0, wait - network + phases.get("head_to_first_token", 0.0))
     relay_stall = min(stall, loop_lag_ms or 0.0)
     return {
         CLIENT_NETWORK: client_rtt_ms or 0.0,
@@ -455,6 +470,7 @@ def judge(
     expectation: Expectation | None = None,
     unlearned: str | None = None,
     cache_miss: str | None = None,
+    upstream_retransmit_ms: float | None = None,
 ) -> Verdict:
     """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
@@ -489,7 +505,8 @@ def judge(
         return Verdict(f"error in {where}")
     stall = gap.ms if gap is not None and gap.out_of_line else 0.0
     contrib = contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
-                            loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms)
+                            loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms,
+                            upstream_retransmit_ms=upstream_retransmit_ms)
     wait = phases.get("ttft", phases.get("total", 0.0))
     own = contrib[UPSTREAM_WAIT]
     expected_ttft = None

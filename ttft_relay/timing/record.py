@@ -121,11 +121,27 @@ class Record:
     client_rtt_ms: float | None = None
     """The client connection's smoothed round trip (Linux TCP_INFO)."""
     client_retransmits: int | None = None
-    """Segments the kernel retransmitted to the client during the request."""
+    """Segments the kernel retransmitted to the client during the request, counted once the
+    client acknowledged the response (or `selfwatch.SETTLE_MAX_S` passed)."""
     upstream_tcp_rtt_ms: float | None = None
     """The upstream connection's smoothed round trip (TCP_INFO: to the next hop)."""
     upstream_retransmits: int | None = None
     """Segments retransmitted to the upstream during the request."""
+    client_min_rtt_ms: float | None = None
+    """The client connection's minimum round trip (TCP_INFO): the path's own, without the
+    queueing and delayed acknowledgements that inflate the smoothed one."""
+    client_retransmit_ms: float | None = None
+    """Time the relay's sending to the client spent in retransmission timeouts during the
+    request (TCP_INFO, Linux 6.7+)."""
+    client_out_of_order: int | None = None
+    """Packets from the client that arrived out of order during the request: the client
+    lost segments and sent them again."""
+    upstream_retransmit_ms: float | None = None
+    """What the upstream link lost to retransmissions before the first token: the request
+    resent (`upstream_resent` after it was first sent), plus one round trip where answer
+    packets came out of order (the least a lost segment costs); upstream network in the verdict."""
+    upstream_out_of_order: int | None = None
+    """As `client_out_of_order`, from the upstream."""
 
     def as_dict(self) -> dict[str, Any]:
         """The record as plain data: one JSON line of the timing log, `flow.metadata`'s copy."""
@@ -179,15 +195,17 @@ def build_record(
     token of its own: its phases end at the `101`. `links`: the `LINK_KEYS` known.
     """
     handshake = is_handshake(transport, turn)
-    p = phases.compute(marks, tokens_expected=tokens_expected)
-    if handshake or prewarm:
-        # Neither is an answer: their time is in the phases, never a (slow) first token.
-        p.pop("ttft", None)
-    links = {key: (links or {}).get(key) for key in LINK_KEYS}
     if (error or client_aborted) and error_phase is None:
         error_phase = phases.error_phase(
             marks, tls_expected=tls_expected, tokens_expected=tokens_expected
         )
+    # A failed request's wait runs on in the phase it failed in, up to its end.
+    p = phases.compute(marks, tokens_expected=tokens_expected,
+                       unfinished=error_phase if error or client_aborted else None)
+    if handshake or prewarm:
+        # Neither is an answer: their time is in the phases, never a (slow) first token.
+        p.pop("ttft", None)
+    links = {key: (links or {}).get(key) for key in LINK_KEYS}
     output_tokens = (usage or {}).get("output_tokens") or token_events
     stream_s = p.get("stream", 0.0) / 1000
     rec = Record(
@@ -250,7 +268,8 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         error_phase=rec.error_phase,
         client_aborted=rec.client_aborted,
         loop_lag_ms=rec.loop_lag_ms,
-        client_rtt_ms=rec.client_rtt_ms,
+        client_rtt_ms=client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms),
+        upstream_retransmit_ms=rec.upstream_retransmit_ms,
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
@@ -260,6 +279,18 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+
+
+def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms: float | None) -> float | None:
+    """What the client's link cost the request, as far as the kernel tells: one round trip
+    (the request in, the first token out; the path's minimum `min_rtt_ms`, so that a
+    smoothed `rtt_ms` that delayed acknowledgements inflated on loopback is not taken for a
+    far client) plus the time the relay's sending to the client spent waiting on
+    retransmission timeouts (`retransmit_ms`)."""
+    rtt = min_rtt_ms if min_rtt_ms is not None else rtt_ms
+    if rtt is None:
+        return None
+    return rtt + (retransmit_ms or 0.0)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

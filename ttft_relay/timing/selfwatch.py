@@ -16,17 +16,30 @@ wait or a stream stall: the network is blamed exactly when the relay is the caus
   the marks `client_arrived` (request head), `body_arrived`, `head_arrived`
   (response head) and `token_arrived` (the chunk of the first token), from which
   `phases.compute` makes the `relay_queue` phase; and the record's `loop_lag_ms`
-  (worst lag while the request ran), the client's and the upstream's smoothed RTT
-  and retransmits (`record.LINK_KEYS`), so a slow client link is named even on a
-  kept-alive connection.
+  (worst lag while the request ran), the client's and the upstream's round trips,
+  retransmits, time in retransmission timeouts and packets that came out of order
+  (`record.LINK_KEYS`), so a slow client link is named even on a kept-alive
+  connection and a lossy upstream apart from a slow one.
+- Per client connection, TCP_INFO as it is accepted tells how long the kernel's TCP
+  handshake took (its round trip, or the SYN-ACK's retransmission timeouts): the
+  mark `client_syn` on its first request, where `connection_setup` begins.
+- The client's figures are final only once it acknowledged the response: a segment
+  lost on the way (the first token's among them) is retransmitted after the response
+  hook. `settle` keeps the record back until then (every SETTLE_POLL_S, at most
+  SETTLE_MAX_S), so those retransmits count in the request that suffered them.
 
 The kernel keeps those receive times in jiffies (1-10 ms), so a hold shorter than
 `HOLD_MIN_MS` is taken as none: the relay read the bytes at once. Linux only: where
 TCP_INFO is missing (or laid out otherwise) nothing is marked and the link keys are
-null. What loopback can show: the relay's own queueing (a saturated loop holds
-bytes on loopback as anywhere). What it cannot: the RTT and retransmits of a real
-path — on loopback they are microseconds and zero; through a local forwarder (or
-any proxy) the kernel sees the link to that next hop only.
+null; fields newer kernels added (min RTT 4.9+, out-of-order packets 5.4+, time in
+retransmission timeouts 6.7+) are null on older ones. What the relay cannot see: a
+client's SYN that was lost (the client waits its 1 s timeout before the relay hears
+of it), and a lost request that fits in one segment (it arrives late, in order).
+What loopback can show: the relay's own queueing (a saturated loop holds bytes on
+loopback as anywhere). What it cannot: the RTT and retransmits of a real path — on
+loopback they are microseconds and zero; through a TCP forwarder (or any proxy) the
+kernel sees the link to that next hop only. tests/fakes/link.py builds real far and
+lossy links in network namespaces for the tests that need one.
 
 The metrics addon draws the lag and the accept queues (`subscribe`).
 """
@@ -39,6 +52,7 @@ import logging
 import socket
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
@@ -48,6 +62,7 @@ from mitmproxy.proxy import server_hooks
 
 from .. import state
 from ..patches import connections
+from . import record
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +75,25 @@ ACCEPT_QUEUE_EVERY = 5
 HOLD_MIN_MS = 10.0
 """Bytes held for less than this are taken as read at once: the kernel's receive times
 are in jiffies, up to 10 ms."""
+SETTLE_POLL_S = 0.02
+"""How often a finished request's client socket is asked whether the client acknowledged it all."""
+SETTLE_MAX_S = 2.0
+"""The longest a record waits for that: a retransmission timeout with a back-off or two."""
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None) if hasattr(socket, "IPPROTO_TCP") else None
 _TCP_INFO_LEN = 104
 """Up to tcpi_total_retrans; every Linux since 2.6 fills that much."""
+_TCP_INFO_ASK = 248
+"""Up to tcpi_total_rto_time (Linux 6.7); older kernels return less."""
+_NO_MIN_RTT = 0xFFFFFFFF
 
 
 class TcpInfo(NamedTuple):
     """The fields of Linux's `struct tcp_info` the relay reads (times in ms)."""
 
     unacked: int
-    """For a listening socket: connections waiting in its accept queue."""
+    """For a listening socket: connections waiting in its accept queue; else segments sent
+    and not acknowledged yet."""
     sacked: int
     """For a listening socket: the accept queue's limit (the backlog)."""
     last_data_recv_ms: int
@@ -79,17 +102,47 @@ class TcpInfo(NamedTuple):
     """Smoothed round-trip time."""
     total_retrans: int
     """Segments retransmitted over the connection's life."""
+    last_data_sent_ms: int | None = None
+    """How long ago the kernel last sent data (a retransmission included)."""
+    bytes_received: int | None = None
+    """Payload bytes received over the connection's life."""
+    notsent_bytes: int | None = None
+    """Bytes written but not sent yet."""
+    min_rtt_ms: float | None = None
+    """The smallest round trip the kernel measured (over its window of minutes)."""
+    out_of_order: int | None = None
+    """Packets that arrived out of order (a segment before them was lost)."""
+    rto_count: int | None = None
+    """Retransmission timeouts, the handshake's included."""
+    rto_time_ms: int | None = None
+    """Time spent in retransmission-timeout recoveries (for an accepted connection whose
+    SYN-ACK timed out: from the first SYN-ACK to the handshake's end)."""
+
+
+def _field(raw: bytes, fmt: str, offset: int) -> int | None:
+    return struct.unpack_from(fmt, raw, offset)[0] if len(raw) >= offset + struct.calcsize(fmt) else None
 
 
 def parse_tcp_info(raw: bytes) -> TcpInfo | None:
-    """`struct tcp_info` (linux/tcp.h) → the fields the relay reads; None if too short."""
+    """`struct tcp_info` (linux/tcp.h) → the fields the relay reads; None if too short.
+    Fields a kernel does not fill (older ones return less) are None."""
     if len(raw) < _TCP_INFO_LEN:
         return None
     unacked, sacked = struct.unpack_from("=II", raw, 24)
     (last_data_recv,) = struct.unpack_from("=I", raw, 52)
     (rtt_us,) = struct.unpack_from("=I", raw, 68)
     (total_retrans,) = struct.unpack_from("=I", raw, 100)
-    return TcpInfo(unacked, sacked, last_data_recv, rtt_us / 1000, total_retrans)
+    min_rtt_us = _field(raw, "=I", 148)
+    return TcpInfo(
+        unacked, sacked, last_data_recv, rtt_us / 1000, total_retrans,
+        last_data_sent_ms=_field(raw, "=I", 44),
+        bytes_received=_field(raw, "=Q", 128),
+        notsent_bytes=_field(raw, "=I", 144),
+        min_rtt_ms=None if min_rtt_us in (None, _NO_MIN_RTT) else min_rtt_us / 1000,
+        out_of_order=_field(raw, "=I", 224),
+        rto_count=_field(raw, "=H", 240),
+        rto_time_ms=_field(raw, "=I", 244),
+    )
 
 
 def tcp_info(sock: socket.socket | None) -> TcpInfo | None:
@@ -97,9 +150,47 @@ def tcp_info(sock: socket.socket | None) -> TcpInfo | None:
     if sock is None or _TCP_INFO is None:
         return None
     try:
-        return parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN))
+        return parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_ASK))
     except OSError:
         return None
+
+
+def handshake_ms(info: TcpInfo) -> float:
+    """How long an accepted connection's TCP handshake took at the relay (its SYN in →
+    the client's ACK in), from TCP_INFO read before the relay sent anything: its one
+    round-trip sample, or the time the SYN-ACK's retransmission timeouts took."""
+    if info.rto_count and info.rto_time_ms is not None:
+        return float(info.rto_time_ms)
+    return info.rtt_ms
+
+
+class Counters(NamedTuple):
+    """A connection's running totals, whose differences are a request's `LINK_KEYS`."""
+
+    retransmits: int
+    rto_time_ms: int | None
+    out_of_order: int | None
+
+    @classmethod
+    def of(cls, info: TcpInfo) -> Counters:
+        return cls(info.total_retrans, info.rto_time_ms, info.out_of_order)
+
+    def since(self, before: Counters | None) -> Counters:
+        """What was added after `before` (None: since the connection began)."""
+        if before is None:
+            return self
+
+        def minus(now: int | None, then: int | None) -> int | None:
+            return None if now is None else now - (then or 0)
+
+        return Counters(self.retransmits - before.retransmits, minus(self.rto_time_ms, before.rto_time_ms),
+                        minus(self.out_of_order, before.out_of_order))
+
+
+def settled(info: TcpInfo | None, write_buffered: int) -> bool:
+    """Whether everything written to a connection has been sent and acknowledged (or
+    nothing more can be known: no TCP_INFO)."""
+    return info is None or (write_buffered == 0 and info.unacked == 0 and not info.notsent_bytes)
 
 
 def arrival(sock: socket.socket | None, read_at: float) -> float | None:
@@ -163,21 +254,25 @@ class LoopLag:
         return worst
 
 
-def _probe_token(st: state.FlowState, sock: socket.socket | None) -> None:
-    """Mark when the kernel had the first token's chunk (called once by the stream tap)."""
-    if st.watcher is not None and st.watcher.first_token is not None:
-        if (t := arrival(sock, st.watcher.first_token)) is not None:
-            st.marks.setdefault("token_arrived", t)
-
-
 class SelfWatch:
     """Measures the relay's own event loop and sockets; marks what the kernel held."""
 
     def __init__(self) -> None:
         self.lag = LoopLag(self._sample)
         self.subscribers: list[Callable[[float, dict[str, int] | None], None]] = []
-        self.retrans_seen: dict[str, int] = {}
-        """Retransmits per connection id already counted in an earlier record."""
+        self.counted: dict[str, Counters] = {}
+        """Per connection id, its totals already counted in an earlier record (for a client
+        at its accept, the handshake's time in retransmission timeouts: connection set-up)."""
+        self.handshakes: dict[str, float] = {}
+        """Per client id whose first request is still to come: when its SYN reached the relay."""
+        self.settling: dict[str, http.HTTPFlow] = {}
+        """Per client id, its flow whose client figures wait for the client's acknowledgement."""
+        self.reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
+        """Per flow, answer packets from the upstream that came out of order before its first token."""
+        self.request_reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
+        """Per flow, packets of its request that came out of order (the client's losses)."""
+        self.uploads_reordered: dict[str, int] = {}
+        """Per client id, its out-of-order packets already counted in a request."""
 
     def subscribe(self, fn: Callable[[float, dict[str, int] | None], None]) -> None:
         """`fn(lag_s, accept_queues)` for every lag sample; `accept_queues` ({listen
@@ -207,11 +302,38 @@ class SelfWatch:
     def _socket(self, flow: http.HTTPFlow, conn) -> socket.socket | None:
         return connections.connection_socket(flow.client_conn, conn)
 
+    # --- per connection ---------------------------------------------------------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        info = tcp_info(connections.connection_socket(client, client))
+        if info is None:
+            return
+        # The kernel's last receive is the handshake's end, or the client's first bytes
+        # right after it; either way not after the accept.
+        done = min(time.time() - info.last_data_recv_ms / 1000, client.timestamp_start)
+        self.handshakes[client.id] = done - handshake_ms(info) / 1000
+        # The handshake's retransmits count in the first request; their time is its set-up's.
+        self.counted[client.id] = Counters(0, info.rto_time_ms, 0 if info.out_of_order is not None else None)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.counted.pop(client.id, None)
+        self.uploads_reordered.pop(client.id, None)
+        self.handshakes.pop(client.id, None)
+        self.settling.pop(client.id, None)
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self.counted.pop(data.server.id, None)
+
     # --- per flow ---------------------------------------------------------------------
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if (earlier := self.settling.pop(flow.client_conn.id, None)) is not None:
+            # The connection's next request: what comes from here on is its own.
+            self._settled(earlier)
         if state.get(flow) is None:
             return
+        if (syn := self.handshakes.pop(flow.client_conn.id, None)) is not None:
+            state.mark(flow, "client_syn", syn)
         t = arrival(self._socket(flow, flow.client_conn), flow.request.timestamp_start)
         if t is not None:
             accepted = flow.client_conn.timestamp_start
@@ -219,11 +341,21 @@ class SelfWatch:
             state.mark(flow, "client_arrived", accepted if accepted - HOLD_MIN_MS / 1000 < t < accepted else t)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is None:
+            return
+        sock = self._socket(flow, flow.client_conn)
         end = flow.request.timestamp_end
-        if state.get(flow) is not None and end is not None and end - flow.request.timestamp_start > HOLD_MIN_MS / 1000:
+        if end is not None and end - flow.request.timestamp_start > HOLD_MIN_MS / 1000:
             # The body was read after the head: did it arrive after it too?
-            if (t := arrival(self._socket(flow, flow.client_conn), end)) is not None:
+            if (t := arrival(sock, end)) is not None:
                 state.mark(flow, "body_arrived", t)
+        # The client sends nothing more until its next request: what came out of order
+        # so far is this request's (counted now, not when the answer was acknowledged,
+        # by when the next request's first packets may be in).
+        if (info := tcp_info(sock)) is not None and info.out_of_order is not None:
+            seen = self.uploads_reordered.get(flow.client_conn.id, 0)
+            self.request_reordered[flow] = info.out_of_order - seen
+            self.uploads_reordered[flow.client_conn.id] = info.out_of_order
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -232,9 +364,23 @@ class SelfWatch:
         upstream = self._socket(flow, flow.server_conn)
         if (t := arrival(upstream, flow.response.timestamp_start)) is not None:
             state.mark(flow, "head_arrived", t)
+        self._count_reordered(flow, upstream)
         tap = flow.response.stream
         if hasattr(tap, "on_first_token"):  # streaming.StreamTap: it calls back once, after the first token
-            tap.on_first_token = functools.partial(_probe_token, st, upstream)
+            tap.on_first_token = functools.partial(self._probe_token, flow, st, upstream)
+
+    def _probe_token(self, flow: http.HTTPFlow, st: state.FlowState, sock: socket.socket | None) -> None:
+        """Mark when the kernel had the first token's chunk (called once by the stream tap)."""
+        if st.watcher is not None and st.watcher.first_token is not None:
+            if (t := arrival(sock, st.watcher.first_token)) is not None:
+                st.marks.setdefault("token_arrived", t)
+        self._count_reordered(flow, sock)
+
+    def _count_reordered(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
+        if (info := tcp_info(sock)) is not None:
+            before = self.counted.get(flow.server_conn.id)
+            if (ooo := Counters.of(info).since(before).out_of_order) is not None:
+                self.reordered[flow] = ooo
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._links(flow)
@@ -243,22 +389,102 @@ class SelfWatch:
         self._links(flow)
 
     def _links(self, flow: http.HTTPFlow) -> None:
-        """The request's `record.LINK_KEYS`, for timing's record (which comes next)."""
+        """The request's `record.LINK_KEYS`, for timing's record (which comes next); for
+        an HTTP answer the client has not acknowledged yet, `settle` to make its side final."""
         st = state.get(flow)
         if st is None or st.links is not None:
             return
         start = min(st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
-        links: dict[str, float | int | None] = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3)}
-        for side, conn in (("client", flow.client_conn), ("upstream", flow.server_conn)):
-            info = tcp_info(self._socket(flow, conn)) if conn.timestamp_start is not None else None
-            if info is not None:
-                links["client_rtt_ms" if side == "client" else "upstream_tcp_rtt_ms"] = round(info.rtt_ms, 3)
-                links[f"{side}_retransmits"] = info.total_retrans - self.retrans_seen.get(conn.id, 0)
-                self.retrans_seen[conn.id] = info.total_retrans
-        st.links = links
+        # A WebSocket's handshake: its turns follow at once on the same connection.
+        settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
+        self._mark_resent(flow, st)
+        st.links = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3),
+                    **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
+        if "upstream_retransmit_ms" in st.links:
+            st.links["upstream_retransmit_ms"] = self._upstream_lost_ms(flow, st)
+        if settling:
+            st.settle = functools.partial(self._settle, flow, time.monotonic() + SETTLE_MAX_S)
+            self.settling[flow.client_conn.id] = flow
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self.retrans_seen.pop(client.id, None)
+    def _settle(self, flow: http.HTTPFlow, deadline: float) -> float | None:
+        """Timing asks this until it returns None: then the flow's `links` are final. Else
+        the seconds to wait before asking again."""
+        st = state.get(flow)
+        info = tcp_info(self._socket(flow, flow.client_conn))
+        if info is None or st is None or st.links is None or st.settle is None:
+            return None  # the connection is gone: the figures read last stand
+        writer = connections.writer(flow.client_conn, flow.client_conn)
+        buffered = writer.transport.get_write_buffer_size() if isinstance(writer, asyncio.StreamWriter) else 0
+        if settled(info, buffered) or time.monotonic() >= deadline:
+            self.settling.pop(flow.client_conn.id, None)
+            self._settled(flow)
+            return None
+        # Read each time: a client that closes once it has everything leaves nothing to read after.
+        st.links.update(self.side_links(flow, "client", final=False))
+        return SETTLE_POLL_S
 
-    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        self.retrans_seen.pop(data.server.id, None)
+    def _settled(self, flow: http.HTTPFlow) -> None:
+        """The client's figures of `flow` read for good."""
+        st = state.get(flow)
+        if st is not None and st.links is not None and st.settle is not None:
+            st.links.update(self.side_links(flow, "client"))
+            st.settle = None
+
+    def _mark_resent(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+        """Mark `upstream_resent` if the upstream connection retransmitted during the request:
+        the kernel's last send on it then is the request's last resending (the relay sends
+        the upstream nothing else while it waits on its answer)."""
+        conn = flow.server_conn
+        info = tcp_info(self._socket(flow, conn)) if conn.timestamp_start is not None else None
+        if info is None or info.last_data_sent_ms is None:
+            return
+        before = self.counted.get(conn.id)
+        if info.total_retrans > (before.retransmits if before is not None else 0):
+            state.mark(flow, "upstream_resent", time.time() - info.last_data_sent_ms / 1000)
+
+    def _upstream_lost_ms(self, flow: http.HTTPFlow, st: state.FlowState) -> float:
+        """What the upstream link lost to retransmissions before the first token: the request's
+        resending (`upstream_resent` after it was first sent) and, where answer packets came out
+        of order, one round trip: the least a lost segment costs (the sender learns of the
+        hole from the relay's acknowledgements)."""
+        m = st.marks
+        sent = max(t for t in (m.get("forwarded"), m.get("upstream_tcp"), m.get("upstream_tls")) if t is not None) \
+            if m.get("forwarded") is not None else None
+        lost = 0.0
+        if (resent := m.get("upstream_resent")) is not None and sent is not None:
+            lost += max(0.0, resent - sent) * 1000
+        if self.reordered.get(flow):
+            info = tcp_info(self._socket(flow, flow.server_conn))
+            if info is not None and info.min_rtt_ms is not None:
+                lost += info.min_rtt_ms
+        return round(lost, 3)
+
+    def turn_links(self, flow: http.HTTPFlow, since: float) -> dict[str, float | int | None]:
+        """The `record.LINK_KEYS` of a WebSocket turn that began at `since`: what the socket's
+        two connections added since the previous turn's record (read as the turn ends)."""
+        return {"loop_lag_ms": round(self.lag.worst(since) * 1000, 3),
+                **self.side_links(flow, "upstream"), **self.side_links(flow, "client")}
+
+    def side_links(self, flow: http.HTTPFlow, side: str, *, final: bool = True) -> dict[str, float | int | None]:
+        """The `record.LINK_KEYS` of one side of `flow` ("client", "upstream"): its round
+        trips and what its totals added since the last record on the connection (`final`:
+        those are counted now, the next record starts from here)."""
+        conn = flow.client_conn if side == "client" else flow.server_conn
+        info = tcp_info(self._socket(flow, conn)) if conn.timestamp_start is not None else None
+        if info is None:
+            return {}
+        added = Counters.of(info).since(self.counted.get(conn.id))
+        if final:
+            self.counted[conn.id] = Counters.of(info)
+        links: dict[str, float | int | None] = {}
+        if side == "client":
+            links["client_rtt_ms"] = round(info.rtt_ms, 3)
+            links["client_min_rtt_ms"] = None if info.min_rtt_ms is None else round(info.min_rtt_ms, 3)
+        else:
+            links["upstream_tcp_rtt_ms"] = round(info.rtt_ms, 3)
+        links[f"{side}_retransmits"] = added.retransmits
+        links[f"{side}_retransmit_ms"] = None if added.rto_time_ms is None else float(added.rto_time_ms)
+        links[f"{side}_out_of_order"] = added.out_of_order
+        if side == "client" and (request := self.request_reordered.get(flow)) is not None:
+            links["client_out_of_order"] = request  # an HTTP request's, counted when it was in (`request`)
+        return links

@@ -21,6 +21,7 @@ request (trim) in relay.py's list.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from mitmproxy import command, ctx, exceptions, flow, hooks, http
+from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
 from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
@@ -91,6 +92,13 @@ class Timing:
         """Ids of open upstream connections that already carried a request."""
         self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
         """In-scope flows without a record yet: at `done` each gets one."""
+        self.settling: dict[http.HTTPFlow, tuple[asyncio.TimerHandle, dict[str, float]]] = {}
+        """Finished flows whose record waits for the self-watch's link figures (`FlowState.settle`),
+        with the timer that asks again and their marks."""
+        self.settling_on: dict[str, http.HTTPFlow] = {}
+        """Per client connection id, its flow whose record waits so."""
+        self.served_clients: set[str] = set()
+        """Ids of open client connections whose first request has been seen."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -178,6 +186,9 @@ class Timing:
                 st.record_error(SHUTDOWN_ERROR, phase="relay")
                 state.mark(live, "end", time.time())
                 self._finish(live)
+        for waiting, (timer, marks) in list(self.settling.items()):
+            timer.cancel()
+            self._record(waiting, marks, settled=True)
         self.console_lines.flush()
         self._close_writer()
 
@@ -187,8 +198,26 @@ class Timing:
             self.writer = None
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if state.get(flow) is not None:
-            self.in_flight.add(flow)
+        client = flow.client_conn
+        if (earlier := self.settling_on.pop(client.id, None)) is not None and earlier in self.settling:
+            # The connection's next request: the self-watch made the earlier one's figures
+            # final (it comes first); its record goes first too.
+            timer, marks = self.settling[earlier]
+            timer.cancel()
+            self._record(earlier, marks, settled=True)
+        if state.get(flow) is None:
+            return
+        self.in_flight.add(flow)
+        if client.id not in self.served_clients:
+            # The connection's first request: its set-up is before it (`phases.SETUP_PHASE`).
+            self.served_clients.add(client.id)
+            state.mark(flow, "client_connect", client.timestamp_start)
+            if client.timestamp_tls_setup is not None:
+                state.mark(flow, "client_tls", client.timestamp_tls_setup)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.served_clients.discard(client.id)
+        self.settling_on.pop(client.id, None)
 
     def request(self, flow: http.HTTPFlow) -> None:
         state.mark(flow, "forwarded", time.time())
@@ -243,11 +272,6 @@ class Timing:
         if conn.id in self.used_connections:
             return
         self.used_connections.add(conn.id)
-        if conn.timestamp_start < flow.request.timestamp_start:
-            # Connected eagerly: this request's wait began when its client connected.
-            state.mark(flow, "client_connect", flow.client_conn.timestamp_start)
-            if flow.client_conn.timestamp_tls_setup is not None:
-                state.mark(flow, "client_tls", flow.client_conn.timestamp_tls_setup)
         state.mark(flow, "upstream_connect_start", conn.timestamp_start)
         if conn.timestamp_tcp_setup is not None:
             state.mark(flow, "upstream_tcp", conn.timestamp_tcp_setup)
@@ -284,6 +308,28 @@ class Timing:
             marks.setdefault("end", flow.error.timestamp)
         elif flow.response is not None and flow.response.timestamp_end is not None:
             marks.setdefault("end", flow.response.timestamp_end)
+        self._record(flow, marks)
+
+    def _record(self, flow: http.HTTPFlow, marks: dict[str, float], *, settled: bool = False) -> None:
+        """Build and publish the flow's record once the self-watch's figures are final:
+        until `FlowState.settle` says so, ask again after the time it names."""
+        st = state.get(flow)
+        assert st is not None  # _finish checked
+        self.settling.pop(flow, None)
+        if self.settling_on.get(flow.client_conn.id) is flow:
+            del self.settling_on[flow.client_conn.id]
+        if st.settle is not None and not settled:
+            wait = st.settle()
+            if wait is not None:
+                try:
+                    timer = asyncio.get_running_loop().call_later(wait, self._record, flow, marks)
+                except RuntimeError:  # no event loop (a unit test): what is known now is final
+                    pass
+                else:
+                    self.settling[flow] = (timer, marks)
+                    self.settling_on[flow.client_conn.id] = flow
+                    return
+        st.settle = None
         rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
         data = flow.metadata[METADATA_KEY] = self.publish(rec, flow)
         slow = self.is_slow(rec)
