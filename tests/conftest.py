@@ -224,3 +224,16 @@ def far_link() -> Iterator[Callable[..., link.FarLink]]:
     yield make
     for built in made:
         built.close()
+
+
+
+@pytest.fixture(autouse=True)
+def _mitmproxy_unpatched() -> Iterator[None]:
+    """Each test starts with mitmproxy's own code: `taddons.context` runs an addon's `load`
+    and `configure` (where the relay's addons install their patches) but never its `done`
+    (where they are removed), so a test of an addon would otherwise leave its patches to
+    whichever test its xdist worker runs next (a pin test then reads the patch, not
+    mitmproxy's function)."""
+    from ttft_relay import patches
+    yield
+    patches.uninstall_all()

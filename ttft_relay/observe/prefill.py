@@ -9,10 +9,10 @@ fits
 
     own wait ≈ base + a · uncached/1k + b · cached/1k
 
-by median (least absolute deviations) regression: a queue spike on some requests moves
-a median fit no more than any other point above the line, where it would drag a least
-squares line up. A rate is fitted only for a token count that varied enough across the
-samples (else it is left out, and with it any claim about the prompt's share), and no
+by quantile regression (`fit`: the line under the queue spikes, then the median fit of
+the samples near it): a queue spike on some requests does not drag the line up as it
+would a least squares line. A rate is fitted only for a token count that varied enough
+across the samples (else it is left out, and with it any claim about the prompt's share), and no
 rate comes out negative. The residuals' robust spread (1.4826 × their median absolute
 value) is how much this upstream's wait varies on its own.
 
@@ -61,6 +61,11 @@ QUEUE_MIN_MS = 250.0
 QUEUE_RELATIVE = 0.5
 QUEUE_SCALES = 4.0
 IRLS_ROUNDS = 30
+FIRST_QUANTILE = 0.25
+SPIKE_SPREADS = 3.0
+SPIKE_MIN_MS = 50.0
+"""A sample further above the first fit than this many spreads (and this many ms) is a queue
+spike, left out of the second."""
 IRLS_FLOOR_MS = 1.0
 """Residuals below this weigh as this in the median fit (its iteratively reweighted least squares)."""
 
@@ -135,10 +140,11 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return x
 
 
-def _median_regression(columns: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least absolute deviations by iteratively reweighted least squares: `ys` against the
-    `columns` (the first all ones). Per round the weighted normal equations, each sum one
-    pass in C (`map`), so a window of samples fits in a few ms."""
+def _quantile_regression(columns: list[list[float]], ys: list[float], quantile: float = 0.5) -> list[float] | None:
+    """Quantile regression (least absolute deviations at 0.5, the median) by iteratively
+    reweighted least squares: `ys` against the `columns` (the first all ones), a residual
+    above the line weighing `quantile`, one below `1 - quantile`. Per round the weighted
+    normal equations, each sum one pass in C (`map`), so a window of samples fits in a few ms."""
     k = len(columns)
     weights = [1.0] * len(ys)
     beta: list[float] | None = None
@@ -151,7 +157,8 @@ def _median_regression(columns: list[list[float]], ys: list[float]) -> list[floa
         if beta is not None and max(abs(a - b) for a, b in zip(new, beta)) < 0.01:
             return new
         beta = new
-        weights = [1.0 / max(abs(r), IRLS_FLOOR_MS) for r in _residuals(beta, columns, ys)]
+        weights = [(quantile if r > 0 else 1.0 - quantile) / max(abs(r), IRLS_FLOOR_MS)
+                   for r in _residuals(beta, columns, ys)]
     return beta
 
 
@@ -162,17 +169,20 @@ def _residuals(beta: Sequence[float], columns: list[list[float]], ys: list[float
     return list(map(sub, ys, fitted))
 
 
-def fit(samples: Sequence[Sample]) -> Fit | None:
-    """The median fit of the samples' own wait against their tokens; None below MIN_SAMPLES."""
-    if len(samples) < MIN_SAMPLES:
-        return None
-    uncached = [s[1] / 1000 for s in samples]
-    cached = [s[2] / 1000 for s in samples]
-    ys = [s[3] for s in samples]
-    columns = [name for name, values in (("uncached", uncached), ("cached", cached)) if _varies(values)]
-    values = {"uncached": uncached, "cached": cached}
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _fit_rates(values: Mapping[str, list[float]], columns: list[str], ys: list[float], quantile: float = 0.5
+               ) -> tuple[list[float], dict[str, float], list[float]] | None:
+    """The `quantile` fit of `ys` against the `columns` of `values` that give it no negative
+    rate: (coefficients, rates by column, residuals); None when no fit can be solved."""
+    columns = list(columns)
     while True:
-        beta = _median_regression([[1.0] * len(ys), *(values[name] for name in columns)], ys)
+        design = [[1.0] * len(ys), *(values[name] for name in columns)]
+        beta = _quantile_regression(design, ys, quantile)
         if beta is None:
             if not columns:
                 return None
@@ -181,16 +191,41 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
         rates = dict(zip(columns, beta[1:]))
         negative = [name for name, rate in rates.items() if rate < 0]
         if not negative:
-            break
+            return beta, rates, _residuals(beta, design, ys)
         columns.remove(min(negative, key=lambda name: rates[name]))  # a prompt never makes the wait shorter
-    residuals = sorted(map(abs, _residuals(beta, [[1.0] * len(ys), *(values[name] for name in columns)], ys)))
-    mid = len(residuals) // 2
-    median = residuals[mid] if len(residuals) % 2 else (residuals[mid - 1] + residuals[mid]) / 2
+
+
+def fit(samples: Sequence[Sample]) -> Fit | None:
+    """The median fit of the samples' own wait against their tokens; None below MIN_SAMPLES.
+
+    Queueing only ever adds to a wait. So a first fit at a low quantile (FIRST_QUANTILE,
+    which queue spikes on up to about two thirds of the requests above the line cannot
+    lift) finds the line under the spikes; the samples further above it than
+    SPIKE_SPREADS spreads (at least SPIKE_MIN_MS; the spread measured below it, where no
+    spike reaches) are left out, and the median fit of the rest is the model. With a
+    third of the requests queued 1.5 s, one median fit could tilt towards the spikes of
+    the largest prompts (seen: 413 ms predicted where the clean traffic's fit said 133)."""
+    if len(samples) < MIN_SAMPLES:
+        return None
+    values = {"uncached": [s[1] / 1000 for s in samples], "cached": [s[2] / 1000 for s in samples]}
+    ys = [s[3] for s in samples]
+    columns = [name for name in ("uncached", "cached") if _varies(values[name])]
+    first = _fit_rates(values, columns, ys, FIRST_QUANTILE)
+    if first is None:
+        return None
+    beta, rates, residuals = first
+    below = [-r for r in residuals if r <= 0]
+    limit = max(SPIKE_SPREADS * 1.4826 * _median(below), SPIKE_MIN_MS) if below else SPIKE_MIN_MS
+    keep = [i for i, r in enumerate(residuals) if r <= limit]
+    kept = {name: [col[i] for i in keep] for name, col in values.items()}
+    second = _fit_rates(kept, [name for name in columns if _varies(kept[name])], [ys[i] for i in keep])
+    if second is not None:
+        beta, rates, residuals = second
     return Fit(
         base_ms=beta[0],
         per_1k_uncached=rates.get("uncached"),
         per_1k_cached=rates.get("cached"),
-        scale_ms=1.4826 * median,
+        scale_ms=1.4826 * _median(list(map(abs, residuals))),
         n=len(samples),
         max_uncached=max(s[1] for s in samples),
         max_cached=max(s[2] for s in samples),
