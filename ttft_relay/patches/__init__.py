@@ -33,6 +33,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   (`guard.AccessKeys`).
 - `message_checks`: a request's and a response's field types checked as mitmproxy checks
   them, from classes kept per field (`capacity.MessageChecks`).
+- `upstream_pool`: a reverse listener's upstream connections outlive their client
+  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
@@ -67,6 +69,7 @@ from . import (
     splice,
     trailers,
     upstream_copy,
+    upstream_pool,
 )
 
 PATCHES: tuple[ModuleType, ...] = (
@@ -84,6 +87,7 @@ PATCHES: tuple[ModuleType, ...] = (
     layer_events,
     message_checks,
     splice,
+    upstream_pool,
 )
 
 
