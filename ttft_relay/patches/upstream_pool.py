@@ -36,7 +36,7 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/test_ups
    no unread bytes in its reader or its TLS connection, nothing unsent, its transport read
    by mitmproxy's own protocol (not the direct reads), and only one credential ever sent
    on it — stops being read (`pause_reading`) and its place in the client's handler gets
-   a writer that closes nothing (`_Detached`); mitmproxy then tears the client down as
+   a writer that closes nothing (`Detached`); mitmproxy then tears the client down as
    always (its layers get `ConnectionClosed`, which writes nothing on an idle HTTP/1
    connection) and the socket, its reader and writer (the same objects: their flow
    control stays coherent) and its TLS connection go to the pool once that task ended.
@@ -301,9 +301,13 @@ def _start_handshake(self: tls_layers.ServerTLSLayer) -> layer.CommandGenerator[
 # 4. parking
 
 
-class _Detached:
+class Detached:
     """Stands in for a parked connection's writer in the client handler it left: what
-    mitmproxy still does to it there (close it, drain it, write to it) touches nothing."""
+    mitmproxy still does to it there (close it, drain it, write to it) touches nothing; a
+    hook that runs meanwhile still finds its socket (the self-watch reads TCP_INFO)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
 
     def is_closing(self) -> bool:
         return True
@@ -321,7 +325,7 @@ class _Detached:
         pass
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
+        return self._writer.get_extra_info(name, default)
 
 
 def _idle_http1(stack: layer.Layer | None, conn: Server) -> tuple[bool, SSL.Connection | None]:
@@ -384,7 +388,7 @@ def park(handler: server.ConnectionHandler, conn: connection.Connection) -> tupl
     if not idle or (tls is not None and (tls.get_shutdown() or tls.pending())):
         return None
     transport.pause_reading()  # type: ignore[attr-defined]  # not a byte more for this client's reader task
-    io.writer = _Detached()  # type: ignore[assignment]
+    io.writer = Detached(writer)  # type: ignore[assignment]
     previous = _adopted.get(conn)
     pooled = Pooled(
         key=key_of(conn),

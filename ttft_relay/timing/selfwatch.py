@@ -47,7 +47,7 @@ from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from .. import state
-from ..patches import connections
+from ..patches import connections, upstream_pool
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,12 @@ class SelfWatch:
                 links[f"{side}_retransmits"] = info.total_retrans - self.retrans_seen.get(conn.id, 0)
                 self.retrans_seen[conn.id] = info.total_retrans
         st.links = links
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # A pooled connection's retransmits so far were earlier clients'.
+        if upstream_pool.adopted(data.server):
+            if (info := tcp_info(connections.connection_socket(data.client, data.server))) is not None:
+                self.retrans_seen[data.server.id] = info.total_retrans
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.retrans_seen.pop(client.id, None)
