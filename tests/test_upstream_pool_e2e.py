@@ -118,3 +118,18 @@ def test_an_upstream_connection_the_upstream_closed_is_replaced(far_fake_tls, st
     while far_fake_tls.connections <= before and time.monotonic() < deadline:
         time.sleep(0.05)  # polling a count the forwarder's thread updates, bounded by the deadline
     assert far_fake_tls.connections > before, "the pool opened new connections"
+
+
+def test_a_clients_connection_close_ends_its_hop_only(fake, start_relay, rid):
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool_warm="0")
+    path, body = CHAT
+    for _ in range(2):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", path, body, {"Authorization": f"Bearer {FAKE_OPENAI_KEY}",
+                                                         "x-request-id": rid, "Connection": "close"})
+            assert response.status == 200 and b"[DONE]" in response.read()
+            assert conn.sock.recv(1) == b""  # the relay closed the client's connection, as it asked
+    first, second = fake.received
+    assert first.header("connection") is None and second.header("connection") is None  # hop-by-hop: not sent on
+    assert first.conn_id == second.conn_id  # so the upstream kept its connection, for the next client
+    assert [rec["reused_connection"] for rec in relay.log.of(rid, 2)] == [False, True]

@@ -60,7 +60,7 @@ from mitmproxy.proxy.layers.tls import TlsStartServerHook
 from mitmproxy.tls import TlsData
 from OpenSSL import SSL
 
-from .patches import connections, eager_connects, layer_events, upstream_pool
+from .patches import connections, eager_connects, layer_events, upstream_copy, upstream_pool
 from .patches.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,17 @@ LEARNED_IDLE_FACTOR = 0.8
 MIN_IDLE_S = 1.0
 REWARM_BACKOFF_S = (1.0, 30.0)
 """After a failed warm-up the next waits this long, doubling up to the second."""
+
+
+def drop_close(request: mhttp.Request) -> None:
+    """The request without the `close` and `keep-alive` tokens of its Connection header (the
+    header gone with them; an upgrade's token stays)."""
+    tokens = [t.strip() for t in request.headers.get("connection", "").split(",")]
+    kept = [t for t in tokens if t and t.lower() not in ("close", "keep-alive")]
+    if kept:
+        request.headers["connection"] = ", ".join(kept)
+    else:
+        request.headers.pop("connection", None)
 
 
 def pooled_listener(mode: mode_specs.ProxyMode) -> bool:
@@ -178,6 +189,10 @@ class UpstreamPool:
         if not self.on or flow.response is not None or not pooled_listener(mode):
             return
         assert isinstance(mode, mode_specs.ReverseMode)
+        if flow.request.http_version == "HTTP/1.1" and "close" in flow.request.headers.get("connection", "").lower():
+            # The client's hop ends after this answer, not the upstream connection (Connection is
+            # hop-by-hop): the request goes upstream without it, the client's connection closes as asked.
+            upstream_copy.send_upstream_with(flow, drop_close)
         if self._idle_for(mode.address) or any(
             isinstance(c, connection.Server) and c.address == mode.address and c.connected
             for c in connections.open_on(flow.client_conn)
