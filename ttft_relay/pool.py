@@ -252,7 +252,9 @@ class UpstreamPool:
             return
         pooled.idle_since = time.monotonic()
         idle.append(pooled)
-        pooled.watcher = self._spawn(self._watch(pooled))
+        pooled.watching = _Watch(pooled, self._ended)
+        pooled.transport.set_protocol(pooled.watching)
+        pooled.transport.resume_reading()
         loop = asyncio.get_running_loop()
         self.timers[pooled] = loop.call_later(self._idle_limit(pooled.key), self._expire, pooled)
         logger.debug("upstream connection %s pooled (%d idle for %s:%d)", pooled.id, len(idle), pooled.key.host,
@@ -272,8 +274,7 @@ class UpstreamPool:
             return False
         idle.remove(pooled)
         self._unschedule(pooled)
-        if pooled.watcher is not None and pooled.watcher is not asyncio.current_task():
-            pooled.watcher.cancel()
+        pooled.unwatch()
         pooled.close()
         logger.debug("upstream connection %s left the pool: %s", pooled.id, why)
         return True
@@ -282,34 +283,8 @@ class UpstreamPool:
         if timer := self.timers.pop(pooled, None):
             timer.cancel()
 
-    async def _watch(self, pooled: Pooled) -> None:
-        """While `pooled` is idle: whatever the upstream sends. TLS records that carry no data
-        (session tickets, key updates) are taken; anything else ends it."""
-        pooled.transport.resume_reading()
-        why = "unexpected bytes from the upstream"
-        try:
-            while True:
-                data = await pooled.reader.read(65536)
-                if not data:
-                    why = "closed by the upstream"
-                    break
-                if pooled.tls is None:
-                    break
-                pooled.tls.bio_write(data)
-                try:
-                    pooled.tls.recv(65536)
-                except SSL.WantReadError:
-                    _flush(pooled.tls, pooled.writer)
-                    continue
-                except SSL.ZeroReturnError:
-                    why = "closed by the upstream (TLS)"
-                except SSL.Error as e:
-                    why = f"TLS error: {e}"
-                break
-        except asyncio.CancelledError:
-            return  # taken, or dropped
-        except OSError as e:
-            why = str(e)
+    def _ended(self, pooled: Pooled, why: str) -> None:
+        """`pooled`'s watch saw it end while idle (or bytes no idle connection may get)."""
         idle_for = time.monotonic() - pooled.idle_since
         if why.startswith("closed by the upstream") and idle_for < self._idle_limit(pooled.key):
             learned = max(MIN_IDLE_S, LEARNED_IDLE_FACTOR * idle_for)
@@ -317,7 +292,6 @@ class UpstreamPool:
                 self.idle_limit[pooled.key] = learned
                 logger.info("%s:%d closed an idle connection after %.1f s: pooled connections to it are "
                             "replaced after %.1f s", pooled.key.host, pooled.key.port, idle_for, learned)
-        pooled.watcher = None
         if self._drop(pooled, why):
             self._rewarm(pooled.key)
 
@@ -417,3 +391,51 @@ def _flush(tls: SSL.Connection, writer: asyncio.StreamWriter) -> None:
             writer.write(tls.bio_read(65535))
         except SSL.WantReadError:
             return
+
+
+class _Watch(asyncio.Protocol):
+    """An idle connection's transport protocol while it waits in the pool: TLS records that
+    carry no data (session tickets, key updates) are taken, as mitmproxy's TLS layer would;
+    data, a close or an error end it (`ended(pooled, why)`, once)."""
+
+    def __init__(self, pooled: Pooled, ended: Callable[[Pooled, str], None]) -> None:
+        self.pooled = pooled
+        self.ended: Callable[[Pooled, str], None] | None = ended
+        self.reading: Any = pooled.writer._protocol  # type: ignore[attr-defined]  # its reader's
+
+    def data_received(self, data: bytes) -> None:
+        tls = self.pooled.tls
+        if tls is None:
+            self._end("unexpected bytes from the upstream")
+            return
+        tls.bio_write(data)
+        try:
+            tls.recv(65536)
+        except SSL.WantReadError:
+            _flush(tls, self.pooled.writer)
+            return
+        except SSL.ZeroReturnError:
+            self._end("closed by the upstream (TLS close_notify)")
+            return
+        except SSL.Error as e:
+            self._end(f"TLS error: {e}")
+            return
+        self._end("unexpected bytes from the upstream")
+
+    def eof_received(self) -> bool:
+        self._end("closed by the upstream")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end("closed by the upstream" if exc is None else f"connection lost: {exc}")
+
+    def pause_writing(self) -> None:
+        self.reading.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.reading.resume_writing()
+
+    def _end(self, why: str) -> None:
+        if self.ended is not None and self.pooled.watching is self:
+            ended, self.ended = self.ended, None
+            ended(self.pooled, why)

@@ -22,7 +22,7 @@ PINNED = {
     # and a cancelled connection's end closes the writer its handler holds then
     "ConnectionHandler.handle_client": (ConnectionHandler.handle_client, "01f1b7cc991c4711"),
     "ConnectionHandler.handle_connection": (ConnectionHandler.handle_connection, "95c3f93e9824e527"),
-    # an OpenConnection's task starts after the layers' commands of the event: the Server is noted before
+    # an OpenConnection's task starts as the handler takes it, before its transports entry is made
     "ConnectionHandler.server_event": (ConnectionHandler.server_event, "a2b42657ebe8bf6d"),
     # the adopted TLS: an OpenConnection through the TLS layer, a handshake that finds itself done
     "TunnelLayer.start_handshake": (TunnelLayer.start_handshake, "c15396d5df2a9fe6"),
@@ -57,8 +57,10 @@ def test_the_lines_it_depends_on():
                  "await self.handle_connection(command.connection)",
                  "server_hooks.ServerDisconnectedHook(hook_data)"):
         assert line in open_connection, line
-    assert "handler = asyncio_utils.create_task(\n                            self.open_connection(command)," in source(
-        ConnectionHandler.server_event)
+    server_event = source(ConnectionHandler.server_event)
+    # The connect's task starts (eagerly, with mitmproxy's task factory) before its transports entry is made.
+    assert server_event.index("self.open_connection(command),") < server_event.index(
+        "self.transports[command.connection] = ConnectionIO(\n                            handler=handler")
     # Without a TLS context nothing connects: the adopted layer's `tls` is set before the handshake runs.
     assert "if self.tls:\n                yield from self.receive_handshake_data(b\"\")" in source(
         upstream_pool._ORIGINAL_START_HANDSHAKE)

@@ -134,8 +134,9 @@ class Pooled:
     uses: int = 0
     """Client connections that had it."""
     idle_since: float = field(default_factory=time.monotonic)
-    watcher: asyncio.Task | None = None
-    """While idle in the pool: the task that watches it for the upstream closing it."""
+    watching: asyncio.Protocol | None = None
+    """While idle in the pool: the protocol its transport feeds instead of its reader's (the
+    pool's watch for the upstream closing it); its own is the reader's again when taken."""
 
     @property
     def transport(self) -> asyncio.Transport:
@@ -143,6 +144,12 @@ class Pooled:
 
     def alive(self) -> bool:
         return not self.transport.is_closing() and not self.reader.at_eof() and self.reader.exception() is None
+
+    def unwatch(self) -> None:
+        """Its transport feeds its reader again."""
+        if self.watching is not None:
+            self.watching = None
+            self.transport.set_protocol(self.writer._protocol)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self.writer.close()
@@ -222,7 +229,7 @@ def _get_connection(self: HttpLayer, event: GetHttpConnection, *, reuse: bool = 
     if asking is None:
         return (yield from _ORIGINAL_GET_CONNECTION(self, event, reuse=reuse))
     _sent.setdefault(self, set()).add(asking)
-    # The connect starts when the handler takes the OpenConnection, after this event: the
+    # The handler starts the connect's task (eagerly) as it takes the OpenConnection: the
     # Server is noted before the command goes up.
     for command in _ORIGINAL_GET_CONNECTION(self, event, reuse=reuse):
         if (
@@ -245,10 +252,10 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
     if pooled is None:
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
     assert isinstance(conn, Server) and _pool is not None
-    if pooled.watcher is not None:  # its reader is read by one task at a time
-        pooled.watcher.cancel()
-        await asyncio.wait([pooled.watcher])
-        pooled.watcher = None
+    pooled.unwatch()
+    # mitmproxy starts this task eagerly, inside its handler's `server_event`, which makes the
+    # connection's entry in `transports` once the task first yields: let it, before this one's.
+    await asyncio.sleep(0)
     hook_data = server_hooks.ServerConnectionHookData(client=self.client, server=conn)
     await self.handle_hook(server_hooks.ServerConnectHook(hook_data))
     if conn.error or not conn.address or key_of(conn) != pooled.key:
