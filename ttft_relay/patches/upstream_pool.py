@@ -43,6 +43,16 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/test_ups
 
 Anything else — a connection that is not idle, half-closed, upgraded, errored, HTTP/2,
 behind an upstream proxy, on another listener or address — is mitmproxy's as before.
+
+Why adoption of the socket and its TLS connection by a new `Server`, and not: moving a
+whole upstream layer stack from one client's HTTP layer to another's (its contexts, layers
+and reader task all belong to the first client's handler); a relay-side HTTP client below
+mitmproxy sharing one connection (or one HTTP/2 connection) among clients, as Go relays do
+(every response parsed twice, by it and by mitmproxy); TLS by Python's `ssl` with
+mitmproxy's TLS layer left out (a second copy of mitmproxy's upstream TLS settings, and
+the splice's TLS path lost); fresh pre-opened connections only, never reused (a handshake
+per request still, off the request's path). Adoption keeps mitmproxy's own layers, hooks
+and TLS code on every byte, and a `Server` per client connection as mitmproxy has it.
 """
 
 from __future__ import annotations
