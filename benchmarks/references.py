@@ -48,6 +48,11 @@ def envoy_binary() -> str | None:
     return str(path) if path.is_file() else None
 
 
+def binary(kind: str) -> str | None:
+    """The program of reference setup `kind` ("nginx", "envoy"), None if it is not installed."""
+    return nginx_binary() if kind == "nginx" else envoy_binary()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
