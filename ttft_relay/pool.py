@@ -316,8 +316,10 @@ class UpstreamPool:
         except Exception as e:  # any failure: said once, tried again later
             wait = self.backoff.get(key, REWARM_BACKOFF_S[0])
             self.backoff[key] = min(2 * wait, REWARM_BACKOFF_S[1])
-            logger.warning("upstream connection to %s:%d not opened ahead of requests (%s); trying again in %.0f s",
-                           key.host, key.port, e or type(e).__name__, wait)
+            # Said once until one succeeds again: an upstream that is down is not news every 30 s.
+            level = logging.WARNING if wait == REWARM_BACKOFF_S[0] else logging.DEBUG
+            logger.log(level, "upstream connection to %s:%d not opened ahead of requests (%s); trying again in %.0f s",
+                       key.host, key.port, e or type(e).__name__, wait)
             await asyncio.sleep(wait)
             self.connecting[key] -= 1
             self._rewarm(key)
