@@ -61,7 +61,8 @@ def test_a_new_client_connection_is_as_quick_as_a_kept_alive_one_on_a_far_link(f
         monkeypatch.setenv("TTFT_TEST_UPSTREAM_KEY", FAKE_OPENAI_KEY)
         options = {"relay_access_keys": "env:TTFT_TEST_RELAY_KEY",
                    "relay_upstream_keys": "localhost=env:TTFT_TEST_UPSTREAM_KEY"}
-    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false", **options)
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="true", **options)
     ratios = []
     for attempt in range(ATTEMPTS):  # a loaded machine can be slow by chance; a handshake, every time
         with HttpConnection(relay.url()) as kept:  # the floor: a request on a connection kept alive
@@ -81,8 +82,7 @@ def test_a_new_client_connection_is_as_quick_as_a_kept_alive_one_on_a_far_link(f
 
 
 def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, start_relay, rid):
-    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
-                        relay_upstream_pool="false")
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false")  # the default
     for _ in range(2):
         new_connection_request(relay.url(), rid)
     records = relay.log.of(rid, 2)
@@ -92,7 +92,7 @@ def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, star
 
 
 def test_client_connections_share_one_upstream_connection_per_credential(fake, start_relay, rid):
-    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool_warm="0")
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true", relay_upstream_pool_warm="0")
     for key in ("sk-alice-1", "sk-alice-1", "sk-bob-2", "sk-alice-1", "sk-bob-2"):
         new_connection_request(relay.url(), rid, key)
     alice1, alice2, bob1, alice3, bob2 = (rec["upstream_connection"] for rec in relay.log.of(rid, 5))
@@ -103,7 +103,7 @@ def test_client_connections_share_one_upstream_connection_per_credential(fake, s
 
 def test_an_upstream_connection_the_upstream_closed_is_replaced(far_fake_tls, start_relay, rid):
     relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
-                        termlog_verbosity="debug")
+                        relay_upstream_pool="true", termlog_verbosity="debug")
     new_connection_request(relay.url(), rid)
     relay.wait_for_output(r"upstream connection \S+ pooled")
     before = far_fake_tls.connections
@@ -121,7 +121,7 @@ def test_an_upstream_connection_the_upstream_closed_is_replaced(far_fake_tls, st
 
 
 def test_a_clients_connection_close_ends_its_hop_only(fake, start_relay, rid):
-    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool_warm="0")
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true", relay_upstream_pool_warm="0")
     path, body = CHAT
     for _ in range(2):
         with HttpConnection(relay.url()) as conn:
