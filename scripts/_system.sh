@@ -1,15 +1,19 @@
 # Sourced by scripts/test: the system programs the end-to-end tests drive as real parts —
 # HAProxy (workers), Prometheus (metrics scraped for real), Chromium (pages a person looks
-# at) — installed from Debian's packages when missing, where we are root with apt-get (CI,
-# a fresh VPS or container). Elsewhere nothing is installed and those tests skip, each
-# saying which program it lacks. TTFT_RELAY_NO_INSTALL=1 turns the install off.
+# at), nginx (the benchmarks' reference setup) — installed from Debian's packages when
+# missing, where we are root with apt-get (CI, a fresh VPS or container). Elsewhere nothing
+# is installed and those tests skip, each saying which program it lacks.
+# TTFT_RELAY_NO_INSTALL=1 turns the install off. scripts/bench asks for its own programs
+# (`ensure_system_packages nginx:nginx`). apt-get runs under flock on /tmp/ttft-apt.lock,
+# so that parallel runs on one machine take dpkg's lock in turn.
 
-SYSTEM_PACKAGES=(haproxy:haproxy prometheus:prometheus chromium:chromium)
-# program:package pairs
+SYSTEM_PACKAGES=(haproxy:haproxy prometheus:prometheus chromium:chromium nginx:nginx)
+# program:package pairs (the default of ensure_system_packages; it takes others as arguments)
 
 ensure_system_packages() {
     local pair missing=()
-    for pair in "${SYSTEM_PACKAGES[@]}"; do
+    [ $# -gt 0 ] || set -- "${SYSTEM_PACKAGES[@]}"
+    for pair in "$@"; do
         command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
@@ -17,8 +21,8 @@ ensure_system_packages() {
         echo "[ttft-relay] not installing ${missing[*]} (needs root and apt-get; TTFT_RELAY_NO_INSTALL unset): their tests skip" >&2
         return 0
     fi
-    echo "[ttft-relay] installing ${missing[*]} (Debian packages) for the end-to-end tests" >&2
-    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } \
-        >/tmp/ttft-relay-apt.log 2>&1 \
+    echo "[ttft-relay] installing ${missing[*]} (Debian packages)" >&2
+    { flock 9 && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"; } \
+        9>>/tmp/ttft-apt.lock >/tmp/ttft-relay-apt.log 2>&1 \
         || echo "[ttft-relay] apt-get install ${missing[*]} failed (see /tmp/ttft-relay-apt.log): their tests skip" >&2
 }

@@ -257,6 +257,8 @@ class BenchSetups:
                   work (only if named), with the relay's defaults for mitmproxy's options
         relay-1   the relay as one mitmdump process
         relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
+        nginx     nginx with proxy_buffering off, one worker (benchmarks/references.py; only if named)
+        envoy     Envoy with its router, one worker (benchmarks/references.py; only if named)
 
     and, for each of `variants` (name → options), the relay as one process with those
     options over `relay_options`: an A/B of an option in the same interleaved run. With
@@ -297,6 +299,17 @@ class BenchSetups:
                 self.setups["direct"] = (upstream, dict)
             if "floor" in self.names and self.tls_dir is None:
                 self.setups["floor"] = self._forwarder(upstream)
+            for kind in ("nginx", "envoy"):
+                if kind in self.names:
+                    from benchmarks.references import ReferenceProxy, binary
+
+                    if binary(kind) is None:  # a reference left out says so; the run goes on
+                        print(f"{kind} is not installed: left out (scripts/bench installs it where it can)",
+                              file=sys.stderr)
+                        continue
+                    reference = ReferenceProxy(kind, upstream, self.tmp, certs=self.tls_dir, h2=self.h2)
+                    self._stoppers.append(reference.stop)
+                    self.setups[kind] = (reference.start().url(), reference.processes)
             singles = {}
             if "bare" in self.names:
                 singles["bare"] = MitmdumpProcess([mode], self.tmp, script=BASELINE_SCRIPT,

@@ -184,7 +184,8 @@ def test_users_own_body_is_the_long_probe(fake, tmp_path):
 
 def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(start_relay, fake_tls, certs, tmp_path):
     with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as far:
-        relay = start_relay(f"reverse:https://127.0.0.1:{far.port}@0")
+        # Without the upstream pool: each relayed probe connects, so its TLS shows in the records.
+        relay = start_relay(f"reverse:https://127.0.0.1:{far.port}@0", relay_upstream_pool=False)
         evidence, result = run_diagnosis(
             "--upstream", fake_tls.base_url, "--ca", str(certs.ca_pem), "--relay", relay.url(),
             "--relay-log", str(tmp_path / "timing.jsonl"), "--repeat", "3", "--long-tokens", "1000",

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import reverse_to
 from tests.fakes import client
+from tests.fakes.upstream import FakeUpstream
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 
 pytestmark = pytest.mark.shared_fake
@@ -75,7 +76,8 @@ def test_no_upstream_connection_opens_before_the_key_is_checked(start_relay, key
         upstream.listen(64)
         upstream.setblocking(False)
         port = upstream.getsockname()[1]
-        relay = keyed(start_relay, f"reverse:http://127.0.0.1:{port}@0", keys_file)  # eager by default
+        # eager by default; no connection opened ahead by the upstream pool either (not for a client)
+        relay = keyed(start_relay, f"reverse:http://127.0.0.1:{port}@0", keys_file, relay_upstream_pool_warm=0)
         idle = [raw(relay) for _ in range(5)]
         with raw(relay) as s:
             s.sendall(head("/v1/chat/completions", {"host": "x", "content-length": "2"}) + b"{}")
@@ -90,7 +92,7 @@ def test_no_upstream_connection_opens_for_a_tls_client_before_its_key(fake_tls, 
     # With the eager strategy mitmproxy connects upstream during a TLS client's
     # handshake (to learn what the upstream speaks), before any request.
     relay = start_relay(f"reverse:https://localhost:{fake_tls.port}@0", relay_access_keys=f"file:{keys_file}",
-                        relay_upstream_keys="localhost=env:RELAY_TEST_UPSTREAM_KEY")
+                        relay_upstream_keys="localhost=env:RELAY_TEST_UPSTREAM_KEY", relay_upstream_pool_warm=0)
     context = ssl.create_default_context(cafile=str(relay.ca_pem))
     idle = [context.wrap_socket(raw(relay), server_hostname="127.0.0.1") for _ in range(5)]  # handshakes done
     try:
@@ -100,9 +102,14 @@ def test_no_upstream_connection_opens_for_a_tls_client_before_its_key(fake_tls, 
             s.close()
 
 
-def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploads(fake, shared_relay, keys_file,
-                                                                                   rid):
-    relay = keyed(shared_relay, reverse_to(fake), keys_file)
+def test_once_the_key_is_accepted_the_upstream_connect_runs_while_the_body_uploads(start_relay, keys_file, rid):
+    # A fake and a relay of its own, with no pooled upstream connection yet: its first request connects.
+    with FakeUpstream() as fake:
+        check_the_connect_runs_while_the_body_uploads(fake, keyed(start_relay, reverse_to(fake), keys_file,
+                                                                  relay_upstream_pool_warm=0), rid)
+
+
+def check_the_connect_runs_while_the_body_uploads(fake: FakeUpstream, relay, rid: str) -> None:
     body = b'{"model": "gpt-4o-mini", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
     with raw(relay) as s:
         s.sendall(head("/v1/chat/completions", {"host": "x", "authorization": f"Bearer {RELAY_KEY}",

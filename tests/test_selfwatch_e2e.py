@@ -45,7 +45,10 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
     log = tmp_path / "timing.jsonl"
     relay = MitmdumpProcess(
         [reverse_to(fake)], confdir,
-        options={"relay_timing_log": log, "relay_metrics_listen": "127.0.0.1:0", "relay_timing_console": "false"},
+        # Without the upstream pool: each request on a connection of its own (on a connection kept
+        # for long, loopback's delayed ACKs draw tail-loss probes, which count as retransmits).
+        options={"relay_timing_log": log, "relay_metrics_listen": "127.0.0.1:0", "relay_timing_console": "false",
+                 "relay_upstream_pool": "false"},
         extra_args=["-s", str(REPO / "tests" / "fakes" / "hog.py")],
         env={"TTFT_HOG_MS": str(HOG_MS), "TTFT_HOG_EVERY_MS": str(HOG_EVERY_MS)},
     )

@@ -144,9 +144,11 @@ def test_a_connection_opened_ahead_is_set_up_not_the_requests_wait(fake, relay_a
 
 @pytest.mark.parametrize("strategy", ["eager", "lazy"])
 def test_far_upstream_lands_in_upstream_tls(fake_tls, far_fake_tls, relay_at, rid, strategy):
-    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy=strategy)
+    # Without the upstream pool: a new client connection, a new upstream connection.
+    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy=strategy,
+                     relay_upstream_pool=False)
     for api in APIS:
-        one_request(relay.url(), api, {"x-request-id": rid})  # a new client connection: a new upstream connection
+        one_request(relay.url(), api, {"x-request-id": rid})
     records = relay.log.of(rid, len(APIS))
     for api, rec in zip(APIS, records):
         assert rec["reused_connection"] is False
@@ -162,7 +164,8 @@ def test_far_upstream_lands_in_upstream_tls(fake_tls, far_fake_tls, relay_at, ri
 
 
 def test_reused_connection_has_no_connect_or_tls(fake_tls, far_fake_tls, relay_at, rid):
-    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy="eager")
+    relay = relay_at(f"reverse:https://localhost:{far_fake_tls.port}@0", connection_strategy="eager",
+                     relay_upstream_pool=False)
     with HttpConnection(relay.url()) as conn:
         for api in APIS:
             post(conn, api, {"x-request-id": rid})

@@ -35,6 +35,7 @@ class DelayingForwarder(LoopServer):
         self.connect_delay_ms = connect_delay_ms
         self._lock = threading.Lock()
         self._connections = 0
+        self._clients: set[asyncio.StreamWriter] = set()
 
     @property
     def connections(self) -> int:
@@ -42,9 +43,15 @@ class DelayingForwarder(LoopServer):
         with self._lock:
             return self._connections
 
+    def hang_up(self) -> None:
+        """Close every connection now on the client's side, as a server closes its idle
+        keep-alive connections (the client reads their end at once, not after the delay)."""
+        self._loop_thread.call_soon(lambda: [writer.close() for writer in list(self._clients)])
+
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self._connections += 1
+        self._clients.add(client_writer)
         writers = [client_writer]
         graceful = False
         try:
@@ -63,6 +70,7 @@ class DelayingForwarder(LoopServer):
         except* OSError:  # ConnectionError included: one side failed, so break both, as a broken path would
             pass
         finally:
+            self._clients.discard(client_writer)
             for writer in writers:
                 if graceful:
                     writer.close()

@@ -355,6 +355,9 @@ class FakeUpstream:
         self._received: list[Received] = []
         self._sent: list[Sent] = []
         self._open_connections = 0
+        self._busy_connections = 0
+        self._open_ids: set[int] = set()
+        """Connections inside an exchange (a request read, its answer not done) or HTTP/2 ones."""
         self._conn_ids = itertools.count(1)
         self._pending_watch: StreamWatch | None = None
         self._latest_watch: StreamWatch | None = None
@@ -403,11 +406,13 @@ class FakeUpstream:
 
     def forget(self, timeout: float = 10) -> FakeUpstream:
         """Start afresh for the next test sharing this fake (and the relays forwarding to it):
-        once every connection is closed, nothing received or sent is remembered, no watch is
-        armed and the behaviour is the default. Fails if a connection stays open past `timeout`
-        (an earlier test left a client connected)."""
-        if not self.wait_connections(0, timeout):
-            raise AssertionError(f"{self.open_connections} connections to the fake still open from an earlier test")
+        once no connection is in the middle of an exchange (idle kept-alive ones may stay: the
+        relay's upstream pool keeps them), nothing received or sent is remembered, no watch is
+        armed and the behaviour is the default. Fails if an exchange goes on past `timeout`
+        (an earlier test left a request running)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._busy_connections == 0, timeout):
+                raise AssertionError(f"{self._busy_connections} connections to the fake still busy from an earlier test")
         with self._changed:
             self._received, self._sent, self._sockets = [], [], []
             self._pending_watch = self._latest_watch = None
@@ -464,6 +469,11 @@ class FakeUpstream:
         with self._changed:
             return self._changed.wait_for(lambda: sum(s.outcome is not None for s in self._sent) >= count, timeout)
 
+    def wait_closed(self, conn_id: int, timeout: float = 10) -> bool:
+        """Block until connection `conn_id` (a `Received.conn_id`) is closed."""
+        with self._changed:
+            return self._changed.wait_for(lambda: conn_id not in self._open_ids, timeout)
+
     def wait_connections(self, count: int, timeout: float = 10) -> bool:
         """Block until exactly `count` client connections are open (e.g. 0: the relay let go)."""
         with self._changed:
@@ -505,30 +515,37 @@ class FakeUpstream:
 
     # --- serving ---------------------------------------------------------------
 
-    def _count_connection(self, delta: int) -> None:
+    def _count_connection(self, delta: int, busy: int = 0, conn_id: int | None = None) -> None:
         with self._changed:
+            if conn_id is not None:
+                (self._open_ids.add if delta > 0 else self._open_ids.discard)(conn_id)
             self._open_connections += delta
+            self._busy_connections += busy
             self._changed.notify_all()
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn_id = next(self._conn_ids)
         tls = writer.get_extra_info("ssl_object")
         if tls is not None and tls.selected_alpn_protocol() == "h2":
-            self._count_connection(+1)
+            self._count_connection(+1, busy=+1, conn_id=conn_id)
             try:
                 await serve_h2(reader, writer, functools.partial(self._respond_h2, conn_id))
             finally:
-                self._count_connection(-1)
+                self._count_connection(-1, busy=-1, conn_id=conn_id)
             return
         inbound = Inbound(reader)
-        self._count_connection(+1)
+        self._count_connection(+1, conn_id=conn_id)
         try:
             keep_alive = True
             while keep_alive:
                 request = await read_request(inbound, writer)
                 if request is None:
                     break
-                keep_alive = await self._exchange(conn_id, *request, inbound, writer)
+                self._count_connection(0, busy=+1)
+                try:
+                    keep_alive = await self._exchange(conn_id, *request, inbound, writer)
+                finally:
+                    self._count_connection(0, busy=-1)
             writer.close()
         except BadRequest as exc:
             body = f"fake upstream: bad request: {exc}".encode()
@@ -541,7 +558,7 @@ class FakeUpstream:
             raise
         finally:
             inbound.close()
-            self._count_connection(-1)
+            self._count_connection(-1, conn_id=conn_id)
 
     async def _exchange(
         self, conn_id: int, head: RequestHead, body: bytes, chunked: bool, inbound: Inbound, writer: asyncio.StreamWriter

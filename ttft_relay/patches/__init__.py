@@ -38,6 +38,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   the provider's word).
 - `web_options`: mitmweb's option dumps (`GET /options`, its `options/update` messages) show
   the secrets of `proxyauth`, `upstream_auth` and `web_password` redacted (`guard.WebOptions`).
+- `upstream_pool`: a reverse listener's upstream connections outlive their client
+  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`).
 - `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
@@ -73,6 +75,7 @@ from . import (
     splice,
     trailers,
     upstream_copy,
+    upstream_pool,
     web_options,
 )
 
@@ -93,6 +96,7 @@ PATCHES: tuple[ModuleType, ...] = (
     resend,
     splice,
     web_options,
+    upstream_pool,
 )
 
 

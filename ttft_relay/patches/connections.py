@@ -36,6 +36,8 @@ from typing import Any
 from mitmproxy import connection, ctx
 from mitmproxy.proxy import mode_servers
 
+from . import upstream_pool
+
 
 def _proxyserver() -> Any:
     master = getattr(ctx, "master", None)  # none where layers run without a proxy (their tests)
@@ -78,7 +80,7 @@ def connection_socket(client: connection.Client, conn: connection.Connection) ->
     """The socket of `conn` (the client's own connection or one of its upstream ones);
     None once it is gone, or for a connection without a socket (UDP, WireGuard)."""
     w = writer(client, conn)
-    return w.get_extra_info("socket") if isinstance(w, asyncio.StreamWriter) else None
+    return w.get_extra_info("socket") if isinstance(w, (asyncio.StreamWriter, upstream_pool.Detached)) else None
 
 
 def plain_streams(client: connection.Client, server: connection.Connection) -> tuple[Any, Any, asyncio.StreamWriter] | None:

@@ -10,8 +10,9 @@ lookup reports the failed connection's error on that flow, as a lazy connect wou
 (`HttpLayer.get_connection`: `self.context.server.error`).
 
 The same wrap skips the eager connect for the listeners `defer` names (reverse
-listeners with relay access keys): no client gets an upstream connection opened for it
-before its request's key was checked. Those flows connect as
+listeners with relay access keys: no client gets an upstream connection opened for it
+before its request's key was checked; the upstream pool's listeners: a pooled connection
+is taken when the request's head is here). Those flows connect as
 `connection_strategy=lazy` would, after the request hooks (or once the key on the head
 is accepted, `layer_events.ConnectEarly`).
 
@@ -42,17 +43,24 @@ ORIGINALS = {
     (modes.DestinationKnown, "finish_start"): _ORIGINAL_FINISH_START,
     (tlsconfig.TlsConfig, "tls_clienthello"): _ORIGINAL_TLS_CLIENTHELLO,
 }
-_deferred: Callable[[Any], bool] | None = None
-"""Whether a listener (its proxy mode) must not connect upstream before a request."""
+_deferred: dict[str, Callable[[Any], bool]] = {}
+"""Who defers eager connects, and on which listeners (by their proxy mode)."""
 _read_after_failure = False
 
 
-def defer(listener: Callable[[Any], bool] | None) -> None:
+def defer(listener: Callable[[Any], bool] | None, by: str = "keys") -> None:
     """Skip the eager upstream connect on listeners for which `listener(proxy_mode)`
-    holds (None: on none)."""
-    global _deferred
-    _deferred = listener
+    holds (None: on none), for `by` (relay keys, the upstream pool): on the listeners
+    any of them names."""
+    if listener is None:
+        _deferred.pop(by, None)
+    else:
+        _deferred[by] = listener
     _apply()
+
+
+def _deferring(mode: Any) -> bool:
+    return any(listener(mode) for listener in _deferred.values())
 
 
 def read_request_after_failure(on: bool) -> None:
@@ -64,27 +72,27 @@ def read_request_after_failure(on: bool) -> None:
 
 
 def uninstall() -> None:
-    defer(None)
+    _deferred.clear()
     read_request_after_failure(False)
 
 
 def _apply() -> None:
-    wrapped = _deferred is not None or _read_after_failure
+    wrapped = bool(_deferred) or _read_after_failure
     modes.DestinationKnown.finish_start = _finish_start if wrapped else _ORIGINAL_FINISH_START  # type: ignore[method-assign]
     # assignment: mitmproxy's tls_clienthello has no return annotation; mypy then reads it as taking a second self.
     tlsconfig.TlsConfig.tls_clienthello = (  # type: ignore[method-assign]
-        _tls_clienthello if _deferred is not None else _ORIGINAL_TLS_CLIENTHELLO  # type: ignore[assignment]
+        _tls_clienthello if _deferred else _ORIGINAL_TLS_CLIENTHELLO  # type: ignore[assignment]
     )
 
 
 def _tls_clienthello(self: tlsconfig.TlsConfig, data: tls.ClientHelloData) -> None:
     _ORIGINAL_TLS_CLIENTHELLO(self, data)
-    if _deferred is not None and _deferred(data.context.client.proxy_mode):
+    if _deferring(data.context.client.proxy_mode):
         data.establish_server_tls_first = False
 
 
 def _finish_start(self: modes.DestinationKnown) -> layer.CommandGenerator[str | None]:
-    if _deferred is not None and _deferred(self.context.client.proxy_mode):
+    if _deferring(self.context.client.proxy_mode):
         # What the original does without an eager connect.
         self._handle_event = self.child_layer.handle_event  # type: ignore[method-assign]
         yield from self.child_layer.handle_event(events.Start())

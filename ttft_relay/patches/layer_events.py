@@ -34,6 +34,7 @@ layer's HTTP layer (a tunnel's, in regular mode) leaves them undone.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -74,13 +75,20 @@ def uninstall() -> None:
     HttpLayer._handle_event = _ORIGINAL_HANDLE_EVENT  # type: ignore[method-assign]
 
 
+_connecting: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+"""Flows whose ConnectEarly was handed."""
 _handing: set[asyncio.Future[None]] = set()
 """Events on their way (a task holds each until the HTTP layer had it)."""
 
 
 def hand(handler: Any, event: FlowEvent, then: Callable[[bool], object] | None = None) -> None:
     """Hand `event` to the HTTP layer of `handler` (the flow's client connection
-    handler) as soon as it takes events; `then(event.done)` once it had it."""
+    handler) as soon as it takes events; `then(event.done)` once it had it. A flow's
+    `ConnectEarly` is handed once (the relay keys and the upstream pool both ask)."""
+    if isinstance(event, ConnectEarly):
+        if event.flow in _connecting:
+            return
+        _connecting.add(event.flow)
     install()
     task = asyncio.ensure_future(_hand(handler, event, then))
     _handing.add(task)
@@ -121,7 +129,11 @@ def _reset(self: HttpLayer, event: ResetUpstreamStream) -> layer.CommandGenerato
 
 
 class _Ignore:
-    """Where the answer to an early connect goes: nowhere (the flow asks again)."""
+    """Where the answer to an early connect goes: nowhere (the flow asks again). It names
+    the flow it asked for, as the flow's own `HttpStream` would (the upstream pool reads it)."""
+
+    def __init__(self, flow: http.HTTPFlow) -> None:
+        self.flow = flow
 
     def handle_event(self, event: events.Event) -> Iterator[Any]:
         return iter(())
@@ -142,5 +154,5 @@ def _connect(self: HttpLayer, event: ConnectEarly) -> layer.CommandGenerator[Non
     ):
         return  # HTTP/2 (or 3) client: only the first stream, only if HTTP/2 may come
     event.done = True
-    self.command_sources[ask] = _Ignore()  # type: ignore[assignment]
+    self.command_sources[ask] = _Ignore(flow)  # type: ignore[assignment]
     yield from self.get_connection(ask)

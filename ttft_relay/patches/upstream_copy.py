@@ -1,4 +1,4 @@
-"""The request goes upstream as a changed copy (the upstream key in it); the flow keeps the client's.
+"""The request goes upstream as a changed copy (the upstream key in it, the client's hop-by-hop close dropped); the flow keeps the client's.
 
 The relay swaps a client's relay key for the upstream key. Done on the flow, the
 upstream key would sit in it while the request is in flight, and mitmweb shows flows in
@@ -27,8 +27,10 @@ _outgoing: weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], Non
 
 
 def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], None]) -> None:
-    """Send `flow`'s request upstream as a copy changed by `change`; the flow keeps its own."""
-    _outgoing[flow] = change
+    """Send `flow`'s request upstream as a copy changed by `change` (after any change asked
+    for before: the relay keys' swap, the upstream pool's hop-by-hop headers); the flow keeps its own."""
+    earlier = _outgoing.get(flow)
+    _outgoing[flow] = change if earlier is None else _both(earlier, change)
     HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
 
 
@@ -41,6 +43,14 @@ def outgoing(flow: http.HTTPFlow, request: http.Request) -> http.Request:
     sent = request.copy()
     change(sent)
     return sent
+
+
+def _both(first: Callable[[http.Request], None], then: Callable[[http.Request], None]) -> Callable[[http.Request], None]:
+    def change(request: http.Request) -> None:
+        first(request)
+        then(request)
+
+    return change
 
 
 def uninstall() -> None:

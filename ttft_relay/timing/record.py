@@ -67,7 +67,11 @@ class Record:
     ttft_ms: float | None
     """Time to first token (to the full response when not streamed)."""
     reused_connection: bool | None
-    """The upstream connection served an earlier request; None when none was made."""
+    """The request did not open its upstream connection (an earlier request, or the
+    upstream pool ahead of it, did: no connect or TLS phase); None when none was made."""
+    upstream_connection: str | None = None
+    """Which upstream connection the request went on (mitmproxy's id of the connection; a
+    pooled one keeps its id from client connection to client connection); None: none."""
     rtt_ms: float | None
     """The upstream round-trip estimate behind the verdict."""
     max_gap_ms: float | None
@@ -168,6 +172,7 @@ def build_record(
     tls_expected: bool,
     reused_connection: bool | None,
     rtt_ms: float | None,
+    upstream_connection: str | None = None,
     max_gap_ms: float | None = None,
     chunks: int | None = None,
     bytes: int | None = None,
@@ -221,6 +226,7 @@ def build_record(
         phases=p,
         ttft_ms=p.get("ttft"),
         reused_connection=reused_connection,
+        upstream_connection=upstream_connection,
         rtt_ms=None if rtt_ms is None else round(rtt_ms, 3),
         max_gap_ms=None if max_gap_ms is None else round(max_gap_ms, 3),
         chunks=chunks,

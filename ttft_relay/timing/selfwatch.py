@@ -61,7 +61,7 @@ from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from .. import state
-from ..patches import connections
+from ..patches import connections, upstream_pool
 from . import record
 
 logger = logging.getLogger(__name__)
@@ -320,6 +320,12 @@ class SelfWatch:
         self.uploads_reordered.pop(client.id, None)
         self.handshakes.pop(client.id, None)
         self.settling.pop(client.id, None)
+
+    def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        # A pooled connection's totals so far were earlier clients'.
+        if upstream_pool.adopted(data.server):
+            if (info := tcp_info(connections.connection_socket(data.client, data.server))) is not None:
+                self.counted[data.server.id] = Counters.of(info)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.counted.pop(data.server.id, None)

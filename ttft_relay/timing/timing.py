@@ -37,7 +37,7 @@ from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from .. import state
-from ..patches import error_texts
+from ..patches import error_texts, upstream_pool
 from ..stream import sse, streaming
 from . import logrotation, phases, record
 
@@ -272,13 +272,23 @@ class Timing:
         if conn.id in self.used_connections:
             return
         self.used_connections.add(conn.id)
+        if conn.timestamp_start < flow.client_conn.timestamp_start:
+            # Opened before this client connected (the upstream pool's): no connect of this
+            # request's; its handshake still tells the upstream's round trip.
+            own = {name: t for name, t in (("upstream_connect_start", conn.timestamp_start),
+                                           ("upstream_tcp", conn.timestamp_tcp_setup),
+                                           ("upstream_tls", conn.timestamp_tls_setup)) if t is not None}
+            self._learn_rtt(flow, phases.relative_marks(own, conn.timestamp_start), conn.tls_version)
+            return
         state.mark(flow, "upstream_connect_start", conn.timestamp_start)
         if conn.timestamp_tcp_setup is not None:
             state.mark(flow, "upstream_tcp", conn.timestamp_tcp_setup)
         if conn.timestamp_tls_setup is not None:
             state.mark(flow, "upstream_tls", conn.timestamp_tls_setup)
-        marks = phases.relative_marks(st.marks, flow.request.timestamp_start)
-        sample = phases.handshake_rtt_ms(marks, conn.tls_version)
+        self._learn_rtt(flow, phases.relative_marks(st.marks, flow.request.timestamp_start), conn.tls_version)
+
+    def _learn_rtt(self, flow: http.HTTPFlow, marks: dict[str, float], tls_version: str | None) -> None:
+        sample = phases.handshake_rtt_ms(marks, tls_version)
         if sample is not None:
             host = upstream_name(flow)
             self.rtt_samples.setdefault(host, deque(maxlen=RTT_SAMPLES)).append(sample)
@@ -396,6 +406,7 @@ class Timing:
             tokens_expected=st.stream and w is not None,
             tls_expected=flow.request.scheme == "https",
             reused_connection=None if flow.server_conn.timestamp_start is None else "upstream_connect_start" not in marks,
+            upstream_connection=upstream_pool.connection_id(flow.server_conn),
             rtt_ms=self.upstream_rtt_ms(upstream),
             max_gap_ms=w.max_gap * 1000 if w is not None else None,
             chunks=w.chunks if w is not None else None,

@@ -1,0 +1,26 @@
+"""The upstream pool's pure parts: which connections it keeps warm, what a request sends upstream."""
+
+from __future__ import annotations
+
+from mitmproxy.test import tutils
+
+from ttft_relay import pool
+from ttft_relay.patches.upstream_pool import PoolKey
+
+
+def test_warm_connections_for_each_reverse_listeners_http_upstream():
+    modes = ["reverse:https://api.openai.com@8001", "reverse:http://127.0.0.1:9000@8002",
+             "reverse:https://api.openai.com@8003", "regular@8080", "reverse:tcp://10.0.0.1:22@2222"]
+    assert pool.warm_keys(modes, keep_host_header=False) == [
+        PoolKey("api.openai.com", 443, True, "api.openai.com"), PoolKey("127.0.0.1", 9000, False, None)]
+    # With the client's Host kept, the SNI is each client's: nothing to open ahead for HTTPS.
+    assert pool.warm_keys(modes, keep_host_header=True) == [PoolKey("127.0.0.1", 9000, False, None)]
+
+
+def test_a_clients_close_is_its_own_hop():
+    request = tutils.treq()
+    for sent, upstream in [("close", None), ("Close", None), ("keep-alive", None), ("close, Upgrade", "Upgrade"),
+                           ("Upgrade", "Upgrade")]:
+        request.headers["connection"] = sent
+        pool.drop_close(request)
+        assert request.headers.get("connection") == upstream, sent

@@ -1,0 +1,135 @@
+"""The upstream pool through a real mitmdump: a new client connection takes an open upstream
+connection, never another credential's, and one the upstream closed is replaced.
+
+The far-link cases put the HTTPS fake behind a delaying link (ONE_WAY_MS each way): a new
+client connection that had to connect upstream would pay a TLS handshake (one more round
+trip) before its request; with the pool its first token is that of a request on a kept-alive
+connection. Ratios only, with room for a loaded machine: a handshake adds 2 x ONE_WAY_MS
+to a first token of about 2 x ONE_WAY_MS + the prefill.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import FAKE_OPENAI_KEY, reverse_to
+from tests.fakes.client import HttpConnection
+from tests.fakes.forwarder import DelayingForwarder
+
+ONE_WAY_MS = 100
+PREFILL_MS = 50
+REQUESTS = 6
+ATTEMPTS = 3
+CHAT = ("/v1/chat/completions", {"model": "gpt-4o-mini", "stream": True,
+                                 "messages": [{"role": "user", "content": "Say hello"}]})
+
+
+def first_token_ms(conn: HttpConnection, rid: str, key: str = FAKE_OPENAI_KEY) -> float:
+    """From the request's last byte to the first body chunk, as the client sees it."""
+    path, body = CHAT
+    response = conn.request("POST", path, body, {"Authorization": f"Bearer {key}", "x-request-id": rid,
+                                                 "x-fake-prefill-ms": str(PREFILL_MS)})
+    assert response.status == 200, response.read()[:300]
+    chunks = list(response.chunks())
+    assert response.complete and b"[DONE]" in b"".join(c.data for c in chunks)
+    return (chunks[0].at - response.request_sent_at) * 1000
+
+
+def new_connection_request(url: str, rid: str, key: str = FAKE_OPENAI_KEY) -> float:
+    with HttpConnection(url) as conn:
+        return first_token_ms(conn, rid, key)
+
+
+@pytest.fixture
+def far_fake_tls(fake_tls) -> Iterator[DelayingForwarder]:
+    with DelayingForwarder("127.0.0.1", fake_tls.port, ONE_WAY_MS) as forwarder:
+        yield forwarder
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["open", "keyed"])
+def test_a_new_client_connection_is_as_quick_as_a_kept_alive_one_on_a_far_link(far_fake_tls, start_relay, rid, keys,
+                                                                               monkeypatch):
+    options = {}
+    key = FAKE_OPENAI_KEY
+    if keys:
+        key = "relay-key-" + "x" * 32
+        monkeypatch.setenv("TTFT_TEST_RELAY_KEY", key)
+        monkeypatch.setenv("TTFT_TEST_UPSTREAM_KEY", FAKE_OPENAI_KEY)
+        options = {"relay_access_keys": "env:TTFT_TEST_RELAY_KEY",
+                   "relay_upstream_keys": "localhost=env:TTFT_TEST_UPSTREAM_KEY"}
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="true", **options)
+    ratios = []
+    for attempt in range(ATTEMPTS):  # a loaded machine can be slow by chance; a handshake, every time
+        with HttpConnection(relay.url()) as kept:  # the floor: a request on a connection kept alive
+            first_token_ms(kept, rid, key)
+            kept_alive = [first_token_ms(kept, rid, key) for _ in range(REQUESTS)]
+        fresh = [new_connection_request(relay.url(), rid, key) for _ in range(REQUESTS)]
+        records = relay.log.of(rid, (attempt + 1) * (1 + 2 * REQUESTS))
+        new_ones = records[-REQUESTS:]
+        assert all(rec["reused_connection"] is True for rec in new_ones), new_ones
+        assert not any({"upstream_connect", "upstream_tls"} & set(rec["phases"]) for rec in new_ones), new_ones
+        # The pool's handshakes still tell the far upstream's round trip.
+        assert all(rec["rtt_ms"] and rec["rtt_ms"] > ONE_WAY_MS for rec in new_ones), new_ones
+        ratios.append(statistics.median(fresh) / statistics.median(kept_alive))
+        if ratios[-1] <= 1.1:
+            return
+    pytest.fail(f"new connections' first token over kept-alive ones' in {ATTEMPTS} rounds: {ratios}")
+
+
+def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, start_relay, rid):
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false")  # the default
+    for _ in range(2):
+        new_connection_request(relay.url(), rid)
+    records = relay.log.of(rid, 2)
+    assert [rec["reused_connection"] for rec in records] == [False, False]
+    assert records[0]["upstream_connection"] != records[1]["upstream_connection"]
+    assert all("upstream_tls" in rec["phases"] for rec in records)
+
+
+def test_client_connections_share_one_upstream_connection_per_credential(fake, start_relay, rid):
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true", relay_upstream_pool_warm="0")
+    for key in ("sk-alice-1", "sk-alice-1", "sk-bob-2", "sk-alice-1", "sk-bob-2"):
+        new_connection_request(relay.url(), rid, key)
+    alice1, alice2, bob1, alice3, bob2 = (rec["upstream_connection"] for rec in relay.log.of(rid, 5))
+    assert alice1 == alice2 == alice3  # one connection, kept from client connection to client connection
+    assert bob1 == bob2 and bob1 != alice1  # never given to another credential
+    assert len({r.conn_id for r in fake.received}) == 2, "two upstream connections in all"
+
+
+def test_an_upstream_connection_the_upstream_closed_is_replaced(far_fake_tls, start_relay, rid):
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="true", termlog_verbosity="debug")
+    new_connection_request(relay.url(), rid)
+    relay.wait_for_output(r"upstream connection \S+ pooled")
+    before = far_fake_tls.connections
+    far_fake_tls.hang_up()  # as an upstream's idle timeout: every idle connection closed
+    relay.wait_for_output(r"left the pool: closed by the upstream")
+    for _ in range(3):
+        new_connection_request(relay.url(), rid)  # no failure
+    records = relay.log.of(rid, 4)
+    assert all(rec["status"] == 200 and rec["error"] is None for rec in records), records
+    assert records[1]["upstream_connection"] != records[0]["upstream_connection"]
+    deadline = time.monotonic() + 10
+    while far_fake_tls.connections <= before and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a count the forwarder's thread updates, bounded by the deadline
+    assert far_fake_tls.connections > before, "the pool opened new connections"
+
+
+def test_a_clients_connection_close_ends_its_hop_only(fake, start_relay, rid):
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true", relay_upstream_pool_warm="0")
+    path, body = CHAT
+    for _ in range(2):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", path, body, {"Authorization": f"Bearer {FAKE_OPENAI_KEY}",
+                                                         "x-request-id": rid, "Connection": "close"})
+            assert response.status == 200 and b"[DONE]" in response.read()
+            assert conn.sock.recv(1) == b""  # the relay closed the client's connection, as it asked
+    first, second = fake.received
+    assert first.header("connection") is None and second.header("connection") is None  # hop-by-hop: not sent on
+    assert first.conn_id == second.conn_id  # so the upstream kept its connection, for the next client
+    assert [rec["reused_connection"] for rec in relay.log.of(rid, 2)] == [False, True]

@@ -1,0 +1,448 @@
+"""Upstream connections shared across client connections: no upstream handshake on a new client connection.
+
+mitmproxy gives every client connection upstream connections of its own, so every new
+client connection (a CLI run, a script, each Codex session's WebSocket) paid a TCP
+connect and a TLS handshake upstream before its first request could leave: for an
+upstream 100 ms away, 200–400 ms more on its first token. `UpstreamPool` keeps the
+connections of a reverse listener's upstream when their client goes, opens a few ahead
+of time (`relay_upstream_pool_warm`), and gives them to the next client connections:
+their requests leave at once, as they would on a connection kept alive (the seams into
+mitmproxy: `patches/upstream_pool.py`).
+
+What a pooled connection carries from one client to the next, and why that is safe:
+
+- **Nothing of a request.** A connection goes back to the pool only when it is idle and
+  clean: its last response read to its end by its framing, no byte unread or unsent,
+  HTTP/1.1 kept alive, not upgraded, not half-closed, no error (`upstream_pool.park`).
+  So no client can leave bytes behind that the next one would read as its answer.
+- **One credential.** A connection that carried requests with one set of credentials
+  (API keys in any API's place, proxy authorization, cookies: `upstream_pool.credential`)
+  is only ever given to requests with the same set: servers may tie state to a
+  connection (connection-based authentication, per-connection limits or affinity), and
+  no client should inherit another's. A fresh connection carries none and goes to anyone.
+  On a keyed listener every request goes upstream with the listener's key, so all its
+  clients share its connections; a client connection that sent several credentials
+  gives its connections back to no one.
+- **Its TLS session.** Connections are keyed by address, TLS and SNI; their TLS is made
+  by mitmproxy's own `tls_start_server` (verification, ciphers, client certificate, the
+  options), offering HTTP/1.1 only: HTTP/2 connections stay mitmproxy's own, multiplexed
+  per client connection (one HTTP/2 connection shared by several clients' streams would
+  need one HTTP/2 state for streams of several of mitmproxy's connection handlers).
+
+Connections wait in the pool at most `relay_upstream_pool_idle` seconds: servers close
+idle keep-alive connections, and one closed just as a request is written to it fails
+that request. The pool watches every idle connection (an upstream's close takes it out
+at once, and teaches the pool that upstream's idle limit: 0.8 of the idle time it saw),
+and replaces the warm ones before they would time out. Where it has none, a request
+connects as before (and its connection joins the pool when its client goes). The
+eager connect of reverse listeners (mitmproxy's, at client connect) gives way to the
+pool: a request takes its connection when its head has arrived (`layer_events.ConnectEarly`),
+while its body uploads, a pooled one at once.
+
+Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
+new client connection, but under load over TLS pooled connections stalled streams in the
+benchmark (docs/benchmarks.md, *The pool under load over TLS*), a cause not found yet.
+
+Records say whether a request paid a connect (`reused_connection`: false only for a
+connection opened for it, with its `upstream_connect` / `upstream_tls` phases) and which
+connection it used (`upstream_connection`: a pooled connection keeps its id from client to
+client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mitmproxy import connection, ctx, exceptions
+from mitmproxy import http as mhttp
+from mitmproxy.proxy import context, mode_specs
+from mitmproxy.proxy.layers.tls import TlsStartServerHook
+from mitmproxy.tls import TlsData
+from OpenSSL import SSL
+
+from .patches import connections, eager_connects, layer_events, upstream_copy, upstream_pool
+from .patches.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
+
+logger = logging.getLogger(__name__)
+
+POOLED_SCHEMES = ("http", "https")
+CONNECT_TIMEOUT_S = 10.0
+"""A warm-up connect or handshake that takes longer is given up (the next one is tried later)."""
+LEARNED_IDLE_FACTOR = 0.8
+MIN_IDLE_S = 1.0
+REWARM_BACKOFF_S = (1.0, 30.0)
+"""After a failed warm-up the next waits this long, doubling up to the second."""
+
+
+def drop_close(request: mhttp.Request) -> None:
+    """The request without the `close` and `keep-alive` tokens of its Connection header (the
+    header gone with them; an upgrade's token stays)."""
+    tokens = [t.strip() for t in request.headers.get("connection", "").split(",")]
+    kept = [t for t in tokens if t and t.lower() not in ("close", "keep-alive")]
+    if kept:
+        request.headers["connection"] = ", ".join(kept)
+    else:
+        request.headers.pop("connection", None)
+
+
+def pooled_listener(mode: mode_specs.ProxyMode) -> bool:
+    """A reverse listener whose upstream connections the pool keeps (HTTP over TCP)."""
+    return isinstance(mode, mode_specs.ReverseMode) and mode.scheme in POOLED_SCHEMES
+
+
+def warm_keys(modes: Sequence[str], keep_host_header: bool) -> list[PoolKey]:
+    """The connections to keep warm: one kind per reverse listener's upstream (with the
+    upstream's own name as SNI; with keep_host_header the SNI is each client's)."""
+    keys = []
+    for spec in modes:
+        try:
+            mode = mode_specs.ProxyMode.parse(spec)
+        except ValueError:
+            continue
+        if not isinstance(mode, mode_specs.ReverseMode) or mode.scheme not in POOLED_SCHEMES:
+            continue
+        host, port = mode.address
+        tls = mode.scheme == "https"
+        if tls and keep_host_header:
+            continue
+        key = PoolKey(host, port, tls, host if tls else None)
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+class UpstreamPool:
+    """Keeps reverse listeners' upstream connections for later client connections (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.idle: dict[PoolKey, list[Pooled]] = {}
+        self.warm: list[PoolKey] = []
+        self.connecting: dict[PoolKey, int] = {}
+        self.idle_limit: dict[PoolKey, float] = {}
+        """Learned from upstreams that closed idle connections sooner than the option says."""
+        self.backoff: dict[PoolKey, float] = {}
+        self.timers: dict[Pooled, asyncio.TimerHandle] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.on = False
+        self.started = False
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_upstream_pool", bool, False,
+            "Keep reverse listeners' upstream connections when their client connection ends and give "
+            "them to the next client connections (one credential per connection, HTTP/1.1), so that a "
+            "new client connection does not wait for an upstream connect and TLS handshake. Off (the "
+            "default until the stalls it showed under load over TLS are understood, docs/benchmarks.md): "
+            "every client connection connects upstream itself (mitmproxy's own behaviour).",
+        )
+        loader.add_option(
+            "relay_upstream_pool_warm", int, 2,
+            "Upstream connections the pool keeps open ahead of any request, per reverse listener's upstream.",
+        )
+        loader.add_option(
+            "relay_upstream_pool_idle", float, 30.0,
+            "Seconds an upstream connection may wait in the pool (it is replaced before then, if warm): "
+            "below the upstream's own idle timeout, which the pool also learns when an upstream closes "
+            "an idle connection sooner.",
+        )
+        loader.add_option(
+            "relay_upstream_pool_max", int, 32,
+            "Idle upstream connections the pool keeps at most, per upstream (more are closed).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        names = {"relay_upstream_pool", "relay_upstream_pool_warm", "relay_upstream_pool_idle",
+                 "relay_upstream_pool_max", "mode", "keep_host_header"}
+        if not updated & names:
+            return
+        opts = ctx.options
+        if opts.relay_upstream_pool_warm < 0 or opts.relay_upstream_pool_max < 0:
+            raise exceptions.OptionsError("relay_upstream_pool_warm and relay_upstream_pool_max must be >= 0")
+        if opts.relay_upstream_pool_idle <= 0:
+            raise exceptions.OptionsError("relay_upstream_pool_idle must be > 0")
+        self.on = bool(opts.relay_upstream_pool)
+        upstream_pool.install(self if self.on else None)
+        eager_connects.defer(pooled_listener if self.on else None, by="pool")
+        self.warm = warm_keys(opts.mode, opts.keep_host_header) if self.on else []
+        if not self.on:
+            self._close_all()
+        elif self.started:
+            self._rewarm_all()
+
+    def running(self) -> None:
+        self.started = True
+        self._rewarm_all()
+
+    def done(self) -> None:
+        self.started = False
+        upstream_pool.install(None)
+        eager_connects.defer(None, by="pool")
+        self._close_all()
+        for task in list(self.tasks):
+            task.cancel()
+
+    def requestheaders(self, flow: mhttp.HTTPFlow) -> None:
+        # Where the request has no connection at hand (none of its client's, none idle in the
+        # pool), it connects once its head is here, while its body uploads: the eager connect
+        # gave way to the pool. (Before the relay keys are checked too: the connect is handed
+        # to the HTTP layer after every requestheaders hook, and skipped for a refused flow.)
+        mode = flow.client_conn.proxy_mode
+        if not self.on or flow.response is not None or not pooled_listener(mode):
+            return
+        assert isinstance(mode, mode_specs.ReverseMode)
+        if flow.request.http_version == "HTTP/1.1" and "close" in flow.request.headers.get("connection", "").lower():
+            # The client's hop ends after this answer, not the upstream connection (Connection is
+            # hop-by-hop): the request goes upstream without it, the client's connection closes as asked.
+            upstream_copy.send_upstream_with(flow, drop_close)
+        if self._idle_for(mode.address) or any(
+            isinstance(c, connection.Server) and c.address == mode.address and c.connected
+            for c in connections.open_on(flow.client_conn)
+        ):
+            return
+        if (handler := connections.handler_of(flow.client_conn)) is not None:
+            layer_events.hand(handler, layer_events.ConnectEarly(flow))
+
+    def _idle_for(self, address: tuple[str, int]) -> bool:
+        return any(idle for key, idle in self.idle.items() if (key.host, key.port) == address)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        # Before mitmproxy closes the client's upstream connections.
+        handler = connections.handler_of(client)
+        if handler is None or not self.on:
+            return
+        for conn in list(handler.transports):
+            if not upstream_pool.poolable(conn) or (parked := upstream_pool.park(handler, conn)) is None:
+                continue
+            pooled, ending = parked
+            ending.add_done_callback(self._parked(pooled))
+
+    def _parked(self, pooled: Pooled) -> Callable[[asyncio.Task], None]:
+        """What receives `pooled` once its client's task for it ended (its reader is free then)."""
+        return lambda _task: self._receive(pooled)
+
+    # the pool (upstream_pool.Pool)
+
+    def take(self, key: PoolKey, credential: bytes) -> Pooled | None:
+        """An idle connection for `key` whose requests had `credential`, else a fresh one; None if none."""
+        idle = self.idle.get(key, [])
+        found = None
+        for candidate in (*(p for p in reversed(idle) if p.credential == credential),
+                          *(p for p in reversed(idle) if p.credential is None)):
+            if candidate.alive():
+                found = candidate
+                break
+        if found is None:
+            self._rewarm(key)  # the request connects itself; the pool gets ready for the next
+            return None
+        idle.remove(found)
+        self._unschedule(found)
+        found.credential = credential
+        self._rewarm(key)
+        return found
+
+    def put_back(self, pooled: Pooled) -> None:
+        self._receive(pooled)
+
+    # internals
+
+    def _receive(self, pooled: Pooled) -> None:
+        """A connection enters the pool (parked once its client task ended, or a warm one)."""
+        idle = self.idle.setdefault(pooled.key, [])
+        if not self.started or not self.on or not pooled.alive() or len(idle) >= ctx.options.relay_upstream_pool_max:
+            pooled.close()
+            return
+        pooled.idle_since = time.monotonic()
+        idle.append(pooled)
+        pooled.watching = _Watch(pooled, self._ended)
+        pooled.transport.set_protocol(pooled.watching)
+        pooled.transport.resume_reading()
+        loop = asyncio.get_running_loop()
+        self.timers[pooled] = loop.call_later(self._idle_limit(pooled.key), self._expire, pooled)
+        logger.debug("upstream connection %s pooled (%d idle for %s:%d)", pooled.id, len(idle), pooled.key.host,
+                     pooled.key.port)
+
+    def _idle_limit(self, key: PoolKey) -> float:
+        return min(ctx.options.relay_upstream_pool_idle, self.idle_limit.get(key, float("inf")))
+
+    def _expire(self, pooled: Pooled) -> None:
+        self.timers.pop(pooled, None)
+        if self._drop(pooled, "idle limit"):
+            self._rewarm(pooled.key)
+
+    def _drop(self, pooled: Pooled, why: str) -> bool:
+        idle = self.idle.get(pooled.key, [])
+        if pooled not in idle:
+            return False
+        idle.remove(pooled)
+        self._unschedule(pooled)
+        pooled.unwatch()
+        pooled.close()
+        logger.debug("upstream connection %s left the pool: %s", pooled.id, why)
+        return True
+
+    def _unschedule(self, pooled: Pooled) -> None:
+        if timer := self.timers.pop(pooled, None):
+            timer.cancel()
+
+    def _ended(self, pooled: Pooled, why: str) -> None:
+        """`pooled`'s watch saw it end while idle (or bytes no idle connection may get)."""
+        idle_for = time.monotonic() - pooled.idle_since
+        if why.startswith("closed by the upstream") and idle_for < self._idle_limit(pooled.key):
+            learned = max(MIN_IDLE_S, LEARNED_IDLE_FACTOR * idle_for)
+            if learned < self.idle_limit.get(pooled.key, float("inf")):
+                self.idle_limit[pooled.key] = learned
+                logger.info("%s:%d closed an idle connection after %.1f s: pooled connections to it are "
+                            "replaced after %.1f s", pooled.key.host, pooled.key.port, idle_for, learned)
+        if self._drop(pooled, why):
+            self._rewarm(pooled.key)
+
+    def _rewarm_all(self) -> None:
+        for key in self.warm:
+            self._rewarm(key)
+
+    def _rewarm(self, key: PoolKey) -> None:
+        """Open connections for a warm key until `relay_upstream_pool_warm` are fresh or opening."""
+        if not self.started or key not in self.warm:
+            return
+        fresh = sum(1 for p in self.idle.get(key, ()) if p.credential is None)
+        for _ in range(ctx.options.relay_upstream_pool_warm - fresh - self.connecting.get(key, 0)):
+            self.connecting[key] = self.connecting.get(key, 0) + 1
+            self._spawn(self._warm_up(key))
+
+    async def _warm_up(self, key: PoolKey) -> None:
+        try:
+            pooled = await asyncio.wait_for(_open(key), CONNECT_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # any failure: said once, tried again later
+            wait = self.backoff.get(key, REWARM_BACKOFF_S[0])
+            self.backoff[key] = min(2 * wait, REWARM_BACKOFF_S[1])
+            # Said once until one succeeds again: an upstream that is down is not news every 30 s.
+            level = logging.WARNING if wait == REWARM_BACKOFF_S[0] else logging.DEBUG
+            logger.log(level, "upstream connection to %s:%d not opened ahead of requests (%s); trying again in %.0f s",
+                       key.host, key.port, e or type(e).__name__, wait)
+            await asyncio.sleep(wait)
+            self.connecting[key] -= 1
+            self._rewarm(key)
+            return
+        self.connecting[key] -= 1
+        self.backoff.pop(key, None)
+        self._receive(pooled)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def _close_all(self) -> None:
+        for idle in self.idle.values():
+            for pooled in list(idle):
+                self._drop(pooled, "the pool closed")
+        self.idle.clear()
+
+
+async def _open(key: PoolKey) -> Pooled:
+    """A new upstream connection for `key`, its TLS made by mitmproxy's `tls_start_server`
+    hook (as for a connection mitmproxy opens) offering HTTP/1.1."""
+    server = connection.Server(address=(key.host, key.port), sni=key.sni, tls=key.tls)
+    if key.tls:
+        server.alpn_offers = (HTTP1_ALPN,)
+    server.timestamp_start = time.time()
+    reader, writer = await asyncio.open_connection(key.host, key.port)
+    server.timestamp_tcp_setup = time.time()
+    tls = None
+    try:
+        if key.tls:
+            client = connection.Client(peername=("0.0.0.0", 0), sockname=("0.0.0.0", 0), timestamp_start=time.time())
+            data = TlsData(server, context.Context(client, ctx.options))
+            ctx.master.addons.trigger(TlsStartServerHook(data))
+            if data.ssl_conn is None:
+                raise ConnectionError("no TLS context for the upstream")
+            tls = data.ssl_conn
+            await _handshake(tls, reader, writer)
+            server.timestamp_tls_setup = time.time()
+            if tls.get_alpn_proto_negotiated() not in (b"", HTTP1_ALPN):
+                raise ConnectionError(f"the upstream chose {tls.get_alpn_proto_negotiated()!r}")
+    except BaseException:
+        writer.close()
+        raise
+    return Pooled(key=key, id=server.id, reader=reader, writer=writer, tls=tls,
+                  timestamp_start=server.timestamp_start, timestamp_tcp_setup=server.timestamp_tcp_setup,
+                  timestamp_tls_setup=server.timestamp_tls_setup, alpn_offers=tuple(server.alpn_offers))
+
+
+async def _handshake(tls: SSL.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        try:
+            tls.do_handshake()
+        except SSL.WantReadError:
+            _flush(tls, writer)
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("the upstream closed the connection during the TLS handshake") from None
+            tls.bio_write(data)
+            continue
+        _flush(tls, writer)
+        return
+
+
+def _flush(tls: SSL.Connection, writer: asyncio.StreamWriter) -> None:
+    """Send what `tls` has for the upstream (as the TLS layer's `tls_interact`)."""
+    while True:
+        try:
+            writer.write(tls.bio_read(65535))
+        except SSL.WantReadError:
+            return
+
+
+class _Watch(asyncio.Protocol):
+    """An idle connection's transport protocol while it waits in the pool: TLS records that
+    carry no data (session tickets, key updates) are taken, as mitmproxy's TLS layer would;
+    data, a close or an error end it (`ended(pooled, why)`, once)."""
+
+    def __init__(self, pooled: Pooled, ended: Callable[[Pooled, str], None]) -> None:
+        self.pooled = pooled
+        self.ended: Callable[[Pooled, str], None] | None = ended
+        self.reading: Any = pooled.writer._protocol  # type: ignore[attr-defined]  # its reader's
+
+    def data_received(self, data: bytes) -> None:
+        tls = self.pooled.tls
+        if tls is None:
+            self._end("unexpected bytes from the upstream")
+            return
+        tls.bio_write(data)
+        try:
+            tls.recv(65536)
+        except SSL.WantReadError:
+            _flush(tls, self.pooled.writer)
+            return
+        except SSL.ZeroReturnError:
+            self._end("closed by the upstream (TLS close_notify)")
+            return
+        except SSL.Error as e:
+            self._end(f"TLS error: {e}")
+            return
+        self._end("unexpected bytes from the upstream")
+
+    def eof_received(self) -> bool:
+        self._end("closed by the upstream")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end("closed by the upstream" if exc is None else f"connection lost: {exc}")
+
+    def pause_writing(self) -> None:
+        self.reading.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.reading.resume_writing()
+
+    def _end(self, why: str) -> None:
+        if self.ended is not None and self.pooled.watching is self:
+            ended, self.ended = self.ended, None
+            ended(self.pooled, why)
