@@ -1,10 +1,10 @@
 # Sourced by scripts/test: the system programs the end-to-end tests drive as real parts —
-# HAProxy (workers), Prometheus (metrics scraped for real), Chromium (pages a person looks
+# Prometheus (metrics scraped for real), Chromium (pages a person looks
 # at) — installed from Debian's packages when missing, where we are root with apt-get (CI,
 # a fresh VPS or container). Elsewhere nothing is installed and those tests skip, each
 # saying which program it lacks. TTFT_RELAY_NO_INSTALL=1 turns the install off.
 
-SYSTEM_PACKAGES=(haproxy:haproxy prometheus:prometheus chromium:chromium)
+SYSTEM_PACKAGES=(prometheus:prometheus chromium:chromium)
 # program:package pairs
 
 ensure_system_packages() {

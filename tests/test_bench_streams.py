@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
 import subprocess
 import sys
 
@@ -17,16 +16,12 @@ from tests.conftest import reverse_to
 from tests.harness import REPO, SEAMS_SCRIPT, MitmdumpProcess
 
 
-HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
-                             reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
-
-
 @pytest.mark.parametrize("extra, setups", [
     ([], "direct,floor,bare,seams,relay-1"),
     (["--tls"], "direct,bare,relay-1"),
     (["--h2", "--variant", "h2:http2=true"], "direct,bare,relay-1"),
     (["--keep-alive"], "direct,floor,bare,relay-1"),
-    pytest.param(["--workers", "2"], "direct,relay-N", marks=HAPROXY),
+    (["--workers", "2"], "direct,relay-N"),
 ], ids=["plain", "tls", "h2", "keep-alive", "workers"])
 def test_a_short_run(extra, setups):
     out = subprocess.run(

@@ -3,7 +3,8 @@
 A relay process killed outright (the OOM killer, `kill -9`, a crash in C) writes no
 record for the requests it had in flight: their clients saw the connection reset, and
 the timing log says nothing of them. So each process keeps a ledger beside its timing
-log (`.<log's name>.inflight`, hidden: not one of the log's rotations): one fixed-size
+log (`.<log's name>.inflight`, hidden: not one of the log's rotations; worker N > 0 of
+`ttft-relay run --workers`, which all write one log: `.<log's name>.N.inflight`): one fixed-size
 slot per request in flight, filled at its request head (and again once the request is
 read, with the model), and cleared once its record is in the log file: not when the
 record is published but when the writer thread has written it
@@ -48,6 +49,7 @@ from mitmproxy import http
 from .. import state
 from ..guard import guard
 from . import record
+from .metrics import WORKER_ENV
 from .timing import Timing, upstream_name
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,13 @@ def recorded_ids(tail: bytes) -> set[str]:
     return ids
 
 
+def ledger_path(log: Path) -> Path:
+    """The ledger of this process beside the timing log `log`: one per worker (the worker
+    started in its place reads it), the first worker's the single process's."""
+    worker = os.environ.get(WORKER_ENV, "0")
+    return log.with_name(f".{log.name}.inflight" if worker == "0" else f".{log.name}.{worker}.inflight")
+
+
 def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
     """What a slot keeps of a request: what its lost record would say. The client's request
     id passes the relay's key redaction, as the record's does (its header is redacted
@@ -155,7 +164,7 @@ class Ledger:
         # After Timing's configure (relay.py's order): its writer is the log's.
         if updated & Timing.LOG_OPTIONS:
             writer = self.timings.writer
-            path = writer.path.with_name(f".{writer.path.name}.inflight") if writer is not None else None
+            path = ledger_path(writer.path) if writer is not None else None
             if path != self.path:
                 self._close()
                 if writer is not None and path is not None:
