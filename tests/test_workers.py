@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import random
 import re
 import signal
 import socket
@@ -23,6 +22,7 @@ import orjson
 import pytest
 from prometheus_client import multiprocess
 
+from benchmarks import soak
 from ttft_relay import workers
 from ttft_relay.timing import ledger, metrics
 from tests.conftest import reverse_to
@@ -420,70 +420,18 @@ def test_each_worker_owns_its_clients_socket(fake, tmp_path, confdir, certs):
 # --- workers killed under long streams ----------------------------------------------------
 
 
-def _stream(port: int, request_id: str, outcomes: dict) -> None:
-    """One long stream on a new connection; its outcome: answered (the whole stream) or how it failed."""
-    try:
-        conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
-                                    {"x-request-id": request_id, "x-fake-chunks": "60", "x-fake-gap-ms": "40"},
-                                    timeout=60)
-        with conn:
-            body = resp.read()
-        outcomes[request_id] = "answered" if resp.complete and b"[DONE]" in body else f"cut: {body[-200:]!r}"
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        outcomes[request_id] = f"failed: {e!r}"
-
-
-def kill_soak(port: int, sup: Supervised, seconds: float, rate: float, kill_every: float) -> dict[str, str]:
-    """Long streams arriving open-loop at `rate` a second for `seconds`, a worker killed
-    (-9) every `kill_every` seconds; returns {request id: outcome}."""
-    outcomes: dict[str, str] = {}
-    threads: list[threading.Thread] = []
-    start = time.monotonic()
-    next_kill = start + kill_every
-    n = 0
-    while (now := time.monotonic()) < start + seconds:
-        if now >= next_kill:
-            if live := sup.children():
-                os.kill(random.choice(live), signal.SIGKILL)
-            next_kill += kill_every
-        t = threading.Thread(target=_stream, args=(port, f"soak-{n}", outcomes), daemon=True)
-        t.start()
-        threads.append(t)
-        n += 1
-        time.sleep(max(0.0, start + n / rate - time.monotonic()))
-    for t in threads:
-        t.join(90)
-    return outcomes
-
-
-def soak_findings(outcomes: dict[str, str], records: list[dict]) -> list[str]:
-    """What breaks "every request answered or recorded, none twice"."""
-    by_id: dict[str, list[dict]] = {}
-    for r in records:
-        by_id.setdefault(r["request_id"], []).append(r)
-    findings = []
-    for request_id, outcome in outcomes.items():
-        recs = by_id.get(request_id, [])
-        if len(recs) > 1:
-            findings.append(f"{request_id} recorded {len(recs)} times ({outcome})")
-        elif not recs:
-            findings.append(f"{request_id} has no record ({outcome})")
-        elif outcome != "answered" and not recs[0]["error"]:
-            findings.append(f"{request_id} {outcome}, recorded as answered")
-    return findings
-
-
 def test_workers_killed_under_long_streams_lose_no_request_silently(fake, tmp_path, confdir):
+    # benchmarks/soak.py, briefly: `scripts/bench soak` runs it for minutes.
     port = workers.free_port()
     sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
     try:
         sup.wait_for(READY)
-        outcomes = kill_soak(port, sup, seconds=20, rate=6, kill_every=4)
+        outcomes, kills = soak.kill_soak(f"http://127.0.0.1:{port}", sup.children, seconds=20, rate=6, kill_every=4,
+                                         headers={"x-fake-chunks": "60", "x-fake-gap-ms": "40"})
     finally:
         assert sup.stop() == 0
     records = _records(tmp_path / "timing.jsonl")
-    assert soak_findings(outcomes, records) == []
-    killed = len(re.findall(r"worker \d exited \(-9\)", "\n".join(sup.lines)))
+    assert soak.findings(outcomes, records) == []
     lost = [r for r in records if r["error"] == ledger.LOST_ERROR]
-    assert killed >= 3 and lost, (killed, len(lost))  # the kills took streams with them, all recorded
+    assert kills >= 4 and lost, (kills, len(lost))  # the kills took streams with them, all recorded
     assert sum(o == "answered" for o in outcomes.values()) > len(outcomes) / 2
