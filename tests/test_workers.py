@@ -378,6 +378,17 @@ def test_a_worker_that_cannot_start_stops_start_up_with_its_error_once(fake, tmp
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing left listening
 
 
+def test_a_metrics_port_taken_stops_start_up_before_any_worker(fake, tmp_path, confdir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        sup = Supervised(_args(workers.free_port(), reverse_to(fake), tmp_path, confdir,
+                               "--set", f"relay_metrics_listen={listen}"))
+        assert sup.proc.wait(60) == workers.EXIT_START_FAILED
+    assert sup.lines == [f"[ttft-relay] cannot serve metrics at {listen}: [Errno 98] Address already in use"]
+
+
 def test_each_worker_owns_its_clients_socket(fake, tmp_path, confdir, certs):
     # A listener off loopback (TLS only, as on a VPS), a client from another address: each
     # worker sees the client's own address and reads TCP_INFO of the client's own socket.

@@ -306,12 +306,15 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
         try:
+            if listen := self.opts.relay_metrics_listen:
+                try:
+                    (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
+                except (OSError, ValueError) as e:
+                    raise StartFailed(f"cannot serve metrics at {listen}: {e}") from None
+                log(f"metrics of all workers at http://{host}:{port}/metrics")
             # The first one alone: a configuration error then shows once, in its output.
             if not self._start_and_wait(self.workers[:1]) or not self._start_and_wait(self.workers[1:]):
                 return 0  # stopped while starting
-            if listen := self.opts.relay_metrics_listen:
-                (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
-                log(f"metrics of all workers at http://{host}:{port}/metrics")
             for lst in self.listeners:
                 log(f"{lst.mode.description} listening at {lst.where}")
             log(f"{len(self.workers)} workers ready")
