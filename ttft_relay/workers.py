@@ -12,7 +12,7 @@ installs before mitmproxy starts. So:
 - each worker owns its clients' sockets: the client's address, `client_rtt_ms` and
   retransmits (TCP_INFO) are the client's own, with 1 worker and with N;
 - a connection waits in the kernel until some worker accepts it; a busy worker accepts
-  less (one connection per turn of its event loop); the connections still queued when
+  less (a few connections per turn of its event loop); the connections still queued when
   a worker dies are taken by the others, and no hop is added between client and worker.
 
 - Options: each worker gets the user's command line, and merges mitm.conf under it as

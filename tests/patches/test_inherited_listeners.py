@@ -117,7 +117,7 @@ def test_workers_accept_from_the_shared_queue_only_once_running_and_each_takes_i
     firsts, seconds, clients = asyncio.run(run())
     try:
         assert len(firsts) + len(seconds) == BURST
-        # One connection per wake-up: both event-loop readers took turns. With asyncio's
+        # A few connections per turn: both event-loop readers took turns. With asyncio's
         # own batch (the backlog, 100), the first reader to run drains the burst at once.
         assert len(firsts) > BURST // 4 and len(seconds) > BURST // 4, (len(firsts), len(seconds))
     finally:

@@ -22,7 +22,7 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   (`faults.ErrorReplies`).
 - `listen_backlog`: listeners queue more than 100 new connections (`capacity.ListenBacklog`).
 - `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
-  sockets its supervisor bound, accepting one connection per wake-up, from the relay's
+  sockets its supervisor bound, a few connections per turn of its event loop, from the relay's
   `running` on (installed by `workers.worker_main` before mitmproxy starts;
   `capacity.WorkerListeners`).
 - `hook_plans`: events dispatched from per-hook plans (`capacity.HookPlans`).

@@ -13,9 +13,13 @@ a connection waits in the one queue until some worker is free to accept it.
   (`serve_after_startup`, from the relay's `running`): a worker whose start fails (a bad
   option, a key file missing) exits without taking a connection off the shared queue.
   Then it tells the supervisor that it is ready (a byte on `ready_fd`).
-- asyncio's accept loop takes up to `backlog` connections per readiness event; on a
-  shared queue that lets the first worker to wake drain a burst, however busy it is.
-  Servers here accept ACCEPT_BATCH connections per wake-up. The queue's length is the
+- asyncio's accept loop takes up to `backlog` connections per readiness event (100 by
+  default); on a shared queue that lets the first worker to wake drain a burst, however
+  busy it is. Servers here accept up to ACCEPT_BATCH (8) per turn of their event loop:
+  a burst is shared, and a busy worker, whose turns are long, accepts less. One per turn
+  throttled accepting under load instead (`scripts/bench streams`, 2 workers at 40
+  streams/s on a loaded 2-core machine: first token p99 5.9 s with 1, 0.75 s with 8,
+  1.3 s with 100, one worker 2.0 s). The queue's length is the
   supervisor's `listen()` (`relay_listen_backlog`, which `capacity.ListenBacklog` sets
   again to the same value): asyncio's own `listen(ACCEPT_BATCH)` on the shared socket
   would shorten it for every worker, so the duplicates ignore it (`_SharedListener`).
@@ -40,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 _ORIGINAL_START = mode_servers.AsyncioServerInstance._start
 ORIGINALS = {(mode_servers.AsyncioServerInstance, "_start"): _ORIGINAL_START}
-ACCEPT_BATCH = 1
-"""Connections a worker accepts per wake-up of its event loop."""
+ACCEPT_BATCH = 8
+"""Connections a worker accepts at most per turn of its event loop (see the module docstring)."""
 
 _inherited: dict[str, tuple[int, ...]] = {}
 """Mode spec (as configured) → the inherited listening sockets' descriptors."""
