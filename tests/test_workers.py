@@ -159,6 +159,10 @@ class Supervised:
         self.proc.send_signal(signal.SIGINT)  # as Ctrl-C
         return self.proc.wait(60)
 
+    def tail(self) -> str:
+        """The supervisor's own lines and the last of the rest, for a failure's message."""
+        return "\n".join([ln for ln in self.lines if ln.startswith("[ttft-relay]")] + self.lines[-20:])
+
 
 def _args(port: int, upstream: str, tmp_path: Path, confdir: Path, *more: str, workers_n: int = 2) -> list[str]:
     return ["--workers", str(workers_n), "--mode", upstream.replace("@0", f"@{port}"), "--listen-host", "127.0.0.1",
@@ -263,7 +267,7 @@ def test_workers_share_the_queue_and_the_log_and_one_replaces_a_killed_one(fake,
         assert group["requests"] == len(records)
     finally:
         children = sup.children()
-        assert sup.stop() == 0
+        assert sup.stop() == 0, sup.tail()
     for pid in children:  # all stopped and reaped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -287,9 +291,37 @@ def test_ctrl_c_with_streams_in_flight_records_and_tells_every_one(fake, tmp_pat
             assert resp.complete, body
             assert b"ttft-relay: relay shutting down" in body.rsplit(b"\n\n", 2)[-2]
     finally:
-        assert sup.stop() == 0
+        assert sup.stop() == 0, sup.tail()
     recs = _records(tmp_path / "timing.jsonl")
     assert len(recs) == len(streams) and all(r["error"] == "relay shutting down" for r in recs), recs
+
+
+def test_a_stop_right_after_a_workers_death_records_what_it_left(fake, tmp_path, confdir):
+    # Only the worker started in a dead one's place records what the dead one left in
+    # flight; a stop within its restart pause starts it all the same.
+    port = workers.free_port()
+    fake.behaviour.stall_after_chunks = 1
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
+    held = []
+    try:
+        sup.wait_for(READY)
+        for n in range(4):  # on both workers, most likely; on the one killed, surely
+            conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
+                                        {"x-request-id": f"held-{n}"}, timeout=20)
+            next(resp.chunks())
+            held.append(conn)
+        victim = sup.children()[0]
+        os.kill(victim, signal.SIGKILL)
+        sup.wait_for(r"worker \d exited \(-9\)")
+        assert sup.stop() == 0, sup.tail()
+    finally:
+        for conn in held:
+            conn.close()
+    recs = _records(tmp_path / "timing.jsonl")
+    assert sorted(r["request_id"] for r in recs) == [f"held-{n}" for n in range(4)]
+    errors = {r["error"] for r in recs}
+    assert ledger.LOST_ERROR in errors and errors <= {ledger.LOST_ERROR, "relay shutting down"}, errors
+    assert re.search(r"worker \d starts once more before the stop", sup.tail())
 
 
 def _alive(pid: int) -> bool:
@@ -353,7 +385,7 @@ def test_a_restart_while_a_client_keeps_its_connection_is_not_refused(fake, tmp_
             again.wait_for(READY)
             assert _post(port) == 200
         finally:
-            assert again.stop() == 0
+            assert again.stop() == 0, again.tail()
     finally:
         for conn in kept:
             conn.close()
@@ -422,7 +454,7 @@ def test_each_worker_owns_its_clients_socket(fake, tmp_path, confdir, certs):
         assert plain.getresponse().status == 400
         plain.close()
     finally:
-        assert sup.stop() == 0
+        assert sup.stop() == 0, sup.tail()
     recs = {r["request_id"]: r for r in _records(tmp_path / "timing.jsonl") if r["request_id"]}
     assert sorted(recs) == [f"far-{n}" for n in range(6)]
     assert all(isinstance(r["client_rtt_ms"], float) and r["client_retransmits"] == 0 for r in recs.values())
@@ -440,9 +472,11 @@ def test_workers_killed_under_long_streams_lose_no_request_silently(fake, tmp_pa
         outcomes, kills = soak.kill_soak(f"http://127.0.0.1:{port}", sup.children, seconds=20, rate=6, kill_every=4,
                                          headers={"x-fake-chunks": "60", "x-fake-gap-ms": "40"})
     finally:
-        assert sup.stop() == 0
+        assert sup.stop() == 0, sup.tail()
     records = _records(tmp_path / "timing.jsonl")
-    assert soak.findings(outcomes, records) == []
+    assert not (found := soak.findings(outcomes, records)), "\n".join([*found, sup.tail()])
     lost = [r for r in records if r["error"] == ledger.LOST_ERROR]
     assert kills >= 4 and lost, (kills, len(lost))  # the kills took streams with them, all recorded
-    assert sum(o == "answered" for o in outcomes.values()) > len(outcomes) / 2
+    # and they served meanwhile (each kill cuts the streams of one worker: about a third
+    # of them at these rates, more on a loaded machine)
+    assert sum(o == "answered" for o in outcomes.values()) > len(outcomes) / 4

@@ -70,7 +70,7 @@ from mitmproxy.utils import human
 
 from . import capacity, config, launch
 from .patches import listen_backlog
-from .timing import metrics, timing
+from .timing import ledger, metrics, timing
 
 LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
 """In a worker: {mode spec: [descriptors of its listening sockets]}, as JSON."""
@@ -247,6 +247,7 @@ class Worker:
         self._ready_pipe: int | None = None
 
     def start(self) -> None:
+        self._close_pipe()  # the last start's
         readable, writable = os.pipe()
         try:
             # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
@@ -300,6 +301,8 @@ class Supervisor:
         args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
         self.workers = [Worker(i, args, env, listen_fds) for i in range(workers)]
         self.stopping = False
+        self.serving = False
+        """Start-up is over: every worker was ready once."""
 
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._stop)
@@ -315,6 +318,7 @@ class Supervisor:
             # The first one alone: a configuration error then shows once, in its output.
             if not self._start_and_wait(self.workers[:1]) or not self._start_and_wait(self.workers[1:]):
                 return 0  # stopped while starting
+            self.serving = True
             for lst in self.listeners:
                 log(f"{lst.mode.description} listening at {lst.where}")
             log(f"{len(self.workers)} workers ready")
@@ -390,8 +394,28 @@ class Supervisor:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGHUP)
 
+    def _record_what_the_dead_left(self) -> None:
+        """Before a stop: a worker that died and whose replacement is not running yet (its
+        restart pause) left requests in its ledger that only the replacement records. It
+        starts now, records them, and stops with the others."""
+        if not (self.serving and self.opts.relay_timing_log):
+            return
+        timing_log = Path(self.opts.relay_timing_log)
+        left = [w for w in self.workers
+                if (w.exited() or not w.ready) and ledger.left_in(ledger.ledger_path(timing_log, w.index))]
+        for w in left:
+            log(f"worker {w.index} starts once more before the stop, to record the requests its last run "
+                "left in flight")
+            if w.exited():  # else it is starting already
+                w.start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while left and time.monotonic() < deadline:
+            left = [w for w in left if not w.became_ready() and not w.exited()]
+            time.sleep(TICK_S)
+
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._record_what_the_dead_left()
         # Each worker answers its flows in flight ("relay shutting down") and records them.
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:

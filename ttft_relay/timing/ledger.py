@@ -126,11 +126,19 @@ def recorded_ids(tail: bytes) -> set[str]:
     return ids
 
 
-def ledger_path(log: Path) -> Path:
-    """The ledger of this process beside the timing log `log`: one per worker (the worker
-    started in its place reads it), the first worker's the single process's."""
-    worker = os.environ.get(WORKER_ENV, "0")
-    return log.with_name(f".{log.name}.inflight" if worker == "0" else f".{log.name}.{worker}.inflight")
+def ledger_path(log: Path, worker: int = 0) -> Path:
+    """The ledger beside the timing log `log` of worker `worker` of `ttft-relay run --workers N`
+    (the worker started in its place reads it); the first worker's is the single process's."""
+    return log.with_name(f".{log.name}.inflight" if worker == 0 else f".{log.name}.{worker}.inflight")
+
+
+def left_in(path: Path) -> int:
+    """How many requests the ledger at `path` holds (0 if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in filled_slots(f.read(SLOTS * SLOT_SIZE)))
+    except OSError:
+        return 0
 
 
 def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
@@ -164,7 +172,7 @@ class Ledger:
         # After Timing's configure (relay.py's order): its writer is the log's.
         if updated & Timing.LOG_OPTIONS:
             writer = self.timings.writer
-            path = ledger_path(writer.path) if writer is not None else None
+            path = ledger_path(writer.path, int(os.environ.get(WORKER_ENV, "0"))) if writer is not None else None
             if path != self.path:
                 self._close()
                 if writer is not None and path is not None:
