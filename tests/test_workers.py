@@ -305,12 +305,14 @@ def test_a_stop_right_after_a_workers_death_records_what_it_left(fake, tmp_path,
     held = []
     try:
         sup.wait_for(READY)
-        for n in range(4):  # on both workers, most likely; on the one killed, surely
+        for n in range(4):
             conn, resp = client.request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", CHAT,
                                         {"x-request-id": f"held-{n}"}, timeout=20)
             next(resp.chunks())
             held.append(conn)
-        victim = sup.children()[0]
+        # One that holds some of them, as its ledger says.
+        victim = next(pid for pid in sup.children() if ledger.left_in(ledger.ledger_path(
+            tmp_path / "timing.jsonl", int(_environ(pid)[metrics.WORKER_ENV]))))
         os.kill(victim, signal.SIGKILL)
         sup.wait_for(r"worker \d exited \(-9\)")
         assert sup.stop() == 0, sup.tail()
