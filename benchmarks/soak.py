@@ -18,6 +18,7 @@ import argparse
 import http.client
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         relay.stop()
         fake.terminate()
         fake.wait(10)
-    records = read_records(tmp / "timing-n.jsonl")
+    records = read_records(tmp / "timing-n.jsonl")  # with what the stop recorded
+    shutil.rmtree(tmp, ignore_errors=True)
     errors = Counter(r["error"] for r in records if r["error"])
     answered = sum(o == "answered" for o in outcomes.values())
     print(f"{len(outcomes)} streams over {args.seconds:g} s through {args.workers} workers, {kills} killed: "
