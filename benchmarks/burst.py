@@ -8,17 +8,17 @@ all alike:
     direct        client → upstream
     bare          client → mitmdump -s <script that only turns streaming on>
     relay-1       client → scripts/relay --workers 1 (mitmdump -s ttft_relay/relay.py)
-    relay-N       client → scripts/relay --workers N (N mitmdump workers behind HAProxy)
+    relay-N       client → scripts/relay --workers N (N mitmdump workers sharing the listener)
 
 Per setup and burst size: first-token p50/p99 over all rounds (from the start of the
 burst to the first answer text), failures (errors, non-200, timeouts), the relay's
-CPU seconds per burst (all its processes: workers and haproxy), and the connections
+CPU seconds per burst (all its processes: workers and supervisor), and the connections
 the kernel dropped from a full listen queue during its bursts (Linux's TcpExt
 ListenOverflows: machine-wide, but the bursts run one at a time).
 
 Mind the listen backlogs: bare mitmproxy listens with asyncio's fixed default of
 100, so in a burst larger than that, connections the kernel cannot queue wait for
-a SYN retransmit (1 s, then 3 s). The relay's workers and HAProxy queue 4096
+a SYN retransmit (1 s, then 3 s). The relay's listeners queue 4096
 (`relay_listen_backlog`; the kernel caps it at net.core.somaxconn).
 
     scripts/bench burst [--bursts 100,200,500] [--rounds 3] [--workers N]

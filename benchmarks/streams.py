@@ -17,7 +17,7 @@ within each rate, round after round, so that drift on a shared machine hits all 
                   seams into mitmproxy (splice, direct reads, hook plans, ...) and no relay work:
                   the least a relay on mitmproxy costs, under the relay's own work
     relay-1       client → the relay as one process (console off, trimming on)
-    relay-N       client → scripts/relay --workers N (N workers behind HAProxy)
+    relay-N       client → scripts/relay --workers N (N workers sharing the listener)
     NAME          client → the relay as one process with other options (--variant NAME:OPTION=VALUE):
                   an option's A/B in the same run, e.g. --variant nosplice:relay_stream_splice=false
 

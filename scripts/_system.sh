@@ -1,13 +1,13 @@
 # Sourced by scripts/test: the system programs the end-to-end tests drive as real parts —
-# HAProxy (workers), Prometheus (metrics scraped for real), Chromium (pages a person looks
-# at), nginx (the benchmarks' reference setup) — installed from Debian's packages when
-# missing, where we are root with apt-get (CI, a fresh VPS or container). Elsewhere nothing
-# is installed and those tests skip, each saying which program it lacks.
-# TTFT_RELAY_NO_INSTALL=1 turns the install off. scripts/bench asks for its own programs
-# (`ensure_system_packages nginx:nginx`). apt-get runs under flock on /tmp/ttft-apt.lock,
-# so that parallel runs on one machine take dpkg's lock in turn.
+# Prometheus (metrics scraped for real), Chromium (pages a person looks at), nginx (the
+# benchmarks' reference setup) — installed from Debian's packages when missing, where we are
+# root with apt-get (CI, a fresh VPS or container). Elsewhere nothing is installed and those
+# tests skip, each saying which program it lacks. TTFT_RELAY_NO_INSTALL=1 turns the install
+# off. scripts/bench asks for its own programs (`ensure_system_packages nginx:nginx`).
+# apt-get runs under flock on /tmp/ttft-apt.lock, so that parallel runs on one machine take
+# dpkg's lock in turn.
 
-SYSTEM_PACKAGES=(haproxy:haproxy prometheus:prometheus chromium:chromium nginx:nginx)
+SYSTEM_PACKAGES=(prometheus:prometheus chromium:chromium nginx:nginx)
 # program:package pairs (the default of ensure_system_packages; it takes others as arguments)
 
 ensure_system_packages() {

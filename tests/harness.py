@@ -197,7 +197,7 @@ class MitmdumpProcess:
 
 
 class RelayWorkers:
-    """`ttft-relay run --workers N` (the relay as N workers behind HAProxy) in reverse mode to
+    """`ttft-relay run --workers N` (the relay as N workers sharing its listeners) in reverse mode to
     `upstream` on a free port, for benchmarks; `processes()` names its process tree."""
 
     def __init__(self, upstream: str, n: int, tmp: Path, options: dict[str, object] | None = None) -> None:
@@ -217,7 +217,7 @@ class RelayWorkers:
         self.proc = subprocess.Popen(self.args, cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for line in self.proc.stderr:
-            if "workers behind haproxy" in line:
+            if re.search(r"\d+ workers ready", line):
                 break
         else:
             raise RuntimeError("ttft-relay run --workers did not start")
@@ -229,17 +229,9 @@ class RelayWorkers:
         return f"http://127.0.0.1:{self.port}"
 
     def processes(self) -> dict[str, int]:
-        """"supervisor", "haproxy", "worker 1", "worker 2", ... → pid."""
-        out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
-        found = {"supervisor": self.proc.pid}
-        workers = 0
-        for pid, comm in (line.split(None, 1) for line in out.stdout.splitlines()):
-            if comm.strip() == "haproxy":
-                found["haproxy"] = int(pid)
-            else:
-                workers += 1
-                found[f"worker {workers}"] = int(pid)
-        return found
+        """"supervisor", "worker 1", "worker 2", ... → pid."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        return {"supervisor": self.proc.pid, **{f"worker {n}": int(pid) for n, pid in enumerate(out.stdout.split(), 1)}}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -256,7 +248,7 @@ class BenchSetups:
         seams     mitmdump -s benchmarks/seams_stream.py: the relay's patches and streaming, no relay
                   work (only if named), with the relay's defaults for mitmproxy's options
         relay-1   the relay as one mitmdump process
-        relay-N   ttft-relay run --workers N: N workers behind HAProxy (only if N > 1)
+        relay-N   ttft-relay run --workers N: N workers sharing the listener (only if N > 1)
         nginx     nginx with proxy_buffering off, one worker (benchmarks/references.py; only if named)
         envoy     Envoy with its router, one worker (benchmarks/references.py; only if named)
 

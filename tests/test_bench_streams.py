@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
 import subprocess
 import sys
 
@@ -18,8 +17,6 @@ from tests.conftest import reverse_to
 from tests.harness import REPO, SEAMS_SCRIPT, MitmdumpProcess
 
 
-HAPROXY = pytest.mark.skipif(shutil.which("haproxy") is None,
-                             reason="haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
 NGINX = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (scripts/test installs Debian's)")
 
 
@@ -28,7 +25,7 @@ NGINX = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installe
     pytest.param(["--tls"], "direct,nginx,envoy,bare,relay-1", marks=NGINX),
     pytest.param(["--h2", "--variant", "h2:http2=true"], "direct,nginx,envoy,bare,relay-1", marks=NGINX),
     (["--keep-alive"], "direct,floor,bare,relay-1"),
-    pytest.param(["--workers", "2"], "direct,relay-N", marks=HAPROXY),
+    (["--workers", "2"], "direct,relay-N"),
 ], ids=["plain", "tls", "h2", "keep-alive", "workers"])
 def test_a_short_run(extra, setups):
     out = subprocess.run(

@@ -15,7 +15,7 @@ from ruamel.yaml import YAML
 
 from ttft_relay.guard import guard, tls
 from deploy.grafana import dashboard
-from ttft_relay import workers
+from ttft_relay import config, launch, workers
 from tests.harness import REPO
 
 DEPLOY = REPO / "deploy"
@@ -50,15 +50,21 @@ def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
     assert lines["ExecStart"].startswith(f"{INSTALL_DIR}/scripts/relay ")
     assert "/var/log/ttft-relay/" in lines["ExecStart"] and lines["LogsDirectory"] == "ttft-relay"
     assert "/var/lib/ttft-relay/" in lines["ExecStart"] and lines["StateDirectory"] == "ttft-relay"
-    # SIGTERM to the supervisor only: it drains HAProxy and stops the workers itself.
-    assert lines["KillMode"] == "mixed" and lines["Restart"] == "on-failure"
+    # SIGTERM to the supervisor only: it stops the workers itself, each answering its flows in flight,
+    # within the unit's stop timeout.
+    assert lines["KillMode"] == "mixed" and int(lines["TimeoutStopSec"]) > workers.STOP_TIMEOUT
     assert lines["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    # Restarted when it dies, not when it cannot start: then the unit fails, with the relay's message.
+    assert lines["Restart"] == "on-failure" and lines["RestartPreventExitStatus"] == str(workers.EXIT_START_FAILED)
+    assert int(lines["StartLimitBurst"]) <= 5
 
 
 def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
     monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
-    _, opts = workers.worker_options([])  # every option name and value as mitmdump would read them
-    assert opts.deferred == {}  # every name an option the supervisor's addons (or mitmproxy) declare, every value parsed
+    # every option name and value as mitmdump would read them
+    opts = config.started_options(launch.relay_args([]), [guard.Exposure(), guard.AccessKeys(), tls.ClientTLS(),
+                                                          *(addon() for addon in workers.SUPERVISOR_READS)])
+    assert opts.deferred == {}  # every name an option these addons (or mitmproxy) declare, every value parsed
     assert opts.listen_host == "0.0.0.0" and opts.certs and opts.relay_access_keys
     assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
                                        opts.relay_client_tls, bool(opts.certs)) == []
@@ -111,12 +117,16 @@ def test_compose_file_parses_and_names_existing_files():
             assert port.startswith("127.0.0.1:") or name == "relay", f"{name} publishes {port}"
 
 
-def test_dockerfile_copies_files_that_exist():
+def test_dockerfile_copies_files_that_exist_and_runs_the_relay_alone():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
     sources = []
-    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+    for line in dockerfile.splitlines():
         if line.startswith("COPY "):
             sources += line.split()[1:-1]
     assert sources and all((REPO / s).exists() for s in sources), sources
+    # The workers share the relay's own listening sockets: the image needs no other program.
+    assert "apt-get" not in dockerfile
+    assert '["/opt/ttft-relay/scripts/relay"' in dockerfile
 
 
 def test_prometheus_scrapes_the_relays_metrics_and_grafana_finds_the_dashboard():

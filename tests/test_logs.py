@@ -8,6 +8,8 @@ rotations, then a real mitmdump whose log logrotate-style renaming moves away.
 from __future__ import annotations
 
 import gzip
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +19,7 @@ import pytest
 from ttft_relay.timing import logrotation, record
 from ttft_relay.report import report
 from tests.conftest import reverse_to
+from tests.harness import REPO
 from tests.fakes import client
 
 CHAT = b'{"model":"gpt-4o-mini","stream":true,"messages":[{"role":"user","content":"hi"}]}'
@@ -93,14 +96,40 @@ def test_concurrent_writes_across_rotations_lose_and_split_nothing(tmp_path):
     for t in threads:
         t.join()
     writer.close()
-    files = sorted(tmp_path.iterdir())
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert hidden == [".timing.jsonl.lock"]  # no partial left behind; the writers' lock stays
+    files = sorted(p for p in tmp_path.iterdir() if not p.name.startswith("."))
     rotated = [p for p in files if p.name.endswith(".gz")]
-    assert len(rotated) > 10 and not [p for p in files if p.name.startswith(".")]  # no partial left behind
+    assert len(rotated) > 10
     recs = [orjson.loads(line) for line in _lines_of(files)]  # each line whole JSON: no split record
     assert sorted((r["n"], r["i"]) for r in recs) == [(n, i) for n in range(4) for i in range(300)]
     for p in rotated:
         # A record that would cross the limit starts a new file, so files stay within it.
         assert len(gzip.decompress(p.read_bytes())) <= rotation.max_bytes
+
+
+_WRITER_PROCESS = """
+import sys
+from ttft_relay.timing import logrotation, record
+n, path = int(sys.argv[1]), sys.argv[2]
+writer = record.RecordWriter(path, logrotation.Rotation(max_bytes=256 * 1024, keep=0))
+for i in range(1500):
+    # now and then a record far beyond PIPE_BUF and the writer's batches' usual size
+    writer.write({"n": n, "i": i, "pad": ("z" * 150_000) if i % 250 == 0 else "x" * (i % 300)})
+writer.close()
+"""
+
+
+def test_processes_writing_one_log_across_rotations_lose_split_and_repeat_nothing(tmp_path):
+    # The workers of `ttft-relay run --workers N` append to one log, and rotate it by turns.
+    path = tmp_path / "timing.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER_PROCESS, str(n), str(path)], cwd=REPO)
+             for n in range(4)]
+    assert [proc.wait(120) for proc in procs] == [0] * 4
+    files = sorted(p for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert len([p for p in files if p.name.endswith(".gz")]) > 5  # rotated, and compressed by whoever rotated
+    recs = [orjson.loads(line) for line in _lines_of(files)]  # each line whole JSON: none torn or interleaved
+    assert sorted((r["n"], r["i"]) for r in recs) == [(n, i) for n in range(4) for i in range(1500)]
 
 
 def _written(path, text: bytes) -> None:
@@ -124,19 +153,22 @@ def test_retention_deletes_the_oldest_rotated_files(tmp_path):
     assert kept == [8, 9, 10, 11]  # the newest three rotated files and the current log
 
 
-def test_reopen_moves_to_a_new_file_after_what_was_queued(tmp_path):
+def test_a_renamed_or_removed_log_is_followed_to_a_new_file(tmp_path):
     path = tmp_path / "timing.jsonl"
     writer = record.RecordWriter(path)
     writer.write({"i": 0})
     renamed = tmp_path / "timing.jsonl.1"
     _written(path, b'{"i":0}')
-    path.rename(renamed)
-    writer.write({"i": 1})  # still to the renamed file: the writer holds it open
-    writer.reopen()
+    path.rename(renamed)  # logrotate's rename, or another writer's rotation
+    writer.write({"i": 1})  # the writer holds the renamed file open, and looks at the path first
+    _written(path, b'{"i":1}')
+    path.unlink()
     writer.write({"i": 2})
+    writer.reopen()  # SIGHUP's: at once, after what was queued
+    writer.write({"i": 3})
     writer.close()
-    assert [orjson.loads(x)["i"] for x in renamed.read_bytes().splitlines()] == [0, 1]
-    assert [orjson.loads(x)["i"] for x in path.read_bytes().splitlines()] == [2]
+    assert [orjson.loads(x)["i"] for x in renamed.read_bytes().splitlines()] == [0]
+    assert [orjson.loads(x)["i"] for x in path.read_bytes().splitlines()] == [2, 3]
 
 
 # --- ttft-relay report --------------------------------------------------------------------------
@@ -180,14 +212,14 @@ def test_sighup_after_logrotates_rename_sends_records_to_the_new_log(fake, start
     rotated = tmp_path / "timing.jsonl.1"
     _written(log, b"\n")
     log.rename(rotated)  # logrotate without copytruncate
-    _post(relay)  # before the signal: still goes to the file the relay holds open
+    _post(relay)  # before the signal: the writer finds the new path on its own
     relay.proc.send_signal(1)  # SIGHUP, as logrotate's postrotate does
     relay.wait_for_output("reloaded on SIGHUP")
     _post(relay)
     _post(relay)
     output = relay.stop()
     assert "Traceback" not in output, output[output.find("Traceback") - 1500:][:4000]
-    assert len(_ids(rotated)) == 2 and len(_ids(log)) == 2
+    assert len(_ids(rotated)) == 1 and len(_ids(log)) == 3
     assert len(set(_ids(rotated) + _ids(log))) == 4  # every request once, none lost
 
 

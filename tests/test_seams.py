@@ -50,6 +50,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.upstream_copy.send_upstream_with(tflow.tflow(), lambda request: None)
     patches.trailers.answer_trailers()
     patches.listen_backlog.set_listen_backlog(300)
+    patches.inherited_listeners.install({})
     patches.hook_plans.install_hook_plans(True)
     patches.interim_answers.install()
     patches.ca_once.load_ca_once(None)

@@ -19,7 +19,6 @@ import orjson
 import pytest
 
 from ttft_relay.guard import tls
-from ttft_relay import workers
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
 from tests.fakes import client
@@ -140,18 +139,3 @@ def test_a_renewed_certificate_is_served_after_sighup_and_a_running_stream_finis
     tls_relay.proc.send_signal(1)
     tls_relay.wait_for_output("reload: kept the current certs: .*holds no unencrypted private key")
     assert _peer_ca_trusted(tls_relay.ports[0], renewed.ca_pem)
-
-
-def test_workers_behind_an_exposed_haproxy_accept_only_tls(monkeypatch, tmp_path):
-    # Workers listen on loopback, where "off-loopback" would let plain HTTP in: the
-    # supervisor hands them "all" when HAProxy's listeners are off loopback.
-    monkeypatch.setenv("TTFT_RELAY_CONF", "")
-
-    def worker_policy(*args):
-        _, opts = workers.worker_options([*args, "--set", f"confdir={tmp_path}"])
-        return workers.worker_client_tls(opts, workers.listeners(opts, 2))
-
-    assert worker_policy("--listen-host", "0.0.0.0", "--mode", "reverse:https://api.openai.com@8443") == "all"
-    assert worker_policy("--mode", "reverse:https://api.openai.com@127.0.0.1:8443") is None
-    assert worker_policy("--listen-host", "0.0.0.0", "--mode", "reverse:https://api.openai.com@8443",
-                         "--set", "relay_client_tls=optional") is None

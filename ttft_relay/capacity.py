@@ -4,6 +4,9 @@ mitmproxy runs on one core, so under a burst the relay itself becomes the slow h
 Two things about mitmproxy make that worse than it has to be, and the relay changes
 both (the patches live in `patches/`, each pinned to mitmproxy 12.3.1):
 
+- `WorkerListeners`: a worker of `ttft-relay run --workers N` accepts from the
+  listening sockets its supervisor bound (`patches/inherited_listeners.py`) only once
+  the relay runs, never before its addons are loaded and configured.
 - `ListenBacklog`: mitmproxy listens with asyncio's fixed backlog of 100. When a
   burst of clients connects while the event loop is busy (it is, during a burst),
   the kernel drops the connections beyond 100, and each dropped client retries its
@@ -43,7 +46,7 @@ from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
 from . import pool
-from .patches import ca_once, hook_plans, listen_backlog, message_checks, upstream_tls_warmup
+from .patches import ca_once, hook_plans, inherited_listeners, listen_backlog, message_checks, upstream_tls_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,14 @@ class ListenBacklog:
     def _apply(self) -> None:
         proxyserver = ctx.master.addons.get("proxyserver")
         listen_backlog.set_listen_backlog(ctx.options.relay_listen_backlog, proxyserver.servers if proxyserver else ())
+
+
+class WorkerListeners:
+    """In a worker (ttft_relay/workers.py), the listeners the supervisor bound accept once
+    the relay runs; elsewhere nothing."""
+
+    def running(self) -> None:
+        inherited_listeners.serve_after_startup()
 
 
 class ConnectionLog:
@@ -213,4 +224,5 @@ class MessageChecks:
 def addons() -> list[Any]:
     """The capacity addons, first in the relay's chain (relay.py); benchmarks/seams_stream.py
     loads the same, to measure mitmproxy with the relay's seams and none of its work."""
-    return [ListenBacklog(), HookPlans(), MessageChecks(), ConnectionLog(), WarmStart(), pool.UpstreamPool()]
+    return [ListenBacklog(), WorkerListeners(), HookPlans(), MessageChecks(), ConnectionLog(), WarmStart(),
+            pool.UpstreamPool()]

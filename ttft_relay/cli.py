@@ -1,7 +1,7 @@
 """`ttft-relay`: the relay's one command.
 
     ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons);
-                   [--workers N|auto]     N of them (auto: one per core)
+                   [--workers N|auto]     N of them sharing its listeners (auto: one per core)
                                           (run --help: the relay's options, then mitmdump's)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
     ttft-relay report LOG ... [--html F]  the timing logs summarised (--help: the options)

@@ -1,36 +1,46 @@
-"""`ttft-relay run --workers N`: the relay on every core, as N mitmdump workers behind HAProxy.
+"""`ttft-relay run --workers N`: the relay on every core, as N mitmdump workers sharing its listeners.
 
 mitmproxy runs on one core, so under a burst of streams the relay becomes the slow
-hop. This supervisor starts N identical workers (mitmdump with the relay's addons and
-the user's arguments, one confdir and so one CA), each on its own loopback ports,
-and HAProxy (TCP mode, least connections) on the listeners the relay would have
-opened itself: regular-proxy clients (CONNECT) and reverse-mode clients alike.
+hop. This supervisor binds every TCP listener the relay's options name, as mitmproxy
+would (every address of the listen host, IPv4 and IPv6 for all interfaces;
+`SO_REUSEADDR`, so a restart is not refused over connections in TIME-WAIT; the
+relay's listen backlog), and starts N identical workers (the relay, one confdir and so
+one CA) that inherit those sockets and accept from the same kernel queues: a pre-fork
+server. A worker serves them through `patches/inherited_listeners.py`, which it
+installs before mitmproxy starts. So:
 
-- Options: the workers' command line is the user's with mitm.conf merged in
-  (`config.merged_args`: code defaults < mitm.conf < command line), and the
-  supervisor checks the options mitmdump makes of that same command line.
-- A worker that dies is taken out of rotation at once (HAProxy runtime API), started
-  again (with a growing pause if it keeps dying) and put back when it accepts.
-  HAProxy's own health checks also take out a worker that stops accepting. Checks go
-  to an extra loopback regular-proxy listener per worker (its health port): a connect
-  to a reverse listener would make mitmproxy connect upstream at once (eager
-  `connection_strategy`), one TLS handshake with the API per check.
-- Each worker writes its own timing log, `<relay_timing_log stem>.<n>.jsonl`;
-  `ttft-relay report 'logs/timing*.jsonl'` reads them together.
+- each worker owns its clients' sockets: the client's address, `client_rtt_ms` and
+  retransmits (TCP_INFO) are the client's own, with 1 worker and with N;
+- a connection waits in the kernel until some worker accepts it; a busy worker accepts
+  less (a few connections per turn of its event loop); the connections still queued when
+  a worker dies are taken by the others, and no hop is added between client and worker.
+
+- Options: each worker gets the user's command line, and merges mitm.conf under it as
+  `ttft-relay run --workers 1` does (`launch.start`); the supervisor reads the options
+  mitmdump makes of that same command line (`config.merged_args`). Each worker checks
+  them as the single process does, open-proxy check on the listen addresses included.
+- Start-up: worker 0 starts first; once it is ready (accepting), the others. A worker
+  that exits before it was ready stops the start, its error printed once (its own
+  output: a bad option, a missing key file), as does a port already taken: exit status
+  EXIT_START_FAILED, on which systemd does not restart the unit (deploy/ttft-relay.service)
+  but shows it failed. A worker that dies after it served is started again, with a
+  growing pause if it keeps dying; if none serves and the one restarted cannot start,
+  the supervisor exits 1.
+- One timing log, the one the user named: every worker appends to it (`record.RecordWriter`
+  says how, rotation included); each keeps its in-flight ledger beside it
+  (`timing/ledger.py`), read by the worker that replaces it.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
   this process serves the one scrape endpoint (`relay_metrics_listen`).
 - The children die with the supervisor, even on kill -9 (Linux: PR_SET_PDEATHSIG;
   the workers then stop cleanly), and a listen port already taken stops start-up.
 - Ctrl-C (SIGINT) or SIGTERM stops every worker, each answering and recording its flows
-  in flight, while HAProxy soft-stops (no new connections; what is under way goes on).
-- SIGHUP goes on to every worker (each reopens its log and re-reads certificates).
-- TLS to clients ends in the workers (HAProxy passes TCP): where HAProxy listens off
-  loopback, the workers get `relay_client_tls=all`, since their own listeners are on
-  loopback.
+  in flight. SIGHUP goes on to every worker (each re-reads certificates and key files
+  and reopens the log).
+- Listeners that need UDP (WireGuard, HTTP/3, DNS) cannot be shared: the UDP side of a
+  reverse https listener (HTTP/3) is not served, other UDP listeners need `--workers 1`.
 
-With `--workers 1` (the default of `ttft-relay run`), or without haproxy on PATH, it
-runs the single process (exec, nothing in between). `scripts/relay` asks for
-`--workers auto`: one per core.
+With `--workers 1` (the default of `ttft-relay run`) it runs the single process (exec,
+nothing in between). `scripts/relay` asks for `--workers auto`: one per core.
 
     ttft-relay run [--workers N|auto] [mitmdump arguments ...]
 """
@@ -39,7 +49,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
+import json
+import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -47,31 +61,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mitmproxy import optmanager
 from mitmproxy.proxy import mode_specs
+from mitmproxy.utils import human
 
-from . import config, launch
-from .guard import guard, tls
-from .timing import metrics, timing
+from . import capacity, config, launch
+from .patches import listen_backlog
+from .timing import ledger, metrics, timing
 
-HAPROXY_INSTALL = "Debian/Ubuntu: sudo apt-get install haproxy · Fedora: sudo dnf install haproxy · macOS: brew install haproxy"
-WORKER_LISTEN_HOST = "127.0.0.1"
-OVERRIDDEN = {"mode", "listen_host", "listen_port", "relay_timing_log"}
-"""Options each worker gets from the supervisor instead of the user's command line."""
-_FLAGS = {"--mode": "mode", "-m": "mode", "--listen-host": "listen_host",
-          "--listen-port": "listen_port", "-p": "listen_port"}
-BALANCEABLE = (mode_specs.RegularMode, mode_specs.ReverseMode, mode_specs.UpstreamMode, mode_specs.Socks5Mode)
-"""Listener kinds HAProxy can pass on as plain TCP."""
-FRONTEND_BACKLOG = 4096
-"""HAProxy's accept queue per listener; the kernel caps it at net.core.somaxconn."""
+LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
+"""In a worker: {mode spec: [descriptors of its listening sockets]}, as JSON."""
+READY_FD_ENV = "TTFT_RELAY_READY_FD"
+"""In a worker: the pipe on which it says it is ready (accepting)."""
+EXIT_START_FAILED = 78
+"""The relay could not start (sysexits' EX_CONFIG): the unit's RestartPreventExitStatus."""
 READY_TIMEOUT = 60.0
 RESTART_PAUSE = (1.0, 30.0)
 """Pause before restarting a dead worker: doubles from the first while it keeps dying
 within a minute of its start, up to the second."""
 STOP_TIMEOUT = 15.0
+TICK_S = 0.2
+"""How often the supervisor looks after its workers."""
 
 
 def _die_with_parent() -> None:
@@ -90,17 +103,11 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 """Looked up before any fork: the child only calls it."""
 
 
-def port_taken(host: str, port: int) -> bool:
-    """Whether someone listens on host:port already. HAProxy binds with SO_REUSEPORT,
-    so a second one would share a port a first one (or any relay) holds; binding
-    without it tells."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        try:
-            s.bind((host or "0.0.0.0", port))
-        except OSError:
-            return True
-    return False
+def free_port() -> int:
+    """A loopback port free right now (tests and benchmarks start relays on one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def log(msg: str) -> None:
@@ -109,333 +116,324 @@ def log(msg: str) -> None:
 
 # --- options ------------------------------------------------------------------------
 
-SUPERVISOR_READS = (guard.Exposure, guard.AccessKeys, tls.ClientTLS, timing.Timing, metrics.Metrics)
+SUPERVISOR_READS = (capacity.ListenBacklog, timing.Timing, metrics.Metrics)
 """The addons whose options the supervisor reads (their `load` only declares them)."""
 
 
 def worker_options(args: list[str]) -> tuple[list[str], optmanager.OptManager]:
-    """The workers' command line (`args` with mitm.conf merged in, config.merged_args)
-    and the options mitmdump makes of it, for the supervisor's own checks."""
+    """The command line a worker runs (`args` with mitm.conf merged in, config.merged_args)
+    and the options mitmdump makes of it, for the supervisor's own use."""
     merged = launch.relay_args(args)
     return merged, config.started_options(merged, [addon() for addon in SUPERVISOR_READS])
 
 
-def strip_options(args: list[str], names: set[str]) -> list[str]:
-    """`args` without the settings of options `names`, in any spelling mitmdump
-    accepts (`--mode X`, `--mode=X`, `-pX`, `--set mode=X`, ...)."""
-    out: list[str] = []
-    it = iter(args)
-    for arg in it:
-        flag, eq, _ = arg.partition("=")
-        if flag in _FLAGS and _FLAGS[flag] in names:
-            if not eq:
-                next(it, None)
-            continue
-        if arg[:2] in _FLAGS and len(arg) > 2 and not arg.startswith("--") and _FLAGS[arg[:2]] in names:
-            continue  # -p8080
-        if flag == "--set":
-            value = arg.split("=", 1)[1] if eq else next(it, "")
-            if value.split("=", 1)[0].strip() in names:
-                continue
-            out += ["--set", value]
-            continue
-        out.append(arg)
-    return out
+# --- listeners ----------------------------------------------------------------------
 
 
-# --- listeners and HAProxy ------------------------------------------------------------
+class StartFailed(Exception):
+    """The supervisor stops here, with this message and `exit_code`."""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((WORKER_LISTEN_HOST, 0))
-        return s.getsockname()[1]
+    def __init__(self, message: str, exit_code: int = EXIT_START_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
 class Listener:
-    """One of the relay's listeners: HAProxy binds it, each worker serves it on its own port."""
+    """One of the relay's TCP listeners, bound by the supervisor, served by every worker."""
 
-    spec: str
-    """The mode as configured, e.g. `reverse:https://api.openai.com@8001`."""
-    host: str
-    port: int
-    worker_ports: list[int] = field(default_factory=list)
+    mode: mode_specs.ProxyMode
+    sockets: list[socket.socket]
 
     @property
-    def name(self) -> str:
-        return f"listener_{self.port}"
-
-    def worker_spec(self, worker: int) -> str:
-        """The same mode on the worker's loopback port."""
-        head = self.spec.rpartition("@")[0] if "@" in self.spec else self.spec
-        return f"{head}@{WORKER_LISTEN_HOST}:{self.worker_ports[worker]}"
+    def where(self) -> str:
+        """What a client connects to, written as mitmproxy writes it."""
+        return " and ".join(dict.fromkeys(human.format_address(s.getsockname()) for s in self.sockets))
 
 
-def listeners(opts: optmanager.OptManager, workers: int) -> list[Listener]:
-    out = []
-    for spec in opts.mode:
-        mode = mode_specs.ProxyMode.parse(spec)
-        # "both" (reverse https also takes HTTP/3 over UDP): HAProxy passes the TCP side.
-        if not isinstance(mode, BALANCEABLE) or mode.transport_protocol == "udp":
-            raise SystemExit(f"listener {spec!r} cannot be balanced over TCP; run it with --workers 1")
-        port = mode.listen_port(opts.listen_port)
-        assert port is not None  # None only for modes that bind no address, which are not BALANCEABLE
-        out.append(Listener(spec, mode.listen_host(opts.listen_host), port, [free_port() for _ in range(workers)]))
+def bind_listeners(opts: optmanager.OptManager) -> list[Listener]:
+    """Every listener of `opts.mode`, bound and listening."""
+    out: list[Listener] = []
+    try:
+        for spec in opts.mode:
+            try:
+                mode = mode_specs.ProxyMode.parse(spec)
+            except ValueError as e:  # in mitmproxy's words
+                raise StartFailed(f"Invalid proxy mode specification: {spec} ({e})") from None
+            port = mode.listen_port(opts.listen_port)
+            if mode.transport_protocol == "udp" or port is None:
+                raise StartFailed(f"listener {spec!r} cannot be shared by workers (UDP, or no address of its "
+                                  f"own); run it with --workers 1")
+            host = mode.listen_host(opts.listen_host)
+            out.append(Listener(mode, bind_tcp(host, port, opts.relay_listen_backlog
+                                               or listen_backlog.ASYNCIO_DEFAULT_BACKLOG)))
+    except BaseException:
+        for lst in out:
+            for sock in lst.sockets:
+                sock.close()
+        raise
     return out
 
 
-def haproxy_config(listeners: list[Listener], health_ports: list[int], runtime_socket: Path) -> str:
-    """HAProxy in TCP mode, least connections, one `listen` section per listener; each
-    worker is checked on its health port."""
-    workers = len(health_ports)
-    lines = [
-        "global",
-        f"    stats socket {runtime_socket} mode 600 level admin",
-        # Never share a listen port with another process (a second relay, a stale HAProxy).
-        "    noreuseport",
-        "defaults",
-        "    mode tcp",
-        "    balance leastconn",
-        "    timeout connect 5s",
-        "    timeout queue 30s",
-        # A streamed answer may stay silent for minutes (a long prefill); the relay and
-        # the upstream have their own timeouts.
-        "    timeout client 1h",
-        "    timeout server 1h",
-        # Once a worker has closed its side (it stopped, or closed an idle keep-alive
-        # connection), the client has this long to close its own: a stop is not held
-        # up for an hour by pooled connections.
-        "    timeout client-fin 5s",
-        # A connect refused by a worker that just died goes to another one.
-        "    option redispatch",
-        "    retries 3",
-        # The supervisor takes a dead worker out at once; the checks are the second line,
-        # rare because each shows as a client connect in the worker's console.
-        "    default-server inter 5s fall 2 rise 1",
-    ]
-    for lst in listeners:
-        host = f"[{lst.host}]" if ":" in lst.host else lst.host
-        lines += ["", f"listen {lst.name}", f"    bind {host}:{lst.port} backlog {FRONTEND_BACKLOG}"]
-        lines += [f"    server w{i} {WORKER_LISTEN_HOST}:{lst.worker_ports[i]} check port {health_ports[i]}"
-                  for i in range(workers)]
-    return "\n".join(lines) + "\n"
-
-
-class HAProxy:
-    """The HAProxy child process and its runtime API (a Unix socket)."""
-
-    def __init__(self, workdir: Path, listeners: list[Listener], health_ports: list[int]) -> None:
-        self.socket_path = workdir / "haproxy.sock"
-        self.config_path = workdir / "haproxy.cfg"
-        self.config_path.write_text(haproxy_config(listeners, health_ports, self.socket_path))
-        self.listeners = listeners
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
-        if check.returncode != 0:
-            raise SystemExit(f"haproxy rejects the generated configuration:\n{check.stdout}{check.stderr}")
-        # -db: stay in the foreground, so this process supervises it.
-        self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.config_path)], process_group=0,
-                                     preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 10
-        while not self.socket_path.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("haproxy did not start (are the listen ports free?)")
-            time.sleep(0.05)
-
-    def set_worker_state(self, worker: int, state: str) -> None:
-        """`state`: "ready" (in rotation) or "maint" (out of it), for every listener."""
-        commands = ";".join(f"set server {lst.name}/w{worker} state {state}" for lst in self.listeners)
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(5)
-                s.connect(str(self.socket_path))
-                s.sendall(commands.encode() + b"\n")
-                s.recv(4096)
-        except OSError as e:
-            log(f"haproxy runtime API: {e}")
+def bind_tcp(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for `host`:`port` as asyncio's `start_server` binds them (and so
+    mitmproxy): one per address of `host`, "" meaning every interface, IPv4 and IPv6;
+    SO_REUSEADDR; IPv6 sockets IPv6-only. Port 0: one free port for all of them."""
+    where = f"{host or '*'}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise StartFailed(f"cannot listen on {where}: {e}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL and len(infos) > 1:
+                    sockets.pop().close()  # that address family is off here (asyncio skips it too)
+                    continue
+                if e.errno == errno.EADDRINUSE:
+                    raise StartFailed(f"refusing to start: {where} is taken (another relay running?)") from None
+                raise StartFailed(f"cannot listen on {where}: {e.strerror or e}") from None
+            sock.listen(backlog)
+        if not sockets:
+            raise StartFailed(f"cannot listen on {where}: no address to bind")
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 # --- workers ----------------------------------------------------------------------
 
 
-def worker_client_tls(opts: optmanager.OptManager, listeners: list[Listener]) -> str | None:
-    """The `relay_client_tls` a worker needs: workers listen on loopback, so where HAProxy
-    listens off loopback, "off-loopback" must become "all" for them (None: leave it).
-    Reverse listeners on loopback then accept only TLS too."""
-    if opts.relay_client_tls == guard.CLIENT_TLS_OFF_LOOPBACK and any(
-            not guard.is_loopback(lst.host) for lst in listeners):
-        return guard.CLIENT_TLS_ALL
-    return None
+def worker_main(args: list[str]) -> None:
+    """A worker: the relay as `ttft-relay run --workers 1` runs it, on the listening sockets
+    its supervisor bound (named in the environment)."""
+    from .patches import inherited_listeners
 
-
-def worker_log(path: str, worker: int) -> str:
-    """`logs/timing.jsonl` → `logs/timing.<worker>.jsonl`."""
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.{worker}{p.suffix or '.jsonl'}"))
+    listeners = json.loads(os.environ.pop(LISTEN_FDS_ENV))
+    inherited_listeners.install(listeners, int(os.environ.pop(READY_FD_ENV)))
+    # The supervisor says where the relay listens, once; N workers would say it N times.
+    logging.getLogger("mitmproxy.proxy.mode_servers").setLevel(logging.WARNING)
+    launch.start("mitmdump", args)
 
 
 class Worker:
-    """One mitmdump worker, restarted when it dies."""
+    """One worker process, started again when it dies."""
 
-    def __init__(self, index: int, args: list[str], env: dict[str, str], health_port: int) -> None:
+    def __init__(self, index: int, args: list[str], env: dict[str, str], listen_fds: dict[str, list[int]]) -> None:
         self.index = index
         self.args = args
-        self.env = env
-        self.health_port = health_port
+        self.env = {**env, metrics.WORKER_ENV: str(index), LISTEN_FDS_ENV: json.dumps(listen_fds)}
+        self.pass_fds = tuple(fd for fds in listen_fds.values() for fd in fds)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
-        self.in_rotation = False
+        self.ready = False
+        """It accepts (it said so since it was last started)."""
+        self.served = False
+        """It was ready at least once: a death after that is a restart, not a failed start."""
         self.restart_at: float | None = None
         self.pause = RESTART_PAUSE[0]
+        self._ready_pipe: int | None = None
 
     def start(self) -> None:
-        # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
-        # SIGTERM if the supervisor dies: a clean stop (records written, clients told).
-        self.proc = subprocess.Popen(self.args, env=self.env, stdin=subprocess.DEVNULL, process_group=0,
-                                     preexec_fn=_die_with_parent)
+        self._close_pipe()  # the last start's
+        readable, writable = os.pipe()
+        try:
+            # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
+            # SIGTERM if the supervisor dies: a clean stop (records written, clients told).
+            self.proc = subprocess.Popen(self.args, env={**self.env, READY_FD_ENV: str(writable)},
+                                         stdin=subprocess.DEVNULL, process_group=0, preexec_fn=_die_with_parent,
+                                         pass_fds=(*self.pass_fds, writable))
+        except BaseException:
+            os.close(readable)
+            raise
+        finally:
+            os.close(writable)
+        os.set_blocking(readable, False)
+        self._ready_pipe = readable
         self.started_at = time.monotonic()
+        self.ready = False
         self.restart_at = None
 
-    def accepting(self) -> bool:
-        try:
-            socket.create_connection((WORKER_LISTEN_HOST, self.health_port), timeout=0.5).close()
-        except OSError:
+    def became_ready(self) -> bool:
+        """Whether it said it is ready since the last look (it says so once)."""
+        if self._ready_pipe is None:
             return False
-        return True
+        try:
+            said = os.read(self._ready_pipe, 1)
+        except BlockingIOError:
+            return False
+        self._close_pipe()  # said, or it exited without saying
+        if said:
+            self.ready = self.served = True
+        return bool(said)
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
+    def _close_pipe(self) -> None:
+        if self._ready_pipe is not None:
+            os.close(self._ready_pipe)
+            self._ready_pipe = None
+
+    def close(self) -> None:
+        self._close_pipe()
+
 
 class Supervisor:
     def __init__(self, user_args: list[str], workers: int) -> None:
-        merged, self.opts = worker_options(user_args)
-        exposed = guard.unprotected_listeners(
-            self.opts.mode, self.opts.listen_host, self.opts.proxyauth, bool(self.opts.relay_access_keys),
-            self.opts.relay_client_tls, bool(self.opts.certs),
-        )
-        if exposed and not self.opts.relay_allow_open_proxy:
-            # The workers listen on loopback and cannot see HAProxy's addresses: check here.
-            raise SystemExit("refusing to start as an open proxy: " + "; ".join(exposed))
-        self.listeners = listeners(self.opts, workers)
-        if taken := [f"{lst.host or '*'}:{lst.port}" for lst in self.listeners if port_taken(lst.host, lst.port)]:
-            raise SystemExit(f"refusing to start: {', '.join(taken)} is taken (another relay running?)")
-        self.workdir = Path(tempfile.mkdtemp(prefix="ttft-relay-workers-"))
-        health_ports = [free_port() for _ in range(workers)]
-        self.haproxy = HAProxy(self.workdir, self.listeners, health_ports)
-        metrics_dir = self.workdir / "metrics"
-        metrics_dir.mkdir()
-        self.metrics_dir = metrics_dir
-        worker_args = strip_options(merged, OVERRIDDEN)
-        if left := config.command_line_options(["mitmdump", *worker_args], self.opts) & OVERRIDDEN:
-            raise SystemExit(f"cannot give the workers their own {', '.join(sorted(left))}: spell them "
-                             "--mode, --listen-host, -p or --set NAME=VALUE")
-        base = [launch.tool_path("mitmdump"), "-s", str(launch.ADDON), *worker_args]
-        self.workers = []
-        for i in range(workers):
-            args = base + ["--listen-host", WORKER_LISTEN_HOST]
-            for lst in self.listeners:
-                args += ["--mode", lst.worker_spec(i)]
-            args += ["--mode", f"regular@{WORKER_LISTEN_HOST}:{health_ports[i]}"]
-            args += ["--set", f"relay_timing_log={worker_log(self.opts.relay_timing_log, i) if self.opts.relay_timing_log else ''}"]
-            if client_tls := worker_client_tls(self.opts, self.listeners):
-                args += ["--set", f"relay_client_tls={client_tls}"]
-            env = {**os.environ, metrics.WORKER_ENV: str(i), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-            self.workers.append(Worker(i, args, env, health_ports[i]))
+        _, self.opts = worker_options(user_args)
+        self.listeners = bind_listeners(self.opts)
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="ttft-relay-metrics-"))
+        listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in self.listeners}
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
+        self.workers = [Worker(i, args, env, listen_fds) for i in range(workers)]
         self.stopping = False
+        self.serving = False
+        """Start-up is over: every worker was ready once."""
 
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
         try:
-            for w in self.workers:
-                w.start()
-            self._wait_ready()
-            self.haproxy.start()
-            for w in self.workers:
-                w.in_rotation = True
             if listen := self.opts.relay_metrics_listen:
-                (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
+                try:
+                    (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
+                except (OSError, ValueError) as e:
+                    raise StartFailed(f"cannot serve metrics at {listen}: {e}") from None
                 log(f"metrics of all workers at http://{host}:{port}/metrics")
-            where = ", ".join(f"{lst.spec} on {lst.host or '*'}:{lst.port}" for lst in self.listeners)
-            log(f"{len(self.workers)} workers behind haproxy: {where}")
-            haproxy = self.haproxy.proc
-            assert haproxy is not None  # started above
+            # The first one alone: a configuration error then shows once, in its output.
+            if not self._start_and_wait(self.workers[:1]) or not self._start_and_wait(self.workers[1:]):
+                return 0  # stopped while starting
+            self.serving = True
+            for lst in self.listeners:
+                log(f"{lst.mode.description} listening at {lst.where}")
+            log(f"{len(self.workers)} workers ready")
             while not self.stopping:
-                if haproxy.poll() is not None:
-                    log(f"haproxy exited ({haproxy.returncode}); stopping")
-                    return 1
                 for w in self.workers:
                     self._look_after(w)
-                time.sleep(0.2)
+                time.sleep(TICK_S)
             return 0
+        except StartFailed as e:
+            log(str(e))
+            return e.exit_code
         finally:
             self._shutdown()
 
-    def _wait_ready(self) -> None:
+    def _start_and_wait(self, workers: list[Worker]) -> bool:
+        """Start `workers` and wait until each is ready; False if stopped meanwhile."""
+        for w in workers:
+            w.start()
         deadline = time.monotonic() + READY_TIMEOUT
-        for w in self.workers:
-            while not w.accepting():
-                if w.exited() or self.stopping or time.monotonic() > deadline:
-                    raise SystemExit(f"worker {w.index} did not start (see its output above)")
-                time.sleep(0.1)
+        waiting = list(workers)
+        while waiting:
+            if self.stopping:
+                return False
+            for w in list(waiting):
+                if w.became_ready():
+                    waiting.remove(w)
+                elif w.exited():
+                    assert w.proc is not None
+                    raise StartFailed(f"worker {w.index} exited ({w.proc.returncode}) before it was ready, "
+                                      "see its output above; stopping")
+            if waiting and time.monotonic() > deadline:
+                raise StartFailed(f"worker {waiting[0].index} was not ready within {READY_TIMEOUT:.0f} s; stopping")
+            if waiting:
+                select.select([w._ready_pipe for w in waiting if w._ready_pipe is not None], [], [], TICK_S)
+        return True
 
     def _look_after(self, w: Worker) -> None:
         now = time.monotonic()
         if w.restart_at is None and w.exited():
             assert w.proc is not None  # exited() says it ran
-            self.haproxy.set_worker_state(w.index, "maint")
+            code = w.proc.returncode
+            w.became_ready()  # whether it said so before it died
+            w.close()
             lost = metrics.in_flight_of(w.proc.pid, self.metrics_dir)
             metrics.forget_process(w.proc.pid, self.metrics_dir)
-            w.in_rotation = False
+            failed_start = not w.ready
+            w.ready = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause
+            if failed_start:
+                if not any(other.ready for other in self.workers):
+                    raise StartFailed(f"worker {w.index} exited ({code}) before it was ready again, see its "
+                                      "output above, and no worker is serving; stopping", exit_code=1)
+                log(f"worker {w.index} exited ({code}) before it was ready again, see its output above; "
+                    f"next try in {w.pause:.0f} s")
+                return
             recorded = ("the restarted worker records them as lost" if self.opts.relay_timing_log
                         else "no record of them")
             in_flight = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
                          f"reset)") if lost else ""
-            log(f"worker {w.index} exited ({w.proc.returncode}){in_flight}; out of rotation, "
-                f"restarting in {w.pause:.0f} s")
+            log(f"worker {w.index} exited ({code}){in_flight}; the others serve, restarting it in {w.pause:.0f} s")
         elif w.restart_at is not None and now >= w.restart_at:
             w.start()
-        elif not w.in_rotation and w.restart_at is None and not w.exited() and w.accepting():
-            self.haproxy.set_worker_state(w.index, "ready")
-            w.in_rotation = True
-            log(f"worker {w.index} back in rotation")
+        elif w.became_ready():
+            log(f"worker {w.index} ready again")
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
 
     def _reload(self, signum, frame) -> None:
-        # Each worker reopens its own log and re-reads certificates (ttft_relay/reload.py).
+        # Each worker re-reads certificates and key files and reopens the log (ttft_relay/reload.py).
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGHUP)
 
+    def _record_what_the_dead_left(self) -> None:
+        """Before a stop: a worker that died and whose replacement is not running yet (its
+        restart pause) left requests in its ledger that only the replacement records. It
+        starts now, records them, and stops with the others."""
+        if not (self.serving and self.opts.relay_timing_log):
+            return
+        timing_log = Path(self.opts.relay_timing_log)
+        left = [w for w in self.workers
+                if (w.exited() or not w.ready) and ledger.left_in(ledger.ledger_path(timing_log, w.index))]
+        for w in left:
+            log(f"worker {w.index} starts once more before the stop, to record the requests its last run "
+                "left in flight")
+            if w.exited():  # else it is starting already
+                w.start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while left and time.monotonic() < deadline:
+            left = [w for w in left if not w.became_ready() and not w.exited()]
+            time.sleep(TICK_S)
+
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # Workers first: each answers its flows in flight ("relay shutting down") and
-        # records them. HAProxy soft-stops meanwhile (SIGUSR1: it stops listening and
-        # passes on what is under way), so those answers still reach the clients.
-        if self.haproxy.proc is not None and self.haproxy.proc.poll() is None:
-            self.haproxy.proc.send_signal(signal.SIGUSR1)
+        self._record_what_the_dead_left()
+        # Each worker answers its flows in flight ("relay shutting down") and records them.
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGINT)  # as Ctrl-C: done hooks run, logs are flushed
         deadline = time.monotonic() + STOP_TIMEOUT
-        for proc in [*(w.proc for w in self.workers), self.haproxy.proc]:
-            if proc is None:
+        for w in self.workers:
+            if w.proc is None:
                 continue
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+                w.proc.kill()
+                w.proc.wait()
+            w.close()
+        for lst in self.listeners:
+            for sock in lst.sockets:
+                sock.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
 def split_workers(argv: list[str]) -> tuple[int, list[str]]:
@@ -458,10 +456,15 @@ def default_workers() -> int:
 
 def main(argv: list[str]) -> int:
     workers, args = split_workers(argv)
-    if workers > 1 and shutil.which("haproxy") is None:
-        log(f"haproxy not found, so running one worker (one core). For {workers} workers install it "
-            f"({HAPROXY_INSTALL}); --workers 1 silences this note.")
-        workers = 1
     if workers == 1:
         launch.start("mitmdump", args)
-    return Supervisor(args, workers).run()
+    try:
+        supervisor = Supervisor(args, workers)
+    except StartFailed as e:
+        log(str(e))
+        return e.exit_code
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])

@@ -21,6 +21,10 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 - `trailers`: HTTP/1 trailers fail their flow with an answer instead of crashing
   (`faults.ErrorReplies`).
 - `listen_backlog`: listeners queue more than 100 new connections (`capacity.ListenBacklog`).
+- `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
+  sockets its supervisor bound, a few connections per turn of its event loop, from the relay's
+  `running` on (installed by `workers.worker_main` before mitmproxy starts;
+  `capacity.WorkerListeners`).
 - `hook_plans`: events dispatched from per-hook plans (`capacity.HookPlans`).
 - `interim_answers`: an upstream's 1xx interim head is dropped before its real answer
   (`stream.Streaming`).
@@ -67,6 +71,7 @@ from . import (
     error_replies,
     head_limit,
     hook_plans,
+    inherited_listeners,
     interim_answers,
     layer_events,
     listen_backlog,
@@ -87,6 +92,7 @@ PATCHES: tuple[ModuleType, ...] = (
     upstream_copy,
     trailers,
     listen_backlog,
+    inherited_listeners,
     hook_plans,
     interim_answers,
     ca_once,

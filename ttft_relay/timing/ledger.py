@@ -3,7 +3,8 @@
 A relay process killed outright (the OOM killer, `kill -9`, a crash in C) writes no
 record for the requests it had in flight: their clients saw the connection reset, and
 the timing log says nothing of them. So each process keeps a ledger beside its timing
-log (`.<log's name>.inflight`, hidden: not one of the log's rotations): one fixed-size
+log (`.<log's name>.inflight`, hidden: not one of the log's rotations; worker N > 0 of
+`ttft-relay run --workers`, which all write one log: `.<log's name>.N.inflight`): one fixed-size
 slot per request in flight, filled at its request head (and again once the request is
 read, with the model), and cleared once its record is in the log file: not when the
 record is published but when the writer thread has written it
@@ -48,6 +49,7 @@ from mitmproxy import http
 from .. import state
 from ..guard import guard
 from . import record
+from .metrics import WORKER_ENV
 from .timing import Timing, upstream_name
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,21 @@ def recorded_ids(tail: bytes) -> set[str]:
     return ids
 
 
+def ledger_path(log: Path, worker: int = 0) -> Path:
+    """The ledger beside the timing log `log` of worker `worker` of `ttft-relay run --workers N`
+    (the worker started in its place reads it); the first worker's is the single process's."""
+    return log.with_name(f".{log.name}.inflight" if worker == 0 else f".{log.name}.{worker}.inflight")
+
+
+def left_in(path: Path) -> int:
+    """How many requests the ledger at `path` holds (0 if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in filled_slots(f.read(SLOTS * SLOT_SIZE)))
+    except OSError:
+        return 0
+
+
 def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
     """What a slot keeps of a request: what its lost record would say. The client's request
     id passes the relay's key redaction, as the record's does (its header is redacted
@@ -155,7 +172,7 @@ class Ledger:
         # After Timing's configure (relay.py's order): its writer is the log's.
         if updated & Timing.LOG_OPTIONS:
             writer = self.timings.writer
-            path = writer.path.with_name(f".{writer.path.name}.inflight") if writer is not None else None
+            path = ledger_path(writer.path, int(os.environ.get(WORKER_ENV, "0"))) if writer is not None else None
             if path != self.path:
                 self._close()
                 if writer is not None and path is not None:

@@ -7,8 +7,14 @@ compresses the rotated file to `.gz` and deletes the oldest rotated files beyond
 `keep`. `ttft-relay report 'logs/timing*.jsonl*'` reads current, rotated and
 compressed files alike.
 
-logrotate works too (rename, then SIGHUP: `ttft_relay/reload.py` reopens the log);
-use one or the other, not both.
+Where several processes write one log (the workers of `ttft-relay run --workers N`),
+each writer decides under a lock the others take too, from the size and time of the
+file at the log's path: one of them rotates, and the others write to the new file
+from their next record on (`RecordWriter`'s docstring).
+
+logrotate works too (rename, then SIGHUP: `ttft_relay/reload.py` reopens the log; the
+writers also find the renamed log on their own at their next record); use one or the
+other, not both.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def expired(rotated: list[tuple[float, str]], keep: int) -> list[str]:
 
 
 def rotate(path: Path, now: float) -> Path:
-    """Rename the (closed) log to its rotated name; returns that name."""
+    """Rename the log to its rotated name (under the writers' lock); returns that name."""
     taken = {p.name for p in path.parent.glob(path.name + ".*")}
     target = rotated_name(path, now, taken)
     os.rename(path, target)
@@ -108,7 +114,9 @@ def compress(path: Path) -> Path:
     stat = path.stat()
     os.utime(partial, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     os.replace(partial, target)
-    path.unlink()
+    # Another writer of the log may have expired it meanwhile (a small `keep`): its
+    # compressed copy goes with the next expiry.
+    path.unlink(missing_ok=True)
     return target
 
 

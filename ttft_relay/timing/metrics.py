@@ -135,7 +135,8 @@ class RelayMetrics:
         and converts its arguments and takes a lock on every call)."""
         self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
                                   "Connections the kernel holds for a listener until the relay accepts them.",
-                                  ("listener",), registry=registry, multiprocess_mode="livesum")
+                                  # The workers share each listener's queue: each reads the same one.
+                                  ("listener",), registry=registry, multiprocess_mode="livemax")
         self.in_flight = Gauge(IN_FLIGHT, "Requests the relay has begun and not yet recorded.", registry=registry,
                                multiprocess_mode="livesum")
         self.otlp_dropped = Counter("ttft_relay_otlp_dropped_records", "Records whose OpenTelemetry trace was not "

@@ -10,6 +10,7 @@ whenever a key changes meaning or goes away (adding keys is compatible).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import queue
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
@@ -468,28 +469,43 @@ class RecordWriter:
     """Appends records as JSON lines to `path` from a background thread.
 
     The event loop only serialises and enqueues; the thread writes whatever has
-    queued up within WRITE_BATCH_S and flushes after each batch, so a reader of the
-    log sees records within moments. `close()` writes everything still queued
-    before returning.
+    queued up within WRITE_BATCH_S, so a reader of the log sees records within
+    moments. `close()` writes everything still queued before returning.
+
+    Several processes may append to one log: the workers of `ttft-relay run --workers N`
+    (ttft_relay/workers.py) share the log the user named. Each batch of whole lines
+    leaves in one write() to a file opened with O_APPEND, which Linux never interleaves
+    with another process's write on a local filesystem (not over NFS). Before each batch,
+    under an exclusive lock (flock of `.<log's name>.lock` beside it), the writer checks
+    that the file it holds is still the one at `path` and moves to the one there if not,
+    and rotates when the policy says so: one writer rotates, every other moves to the
+    new file before its next write, so nothing reaches a rotated file once it has been
+    renamed and its compression may start.
 
     With a `rotation` (ttft_relay/timing/logrotation.py) the thread rotates the log between two
     records, never inside one, and compresses and expires rotated files in
-    another thread. `reopen()` makes it write to a new file at `path` after the
-    records queued so far: for logrotate, which renames the log and signals.
+    another thread. A log renamed by someone else (logrotate) is followed the same
+    way; `reopen()` makes the writer open the file at `path` anew after the records
+    queued so far (SIGHUP does, ttft_relay/reload.py).
     """
 
     def __init__(self, path: str | Path, rotation: logrotation.Rotation | None = None) -> None:
         self.path = Path(path)
         self.rotation = rotation or logrotation.Rotation()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self._opened()
+        self._fd = self._opened()
+        try:
+            self._lock = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            os.close(self._fd)
+            raise
         self._housekeeping: threading.Thread | None = None
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self.queued = 0
         """Records handed to `write` so far."""
         self.written = 0
-        """Of those, how many the thread has written to the file and flushed (or failed to
-        write and said so): a process killed now keeps them (`ledger` waits for this)."""
+        """Of those, how many the thread has written to the file (or failed to write and
+        said so): a process killed now keeps them (`ledger` waits for this)."""
         self.on_written: Callable[[], object] | None = None
         """Called from the writer thread after each batch it wrote."""
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
@@ -515,19 +531,15 @@ class RecordWriter:
         if self._housekeeping is not None:
             self._housekeeping.join()
 
-    def _open(self) -> None:
-        """Write to a new file at `path`; the file open before is closed only once
-        the new one is open, so a failure leaves the writer writing where it was."""
-        file = self._opened()
-        self._file.close()
-        self._file = file
+    def _opened(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
-    def _opened(self) -> BinaryIO:
-        """`path` opened for appending, its size and time taken as the log's."""
-        file = open(self.path, "ab")
-        stat = os.fstat(file.fileno())
-        self._size, self._last_write = stat.st_size, stat.st_mtime
-        return file
+    def _open(self) -> None:
+        """Write to the file at `path` (created if missing); the file open before is
+        closed only once the new one is open, so a failure leaves the writer writing where it was."""
+        fd = self._opened()
+        os.close(self._fd)
+        self._fd = fd
 
     def _run(self) -> None:
         closing = False
@@ -550,43 +562,72 @@ class RecordWriter:
                 elif isinstance(item, bytes):  # not _CLOSE
                     lines.append(item)
             self._write(lines)
-        self._file.close()
+        os.close(self._fd)
+        os.close(self._lock)
 
     def _write(self, lines: list[bytes]) -> None:
-        """Append whole lines, rotating between two of them where the policy says so."""
-        now = time.time()
-        start, pending = 0, 0
-        for i, line in enumerate(lines):
-            if self.rotation.due(self._size + pending, len(line), self._last_write, now):
-                self._append(lines[start:i], now)
-                try:
-                    self._rotate(now)
-                except OSError as e:
-                    logger.error("cannot rotate timing log %s, still writing to it: %s", self.path, e)
-                start, pending = i, 0
-            pending += len(line)
-        self._append(lines[start:], now)
-
-    def _append(self, lines: list[bytes], now: float) -> None:
+        """Append whole lines to the file at `path`, rotating between two of them where the
+        policy says so, under the lock the log's other writers take too."""
         if not lines:
             return
-        data = b"".join(lines)
         try:
-            self._file.write(data)
-            self._file.flush()
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        except OSError as e:  # not expected on a local filesystem; the lines are written all the same
+            logger.error("cannot lock timing log %s: %s", self.path, e)
+        try:
+            now = time.time()
+            size, last_write = self._current()
+            start, failed = 0, False
+            for i, line in enumerate(lines):
+                if not failed and self.rotation.due(size, len(line), last_write, now):
+                    self._append(lines[start:i])
+                    start = i
+                    try:
+                        self._rotate(now)
+                        size = 0
+                    except OSError as e:  # tried again with the next batch, not for every line
+                        failed = True
+                        logger.error("cannot rotate timing log %s, still writing to it: %s", self.path, e)
+                size += len(line)
+                last_write = now
+            self._append(lines[start:])
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    def _current(self) -> tuple[int, float]:
+        """(size, last write) of the file at `path`, which the writer holds open from now
+        on: another writer may have rotated it, logrotate renamed or someone removed it."""
+        held = os.fstat(self._fd)
+        try:
+            there = os.stat(self.path)
+            moved = (there.st_dev, there.st_ino) != (held.st_dev, held.st_ino)
+        except FileNotFoundError:
+            moved = True
+        if moved:
+            try:
+                self._open()
+                held = os.fstat(self._fd)
+            except OSError as e:
+                logger.error("cannot reopen timing log %s, still writing to the old file: %s", self.path, e)
+        return held.st_size, held.st_mtime
+
+    def _append(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        data = memoryview(b"".join(lines))
+        try:
+            while data:  # one write, unless the disk filled up halfway
+                data = data[os.write(self._fd, data):]
         except OSError as e:
             logger.error("cannot write timing records to %s: %s", self.path, e)
-            return
         finally:
             self.written += len(lines)
             if (told := self.on_written) is not None:
                 told()
-        self._size += len(data)
-        self._last_write = now
 
     def _rotate(self, now: float) -> None:
-        # Renaming an open file is fine on POSIX: the last batch is flushed, and the
-        # new file is opened before the old one is closed.
+        # Under the lock: no other writer writes meanwhile, and each looks at `path`
+        # again before its next write.
         rotated = logrotation.rotate(self.path, now)
         self._open()
         if self._housekeeping is not None:
