@@ -57,6 +57,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.layer_events.install()
     patches.splice.install()
     patches.message_checks.install_message_checks(True)
+    patches.websocket_limits.install(patches.websocket_limits.Bounds())
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())
     finally:

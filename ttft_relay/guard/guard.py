@@ -17,6 +17,8 @@ A relay sits between its users and a paid API key. These addons keep it that way
     ClientLimits    before any authentication: a deadline for each request head
                     (slowloris), a bounded number of client connections, a bounded
                     rate of HTTP/2 stream resets (rapid reset).
+    WebSocketLimits WebSocket messages of bounded size (after inflating), fragments
+                    and control frames, from the client and the upstream alike.
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
     RequestFraming  an HTTP/2 request body goes to an HTTP/1 upstream with its length.
@@ -52,7 +54,8 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
 from ..faults import apierrors
-from ..patches import answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy
+from ..patches import (answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events,
+                       upstream_copy, websocket_limits)
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -437,6 +440,50 @@ class AccessKeys:
             st.record_error(reason, phase="relay")
 
 
+class WebSocketLimits:
+    """WebSocket messages bounded as they are read, from either side
+    (`ttft_relay/patches/websocket_limits.py`): a message's size once inflated
+    (`relay_websocket_message_max`, 64 MiB: a permessage-deflate bomb is inflated no
+    further), its fragments (4096) and the control frames around them (100 at once, then
+    10/s). Past one the socket closes, 1009 or 1008 to both sides, with one warning."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_websocket_message_max", str, "64m",
+            "Largest WebSocket message, from the client or the upstream, once inflated (e.g. 16m, "
+            "64m); a larger one closes the socket (1009). 0: no limit.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_websocket_message_max" in updated:
+            try:
+                size = human.parse_size(ctx.options.relay_websocket_message_max) or 0
+            except ValueError as e:
+                raise exceptions.OptionsError(f"relay_websocket_message_max: {e}") from e
+            websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
+
+    def done(self) -> None:
+        websocket_limits.uninstall()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        # An upstream's 101 whose permessage-deflate parameters wsproto cannot take crashed the
+        # connection's handler as the socket started (and every event after). Without them the
+        # socket starts uncompressed: a compressed frame from that upstream then closes it 1002,
+        # where a client of its own would have failed the connection at the handshake.
+        response = flow.response
+        if response is None or response.status_code != 101 or "sec-websocket-extensions" not in response.headers:
+            return
+        header = response.headers["sec-websocket-extensions"]
+        kept = websocket_limits.valid_extensions(header)
+        if kept != header:
+            logger.warning("%s: the upstream's WebSocket handshake answer has invalid extensions, dropped: %r",
+                           flow.request.host, header)
+            if kept:
+                response.headers["sec-websocket-extensions"] = kept
+            else:
+                del response.headers["sec-websocket-extensions"]
+
+
 class OriginForm:
     """A reverse listener sends every request to its configured upstream, so the
     target it sends is that upstream's origin-form path. mitmproxy connects to the
@@ -794,5 +841,5 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), RequestFraming(), AccessKeys(),
-                       SecretRedaction()]
+        self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), OriginForm(), RequestFraming(),
+                       AccessKeys(), SecretRedaction()]
