@@ -208,10 +208,10 @@ ATTACKS: dict[str, Callable[[hostile.UpstreamSession], list[bytes]]] = {
 
 @scenario
 def ws_bomb_client(b: Bench) -> dict:
-    with RawClient(b.hostile_port) as c:
+    with RawClient(b.hostile_port, timeout=300) as c:
         def run() -> dict:
             c.send(frame(TEXT, hostile.deflate_bomb(GIB), rsv1=True, masked=True))
-            out = closed_with(c)
+            out = closed_with(c, 300)
             sessions = b.hostile.wait_ended(len(b.hostile.sessions), 120)
             out["passed_upstream"] = sessions[-1].received
             return out
@@ -220,13 +220,15 @@ def ws_bomb_client(b: Bench) -> dict:
 
 @scenario
 def ws_bomb_upstream(b: Bench) -> dict:
-    with RawClient(b.hostile_port, headers={"x-attack": "ws-bomb"}) as c:
-        return b.attack(lambda: closed_with(c))
+    def run() -> dict:
+        with RawClient(b.hostile_port, headers={"x-attack": "ws-bomb"}, timeout=300) as c:
+            return closed_with(c, 300)
+    return b.attack(run)
 
 
 @scenario
 def ws_big_messages(b: Bench) -> dict:
-    with RawClient(b.hostile_port, deflate=False) as c:
+    with RawClient(b.hostile_port, deflate=False, timeout=300) as c:
         def run() -> dict:
             big = frame(BINARY, b"a" * (50 * 1000 * 1000), masked=True)
             for _ in range(10):

@@ -195,6 +195,7 @@ class UpstreamSession:
     path: str
     headers: dict[str, str]
     attack: str | None
+    request_line: str = ""
     close: Frame | None = None
     """WebSocket: the close frame the relay sent this upstream, if any."""
     received: int = 0
@@ -261,8 +262,9 @@ class HostileUpstream:
                 return
             lines = head.decode("latin-1").split("\r\n")
             method, path = (lines[0].split(" ") + ["", ""])[:2]
+            request_line = lines[0]
             headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-            session = UpstreamSession(method, path, headers, headers.get("x-attack"))
+            session = UpstreamSession(method, path, headers, headers.get("x-attack"), request_line=request_line)
             with self.changed:
                 self.sessions.append(session)
             upgrade = "websocket" in headers.get("upgrade", "").lower()
