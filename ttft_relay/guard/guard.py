@@ -21,6 +21,8 @@ A relay sits between its users and a paid API key. These addons keep it that way
                     and control frames, from the client and the upstream alike.
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
+    FieldSyntax     no header value with CR, LF or NUL, no unknown HTTP version passes:
+                    a request with them is refused, an answer's are replaced by spaces.
     RequestFraming  an HTTP/2 request body goes to an HTTP/1 upstream with its length.
     LogRedaction    credentials redacted, control characters escaped and lines
                     capped in every log record, mitmproxy's own included.
@@ -43,6 +45,7 @@ import logging
 import os
 import re
 import resource
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -519,6 +522,54 @@ class RequestFraming:
             request.headers["content-length"] = str(len(request.raw_content))
 
 
+_UNSAFE_IN_VALUES = re.compile(r"[\r\n\x00]")
+HTTP_VERSIONS = frozenset({"HTTP/1.0", "HTTP/1.1", "HTTP/2.0", "HTTP/3"})
+
+
+def unsafe_fields(headers: http.Headers) -> list[str]:
+    """The names of the fields whose values hold a CR, LF or NUL."""
+    return [name for name, value in headers.items(multi=True) if _UNSAFE_IN_VALUES.search(value)]
+
+
+class FieldSyntax:
+    """What no HTTP/1 peer should be sent: header values with CR, LF or NUL in them (RFC 9110
+    5.5: a recipient MUST reject the message or replace each with SP; a bare CR is a line end
+    to some servers: a header smuggled in), and a version the relay does not speak
+    (`HTTP/9.9`). mitmproxy passed both on verbatim. A request with them is refused on its
+    head (400, or 505 for the version), in the API's format where the path is one; an
+    upstream's answer has them replaced by SP."""
+
+    def __init__(self) -> None:
+        self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        request = flow.request
+        if request.http_version not in HTTP_VERSIONS:
+            status, message = 505, f"HTTP version {request.http_version!r} not supported (HTTP/1.1 or HTTP/2)"
+        elif names := unsafe_fields(request.headers):
+            status, message = 400, f"header value with CR, LF or NUL in it: {', '.join(sorted(set(names)))}"
+        else:
+            return
+        message = record.cut_text(message)
+        self.refused[flow] = message
+        answer_on_head.answer_now(flow, apierrors.error_response(api_shape(request), status, message,
+                                                                 {"connection": "close"}))
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        # As for AccessKeys: the scope addon attached its state meanwhile; the record says why.
+        st = state.get(flow)
+        if st is not None and (reason := self.refused.get(flow)) is not None:
+            st.record_error(reason, phase="relay")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        headers = flow.response.headers if flow.response is not None else None
+        if headers is None or not (names := unsafe_fields(headers)):
+            return
+        logger.debug("%s: CR, LF or NUL in the upstream's %s replaced by spaces", flow.request.host, names)
+        for name in {n.lower() for n in names}:
+            headers.set_all(name, [_UNSAFE_IN_VALUES.sub(" ", v) for v in headers.get_all(name)])
+
+
 # --- limits before authentication ---------------------------------------------------
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -555,6 +606,48 @@ CONNECTION_REFUSAL = (
 )
 
 
+class OutOfDescriptors:
+    """asyncio's accept loop, out of descriptors (EMFILE), reports it through the event loop's
+    exception handler, a traceback each time it retries (147 of them in a log at the limit):
+    one warning instead, then one a minute at most, with how often it happened meanwhile.
+    Connections wait in the listen queue meanwhile (asyncio retries after a second)."""
+
+    ACCEPT_FAILED = "socket.accept() out of system resource"
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.previous: Any = None
+        self.said_at = 0.0
+        self.unsaid = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.loop is None:
+            self.loop, self.previous = loop, loop.get_exception_handler()
+            loop.set_exception_handler(self._handle)
+
+    def uninstall(self) -> None:
+        if self.loop is not None and self.loop.get_exception_handler() == self._handle:
+            self.loop.set_exception_handler(self.previous)
+        self.loop = None
+
+    def _handle(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != self.ACCEPT_FAILED:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if self.said_at and now - self.said_at < self.EVERY_S:
+            self.unsaid += 1
+            return
+        more = f" ({self.unsaid} more times since)" if self.unsaid else ""
+        logger.warning("out of file descriptors, cannot accept connections: %s; they wait in the listen "
+                       "queue (relay_max_connections, the open-file limit)%s", context.get("exception"), more)
+        self.said_at, self.unsaid = now, 0
+
+
 class ClientLimits:
     """What a client gets before any authentication: bounded time for each request
     head, and a bounded number of connections.
@@ -584,6 +677,7 @@ class ClientLimits:
         self.active: dict[str, int] = {}
         """Flows in flight per client connection id."""
         self.refused = 0
+        self.out_of_fds = OutOfDescriptors()
 
     def load(self, loader) -> None:
         head_limit.limit_request_heads(MAX_HEAD_BYTES)
@@ -611,6 +705,12 @@ class ClientLimits:
         if "relay_max_connections" in updated:
             limit = ctx.options.relay_max_connections
             self.max_connections = limit if limit > 0 else default_connection_limit(raise_fd_limit())
+
+    def running(self) -> None:
+        self.out_of_fds.install(asyncio.get_running_loop())
+
+    def done(self) -> None:
+        self.out_of_fds.uninstall()
 
     def client_connected(self, client: connection.Client) -> None:
         if not connections.registered(client):
@@ -841,5 +941,5 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), OriginForm(), RequestFraming(),
-                       AccessKeys(), SecretRedaction()]
+        self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), FieldSyntax(), OriginForm(),
+                       RequestFraming(), AccessKeys(), SecretRedaction()]
