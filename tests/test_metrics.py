@@ -4,6 +4,7 @@ through a real mitmdump whose counts match the timing records."""
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import socket
 import subprocess
 import sys
@@ -15,13 +16,18 @@ import urllib.request
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client import values as prometheus_values
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from ttft_relay import apis
-from ttft_relay.timing import metrics, record, series
+from ttft_relay.timing import metrics, multiproc, record, series
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.harness import REPO, TimingLog, metrics_url, scrape, total
+from tests.patches.pins import assert_unchanged
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -288,3 +294,28 @@ def test_a_series_bound_without_evictions_keeps_its_order():
     ok = (*c[:5], "2xx")
     assert bound.admit(ok, True, evicted.append) == ok and evicted == [b, a]  # c's model proven now
     assert bound.admit(b, False, evicted.append) == series.overflow(b)  # only proven ones left: no room for junk
+
+
+PROMETHEUS_CLIENT_PINNED = {
+    # multiproc._read_live_metrics is this reader and one line more
+    "MultiProcessCollector._read_metrics": (MultiProcessCollector._read_metrics, "c8d3db164cc96b03"),
+    "MultiProcessCollector._accumulate_metrics": (MultiProcessCollector._accumulate_metrics, "a7834784c48cba70"),
+    "MultiProcessCollector.collect": (MultiProcessCollector.collect, "86fc50ce2593e7a2"),
+    # the file format and its names, which BoundedValue writes as MmapedValue does
+    "MultiProcessValue": (prometheus_values.MultiProcessValue, "8077cd2c482fc32e"),
+    "MmapedDict.__init__": (MmapedDict.__init__, "e8224907c3694559"),
+    "MmapedDict._init_value": (MmapedDict._init_value, "b07be9310c2735ae"),
+    "MmapedDict.read_value": (MmapedDict.read_value, "8579657db528e958"),
+    "MmapedDict.write_value": (MmapedDict.write_value, "edffcc45d7ea2046"),
+    "MmapedDict.read_all_values_from_file": (MmapedDict.read_all_values_from_file, "949b6512ed6abe8b"),
+    # instruments take values.ValueClass when they make a child; remove() drops the child
+    "Counter._metric_init": (prometheus_metrics.Counter._metric_init, "17b9d10bf21b912c"),
+    "Gauge._metric_init": (prometheus_metrics.Gauge._metric_init, "d569c1f7e90e12a8"),
+    "Histogram._metric_init": (prometheus_metrics.Histogram._metric_init, "61aeac1b768d4786"),
+    "MetricWrapperBase.remove": (prometheus_metrics.MetricWrapperBase.remove, "23e153676908c251"),
+}
+
+
+def test_the_prometheus_client_code_multiproc_builds_on_is_unchanged():
+    assert importlib.metadata.version("prometheus-client") == "0.26.0"
+    assert_unchanged(PROMETHEUS_CLIENT_PINNED, multiproc)
