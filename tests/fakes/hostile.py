@@ -51,9 +51,17 @@ def deflated(data: bytes | Iterable[bytes]) -> bytes:
 @lru_cache(maxsize=4)
 def deflate_bomb(size: int) -> bytes:
     """A compressed text message that inflates to `size` bytes of "a" (1 GB: about 1 MB)."""
-    piece = b"a" * (1 << 20)
+    return _repeated_deflate(b"a", size)[:-4]
+
+
+def _repeated_deflate(byte: bytes, size: int, wbits: int = -15) -> bytes:
+    """Raw deflate of `size` times `byte`, ending in a sync flush: one compressed MiB after a
+    full flush (no reference back past it), repeated, so a bomb costs no compressing."""
+    piece = byte * (1 << 20)
     whole, rest = divmod(size, len(piece))
-    return deflated([*([piece] * whole), piece[:rest]])
+    c = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    segment = c.compress(piece) + c.flush(zlib.Z_FULL_FLUSH)
+    return segment * whole + c.compress(piece[:rest]) + c.flush(zlib.Z_SYNC_FLUSH)
 
 
 def accept_key(key: str) -> str:
@@ -332,12 +340,16 @@ class HostileUpstream:
 
 
 def gzip_bomb(size: int, head: bytes = b"") -> bytes:
-    """`head` then `size` bytes of SSE comment lines, gzip-compressed (1 GB: about 1 MB)."""
-    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    """`head` then about `size` bytes of SSE comment lines (1 GB: about 1 MB), gzip-compressed."""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
     line = b": " + b"x" * 1021 + b"\n"
     piece = line * 1024
-    out = [c.compress(head)]
-    for _ in range(size // len(piece)):
-        out.append(c.compress(piece))
-    out.append(c.flush())
-    return b"".join(out)
+    segment = c.compress(piece) + c.flush(zlib.Z_FULL_FLUSH)
+    count = size // len(piece)
+    start = c.compress(head) + c.flush(zlib.Z_FULL_FLUSH)
+    crc = zlib.crc32(head)
+    for _ in range(count):
+        crc = zlib.crc32(piece, crc)
+    total = len(head) + count * len(piece)
+    body = start + segment * count + c.flush(zlib.Z_FINISH)
+    return (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + body + struct.pack("<II", crc, total & 0xFFFFFFFF))
