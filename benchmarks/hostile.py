@@ -25,7 +25,7 @@ Scenarios (the figures of issue 26):
     metrics-idle       1000 idle connections to the metrics endpoint: the relay's threads
     sse-gzip-bomb      an event stream, gzip-encoded, that inflates to 1000 MB
 
-    scripts/bench hostile [--scenario NAME ...] [--relay-script PATH] [--json]
+    scripts/bench hostile [--scenario NAME ...] [--relay-script PATH] [--set NAME=VALUE ...] [--json]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Victim:
 
 
 class Bench:
-    def __init__(self, relay_script: Path, tmp: Path) -> None:
+    def __init__(self, relay_script: Path, tmp: Path, options: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.fake, self.fake_url = start_fake_upstream()
         self.hostile = HostileUpstream(ATTACKS).__enter__()
@@ -149,7 +149,7 @@ class Bench:
             [f"reverse:{self.fake_url}@{ports[0]}", f"reverse:{self.hostile.base_url}@{ports[1]}", "regular@0"], tmp,
             script=relay_script,
             options={**config.MITMPROXY_DEFAULTS, "relay_timing_log": tmp / "timing.jsonl",
-                     "relay_metrics_listen": "127.0.0.1:0"})
+                     "relay_metrics_listen": "127.0.0.1:0", **(options or {})})
         try:
             self.relay.start()
         except BaseException:
@@ -385,13 +385,15 @@ def main() -> None:
     ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="(default: all)")
     ap.add_argument("--relay-script", type=Path, default=RELAY_SCRIPT,
                     help="the relay to attack (another checkout's ttft_relay/relay.py: before a change)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a relay option")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
+    options = dict(item.split("=", 1) for item in args.set)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
         for name in args.scenario or sorted(SCENARIOS):
             # A relay per scenario: one attack's leftovers (memory, threads) are not the next one's.
-            b = Bench(args.relay_script, Path(tmp) / name)
+            b = Bench(args.relay_script, Path(tmp) / name, options)
             try:
                 base = b.baseline()
                 result = SCENARIOS[name](b)

@@ -446,13 +446,19 @@ class AccessKeys:
 class WebSocketLimits:
     """WebSocket messages bounded as they are read, from either side
     (`ttft_relay/patches/websocket_limits.py`): a message's size once inflated
-    (`relay_websocket_message_max`, 64 MiB: a permessage-deflate bomb is inflated no
+    (`relay_websocket_message_max`, 24 MiB: a permessage-deflate bomb is inflated no
     further), its fragments (4096) and the control frames around them (100 at once, then
-    10/s). Past one the socket closes, 1009 or 1008 to both sides, with one warning."""
+    10/s). Past one the socket closes, 1009 or 1008 to both sides, with one warning.
+
+    Why 24 MiB: to know a message is too big the relay must inflate it that far, in one go
+    on the event loop, and a deflate bomb inflates slowly (zlib's distance-1 copies: 0.7 s
+    for 64 MiB on this machine, every other stream waiting). 24 MiB holds the Realtime API's
+    largest event (15 MiB of audio, 20 MiB as base64 JSON) and a turn's images, at about a
+    third of that stall."""
 
     def load(self, loader) -> None:
         loader.add_option(
-            "relay_websocket_message_max", str, "64m",
+            "relay_websocket_message_max", str, "24m",
             "Largest WebSocket message, from the client or the upstream, once inflated (e.g. 16m, "
             "64m); a larger one closes the socket (1009). 0: no limit.",
         )

@@ -50,7 +50,7 @@ REASON_PREFIX = "ttft-relay: "
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    message_bytes: int = 64 * 1024 * 1024
+    message_bytes: int = 24 * 1024 * 1024
     """A message's size, after inflating; 0: none."""
     fragments: int = 4096
     """Frames of one message."""
