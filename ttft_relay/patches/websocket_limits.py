@@ -69,7 +69,7 @@ def install(bounds: Bounds) -> None:
     """Sockets opened from now on are bounded by `bounds`."""
     global _bounds
     _bounds = bounds
-    WebsocketConnection.__init__ = _bounded_init  # type: ignore[method-assign]  # the patch itself
+    WebsocketConnection.__init__ = _bounded_init  # type: ignore[method-assign, assignment]  # the patch itself
 
 
 def uninstall() -> None:

@@ -187,7 +187,7 @@ class WebSocketTurns:
         refused = websocket_limits.refused_by(flow.client_conn, flow.server_conn)
         if session is None or (session.turn is None and refused is None):
             return
-        if refused is not None:
+        if refused is not None and ws is not None:
             # A message past the relay's bounds (patches/websocket_limits.py) closed the socket. One
             # from the client started no turn: its record is one of its own, failed in the relay.
             if session.turn is None:

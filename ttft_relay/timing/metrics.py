@@ -331,7 +331,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.metrics: RelayMetrics | None = None
-        self.server = None
+        self.server: ScrapeServer | None = None
         self.listen = ""
         self.counted: weakref.WeakKeyDictionary[http.HTTPFlow, Gauge] = weakref.WeakKeyDictionary()
         """The flows in the in-flight gauge, each with the gauge it went into (the registry

@@ -24,6 +24,7 @@ object stays in a list of the module's for the life of the process. So a bound o
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -58,7 +59,7 @@ class _File:
         a key that was dead: the series starts again, as a new one would)."""
         if self.dead > 4 * len(self.refs) + SLACK:
             self.rewrite()
-        self.refs[key] = weakref.ref(value, lambda ref, key=key: self._gone(key, ref))
+        self.refs[key] = weakref.ref(value, functools.partial(self._gone, key))
         number, timestamp = self.dict.read_value(key)
         if timestamp == DEAD:
             self.dead -= 1
