@@ -18,6 +18,7 @@ counted (conftest's `Relays.close`).
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import anthropic
@@ -31,6 +32,7 @@ from ttft_relay.faults import apierrors, faults
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from tests.fakes import client
+from tests.fakes.hostile import HOLD, HostileUpstream
 from tests.harness import metrics_url, scrape, total
 
 pytestmark = pytest.mark.shared_fake
@@ -310,6 +312,49 @@ def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, shared_rel
     assert body == fake.sent[-1].body and body.endswith(b"data: [DONE]\n\n")
     rec = one_record(relay, rid)
     assert rec["error"] is None and rec["status"] == 200
+
+
+@pytest.fixture(scope="module")
+def hostile_upstream() -> Iterator[HostileUpstream]:
+    """An upstream that answers as each request's `x-attack` says (tests/fakes/hostile.py)."""
+    held = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    with HostileUpstream({"head-then-nothing": lambda s: [held, HOLD],
+                          "head-then-some": lambda s: [held + b'{"id": "chatcmpl-1", ', HOLD],
+                          "head-then-slowly": lambda s: _dribbled(held, b'{"pad": "' + b"x" * 989 + b'"}', 6, 0.4)}
+                         ) as upstream:
+        yield upstream
+
+
+def _dribbled(head: bytes, body: bytes, pieces: int, gap_s: float) -> Iterator[bytes]:
+    yield head
+    step = -(-len(body) // pieces)
+    for i in range(0, len(body), step):
+        time.sleep(gap_s)  # the fake upstream's pace, not a sync
+        yield body[i:i + step]
+
+
+@pytest.mark.parametrize("attack", ["head-then-nothing", "head-then-some"])
+@pytest.mark.parametrize("api", APIS)
+def test_a_held_body_that_stalls_after_its_head_gets_504_at_the_idle_deadline(api, attack, hostile_upstream,
+                                                                                shared_relay, rid):
+    # stream: false, a Content-Length of 1000 and then silence: the relay holds the body for its
+    # length, sees no tokens, and bounds its silence by when its bytes last arrived.
+    relay = shared_relay(f"reverse:{hostile_upstream.base_url}@0", **TIMEOUTS_1S)
+    conn, response = post(relay, api, stream=False, headers={"x-attack": attack}, rid=rid)
+    with conn:
+        message = assert_api_error_body(api, response, 504)
+    assert message == "ttft-relay: response body idle for 1 s"
+    rec = one_record(relay, rid)
+    assert (rec["status"], rec["error"], rec["error_phase"]) == (504, "response body idle for 1 s", "response_body")
+
+
+def test_a_held_body_arriving_slowly_is_not_cut(hostile_upstream, shared_relay, rid):
+    # 2.4 s for the body, never 1 s without a byte: healthy, however long it takes in all.
+    relay = shared_relay(f"reverse:{hostile_upstream.base_url}@0", **TIMEOUTS_1S)
+    conn, response = post(relay, apis.OPENAI_CHAT, stream=False, headers={"x-attack": "head-then-slowly"}, rid=rid)
+    with conn:
+        assert response.status == 200 and len(response.read()) == 1000
+    assert one_record(relay, rid)["error"] is None
 
 
 def test_a_failure_leaves_the_client_connection_usable(fake, shared_relay, rid):

@@ -3,9 +3,14 @@ flight whose successor records it as lost (real mitmdumps, kill -9)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import signal
+import subprocess
+
+import pytest
 
 from mitmproxy.test import tflow
 
@@ -164,3 +169,105 @@ def test_a_second_relay_on_the_same_log_keeps_no_ledger(fake, start_relay, tmp_p
     start_relay(reverse_to(fake), relay_timing_log=log)
     second = start_relay(reverse_to(fake), relay_timing_log=log)
     second.wait_for_output(r"another relay process is writing .*: this one keeps no in-flight ledger")
+
+
+def _held_by_another(path) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("truncate_fails", [False, True])
+def test_after_a_write_error_the_ledger_is_empty_and_keeps_its_lock(tmp_path, monkeypatch, caplog, truncate_fails):
+    writer = _Writer(tmp_path / "timing.jsonl")
+    ledger_file = tmp_path / ".timing.jsonl.inflight"
+    book = ledger.Ledger(_Timings(writer))
+    book.configure({"relay_timing_log"})
+    in_flight = [_flow() for _ in range(8)]
+    for f in in_flight:
+        book.requestheaders(f)
+    assert len(_ids(ledger_file)) == 8
+    real_pwrite = os.pwrite
+
+    def disk_full(fd, data, offset):
+        if len(data) == ledger.SLOT_SIZE:  # new slots fail; a slot's mark is written in place
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(ledger.os, "pwrite", disk_full)
+    if truncate_fails:
+        monkeypatch.setattr(ledger.os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    book.requestheaders(_flow())  # the ninth: its slot cannot be written
+    assert "emptied, keeping none until this process ends" in caplog.text
+    assert _ids(ledger_file) == []  # no slot says a request is in flight: none can be taken for lost
+    assert _held_by_another(ledger_file)  # a relay started now keeps no ledger rather than take these
+    book.requestheaders(_flow())
+    assert _ids(ledger_file) == []
+    book.done()
+    assert _ids(ledger_file) == [] and not _held_by_another(ledger_file)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB filesystem of the test's own (tmpfs; mounting needs root, as CI is)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", f"ttft-test-{os.getpid()}", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs for the full-disk case: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_disk_filling_with_streams_in_flight_records_nothing_lost_or_twice(small_disk, fake, start_relay):
+    log = small_disk / "timing.jsonl"
+    first = start_relay(reverse_to(fake), relay_timing_log=log)
+    held = []
+    for i in range(9):
+        if i == 8:
+            fill(small_disk)  # eight slots fill the ledger's first page; the ninth needs a page more
+        conn, resp = client.request("POST", f"{first.url()}/v1/chat/completions", CHAT,
+                                    {"x-request-id": f"s{i}", "x-fake-stall-after-chunks": "1"}, timeout=30)
+        chunks = resp.chunks()
+        first_piece = next(chunks).data  # under way, and held
+        held.append((conn, first_piece, chunks))
+    first.wait_for_output(r"in-flight ledger .*No space left on device")
+    # A relay started on the same log meanwhile: the lock is still the first one's, so it takes
+    # none of its streams for lost (they were: 8 lost records, then 8 real ones for the same requests).
+    second = start_relay(reverse_to(fake), relay_timing_log=log)
+    second.wait_for_output(r"another relay process is writing .*: this one keeps no in-flight ledger")
+    (small_disk / "filler").unlink()
+    fake.release_stalls()
+    for conn, first_piece, chunks in held:
+        with conn:
+            assert (first_piece + b"".join(c.data for c in chunks)).endswith(b"data: [DONE]\n\n")
+    for i in range(9):
+        first.log.of(f"s{i}")
+    first.stop()
+    second.stop()
+    # A clean stop after the error: the next relay finds nothing to record (it found 8 "lost").
+    third = start_relay(reverse_to(fake), relay_timing_log=log)
+    conn, resp = client.request("POST", f"{third.url()}/v1/chat/completions", CHAT, {"x-request-id": "after"})
+    with conn:
+        resp.read()
+    third.log.of("after")
+    assert not [r for r in third.log.records() if r["error"] == ledger.LOST_ERROR]
+    assert "recorded as lost" not in third.text()

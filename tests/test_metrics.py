@@ -3,16 +3,31 @@ through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
 
+import gzip
+import importlib.metadata
+import socket
+import subprocess
+import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 
+import orjson
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client import values as prometheus_values
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 
 from ttft_relay import apis
-from ttft_relay.timing import metrics, record
+from ttft_relay.timing import metrics, multiproc, record, series
 from tests.conftest import reverse_to
 from tests.fakes import client
-from tests.harness import TimingLog, metrics_url, scrape, total
+from tests.harness import REPO, TimingLog, metrics_url, scrape, total
+from tests.patches.pins import assert_unchanged
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 
@@ -32,7 +47,7 @@ LABELS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai", "ge
 
 def test_a_successful_stream_feeds_every_instrument():
     reg = CollectorRegistry()
-    m = metrics.RelayMetrics(reg, max_values=10)
+    m = metrics.RelayMetrics(reg, max_series=10)
     m.observe(a_record(trim={"tokens_before": 900, "tokens_after": 400}))
     get = reg.get_sample_value
     assert get("gen_ai_server_time_to_first_token_seconds_sum", LABELS) == pytest.approx(0.060)
@@ -49,7 +64,7 @@ def test_a_successful_stream_feeds_every_instrument():
 
 def test_failures_count_as_operations_but_not_as_first_tokens():
     reg = CollectorRegistry()
-    m = metrics.RelayMetrics(reg, max_values=10)
+    m = metrics.RelayMetrics(reg, max_series=10)
     marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 30.0, "end": 31.0}
     m.observe(a_record(status=500, marks=marks, error="HTTP 500", error_phase="upstream_wait", usage=None))
     failed = LABELS | {"status_class": "5xx"}
@@ -58,14 +73,38 @@ def test_failures_count_as_operations_but_not_as_first_tokens():
     assert reg.get_sample_value("gen_ai_server_time_to_first_token_seconds_count", failed) is None
 
 
-def test_models_and_hosts_beyond_the_limit_fold_into_other():
+def durations(reg: CollectorRegistry) -> dict[tuple[str, str], float]:
+    return {(s.labels["gen_ai_request_model"], s.labels["status_class"]): s.value for m in reg.collect()
+            for s in m.samples if s.name == "gen_ai_client_operation_duration_seconds_count"}
+
+
+def test_label_combinations_are_bounded_and_junk_never_pushes_out_a_model_with_a_success():
     reg = CollectorRegistry()
-    m = metrics.RelayMetrics(reg, max_values=2)
-    for model in ("a", "b", "c", "a", None):
-        m.observe(a_record(model=model))
-    models = {s.labels["gen_ai_request_model"]: s.value for s in reg.collect() for s in s.samples
-              if s.name == "gen_ai_client_operation_duration_seconds_count"}
-    assert models == {"a": 2, "b": 1, "other": 2}
+    m = metrics.RelayMetrics(reg, max_series=3)
+    m.observe(a_record(model="gpt-4o"))  # a success: the upstream knows it
+    refused = {"status": 404, "error": "HTTP 404", "error_phase": "upstream_wait", "usage": None}
+    for i in range(50):
+        m.observe(a_record(model=f"junk-{i}", **refused))
+    m.observe(a_record(model="gpt-4o"))
+    m.observe(a_record(model="gpt-4o", **refused))  # gpt-4o's failures are gpt-4o's too
+    # gpt-4o kept its labels through 50 junk models (it was "other" for good after 50 of them)
+    assert durations(reg) == {("gpt-4o", "2xx"): 2, ("gpt-4o", "4xx"): 1, ("junk-49", "4xx"): 1}
+    samples = sum(len(metric.samples) for metric in reg.collect())
+    m.observe(a_record(model="junk-x", **refused))  # junk takes junk's place, the series stay as many
+    assert ("junk-x", "4xx") in durations(reg) and ("junk-49", "4xx") not in durations(reg)
+    assert sum(len(metric.samples) for metric in reg.collect()) == samples
+
+
+def test_without_room_for_a_proven_model_junk_is_counted_as_other():
+    reg = CollectorRegistry()
+    m = metrics.RelayMetrics(reg, max_series=2)
+    m.observe(a_record(model="gpt-4o"))
+    m.observe(a_record(model="gpt-4.1"))
+    for i in range(5):
+        m.observe(a_record(model=f"junk-{i}", status=404, error="HTTP 404", error_phase="upstream_wait"))
+    assert durations(reg) == {("gpt-4o", "2xx"): 1, ("gpt-4.1", "2xx"): 1, ("other", "4xx"): 5}
+    m.observe(a_record(model="gpt-5"))  # another real model takes the least recently used one's place
+    assert set(durations(reg)) == {("gpt-4.1", "2xx"), ("gpt-5", "2xx"), ("other", "4xx")}
 
 
 def test_the_self_watch_samples_feed_the_lag_and_the_accept_queues():
@@ -132,3 +171,151 @@ def test_requests_in_flight_from_their_head_to_their_record(fake, start_relay, t
     while (in_flight := total(scrape(url), "ttft_relay_requests_in_flight")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert in_flight == 0
+
+
+# --- the endpoint ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def endpoint(monkeypatch):
+    monkeypatch.setattr(metrics, "SCRAPE_HEAD_TIMEOUT_S", 0.5)
+    reg = CollectorRegistry()
+    metrics.RelayMetrics(reg).observe(a_record())
+    (host, port), server = metrics.serve("127.0.0.1:0", reg)
+    yield f"http://{host}:{port}", port
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_endpoint_answers_metrics_and_nothing_else(endpoint):
+    url, _ = endpoint
+    assert total(scrape(url + "/metrics"), "gen_ai_client_operation_duration_seconds_count") == 1
+    for path, status in (("/", 404), ("/anything", 404), ("/metrics/x", 404)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + path, timeout=5)
+        assert e.value.code == status
+    request = urllib.request.Request(url + "/metrics", headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert answer.headers["Content-Encoding"] == "gzip" and gzip.decompress(answer.read()).startswith(b"# HELP")
+    request = urllib.request.Request(url + "/metrics", method="POST", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=5)
+    assert e.value.code == 405
+
+
+def test_idle_connections_are_closed_and_cost_no_thread_each(endpoint):
+    url, port = endpoint
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port), 5) for _ in range(200)]
+    try:
+        assert threading.active_count() == threads  # one thread serves them all (was one each)
+        assert total(scrape(url + "/metrics"), "gen_ai_client_operation_duration_seconds_count") == 1  # meanwhile
+        for s in idle:  # the oldest were closed to make room, the others after the head timeout
+            s.settimeout(10)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_workers_series_are_bounded_in_its_multiprocess_files_too(tmp_path):
+    # In a process of its own: prometheus-client picks its multiprocess value class at import.
+    script = f"""
+import os
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
+from prometheus_client import CollectorRegistry
+from ttft_relay.timing import metrics, multiproc
+from tests.test_metrics import a_record
+m = metrics.RelayMetrics(CollectorRegistry(), max_series=20)
+m.observe(a_record(model="gpt-4o"))
+for i in range(3000):
+    m.observe(a_record(model=f"junk-{{i}}", upstream=f"127.0.0.1:{{i % 50}}", status=None, error="refused",
+                       error_phase="upstream_connect", usage=None))
+m.observe(a_record(model="gpt-4o"))
+print(sum(f.rewrites for f in multiproc.files().values()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0  # the files were rewritten without the evicted series' keys
+    text = generate_latest(metrics.multiprocess_registry(tmp_path)).decode()
+    combos = {tuple(sorted(s.labels.items())) for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "gen_ai_client_operation_duration_seconds_count"}
+    assert len(combos) <= 20 + 1  # the bound, and the overflow series of junk that found no room
+    assert 'gen_ai_request_model="gpt-4o"' in text
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.db")) < 5 * 1024 * 1024  # was: every key ever
+
+
+def test_junk_through_the_proxy_listener_is_bounded_and_a_real_model_keeps_its_labels(fake, start_relay):
+    # Through a proxy listener anyone allowed in may name any host, path and model: the issue's
+    # 10k requests over 50 closed ports x 50 models x 4 paths gave 780,017 series.
+    relay = start_relay("regular@0", relay_metrics_listen="127.0.0.1:0", relay_metrics_max_series=10)
+    url = metrics_url(relay)
+    ports = []
+    for _ in range(10):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])  # closed once the block ends
+    paths = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1beta/models/x:generateContent"]
+
+    def proxied(target: str, model: str) -> int:
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        with socket.create_connection(("127.0.0.1", relay.port), 20) as s:
+            s.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        return int(answer.split(b" ", 2)[1])
+
+    assert proxied(f"{fake.base_url}/v1/chat/completions", "gpt-4o") == 200
+    for i in range(200):
+        assert proxied(f"http://127.0.0.1:{ports[i % 10]}{paths[i // 10 % 4]}", f"junk-{i // 40}") == 502
+    assert proxied(f"{fake.base_url}/v1/chat/completions", "gpt-4o") == 200
+    relay.log.wait(202)
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    combos = {tuple(sorted(s.labels.items())) for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "gen_ai_client_operation_duration_seconds_count"}
+    assert len(combos) <= 10 + 4  # the bound, and per API shape the overflow of junk
+    assert any(('gen_ai_request_model', 'gpt-4o') in c and ('status_class', '2xx') in c for c in combos)
+    gpt = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "gen_ai_client_operation_duration_seconds_count"
+              and s.labels["gen_ai_request_model"] == "gpt-4o")
+    assert gpt == 2  # both of its calls under its own name (was: "other" for good after 50 junk models)
+
+
+def test_a_series_bound_without_evictions_keeps_its_order():
+    evicted = []
+    bound = series.SeriesBound(2)
+    a, b, c = (("chat", "openai", m, "h", "openai.chat", "4xx") for m in "abc")
+    assert bound.admit(a, False, evicted.append) == a
+    assert bound.admit(b, False, evicted.append) == b
+    assert bound.admit(a, False, evicted.append) == a  # a used last: b is the least recently used
+    assert bound.admit(c, False, evicted.append) == c and evicted == [b]
+    ok = (*c[:5], "2xx")
+    assert bound.admit(ok, True, evicted.append) == ok and evicted == [b, a]  # c's model proven now
+    assert bound.admit(b, False, evicted.append) == series.overflow(b)  # only proven ones left: no room for junk
+
+
+PROMETHEUS_CLIENT_PINNED = {
+    # multiproc._read_live_metrics is this reader and one line more
+    "MultiProcessCollector._read_metrics": (MultiProcessCollector._read_metrics, "c8d3db164cc96b03"),
+    "MultiProcessCollector._accumulate_metrics": (MultiProcessCollector._accumulate_metrics, "a7834784c48cba70"),
+    "MultiProcessCollector.collect": (MultiProcessCollector.collect, "86fc50ce2593e7a2"),
+    # the file format and its names, which BoundedValue writes as MmapedValue does
+    "MultiProcessValue": (prometheus_values.MultiProcessValue, "8077cd2c482fc32e"),
+    "MmapedDict.__init__": (MmapedDict.__init__, "e8224907c3694559"),
+    "MmapedDict._init_value": (MmapedDict._init_value, "b07be9310c2735ae"),
+    "MmapedDict.read_value": (MmapedDict.read_value, "8579657db528e958"),
+    "MmapedDict.write_value": (MmapedDict.write_value, "edffcc45d7ea2046"),
+    "MmapedDict.read_all_values_from_file": (MmapedDict.read_all_values_from_file, "949b6512ed6abe8b"),
+    # instruments take values.ValueClass when they make a child; remove() drops the child
+    "Counter._metric_init": (prometheus_metrics.Counter._metric_init, "17b9d10bf21b912c"),
+    "Gauge._metric_init": (prometheus_metrics.Gauge._metric_init, "d569c1f7e90e12a8"),
+    "Histogram._metric_init": (prometheus_metrics.Histogram._metric_init, "61aeac1b768d4786"),
+    "MetricWrapperBase.remove": (prometheus_metrics.MetricWrapperBase.remove, "23e153676908c251"),
+}
+
+
+def test_the_prometheus_client_code_multiproc_builds_on_is_unchanged():
+    assert importlib.metadata.version("prometheus-client") == "0.26.0"
+    assert_unchanged(PROMETHEUS_CLIENT_PINNED, multiproc)

@@ -182,3 +182,10 @@ def test_links_fill_their_keys_and_a_saturated_relay_gets_advice():
     assert rec["ttft_ms"] == 1360.0
     assert "900 ms in its own queues" in record.comment(rec) and "850 ms late" in record.comment(rec)
     assert "--workers" not in record.comment(make())
+
+
+def test_cut_text_says_how_long_the_text_was_and_cuts_once():
+    assert record.cut_text("short") == "short"
+    cut = record.cut_text("z" * 8_000_000)
+    assert len(cut) <= record.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
+    assert record.cut_text(cut) == cut  # the reply, the console and the record cut it alike

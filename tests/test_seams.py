@@ -61,6 +61,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.resend.install()
     patches.web_options.install(lambda name, value: value)
     patches.upstream_pool.install(object())  # type: ignore[arg-type]
+    patches.websocket_limits.install(patches.websocket_limits.Bounds())
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())
     finally:

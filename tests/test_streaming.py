@@ -79,6 +79,19 @@ def test_incremental_decoding_emits_data_before_the_end(enc):
     assert b"".join(out) == body
 
 
+@pytest.mark.parametrize("enc", ["gzip", "deflate", "br", "zstd"])
+def test_a_compressed_stream_is_decoded_no_further_than_its_bound(enc):
+    body = b": " + b"x" * 1_000_000 + b"\n"
+    compressed = _compressors()[enc](body)
+    within = streaming.incremental_decoder(enc, len(body))
+    assert within.decompress(compressed) == body  # exactly the bound: fine
+    tap = streaming.StreamTap(RecordingWatcher(), streaming.incremental_decoder(enc, 1000), view_max=10)
+    said = []
+    tap.on_too_far = said.append
+    assert tap(compressed) == [] and tap(b"more") == []  # the rest dropped
+    assert said == ["the upstream's compressed stream expands beyond 1000 bytes when decoded"]
+
+
 def test_unknown_encoding_has_no_decoder():
     assert streaming.incremental_decoder("compress") is None
 

@@ -12,7 +12,7 @@ from wsproto.frame_protocol import Opcode
 from ttft_relay import apis, state
 from ttft_relay.apis import openai_responses
 from ttft_relay.faults import faults
-from ttft_relay.stream import websocket
+from ttft_relay.stream import streaming, websocket
 from ttft_relay.timing import timing
 
 
@@ -160,6 +160,31 @@ def test_only_the_newest_messages_are_kept(relay):
         sent = [send(turns, f, {"type": "response.create", "model": "m", "n": i}, from_client=True, at=float(i))
                 for i in range(10)]
         assert f.websocket.messages == sent[-3:]
+
+
+def test_older_messages_are_kept_within_the_view_bytes(relay):
+    turns, sink = relay
+    with taddons.context(turns, streaming.Streaming()) as tctx:  # the view's bound is Streaming's option
+        tctx.configure(turns, relay_websocket_messages=100, relay_stream_view_max="1k")
+        f = socket_flow()
+        turns.websocket_start(f)
+        big = [send(turns, f, b"x" * 600, from_client=True, at=float(i)) for i in range(5)]
+        assert f.websocket.messages == big[-1:]  # two would hold 1200 bytes: the newest alone stays
+        small = [send(turns, f, b"y" * 300, from_client=True, at=10.0 + i) for i in range(5)]
+        assert f.websocket.messages == small[-3:]
+
+
+def test_a_message_refused_by_the_bounds_gets_a_record_that_says_so(relay, monkeypatch):
+    turns, sink = relay
+    f = socket_flow()
+    f.request.headers["x-request-id"] = "r"
+    turns.websocket_start(f)
+    reason = "ttft-relay: message over 1 MiB (relay_websocket_message_max) from the client"
+    monkeypatch.setattr(websocket.websocket_limits, "_refused", {f.client_conn: "client"})
+    f.websocket.close_code, f.websocket.close_reason, f.websocket.closed_by_client = 1009, reason, True
+    turns.websocket_end(f)
+    (rec,) = sink.got
+    assert (rec["turn"], rec["error"], rec["error_phase"], rec["client_aborted"]) == (1, reason, "relay", False)
 
 
 def test_a_slow_turn_marks_its_socket_and_a_slow_prewarm_does_not(relay):

@@ -89,6 +89,7 @@ class Scope:
         try:
             st.request_json = parse_json_body(flow.request)
         except BodyTooLarge as e:
+            st.record_error(str(e), phase="relay", status=413)  # refused here: nothing went upstream
             flow.response = apierrors.error_response(st.api, 413, str(e))
             return
         st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)

@@ -34,7 +34,7 @@ from mitmproxy.tls import TlsData
 from .. import apis, state
 from . import apierrors
 from ..patches import answer_on_head, connections, error_replies, layer_events, trailers
-from ..timing import timing
+from ..timing import selfwatch, timing
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,16 @@ def next_deadline(p: Progress, limits: Limits, now: float) -> tuple[float, str |
 
 
 IDLE = "stream idle for"
+HELD_IDLE = "response body idle for"
+"""The idle bound's failure for a body the relay holds for its length (not a stream)."""
+
+
+def last_arrival(flow: http.HTTPFlow) -> float | None:
+    """When the kernel last received bytes on `flow`'s upstream connection (Unix time), from
+    TCP_INFO; None where that is unknown (no socket, not Linux). With HTTP/2 upstream, other
+    streams' bytes count too: the bound is then looser, never tighter."""
+    info = selfwatch.tcp_info(connections.connection_socket(flow.client_conn, flow.server_conn))
+    return time.time() - info.last_data_recv_ms / 1000 if info is not None else None
 
 
 def client_backlogged(flow: http.HTTPFlow) -> bool:
@@ -324,23 +334,35 @@ class Deadlines:
         if st is None or not flow.live:
             return
         w = st.watcher
-        if flow.response is not None and w is None:
-            # A body the relay does not watch (buffered: relay_stream off, or a known length)
-            # shows no tokens and no silences: past its head no bound can tell a healthy
-            # body from a stuck one, so none applies.
-            return
-        progress = Progress(
-            started=started,
-            streamed=st.stream,
-            head=flow.response.timestamp_start if flow.response is not None else None,
-            first_token=w.first_token if w is not None else None,
-            last_chunk=w.last_chunk if w is not None else None,
-        )
+        held = flow.response is not None and w is None
+        if held:
+            # A body the relay holds for its length (a known length, or relay_stream off) shows
+            # it no tokens. A stream's first token may take relay_first_token_timeout and then
+            # none may be silent for relay_idle_timeout: with no tokens to tell which, no bound
+            # applies. An answer that is not a stream (`stream: false`) is complete upstream
+            # before its head: its silence is bounded by the idle bound, timed by when the
+            # kernel last received bytes for it (TCP_INFO; none known, no bound).
+            arrived = None if st.stream else last_arrival(flow)
+            if arrived is None:
+                return
+            assert flow.response is not None
+            progress = Progress(started=started, streamed=False, head=flow.response.timestamp_start,
+                                last_chunk=arrived)
+        else:
+            progress = Progress(
+                started=started,
+                streamed=st.stream,
+                head=flow.response.timestamp_start if flow.response is not None else None,
+                first_token=w.first_token if w is not None else None,
+                last_chunk=w.last_chunk if w is not None else None,
+            )
         now = time.time()
         due = next_deadline(progress, self.limits, now)
         if due is None:
             return
         at, failure = due
+        if held and failure is not None:
+            failure = failure.replace(IDLE, HELD_IDLE, 1)
         if failure is not None and at <= now and failure.startswith(IDLE) and client_backlogged(flow):
             # The relay stopped reading the upstream because this client stopped reading
             # what it already has: the silence is the client's, not the stream's.

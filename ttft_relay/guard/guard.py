@@ -17,8 +17,12 @@ A relay sits between its users and a paid API key. These addons keep it that way
     ClientLimits    before any authentication: a deadline for each request head
                     (slowloris), a bounded number of client connections, a bounded
                     rate of HTTP/2 stream resets (rapid reset).
+    WebSocketLimits WebSocket messages of bounded size (after inflating), fragments
+                    and control frames, from the client and the upstream alike.
     OriginForm      reverse listeners send the configured upstream's origin-form
                     target, never a client's absolute-form one.
+    FieldSyntax     no header value with CR, LF or NUL, no unknown HTTP version passes:
+                    a request with them is refused, an answer's are replaced by spaces.
     RequestFraming  an HTTP/2 request body goes to an HTTP/1 upstream with its length.
     LogRedaction    credentials redacted, control characters escaped and lines
                     capped in every log record, mitmproxy's own included.
@@ -47,6 +51,7 @@ import logging
 import os
 import re
 import resource
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -60,6 +65,7 @@ from .. import apis, state
 from ..faults import apierrors
 from ..patches import (
     answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy, web_options,
+    websocket_limits,
 )
 from ..timing import record
 
@@ -445,6 +451,56 @@ class AccessKeys:
             st.record_error(reason, phase="relay")
 
 
+class WebSocketLimits:
+    """WebSocket messages bounded as they are read, from either side
+    (`ttft_relay/patches/websocket_limits.py`): a message's size once inflated
+    (`relay_websocket_message_max`, 24 MiB: a permessage-deflate bomb is inflated no
+    further), its fragments (4096) and the control frames around them (100 at once, then
+    10/s). Past one the socket closes, 1009 or 1008 to both sides, with one warning.
+
+    Why 24 MiB: to know a message is too big the relay must inflate it that far, in one go
+    on the event loop, and a deflate bomb inflates slowly (zlib's distance-1 copies: 0.7 s
+    for 64 MiB on this machine, every other stream waiting). 24 MiB holds the Realtime API's
+    largest event (15 MiB of audio, 20 MiB as base64 JSON) and a turn's images, at about a
+    third of that stall."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_websocket_message_max", str, "24m",
+            "Largest WebSocket message, from the client or the upstream, once inflated (e.g. 16m, "
+            "64m); a larger one closes the socket (1009). 0: no limit.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_websocket_message_max" in updated:
+            try:
+                size = human.parse_size(ctx.options.relay_websocket_message_max) or 0
+            except ValueError as e:
+                raise exceptions.OptionsError(f"relay_websocket_message_max: {e}") from e
+            websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
+
+    def done(self) -> None:
+        websocket_limits.uninstall()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        # An upstream's 101 whose permessage-deflate parameters wsproto cannot take crashed the
+        # connection's handler as the socket started (and every event after). Without them the
+        # socket starts uncompressed: a compressed frame from that upstream then closes it 1002,
+        # where a client of its own would have failed the connection at the handshake.
+        response = flow.response
+        if response is None or response.status_code != 101 or "sec-websocket-extensions" not in response.headers:
+            return
+        header = response.headers["sec-websocket-extensions"]
+        kept = websocket_limits.valid_extensions(header)
+        if kept != header:
+            logger.warning("%s: the upstream's WebSocket handshake answer has invalid extensions, dropped: %r",
+                           flow.request.host, header)
+            if kept:
+                response.headers["sec-websocket-extensions"] = kept
+            else:
+                del response.headers["sec-websocket-extensions"]
+
+
 class OriginForm:
     """A reverse listener sends every request to its configured upstream, so the
     target it sends is that upstream's origin-form path. mitmproxy connects to the
@@ -478,6 +534,54 @@ class RequestFraming:
             and "transfer-encoding" not in request.headers
         ):
             request.headers["content-length"] = str(len(request.raw_content))
+
+
+_UNSAFE_IN_VALUES = re.compile(r"[\r\n\x00]")
+HTTP_VERSIONS = frozenset({"HTTP/1.0", "HTTP/1.1", "HTTP/2.0", "HTTP/3"})
+
+
+def unsafe_fields(headers: http.Headers) -> list[str]:
+    """The names of the fields whose values hold a CR, LF or NUL."""
+    return [name for name, value in headers.items(multi=True) if _UNSAFE_IN_VALUES.search(value)]
+
+
+class FieldSyntax:
+    """What no HTTP/1 peer should be sent: header values with CR, LF or NUL in them (RFC 9110
+    5.5: a recipient MUST reject the message or replace each with SP; a bare CR is a line end
+    to some servers: a header smuggled in), and a version the relay does not speak
+    (`HTTP/9.9`). mitmproxy passed both on verbatim. A request with them is refused on its
+    head (400, or 505 for the version), in the API's format where the path is one; an
+    upstream's answer has them replaced by SP."""
+
+    def __init__(self) -> None:
+        self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        request = flow.request
+        if request.http_version not in HTTP_VERSIONS:
+            status, message = 505, f"HTTP version {request.http_version!r} not supported (HTTP/1.1 or HTTP/2)"
+        elif names := unsafe_fields(request.headers):
+            status, message = 400, f"header value with CR, LF or NUL in it: {', '.join(sorted(set(names)))}"
+        else:
+            return
+        message = record.cut_text(message)
+        self.refused[flow] = message
+        answer_on_head.answer_now(flow, apierrors.error_response(api_shape(request), status, message,
+                                                                 {"connection": "close"}))
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        # As for AccessKeys: the scope addon attached its state meanwhile; the record says why.
+        st = state.get(flow)
+        if st is not None and (reason := self.refused.get(flow)) is not None:
+            st.record_error(reason, phase="relay")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        headers = flow.response.headers if flow.response is not None else None
+        if headers is None or not (names := unsafe_fields(headers)):
+            return
+        logger.debug("%s: CR, LF or NUL in the upstream's %s replaced by spaces", flow.request.host, names)
+        for name in {n.lower() for n in names}:
+            headers.set_all(name, [_UNSAFE_IN_VALUES.sub(" ", v) for v in headers.get_all(name)])
 
 
 # --- limits before authentication ---------------------------------------------------
@@ -516,6 +620,48 @@ CONNECTION_REFUSAL = (
 )
 
 
+class OutOfDescriptors:
+    """asyncio's accept loop, out of descriptors (EMFILE), reports it through the event loop's
+    exception handler, a traceback each time it retries (147 of them in a log at the limit):
+    one warning instead, then one a minute at most, with how often it happened meanwhile.
+    Connections wait in the listen queue meanwhile (asyncio retries after a second)."""
+
+    ACCEPT_FAILED = "socket.accept() out of system resource"
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.previous: Any = None
+        self.said_at = 0.0
+        self.unsaid = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.loop is None:
+            self.loop, self.previous = loop, loop.get_exception_handler()
+            loop.set_exception_handler(self._handle)
+
+    def uninstall(self) -> None:
+        if self.loop is not None and self.loop.get_exception_handler() == self._handle:
+            self.loop.set_exception_handler(self.previous)
+        self.loop = None
+
+    def _handle(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != self.ACCEPT_FAILED:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if self.said_at and now - self.said_at < self.EVERY_S:
+            self.unsaid += 1
+            return
+        more = f" ({self.unsaid} more times since)" if self.unsaid else ""
+        logger.warning("out of file descriptors, cannot accept connections: %s; they wait in the listen "
+                       "queue (relay_max_connections, the open-file limit)%s", context.get("exception"), more)
+        self.said_at, self.unsaid = now, 0
+
+
 class ClientLimits:
     """What a client gets before any authentication: bounded time for each request
     head, and a bounded number of connections.
@@ -545,6 +691,7 @@ class ClientLimits:
         self.active: dict[str, int] = {}
         """Flows in flight per client connection id."""
         self.refused = 0
+        self.out_of_fds = OutOfDescriptors()
 
     def load(self, loader) -> None:
         head_limit.limit_request_heads(MAX_HEAD_BYTES)
@@ -572,6 +719,12 @@ class ClientLimits:
         if "relay_max_connections" in updated:
             limit = ctx.options.relay_max_connections
             self.max_connections = limit if limit > 0 else default_connection_limit(raise_fd_limit())
+
+    def running(self) -> None:
+        self.out_of_fds.install(asyncio.get_running_loop())
+
+    def done(self) -> None:
+        self.out_of_fds.uninstall()
 
     def client_connected(self, client: connection.Client) -> None:
         if not connections.registered(client):
@@ -857,5 +1010,5 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
-        self.addons = [LogRedaction(), Exposure(), ClientLimits(), OriginForm(), RequestFraming(), AccessKeys(),
-                       SecretRedaction(), WebOptions()]
+        self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), FieldSyntax(), OriginForm(),
+                       RequestFraming(), AccessKeys(), SecretRedaction(), WebOptions()]

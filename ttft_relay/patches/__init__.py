@@ -48,6 +48,8 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
   client's framing in one step, not through mitmproxy's per-chunk routing; with direct
   reads, a chunked one (plain TCP or TLS) is read from socket to socket
   below mitmproxy's layers (`stream.Streaming`).
+- `websocket_limits`: a WebSocket message's inflated size, its fragments and the control
+  frames around it bounded as wsproto reads them, from either side (`guard.WebSocketLimits`).
 
 Private mitmproxy code read but not patched, pinned the same way:
 
@@ -82,6 +84,7 @@ from . import (
     upstream_copy,
     upstream_pool,
     web_options,
+    websocket_limits,
 )
 
 PATCHES: tuple[ModuleType, ...] = (
@@ -103,6 +106,7 @@ PATCHES: tuple[ModuleType, ...] = (
     splice,
     web_options,
     upstream_pool,
+    websocket_limits,
 )
 
 

@@ -18,6 +18,7 @@ the answer to a `HEAD` or a `CONNECT`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -31,7 +32,7 @@ from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
 from .. import state
-from ..patches import interim_answers, splice
+from ..patches import connections, interim_answers, splice
 from . import sse
 
 logger = logging.getLogger(__name__)
@@ -69,36 +70,74 @@ class _Decompressor(Protocol):
     def decompress(self, data: bytes) -> bytes: ...
 
 
-def incremental_decoder(encoding: str) -> _Decompressor | None:
+DECODED_MAX = 64 * 1024 * 1024
+"""The most a compressed response stream is decoded to (as `scope.MAX_DECODED_BODY` bounds a
+request body): an upstream's 2.5 MB gzip bomb was decoded to 1000 MB for its client."""
+
+
+class ExpandsTooFar(ValueError):
+    """A compressed stream whose decoded bytes pass the decoder's bound."""
+
+
+def incremental_decoder(encoding: str, max_bytes: int = 0) -> _Decompressor | None:
     """A decoder that turns each compressed chunk into the bytes it completes,
     without waiting for the end of the body; None for an encoding we cannot
-    stream-decode (the body then passes through still compressed)."""
+    stream-decode (the body then passes through still compressed). With `max_bytes`, it
+    decodes no further than that in all: past it, ExpandsTooFar."""
     encoding = encoding.strip().lower()
     if encoding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+        return _Bounded(zlib.decompressobj(16 + zlib.MAX_WBITS), max_bytes)
     if encoding == "deflate":
-        return zlib.decompressobj()  # zlib-wrapped, as RFC 9110 says deflate is
+        return _Bounded(zlib.decompressobj(), max_bytes)  # zlib-wrapped, as RFC 9110 says deflate is
     if encoding == "br":
         import brotli  # mitmproxy depends on it
 
-        return _BrotliDecoder(brotli.Decompressor())
+        return _Bounded(_BrotliDecoder(brotli.Decompressor()), max_bytes)
     if encoding == "zstd":
         # As mitmproxy chooses (net/encoding.py): the standard library's from 3.14 on.
         if sys.version_info >= (3, 14):
             from compression import zstd
         else:
             from backports import zstd
-        return zstd.ZstdDecompressor()
+        return _Bounded(zstd.ZstdDecompressor(), max_bytes)
     return None
 
 
 class _BrotliDecoder:
-    """brotli's Decompressor names its method `process`."""
+    """brotli's Decompressor as zlib's: `decompress(data, max_length)`."""
 
-    __slots__ = ("decompress",)
+    __slots__ = ("decompressor",)
 
     def __init__(self, decompressor) -> None:
-        self.decompress = decompressor.process
+        self.decompressor = decompressor
+
+    def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+        if max_length:
+            return self.decompressor.process(data, output_buffer_limit=max_length)
+        return self.decompressor.process(data)
+
+
+class _Bounded:
+    """A decoder taking zlib's `max_length` (zlib, zstd, brotli through `_BrotliDecoder`) that
+    decodes no more than `max_bytes` in all (0: no bound), never more than one byte past it."""
+
+    __slots__ = ("decoder", "room", "max_bytes")
+
+    def __init__(self, decoder, max_bytes: int) -> None:
+        self.decoder = decoder
+        self.room = max_bytes or -1
+        self.max_bytes = max_bytes
+
+    def decompress(self, data: bytes) -> bytes:
+        if self.room < 0:
+            return self.decoder.decompress(data)
+        out = self.decoder.decompress(data, self.room + 1)
+        self.room -= len(out)
+        if self.room < 0:
+            mib, rest = divmod(self.max_bytes, 1024 * 1024)
+            bound = f"{mib} MiB" if not rest else f"{self.max_bytes} bytes"
+            raise ExpandsTooFar(f"the upstream's compressed stream expands beyond {bound} when decoded")
+        return out
 
 
 class StreamTap:
@@ -112,7 +151,8 @@ class StreamTap:
     set, is called once, right after the chunk that held the first token.
     """
 
-    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated", "arrivals", "on_first_token")
+    __slots__ = ("watcher", "decoder", "view", "view_max", "truncated", "arrivals", "on_first_token", "on_too_far",
+                 "failed")
 
     def __init__(
         self,
@@ -127,11 +167,21 @@ class StreamTap:
         self.truncated = False
         self.arrivals = array("d")
         self.on_first_token: Callable[[], None] | None = None
+        self.on_too_far: Callable[[str], None] | None = None
+        """Called once if the decoder's bound is passed (`ExpandsTooFar`): the rest is dropped."""
+        self.failed = False
 
     def __call__(self, chunk: bytes) -> bytes | Iterable[bytes]:
+        if self.failed:
+            return []
         if self.decoder is not None and chunk:
             try:
                 chunk = self.decoder.decompress(chunk)
+            except ExpandsTooFar as e:
+                self.failed = True
+                if self.on_too_far is not None:
+                    self.on_too_far(str(e))
+                return []
             except Exception as e:  # zlib.error, brotli.error, ZstdError: no common base
                 # An exception here would take mitmproxy's connection handler down
                 # with it; pass the rest through as received and say so.
@@ -159,6 +209,15 @@ class StreamTap:
 
     def stored_body(self) -> bytes:
         return bytes(self.view) + (TRUNCATED_NOTE if self.truncated else b"")
+
+
+def _end_expanding(flow: http.HTTPFlow, st: state.FlowState, message: str) -> None:
+    """A compressed stream that passed `DECODED_MAX`: the flow fails (the client gets the API's
+    error event where one can end the body, else a cut), its upstream connection closed
+    once the read being passed on is done."""
+    logger.warning("%s: %s; ending the stream", flow.request.host, message)
+    st.record_error(message, status=502)
+    asyncio.get_running_loop().call_soon(connections.close, flow.client_conn, flow.server_conn)
 
 
 class Streaming:
@@ -238,7 +297,7 @@ class Streaming:
             return
         decoder = None
         if encoding := headers.get("content-encoding"):
-            decoder = incremental_decoder(encoding)
+            decoder = incremental_decoder(encoding, DECODED_MAX)
             if decoder is not None:
                 del headers["content-encoding"]
                 headers.pop("content-length", None)
@@ -253,7 +312,9 @@ class Streaming:
         headers["x-accel-buffering"] = "no"
         headers.setdefault("cache-control", "no-cache")
         st.watcher = sse.StreamWatcher(st.api)
-        flow.response.stream = StreamTap(st.watcher, decoder, self.view_max)
+        tap = flow.response.stream = StreamTap(st.watcher, decoder, self.view_max)
+        if decoder is not None:
+            tap.on_too_far = lambda message: _end_expanding(flow, st, message)
 
     def response(self, flow: http.HTTPFlow) -> None:
         response = flow.response

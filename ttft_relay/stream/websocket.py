@@ -52,12 +52,13 @@ from dataclasses import dataclass, field
 import orjson
 from mitmproxy import ctx, http
 from mitmproxy.net.http import http1
+from mitmproxy.utils import human
 from mitmproxy.websocket import WebSocketMessage
 
 from .. import apis, state
 from ..apis.api import Turns
 from ..faults import apierrors, faults
-from ..patches import connections, error_texts
+from ..patches import connections, error_texts, websocket_limits
 from . import sse
 from ..timing import phases, record, selfwatch
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
@@ -171,6 +172,7 @@ class WebSocketTurns:
         """The self-watch, for each turn's link figures (the client's round trip, retransmits, ...)."""
         self.sessions: dict[http.HTTPFlow, Session] = {}
         self.keep = 100
+        self.keep_bytes = 256 * 1024
         self.limits = faults.Limits()
         self.corked: weakref.WeakKeyDictionary[http.HTTPFlow, socket.socket] = weakref.WeakKeyDictionary()
         """Refused upgrades whose client socket holds the answer until it is complete."""
@@ -180,13 +182,16 @@ class WebSocketTurns:
             "relay_websocket_messages",
             int,
             100,
-            "WebSocket messages kept per flow for viewing (mitmweb); older ones are "
-            "dropped so a long agent session does not hold every message. Negative: keep all.",
+            "WebSocket messages kept per flow for viewing (mitmweb), at most relay_stream_view_max bytes "
+            "of them besides the newest; older ones are dropped so a long agent session does not hold "
+            "every message. Negative: keep all.",
         )
 
     def configure(self, updated: set[str]) -> None:
         if "relay_websocket_messages" in updated:
             self.keep = ctx.options.relay_websocket_messages
+        if "relay_stream_view_max" in updated:  # Streaming's option: the bytes kept for viewing
+            self.keep_bytes = human.parse_size(ctx.options.relay_stream_view_max) or 0
         # The bounds are the Deadlines addon's options: one setting for HTTP and WebSocket turns.
         if updated & faults.Limits.OPTIONS:
             self.limits = faults.Limits.from_options(ctx.options)
@@ -231,14 +236,36 @@ class WebSocketTurns:
         session = self.sessions.get(flow)
         if session is not None:
             self._observe(flow, session, messages[-1])
-        if 0 <= self.keep < len(messages):
-            del messages[: len(messages) - self.keep]
+        if self.keep >= 0:
+            self._keep_newest(messages)
+
+    def _keep_newest(self, messages: list[WebSocketMessage]) -> None:
+        """The newest `keep` messages; of those before the newest (passed on already), only as
+        many as `relay_stream_view_max` bytes hold (ten 50 MB messages held 623 MB)."""
+        if self.keep == 0:
+            messages.clear()
+            return
+        n, kept = len(messages) - 1, len(messages[-1].content)
+        oldest = max(len(messages) - self.keep, 0)
+        while n > oldest and kept + len(messages[n - 1].content) <= self.keep_bytes:
+            n -= 1
+            kept += len(messages[n].content)
+        if n:
+            del messages[:n]
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         session = self.sessions.pop(flow, None)
         if session is None:
             return
         ws = flow.websocket
+        refused = websocket_limits.refused_by(flow.client_conn, flow.server_conn)
+        if refused is not None and ws is not None:
+            # A message past the relay's bounds (patches/websocket_limits.py) closed the socket. One
+            # from the client started no turn: its record is one of its own, failed in the relay.
+            if session.turn is None:
+                self._start(flow, session, time.time(), None, False)
+            self._finish(flow, session, error=ws.close_reason, error_phase="relay" if refused == "client" else None)
+            return
         code = f" (close code {ws.close_code})" if ws is not None and ws.close_code is not None else ""
         by_client = bool(ws is not None and ws.closed_by_client)
         opened = flow.response.timestamp_start if flow.response is not None else time.time()
@@ -331,7 +358,7 @@ class WebSocketTurns:
             ctx.master.commands.call("inject.websocket", flow, True, event, True)
 
     def _finish(self, flow: http.HTTPFlow, session: Session, *, error: str | None = None,
-                client_aborted: bool = False) -> None:
+                client_aborted: bool = False, error_phase: str | None = None) -> None:
         turn, session.turn = session.turn, None
         if turn is None:
             return
@@ -361,6 +388,7 @@ class WebSocketTurns:
             token_events=w.token_events,
             usage=w.usage,
             error=error or w.error,
+            error_phase=error_phase,
             client_aborted=client_aborted,
             request_id=flow.request.headers.get("x-request-id"),
             transport=record.WEBSOCKET,

@@ -26,6 +26,13 @@ this one keeps no ledger and says so. A clean stop records everything itself and
 empties the ledger (it stays, locked until the process exits, so that a relay starting
 meanwhile finds it taken rather than a new file beside it).
 
+It never lies: a filled slot is a request its process has not recorded. A write that
+fails (a full disk, a quota) would leave slots that say otherwise, so the ledger is
+emptied there and then (truncating frees space, it takes none; where even that fails,
+each slot's mark is overwritten in place) and keeps no more slots until the process
+ends: its requests go unledgered, never recorded twice. The lock is kept all the same,
+so that no relay started meanwhile takes this one's requests in flight for lost.
+
 The slot format is sans-IO (`encode_slot`, `filled_slots`, `lost_record`); `Ledger` is
 the addon around it, and reads the timing log's writer from `Timing`. WebSocket turns
 are not in the ledger: the upgrade's flow is, until its handshake's record.
@@ -34,6 +41,7 @@ are not in the ledger: the upgrade's flow is, until its handshake's record.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -167,6 +175,8 @@ class Ledger:
         """(the writer's count of records once this one was queued, slot offset): slots whose
         records are published, cleared once the writer has written that many."""
         self._full_said = False
+        self._failed = False
+        """A write failed: the ledger is empty and stays so (it keeps its lock)."""
 
     def configure(self, updated: set[str]) -> None:
         # After Timing's configure (relay.py's order): its writer is the log's.
@@ -202,7 +212,7 @@ class Ledger:
         self._clear_written()
 
     def _fill(self, flow: http.HTTPFlow) -> None:
-        if self._fd is None or (st := state.get(flow)) is None or st.recorded:
+        if self._fd is None or self._failed or (st := state.get(flow)) is None or st.recorded:
             return
         self._clear_written()
         slot = encode_slot(entry_of(flow, st))
@@ -233,13 +243,30 @@ class Ledger:
             self._writer.on_written = lambda: _call_soon(loop, self._clear_written)
 
     def _pwrite(self, data: bytes, offset: int) -> None:
-        if self._fd is None:
+        if self._fd is None or self._failed:
             return
         try:
-            os.pwrite(self._fd, data, offset)
+            if os.pwrite(self._fd, data, offset) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
         except OSError as e:  # a full disk, a quota: the requests go on, unledgered
-            logger.warning("in-flight ledger %s: %s; keeping none from now on", self.path, e)
-            self._close(empty=False)
+            logger.warning("in-flight ledger %s: %s; emptied, keeping none until this process ends "
+                           "(still locked: no other relay takes its requests for lost)", self.path, e)
+            self._failed = True
+            self._empty()
+
+    def _empty(self) -> None:
+        """No slot filled any more (module docstring: it never lies)."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, 0)
+            return
+        except OSError as e:
+            logger.warning("in-flight ledger %s: cannot empty it (%s); clearing its slots in place", self.path, e)
+        for offset in {*self._slot_of.values(), *(offset for _, offset in self._recorded)}:
+            try:
+                os.pwrite(self._fd, b"\0", offset)  # a byte of a slot written before: no new space
+            except OSError:
+                pass  # nothing more to try: the next start may take it for lost
 
     def _open(self, path: Path, writer: record.RecordWriter) -> None:
         fd = None
@@ -259,7 +286,7 @@ class Ledger:
                 logger.warning("no in-flight ledger (%s): requests a crash takes will go unrecorded", e)
             return
         self._fd, self.path, self._writer = fd, path, writer
-        self._slot_of, self._recorded, self._full_said = {}, deque(), False
+        self._slot_of, self._recorded, self._full_said, self._failed = {}, deque(), False, False
         # A lost request's slot stays filled until its record is in the log, as any other's:
         # dying again now would leave it for the next start.
         lost = []
@@ -280,15 +307,11 @@ class Ledger:
             logger.warning("%d request(s) were in flight when the relay process before this one died, "
                            "recorded as lost: %s", len(lost), ", ".join(lost))
 
-    def _close(self, empty: bool = True) -> None:
+    def _close(self) -> None:
         """Stop keeping the ledger: at the end every flow was recorded (Timing's `done`), or
         the log moved (the flows in flight go unledgered). Emptied, not removed (module docstring)."""
         if self._fd is not None:
-            if empty:
-                try:
-                    os.ftruncate(self._fd, 0)
-                except OSError:
-                    pass  # it holds only what the next process would record: nothing is lost
+            self._empty()
             os.close(self._fd)  # releases the lock
         if self._writer is not None:
             self._writer.on_written = None

@@ -25,37 +25,50 @@ Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
 Labels: gen_ai_operation_name, gen_ai_provider_name (from the API shape),
 gen_ai_request_model, server_address (upstream host), api, status_class (2xx, 4xx,
-5xx, or "none" when no response came). Models and upstream hosts beyond the first
-`relay_metrics_max_values` distinct ones fold into "other", so a client cannot grow
-the series without bound.
+5xx, or "none" when no response came). At most `relay_metrics_max_series` (100) label
+combinations have series of their own, the least recently used going first, and junk
+(made-up models, closed ports, paths that are no API) never pushing out a model that has
+had a success (`series.SeriesBound`); what has no room is counted with model and host
+"other". Each combination is at most ~230 samples (every instrument, every bucket).
 
 The addon takes each record from timing's `timing_record` hook (once per record, HTTP
 flows and WebSocket turns alike). Under `ttft-relay run --workers N` (environment variable
 `TTFT_RELAY_WORKER` set) each worker records into prometheus-client's multiprocess
-directory (`PROMETHEUS_MULTIPROC_DIR`) and the supervisor serves the one endpoint.
+directory (`PROMETHEUS_MULTIPROC_DIR`), with series that can go (`multiproc`), and the
+supervisor serves the one endpoint. The endpoint (`serve`) answers `GET /metrics` only,
+from one thread, and closes a connection that sends no request within
+`SCRAPE_HEAD_TIMEOUT_S` (10 s) or once it is answered; of `SCRAPE_CONNECTIONS` (64) waiting
+for their request, a new one closes the oldest.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import logging
 import os
+import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.exposition import choose_encoder
 
 from .. import apis, state
-from . import record
+from . import multiproc, record, series
 
 logger = logging.getLogger(__name__)
 
 WORKER_ENV = "TTFT_RELAY_WORKER"
 """Set by ttft_relay/workers.py in each worker: record, but leave serving to the supervisor."""
 DEFAULT_LISTEN = "127.0.0.1:9464"
-OTHER = "other"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+OTHER = series.OTHER
+DEFAULT_MAX_SERIES = 100
 
 # Explicit bucket boundaries of the semantic conventions.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -72,22 +85,6 @@ have that call missed by rate() (which counts increases after a series' first sa
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
           "status_class")
-class BoundedValues:
-    """Label values as they come, until `limit` distinct ones are known; later ones are "other"."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.known: set[str] = set()
-
-    def __call__(self, value: str | None) -> str:
-        if value is None:
-            return OTHER
-        if value in self.known:
-            return value
-        if len(self.known) < self.limit:
-            self.known.add(value)
-            return value
-        return OTHER
 
 
 def status_class(status: int | None) -> str:
@@ -100,10 +97,11 @@ IN_FLIGHT = "ttft_relay_requests_in_flight"
 class RelayMetrics:
     """The relay's instruments in one registry, and how a timing record feeds them (pure)."""
 
-    def __init__(self, registry: CollectorRegistry, max_values: int) -> None:
+    def __init__(self, registry: CollectorRegistry, max_series: int = DEFAULT_MAX_SERIES) -> None:
+        if (directory := os.environ.get(MULTIPROC_ENV)) is not None:
+            multiproc.install(directory)  # before the first instrument: its values must be forgettable
         self.registry = registry
-        self.models = BoundedValues(max_values)
-        self.hosts = BoundedValues(max_values)
+        self.series = series.SeriesBound(max_series)
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Time to first token of successful LLM calls, from the request head reaching the relay.",
                               LABELS, registry=registry, buckets=TTFT_BUCKETS)
@@ -133,6 +131,8 @@ class RelayMetrics:
         self._children: dict[tuple, Any] = {}
         """Each instrument's child per label values, as `labels()` gives it (which checks
         and converts its arguments and takes a lock on every call)."""
+        self._of_series: dict[series.Labels, list[tuple[Any, tuple[str, ...]]]] = {}
+        """The (instrument, label values) children of each label combination: what goes with it."""
         self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
                                   "Connections the kernel holds for a listener until the relay accepts them.",
                                   # The workers share each listener's queue: each reads the same one.
@@ -154,12 +154,23 @@ class RelayMetrics:
             return self._children[metric, values]
         except KeyError:
             child = self._children[metric, values] = metric.labels(*values)
+            self._of_series.setdefault(values[:len(LABELS)], []).append((metric, values))
             return child
+
+    def _evict(self, labels: series.Labels) -> None:
+        """A label combination's series go (`series.SeriesBound` needs its room)."""
+        for metric, values in self._of_series.pop(labels, ()):
+            del self._children[metric, values]
+            with warnings.catch_warnings():  # prometheus-client's multiprocess warning: `multiproc` forgets it
+                warnings.simplefilter("ignore", UserWarning)
+                metric.remove(*values)
 
     def observe(self, rec: record.Record) -> None:
         api = rec.api
         operation, provider = apis.get(api).semconv
-        labels = (operation, provider, self.models(rec.model), self.hosts(rec.upstream), api, status_class(rec.status))
+        success = rec.status is not None and 200 <= rec.status < 300 and not rec.error
+        labels = self.series.admit((operation, provider, rec.model or OTHER, rec.upstream or OTHER, api,
+                                    status_class(rec.status)), success, self._evict)
         phases = rec.phases
         failed = bool(rec.error or rec.client_aborted)
         self._child(self.duration, *labels, rec.error_phase or ("client_aborted" if failed else "")).observe(
@@ -204,10 +215,9 @@ def forget_process(pid: int, path: str | Path) -> None:
 
 
 def multiprocess_registry(path: str | Path) -> CollectorRegistry:
-    """A registry that reads what every process wrote into the multiprocess directory."""
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(path))
-    return registry
+    """A registry that reads what every process wrote into the multiprocess directory (the
+    series they still keep: `multiproc`)."""
+    return multiproc.registry(path)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -218,12 +228,119 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def serve(listen: str, registry: CollectorRegistry):
-    """Serve `registry` at http://listen/metrics from a background thread; returns the
-    (host, port) bound and the server (for `shutdown()`)."""
+SCRAPE_PATH = "/metrics"
+SCRAPE_HEAD_TIMEOUT_S = 10.0
+"""A scrape connection must send its request within this; it is closed once answered."""
+SCRAPE_CONNECTIONS = 64
+"""Connections the endpoint lets wait for their request at once; a new one closes the oldest
+(1000 idle ones held a thread each, ~500 threads, for as long as they liked)."""
+
+
+def serve(listen: str, registry: CollectorRegistry) -> tuple[tuple[str, int], ScrapeServer]:
+    """Serve `registry` at http://listen/metrics from a thread of its own; returns the
+    (host, port) bound and the server (`shutdown()`, `server_close()`). Raises OSError when it
+    cannot listen."""
     host, port = parse_listen(listen)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server.server_address[:2], server
+    server = ScrapeServer(host, port, registry)
+    return server.server_address, server
+
+
+class ScrapeServer:
+    """`GET /metrics` answered with `registry`'s exposition (OpenMetrics or text, gzip when
+    asked), everything else 404 or 405, each connection closed once answered or after
+    SCRAPE_HEAD_TIMEOUT_S without a request, at most SCRAPE_CONNECTIONS of them waiting: one
+    thread and an asyncio loop, however many connections (prometheus-client's server holds a
+    thread per connection, without a timeout)."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.waiting: dict[asyncio.StreamWriter, None] = {}
+        """Connections that have not sent their request yet, oldest first."""
+        self.loop = asyncio.new_event_loop()
+        self.server_address: tuple[str, int] = (host, port)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(host, port), name="ttft-relay-metrics", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, host: str, port: int) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            server = loop.run_until_complete(asyncio.start_server(self._handle, host, port, backlog=SCRAPE_CONNECTIONS))
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            loop.close()
+            return
+        self.server_address = server.sockets[0].getsockname()[:2]
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            server.close()
+            if pending := asyncio.all_tasks(loop):
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
+
+    def shutdown(self) -> None:
+        """Stop serving, and close the listener and every connection."""
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+    def server_close(self) -> None:
+        """Closed by `shutdown` already (as `socketserver`'s pair of calls)."""
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.waiting) >= SCRAPE_CONNECTIONS:
+            # Full of connections that sent nothing: the oldest makes room, so a scrape, which
+            # sends its request at once, is served whatever idles here.
+            oldest = next(iter(self.waiting))
+            del self.waiting[oldest]
+            oldest.close()
+        self.waiting[writer] = None
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), SCRAPE_HEAD_TIMEOUT_S)
+            self.waiting.pop(writer, None)
+            writer.write(self._answer(head))
+            await asyncio.wait_for(writer.drain(), SCRAPE_HEAD_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            self.waiting.pop(writer, None)
+            writer.close()
+
+    def _answer(self, head: bytes) -> bytes:
+        lines = head.decode("latin-1").split("\r\n")
+        method, _, rest = lines[0].partition(" ")
+        target = rest.rpartition(" ")[0]
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        if target.split("?", 1)[0] != SCRAPE_PATH:
+            return _response(404, "text/plain", b"not found: the metrics are at /metrics\n")
+        if method not in ("GET", "HEAD"):
+            return _response(405, "text/plain", b"GET only\n")
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        body = encoder(self.registry)
+        encoding = None
+        if "gzip" in headers.get("accept-encoding", ""):
+            body, encoding = gzip.compress(body, compresslevel=1), "gzip"
+        return _response(200, content_type, body if method == "GET" else b"", encoding, len(body))
+
+
+def _response(status: int, content_type: str, body: bytes, encoding: str | None = None,
+              length: int | None = None) -> bytes:
+    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
+    head = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {content_type}",
+            f"Content-Length: {len(body) if length is None else length}", "Connection: close"]
+    if encoding:
+        head.append(f"Content-Encoding: {encoding}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 class Metrics:
@@ -232,7 +349,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.metrics: RelayMetrics | None = None
-        self.server = None
+        self.server: ScrapeServer | None = None
         self.listen = ""
         self.counted: weakref.WeakKeyDictionary[http.HTTPFlow, Gauge] = weakref.WeakKeyDictionary()
         """The flows in the in-flight gauge, each with the gauge it went into (the registry
@@ -247,14 +364,16 @@ class Metrics:
             "empty: no metrics.",
         )
         loader.add_option(
-            "relay_metrics_max_values",
+            "relay_metrics_max_series",
             int,
-            50,
-            "Distinct models (and upstream hosts) given their own metric label; later ones count as \"other\".",
+            DEFAULT_MAX_SERIES,
+            "Label combinations (model, host, API, status class) with series of their own; beyond, the "
+            "least recently used go, never one whose model has had a success for junk, and calls without "
+            "room count under model and host \"other\".",
         )
 
     def configure(self, updated: set[str]) -> None:
-        if not updated & {"relay_metrics_listen", "relay_metrics_max_values"}:
+        if not updated & {"relay_metrics_listen", "relay_metrics_max_series"}:
             return
         listen = ctx.options.relay_metrics_listen
         if listen:
@@ -262,10 +381,10 @@ class Metrics:
                 parse_listen(listen)
             except ValueError as e:
                 raise exceptions.OptionsError(f"relay_metrics_listen: {e}") from e
-        if "relay_metrics_max_values" in updated or self.metrics is None:
+        if "relay_metrics_max_series" in updated or self.metrics is None:
             # A registry of its own: instruments are per instance, not process globals.
-            self.metrics = RelayMetrics(CollectorRegistry(), ctx.options.relay_metrics_max_values)
-        if listen != self.listen or "relay_metrics_max_values" in updated:
+            self.metrics = RelayMetrics(CollectorRegistry(), ctx.options.relay_metrics_max_series)
+        if listen != self.listen or "relay_metrics_max_series" in updated:
             self._stop_server()
             self.listen = listen
             if listen and WORKER_ENV not in os.environ:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 ERROR_MAX = 300
-"""Error texts are cut to this many characters: an upstream error event may be long."""
+"""Error texts are cut to this many characters (`cut_text`): an upstream error event may be
+long, and mitmproxy's error texts quote what it could not parse (an 8 MB chunk header)."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
 HTTP = "http"
@@ -236,7 +237,7 @@ def build_record(
         prompt_tokens=prompt_tokens,
         usage=dict(usage) if usage else None,
         verdict=phases.UNKNOWN,
-        error=error[:ERROR_MAX] if error else None,
+        error=cut_text(error) if error else None,
         error_phase=error_phase,
         client_aborted=client_aborted,
         trim=dict(trim) if trim else None,
@@ -301,6 +302,15 @@ def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def cut_text(text: str, limit: int = ERROR_MAX) -> str:
+    """`text` in at most `limit` characters, saying how long it was if it is cut; a text cut
+    once stays as it is (the reply, the console and the record cut it alike)."""
+    if len(text) <= limit:
+        return text
+    note = f"… ({len(text)} characters)"
+    return text[:max(limit - len(note), 0)] + note
 
 
 def printable(text: Any, keep: str = "") -> str:
