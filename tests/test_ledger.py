@@ -74,7 +74,7 @@ class _Timings:
 
 def _flow(recorded=False):
     f = tflow.tflow()
-    state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, stream=True, recorded=recorded))
+    state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT), stream=True, recorded=recorded))
     return f
 
 

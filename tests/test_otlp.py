@@ -337,7 +337,7 @@ class Collector(http.server.ThreadingHTTPServer):
 
 
 def queued(n: int) -> list[traces.Queued]:
-    return [traces.Queued(built(id=f"f{i}"), otlp.start(None), 1_700_000_000.0, 443, "POST") for i in range(n)]
+    return [traces.Queued(built(id=f"f{i}"), otlp.start(None), 1_700_000_000.0, 443, "POST", ("chat", "openai")) for i in range(n)]
 
 
 def test_the_exporter_batches_records_to_the_collector_with_its_headers():

@@ -3,7 +3,7 @@
 import orjson
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import state
+from ttft_relay import apis, state
 from ttft_relay.timing import record, timing
 
 
@@ -26,7 +26,7 @@ def test_timing_addon_records_the_x_request_id_header(tmp_path):
         tctx.configure(addon, relay_timing_log=str(tmp_path / "t.jsonl"), relay_timing_console=False)
         f = tflow.tflow(resp=True)
         f.request.headers["x-request-id"] = "ttft-diag-1234"
-        state.attach(f, state.FlowState(api="openai.chat"))
+        state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT)))
         addon.response(f)
         addon.writer.close()
     (rec,) = [orjson.loads(line) for line in (tmp_path / "t.jsonl").read_bytes().splitlines()]

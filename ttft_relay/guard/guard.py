@@ -62,6 +62,7 @@ from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
+from ..apis.api import Api
 from ..faults import apierrors
 from ..patches import (
     answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy, web_options,
@@ -355,13 +356,13 @@ def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: 
             request.headers[slot] = upstream_key
 
 
-def api_shape(request: http.Request) -> str:
+def api_shape(request: http.Request) -> Api:
     """Which API's error format a client expects. Read from the request itself: this
     runs before the scope addon, and covers paths outside its scope too."""
-    return apis.for_refusal(request.path, request.headers).name
+    return apis.for_refusal(request.path, request.headers)
 
 
-def refusal(api: str, status: int, message: str) -> http.Response:
+def refusal(api: Api, status: int, message: str) -> http.Response:
     """The relay's own answer to a request it does not let through."""
     headers = {"www-authenticate": 'Bearer realm="ttft-relay"'} if status == 401 else None
     return apierrors.error_response(api, status, message, headers)

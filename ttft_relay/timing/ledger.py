@@ -58,7 +58,8 @@ from .. import state
 from ..guard import guard
 from . import record
 from .metrics import WORKER_ENV
-from .timing import Timing, upstream_name
+from ..flows import upstream_name
+from .timing import Timing
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
     id passes the relay's key redaction, as the record's does (its header is redacted
     before the record is written, after the ledger read it)."""
     request_id = flow.request.headers.get("x-request-id")
-    return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api, "model": st.model,
+    return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api.name, "model": st.model,
             "stream": st.stream, "upstream": upstream_name(flow), "tls": flow.request.scheme == "https",
             "request_id": guard.without_known_secrets(request_id) if request_id else None}
 
