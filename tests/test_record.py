@@ -5,6 +5,7 @@ import threading
 
 import orjson
 
+from ttft_relay import text
 from ttft_relay.timing import phases, record
 from tests.harness import REPO
 
@@ -116,7 +117,7 @@ def test_client_abort_mid_stream():
 
 
 def test_long_errors_are_cut():
-    assert len(make(error="x" * 5000)["error"]) == record.ERROR_MAX
+    assert len(make(error="x" * 5000)["error"]) == text.ERROR_MAX
 
 
 def test_summary_line_and_comment():
@@ -185,7 +186,7 @@ def test_links_fill_their_keys_and_a_saturated_relay_gets_advice():
 
 
 def test_cut_text_says_how_long_the_text_was_and_cuts_once():
-    assert record.cut_text("short") == "short"
-    cut = record.cut_text("z" * 8_000_000)
-    assert len(cut) <= record.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
-    assert record.cut_text(cut) == cut  # the reply, the console and the record cut it alike
+    assert text.cut_text("short") == "short"
+    cut = text.cut_text("z" * 8_000_000)
+    assert len(cut) <= text.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
+    assert text.cut_text(cut) == cut  # the reply, the console and the record cut it alike

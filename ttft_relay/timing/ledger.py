@@ -55,7 +55,7 @@ import orjson
 from mitmproxy import http
 
 from .. import state
-from ..guard import guard
+from ..text import without_known_secrets
 from . import record
 from .metrics import WORKER_ENV
 from ..flows import upstream_name
@@ -157,7 +157,7 @@ def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
     request_id = flow.request.headers.get("x-request-id")
     return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api.name, "model": st.model,
             "stream": st.stream, "upstream": upstream_name(flow), "tls": flow.request.scheme == "https",
-            "request_id": guard.without_known_secrets(request_id) if request_id else None}
+            "request_id": without_known_secrets(request_id) if request_id else None}
 
 
 class Ledger:

@@ -14,7 +14,6 @@ import fcntl
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,14 +23,12 @@ from typing import Any
 
 import orjson
 
+from ..text import cut_text, printable
 from . import logrotation, phases
 
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1
-ERROR_MAX = 300
-"""Error texts are cut to this many characters (`cut_text`): an upstream error event may be
-long, and mitmproxy's error texts quote what it could not parse (an 8 MB chunk header)."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
 HTTP = "http"
@@ -96,7 +93,7 @@ class Record:
     """The first token had the upstream waited what this prompt predicts (learned per upstream ·
     model, `ttft_relay/observe/prefill.py`); None before that is learned."""
     error: str | None
-    """What went wrong (transport error, stream error event, HTTP status), cut to ERROR_MAX."""
+    """What went wrong (transport error, stream error event, HTTP status), cut to `text.ERROR_MAX`."""
     error_phase: str | None
     """The phase it went wrong in."""
     client_aborted: bool
@@ -299,25 +296,6 @@ def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms
     if rtt is None:
         return None
     return rtt + (retransmit_ms or 0.0)
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def cut_text(text: str, limit: int = ERROR_MAX) -> str:
-    """`text` in at most `limit` characters, saying how long it was if it is cut; a text cut
-    once stays as it is (the reply, the console and the record cut it alike)."""
-    if len(text) <= limit:
-        return text
-    note = f"… ({len(text)} characters)"
-    return text[:max(limit - len(note), 0)] + note
-
-
-def printable(text: Any, keep: str = "") -> str:
-    """`text` for a line of text output: control characters (newlines too, unless
-    in `keep`) written as `\\n`, `\\x1b`, ..., so a value (a model name, an error
-    text) cannot start a line of its own or repaint the terminal."""
-    return _CONTROL.sub(lambda m: m.group(0) if m.group(0) in keep else repr(m.group(0))[1:-1], str(text))
 
 
 def _ms(value: float | None) -> str:
