@@ -15,7 +15,8 @@ import pytest
 from mitmproxy.test import tflow
 
 from ttft_relay import apis, state
-from ttft_relay.timing import ledger, record
+from ttft_relay.observe import ledger
+from ttft_relay.timing import record
 from tests.conftest import reverse_to
 from tests.fakes import client
 

@@ -1,4 +1,4 @@
-"""ttft_relay/timing/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
+"""ttft_relay/observe/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
 through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from ttft_relay import apis
-from ttft_relay.timing import metrics, multiproc, record, series
+from ttft_relay.observe import metrics, multiproc, series
+from ttft_relay.timing import record
 from tests.conftest import reverse_to
 from tests.fakes import client
 from tests.harness import REPO, TimingLog, metrics_url, scrape, total
@@ -226,7 +227,7 @@ def test_a_workers_series_are_bounded_in_its_multiprocess_files_too(tmp_path):
 import os
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
 from prometheus_client import CollectorRegistry
-from ttft_relay.timing import metrics, multiproc
+from ttft_relay.observe import metrics, multiproc
 from tests.test_metrics import CHAT_API, a_record
 m = metrics.RelayMetrics(CollectorRegistry(), max_series=20)
 m.observe(a_record(model="gpt-4o"), CHAT_API)

@@ -37,7 +37,8 @@ from ..apis.api import Api
 from ..apis.reader import Watcher
 from . import apierrors
 from ..patches import answer_on_head, connections, error_replies, layer_events, trailers
-from ..timing import selfwatch, timing
+from ..observe import selfwatch
+from ..timing import timing
 
 logger = logging.getLogger(__name__)
 

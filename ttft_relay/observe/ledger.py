@@ -56,10 +56,10 @@ from mitmproxy import http
 
 from .. import state
 from ..text import without_known_secrets
-from . import record
-from .metrics import WORKER_ENV
 from ..flows import upstream_name
-from .timing import Timing
+from ..timing import record
+from ..timing.timing import Timing
+from .metrics import WORKER_ENV
 
 logger = logging.getLogger(__name__)
 

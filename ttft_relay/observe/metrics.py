@@ -60,7 +60,8 @@ from prometheus_client.exposition import choose_encoder
 
 from .. import state
 from ..apis.api import Api
-from . import multiproc, record, series
+from ..timing import record
+from . import multiproc, series
 
 logger = logging.getLogger(__name__)
 

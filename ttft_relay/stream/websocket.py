@@ -60,7 +60,8 @@ from ..apis.api import Api, Turns
 from ..faults import apierrors, faults
 from ..patches import connections, error_texts, websocket_limits
 from . import sse
-from ..timing import phases, record, selfwatch
+from ..observe import selfwatch
+from ..timing import phases, record
 from ..flows import upstream_name
 from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing
 
