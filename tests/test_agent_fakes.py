@@ -123,7 +123,7 @@ def test_stall_holds_a_turn_until_released(fake: FakeUpstream) -> None:
         fake.release_stalls()
         while ws.receive_json()[1]["type"] != "response.completed":
             pass
-    assert fake.sockets[0].turns[0].outcome == "complete"
+    assert fake.wait_socket_turns(1) and fake.sockets[0].turns[0].outcome == "complete"
 
 
 def test_client_going_away_mid_turn_is_noticed(fake: FakeUpstream) -> None:
