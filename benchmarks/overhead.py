@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fakes.client import stream_post
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream
+from ttft_relay.testing.fakes.client import stream_post
+from ttft_relay.testing.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 """
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
-FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
+FIRST_PIECE = b"Hello"  # the fake's first answer piece (ttft_relay.testing.fakes.replies.answer_pieces)
 
 
 def first_token_ms(url: str) -> float:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ttft_relay import apis
 from ttft_relay.stream import sse
-from tests.fakes import client
-from tests.harness import (
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import (
     BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream, stream_shape, stream_shape_arguments)
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

@@ -21,7 +21,7 @@ from mitmproxy.test import taddons
 from ttft_relay import capacity
 from ttft_relay.patches import listen_backlog
 from tests.conftest import reverse_to
-from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
+from ttft_relay.testing.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
 
 BURST = 300
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync

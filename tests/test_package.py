@@ -13,8 +13,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests import report_samples
-from tests.harness import REPO
+from ttft_relay.testing import report_samples
+from ttft_relay.testing.harness import REPO
 
 from ttft_relay import cli, config, launch
 

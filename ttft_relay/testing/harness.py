@@ -27,7 +27,10 @@ from urllib.parse import urlsplit
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+"""The directory that holds the package: a checkout's root (README.md, docs/ and benchmarks/
+beside it), or site-packages for an installed copy. The processes started here run in it, so
+that `python -m` finds this copy of the package."""
 RELAY_SCRIPT = REPO / "ttft_relay" / "relay.py"
 BASELINE_SCRIPT = REPO / "benchmarks" / "baseline_stream.py"
 SEAMS_SCRIPT = REPO / "benchmarks" / "seams_stream.py"
@@ -427,12 +430,12 @@ class TimingLog:
 def start_fake_upstream(*, tls_dir: Path | None = None, h2: bool = False,
                         wrap: Callable[[list[str]], list[str]] | None = None,
                         **knobs: object) -> tuple[subprocess.Popen[str], str]:
-    """`tests.fakes.upstream` as its own process (so it does not share the load
+    """`ttft_relay.testing.fakes.upstream` as its own process (so it does not share the load
     generator's interpreter), with behaviour knobs as keyword arguments
     (`prefill_ms=50, chunks=20`); with `tls_dir`, serving HTTPS with a test CA written
     there (ca.pem), and with `h2` offering HTTP/2 too; `wrap` rewrites its command line
     (a far link's `Side.adopt`: in a network namespace). Returns the process and its base URL."""
-    args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.upstream", "--port", "0"]
+    args = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "ttft_relay.testing.fakes.upstream", "--port", "0"]
     if tls_dir is not None:
         args += ["--tls", "--certs-dir", str(tls_dir)] + (["--h2"] if h2 else [])
     for knob, value in knobs.items():
