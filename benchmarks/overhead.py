@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._setups import BASELINE_SCRIPT, cpu_seconds
 from ttft_relay.testing.fakes.client import stream_post
-from ttft_relay.testing.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream
+from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -80,8 +80,8 @@ import h2.events
 import orjson
 
 
+from benchmarks._setups import BenchSetups, cpu_seconds, percentile
 from ttft_relay import workers
-from ttft_relay.testing.harness import BenchSetups, cpu_seconds, percentile
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 LAST_CHUNK = b"\r\n0\r\n\r\n"
