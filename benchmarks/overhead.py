@@ -33,12 +33,11 @@ from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 REPO = Path(__file__).resolve().parent.parent
 
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
-import importlib.util, sys
-sys.path.insert(0, {str(REPO)!r})
-from ttft_relay.timing import timing
+import importlib.util
 _spec = importlib.util.spec_from_file_location("relay_full", {str(REPO / "ttft_relay" / "relay.py")!r})
 _relay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_relay)
+_spec.loader.exec_module(_relay)  # the relay's entry point: it makes the package importable
+from ttft_relay.timing import timing
 addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 """
 

@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.util
 import random
 import statistics
 import subprocess
@@ -136,7 +137,13 @@ def load_baseline(commit: str) -> Any | None:
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"(no baseline: cannot read {commit} from git: {e})")
         return None
-    sys.path.insert(0, str(target.parent))
+    # A package of its own name, from its folder (not put on sys.path): its modules import one another.
+    spec = importlib.util.spec_from_file_location("trim_before", target / "__init__.py",
+                                                  submodule_search_locations=[str(target)])
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
     return importlib.import_module("trim_before.trimming")
 
 
