@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from tests.fakes import FakeUpstream
-from tests.fakes.client import WebSocketClient, WebSocketRefused, request
-from tests.fakes.refusing_proxy import RefusingProxy
-from tests.fakes.replies import THINKING_PIECES, answer_text
+from ttft_relay.testing.fakes import FakeUpstream
+from ttft_relay.testing.fakes.client import WebSocketClient, WebSocketRefused, request
+from ttft_relay.testing.fakes.refusing_proxy import RefusingProxy
+from ttft_relay.testing.fakes.replies import THINKING_PIECES, answer_text
 
 DELAY_SLACK = 0.9  # lower-bound checks allow for timer granularity
 

@@ -26,7 +26,7 @@ from benchmarks import soak
 from ttft_relay import workers
 from ttft_relay.timing import ledger, metrics
 from tests.conftest import reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
