@@ -18,7 +18,7 @@ from ttft_relay import apis, state
 from ttft_relay.observe import ledger
 from ttft_relay.timing import record
 from tests.conftest import reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 ENTRY = {"id": "f1", "ts": 1700000000.5, "api": "openai.chat", "model": "gpt-4o-mini", "stream": True,
          "upstream": "api.openai.com", "tls": True, "request_id": "req-1"}

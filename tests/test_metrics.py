@@ -26,8 +26,8 @@ from ttft_relay import apis
 from ttft_relay.observe import metrics, multiproc, series
 from ttft_relay.timing import record
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import REPO, TimingLog, metrics_url, scrape, total
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import REPO, TimingLog, metrics_url, scrape, total
 from tests.patches.pins import assert_unchanged
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

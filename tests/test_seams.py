@@ -14,7 +14,7 @@ from mitmproxy import http, version
 
 import ttft_relay.patches as patches
 from mitmproxy.test import tflow
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 PATCH_DIR = Path(patches.__file__).parent
 MODULES = sorted(p.stem for p in PATCH_DIR.glob("*.py") if p.stem != "__init__")

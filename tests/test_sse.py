@@ -21,7 +21,7 @@ from ttft_relay.stream import sse
 from ttft_relay.stream.sse import Event
 from ttft_relay.stream.sse import SSEParser
 from ttft_relay.stream.sse import StreamWatcher
-from tests import sse_samples as samples
+from ttft_relay.testing import sse_samples as samples
 
 TOOL = ("get_weather", ['{"city"', ':"Par', 'is"}'])
 APIS = ("openai.chat", "openai.responses", "anthropic.messages", "gemini", "other")
@@ -572,6 +572,6 @@ def test_transcript_gemini():
     assert (t.text, t.reasoning, [(c.name, c.arguments) for c in t.tool_calls]) == ("Hello wörld", "hm", [("f", '{"a":1}')])
 
 
-def test_detect_api_other():
+def test_for_events_other():
     assert apis.for_events(parse(b"data: hello\n\n")) is apis.OTHER_API
     assert apis.for_events([]) is apis.OTHER_API

@@ -15,7 +15,7 @@ from wsproto.events import CloseConnection, Message, Ping
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import FrameDecoder, FrameProtocol
 
-from tests.fakes.hostile import CONTINUATION, PING, TEXT, deflate_bomb, deflated, frame
+from ttft_relay.testing.fakes.hostile import CONTINUATION, PING, TEXT, deflate_bomb, deflated, frame
 from tests.patches.pins import assert_unchanged
 from ttft_relay.patches import websocket_limits
 from ttft_relay.patches.websocket_limits import Bounds, BoundedDeflate, MessageLimits
