@@ -39,7 +39,7 @@ def a_record(**overrides):
     args = dict(id="f1", ts=1000.0, api=apis.OPENAI_CHAT, model="gpt-4o-mini", stream=True, status=200,
                 upstream="api.openai.com", marks=marks, tokens_expected=True, tls_expected=True,
                 reused_connection=True, rtt_ms=None, usage={"input_tokens": 12, "output_tokens": 11})
-    return record.build_record(**(args | overrides))
+    return record.build_record(record.RecordInput(**(args | overrides)))
 
 
 CHAT_API = apis.get(apis.OPENAI_CHAT)

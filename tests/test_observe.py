@@ -177,10 +177,10 @@ def attempt_record(rid: str, ts: float, *, cut: bool, total_ms: float) -> record
     marks = {"request_body": 1.0, "forwarded": 2.0, "end": total_ms}
     if not cut:
         marks |= {"response_head": total_ms - 50, "first_token": total_ms - 40}
-    return record.build_record(id=rid, ts=ts, api="openai.chat", model="m", stream=True, status=None if cut else 200,
-                               upstream="u", marks=marks, tokens_expected=True, tls_expected=False,
-                               reused_connection=True, rtt_ms=None, client_aborted=cut,
-                               error="Client disconnected." if cut else None)
+    return record.build_record(record.RecordInput(id=rid, ts=ts, api="openai.chat", model="m", stream=True, status=None if cut else 200,
+                                                  upstream="u", marks=marks, tokens_expected=True, tls_expected=False,
+                                                  reused_connection=True, rtt_ms=None, client_aborted=cut,
+                                                  error="Client disconnected." if cut else None))
 
 
 def run(table: dict[int, bytes], rec: record.Record, key: bytes) -> record.Record:

@@ -162,7 +162,7 @@ def built(**overrides: Any) -> record.Record:
         trim={"trimmed": True, "tokens_before": 5000, "tokens_after": 1200, "dropped_units": 3, "reason": "x"},
         request_id="rid-1")
     args.update(overrides)
-    return record.build_record(**args)
+    return record.build_record(record.RecordInput(**args))
 
 
 def test_a_record_becomes_a_root_a_span_per_phase_and_an_upstream_span():

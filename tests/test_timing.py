@@ -71,9 +71,9 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
 
 def test_slow_marking_spares_fast_flows_and_prewarm_turns(addon):
     def rec(ttft_ms, prewarm=False):
-        some = record.build_record(id="f", ts=T0, api="openai.chat", model=None, stream=True, status=200,
-                                   upstream="u", marks={}, tokens_expected=True, tls_expected=True,
-                                   reused_connection=None, rtt_ms=None)
+        some = record.build_record(record.RecordInput(id="f", ts=T0, api="openai.chat", model=None, stream=True, status=200,
+                                                      upstream="u", marks={}, tokens_expected=True, tls_expected=True,
+                                                      reused_connection=None, rtt_ms=None))
         return dataclasses.replace(some, ttft_ms=ttft_ms, prewarm=prewarm)
 
     assert addon.is_slow(rec(100.0))

@@ -113,13 +113,13 @@ def lost_record(entry: dict[str, Any]) -> record.Record:
         value = entry.get(key)
         return value if isinstance(value, str) else None
 
-    return record.build_record(
+    return record.build_record(record.RecordInput(
         id=entry["id"], ts=float(entry["ts"]), api=text("api") or "unknown", model=text("model"),
         stream=entry.get("stream") is True, status=None, upstream=text("upstream") or "",
         marks={}, tokens_expected=False, tls_expected=entry.get("tls") is True,
         reused_connection=None, rtt_ms=None, error=LOST_ERROR, error_phase="relay",
         request_id=text("request_id"),
-    )
+    ))
 
 
 def recorded_ids(tail: bytes) -> set[str]:

@@ -371,7 +371,7 @@ class WebSocketTurns:
         marks = turn_marks(turn.started, turn.forwarded, w, end)
         upstream = upstream_name(flow)
         st = state.get(flow)
-        rec = record.build_record(
+        rec = record.build_record(record.RecordInput(
             id=f"{flow.id}#{turn.number}",
             ts=turn.started,
             api=session.api.name,
@@ -397,7 +397,7 @@ class WebSocketTurns:
             turn=turn.number,
             prewarm=turn.prewarm,
             links=self.watch.turn_links(flow, turn.started) if self.watch is not None else None,
-        )
+        ))
         data = self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.
         slow = self.timing.is_slow(rec)

@@ -395,7 +395,7 @@ class Timing:
         upstream = upstream_name(flow)
         websocket = st.transport == record.WEBSOCKET
         head = upstream_headers(flow.response)
-        return record.build_record(
+        return record.build_record(record.RecordInput(
             id=flow.id,
             ts=flow.request.timestamp_start,
             api=st.api.name,
@@ -425,7 +425,7 @@ class Timing:
             upstream_request_id=upstream_request_id(head),
             upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,
-        )
+        ))
 
 
 UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
