@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of, Watcher
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads, reported_error, type_of
 from .shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
 from .api import Api, ErrorFormat, Probe, TooLong, Windows, error_message, model_and_stream_from_body
 

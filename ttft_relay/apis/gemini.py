@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from .reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, Watcher
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
 from .api import Api, ErrorFormat, TooLong, Windows, error_message, number
 
 NAME = "gemini"

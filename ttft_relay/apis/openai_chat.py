@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, Watcher
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
 from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
 from .api import (
     Api, ErrorFormat, Probe, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,

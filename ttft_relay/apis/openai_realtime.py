@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .reader import Event, as_int, counts, dig, loads, reported_error, type_of, Watcher
+from .reader import Event, Watcher, as_int, counts, dig, loads, reported_error, type_of
 from .api import Api, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 from .openai_responses import TURNS, ResponsesReader

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from .reader import (
-    Event, Reader, Transcript, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of, Watcher)
+    Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
 from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
 from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
 from .openai_chat import OPENAI_WINDOWS, OpenAIErrors
