@@ -163,7 +163,7 @@ class UpstreamPool:
             "Upstream connections the pool keeps open ahead of any request, per reverse listener's upstream.",
         )
         loader.add_option(
-            "relay_upstream_pool_idle", float, 30.0,
+            "relay_upstream_pool_idle", int, 30,
             "Seconds an upstream connection may wait in the pool (it is replaced before then, if warm): "
             "below the upstream's own idle timeout, which the pool also learns when an upstream closes "
             "an idle connection sooner.",
