@@ -49,8 +49,9 @@ clients bring several credentials), it connects as before, and its connection jo
 pool when its client goes.
 
 Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
-new client connection, but under load over TLS pooled connections stalled streams in the
-benchmark (docs/benchmarks.md, *The pool under load over TLS*), a cause not found yet.
+new client connection, but under load over TLS the benchmark still shows more stalled streams
+with it (docs/benchmarks.md, *The pool under load over TLS* and *looked into again*): the
+misses' late connects were one cause (fixed above), what remains has no mechanism found yet.
 
 Records say whether a request paid a connect (`reused_connection`: false only for a
 connection opened for it, with its `upstream_connect` / `upstream_tls` phases) and which
