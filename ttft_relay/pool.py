@@ -43,8 +43,8 @@ before its key is checked): its request takes it, and the pool keeps it after. W
 that, a miss began its connect and handshake only at the request's head, after the
 client's own handshake and upload: a burst of new clients larger than the pool (every
 stream at the start of a load, most of them on a saturated event loop) waited for both
-in turn (bench streams over TLS at 25/s: first token p50 302 ms against 83 without the
-pool, its 64 misses 458 ms). Where a request finds nothing (an open listener whose
+in turn (long streams over TLS at 25/s, the relay with and without the pool in one run:
+first token p50 302 ms against 83, the pool's 64 misses of 150 at 458 ms; docs/benchmarks.md). Where a request finds nothing (an open listener whose
 clients bring several credentials), it connects as before, and its connection joins the
 pool when its client goes.
 
