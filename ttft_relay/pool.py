@@ -44,9 +44,10 @@ that, a miss began its connect and handshake only at the request's head, after t
 client's own handshake and upload: a burst of new clients larger than the pool (every
 stream at the start of a load, most of them on a saturated event loop) waited for both
 in turn (long streams over TLS at 25/s, the relay with and without the pool in one run:
-first token p50 302 ms against 83, the pool's 64 misses of 150 at 458 ms; docs/benchmarks.md). Where a request finds nothing (an open listener whose
-clients bring several credentials), it connects as before, and its connection joins the
-pool when its client goes.
+first token p50 302 ms against 83, the pool's 64 misses of 150 at 458 ms;
+docs/benchmarks.md). Where a request finds nothing (an open listener whose clients bring
+several credentials), it connects as before, and its connection joins the pool when its
+client goes.
 
 Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
 new client connection, but under load over TLS the benchmark still shows more stalled streams
