@@ -53,7 +53,7 @@ Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has a
 
 Private mitmproxy code read but not patched, pinned the same way:
 
-- `connections`: live connections, their sockets and the listeners' (`timing.selfwatch`);
+- `connections`: live connections, their sockets and the listeners' (`observe.selfwatch`);
   closing a connection, cancelling a connect (`faults.Deadlines`, `guard.ClientLimits`).
 - `error_texts`: mitmproxy's error texts the relay matches (`timing.Timing`, `faults`).
 - `upstream_tls_warmup`: the upstream TLS context built at start (`capacity.WarmStart`).

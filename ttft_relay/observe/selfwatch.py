@@ -62,7 +62,7 @@ from mitmproxy.proxy import server_hooks
 
 from .. import state
 from ..patches import connections, upstream_pool
-from . import record
+from ..timing import record
 
 logger = logging.getLogger(__name__)
 
