@@ -37,7 +37,8 @@ from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from .. import state
-from ..patches import error_texts, upstream_pool
+from ..patches import error_texts
+from ..patches.speed import upstream_pool
 from ..stream import sse, streaming
 from . import logrotation, phases, record
 

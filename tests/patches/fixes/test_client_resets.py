@@ -1,27 +1,16 @@
-"""Pin test of ttft_relay/patches/client_resets.py (end to end: tests/test_h2_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/client_resets.py (end to end: tests/test_h2_e2e.py)."""
 
 from __future__ import annotations
 
 from mitmproxy.proxy.layers.http import HttpStream
 from mitmproxy.proxy.layers.http._http2 import Http2Connection, Http2Server
 
-from ttft_relay.patches import client_resets
+from ttft_relay.patches.fixes import client_resets
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "Http2Server.handle_h2_event": (client_resets._ORIGINAL_HANDLE_H2_EVENT, "d24a023c678de6ce"),
-    # where a stream is forgotten and a reset of a forgotten one dropped
-    "Http2Connection.handle_h2_event": (Http2Connection.handle_h2_event, "f6b6a52b12548102"),
-    # GOAWAY with the error code given, then every tracked stream failed
-    "Http2Connection.protocol_error": (Http2Connection.protocol_error, "461f5e7de9c9b687"),
-    "Http2Connection.close_connection": (Http2Connection.close_connection, "44b76ed198e7916a"),
-    # a client's reset of a stream already upstream cancels the upstream request
-    "HttpStream.handle_protocol_error": (HttpStream.handle_protocol_error, "59fc3b2eeeabf63a"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, client_resets)
+    assert_unchanged(client_resets.PINS, client_resets)
 
 
 def test_the_lines_it_depends_on():

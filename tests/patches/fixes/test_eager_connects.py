@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/eager_connects.py (end to end: tests/test_faults_e2e.py, tests/test_preauth_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/eager_connects.py (end to end: tests/test_faults_e2e.py, tests/test_preauth_e2e.py)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,12 @@ from mitmproxy.addons import tlsconfig
 from mitmproxy.proxy.layers import modes, tls
 from mitmproxy.proxy.layers.http import HttpLayer
 
-from ttft_relay.patches import eager_connects
+from ttft_relay.patches.fixes import eager_connects
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "DestinationKnown.finish_start": (eager_connects._ORIGINAL_FINISH_START, "91f47432073a2bf6"),
-    "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
-    "TlsConfig.tls_clienthello": (eager_connects._ORIGINAL_TLS_CLIENTHELLO, "d85ce5b87dbdaf61"),
-    # where a TLS client's hello makes the upstream connect first
-    "ClientTLSLayer.receive_handshake_data": (tls.ClientTLSLayer.receive_handshake_data, "a0ee021f92f6d0ff"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, eager_connects)
+    assert_unchanged(eager_connects.PINS, eager_connects)
 
 
 def test_the_lines_it_depends_on():

@@ -1,25 +1,16 @@
-"""Pin test of ttft_relay/patches/error_replies.py (its behaviour end to end: tests/test_faults_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/error_replies.py (its behaviour end to end: tests/test_faults_e2e.py)."""
 
 from __future__ import annotations
 
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HttpStream
-from mitmproxy.proxy.layers.http._http1 import Http1Server
-from mitmproxy.proxy.layers.http._http2 import Http2Connection
 
-from ttft_relay.patches import eager_connects, error_replies
+from ttft_relay.patches.fixes import eager_connects, error_replies
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "HttpStream.handle_protocol_error": (error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
-    # the response events the wrap sends instead, as each protocol sends them
-    "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
-    "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, error_replies)
+    assert_unchanged(error_replies.PINS, error_replies)
 
 
 def test_the_lines_it_depends_on():

@@ -1,19 +1,15 @@
-"""Pin test of ttft_relay/patches/head_limit.py (end to end: tests/test_bad_input_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/head_limit.py (end to end: tests/test_bad_input_e2e.py)."""
 
 from __future__ import annotations
 
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
-from ttft_relay.patches import head_limit
+from ttft_relay.patches.fixes import head_limit
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "Http1Server.read_headers": (head_limit._ORIGINAL_READ_HEADERS, "3fe0945216bcf7bc"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, head_limit)
+    assert_unchanged(head_limit.PINS, head_limit)
 
 
 def test_the_lines_it_depends_on():

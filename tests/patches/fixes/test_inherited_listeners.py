@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/inherited_listeners.py, and what it does with a socket
+"""Pin test of ttft_relay/patches/fixes/inherited_listeners.py, and what it does with a socket
 several workers share: two server instances in one process stand for two workers
 (the workers end to end: tests/test_workers.py)."""
 
@@ -15,23 +15,17 @@ from mitmproxy.addons import errorcheck
 from mitmproxy.proxy import mode_servers
 from mitmproxy.test import taddons
 
-from ttft_relay.patches import inherited_listeners
+from ttft_relay.patches.fixes import inherited_listeners
 from tests.harness import connect_many, handshakes_completed
 from tests.patches.pins import assert_unchanged, source
 
-PINNED = {
-    "AsyncioServerInstance._start": (inherited_listeners._ORIGINAL_START, "f96507081fa6236b"),
-    # accepting starts after `running` and after the start-up error check that follows it
-    "Master.run": (master.Master.run, "45c44c14f8f79349"),
-    "ErrorCheck.shutdown_if_errored": (errorcheck.ErrorCheck.shutdown_if_errored, "7c55b7c2459d8a53"),
-}
 SPEC = "reverse:http://127.0.0.1:9@127.0.0.1:0"
 QUEUE = 300
 BURST = 60
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, inherited_listeners)
+    assert_unchanged(inherited_listeners.PINS, inherited_listeners)
 
 
 def test_the_lines_it_depends_on():

@@ -1,24 +1,16 @@
-"""Pin test of ttft_relay/patches/interim_answers.py (end to end: tests/test_streaming_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/interim_answers.py (end to end: tests/test_streaming_e2e.py)."""
 
 from __future__ import annotations
 
 import pytest
-from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy.layers.http._http1 import Http1Client
 
-from ttft_relay.patches import interim_answers
+from ttft_relay.patches.fixes import interim_answers
 from tests.patches.pins import assert_unchanged
-
-PINNED = {
-    # the response head is read from the buffer the wrap takes interim heads out of
-    "Http1Client.read_headers": (interim_answers._ORIGINAL_READ_RESPONSE_HEADERS, "415454c5fa8b5981"),
-    "ReceiveBuffer.maybe_extract_at_most": (ReceiveBuffer.maybe_extract_at_most, "a283b372f1fb7393"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, interim_answers)
-
+    assert_unchanged(interim_answers.PINS, interim_answers)
 
 
 @pytest.mark.parametrize(

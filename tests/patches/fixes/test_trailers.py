@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/trailers.py (end to end: tests/test_bad_input_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/trailers.py (end to end: tests/test_bad_input_e2e.py)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,13 @@ import importlib.metadata
 from h11._readers import ChunkedReader
 from h11._receivebuffer import ReceiveBuffer
 
-from ttft_relay.patches import error_replies, trailers
+from ttft_relay.patches.fixes import error_replies, trailers
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "Http1Connection.read_body": (trailers._ORIGINAL_READ_BODY, "aece271029af36e4"),
-    "HttpStream.handle_protocol_error": (error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
-    # where h11's reader is in a chunked body (_bytes_in_chunk, _bytes_to_discard, _reading_trailer)
-    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
-    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
     assert importlib.metadata.version("h11") == "0.16.0"
-    assert_unchanged(PINNED, trailers)
+    assert_unchanged(trailers.PINS, trailers)
 
 
 def buffer(data: bytes) -> ReceiveBuffer:

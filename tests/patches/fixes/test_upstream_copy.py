@@ -1,17 +1,13 @@
-"""Pin test of ttft_relay/patches/upstream_copy.py (its behaviour: tests/test_guard.py, tests/test_redaction_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/upstream_copy.py (its behaviour: tests/test_guard.py, tests/test_redaction_e2e.py)."""
 
 from __future__ import annotations
 
-from ttft_relay.patches import upstream_copy
+from ttft_relay.patches.fixes import upstream_copy
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "HttpStream.state_consume_request_body": (upstream_copy._ORIGINAL_CONSUME_REQUEST_BODY, "45459c1bbd8bdb1a"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, upstream_copy)
+    assert_unchanged(upstream_copy.PINS, upstream_copy)
 
 
 def test_the_lines_it_depends_on():

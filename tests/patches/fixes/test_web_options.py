@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/web_options.py (end to end: tests/test_mitmweb_e2e.py)."""
+"""Pin test of ttft_relay/patches/fixes/web_options.py (end to end: tests/test_mitmweb_e2e.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,12 @@ import inspect
 from mitmproxy import optmanager, options
 from mitmproxy.tools.web import app, master
 
-from ttft_relay.patches import web_options
+from ttft_relay.patches.fixes import web_options
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "optmanager.dump_dicts": (web_options._ORIGINAL_DUMP_DICTS, "f48bd145154e4fae"),
-    "Options.get": (app.Options.get, "b73536d5fd1d84df"),
-    "WebMaster._sig_options_update": (master.WebMaster._sig_options_update, "e27cd83605ee4645"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, web_options)
+    assert_unchanged(web_options.PINS, web_options)
 
 
 def test_the_lines_it_depends_on():

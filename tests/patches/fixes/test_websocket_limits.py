@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/websocket_limits.py, and its bounds on wsproto connections as
+"""Pin test of ttft_relay/patches/fixes/websocket_limits.py, and its bounds on wsproto connections as
 mitmproxy makes them (end to end, and fuzzed: tests/test_websocket_limits_e2e.py)."""
 
 from __future__ import annotations
@@ -8,42 +8,20 @@ import zlib
 
 import pytest
 from mitmproxy import connection
-from mitmproxy.proxy.layers.websocket import WebsocketConnection, WebsocketLayer
+from mitmproxy.proxy.layers.websocket import WebsocketConnection
 from wsproto import ConnectionType
-from wsproto.connection import Connection
 from wsproto.events import CloseConnection, Message, Ping
 from wsproto.extensions import PerMessageDeflate
-from wsproto.frame_protocol import FrameDecoder, FrameProtocol
 
 from tests.fakes.hostile import CONTINUATION, PING, TEXT, deflate_bomb, deflated, frame
 from tests.patches.pins import assert_unchanged
-from ttft_relay.patches import websocket_limits
-from ttft_relay.patches.websocket_limits import Bounds, BoundedDeflate, MessageLimits
-
-PINNED = {
-    # each side's wsproto connection is made here, with the extensions the wrap bounds
-    "WebsocketConnection.__init__": (websocket_limits._ORIGINAL_INIT, "f77a8c21ac12e55f"),
-    # ... from PerMessageDeflate objects the 101's header negotiated, one per side
-    "WebsocketLayer.start": (WebsocketLayer.start, "8445ad1cfb2fcca5"),
-    # a close event (wsproto's for a ParseFailed) goes to both sides, its code and reason onto the flow
-    "WebsocketLayer.relay_messages": (WebsocketLayer.relay_messages, "2d451252c7287da0"),
-    # wsproto's state BoundedDeflate reads (_inbound_compressed, _inbound_is_compressible, _decompressor, _enabled)
-    "PerMessageDeflate.__init__": (PerMessageDeflate.__init__, "e892804c68998e20"),
-    "PerMessageDeflate.frame_inbound_header": (PerMessageDeflate.frame_inbound_header, "5451a091b37fe47d"),
-    "PerMessageDeflate.frame_inbound_payload_data": (PerMessageDeflate.frame_inbound_payload_data, "93bc8692346aa787"),
-    "PerMessageDeflate.frame_inbound_complete": (PerMessageDeflate.frame_inbound_complete, "15ecc689b99856b3"),
-    # the order of the extension calls: headers, then each payload piece, then the frame's end
-    "FrameDecoder.process_buffer": (FrameDecoder.process_buffer, "f19287e506f3178b"),
-    "FrameDecoder.extension_processing": (FrameDecoder.extension_processing, "2b4d39daae0088c8"),
-    "FrameProtocol.__init__": (FrameProtocol.__init__, "037e847db237d081"),
-    # a ParseFailed raised by an extension becomes a close event with its code and reason
-    "Connection.events": (Connection.events, "e4d77be0bfef1af2"),
-}
+from ttft_relay.patches.fixes import websocket_limits
+from ttft_relay.patches.fixes.websocket_limits import Bounds, BoundedDeflate, MessageLimits
 
 
 def test_the_code_under_it_is_unchanged():
     assert importlib.metadata.version("wsproto") == "1.3.2"
-    assert_unchanged(PINNED, websocket_limits)
+    assert_unchanged(websocket_limits.PINS, websocket_limits)
 
 
 class _Conn:

@@ -1,22 +1,16 @@
-"""Pin test of ttft_relay/patches/ca_once.py (the addon: tests/test_capacity.py)."""
+"""Pin test of ttft_relay/patches/speed/ca_once.py (the addon: tests/test_capacity.py)."""
 
 from __future__ import annotations
 
 from mitmproxy.addons import tlsconfig
 from mitmproxy.test import taddons
 
-from ttft_relay.patches import ca_once
+from ttft_relay.patches.speed import ca_once
 from tests.patches.pins import assert_unchanged
-
-PINNED = {
-    # running loads the CA again; configure (re)loads it on every CA option change
-    "TlsConfig.running": (ca_once._ORIGINAL_TLS_RUNNING, "b65f52307d81dc76"),
-    "TlsConfig.configure": (tlsconfig.TlsConfig.configure, "efea05bd816190dc"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, ca_once)
+    assert_unchanged(ca_once.PINS, ca_once)
 
 
 def test_the_ca_loaded_at_start_is_not_loaded_again_when_running(tmp_path):
@@ -39,20 +33,3 @@ def test_the_ca_loaded_at_start_is_not_loaded_again_when_running(tmp_path):
         finally:
             ca_once.load_ca_once(addon, on=False)
     assert tlsconfig.TlsConfig.running is ca_once._ORIGINAL_TLS_RUNNING
-
-
-def test_a_store_mitmproxy_has_not_loaded_is_loaded_before_the_listeners_accept(tmp_path):
-    # With the default confdir mitmproxy loads the store only in `running`, after its
-    # listeners are up: a request in between failed, and stopped mitmproxy at start.
-    addon = tlsconfig.TlsConfig()
-    with taddons.context(addon) as tctx:
-        tctx.options.confdir = str(tmp_path)
-        addon.certstore = None
-        ca_once.load_ca_once(addon)
-        try:
-            assert addon.certstore is not None and (tmp_path / "mitmproxy-ca.pem").exists()
-            loaded = addon.certstore
-            addon.running()
-            assert addon.certstore is loaded
-        finally:
-            ca_once.load_ca_once(addon, on=False)

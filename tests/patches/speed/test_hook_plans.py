@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/hook_plans.py, and plans calling what mitmproxy calls, in its order
+"""Pin test of ttft_relay/patches/speed/hook_plans.py, and plans calling what mitmproxy calls, in its order
 (the addon: tests/test_capacity.py)."""
 
 from __future__ import annotations
@@ -7,39 +7,18 @@ import asyncio
 import dataclasses
 
 import pytest
-from mitmproxy import addonmanager, ctx, exceptions, hooks
-from mitmproxy.addons import script
+from mitmproxy import ctx, exceptions, hooks
 from mitmproxy.hooks import UpdateHook
 from mitmproxy.proxy.layers.http import HttpRequestHook
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import capacity
-from ttft_relay.patches import hook_plans
+from ttft_relay.patches.speed import hook_plans
 from tests.patches.pins import assert_unchanged
-
-PINNED = {
-    "AddonManager.trigger_event": (hook_plans._ORIGINAL_TRIGGER_EVENT, "b763c59bc4992e33"),
-    "AddonManager.register": (hook_plans._ORIGINAL_REGISTER, "01ddcca314eebbd3"),
-    "AddonManager.trigger": (hook_plans._ORIGINAL_TRIGGER, "b19e37ceb2096421"),
-    "AddonManager.invoke_addon_sync": (addonmanager.AddonManager.invoke_addon_sync, "212818268a95797b"),
-    "AddonManager.invoke_addon": (addonmanager.AddonManager.invoke_addon, "13180532440359de"),
-    "AddonManager._iter_hooks": (addonmanager.AddonManager._iter_hooks, "350b419ab7284091"),
-    "AddonManager.remove": (addonmanager.AddonManager.remove, "2e93aab2204a39f6"),
-    "AddonManager.clear": (addonmanager.AddonManager.clear, "5fd484329fa05882"),
-    "AddonManager.add": (addonmanager.AddonManager.add, "6c26295c4f0f4eb9"),
-    "addonmanager.traverse": (addonmanager.traverse, "bad3d9f88bdf9269"),
-    # what the plans do in its place: an addon's error, the event's arguments
-    "addonmanager.safecall": (addonmanager.safecall, "f2052c18340e99b0"),
-    "Hook.args": (hooks.Hook.args, "5bab95f7aa358e18"),
-    # how the tree changes under plans: register, then the module set
-    "Script.loadscript": (script.Script.loadscript, "f2972abb206ff2fe"),
-    "ScriptLoader.configure": (script.ScriptLoader.configure, "d76470344008804a"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, hook_plans)
-
+    assert_unchanged(hook_plans.PINS, hook_plans)
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/listen_backlog.py, and the backlog it gives a listener
+"""Pin test of ttft_relay/patches/speed/listen_backlog.py, and the backlog it gives a listener
 (the addon: tests/test_capacity.py)."""
 
 from __future__ import annotations
@@ -7,24 +7,16 @@ import asyncio
 import contextlib
 
 import pytest
-from mitmproxy import master
 from mitmproxy.proxy import mode_servers
 from mitmproxy.test import taddons
 
-from ttft_relay.patches import listen_backlog
+from ttft_relay.patches.speed import listen_backlog
 from tests.harness import connect_many, handshakes_completed
 from tests.patches.pins import assert_unchanged, source
 
-PINNED = {
-    "AsyncioServerInstance.listen": (listen_backlog._ORIGINAL_LISTEN, "7670a9038b44170d"),
-    "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
-    # when listeners start: before `running`, where the backlog reaches those running
-    "Master.run": (master.Master.run, "45c44c14f8f79349"),
-}
-
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, listen_backlog)
+    assert_unchanged(listen_backlog.PINS, listen_backlog)
 
 
 def test_the_lines_it_depends_on():

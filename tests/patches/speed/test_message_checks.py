@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/message_checks.py: every value passes or fails as mitmproxy's check has it."""
+"""Pin test of ttft_relay/patches/speed/message_checks.py: every value passes or fails as mitmproxy's check has it."""
 
 from __future__ import annotations
 
@@ -10,17 +10,12 @@ import pytest
 from mitmproxy import http
 from mitmproxy.utils import typecheck
 
-from ttft_relay.patches import message_checks
+from ttft_relay.patches.speed import message_checks
 from tests.patches.pins import assert_unchanged
-
-PINNED = {
-    "MessageData.__post_init__": (message_checks._ORIGINAL_POST_INIT, "f65088e210cd9cc1"),
-    "typecheck.check_option_type": (typecheck.check_option_type, "b60e47c7091fa795"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, message_checks)
+    assert_unchanged(message_checks.PINS, message_checks)
 
 
 class Odd:

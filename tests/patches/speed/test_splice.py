@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/splice.py: the client gets exactly what mitmproxy's own
+"""Pin test of ttft_relay/patches/speed/splice.py: the client gets exactly what mitmproxy's own
 path sends, in the same order, and the mitmproxy code the splice stands in for is pinned
 (end to end: tests/test_streaming_e2e.py and every e2e suite that streams).
 
@@ -26,48 +26,19 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from h11._readers import ChunkedReader
 from OpenSSL import SSL
-from mitmproxy.proxy import commands, context, events, layer, server, tunnel
+from mitmproxy.proxy import commands, context, events, server, tunnel
 from mitmproxy.proxy import server as server_mod
 from mitmproxy.proxy.layers.tls import TLSLayer
-from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode, HttpStream
-from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Http1Server
+from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode
+from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection
 
-from ttft_relay.patches import connections, splice, trailers
+from ttft_relay.patches import connections
+from ttft_relay.patches.speed import splice
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    # what the splice does for each chunk instead, and the states it checks
-    "HttpStream.state_stream_response_body": (HttpStream.state_stream_response_body, "3fb6320300d3ddd5"),
-    "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
-    "HttpLayer.event_to_child": (HttpLayer.event_to_child, "1095f6e1581d1780"),
-    "HttpStream._handle_event": (HttpStream._handle_event, "e3cbfef7310ae81f"),
-    # what it wraps, and where the read chunks come from
-    "Http1Connection.read_body": (trailers._ORIGINAL_READ_BODY, "aece271029af36e4"),
-    "Http1Connection._handle_event": (Http1Connection._handle_event, "2ac8db3e43ae743f"),
-    "Layer.handle_event": (layer.Layer.handle_event, "fd88b0fb09ceddbb"),
-    # direct reads: h11's state they take over and hand back, what a read does in mitmproxy
-    # (handle_connection: server_event with the data, then drain_writers; EOF and errors
-    # through the reader), and the watchdog they tell
-    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
-    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
-    "ConnectionHandler.handle_connection": (server.ConnectionHandler.handle_connection, "95c3f93e9824e527"),
-    "ConnectionHandler.drain_writers": (server.ConnectionHandler.drain_writers, "6b57434604561e3e"),
-    "TimeoutWatchdog.register_activity": (server.TimeoutWatchdog.register_activity, "41e033f7debf79d3"),
-    # over TLS: what the TLS layer does with a read and a send (which they do the same way,
-    # and which reads what they leave in the TLS connection), where they find it (a
-    # connection's tunnel layers: in its context's layers, a fork keeps them)
-    "TLSLayer.receive_data": (TLSLayer.receive_data, "85c0e6b656c324e5"),
-    "TLSLayer.send_data": (TLSLayer.send_data, "35a29a1b0b0cb184"),
-    "TLSLayer.tls_interact": (TLSLayer.tls_interact, "62d6d57d43dd1a2e"),
-    "TunnelLayer._handle_event": (tunnel.TunnelLayer._handle_event, "00676a887c456cec"),
-    "TunnelLayer.event_to_child": (tunnel.TunnelLayer.event_to_child, "119a33642637d420"),
-    "Context.fork": (context.Context.fork, "cad9374a0689f10a"),
-    "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, splice)
+    assert_unchanged(splice.PINS, splice)
 
 
 def test_the_lines_direct_reads_depend_on():

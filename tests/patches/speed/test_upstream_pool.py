@@ -1,46 +1,20 @@
-"""Pin test of ttft_relay/patches/upstream_pool.py (end to end: tests/test_upstream_pool_e2e.py)."""
+"""Pin test of ttft_relay/patches/speed/upstream_pool.py (end to end: tests/test_upstream_pool_e2e.py)."""
 
 from __future__ import annotations
 
-from mitmproxy.addons.tlsconfig import TlsConfig
-from mitmproxy.proxy.layers.http import HttpClient, HttpLayer
-from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection
+from mitmproxy.proxy.layers.http import HttpLayer
+from mitmproxy.proxy.layers.http._http1 import Http1Connection
 from mitmproxy.proxy.layers.tls import ServerTLSLayer, TLSLayer
 from mitmproxy.proxy.server import ConnectionHandler
-from mitmproxy.proxy.tunnel import TunnelLayer
 from mitmproxy.test import tutils
 
 from ttft_relay import patches
-from ttft_relay.patches import upstream_pool
+from ttft_relay.patches.speed import upstream_pool
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "HttpLayer.get_connection": (upstream_pool._ORIGINAL_GET_CONNECTION, "1aa1c63e3175766c"),
-    "ConnectionHandler.open_connection": (upstream_pool._ORIGINAL_OPEN_CONNECTION, "5e0b3cbaf7a4030a"),
-    "ServerTLSLayer.start_handshake": (upstream_pool._ORIGINAL_START_HANDSHAKE, "0dcfcb2a69b9608b"),
-    # parking: the client_disconnected hook comes before its upstream connections are cancelled,
-    # and a cancelled connection's end closes the writer its handler holds then
-    "ConnectionHandler.handle_client": (ConnectionHandler.handle_client, "01f1b7cc991c4711"),
-    "ConnectionHandler.handle_connection": (ConnectionHandler.handle_connection, "95c3f93e9824e527"),
-    # an OpenConnection's task starts as the handler takes it, before its transports entry is made
-    "ConnectionHandler.server_event": (ConnectionHandler.server_event, "a2b42657ebe8bf6d"),
-    # the adopted TLS: an OpenConnection through the TLS layer, a handshake that finds itself done
-    "TunnelLayer.start_handshake": (TunnelLayer.start_handshake, "c15396d5df2a9fe6"),
-    "TunnelLayer._handle_command": (TunnelLayer._handle_command, "11ede598b3b37965"),
-    "TunnelLayer._handle_event": (TunnelLayer._handle_event, "00676a887c456cec"),
-    "TLSLayer.receive_handshake_data": (TLSLayer.receive_handshake_data, "721fe6313c0979fe"),
-    "TLSLayer.receive_close": (TLSLayer.receive_close, "244aa237c481fc55"),
-    # an idle HTTP/1 client connection, and what it does with a ConnectionClosed (nothing sent)
-    "HttpClient._handle_event": (HttpClient._handle_event, "bc1cae775a49a4fe"),
-    "Http1Connection.mark_done": (Http1Connection.mark_done, "dc5ed395ce4f0763"),
-    "Http1Client.read_headers": (Http1Client.read_headers, "415454c5fa8b5981"),
-    # the warm-up's TLS comes from this hook, as a connection mitmproxy opens
-    "TlsConfig.tls_start_server": (TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, upstream_pool)
+    assert_unchanged(upstream_pool.PINS, upstream_pool)
 
 
 def test_the_lines_it_depends_on():

@@ -1,4 +1,4 @@
-"""Pin test of ttft_relay/patches/upstream_tls_warmup.py: the context it builds is the one mitmproxy's first handshake uses."""
+"""Pin test of ttft_relay/patches/speed/upstream_tls_warmup.py: the context it builds is the one mitmproxy's first handshake uses."""
 
 from __future__ import annotations
 
@@ -9,19 +9,12 @@ from mitmproxy.net import tls as net_tls
 from mitmproxy.proxy import context
 from mitmproxy.test import taddons
 
-from ttft_relay.patches import upstream_tls_warmup
+from ttft_relay.patches.speed import upstream_tls_warmup
 from tests.patches.pins import assert_unchanged
-
-PINNED = {
-    # the arguments of the upstream TLS context, and its cache
-    "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
-    "create_proxy_server_context": (net_tls.create_proxy_server_context.__wrapped__, "e2d90d71c5744797"),
-    "tlsconfig._default_ciphers": (tlsconfig._default_ciphers, "cea126ff70a9694f"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, upstream_tls_warmup)
+    assert_unchanged(upstream_tls_warmup.PINS, upstream_tls_warmup)
 
 
 @pytest.mark.parametrize("options", [{}, {"ssl_insecure": True}, {"tls_version_server_min": "TLS1_2"}])

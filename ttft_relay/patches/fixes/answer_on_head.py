@@ -33,27 +33,53 @@ from mitmproxy.proxy.layers.http import (
 )
 from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Server
-from mitmproxy.proxy.layers.http._http2 import Http2Server
+from mitmproxy.proxy.layers.http._http2 import Http2Connection, Http2Server
+from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
-from .rewrite import replacing
+from ..rewrite import replacing
 
 _ORIGINAL_CHECK_KILLED = HttpStream.check_killed
 ORIGINALS = {(HttpStream, "check_killed"): _ORIGINAL_CHECK_KILLED}
+PINS = {
+    "HttpStream.check_killed": (_ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
+    "HttpStream.state_wait_for_request_headers": (HttpStream.state_wait_for_request_headers, "3706d5d5ce01dcd4"),
+    "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
+    # HTTP/2: the stream's state, and a reset that drops what flow control holds back
+    "Http2Connection.is_closed": (Http2Connection.is_closed, "26e8192aca68a486"),
+    "BufferedH2Connection.reset_stream": (BufferedH2Connection.reset_stream, "4066479f1b95343e"),
+}
+_users: set[str] = set()
 _answer_now: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _answered: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 
 
+def install(by: str) -> None:
+    """Answers on the head for `by` (the relay keys, the field checks, a stop): on while anyone asks."""
+    _users.add(by)
+    HttpStream.check_killed = _check_killed  # type: ignore[method-assign]
+
+
+def uninstall(by: str | None = None) -> None:
+    """Off for `by` (None: for everyone)."""
+    if by is None:
+        _users.clear()
+    else:
+        _users.discard(by)
+    if not _users:
+        HttpStream.check_killed = _ORIGINAL_CHECK_KILLED  # type: ignore[method-assign]
+
+
+def installed() -> bool:
+    return HttpStream.check_killed is _check_killed
+
+
 def answer_now(flow: http.HTTPFlow, response: http.Response) -> None:
     """From `requestheaders`: answer `flow` with `response` at once, without reading
-    its body, and close the client connection."""
+    its body, and close the client connection (where this patch is off: the flow is
+    killed, its client gets a closed connection)."""
     flow.response = response
     _answer_now.add(flow)
-    HttpStream.check_killed = _check_killed  # type: ignore[method-assign]
     flow.kill()
-
-
-def uninstall() -> None:
-    HttpStream.check_killed = _ORIGINAL_CHECK_KILLED  # type: ignore[method-assign]
 
 
 def _check_killed(self: HttpStream, emit_error_hook: bool) -> layer.CommandGenerator[bool]:

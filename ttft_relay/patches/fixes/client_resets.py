@@ -28,10 +28,21 @@ from typing import Any
 import h2.errors
 import h2.events
 from mitmproxy.proxy import layer
-from mitmproxy.proxy.layers.http._http2 import Http2Server, StreamState
+from mitmproxy.proxy.layers.http import HttpStream
+from mitmproxy.proxy.layers.http._http2 import Http2Connection, Http2Server, StreamState
 
 _ORIGINAL_HANDLE_H2_EVENT = Http2Server.handle_h2_event
 ORIGINALS = {(Http2Server, "handle_h2_event"): _ORIGINAL_HANDLE_H2_EVENT}
+PINS = {
+    "Http2Server.handle_h2_event": (_ORIGINAL_HANDLE_H2_EVENT, "d24a023c678de6ce"),
+    # where a stream is forgotten and a reset of a forgotten one dropped
+    "Http2Connection.handle_h2_event": (Http2Connection.handle_h2_event, "f6b6a52b12548102"),
+    # GOAWAY with the error code given, then every tracked stream failed
+    "Http2Connection.protocol_error": (Http2Connection.protocol_error, "461f5e7de9c9b687"),
+    "Http2Connection.close_connection": (Http2Connection.close_connection, "44b76ed198e7916a"),
+    # a client's reset of a stream already upstream cancels the upstream request
+    "HttpStream.handle_protocol_error": (HttpStream.handle_protocol_error, "59fc3b2eeeabf63a"),
+}
 _RESETS = "_ttft_relay_client_resets"
 """Where a connection keeps the times of its client's latest resets."""
 

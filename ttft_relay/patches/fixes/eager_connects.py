@@ -34,6 +34,8 @@ from mitmproxy import tls
 from mitmproxy.addons import tlsconfig
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers import tls as tls_layers
+from mitmproxy.proxy.layers.http import HttpLayer
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,13 @@ _ORIGINAL_TLS_CLIENTHELLO = tlsconfig.TlsConfig.tls_clienthello
 ORIGINALS = {
     (modes.DestinationKnown, "finish_start"): _ORIGINAL_FINISH_START,
     (tlsconfig.TlsConfig, "tls_clienthello"): _ORIGINAL_TLS_CLIENTHELLO,
+}
+PINS = {
+    "DestinationKnown.finish_start": (_ORIGINAL_FINISH_START, "91f47432073a2bf6"),
+    "HttpLayer.get_connection": (HttpLayer.get_connection, "1aa1c63e3175766c"),
+    "TlsConfig.tls_clienthello": (_ORIGINAL_TLS_CLIENTHELLO, "d85ce5b87dbdaf61"),
+    # where a TLS client's hello makes the upstream connect first
+    "ClientTLSLayer.receive_handshake_data": (tls_layers.ClientTLSLayer.receive_handshake_data, "a0ee021f92f6d0ff"),
 }
 _deferred: dict[str, Callable[[Any], bool]] = {}
 """Who defers eager connects, and on which listeners (by their proxy mode)."""

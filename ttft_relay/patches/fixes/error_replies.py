@@ -33,10 +33,12 @@ from mitmproxy import http
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers.http import HttpStream, ResponseData, ResponseEndOfMessage, ResponseHeaders, SendHttp
 from mitmproxy.proxy.layers.http._events import ResponseProtocolError
+from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.proxy.layers.http._http2 import Http2Connection
 
-from ..timing import record
+from ...timing import record
 from . import eager_connects
-from .rewrite import replacing
+from ..rewrite import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,13 @@ None to leave mitmproxy's behaviour. `message` is mitmproxy's error text.
 
 _ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 ORIGINALS = {(HttpStream, "handle_protocol_error"): _ORIGINAL_HANDLE_PROTOCOL_ERROR}
+USES = (eager_connects,)
+PINS = {
+    "HttpStream.handle_protocol_error": (_ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
+    # the response events the wrap sends instead, as each protocol sends them
+    "Http1Server.send": (Http1Server.send, "cc218a1337c0f5cf"),
+    "Http2Connection._handle_event": (Http2Connection._handle_event, "7fc814a8a507f234"),
+}
 _renderer: Renderer | None = None
 
 

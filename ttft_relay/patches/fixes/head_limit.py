@@ -13,6 +13,9 @@ from mitmproxy.proxy.layers.http._http1 import Http1Server, make_error_response
 
 _ORIGINAL_READ_HEADERS = Http1Server.read_headers
 ORIGINALS = {(Http1Server, "read_headers"): _ORIGINAL_READ_HEADERS}
+PINS = {
+    "Http1Server.read_headers": (_ORIGINAL_READ_HEADERS, "3fe0945216bcf7bc"),
+}
 _max_head = 0
 
 

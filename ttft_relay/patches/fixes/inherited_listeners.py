@@ -37,13 +37,20 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
-from mitmproxy import ctx
+from mitmproxy import ctx, master
+from mitmproxy.addons import errorcheck
 from mitmproxy.proxy import mode_servers
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL_START = mode_servers.AsyncioServerInstance._start
 ORIGINALS = {(mode_servers.AsyncioServerInstance, "_start"): _ORIGINAL_START}
+PINS = {
+    "AsyncioServerInstance._start": (_ORIGINAL_START, "f96507081fa6236b"),
+    # accepting starts after `running` and after the start-up error check that follows it
+    "Master.run": (master.Master.run, "45c44c14f8f79349"),
+    "ErrorCheck.shutdown_if_errored": (errorcheck.ErrorCheck.shutdown_if_errored, "7c55b7c2459d8a53"),
+}
 ACCEPT_BATCH = 8
 """Connections a worker accepts at most per turn of its event loop (see the module docstring)."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers.http._http1 import Http1Client
 
@@ -23,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 _ORIGINAL_READ_RESPONSE_HEADERS = Http1Client.read_headers
 ORIGINALS = {(Http1Client, "read_headers"): _ORIGINAL_READ_RESPONSE_HEADERS}
+PINS = {
+    # the response head is read from the buffer the wrap takes interim heads out of
+    "Http1Client.read_headers": (_ORIGINAL_READ_RESPONSE_HEADERS, "415454c5fa8b5981"),
+    "ReceiveBuffer.maybe_extract_at_most": (ReceiveBuffer.maybe_extract_at_most, "a283b372f1fb7393"),
+}
 
 
 def install() -> None:

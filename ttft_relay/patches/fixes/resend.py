@@ -44,6 +44,17 @@ from . import upstream_copy
 
 _ORIGINAL_SEND_RESPONSE = HttpStream.send_response
 ORIGINALS = {(HttpStream, "send_response"): _ORIGINAL_SEND_RESPONSE}
+PINS = {
+    "HttpStream.send_response": (_ORIGINAL_SEND_RESPONSE, "d581bc106152e369"),
+    # _resend does what this does after the request hook, once more
+    "HttpStream.state_consume_request_body": (HttpStream.state_consume_request_body, "45459c1bbd8bdb1a"),
+    "HttpStream.make_server_connection": (HttpStream.make_server_connection, "ddc7bc72f4d2fbc7"),
+    # a held answer is read whole (not streamed) and ends in send_response
+    "HttpStream.state_wait_for_response_headers": (HttpStream.state_wait_for_response_headers, "10e32e91b2948164"),
+    "HttpStream.state_consume_response_body": (HttpStream.state_consume_response_body, "5323db61dfc7e2e1"),
+}
+WITHOUT = ("an upstream's refusal of a request as too long reaches the client as the upstream sent it, "
+           "not trimmed and sent again (the window it names is still learned for the next requests)")
 _held: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _again: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 

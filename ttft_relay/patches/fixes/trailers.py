@@ -27,14 +27,22 @@ from typing import Any
 
 from h11._readers import ChunkedReader
 from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy.layers.http import HttpStream
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server, make_error_response
 
-from .rewrite import replacing
+from ..rewrite import replacing
 
 _ORIGINAL_READ_BODY = Http1Connection.read_body
 ORIGINALS = {(Http1Connection, "read_body"): _ORIGINAL_READ_BODY}
+PINS = {
+    "Http1Connection.read_body": (_ORIGINAL_READ_BODY, "aece271029af36e4"),
+    "HttpStream.handle_protocol_error": (HttpStream.handle_protocol_error, "59fc3b2eeeabf63a"),
+    # where h11's reader is in a chunked body (_bytes_in_chunk, _bytes_to_discard, _reading_trailer)
+    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
+    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
+}
 
 REQUEST_TRAILERS = "HTTP/1 request trailers are not supported by the relay (send the request without them)"
 RESPONSE_TRAILERS = "the upstream sent HTTP/1 trailers, which the relay cannot pass on"

@@ -19,19 +19,33 @@ from mitmproxy import http
 from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers.http import HttpStream, RequestHeaders, SendHttp
 
-from .rewrite import replacing
+from ..rewrite import replacing
 
 _ORIGINAL_CONSUME_REQUEST_BODY = HttpStream.state_consume_request_body
 ORIGINALS = {(HttpStream, "state_consume_request_body"): _ORIGINAL_CONSUME_REQUEST_BODY}
+PINS = {
+    "HttpStream.state_consume_request_body": (_ORIGINAL_CONSUME_REQUEST_BODY, "45459c1bbd8bdb1a"),
+}
+_users: set[str] = set()
 _outgoing: weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]] = weakref.WeakKeyDictionary()
+
+
+def install(by: str) -> None:
+    """Changed copies go upstream for `by` (the relay keys, the upstream pool): on while anyone asks."""
+    _users.add(by)
+    HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
+
+
+def installed() -> bool:
+    return HttpStream.state_consume_request_body is _consume_request_body
 
 
 def send_upstream_with(flow: http.HTTPFlow, change: Callable[[http.Request], None]) -> None:
     """Send `flow`'s request upstream as a copy changed by `change` (after any change asked
-    for before: the relay keys' swap, the upstream pool's hop-by-hop headers); the flow keeps its own."""
+    for before: the relay keys' swap, the upstream pool's hop-by-hop headers); the flow keeps its own.
+    Where this patch is off the flow's own request goes, unchanged."""
     earlier = _outgoing.get(flow)
     _outgoing[flow] = change if earlier is None else _both(earlier, change)
-    HttpStream.state_consume_request_body = _consume_request_body  # type: ignore[method-assign]
 
 
 def outgoing(flow: http.HTTPFlow, request: http.Request) -> http.Request:
@@ -53,8 +67,14 @@ def _both(first: Callable[[http.Request], None], then: Callable[[http.Request], 
     return change
 
 
-def uninstall() -> None:
-    HttpStream.state_consume_request_body = _ORIGINAL_CONSUME_REQUEST_BODY  # type: ignore[method-assign]
+def uninstall(by: str | None = None) -> None:
+    """Off for `by` (None: for everyone)."""
+    if by is None:
+        _users.clear()
+    else:
+        _users.discard(by)
+    if not _users:
+        HttpStream.state_consume_request_body = _ORIGINAL_CONSUME_REQUEST_BODY  # type: ignore[method-assign]
 
 
 def _consume_request_body(self: HttpStream, event: events.Event) -> layer.CommandGenerator[None]:

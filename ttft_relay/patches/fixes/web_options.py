@@ -19,6 +19,12 @@ from mitmproxy import optmanager
 
 _ORIGINAL_DUMP_DICTS = optmanager.dump_dicts
 ORIGINALS = {(optmanager, "dump_dicts"): _ORIGINAL_DUMP_DICTS}
+PINS = {
+    "optmanager.dump_dicts": (_ORIGINAL_DUMP_DICTS, "f48bd145154e4fae"),
+    # mitmweb's two dumps (checked where mitmweb runs: mitmdump never imports them)
+    "Options.get": ("mitmproxy.tools.web.app:Options.get", "b73536d5fd1d84df"),
+    "WebMaster._sig_options_update": ("mitmproxy.tools.web.master:WebMaster._sig_options_update", "e27cd83605ee4645"),
+}
 _shown: Callable[[str, Any], Any] | None = None
 
 

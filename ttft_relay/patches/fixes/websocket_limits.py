@@ -36,8 +36,9 @@ import weakref
 import zlib
 from dataclasses import dataclass
 
-from mitmproxy.proxy.layers.websocket import WebsocketConnection
+from mitmproxy.proxy.layers.websocket import WebsocketConnection, WebsocketLayer
 from wsproto import ConnectionType
+from wsproto.connection import Connection
 from wsproto.extensions import Extension, PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, ParseFailed, RsvBits
 from wsproto.utilities import split_comma_header
@@ -62,6 +63,25 @@ class Bounds:
 
 _ORIGINAL_INIT = WebsocketConnection.__init__
 ORIGINALS = {(WebsocketConnection, "__init__"): _ORIGINAL_INIT}
+PINS = {
+    # each side's wsproto connection is made here, with the extensions the wrap bounds
+    "WebsocketConnection.__init__": (_ORIGINAL_INIT, "f77a8c21ac12e55f"),
+    # ... from PerMessageDeflate objects the 101's header negotiated, one per side
+    "WebsocketLayer.start": (WebsocketLayer.start, "8445ad1cfb2fcca5"),
+    # a close event (wsproto's for a ParseFailed) goes to both sides, its code and reason onto the flow
+    "WebsocketLayer.relay_messages": (WebsocketLayer.relay_messages, "2d451252c7287da0"),
+    # wsproto's state BoundedDeflate reads (_inbound_compressed, _inbound_is_compressible, _decompressor, _enabled)
+    "PerMessageDeflate.__init__": (PerMessageDeflate.__init__, "e892804c68998e20"),
+    "PerMessageDeflate.frame_inbound_header": (PerMessageDeflate.frame_inbound_header, "5451a091b37fe47d"),
+    "PerMessageDeflate.frame_inbound_payload_data": (PerMessageDeflate.frame_inbound_payload_data, "93bc8692346aa787"),
+    "PerMessageDeflate.frame_inbound_complete": (PerMessageDeflate.frame_inbound_complete, "15ecc689b99856b3"),
+    # the order of the extension calls: headers, then each payload piece, then the frame's end
+    "FrameDecoder.process_buffer": (FrameDecoder.process_buffer, "f19287e506f3178b"),
+    "FrameDecoder.extension_processing": (FrameDecoder.extension_processing, "2b4d39daae0088c8"),
+    "FrameProtocol.__init__": (FrameProtocol.__init__, "037e847db237d081"),
+    # a ParseFailed raised by an extension becomes a close event with its code and reason
+    "Connection.events": (Connection.events, "e4d77be0bfef1af2"),
+}
 _bounds = Bounds()
 
 

@@ -4,23 +4,23 @@
 configure call that sometimes never comes): 40 ms of key parsing on the event loop just
 after the listeners are up, which the first request's upstream connect absorbs.
 `load_ca_once` marks a TlsConfig whose store is already loaded (by then mitmproxy has
-configured it with every option); the wrap of `running` skips the reload for it. Any
-later change of a CA option still reloads in `configure`, which the wrap does not touch.
-
-That configure call does not come when `confdir` keeps its default (every user's case;
-the tests set it): the store is first loaded in `running`, after the listeners are up,
-and a request let in before that (the relay's start waits on the upstreams' name
-lookups) failed in TlsConfig's `request` hook and, that early, stopped mitmproxy ("Error
-logged during startup, exiting"). `load_ca_once` loads such a store itself, as `running`
-would, while the relay loads.
+configured it with every option, and `fixes.ca_at_start` loaded one it had not); the
+wrap of `running` skips the reload for it. Any later change of a CA option still reloads
+in `configure`, which the wrap does not touch.
 """
 
 from __future__ import annotations
 
 from mitmproxy.addons import tlsconfig
 
+from ..fixes import ca_at_start
+
 _ORIGINAL_TLS_RUNNING = tlsconfig.TlsConfig.running
 ORIGINALS = {(tlsconfig.TlsConfig, "running"): _ORIGINAL_TLS_RUNNING}
+USES = (ca_at_start,)
+PINS = {
+    "TlsConfig.running": (_ORIGINAL_TLS_RUNNING, "b65f52307d81dc76"),
+}
 _CA_CURRENT = "_ttft_relay_ca_current"
 
 
@@ -28,8 +28,6 @@ def load_ca_once(addon: tlsconfig.TlsConfig | None, on: bool = True) -> None:
     """`addon` keeps the CA it loaded instead of loading it again in `running`."""
     tlsconfig.TlsConfig.running = _tls_running if on else _ORIGINAL_TLS_RUNNING  # type: ignore[method-assign]
     if addon is not None:
-        if on and addon.certstore is None:
-            addon.configure({"confdir"})  # what its `running` does, before the listeners accept
         setattr(addon, _CA_CURRENT, on and addon.certstore is not None)
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import addonmanager, exceptions, hooks
+from mitmproxy.addons import script
 
 _ORIGINAL_TRIGGER_EVENT = addonmanager.AddonManager.trigger_event
 _ORIGINAL_TRIGGER = addonmanager.AddonManager.trigger
@@ -42,6 +43,24 @@ ORIGINALS = {
     (addonmanager.AddonManager, "trigger_event"): _ORIGINAL_TRIGGER_EVENT,
     (addonmanager.AddonManager, "trigger"): _ORIGINAL_TRIGGER,
     (addonmanager.AddonManager, "register"): _ORIGINAL_REGISTER,
+}
+PINS = {
+    "AddonManager.trigger_event": (_ORIGINAL_TRIGGER_EVENT, "b763c59bc4992e33"),
+    "AddonManager.register": (_ORIGINAL_REGISTER, "01ddcca314eebbd3"),
+    "AddonManager.trigger": (_ORIGINAL_TRIGGER, "b19e37ceb2096421"),
+    "AddonManager.invoke_addon_sync": (addonmanager.AddonManager.invoke_addon_sync, "212818268a95797b"),
+    "AddonManager.invoke_addon": (addonmanager.AddonManager.invoke_addon, "13180532440359de"),
+    "AddonManager._iter_hooks": (addonmanager.AddonManager._iter_hooks, "350b419ab7284091"),
+    "AddonManager.remove": (addonmanager.AddonManager.remove, "2e93aab2204a39f6"),
+    "AddonManager.clear": (addonmanager.AddonManager.clear, "5fd484329fa05882"),
+    "AddonManager.add": (addonmanager.AddonManager.add, "6c26295c4f0f4eb9"),
+    "addonmanager.traverse": (addonmanager.traverse, "bad3d9f88bdf9269"),
+    # what the plans do in its place: an addon's error, the event's arguments
+    "addonmanager.safecall": (addonmanager.safecall, "f2052c18340e99b0"),
+    "Hook.args": (hooks.Hook.args, "5bab95f7aa358e18"),
+    # how the tree changes under plans: register, then the module set
+    "Script.loadscript": (script.Script.loadscript, "f2972abb206ff2fe"),
+    "ScriptLoader.configure": (script.ScriptLoader.configure, "d76470344008804a"),
 }
 
 

@@ -19,12 +19,19 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+from mitmproxy import master
 from mitmproxy.proxy import mode_servers
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL_LISTEN = mode_servers.AsyncioServerInstance.listen
 ORIGINALS = {(mode_servers.AsyncioServerInstance, "listen"): _ORIGINAL_LISTEN}
+PINS = {
+    "AsyncioServerInstance.listen": (_ORIGINAL_LISTEN, "7670a9038b44170d"),
+    "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
+    # when listeners start: before `running`, where the backlog reaches those running
+    "Master.run": (master.Master.run, "45c44c14f8f79349"),
+}
 _listen_backlog = 0
 ASYNCIO_DEFAULT_BACKLOG = 100
 """What `asyncio.start_server` listens with, and so mitmproxy."""
@@ -44,6 +51,10 @@ def set_listen_backlog(backlog: int, running: Iterable[Any] = ()) -> None:
 
 def uninstall() -> None:
     set_listen_backlog(0)
+
+
+def installed() -> bool:
+    return mode_servers.AsyncioServerInstance.listen is _listen
 
 
 async def _listen(self: mode_servers.AsyncioServerInstance, host: str, port: int) -> list[Any]:

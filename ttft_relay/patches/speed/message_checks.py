@@ -23,6 +23,10 @@ from mitmproxy.utils import typecheck
 
 _ORIGINAL_POST_INIT = http.MessageData.__post_init__
 ORIGINALS = {(http.MessageData, "__post_init__"): _ORIGINAL_POST_INIT}
+PINS = {
+    "MessageData.__post_init__": (_ORIGINAL_POST_INIT, "f65088e210cd9cc1"),
+    "typecheck.check_option_type": (typecheck.check_option_type, "b60e47c7091fa795"),
+}
 
 _Checks = tuple[tuple[str, "tuple[type, ...] | None", Any], ...]
 """Per field: its name, the classes that pass it at once (None: always ask mitmproxy), its annotation."""

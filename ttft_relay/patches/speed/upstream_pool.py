@@ -66,16 +66,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mitmproxy import connection, http
+from mitmproxy.addons import tlsconfig
 from mitmproxy.connection import ConnectionState, Server
 from mitmproxy.proxy import commands, events, layer, server, server_hooks, tunnel
 from mitmproxy.proxy.layers import tls as tls_layers
-from mitmproxy.proxy.layers.http import GetHttpConnection, HttpLayer
-from mitmproxy.proxy.layers.http._http1 import Http1Client
+from mitmproxy.proxy.layers.http import GetHttpConnection, HttpClient, HttpLayer
+from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import human
 from OpenSSL import SSL
 
-from .. import apis
+from ... import apis
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,29 @@ ORIGINALS = {
     (HttpLayer, "get_connection"): _ORIGINAL_GET_CONNECTION,
     (server.ConnectionHandler, "open_connection"): _ORIGINAL_OPEN_CONNECTION,
     (tls_layers.ServerTLSLayer, "start_handshake"): _ORIGINAL_START_HANDSHAKE,
+}
+PINS = {
+    "HttpLayer.get_connection": (_ORIGINAL_GET_CONNECTION, "1aa1c63e3175766c"),
+    "ConnectionHandler.open_connection": (_ORIGINAL_OPEN_CONNECTION, "5e0b3cbaf7a4030a"),
+    "ServerTLSLayer.start_handshake": (_ORIGINAL_START_HANDSHAKE, "0dcfcb2a69b9608b"),
+    # parking: the client_disconnected hook comes before its upstream connections are cancelled,
+    # and a cancelled connection's end closes the writer its handler holds then
+    "ConnectionHandler.handle_client": (server.ConnectionHandler.handle_client, "01f1b7cc991c4711"),
+    "ConnectionHandler.handle_connection": (server.ConnectionHandler.handle_connection, "95c3f93e9824e527"),
+    # an OpenConnection's task starts as the handler takes it, before its transports entry is made
+    "ConnectionHandler.server_event": (server.ConnectionHandler.server_event, "a2b42657ebe8bf6d"),
+    # the adopted TLS: an OpenConnection through the TLS layer, a handshake that finds itself done
+    "TunnelLayer.start_handshake": (tunnel.TunnelLayer.start_handshake, "c15396d5df2a9fe6"),
+    "TunnelLayer._handle_command": (tunnel.TunnelLayer._handle_command, "11ede598b3b37965"),
+    "TunnelLayer._handle_event": (tunnel.TunnelLayer._handle_event, "00676a887c456cec"),
+    "TLSLayer.receive_handshake_data": (tls_layers.TLSLayer.receive_handshake_data, "721fe6313c0979fe"),
+    "TLSLayer.receive_close": (tls_layers.TLSLayer.receive_close, "244aa237c481fc55"),
+    # an idle HTTP/1 client connection, and what it does with a ConnectionClosed (nothing sent)
+    "HttpClient._handle_event": (HttpClient._handle_event, "bc1cae775a49a4fe"),
+    "Http1Connection.mark_done": (Http1Connection.mark_done, "dc5ed395ce4f0763"),
+    "Http1Client.read_headers": (Http1Client.read_headers, "415454c5fa8b5981"),
+    # the warm-up's TLS comes from this hook, as a connection mitmproxy opens
+    "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
 }
 
 HTTP1_ALPN = b"http/1.1"

@@ -16,6 +16,13 @@ from typing import Any
 from mitmproxy.addons import tlsconfig
 from mitmproxy.net import tls as net_tls
 
+PINS = {
+    # the arguments of the upstream TLS context, and its cache
+    "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
+    "create_proxy_server_context": (net_tls.create_proxy_server_context.__wrapped__, "e2d90d71c5744797"),
+    "tlsconfig._default_ciphers": (tlsconfig._default_ciphers, "cea126ff70a9694f"),
+}
+
 
 def warm_upstream_tls(options: Any) -> None:
     """Build (and cache) the upstream TLS context mitmproxy's first handshake would build."""
