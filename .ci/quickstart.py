@@ -355,7 +355,7 @@ class QuickStart:
             ("a copy of the checkout, mitm.conf's reverse listeners pointed at a fake upstream",
              self.copy_checkout, True),
             (f"{RUN}: its first run (no .venv) starts with the default workers", self.first_run, True),
-            ("the fake upstream (python -m tests.fakes.upstream)", self.start_fake, True),
+            ("the fake upstream (python -m ttft_relay.testing.fakes.upstream)", self.start_fake, True),
             ("the README's curl streams through 8001", self.readme_curl, False),
             ("the client settings' Anthropic (8002) and proxy (8080) listeners answer", self.other_listeners, False),
             (REPORT, self.report, False),
@@ -420,7 +420,7 @@ class QuickStart:
 
     def start_fake(self) -> None:
         self.fake = self.procs.start(
-            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m tests.fakes.upstream --port {self.fake_port} --prefill-ms 150 "
+            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream --port {self.fake_port} --prefill-ms 150 "
             "--prefill-ms-per-1k-tokens 20 --gap-ms 10", self.clone, self.env)
         wait_for_line(self.fake.log_path, r"^listening ", self.fake, START_TIMEOUT)  # type: ignore[attr-defined]
 

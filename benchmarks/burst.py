@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from ttft_relay import workers
 from benchmarks.streams import one_stream
-from tests.harness import BenchSetups, cpu_seconds, percentile
+from benchmarks._setups import BenchSetups, cpu_seconds, percentile
 
 TIMEOUT = 60.0
 

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake_upstream
+from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake_upstream
 
 LOST = "relay process exited with the request in flight (no answer was recorded)"
 

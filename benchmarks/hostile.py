@@ -3,7 +3,7 @@ cost the relay, and what they cost everyone else's streams.
 
 One relay (mitmdump -s ttft_relay/relay.py with its defaults, or `--relay-script` another
 checkout's, to measure before and after a change) with three listeners: reverse to the fake
-upstream (the victims' streams), reverse to a hostile upstream (tests/fakes/hostile.py),
+upstream (the victims' streams), reverse to a hostile upstream (ttft_relay/testing/fakes/hostile.py),
 and a regular proxy listener (the junk requests). Per scenario:
 
     rss       the relay's resident memory before the attack, and its peak during it
@@ -43,9 +43,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.fakes import hostile
-from tests.fakes.hostile import BINARY, CONTINUATION, PING, TEXT, HostileUpstream, RawClient, frame
-from tests.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake_upstream
+from ttft_relay.testing.fakes import hostile
+from ttft_relay.testing.fakes.hostile import BINARY, CONTINUATION, PING, TEXT, HostileUpstream, RawClient, frame
+from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake_upstream
 
 GIB = 1 << 30
 EVENT_GAP_MS = 10

@@ -5,7 +5,7 @@ streamed chat completion each, every request naming its own model so that any
 mixing of streams would show) and checks that
 
 - every stream is byte-identical to what the fake upstream sends for that request
-  (its replies are deterministic: `tests.fakes.replies.build_reply`);
+  (its replies are deterministic: `ttft_relay.testing.fakes.replies.build_reply`);
 - the timing log gains exactly one record per request (joined by x-request-id);
 - the relay's resident memory (VmRSS) returns near its level after the first
   round, so nothing (flows, streamed bodies, timers) is retained.
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from tests.fakes.replies import answer_pieces, build_reply
-from tests.harness import MitmdumpProcess, start_fake_upstream
+from ttft_relay.testing.fakes.replies import answer_pieces, build_reply
+from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 
 PATH = "/v1/chat/completions"
 

@@ -26,23 +26,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.fakes.client import stream_post
-from tests.harness import BASELINE_SCRIPT, MitmdumpProcess, cpu_seconds, start_fake_upstream
+from benchmarks._setups import BASELINE_SCRIPT, cpu_seconds
+from ttft_relay.testing.fakes.client import stream_post
+from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 
 REPO = Path(__file__).resolve().parent.parent
 
 RELAY_WITHOUT_TIMING_SCRIPT = f"""
-import importlib.util, sys
-sys.path.insert(0, {str(REPO)!r})
-from ttft_relay.timing import timing
+import importlib.util
 _spec = importlib.util.spec_from_file_location("relay_full", {str(REPO / "ttft_relay" / "relay.py")!r})
 _relay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_relay)
+_spec.loader.exec_module(_relay)  # the relay's entry point: it makes the package importable
+from ttft_relay.timing import timing
 addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 """
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
-FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
+FIRST_PIECE = b"Hello"  # the fake's first answer piece (ttft_relay.testing.fakes.replies.answer_pieces)
 
 
 def first_token_ms(url: str) -> float:

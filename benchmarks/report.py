@@ -1,7 +1,7 @@
 """Report benchmark: how long `ttft-relay report --html` takes on a big log, how large the
 page is, and how long Chromium takes to open and draw it.
 
-Builds a log of --records records shaped like a day of traffic (tests/report_samples.py),
+Builds a log of --records records shaped like a day of traffic (ttft_relay/testing/report_samples.py),
 then, medians over --repeat runs each: the text report (the baseline, same run, same log),
 the text report plus the HTML page, and in headless Chromium: navigation until the page says
 it has drawn, the page's own drawing time, and picking a request from the table.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from tests import browser, report_samples
+from ttft_relay.testing import browser, report_samples
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.fakes import client
-from tests.harness import RelayWorkers, read_records, start_fake_upstream
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import RelayWorkers, read_records, start_fake_upstream
 from ttft_relay.timing import ledger
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

@@ -80,13 +80,13 @@ import h2.events
 import orjson
 
 
+from benchmarks._setups import BenchSetups, cpu_seconds, percentile
 from ttft_relay import workers
-from tests.harness import BenchSetups, cpu_seconds, percentile
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 LAST_CHUNK = b"\r\n0\r\n\r\n"
 """How a chunked body (no trailers) ends: the last data chunk's CR LF, the zero-size chunk."""
-FIRST_PIECE = b"Hello"  # the fake's first answer piece (tests.fakes.replies.answer_pieces)
+FIRST_PIECE = b"Hello"  # the fake's first answer piece (ttft_relay.testing.fakes.replies.answer_pieces)
 STREAM_TIMEOUT = 60.0
 FIRST_TOKEN_SLACK_MS = 100.0
 GAP_FACTOR = 2.0

@@ -4,7 +4,7 @@ Three parts, each beside baselines measured in the same run:
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
-     claude      a Claude Code-like session (tests/shaped.py): 30 turns x 3 tool rounds
+     claude      a Claude Code-like session (ttft_relay/testing/shaped.py): 30 turns x 3 tool rounds
      codex       a Codex-like Responses session, same size
      loop        one prompt and an 8-round agent loop (~130k tokens): one turn, nothing to drop
    each trimmed
@@ -19,7 +19,7 @@ Three parts, each beside baselines measured in the same run:
    (bytes of their JSON, `cache_control` markers ignored: clients move them every turn)
    that it sends again as its own prefix. A provider's prompt cache hits on that prefix.
    Untrimmed it is the whole previous request. The same over --generated sessions per
-   profile of other shapes (`tests/shaped.py`'s `generated`: tool-heavy, long messages,
+   profile of other shapes (`ttft_relay/testing/shaped.py`'s `generated`: tool-heavy, long messages,
    many short turns, images, mixed), each until --generated-trimmed of its requests were
    trimmed, at --generated-budgets, with the relay's cut depth (room for 16 requests at the
    conversation's growth) beside the fixed 60 % before it and 8 or 24 requests' room:
@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import importlib.util
 import random
 import statistics
 import subprocess
@@ -51,7 +52,7 @@ import orjson
 
 from ttft_relay import apis
 from ttft_relay.trim import tokens, trimming
-from tests import shaped
+from ttft_relay.testing import shaped
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -136,7 +137,13 @@ def load_baseline(commit: str) -> Any | None:
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"(no baseline: cannot read {commit} from git: {e})")
         return None
-    sys.path.insert(0, str(target.parent))
+    # A package of its own name, from its folder (not put on sys.path): its modules import one another.
+    spec = importlib.util.spec_from_file_location("trim_before", target / "__init__.py",
+                                                  submodule_search_locations=[str(target)])
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package
+    spec.loader.exec_module(package)
     return importlib.import_module("trim_before.trimming")
 
 
@@ -284,7 +291,7 @@ def cut_policy(name: str) -> Iterator[None]:
 
 def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, trimmed: int) -> None:
     apis_ = (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT)
-    print(f"\nprefix sharing on generated sessions (tests/shaped.py generated), {seeds} per profile and API, each "
+    print(f"\nprefix sharing on generated sessions (ttft_relay/testing/shaped.py generated), {seeds} per profile and API, each "
           f"until {trimmed} of its requests were trimmed:")
     print("mean: of a session's trimmed requests' shares (the worst session's, and over all); min: the lowest share "
           "(a new cut);\nnew cuts: of the trimmed requests; context: tokens sent / budget, mean over trimmed requests "

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._setups import BASELINE_SCRIPT, percentile, stream_shape, stream_shape_arguments
 from ttft_relay import apis
 from ttft_relay.stream import sse
-from tests.fakes import client
-from tests.harness import (
-    BASELINE_SCRIPT, MitmdumpProcess, percentile, start_fake_upstream, stream_shape, stream_shape_arguments)
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 

@@ -24,8 +24,8 @@ import statistics
 import time
 
 
-from tests.fakes.ws_client import WebSocketClient
-from tests.harness import BenchSetups, percentile, stream_shape, stream_shape_arguments
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from benchmarks._setups import BenchSetups, percentile, stream_shape, stream_shape_arguments
 
 HEADERS = {"authorization": "Bearer sk-bench-FAKEKEY", "openai-beta": "responses_websockets=2026-02-06"}
 TURN = {"type": "response.create", "model": "gpt-5.1-codex",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import link
-from tests.fakes.certs import TestCerts
-from tests.fakes.upstream import FakeUpstream
-from tests.harness import MitmdumpProcess, descendants, start_fake_upstream
+from ttft_relay.testing.fakes import link
+from ttft_relay.testing.fakes.certs import TestCerts
+from ttft_relay.testing.fakes.upstream import FakeUpstream
+from ttft_relay.testing.harness import MitmdumpProcess, descendants, start_fake_upstream
 
 FAKE_OPENAI_KEY = "sk-test-FAKEKEY-0123456789abcdefghij"
 FAKE_ANTHROPIC_KEY = "sk-ant-test-FAKEKEY-0123456789abcdef"
@@ -211,7 +211,7 @@ def fake_in() -> Iterator[Callable[..., str]]:
 
 @pytest.fixture
 def far_link() -> Iterator[Callable[..., link.FarLink]]:
-    """`FarLink(**shape)` for this test (tests/fakes/link.py), closed after it with everything
+    """`FarLink(**shape)` for this test (ttft_relay/testing/fakes/link.py), closed after it with everything
     still running in its namespaces; skipped where this machine cannot build one."""
     if (reason := link.unavailable()) is not None:
         pytest.skip(f"no far link here: {reason}")

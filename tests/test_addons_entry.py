@@ -9,8 +9,8 @@ import pytest
 
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import MITMWEB, REPO, RELAY_SCRIPT, MitmdumpProcess
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MITMWEB, REPO, RELAY_SCRIPT, MitmdumpProcess
 
 ENTRY = REPO / "addons" / "relay.py"
 BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

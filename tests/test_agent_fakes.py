@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from tests.fakes import FakeUpstream
-from tests.fakes.client import WebSocketClient, WebSocketRefused, request
-from tests.fakes.refusing_proxy import RefusingProxy
-from tests.fakes.replies import THINKING_PIECES, answer_text
+from ttft_relay.testing.fakes import FakeUpstream
+from ttft_relay.testing.fakes.client import WebSocketClient, WebSocketRefused, request
+from ttft_relay.testing.fakes.refusing_proxy import RefusingProxy
+from ttft_relay.testing.fakes.replies import THINKING_PIECES, answer_text
 
 DELAY_SLACK = 0.9  # lower-bound checks allow for timer granularity
 
@@ -123,7 +123,7 @@ def test_stall_holds_a_turn_until_released(fake: FakeUpstream) -> None:
         fake.release_stalls()
         while ws.receive_json()[1]["type"] != "response.completed":
             pass
-    assert fake.sockets[0].turns[0].outcome == "complete"
+    assert fake.wait_socket_turns(1) and fake.sockets[0].turns[0].outcome == "complete"
 
 
 def test_client_going_away_mid_turn_is_noticed(fake: FakeUpstream) -> None:

@@ -30,7 +30,7 @@ import orjson
 import pytest
 
 from ttft_relay.workers import free_port
-from tests import sse_samples
+from ttft_relay.testing import sse_samples
 from tests.agent_clis import (
     AgentSandbox,
     CliRun,
@@ -42,10 +42,10 @@ from tests.agent_clis import (
     codex_exec,
     installed_clis,
 )
-from tests.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
-from tests.fakes.client import request
-from tests.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
-from tests.harness import MitmdumpProcess, read_records
+from ttft_relay.testing.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
+from ttft_relay.testing.fakes.client import request
+from ttft_relay.testing.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
+from ttft_relay.testing.harness import MitmdumpProcess, read_records
 
 PREFILL_MS = 200
 """The fake's time to the first token: big enough that a record's first token is told from its
@@ -506,7 +506,7 @@ def test_codex_shows_the_upstreams_text_for_a_refused_websocket_through_a_busy_r
 ) -> None:
     """An upstream refuses the upgrade (404, a JSON error). Codex reads the answer once: when a busy
     relay's loop wrote the body after the head, it said "Unknown error" instead of the upstream's text.
-    The relay's event loop is kept busy (tests/fakes/hog.py) so that the two writes fall apart."""
+    The relay's event loop is kept busy (ttft_relay/testing/fakes/hog.py) so that the two writes fall apart."""
     proc = MitmdumpProcess([f"reverse:{fake.base_url}@0"], confdir,
                            options={"ssl_verify_upstream_trusted_ca": certs.ca_pem, "relay_metrics_listen": "",
                                     "relay_timing_log": tmp_path / "timing.jsonl"},

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
-from tests.fakes.http_wire import find_header
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.http_wire import find_header
 
 pytestmark = pytest.mark.shared_fake
 

@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks.references import nginx_binary
 from tests.conftest import reverse_to
-from tests.harness import REPO, SEAMS_SCRIPT, MitmdumpProcess
+from benchmarks._setups import SEAMS_SCRIPT
+from ttft_relay.testing.harness import REPO, MitmdumpProcess
 
 
 NGINX = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (scripts/test installs Debian's)")

@@ -21,7 +21,8 @@ from mitmproxy.test import taddons
 from ttft_relay import capacity
 from ttft_relay.patches.speed import listen_backlog
 from tests.conftest import reverse_to
-from tests.harness import BASELINE_SCRIPT, connect_many, handshakes_completed
+from benchmarks._setups import BASELINE_SCRIPT
+from ttft_relay.testing.harness import connect_many, handshakes_completed
 
 BURST = 300
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync

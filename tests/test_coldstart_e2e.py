@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes.client import HttpConnection
-from tests.fakes.forwarder import DelayingForwarder
+from ttft_relay.testing.fakes.client import HttpConnection
+from ttft_relay.testing.fakes.forwarder import DelayingForwarder
 from tests.test_timing_e2e import post
 
 ONE_WAY_MS = 50

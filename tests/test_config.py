@@ -132,7 +132,7 @@ def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path)
 
     from mitmproxy import optmanager
 
-    from tests.harness import MITMDUMP, RELAY_SCRIPT
+    from ttft_relay.testing.harness import MITMDUMP, RELAY_SCRIPT
 
     out = subprocess.run([str(MITMDUMP), "--set", f"confdir={tmp_path}", "--listen-host", "127.0.0.1",
                           "-s", str(RELAY_SCRIPT), "--options"],

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.harness import REPO, TimingLog
+from ttft_relay.testing.harness import REPO, TimingLog
 
 LEAKING = '''
 import subprocess, sys

@@ -16,7 +16,7 @@ from ruamel.yaml import YAML
 from ttft_relay.guard import guard, tls
 from deploy.grafana import dashboard
 from ttft_relay import config, launch, workers
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "ttft-relay.service"

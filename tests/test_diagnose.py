@@ -22,7 +22,7 @@ from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
 from ttft_relay.diagnose.diagnosis import ProbeResult
 from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import DelayingForwarder
+from ttft_relay.testing.fakes import DelayingForwarder
 
 pytestmark = pytest.mark.shared_fake  # and the relays to it, where cases differ only by request
 

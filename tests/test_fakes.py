@@ -21,12 +21,12 @@ import httpx2
 import openai
 import pytest
 
-from tests import sse_samples
-from tests.fakes import Behaviour, DelayingForwarder, FakeUpstream, TestCerts, answer_pieces, answer_text
-from tests.fakes.client import HttpConnection, request, slow_upload, stream_post
-from tests.fakes.h2_wire import H2Client
-from tests.fakes.replies import prompt_tokens, usage_kw
-from tests.fakes.upstream import main as upstream_main
+from ttft_relay.testing import sse_samples
+from ttft_relay.testing.fakes import Behaviour, DelayingForwarder, FakeUpstream, TestCerts, answer_pieces, answer_text
+from ttft_relay.testing.fakes.client import HttpConnection, request, slow_upload, stream_post
+from ttft_relay.testing.fakes.h2_wire import H2Client
+from ttft_relay.testing.fakes.replies import prompt_tokens, usage_kw
+from ttft_relay.testing.fakes.upstream import main as upstream_main
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 10.0  # generous upper bound for event waits: only a hang reaches it
@@ -491,7 +491,7 @@ def test_forwarder_connect_delay(fake: FakeUpstream) -> None:
 
 
 def test_cli_serves_with_knobs_until_terminated(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "tests.fakes.upstream", "--port", "0", "--tls", "--certs-dir", str(tmp_path)]
+    command = [sys.executable, "-m", "ttft_relay.testing.fakes.upstream", "--port", "0", "--tls", "--certs-dir", str(tmp_path)]
     with subprocess.Popen(command + ["--chunks", "3", "--gzip", "false"], cwd=REPO, stdout=subprocess.PIPE, text=True) as proc:
         try:
             line = proc.stdout.readline().split()

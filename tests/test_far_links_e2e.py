@@ -1,7 +1,7 @@
 """Verdicts on real far and lossy links: a real relay, a real TCP stack on both ends.
 
 Loopback cannot show a link: its round trips are microseconds and nothing is ever
-lost. `tests/fakes/link.py` builds two network namespaces joined by a userspace
+lost. `ttft_relay/testing/fakes/link.py` builds two network namespaces joined by a userspace
 packet forwarder that delays and drops IP packets (`FarLink`), so the kernels on
 both sides see a real round trip, a real TCP handshake and real retransmits. Here
 the relay runs in `far` and its client in `near` (the client's link), or the relay
@@ -29,12 +29,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.fakes import link
-from tests.fakes.client import HttpConnection
-from tests.fakes.link import FAR, NEAR, FarLink
-from tests.fakes.upstream import FakeUpstream
-from tests.fakes.ws_client import WebSocketClient
-from tests.harness import REPO, MitmdumpProcess, read_records
+from ttft_relay.testing.fakes import link
+from ttft_relay.testing.fakes.client import HttpConnection
+from ttft_relay.testing.fakes.link import FAR, NEAR, FarLink
+from ttft_relay.testing.fakes.upstream import FakeUpstream
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.testing.harness import REPO, MitmdumpProcess, read_records
 from ttft_relay.timing import phases
 
 pytestmark = pytest.mark.skipif(link.unavailable() is not None, reason=f"no far link here: {link.unavailable()}")

@@ -31,9 +31,9 @@ from ttft_relay import apis
 from ttft_relay.faults import apierrors, faults
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
-from tests.fakes.hostile import HOLD, HostileUpstream
-from tests.harness import metrics_url, scrape, total
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.hostile import HOLD, HostileUpstream
+from ttft_relay.testing.harness import metrics_url, scrape, total
 
 pytestmark = pytest.mark.shared_fake
 
@@ -316,7 +316,7 @@ def test_a_buffered_stream_is_not_cut_by_bounds_it_cannot_watch(fake, shared_rel
 
 @pytest.fixture(scope="module")
 def hostile_upstream() -> Iterator[HostileUpstream]:
-    """An upstream that answers as each request's `x-attack` says (tests/fakes/hostile.py)."""
+    """An upstream that answers as each request's `x-attack` says (ttft_relay/testing/fakes/hostile.py)."""
     held = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
     with HostileUpstream({"head-then-nothing": lambda s: [held, HOLD],
                           "head-then-some": lambda s: [held + b'{"id": "chatcmpl-1", ', HOLD],

@@ -26,8 +26,8 @@ from ttft_relay.guard import guard, tls
 from ttft_relay.patches.fixes import upstream_copy
 from ttft_relay.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
-from tests.harness import MITMWEB, REPO, MitmdumpProcess
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MITMWEB, REPO, MitmdumpProcess
 
 RELAY_KEY = "relay-key-0123456789-alice"
 OTHER_RELAY_KEY = "relay-key-0123456789-bob"

@@ -5,7 +5,7 @@ stream resets that stream only; a body without a length reaches an HTTP/1 upstre
 a request refused on its head has its stream reset instead of its body read; a
 CONTINUATION flood is cut off.
 
-Raw frames (`tests/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
+Raw frames (`ttft_relay/testing/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
 Every relay here has `http2: true` (the relay's default is HTTP/1.1 to clients).
 """
 
@@ -21,11 +21,11 @@ import pytest
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.conftest import reverse_to
-from tests.fakes import FakeUpstream
-from tests.fakes.h2_wire import H2Client
+from ttft_relay.testing.fakes import FakeUpstream
+from ttft_relay.testing.fakes.h2_wire import H2Client
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 from tests.test_preauth_e2e import keyed, keys_file  # noqa: F401 (a fixture)
-from tests.harness import TimingLog, read_records
+from ttft_relay.testing.harness import TimingLog, read_records
 
 WAIT = 30
 CHAT = "/v1/chat/completions"

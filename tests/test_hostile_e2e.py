@@ -3,7 +3,7 @@ an upstream's garbage is never reflected at its size, a chunked body's framing l
 compressed stream's decoding are bounded, header values with CR/LF/NUL and unknown HTTP
 versions never pass, a client's malformed chunked body is answered, a refused brotli bomb's
 record names the relay, and running out of descriptors is one warning, not a traceback each
-time. The hostile peers are tests/fakes/hostile.py's.
+time. The hostile peers are ttft_relay/testing/fakes/hostile.py's.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.fakes.hostile import HOLD, HostileUpstream, gzip_bomb
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.hostile import HOLD, HostileUpstream, gzip_bomb
 from ttft_relay.timing import record
 
 WAIT = 30

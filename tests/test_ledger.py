@@ -17,7 +17,7 @@ from mitmproxy.test import tflow
 from ttft_relay import apis, state
 from ttft_relay.timing import ledger, record
 from tests.conftest import reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 ENTRY = {"id": "f1", "ts": 1700000000.5, "api": "openai.chat", "model": "gpt-4o-mini", "stream": True,
          "upstream": "api.openai.com", "tls": True, "request_id": "req-1"}

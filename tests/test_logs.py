@@ -19,8 +19,8 @@ import pytest
 from ttft_relay.timing import logrotation, record
 from ttft_relay.report import report
 from tests.conftest import reverse_to
-from tests.harness import REPO
-from tests.fakes import client
+from ttft_relay.testing.harness import REPO
+from ttft_relay.testing.fakes import client
 
 CHAT = b'{"model":"gpt-4o-mini","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ttft_relay import apis
 from ttft_relay.timing import metrics, multiproc, record, series
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import REPO, TimingLog, metrics_url, scrape, total
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import REPO, TimingLog, metrics_url, scrape, total
 from tests.patches.pins import assert_unchanged
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}

@@ -18,8 +18,8 @@ import pytest
 from ttft_relay.guard import guard
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
-from tests.fakes.client import WebSocketClient
-from tests.harness import MITMWEB, MitmdumpProcess
+from ttft_relay.testing.fakes.client import WebSocketClient
+from ttft_relay.testing.harness import MITMWEB, MitmdumpProcess
 
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync
 PROXY_PASSWORD = "proxy-pass-0f3c9e"

@@ -13,10 +13,10 @@ import pytest
 
 from ttft_relay.timing import phases, record
 from ttft_relay.workers import free_port
-from tests import browser
+from ttft_relay.testing import browser
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import MITMWEB, MitmdumpProcess
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MITMWEB, MitmdumpProcess
 
 pytestmark = pytest.mark.skipif(not browser.available(), reason=browser.SKIP_REASON)
 

@@ -15,8 +15,8 @@ import pytest
 
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import MITMWEB, MitmdumpProcess
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MITMWEB, MitmdumpProcess
 
 PASSWORD = "correct-horse-battery"
 WAIT = 20  # seconds: a bound that turns a hang into a failure, not a sync

@@ -426,7 +426,7 @@ def test_bench_streams_measures_the_exporter_beside_the_relay():
     import subprocess
     import sys
 
-    from tests.harness import REPO
+    from ttft_relay.testing.harness import REPO
 
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",

@@ -13,8 +13,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests import report_samples
-from tests.harness import REPO
+from ttft_relay.testing import report_samples
+from ttft_relay.testing.fakes import answer_pieces
+from ttft_relay.testing.fakes.client import stream_post
+from ttft_relay.testing.harness import REPO
 
 from ttft_relay import cli, config, launch
 
@@ -60,22 +62,66 @@ def test_bench_runs_the_checkouts_benchmarks(capsys):
     listed = capsys.readouterr().out
     assert all(f"  {name} " in listed for name in ("ttft", "websocket", "overhead", "streams", "burst", "trim"))
     assert cli.main(["bench", "no-such-benchmark"]) == 2
-    # A benchmark runs as a module of the checkout, with the tests' support code importable.
+    # A benchmark runs as a module of the checkout, its benchmarks/ importable beside the package.
     done = subprocess.run([sys.executable, "-m", "ttft_relay", "bench", "burst", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--bursts" in done.stdout, done.stderr[-2000:]
 
 
-def test_the_product_never_imports_test_support_benchmarks_or_scripts():
-    # What `pip install .` ships must run without the checkout around it.
-    outside = {"tests", "benchmarks", "scripts"}
+CHECKOUT_ONLY = {"tests", "benchmarks", "scripts"}
+TEST_SUPPORT = "ttft_relay.testing"
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in one of the package's files, relative ones made absolute;
+    `from a import b` names both `a` and `a.b` (b may be a module)."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return found
+
+
+def is_under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_relay_never_imports_test_support_benchmarks_or_scripts():
+    # What `pip install .` ships must run without the checkout around it, and the relay's own
+    # modules (all the addons and the command load) never load the test support shipped beside them.
     found = []
     for path in sorted((REPO / "ttft_relay").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
-            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.split(".")[0] in outside]
+        in_support = is_under(".".join(path.relative_to(REPO).parts), TEST_SUPPORT)
+        for line, name in imports_of(path):
+            if name.split(".")[0] in CHECKOUT_ONLY or (not in_support and is_under(name, TEST_SUPPORT)):
+                found.append(f"{path.relative_to(REPO)}:{line} {name}")
     assert found == []
+
+
+def test_the_relay_loads_without_the_test_support():
+    # Every module of the relay imported as the tools import them: none pulls the test support
+    # in, however it imports (importlib and strings included).
+    names = sorted(".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+                   for p in (REPO / "ttft_relay").rglob("*.py"))
+    names = [n for n in names if not is_under(n, TEST_SUPPORT) and n != "ttft_relay.__main__"]
+    assert "ttft_relay.relay" in names and "ttft_relay.cli" in names
+    script = ("import importlib, json, sys\n"
+              f"for name in {names!r}: importlib.import_module(name)\n"
+              "print(json.dumps(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TTFT_RELAY_CONF": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = orjson.loads(done.stdout.splitlines()[-1])
+    assert [n for n in loaded if is_under(n, TEST_SUPPORT) or n.split(".")[0] in CHECKOUT_ONLY] == []
 
 
 def test_pip_install_gives_a_working_command(tmp_path):
@@ -108,6 +154,37 @@ def test_pip_install_gives_a_working_command(tmp_path):
     assert "reverse:https://api.anthropic.com@8002 on 127.0.0.1" in helped.stdout  # no mitm.conf: the same listeners
     bench = subprocess.run([str(command), "bench", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bench.returncode == 2 and "from a checkout" in bench.stderr
+    # The test support ships (ttft_relay/testing/__init__.py says why) and stands alone: all of it
+    # imports from the installed copy with no test-only dependency, and its fake upstream streams.
+    test_only = {re.split(r"[=<>~!;\[ ]", line)[0].lower().replace("_", "-")
+                 for line in (REPO / "requirements-dev.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith(("#", "-"))}
+    assert {"pytest", "hypothesis", "openai"} <= test_only
+    script = ("import importlib, json, pkgutil, sys\n"
+              "from importlib.metadata import packages_distributions\n"
+              "before = set(sys.modules)\n"
+              "import ttft_relay.testing as support\n"
+              "for m in pkgutil.walk_packages(support.__path__, 'ttft_relay.testing.'): importlib.import_module(m.name)\n"
+              "owners = packages_distributions()\n"
+              "print(json.dumps([support.__file__, sorted({d.lower().replace('_', '-') for n in set(sys.modules) - before\n"
+              "                                             for d in owners.get(n.partition('.')[0], ())})]))")
+    support = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert support.returncode == 0, support.stderr[-2000:]
+    where, distributions = orjson.loads(support.stdout)
+    assert Path(where).is_relative_to(target) and "mitmproxy" in distributions, (where, distributions)
+    assert sorted(test_only.intersection(distributions)) == []
+    fake = subprocess.Popen([sys.executable, "-m", "ttft_relay.testing.fakes.upstream", "--port", "0"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None
+        listening = fake.stdout.readline().split()
+        assert listening[:1] == ["listening"], listening
+        streamed = b"".join(c.data for c in stream_post(listening[1] + "/v1/chat/completions", {
+            "model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}))
+        assert answer_pieces(1)[0].encode() in streamed and b"data: [DONE]" in streamed, streamed[-500:]
+    finally:
+        fake.terminate()
+        fake.wait(10)
     # The installed relay starts (no mitm.conf beside it: the code's defaults) with its addons loaded.
     run = subprocess.Popen(
         [str(command), "run", "--listen-host", "127.0.0.1", "-p", "0", "--set", "relay_metrics_listen=",

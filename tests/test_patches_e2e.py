@@ -23,8 +23,8 @@ import pytest
 from ttft_relay import config
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.ws_client import WebSocketClient
-from tests.harness import MITMDUMP, REPO
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.testing.harness import MITMDUMP, REPO
 
 pytestmark = pytest.mark.shared_fake
 WAIT = 30

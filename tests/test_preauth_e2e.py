@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.fakes.upstream import FakeUpstream
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.upstream import FakeUpstream
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 
 pytestmark = pytest.mark.shared_fake

@@ -30,9 +30,9 @@ import pytest
 from ttft_relay.timing import metrics
 from deploy.grafana import dashboard
 from ttft_relay.workers import free_port
-from tests.fakes import client
-from tests.fakes.upstream import FakeUpstream
-from tests.harness import metrics_url, read_records
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.upstream import FakeUpstream
+from ttft_relay.testing.harness import metrics_url, read_records
 
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_MS = 250

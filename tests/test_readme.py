@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 READMES = [REPO / "README.md", REPO / "README.zh-CN.md"]
 EXTERNAL_FLAGS = {

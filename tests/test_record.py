@@ -6,7 +6,7 @@ import threading
 import orjson
 
 from ttft_relay.timing import phases, record
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 MARKS = {
     "request_body": 1.0, "forwarded": 2.0, "upstream_connect_start": 2.5, "upstream_tcp": 3.0,

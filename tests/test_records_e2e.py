@@ -16,8 +16,8 @@ from ttft_relay import apis, state
 from ttft_relay.faults import faults
 
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import REPO, MitmdumpProcess, read_records
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import REPO, MitmdumpProcess, read_records
 from tests.test_faults_e2e import TIMEOUTS_1S, WAIT
 from tests.test_preauth_e2e import raw, read_until_closed
 

@@ -15,8 +15,8 @@ from ttft_relay.guard import guard
 
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import MITMWEB, MitmdumpProcess
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import MITMWEB, MitmdumpProcess
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 from tests.test_mitmweb_e2e import PASSWORD, web_get
 from tests.test_preauth_e2e import keyed, keys_file, raw, read_until_closed  # noqa: F401 (fixture)

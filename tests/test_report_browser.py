@@ -14,8 +14,8 @@ from collections import Counter
 import orjson
 import pytest
 
-from tests import browser, report_samples
-from tests.harness import REPO
+from ttft_relay.testing import browser, report_samples
+from ttft_relay.testing.harness import REPO
 
 pytestmark = pytest.mark.skipif(not browser.available(), reason=browser.SKIP_REASON)
 

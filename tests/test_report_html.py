@@ -5,7 +5,7 @@ import pytest
 
 from ttft_relay.timing import phases
 from ttft_relay.report import report, report_html
-from tests import report_samples
+from ttft_relay.testing import report_samples
 
 
 def test_bars_start_where_the_phases_end_at_the_first_token():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 # Answers what scripts/_venv.sh asks of a Python; anything else it runs is echoed as "RAN ...".

@@ -18,7 +18,7 @@ from mitmproxy.test import tflow
 
 import ttft_relay.patches as patches
 from ttft_relay.patches import pins
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 PATCH_DIR = Path(patches.__file__).parent
 KINDS = {"fixes": patches.FIXES, "speed": patches.SPEED}

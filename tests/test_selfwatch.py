@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ttft_relay.timing import selfwatch
-from tests.harness import connect_many, handshakes_completed
+from ttft_relay.testing.harness import connect_many, handshakes_completed
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO as Linux lays it out")
 

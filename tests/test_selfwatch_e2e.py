@@ -1,6 +1,6 @@
 """A saturated relay names itself: a real mitmdump whose event loop a CPU hog keeps busy.
 
-The hog (tests/fakes/hog.py) takes the loop for HOG_MS out of every HOG_EVERY_MS, as
+The hog (ttft_relay/testing/fakes/hog.py) takes the loop for HOG_MS out of every HOG_EVERY_MS, as
 other streams would on a saturated relay: new connections wait in the accept queue
 and the upstream's first token in its socket until the loop comes round. The client
 times its own first token; the relay's record must match it (the kernel's view of
@@ -20,8 +20,8 @@ import pytest
 
 from ttft_relay.timing import phases
 from tests.conftest import reverse_to
-from tests.fakes.client import HttpConnection, stream_post
-from tests.harness import REPO, MitmdumpProcess, metrics_url, scrape, total
+from ttft_relay.testing.fakes.client import HttpConnection, stream_post
+from ttft_relay.testing.harness import REPO, MitmdumpProcess, metrics_url, scrape, total
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux's")
 
@@ -49,7 +49,7 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
         # for long, loopback's delayed ACKs draw tail-loss probes, which count as retransmits).
         options={"relay_timing_log": log, "relay_metrics_listen": "127.0.0.1:0", "relay_timing_console": "false",
                  "relay_upstream_pool": "false"},
-        extra_args=["-s", str(REPO / "tests" / "fakes" / "hog.py")],
+        extra_args=["-s", str(REPO / "ttft_relay" / "testing" / "fakes" / "hog.py")],
         env={"TTFT_HOG_MS": str(HOG_MS), "TTFT_HOG_EVERY_MS": str(HOG_EVERY_MS)},
     )
     with relay:

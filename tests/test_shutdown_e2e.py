@@ -17,8 +17,8 @@ from mitmproxy.test import taddons, tflow
 from ttft_relay import apis, state
 from ttft_relay.timing import timing
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.harness import read_records
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.harness import read_records
 from tests.test_faults_e2e import WAIT, body_for, last_event
 
 STREAMS = {

@@ -19,7 +19,7 @@ from ttft_relay.stream import reader, sse
 from ttft_relay.stream.sse import Event
 from ttft_relay.stream.sse import SSEParser
 from ttft_relay.stream.sse import StreamWatcher
-from tests import sse_samples as samples
+from ttft_relay.testing import sse_samples as samples
 
 TOOL = ("get_weather", ['{"city"', ':"Par', 'is"}'])
 APIS = ("openai.chat", "openai.responses", "anthropic.messages", "gemini", "other")

@@ -9,7 +9,7 @@ from mitmproxy.test import taddons
 from mitmproxy.test import tflow
 
 from ttft_relay.stream import sse, sseview, streaming
-from tests import sse_samples as samples
+from ttft_relay.testing import sse_samples as samples
 
 view = sseview.event_stream_view
 TOOL = ("get_weather", ['{"city"', ':"Paris"}'])

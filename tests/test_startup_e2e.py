@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ttft_relay.workers import free_port
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 WAIT = 30  # seconds: a bound that turns a hang into a failure
 

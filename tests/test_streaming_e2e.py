@@ -21,8 +21,8 @@ import pytest
 from ttft_relay import apis
 from ttft_relay.stream import sse
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
-from tests.fakes.replies import answer_text
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.replies import answer_text
 
 pytestmark = pytest.mark.shared_fake
 

@@ -11,7 +11,7 @@ from mitmproxy.test import taddons, tflow
 from ttft_relay import state
 from ttft_relay.stream import sse
 from ttft_relay.timing import phases, record, timing
-from tests import sse_samples
+from ttft_relay.testing import sse_samples
 
 T0 = 1_700_000_000.0
 

@@ -23,8 +23,8 @@ import pytest
 
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.client import HttpConnection, request
-from tests.fakes.forwarder import DelayingForwarder
+from ttft_relay.testing.fakes.client import HttpConnection, request
+from ttft_relay.testing.fakes.forwarder import DelayingForwarder
 
 pytestmark = pytest.mark.shared_fake
 

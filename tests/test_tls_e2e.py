@@ -21,10 +21,10 @@ import pytest
 from ttft_relay.guard import tls
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
-from tests.fakes import client
-from tests.fakes.certs import TestCerts
-from tests.fakes.replies import answer_text
-from tests.harness import read_records
+from ttft_relay.testing.fakes import client
+from ttft_relay.testing.fakes.certs import TestCerts
+from ttft_relay.testing.fakes.replies import answer_text
+from ttft_relay.testing.harness import read_records
 
 RELAY_KEY = "relay-key-0123456789-tls-test"
 UPSTREAM_KEY = "sk-upstream-FAKEKEY-tls-0123456789"

@@ -25,11 +25,11 @@ import pytest
 from ttft_relay import config
 from ttft_relay.timing import phases
 from ttft_relay.workers import free_port
-from tests import browser
+from ttft_relay.testing import browser
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.client import request
-from tests.fakes.ws_client import WebSocketClient
-from tests.harness import MitmdumpProcess, metrics_url, scrape, total
+from ttft_relay.testing.fakes.client import request
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.testing.harness import MitmdumpProcess, metrics_url, scrape, total
 from tests.trace_store import Phoenix
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from benchmarks.load import rss_kib
-from tests import shaped
+from ttft_relay.testing import shaped
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 BUDGET = 30_000
 WAIT = 60

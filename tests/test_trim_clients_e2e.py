@@ -22,11 +22,11 @@ import orjson
 import pytest
 
 from ttft_relay.trim import windows
-from tests import shaped
+from ttft_relay.testing import shaped
 from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec, installed_clis
 from tests.conftest import reverse_to
-from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
-from tests.fakes.replies import CHARS_PER_TOKEN, answer_text
+from ttft_relay.testing.fakes import Behaviour, FakeUpstream, RefusingProxy
+from ttft_relay.testing.fakes.replies import CHARS_PER_TOKEN, answer_text
 
 PROMPT = "Read the files f0.txt, f1.txt, ... one by one."
 RUN_TIMEOUT_S = 240

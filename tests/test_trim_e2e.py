@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import FAKE_ANTHROPIC_KEY, reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 BUDGET = 3000
 FILLER = "The quick brown fox reports on latency budgets and context windows. " * 12  # ≈ 160 tokens

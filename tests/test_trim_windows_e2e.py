@@ -14,10 +14,10 @@ import openai
 import orjson
 import pytest
 
-from tests import shaped
+from ttft_relay.testing import shaped
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import Behaviour, FakeUpstream
-from tests.fakes.replies import answer_text
+from ttft_relay.testing.fakes import Behaviour, FakeUpstream
+from ttft_relay.testing.fakes.replies import answer_text
 
 WAIT = 60
 NEW_CLAUDE = "claude-opus-5-5"

@@ -1,5 +1,5 @@
 """trimming: the policy per API shape, on bodies shaped like coding agents' requests
-(tests/shaped.py) and on random sessions."""
+(ttft_relay/testing/shaped.py) and on random sessions."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ttft_relay import apis
 from ttft_relay.trim import tokens, trimming
 from ttft_relay.trim.trimming import Budget
-from tests import shaped
+from ttft_relay.testing import shaped
 
 CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
 APIS = [CHAT, RESPONSES, ANTHROPIC]
@@ -379,7 +379,7 @@ SEEDS_PER_PROFILE = 3
 
 @pytest.mark.parametrize("api", APIS)
 def test_trimmed_requests_of_generated_sessions_share_their_prefix(api):
-    # Sessions of shapes the suite did not grow up with (tests/shaped.py `generated`: tool-heavy,
+    # Sessions of shapes the suite did not grow up with (ttft_relay/testing/shaped.py `generated`: tool-heavy,
     # long messages, many short turns, images, mixed; lengths drawn long-tailed, turn by
     # turn), every model call a request. A request that makes a new cut shares only the
     # pinned head with the one before; the mean holds when new cuts are rare.

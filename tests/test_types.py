@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.harness import REPO
+from ttft_relay.testing.harness import REPO
 
 
 def test_mypy_finds_nothing():

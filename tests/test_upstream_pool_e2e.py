@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.client import HttpConnection
-from tests.fakes.forwarder import DelayingForwarder
+from ttft_relay.testing.fakes.client import HttpConnection
+from ttft_relay.testing.fakes.forwarder import DelayingForwarder
 
 ONE_WAY_MS = 100
 PREFILL_MS = 50

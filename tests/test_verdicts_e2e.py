@@ -23,9 +23,9 @@ import pytest
 from ttft_relay.observe import verdicts
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.client import HttpConnection
-from tests.fakes.ws_client import WebSocketClient
-from tests.harness import REPO, RelayWorkers, read_records
+from ttft_relay.testing.fakes.client import HttpConnection
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.testing.harness import REPO, RelayWorkers, read_records
 
 PREFILL_MS = 100
 PER_1K_MS = 100  # per 1k tokens of 4 bytes: 25 ms per KB

@@ -18,9 +18,9 @@ import pytest
 from ttft_relay import apis
 from ttft_relay.workers import free_port
 from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
-from tests.fakes import Behaviour, FakeUpstream, RefusingProxy
-from tests.fakes.replies import answer_text
-from tests.harness import MitmdumpProcess
+from ttft_relay.testing.fakes import Behaviour, FakeUpstream, RefusingProxy
+from ttft_relay.testing.fakes.replies import answer_text
+from ttft_relay.testing.harness import MitmdumpProcess
 
 RELAY_KEY = "relay-key-0123456789-laptop"
 UPSTREAM_KEY = "sk-upstream-FAKEKEY-vps-0123456789"

@@ -20,8 +20,8 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.utilities import LocalProtocolError
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes.ws_client import HandshakeRefused, WebSocketClient
-from tests.harness import read_records
+from ttft_relay.testing.fakes.ws_client import HandshakeRefused, WebSocketClient
+from ttft_relay.testing.harness import read_records
 
 pytestmark = pytest.mark.shared_fake
 WAIT = 20

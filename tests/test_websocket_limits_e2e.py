@@ -1,5 +1,5 @@
 """End to end: WebSocket messages past the relay's bounds (ttft_relay/patches/fixes/websocket_limits.py),
-from a hostile client and a hostile upstream (tests/fakes/hostile.py), through a real mitmdump with
+from a hostile client and a hostile upstream (ttft_relay/testing/fakes/hostile.py), through a real mitmdump with
 the relay: a deflate bomb is inflated no further than the bound and closes the socket 1009 on both
 sides with a record that says so; fragment and ping floods close it 1008; the relay's memory stays
 bounded and it goes on serving. Then hypothesis throws frames and extension offers at it from both
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import hostile
-from tests.fakes.hostile import (AWAIT_MESSAGE, BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, HostileUpstream,
+from ttft_relay.testing.fakes import hostile
+from ttft_relay.testing.fakes.hostile import (AWAIT_MESSAGE, BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, HostileUpstream,
                                  RawClient, deflate_bomb, deflated, frame)
 
 MIB = 1024 * 1024

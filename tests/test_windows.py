@@ -10,7 +10,7 @@ from ttft_relay import apis
 from ttft_relay.apis.api import TooLong
 from ttft_relay.trim import windows
 from ttft_relay.trim.windows import Budget, Learned, LearnedWindows, budget_for
-from tests import sse_samples
+from ttft_relay.testing import sse_samples
 
 OPENAI = apis.get(apis.OPENAI_CHAT).windows
 ANTHROPIC = apis.get(apis.ANTHROPIC_MESSAGES).windows

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 
 FUZZ_EXAMPLES = int(os.environ.get("TTFT_FUZZ_EXAMPLES", "120"))

@@ -26,7 +26,7 @@ from benchmarks import soak
 from ttft_relay import workers
 from ttft_relay.timing import ledger, metrics
 from tests.conftest import reverse_to
-from tests.fakes import client
+from ttft_relay.testing.fakes import client
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
@@ -412,6 +412,33 @@ def test_a_worker_that_cannot_start_stops_start_up_with_its_error_once(fake, tmp
     assert "restarting" not in output and "ready" not in output.replace("before it was ready", "")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing left listening
+
+
+def test_a_worker_killed_before_it_is_ready_again_is_restarted_not_taken_for_a_start_failure(fake, tmp_path,
+                                                                                              confdir):
+    # Killed (the OOM killer, an operator, a soak) while no other worker serves is not a
+    # configuration gone bad: only a worker that exits on its own before it is ready stops
+    # the relay. (Seen: a kill soak on a loaded machine ended with "no worker is serving; stopping".)
+    port = workers.free_port()
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
+    try:
+        sup.wait_for(READY)
+        by_index = {int(_environ(pid)[metrics.WORKER_ENV]): pid for pid in sup.children()}
+        mark = len(sup.lines)
+        os.kill(by_index[1], signal.SIGKILL)
+        sup.wait_for(r"worker 1 exited \(-9\); the others serve, restarting it", after=mark)
+        deadline = time.monotonic() + 30
+        while not (replacement := set(sup.children()) - set(by_index.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for the replacement's spawn, to kill it before it is ready
+        assert replacement, sup.tail()
+        os.kill(by_index[0], signal.SIGKILL)  # worker 0, looked after first: none serves from here
+        os.kill(replacement.pop(), signal.SIGKILL)
+        sup.wait_for(r"worker 1 exited \(-9\); no worker serves meanwhile, restarting it", after=mark)
+        sup.wait_for(r"worker 0 ready again", after=mark, timeout=60)
+        sup.wait_for(r"worker 1 ready again", after=mark, timeout=60)
+        assert sup.proc.poll() is None and _post(port) == 200, sup.tail()
+    finally:
+        assert sup.stop() == 0, sup.tail()
 
 
 def test_a_metrics_port_taken_stops_start_up_before_any_worker(fake, tmp_path, confdir):

@@ -38,7 +38,7 @@ def benchmark_names() -> list[str]:
 
 
 def bench(args: list[str]) -> int:
-    """Runs benchmarks/NAME.py as a module of the checkout (they use its tests/ support code)."""
+    """Runs benchmarks/NAME.py as a module of the checkout (they import one another, and benchmarks/_setups.py)."""
     if not (CHECKOUT / "pyproject.toml").exists() or not BENCHMARKS.is_dir():  # site-packages may hold another
         print("ttft-relay bench: the benchmarks run from a checkout (git clone, then scripts/bench NAME)",
               file=sys.stderr)

@@ -317,7 +317,9 @@ class Supervisor:
                 try:
                     (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
                 except (OSError, ValueError) as e:
-                    raise StartFailed(f"cannot serve metrics at {listen}: {e}") from None
+                    # asyncio words a bind error at length: the system's words are enough.
+                    why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if isinstance(e, OSError) and e.errno else e
+                    raise StartFailed(f"cannot serve metrics at {listen}: {why}") from None
                 log(f"metrics of all workers at http://{host}:{port}/metrics")
             # The first one alone: a configuration error then shows once, in its output.
             if not self._start_and_wait(self.workers[:1]) or not self._start_and_wait(self.workers[1:]):
@@ -368,7 +370,10 @@ class Supervisor:
             w.close()
             lost = metrics.in_flight_of(w.proc.pid, self.metrics_dir)
             metrics.forget_process(w.proc.pid, self.metrics_dir)
-            failed_start = not w.ready
+            # Exited on its own before it was ready: its start fails (a configuration or a
+            # resource gone bad since). Killed before it was ready (a signal: the OOM killer,
+            # an operator) it is restarted like any worker that died.
+            failed_start = not w.ready and code > 0
             w.ready = False
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause
@@ -383,7 +388,8 @@ class Supervisor:
                         else "no record of them")
             in_flight = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
                          f"reset)") if lost else ""
-            log(f"worker {w.index} exited ({code}){in_flight}; the others serve, restarting it in {w.pause:.0f} s")
+            others = "the others serve" if any(other.ready for other in self.workers) else "no worker serves meanwhile"
+            log(f"worker {w.index} exited ({code}){in_flight}; {others}, restarting it in {w.pause:.0f} s")
         elif w.restart_at is not None and now >= w.restart_at:
             w.start()
         elif w.became_ready():

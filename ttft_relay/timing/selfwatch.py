@@ -38,7 +38,7 @@ of it), and a lost request that fits in one segment (it arrives late, in order).
 What loopback can show: the relay's own queueing (a saturated loop holds bytes on
 loopback as anywhere). What it cannot: the RTT and retransmits of a real path — on
 loopback they are microseconds and zero; through a TCP forwarder (or any proxy) the
-kernel sees the link to that next hop only. tests/fakes/link.py builds real far and
+kernel sees the link to that next hop only. ttft_relay/testing/fakes/link.py builds real far and
 lossy links in network namespaces for the tests that need one.
 
 The metrics addon draws the lag and the accept queues (`subscribe`).

@@ -16,7 +16,7 @@ from mitmproxy.proxy import mode_servers
 from mitmproxy.test import taddons
 
 from ttft_relay.patches.fixes import inherited_listeners
-from tests.harness import connect_many, handshakes_completed
+from ttft_relay.testing.harness import connect_many, handshakes_completed
 from tests.patches.pins import assert_unchanged, source
 
 SPEC = "reverse:http://127.0.0.1:9@127.0.0.1:0"

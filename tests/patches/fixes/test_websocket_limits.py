@@ -13,7 +13,7 @@ from wsproto import ConnectionType
 from wsproto.events import CloseConnection, Message, Ping
 from wsproto.extensions import PerMessageDeflate
 
-from tests.fakes.hostile import CONTINUATION, PING, TEXT, deflate_bomb, deflated, frame
+from ttft_relay.testing.fakes.hostile import CONTINUATION, PING, TEXT, deflate_bomb, deflated, frame
 from tests.patches.pins import assert_unchanged
 from ttft_relay.patches.fixes import websocket_limits
 from ttft_relay.patches.fixes.websocket_limits import Bounds, BoundedDeflate, MessageLimits

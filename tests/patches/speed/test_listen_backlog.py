@@ -11,7 +11,7 @@ from mitmproxy.proxy import mode_servers
 from mitmproxy.test import taddons
 
 from ttft_relay.patches.speed import listen_backlog
-from tests.harness import connect_many, handshakes_completed
+from ttft_relay.testing.harness import connect_many, handshakes_completed
 from tests.patches.pins import assert_unchanged, source
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tests.fakes._loop import LoopServer
+from ttft_relay.testing.fakes._loop import LoopServer
 
 READ_SIZE = 64 * 1024
 

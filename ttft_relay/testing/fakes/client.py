@@ -23,7 +23,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, RejectConnection, RejectData, Request, TextMessage
 from wsproto.extensions import PerMessageDeflate
 
-from tests.fakes.http_wire import find_header, header_has_token
+from ttft_relay.testing.fakes.http_wire import find_header, header_has_token
 
 Body = bytes | str | dict[str, Any] | list[Any]
 Headers = dict[str, str] | list[tuple[str, str]]

@@ -1,6 +1,6 @@
 """A mitmproxy script that keeps the relay's event loop busy: a saturated relay, on demand.
 
-Loaded beside the relay (`-s tests/fakes/hog.py`), it burns `TTFT_HOG_MS` of CPU on
+Loaded beside the relay (`-s ttft_relay/testing/fakes/hog.py`), it burns `TTFT_HOG_MS` of CPU on
 the event loop every `TTFT_HOG_EVERY_MS` from `running` on, as a relay would whose
 loop is taken by other streams: connections wait in the accept queue and bytes in
 socket buffers until the loop comes round.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tests.fakes._loop import LoopServer
-from tests.fakes.http_wire import BadRequest, Inbound, MAX_HEAD_BYTES
+from ttft_relay.testing.fakes._loop import LoopServer
+from ttft_relay.testing.fakes.http_wire import BadRequest, Inbound, MAX_HEAD_BYTES
 
 REFUSAL = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 35\r\nConnection: close\r\n\r\n"

@@ -53,12 +53,12 @@ from wsproto.events import (
 )
 from wsproto.extensions import PerMessageDeflate
 
-from tests import sse_samples
-from tests.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
-from tests.fakes.replies import OPENAI_RESPONSES, answer_pieces, prompt_tokens
+from ttft_relay.testing import sse_samples
+from ttft_relay.testing.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
+from ttft_relay.testing.fakes.replies import OPENAI_RESPONSES, answer_pieces, prompt_tokens
 
 if TYPE_CHECKING:
-    from tests.fakes.upstream import Behaviour
+    from ttft_relay.testing.fakes.upstream import Behaviour
 
 RESPONSES_SOCKET_PATH = "/v1/responses"
 OPENAI_REQUEST_ID_HEADER = "x-request-id"

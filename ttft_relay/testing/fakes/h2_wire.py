@@ -3,7 +3,7 @@
 `H2Client` speaks HTTP/2 over TLS (ALPN h2) frame by frame with the `h2` library, so
 a test can send what no polite client sends: thousands of HEADERS + RST_STREAM in one
 write, a body nobody reads. `serve_h2` serves one server-side HTTP/2 connection for
-`tests/fakes/upstream.py`'s fake (`FakeUpstream(h2=True)`), several streams sharing one
+`ttft_relay/testing/fakes/upstream.py`'s fake (`FakeUpstream(h2=True)`), several streams sharing one
 upstream connection as they do with a real HTTP/2 API.
 """
 

@@ -1,7 +1,7 @@
 """`FakeUpstream`: an OpenAI / Anthropic / Gemini look-alike HTTP/1.1 (and HTTP/2) server for tests and benchmarks.
 
 It runs on its own event loop in a background thread, so synchronous tests can
-use it, and speaks the real wire formats (bodies from `tests/sse_samples.py`) well
+use it, and speaks the real wire formats (bodies from `ttft_relay/testing/sse_samples.py`) well
 enough for the official SDKs. Streamed replies go out one SSE event per HTTP
 chunk, flushed each time, so a relay's buffering is observable.
 
@@ -10,7 +10,7 @@ per the body's `"stream": true`), /v1/messages/count_tokens (body bytes / 4), PO
 /v1beta/models/{m}:streamGenerateContent?alt=sse and :generateContent; GET /v1/models;
 anything else gets a 404 JSON error. A
 WebSocket upgrade on GET /v1/responses serves the Responses API over WebSocket
-(`tests/fakes/websocket.py`; recorded in `sockets`).
+(`ttft_relay/testing/fakes/websocket.py`; recorded in `sockets`).
 
 Usage reports the request's size as its prompt tokens (body bytes / 4), `cached_tokens` of
 them read from a cache. Behaviour knobs (`Behaviour`) are set as instance defaults (`fake.behaviour.gap_ms = 20`)
@@ -33,7 +33,7 @@ frame, shaped by the same knobs (prefill, gap, chunks, status, stall; the reset,
 slow-head and interim knobs and the gates are HTTP/1's, `hold_until_reset` is HTTP/2's).
 A knob the protocol has not is answered with 400.
 
-Run as a program for benchmarks: `python -m tests.fakes.upstream --port 0 [--tls [--h2]]
+Run as a program for benchmarks: `python -m ttft_relay.testing.fakes.upstream --port 0 [--tls [--h2]]
 [--certs-dir DIR] [--prefill-ms 50 ...]` prints `listening <base_url>`.
 """
 
@@ -61,10 +61,10 @@ from urllib.parse import urlsplit
 
 from mitmproxy.net import encoding as mitmproxy_encoding
 
-from tests.fakes._loop import LoopThread
-from tests.fakes.certs import TestCerts
-from tests.fakes.h2_wire import ServerSide, Stream, serve_h2
-from tests.fakes.http_wire import (
+from ttft_relay.testing.fakes._loop import LoopThread
+from ttft_relay.testing.fakes.certs import TestCerts
+from ttft_relay.testing.fakes.h2_wire import ServerSide, Stream, serve_h2
+from ttft_relay.testing.fakes.http_wire import (
     BadRequest,
     Inbound,
     RequestHead,
@@ -74,8 +74,8 @@ from tests.fakes.http_wire import (
     reset_connection,
     sleep_ms,
 )
-from tests.fakes.replies import Reply, ToolLoop, answer_pieces, build_reply, json_reply, prompt_tokens
-from tests.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
+from ttft_relay.testing.fakes.replies import Reply, ToolLoop, answer_pieces, build_reply, json_reply, prompt_tokens
+from ttft_relay.testing.fakes.websocket import RESPONSES_SOCKET_PATH, ResponsesSocket, SocketSession, is_websocket_upgrade
 
 KNOB_HEADER_PREFIX = "x-fake-"
 LISTEN_BACKLOG = 1024  # the default 100 makes bursts of hundreds of connections wait for SYN retransmits
@@ -794,7 +794,7 @@ async def _write_head(writer: asyncio.StreamWriter, head: bytes, spread_ms: floa
 
 def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM / SIGINT; print `listening <base_url>` once ready."""
-    parser = argparse.ArgumentParser(prog="python -m tests.fakes.upstream", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ttft_relay.testing.fakes.upstream", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a test certificate")
     parser.add_argument("--h2", action="store_true", help="with --tls: offer HTTP/2 too (ALPN h2, http/1.1)")

@@ -1,6 +1,6 @@
 """What the fake upstream answers to each API request, before any knob shapes the delivery.
 
-The bodies come from `tests/sse_samples.py`, so the fake and the parser tests
+The bodies come from `ttft_relay/testing/sse_samples.py`, so the fake and the parser tests
 agree on the wire format; the request's model is echoed back. A streamed reply is
 a list of SSE events (the fake writes one per HTTP chunk); a non-streamed reply is
 one JSON body.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests import sse_samples
+from ttft_relay.testing import sse_samples
 
 OPENAI_CHAT = "openai.chat"
 OPENAI_RESPONSES = "openai.responses"

@@ -29,8 +29,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
          "--font-render-hinting=none")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-"""Screenshots the browser tests take (gitignored): look at them."""
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+"""Screenshots the browser tests take (gitignored; beside the package: a checkout's root): look at them."""
 TIMEOUT_S = 30.0
 
 

@@ -33,7 +33,7 @@ with the process that made it (PR_SET_PDEATHSIG); namespaces left by a killed ru
 link cannot be built here (not Linux, not root, no /dev/net/tun, no `ip`/`nsenter`),
 for a skip that names the reason.
 
-The forwarder is `python -m tests.fakes.link` (`forward()`): one process, one poll
+The forwarder is `python -m ttft_relay.testing.fakes.link` (`forward()`): one process, one poll
 loop over the two TUN descriptors, a FIFO per direction (a constant delay keeps
 packets in order; drops are independent per packet, from a seeded generator per
 direction, so the n-th packet each way is dropped or not whatever the other way
@@ -184,10 +184,10 @@ class FarLink:
                 _ip("-n", side.name, "link", "set", "lo", "up")
             (far_ms, far_loss), (near_ms, near_loss) = self.shape[FAR], self.shape[NEAR]
             self.forwarder = subprocess.Popen(
-                [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "tests.fakes.link", str(self.near.path),
+                [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "ttft_relay.testing.fakes.link", str(self.near.path),
                  str(self.far.path), f"{far_ms}", f"{far_loss}", f"{near_ms}", f"{near_loss}", str(self.seed),
                  str(self._drop_log)],
-                cwd=Path(__file__).resolve().parent.parent.parent, stdin=subprocess.PIPE,
+                cwd=Path(__file__).resolve().parents[3], stdin=subprocess.PIPE,  # beside the package: -m finds this copy
                 stdout=subprocess.PIPE, text=True)
             assert self.forwarder.stdout is not None
             if (line := self.forwarder.stdout.readline().strip()) != "ready":

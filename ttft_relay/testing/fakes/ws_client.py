@@ -25,7 +25,7 @@ from wsproto.events import (
 )
 from wsproto.extensions import PerMessageDeflate
 
-from tests.fakes.client import _connect_tunnel
+from ttft_relay.testing.fakes.client import _connect_tunnel
 
 READ_SIZE = 65536
 

@@ -11,13 +11,13 @@
   WebSocket client (`WebSocketClient`, permessage-deflate, one Responses `turn()` at a time).
 """
 
-from tests.fakes.certs import TestCerts
-from tests.fakes.forwarder import DelayingForwarder
-from tests.fakes.link import FarLink
-from tests.fakes.refusing_proxy import RefusingProxy
-from tests.fakes.replies import answer_pieces, answer_text
-from tests.fakes.upstream import Behaviour, FakeUpstream, Gate, Received, Sent, StreamWatch
-from tests.fakes.websocket import SocketSession, SocketTurn
+from ttft_relay.testing.fakes.certs import TestCerts
+from ttft_relay.testing.fakes.forwarder import DelayingForwarder
+from ttft_relay.testing.fakes.link import FarLink
+from ttft_relay.testing.fakes.refusing_proxy import RefusingProxy
+from ttft_relay.testing.fakes.replies import answer_pieces, answer_text
+from ttft_relay.testing.fakes.upstream import Behaviour, FakeUpstream, Gate, Received, Sent, StreamWatch
+from ttft_relay.testing.fakes.websocket import SocketSession, SocketTurn
 
 __all__ = [
     "Behaviour",
