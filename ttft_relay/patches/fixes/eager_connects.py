@@ -14,7 +14,7 @@ listeners with relay access keys: no client gets an upstream connection opened f
 before its request's key was checked; the upstream pool's listeners: a pooled connection
 is taken when the request's head is here). Those flows connect as
 `connection_strategy=lazy` would, after the request hooks (or once the key on the head
-is accepted, `layer_events.ConnectEarly`).
+is accepted, `speed.early_connects`).
 
 A TLS client makes the same eager connect another way: `TlsConfig.tls_clienthello`
 asks for the upstream's TLS first (`establish_server_tls_first`, under the eager

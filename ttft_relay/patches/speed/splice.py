@@ -1,7 +1,7 @@
 """A streamed HTTP/1 response body goes from the upstream's reader to the client's
 framing in one step, instead of through mitmproxy's per-chunk event routing.
 
-mitmproxy 12.3.1 (pinned, `tests/patches/test_splice.py`) hands every chunk of a streamed
+mitmproxy 12.3.1 (pinned, `tests/patches/speed/test_splice.py`) hands every chunk of a streamed
 body through five layers of command generators: `Http1Client.read_body` yields
 `ReceiveHttp(ResponseData)`, which `HttpLayer.event_to_child` routes to the flow's
 `HttpStream` (`state_stream_response_body`: the stream callable, then

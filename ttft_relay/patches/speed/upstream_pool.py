@@ -6,7 +6,7 @@ the client's HTTP layer runs the TLS handshake) and closes it when the client go
 (`handle_client` cancels its task, `handle_connection` closes the socket). So every new
 client connection paid a full upstream connect and handshake before its first request
 could leave. The pool keeps those connections instead, and gives them to later clients;
-the seams below are all it takes from mitmproxy (pinned, `tests/patches/test_upstream_pool.py`):
+the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/test_upstream_pool.py`):
 
 1. **Which connections may be pooled** (the wrap of `HttpLayer.get_connection`): on a
    reverse listener, a request for that listener's own upstream (no upstream proxy, TCP,
