@@ -36,7 +36,8 @@ def test_the_tools_stream_and_record_through_it(tool, fake, confdir, tmp_path):
         assert f"Loading script {ENTRY}" in relay.text()
         chunks = list(client.stream_post(relay.url() + "/v1/chat/completions", BODY))
         assert b"Hello" in b"".join(c.data for c in chunks)
-        # The fake spaces its events 20 ms apart: they arrive spread out, not in one buffered piece.
-        assert len(chunks) > 3 and chunks[-1].at - chunks[0].at >= 0.02 * (len(chunks) - 2)
+        # The fake spaces its events 20 ms apart: they arrive spread out, not in one buffered piece
+        # (half the pacing: a loaded machine delays one event and the next catches up with it).
+        assert len(chunks) > 3 and chunks[-1].at - chunks[0].at >= 0.01 * (len(chunks) - 2)
         (record,) = relay.log.wait(1)
     assert record["api"] == "openai.chat" and record["status"] == 200

@@ -510,7 +510,7 @@ def test_codex_shows_the_upstreams_text_for_a_refused_websocket_through_a_busy_r
     proc = MitmdumpProcess([f"reverse:{fake.base_url}@0"], confdir,
                            options={"ssl_verify_upstream_trusted_ca": certs.ca_pem, "relay_metrics_listen": "",
                                     "relay_timing_log": tmp_path / "timing.jsonl"},
-                           extra_args=["-s", str(Path(__file__).parent / "fakes" / "hog.py")],
+                           extra_args=["-s", str(Path(__file__).parents[1] / "ttft_relay" / "testing" / "fakes" / "hog.py")],
                            env={"TTFT_HOG_MS": "40", "TTFT_HOG_EVERY_MS": "45"})
     with proc.start():
         shown = []

