@@ -138,6 +138,9 @@ class Relays:
             if relay_conf is None:  # as its command starts it (which does this itself)
                 opts.update(config.MITMPROXY_DEFAULTS)
             opts["relay_timing_log"] = self.log_for(len(self.started))
+            # A port of its own: the default 9464 is the README's, which a relay run by hand
+            # (or .ci/quickstart.py) on the same machine holds.
+            opts["relay_metrics_listen"] = "127.0.0.1:0"
         else:
             kwargs["script"] = script
         opts.update(options)

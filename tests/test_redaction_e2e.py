@@ -55,6 +55,18 @@ def test_safe_log_text_escapes_controls_and_caps_each_line():
     assert guard.safe_log_text(ordinary) == ordinary
 
 
+def test_a_word_that_names_a_secret_is_prose_unless_it_starts_a_header():
+    learning = ("127.0.0.1:1 openai.chat gpt-4o 200 ttft 171 ms [head_to_first_token 154] → upstream wait "
+                "(prefill/queue): the upstream's own wait 156 ms, 91% of the 171 ms to the first token: "
+                "learning this upstream · model: 1 of 8 requests")
+    assert guard.safe_log_text(learning) == learning
+    assert guard.safe_log_text(f"POST / HTTP/1.1\nToken: {SECRET}\nsecret:{SECRET}") == \
+        "POST / HTTP/1.1\nToken: REDACTED\nsecret:REDACTED"
+    assert guard.safe_log_text(repr(f"GET / HTTP/1.1\r\nkey: {SECRET}\r\n".encode())).count("REDACTED") == 1
+    for header in ("x-auth-token", "X-Api-Key", "api_key", "Proxy-Authorization", "my_password"):
+        assert guard.safe_log_text(f"bad header {header}: {SECRET} seen") == f"bad header {header}: REDACTED"
+
+
 def test_redact_flow_covers_every_spelling():
     f = tflow.tflow()
     f.request.path = f"/v1/x?KEY={SECRET}&Api_Key={SECRET}&access_token={SECRET}&alt=sse"

@@ -813,9 +813,14 @@ class ClientLimits:
 
 
 def redacted_value(name: str, value: str) -> str:
-    """A header value with its secret replaced; an auth scheme stays readable."""
+    """A header value with its secret replaced; an auth scheme (`Bearer`, `Basic`, a word of
+    letters) stays readable, anything else before a space may be the secret itself."""
     scheme, sep, _ = value.partition(" ")
-    return f"{scheme} {REDACTED}" if sep and name.endswith("authorization") else REDACTED
+    readable = sep and name.endswith("authorization") and _AUTH_SCHEME.fullmatch(scheme)
+    return f"{scheme} {REDACTED}" if readable else REDACTED
+
+
+_AUTH_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,19}")
 
 
 def is_secret_header(name: str) -> bool:
@@ -875,12 +880,16 @@ MAX_LOG_LINE = 2000
 """Characters one log line keeps; the rest is counted, not shown (a head that never
 ended once made one 303 MB console line)."""
 _HEADER_IN_TEXT = re.compile(
-    r"(?:(?<=\\n)|(?<![\w-]))((?:[\w-]*[-_])?(?:authorization|cookie|api[-_]?key|key|token|secret|password))"
+    r"((?:(?<=\\n)|(?<![\w-]))"
+    r"(?:(?:[\w-]*[-_])?(?:authorization|cookie|api[-_]?key)|[\w-]*[-_](?:key|token|secret|password))"
+    r"|(?:(?<=\\n)|^)(?:key|token|secret|password))"
     r"([ \t]*:[ \t]*)([^\r\n'\"\\]*)",
-    re.I,
+    re.I | re.M,
 )
 """A credential header written out: its value runs to the end of the line (or of
-the header in a bytes repr, where `\\r\\n` separates them)."""
+the header in a bytes repr, where `\\r\\n` separates them). A bare `key`, `token`,
+`secret` or `password` counts only where a header starts (a line's start): in prose
+("… to the first token: learning this upstream · model …") it is a word."""
 _PARAM_IN_TEXT = re.compile(r"([?&;])([A-Za-z0-9_-]+)=([^&\s'\"\\#]*)")
 
 
