@@ -133,7 +133,8 @@ def on_another_mitmproxy(tmp_path: Path, *, version: str | None = None, changed:
 def test_on_another_minor_version_of_mitmproxy_the_relay_starts_with_its_speed_patches_off_and_says_so(
         fake, start_relay, tmp_path, rid):
     relay = start_relay(reverse_to(fake), script=on_another_mitmproxy(tmp_path, version="12.4.0"),
-                        relay_timing_log=tmp_path / "timing.jsonl", **config.MITMPROXY_DEFAULTS)
+                        relay_timing_log=tmp_path / "timing.jsonl", relay_metrics_listen="",
+                        **config.MITMPROXY_DEFAULTS)
     said = relay.wait_for_lines("speed patches stay off", 1)
     assert len(said) == 1 and "mitmproxy 12.4.0 is installed, they were written against 12.3.1" in said[0]
     conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=WAIT)
