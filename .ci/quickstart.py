@@ -427,6 +427,12 @@ class QuickStart:
     def readme_curl(self) -> None:
         done = run(CURL, self.clone, self.env, timeout=60)
         assert_openai_stream(done.stdout.encode(), "curl")
+        # The console line the README shows: the first token, the phases, a verdict in words.
+        assert self.relay is not None
+        line = wait_for_line(self.relay.log_path, r"openai\.chat gpt-4o-mini 200 ttft \d+ ms \[.*\] → .*",  # type: ignore[attr-defined]
+                             self.relay, 30).group(0)
+        if "REDACTED" in line:
+            raise StepFailed(f"the console line hides its own words: {line}")
 
     def other_listeners(self) -> None:
         body = post_stream("http://127.0.0.1:8002/v1/messages", MESSAGES,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.harness import RelayWorkers, read_records, start_fake_upstream
-from ttft_relay.timing import ledger
+from ttft_relay.observe import ledger
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]}
 

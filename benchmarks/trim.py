@@ -163,8 +163,8 @@ class Trimmer:
         counter, plans = state
         b = self.module.Budget(budget, "user")
         if self.new:
-            return self.module.trim(body, api, b, counter, plans=plans)
-        return self.module.trim(body, api, b, counter)
+            return self.module.trim(body, apis.get(api), b, counter, plans=plans)
+        return self.module.trim(body, api, b, counter)  # the old module takes the API's name
 
 
 def median_ms(make, repeat: int) -> float:

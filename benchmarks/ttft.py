@@ -34,7 +34,7 @@ BODY = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 
 def one_request(base_url: str) -> tuple[float, float]:
     """(first token ms, total ms) of one streamed chat completion on a new connection."""
-    watcher = sse.StreamWatcher(apis.OPENAI_CHAT)
+    watcher = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
     start = time.time()
     conn, resp = client.request("POST", base_url + "/v1/chat/completions", BODY, timeout=30)
     with conn:

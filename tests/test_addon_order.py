@@ -9,7 +9,8 @@ from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, traces, verdicts
 from ttft_relay.stream import streaming, websocket
-from ttft_relay.timing import ledger, selfwatch, timing
+from ttft_relay.observe import ledger, selfwatch
+from ttft_relay.timing import timing
 from ttft_relay.trim import trim
 
 ORDER = [type(addon) for addon in relay.addons]

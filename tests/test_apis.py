@@ -13,11 +13,11 @@ import pytest
 from ttft_relay import apis
 from ttft_relay.apis.api import Api, ErrorFormat, Probe, Turns, Windows
 from ttft_relay.stream import sse
-from ttft_relay.stream.reader import Reader
-from ttft_relay.trim.shape import Shape
+from ttft_relay.apis.reader import Reader
+from ttft_relay.apis.shape import Shape
 
-SUPPORT_MODULES = {"api"}
-"""Modules of the package that are not an API."""
+SUPPORT_MODULES = {"api", "reader", "shape"}
+"""Modules of the package that are not an API: the parts every API module is made of."""
 
 API_MODULES = sorted(m.name for m in pkgutil.iter_modules(apis.__path__) if m.name not in SUPPORT_MODULES)
 REGISTERED = (*apis.ALL, apis.OTHER_API)
@@ -116,9 +116,9 @@ def test_typed_events_are_recognised_before_chat_chunks():
     parameter: Chat Completions' mark. apis.ALL's order lets the typed reading win."""
     created = orjson.dumps({"type": "response.created", "response": {"id": "resp_1", "tools": [
         {"type": "function", "name": "pick", "parameters": {"properties": {"choices": {"type": "array"}}}}]}})
-    assert sse.detect_api([sse.Event("response.created", created)]) == apis.OPENAI_RESPONSES
+    assert apis.for_events([sse.Event("response.created", created)]).name == apis.OPENAI_RESPONSES
     chunk = orjson.dumps({"object": "chat.completion.chunk", "choices": [{"delta": {"content": "hi"}}]})
-    assert sse.detect_api([sse.Event("", chunk)]) == apis.OPENAI_CHAT
+    assert apis.for_events([sse.Event("", chunk)]).name == apis.OPENAI_CHAT
 
 
 def test_the_places_of_api_keys_come_from_every_api():

@@ -19,7 +19,7 @@ APIS = [apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES, apis.G
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("status", [502, 504])
 def test_error_reply_is_the_apis_json(api, status):
-    reply = faults.error_reply(api, status, "ttft-relay: boom")
+    reply = faults.error_reply(apis.get(api), status, "ttft-relay: boom")
     assert reply.status_code == status
     assert reply.headers["content-type"] == "application/json"
     assert reply.headers[faults.ERROR_HEADER] == apierrors.error_code(status)
@@ -36,10 +36,10 @@ def test_error_reply_is_the_apis_json(api, status):
 
 @pytest.mark.parametrize("api", APIS)
 def test_error_event_is_one_event_the_relays_own_watcher_reads_as_an_error(api):
-    event = apierrors.error_event(api, 502, "ttft-relay: cut")
+    event = apierrors.error_event(apis.get(api), 502, "ttft-relay: cut")
     events = sse.SSEParser().feed(event)
     assert len(events) == 1 and event.endswith(b"\n\n")
-    watcher = sse.StreamWatcher(api)
+    watcher = sse.StreamWatcher(apis.get(api))
     watcher.feed(event, 1.0)
     assert "ttft-relay: cut" in (watcher.error or "")
 
@@ -47,7 +47,7 @@ def test_error_event_is_one_event_the_relays_own_watcher_reads_as_an_error(api):
 def test_an_event_is_appended_only_at_an_event_boundary_of_a_plain_event_stream():
     from mitmproxy import http
 
-    w = sse.StreamWatcher(apis.OPENAI_CHAT)
+    w = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
     resp = http.Response.make(200, b"", {"content-type": "text/event-stream"})
     del resp.headers["content-length"]
     assert faults.can_append_event(resp, w)
@@ -91,7 +91,7 @@ def test_no_bounds_no_deadline():
 
 def in_scope_flow(api=apis.OPENAI_CHAT, stream=True, resp=False):
     f = tflow.tflow(resp=resp)
-    state.attach(f, state.FlowState(api=api, stream=stream))
+    state.attach(f, state.FlowState(api=apis.get(api), stream=stream))
     return f
 
 
@@ -151,7 +151,7 @@ def test_render_after_the_head_only_for_event_streams():
     f = in_scope_flow(resp=True)
     f.response.headers["content-type"] = "text/event-stream"
     del f.response.headers["content-length"]
-    state.get(f).watcher = sse.StreamWatcher(apis.OPENAI_CHAT)
+    state.get(f).watcher = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
     response, body = replies.render(f, "peer reset", head_sent=True)
     assert response is None and body.startswith(b"data: {\"error\"")
     f.response.headers["content-type"] = "application/json"

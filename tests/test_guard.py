@@ -227,20 +227,20 @@ def test_swap_puts_the_upstream_key_where_the_relay_key_was():
     ({}, "/anything", apis.OPENAI_CHAT),
 ])
 def test_api_shape_for_errors(headers, path, api):
-    assert guard.api_shape(_request(headers, path)) == api
+    assert guard.api_shape(_request(headers, path)).name == api
 
 
 def test_refusals_in_each_api_format():
-    openai_body = json.loads(guard.refusal(apis.OPENAI_CHAT, 401, "m").content)
+    openai_body = json.loads(guard.refusal(apis.get(apis.OPENAI_CHAT), 401, "m").content)
     assert openai_body == {"error": {"message": "m", "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}
-    anthropic_resp = guard.refusal(apis.ANTHROPIC_MESSAGES, 401, "m")
+    anthropic_resp = guard.refusal(apis.get(apis.ANTHROPIC_MESSAGES), 401, "m")
     assert json.loads(anthropic_resp.content) == {"type": "error", "error": {"type": "authentication_error", "message": "m"}}
     assert anthropic_resp.headers["content-type"] == "application/json"
     assert anthropic_resp.headers["www-authenticate"].startswith("Bearer")
-    gemini_body = json.loads(guard.refusal(apis.GEMINI, 401, "m").content)
+    gemini_body = json.loads(guard.refusal(apis.get(apis.GEMINI), 401, "m").content)
     assert gemini_body == {"error": {"code": 401, "message": "m", "status": "UNAUTHENTICATED"}}
-    assert json.loads(guard.refusal(apis.OPENAI_CHAT, 502, "m").content)["error"]["type"] == "server_error"
+    assert json.loads(guard.refusal(apis.get(apis.OPENAI_CHAT), 502, "m").content)["error"]["type"] == "server_error"
 
 
 # --- access keys (addon) ---------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_access_keys_hooks(monkeypatch):
         wrong = _reverse_flow({"authorization": "Bearer nope"})
         access.requestheaders(wrong)
         assert wrong.response.status_code == 401
-        state.attach(wrong, state.FlowState(api=apis.OPENAI_CHAT))  # as the scope addon would
+        state.attach(wrong, state.FlowState(api=apis.get(apis.OPENAI_CHAT)))  # as the scope addon would
         access.error(wrong)  # a refused flow is answered on its head, then killed
         assert wrong.error is not None and wrong.error.msg == "Connection killed."
         assert state.get(wrong).error_phase == "relay" and "not accepted" in state.get(wrong).error

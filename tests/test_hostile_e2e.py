@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.hostile import HOLD, HostileUpstream, gzip_bomb
-from ttft_relay.timing import record
+from ttft_relay import text
 
 WAIT = 30
 CHAT = "/v1/chat/completions"
@@ -105,7 +105,7 @@ def test_an_upstreams_garbage_is_cut_in_the_event_the_console_and_the_record_ali
     message = error_event_message(answer)
     (rec,) = relay.log.of(rid)
     assert message == "ttft-relay: " + rec["error"]  # the same text in both
-    assert len(rec["error"]) <= record.ERROR_MAX
+    assert len(rec["error"]) <= text.ERROR_MAX
     relay.wait_for_output(r"HTTP/1 protocol error")
     assert max(len(line) for line in relay.output[seen:]) < 2000  # the console (was one 8,000,067-character line)
 

@@ -15,7 +15,8 @@ import pytest
 from mitmproxy.test import tflow
 
 from ttft_relay import apis, state
-from ttft_relay.timing import ledger, record
+from ttft_relay.observe import ledger
+from ttft_relay.timing import record
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 
@@ -74,7 +75,7 @@ class _Timings:
 
 def _flow(recorded=False):
     f = tflow.tflow()
-    state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, stream=True, recorded=recorded))
+    state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT), stream=True, recorded=recorded))
     return f
 
 

@@ -1,4 +1,4 @@
-"""ttft_relay/timing/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
+"""ttft_relay/observe/metrics.py: records → Prometheus instruments, bounded labels, and a scrape
 through a real mitmdump whose counts match the timing records."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from ttft_relay import apis
-from ttft_relay.timing import metrics, multiproc, record, series
+from ttft_relay.observe import metrics, multiproc, series
+from ttft_relay.timing import record
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.harness import REPO, TimingLog, metrics_url, scrape, total
@@ -38,9 +39,11 @@ def a_record(**overrides):
     args = dict(id="f1", ts=1000.0, api=apis.OPENAI_CHAT, model="gpt-4o-mini", stream=True, status=200,
                 upstream="api.openai.com", marks=marks, tokens_expected=True, tls_expected=True,
                 reused_connection=True, rtt_ms=None, usage={"input_tokens": 12, "output_tokens": 11})
-    return record.build_record(**(args | overrides))
+    return record.build_record(record.RecordInput(**(args | overrides)))
 
 
+CHAT_API = apis.get(apis.OPENAI_CHAT)
+"""The API of every record here (`a_record`'s)."""
 LABELS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai", "gen_ai_request_model": "gpt-4o-mini",
           "server_address": "api.openai.com", "api": "openai.chat", "status_class": "2xx"}
 
@@ -48,7 +51,7 @@ LABELS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai", "ge
 def test_a_successful_stream_feeds_every_instrument():
     reg = CollectorRegistry()
     m = metrics.RelayMetrics(reg, max_series=10)
-    m.observe(a_record(trim={"tokens_before": 900, "tokens_after": 400}))
+    m.observe(a_record(trim={"tokens_before": 900, "tokens_after": 400}), CHAT_API)
     get = reg.get_sample_value
     assert get("gen_ai_server_time_to_first_token_seconds_sum", LABELS) == pytest.approx(0.060)
     assert get("gen_ai_server_time_to_first_token_seconds_bucket", LABELS | {"le": "0.06"}) == 1
@@ -66,7 +69,7 @@ def test_failures_count_as_operations_but_not_as_first_tokens():
     reg = CollectorRegistry()
     m = metrics.RelayMetrics(reg, max_series=10)
     marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 30.0, "end": 31.0}
-    m.observe(a_record(status=500, marks=marks, error="HTTP 500", error_phase="upstream_wait", usage=None))
+    m.observe(a_record(status=500, marks=marks, error="HTTP 500", error_phase="upstream_wait", usage=None), CHAT_API)
     failed = LABELS | {"status_class": "5xx"}
     assert reg.get_sample_value("gen_ai_client_operation_duration_seconds_count",
                                 failed | {"error_type": "upstream_wait"}) == 1
@@ -81,16 +84,16 @@ def durations(reg: CollectorRegistry) -> dict[tuple[str, str], float]:
 def test_label_combinations_are_bounded_and_junk_never_pushes_out_a_model_with_a_success():
     reg = CollectorRegistry()
     m = metrics.RelayMetrics(reg, max_series=3)
-    m.observe(a_record(model="gpt-4o"))  # a success: the upstream knows it
+    m.observe(a_record(model="gpt-4o"), CHAT_API)  # a success: the upstream knows it
     refused = {"status": 404, "error": "HTTP 404", "error_phase": "upstream_wait", "usage": None}
     for i in range(50):
-        m.observe(a_record(model=f"junk-{i}", **refused))
-    m.observe(a_record(model="gpt-4o"))
-    m.observe(a_record(model="gpt-4o", **refused))  # gpt-4o's failures are gpt-4o's too
+        m.observe(a_record(model=f"junk-{i}", **refused), CHAT_API)
+    m.observe(a_record(model="gpt-4o"), CHAT_API)
+    m.observe(a_record(model="gpt-4o", **refused), CHAT_API)  # gpt-4o's failures are gpt-4o's too
     # gpt-4o kept its labels through 50 junk models (it was "other" for good after 50 of them)
     assert durations(reg) == {("gpt-4o", "2xx"): 2, ("gpt-4o", "4xx"): 1, ("junk-49", "4xx"): 1}
     samples = sum(len(metric.samples) for metric in reg.collect())
-    m.observe(a_record(model="junk-x", **refused))  # junk takes junk's place, the series stay as many
+    m.observe(a_record(model="junk-x", **refused), CHAT_API)  # junk takes junk's place, the series stay as many
     assert ("junk-x", "4xx") in durations(reg) and ("junk-49", "4xx") not in durations(reg)
     assert sum(len(metric.samples) for metric in reg.collect()) == samples
 
@@ -98,12 +101,12 @@ def test_label_combinations_are_bounded_and_junk_never_pushes_out_a_model_with_a
 def test_without_room_for_a_proven_model_junk_is_counted_as_other():
     reg = CollectorRegistry()
     m = metrics.RelayMetrics(reg, max_series=2)
-    m.observe(a_record(model="gpt-4o"))
-    m.observe(a_record(model="gpt-4.1"))
+    m.observe(a_record(model="gpt-4o"), CHAT_API)
+    m.observe(a_record(model="gpt-4.1"), CHAT_API)
     for i in range(5):
-        m.observe(a_record(model=f"junk-{i}", status=404, error="HTTP 404", error_phase="upstream_wait"))
+        m.observe(a_record(model=f"junk-{i}", status=404, error="HTTP 404", error_phase="upstream_wait"), CHAT_API)
     assert durations(reg) == {("gpt-4o", "2xx"): 1, ("gpt-4.1", "2xx"): 1, ("other", "4xx"): 5}
-    m.observe(a_record(model="gpt-5"))  # another real model takes the least recently used one's place
+    m.observe(a_record(model="gpt-5"), CHAT_API)  # another real model takes the least recently used one's place
     assert set(durations(reg)) == {("gpt-4.1", "2xx"), ("gpt-5", "2xx"), ("other", "4xx")}
 
 
@@ -180,7 +183,7 @@ def test_requests_in_flight_from_their_head_to_their_record(fake, start_relay, t
 def endpoint(monkeypatch):
     monkeypatch.setattr(metrics, "SCRAPE_HEAD_TIMEOUT_S", 0.5)
     reg = CollectorRegistry()
-    metrics.RelayMetrics(reg).observe(a_record())
+    metrics.RelayMetrics(reg).observe(a_record(), CHAT_API)
     (host, port), server = metrics.serve("127.0.0.1:0", reg)
     yield f"http://{host}:{port}", port
     server.shutdown()
@@ -224,14 +227,14 @@ def test_a_workers_series_are_bounded_in_its_multiprocess_files_too(tmp_path):
 import os
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
 from prometheus_client import CollectorRegistry
-from ttft_relay.timing import metrics, multiproc
-from tests.test_metrics import a_record
+from ttft_relay.observe import metrics, multiproc
+from tests.test_metrics import CHAT_API, a_record
 m = metrics.RelayMetrics(CollectorRegistry(), max_series=20)
-m.observe(a_record(model="gpt-4o"))
+m.observe(a_record(model="gpt-4o"), CHAT_API)
 for i in range(3000):
     m.observe(a_record(model=f"junk-{{i}}", upstream=f"127.0.0.1:{{i % 50}}", status=None, error="refused",
-                       error_phase="upstream_connect", usage=None))
-m.observe(a_record(model="gpt-4o"))
+                       error_phase="upstream_connect", usage=None), CHAT_API)
+m.observe(a_record(model="gpt-4o"), CHAT_API)
 print(sum(f.rewrites for f in multiproc.files().values()))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from ttft_relay import apis
 from ttft_relay.observe import attempts, conversations, prefill
 from ttft_relay.timing import phases, record
 
@@ -131,7 +132,7 @@ def chat(turns: int, system: str = "You are terse.") -> dict:
 
 def step(conv: conversations.Conversations, body: dict, cached: int, *, ts: float, total: int = 8000,
          client: str = "10.0.0.1") -> str | None:
-    return conv.step("openai.chat", body, client=client, model="gpt-4o", ts=ts,
+    return conv.step(apis.get(apis.OPENAI_CHAT), body, client=client, model="gpt-4o", ts=ts,
                      usage={"input_tokens": total, "cached_tokens": cached})
 
 
@@ -166,7 +167,7 @@ def test_conversations_remembered_are_bounded_and_odd_bodies_pass():
         step(conv, chat(1, system=f"s{i}"), 100, ts=i)
     assert len(conv.known) == 10
     for body in (None, [], {"messages": "text"}, {"messages": []}, {"messages": [{"content": 2 ** 70}]}):
-        assert conv.step("openai.chat", body, client="c", model="m", usage={"input_tokens": 9000}, ts=0) is None
+        assert conv.step(apis.get(apis.OPENAI_CHAT), body, client="c", model="m", usage={"input_tokens": 9000}, ts=0) is None
 
 
 # --- attempt groups --------------------------------------------------------------------------
@@ -176,10 +177,10 @@ def attempt_record(rid: str, ts: float, *, cut: bool, total_ms: float) -> record
     marks = {"request_body": 1.0, "forwarded": 2.0, "end": total_ms}
     if not cut:
         marks |= {"response_head": total_ms - 50, "first_token": total_ms - 40}
-    return record.build_record(id=rid, ts=ts, api="openai.chat", model="m", stream=True, status=None if cut else 200,
-                               upstream="u", marks=marks, tokens_expected=True, tls_expected=False,
-                               reused_connection=True, rtt_ms=None, client_aborted=cut,
-                               error="Client disconnected." if cut else None)
+    return record.build_record(record.RecordInput(id=rid, ts=ts, api="openai.chat", model="m", stream=True, status=None if cut else 200,
+                                                  upstream="u", marks=marks, tokens_expected=True, tls_expected=False,
+                                                  reused_connection=True, rtt_ms=None, client_aborted=cut,
+                                                  error="Client disconnected." if cut else None))
 
 
 def run(table: dict[int, bytes], rec: record.Record, key: bytes) -> record.Record:

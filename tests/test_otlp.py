@@ -162,7 +162,7 @@ def built(**overrides: Any) -> record.Record:
         trim={"trimmed": True, "tokens_before": 5000, "tokens_after": 1200, "dropped_units": 3, "reason": "x"},
         request_id="rid-1")
     args.update(overrides)
-    return record.build_record(**args)
+    return record.build_record(record.RecordInput(**args))
 
 
 def test_a_record_becomes_a_root_a_span_per_phase_and_an_upstream_span():
@@ -337,7 +337,7 @@ class Collector(http.server.ThreadingHTTPServer):
 
 
 def queued(n: int) -> list[traces.Queued]:
-    return [traces.Queued(built(id=f"f{i}"), otlp.start(None), 1_700_000_000.0, 443, "POST") for i in range(n)]
+    return [traces.Queued(built(id=f"f{i}"), otlp.start(None), 1_700_000_000.0, 443, "POST", ("chat", "openai")) for i in range(n)]
 
 
 def test_the_exporter_batches_records_to_the_collector_with_its_headers():

@@ -7,7 +7,7 @@ counts only what changes after a series' first sample), then the measured round.
 expression is evaluated at the first scrape after the measured round, over a window
 that starts just before the last scrape before it, and compared with the measured round's
 records: means and shares exactly, quantiles by Prometheus's own interpolation over
-ttft_relay/timing/metrics.py's buckets.
+ttft_relay/observe/metrics.py's buckets.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ttft_relay.timing import metrics
+from ttft_relay.observe import metrics
 from deploy.grafana import dashboard
 from ttft_relay.workers import free_port
 from ttft_relay.testing.fakes import client

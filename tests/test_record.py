@@ -5,6 +5,7 @@ import threading
 
 import orjson
 
+from ttft_relay import text
 from ttft_relay.timing import phases, record
 from ttft_relay.testing.harness import REPO
 
@@ -16,7 +17,7 @@ MARKS = {
 
 
 def make(**overrides):
-    return record.build_record(**make_kwargs(**overrides)).as_dict()
+    return record.build_record(record.RecordInput(**make_kwargs(**overrides))).as_dict()
 
 
 def make_kwargs(**overrides):
@@ -73,10 +74,10 @@ def test_readme_documents_the_records_fields_in_their_order():
 
 
 def test_a_json_line_is_the_records_fields_in_order():
-    rec = record.build_record(**(dict(
+    rec = record.build_record(record.RecordInput(**(dict(
         id="f1", ts=1700000000.12345, api="openai.chat", model="gpt-x", stream=True, status=200,
         upstream="api.example.com", marks=MARKS, tokens_expected=True, tls_expected=True,
-        reused_connection=False, rtt_ms=200.0, links={"loop_lag_ms": 3.0})))
+        reused_connection=False, rtt_ms=200.0, links={"loop_lag_ms": 3.0}))))
     line = orjson.dumps(rec.as_dict())  # what RecordWriter writes
     assert line == orjson.dumps(rec)  # the dataclass itself serialises the same
     assert list(orjson.loads(line)) == list(record.FIELDS)
@@ -116,7 +117,7 @@ def test_client_abort_mid_stream():
 
 
 def test_long_errors_are_cut():
-    assert len(make(error="x" * 5000)["error"]) == record.ERROR_MAX
+    assert len(make(error="x" * 5000)["error"]) == text.ERROR_MAX
 
 
 def test_summary_line_and_comment():
@@ -133,7 +134,7 @@ def test_summary_line_and_comment():
         "upstream TLS: 200 ms, 43% of the 460 ms to the first token.", "SLOW: ttft 460 ms."]
     judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
                          "last_token": 3000.0, "end": 3001.0})
-    record.judge(judged_rec := record.build_record(**make_kwargs(marks=judged["marks"])),
+    record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),
                  expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
                                                 uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
     text = record.comment(judged_rec.as_dict())
@@ -185,7 +186,7 @@ def test_links_fill_their_keys_and_a_saturated_relay_gets_advice():
 
 
 def test_cut_text_says_how_long_the_text_was_and_cuts_once():
-    assert record.cut_text("short") == "short"
-    cut = record.cut_text("z" * 8_000_000)
-    assert len(cut) <= record.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
-    assert record.cut_text(cut) == cut  # the reply, the console and the record cut it alike
+    assert text.cut_text("short") == "short"
+    cut = text.cut_text("z" * 8_000_000)
+    assert len(cut) <= text.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
+    assert text.cut_text(cut) == cut  # the reply, the console and the record cut it alike

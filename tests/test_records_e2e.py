@@ -135,7 +135,7 @@ def test_http2_siblings_cut_by_a_relay_timeout_are_named_as_the_relays(monkeypat
     for _ in range(3):
         f = tflow.tflow()
         f.server_conn = shared
-        state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, stream=True))
+        state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT), stream=True))
         deadlines.timers[f] = (0.0, None)
         flows.append(f)
     closed = []

@@ -11,6 +11,7 @@ import pytest
 from mitmproxy import io
 from mitmproxy.test import tflow
 
+from ttft_relay import text
 from ttft_relay.guard import guard
 
 from ttft_relay.workers import free_port
@@ -31,40 +32,40 @@ WAIT = 20
 def test_safe_log_text_redacts_keys_in_raw_request_bytes():
     raw_head = repr(f"POST /v1/x?KEY={SECRET}&alt=sse HTTP/1.1\r\nHost: a:1\r\nAuthorization: Bearer {SECRET}\r\n"
                     f"openai-api-key: {SECRET}\r\nx-goog-api-key:{SECRET}\r\nCookie: s={SECRET}\r\n".encode())
-    safe = guard.safe_log_text(f"Client closed connection before completing request headers: {raw_head}")
+    safe = text.safe_log_text(f"Client closed connection before completing request headers: {raw_head}")
     assert SECRET not in safe
     assert "?KEY=REDACTED&alt=sse" in safe and "Authorization: Bearer REDACTED" in safe and "Host: a:1" in safe
 
 
 def test_a_known_key_in_prose_punctuation_is_redacted_and_one_holding_it_too(monkeypatch):
     dotted = "key.with.dots-0123456789"  # a key may hold the punctuation prose puts around one
-    monkeypatch.setattr(guard, "_KNOWN_SECRETS", {guard.key_digest(SECRET), guard.key_digest(dotted)})
+    monkeypatch.setattr(text, "_KNOWN_SECRETS", {text.key_digest(SECRET), text.key_digest(dotted)})
     for around in ("({})", "[{}]", "<{}>", "{}.", "key {}!", "`{}`", "(req-1, {})"):
-        safe = guard.safe_log_text(around.format(SECRET))
+        safe = text.safe_log_text(around.format(SECRET))
         assert SECRET not in safe and safe == around.format("REDACTED"), safe
-    assert guard.without_known_secrets(f"({dotted}).") == "(REDACTED)."
-    assert guard.without_known_secrets("(an-ordinary-long-token)") == "(an-ordinary-long-token)"
+    assert text.without_known_secrets(f"({dotted}).") == "(REDACTED)."
+    assert text.without_known_secrets("(an-ordinary-long-token)") == "(an-ordinary-long-token)"
 
 
 def test_safe_log_text_escapes_controls_and_caps_each_line():
-    assert guard.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\rfake line\nnext"
-    line = guard.safe_log_text("a" * 10_000 + "\nshort")
+    assert text.safe_log_text("gpt\x1b[2J\rfake line\nnext") == "gpt\\x1b[2J\\rfake line\nnext"
+    line = text.safe_log_text("a" * 10_000 + "\nshort")
     first, second = line.split("\n")
-    assert len(first) < guard.MAX_LOG_LINE + 40 and first.endswith("(8000 more characters)") and second == "short"
+    assert len(first) < text.MAX_LOG_LINE + 40 and first.endswith("(8000 more characters)") and second == "short"
     ordinary = "127.0.0.1:1 openai.chat gpt-4o 200 ttft 310 ms [upstream_wait 3, relay 1] → upstream wait"
-    assert guard.safe_log_text(ordinary) == ordinary
+    assert text.safe_log_text(ordinary) == ordinary
 
 
 def test_a_word_that_names_a_secret_is_prose_unless_it_starts_a_header():
     learning = ("127.0.0.1:1 openai.chat gpt-4o 200 ttft 171 ms [head_to_first_token 154] → upstream wait "
                 "(prefill/queue): the upstream's own wait 156 ms, 91% of the 171 ms to the first token: "
                 "learning this upstream · model: 1 of 8 requests")
-    assert guard.safe_log_text(learning) == learning
-    assert guard.safe_log_text(f"POST / HTTP/1.1\nToken: {SECRET}\nsecret:{SECRET}") == \
+    assert text.safe_log_text(learning) == learning
+    assert text.safe_log_text(f"POST / HTTP/1.1\nToken: {SECRET}\nsecret:{SECRET}") == \
         "POST / HTTP/1.1\nToken: REDACTED\nsecret:REDACTED"
-    assert guard.safe_log_text(repr(f"GET / HTTP/1.1\r\nkey: {SECRET}\r\n".encode())).count("REDACTED") == 1
+    assert text.safe_log_text(repr(f"GET / HTTP/1.1\r\nkey: {SECRET}\r\n".encode())).count("REDACTED") == 1
     for header in ("x-auth-token", "X-Api-Key", "api_key", "Proxy-Authorization", "my_password"):
-        assert guard.safe_log_text(f"bad header {header}: {SECRET} seen") == f"bad header {header}: REDACTED"
+        assert text.safe_log_text(f"bad header {header}: {SECRET} seen") == f"bad header {header}: REDACTED"
 
 
 def test_redact_flow_covers_every_spelling():

@@ -20,11 +20,11 @@ def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=
              "first_token": 2.0 + wait, "last_token": 50.0 + wait, "end": 51.0 + wait}
     if error:
         marks = {"request_body": 1.0, "forwarded": 2.0, "end": 9.0}
-    return record.build_record(
+    return record.build_record(record.RecordInput(
         id=f"f{i}", ts=ts + i, api="openai.chat", model=model, stream=True, status=None if error else 200,
         upstream=upstream, marks=marks, tokens_expected=True, tls_expected=True, reused_connection=True,
         rtt_ms=None, prompt_tokens=prompt, error=error,
-    ).as_dict()
+    )).as_dict()
 
 
 def write_log(path: Path, records) -> Path:
@@ -76,10 +76,10 @@ def attempt(i: int, group: str, n: int, ts: float, *, cut: bool, total: float = 
     marks = {"request_body": 1.0, "forwarded": 2.0, "end": total}
     if not cut:
         marks |= {"response_head": total - 500, "first_byte": total - 499, "first_token": total - 400}
-    r = record.build_record(id=f"a{i}", ts=ts, api="openai.chat", model="m", stream=True,
-                            status=None if cut else 200, upstream="u", marks=marks, tokens_expected=True,
-                            tls_expected=False, reused_connection=True, rtt_ms=None, client_aborted=cut,
-                            error="Client disconnected." if cut else None)
+    r = record.build_record(record.RecordInput(id=f"a{i}", ts=ts, api="openai.chat", model="m", stream=True,
+                                               status=None if cut else 200, upstream="u", marks=marks, tokens_expected=True,
+                                               tls_expected=False, reused_connection=True, rtt_ms=None, client_aborted=cut,
+                                               error="Client disconnected." if cut else None))
     return r.as_dict() | {"attempt_group": group, "attempt": n}
 
 

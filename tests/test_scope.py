@@ -27,14 +27,15 @@ from ttft_relay import apis, scope, state
     ],
 )
 def test_api_shape(path, shape):
-    assert scope.api_shape(path) == shape
+    assert apis.for_path(path).name == shape
 
 
 def test_model_and_stream():
-    assert scope.model_and_stream(apis.OPENAI_CHAT, "/v1/chat/completions", {"model": "gpt-4o", "stream": True}) == ("gpt-4o", True)
-    assert scope.model_and_stream(apis.OPENAI_CHAT, "/", {"model": 3, "stream": "yes"}) == (None, False)
-    assert scope.model_and_stream(apis.ANTHROPIC_MESSAGES, "/", [1, 2]) == (None, False)
-    assert scope.model_and_stream(apis.GEMINI, "/v1beta/models/g-1:generateContent", None) == ("g-1", False)
+    chat, anthropic, gemini = (apis.get(name) for name in (apis.OPENAI_CHAT, apis.ANTHROPIC_MESSAGES, apis.GEMINI))
+    assert chat.model_and_stream("/v1/chat/completions", {"model": "gpt-4o", "stream": True}) == ("gpt-4o", True)
+    assert chat.model_and_stream("/", {"model": 3, "stream": "yes"}) == (None, False)
+    assert anthropic.model_and_stream("/", [1, 2]) == (None, False)
+    assert gemini.model_and_stream("/v1beta/models/g-1:generateContent", None) == ("g-1", False)
 
 
 def _flow(path: str, body: bytes, **headers):
@@ -54,7 +55,7 @@ def test_scope_addon_attaches_state_only_in_scope():
             sc.requestheaders(f)
             sc.request(f)
         st = state.get(inside)
-        assert st is not None and st.api == apis.OPENAI_CHAT
+        assert st is not None and st.api is apis.get(apis.OPENAI_CHAT)
         assert (st.model, st.stream) == ("gpt-4o", True)
         assert state.get(outside) is None
 

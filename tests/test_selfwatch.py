@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ttft_relay.timing import selfwatch
+from ttft_relay.observe import selfwatch
 from ttft_relay.testing.harness import connect_many, handshakes_completed
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO as Linux lays it out")
@@ -130,7 +130,7 @@ def test_forgets_a_connections_retransmit_count_when_it_closes():
     from mitmproxy.proxy import server_hooks
     from mitmproxy.test import tflow
 
-    from ttft_relay.timing import selfwatch
+    from ttft_relay.observe import selfwatch
 
     watch = selfwatch.SelfWatch()
     client, server = tflow.tclient_conn(), tflow.tserver_conn()

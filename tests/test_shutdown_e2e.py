@@ -90,7 +90,7 @@ def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
         tctx.configure(t, relay_timing_log=str(tmp_path / "timing.jsonl"))
         f = tflow.tflow()
         f.request.timestamp_end = None
-        state.attach(f, state.FlowState(api=apis.OPENAI_CHAT, model="gpt-x", stream=True))
+        state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT), model="gpt-x", stream=True))
         t.requestheaders(f)
         t.done()
         t.error(f)  # what mitmproxy does once it cancels the connection: no second record

@@ -15,7 +15,9 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from ttft_relay.stream import reader, sse
+from ttft_relay import apis
+from ttft_relay.apis import reader
+from ttft_relay.stream import sse
 from ttft_relay.stream.sse import Event
 from ttft_relay.stream.sse import SSEParser
 from ttft_relay.stream.sse import StreamWatcher
@@ -152,7 +154,7 @@ def test_parser_chunking_never_changes_events_of_sse_like_bytes(pieces, cuts):
 
 
 def watch(api: str, chunks: list[bytes], times: list[float] | None = None) -> StreamWatcher:
-    watcher = StreamWatcher(api)
+    watcher = StreamWatcher(apis.get(api))
     for i, chunk in enumerate(chunks):
         watcher.feed(chunk, float(i) if times is None else times[i])
     watcher.feed(b"", 1e9)  # the end-of-message call mitmproxy makes: not a chunk
@@ -414,7 +416,7 @@ def test_gemini_thoughts_count_as_output_and_reasoning():
 
 def test_usage_read_mid_stream_follows_later_events():
     stream = samples.gemini_stream(["a", "b"])
-    w = StreamWatcher("gemini")
+    w = StreamWatcher(apis.get(apis.GEMINI))
     w.feed(stream[0], 0.0)
     assert w.usage["output_tokens"] == 1
     w.feed(stream[1], 1.0)
@@ -434,13 +436,13 @@ def test_usage_read_mid_stream_follows_later_events():
     ],
 )
 def test_usage_from_body(api, body, expected):
-    assert sse.usage_from_body(api, body) == expected
+    assert apis.get(api).reader.usage_from_body(body) == expected
 
 
 @pytest.mark.parametrize("body", [None, "x", 3, [], [1], {"usage": None}, {"usage": "x"}, {"usage": {"prompt_tokens": "7", "completion_tokens": True}}])
 @pytest.mark.parametrize("api", APIS)
 def test_usage_from_odd_bodies_is_none(api, body):
-    assert sse.usage_from_body(api, body) is None
+    assert apis.get(api).reader.usage_from_body(body) is None
 
 
 # --- errors and the end ------------------------------------------------------------------
@@ -529,7 +531,7 @@ def test_watcher_never_raises_on_sse_like_garbage(api, pieces, cuts):
     with no_safety_net():
         w = watch(api, split_at(b"".join(pieces), cuts))
         _ = (w.usage, w.error, w.done)
-    sse.transcript(api, parse(b"".join(pieces)))
+    sse.transcript(apis.get(api), parse(b"".join(pieces)))
 
 
 @settings(max_examples=300)
@@ -546,8 +548,8 @@ def test_watcher_never_raises_on_wrongly_typed_json(api, events, name):
     with no_safety_net():
         w = watch(api, stream)
         _ = (w.usage, w.error)
-        sse.usage_from_body(api, events[0] if events else None)
-    sse.transcript(api, parse(*stream))
+        apis.get(api).reader.usage_from_body(events[0] if events else None)
+    sse.transcript(apis.get(api), parse(*stream))
 
 
 # --- transcripts -----------------------------------------------------------------------------
@@ -556,8 +558,8 @@ def test_watcher_never_raises_on_wrongly_typed_json(api, events, name):
 @pytest.mark.parametrize("api", ["openai.chat", "openai.responses", "anthropic.messages"])
 def test_transcript_assembles_text_reasoning_and_tool_call(api):
     events = parse(b"".join(ALL_SAMPLES[api]))
-    assert sse.detect_api(events) == api
-    t = sse.transcript(api, events)
+    assert apis.for_events(events) is apis.get(api)
+    t = sse.transcript(apis.get(api), events)
     assert (t.text, t.reasoning) == ("Hello wörld", "hm")
     assert [(c.name, c.arguments) for c in t.tool_calls] == [("get_weather", '{"city":"Paris"}')]
     assert t.tool_calls[0].id
@@ -565,11 +567,11 @@ def test_transcript_assembles_text_reasoning_and_tool_call(api):
 
 def test_transcript_gemini():
     events = parse(b"".join(ALL_SAMPLES["gemini"]) + gemini_chunk({"text": "hm", "thought": True}, {"functionCall": {"name": "f", "args": {"a": 1}}}))
-    assert sse.detect_api(events) == "gemini"
-    t = sse.transcript("gemini", events)
+    assert apis.for_events(events) is apis.get(apis.GEMINI)
+    t = sse.transcript(apis.get(apis.GEMINI), events)
     assert (t.text, t.reasoning, [(c.name, c.arguments) for c in t.tool_calls]) == ("Hello wörld", "hm", [("f", '{"a":1}')])
 
 
-def test_detect_api_other():
-    assert sse.detect_api(parse(b"data: hello\n\n")) == "other"
-    assert sse.detect_api([]) == "other"
+def test_for_events_other():
+    assert apis.for_events(parse(b"data: hello\n\n")) is apis.OTHER_API
+    assert apis.for_events([]) is apis.OTHER_API

@@ -8,6 +8,7 @@ from mitmproxy.contentviews import Metadata
 from mitmproxy.test import taddons
 from mitmproxy.test import tflow
 
+from ttft_relay import apis
 from ttft_relay.stream import sse, sseview, streaming
 from ttft_relay.testing import sse_samples as samples
 
@@ -86,7 +87,7 @@ def test_registered_by_the_addon_and_chosen_for_event_streams():
 def test_events_carry_their_arrival_time_from_the_stream_tap():
     chunks = STREAMS["/v1/chat/completions"]
     flow = sse_flow("/v1/chat/completions", b"")
-    tap = streaming.StreamTap(sse.StreamWatcher("openai.chat"), None, view_max=1 << 20)
+    tap = streaming.StreamTap(sse.StreamWatcher(apis.get(apis.OPENAI_CHAT)), None, view_max=1 << 20)
     head, rest = b"".join(chunks[:2]), b"".join(chunks[2:])
     tap(head[:-1])  # an event completed only by the next chunk gets that chunk's time
     tap(head[-1:] + rest)
@@ -102,7 +103,7 @@ def test_events_carry_their_arrival_time_from_the_stream_tap():
 
 
 def test_arrival_times_are_bounded_and_skipped_when_the_body_is_not_the_tap_s():
-    tap = streaming.StreamTap(sse.StreamWatcher("openai.chat"), None, view_max=1 << 20)
+    tap = streaming.StreamTap(sse.StreamWatcher(apis.get(apis.OPENAI_CHAT)), None, view_max=1 << 20)
     for _ in range(streaming.ARRIVALS_MAX + 5):
         tap(b": ping\n\n")
     assert len(tap.arrivals) == 2 * streaming.ARRIVALS_MAX

@@ -12,7 +12,7 @@ from ttft_relay.timing import timing
 
 
 def fresh() -> state.FlowState:
-    return state.FlowState(api=apis.OPENAI_CHAT)
+    return state.FlowState(api=apis.get(apis.OPENAI_CHAT))
 
 
 def error_of(st: state.FlowState) -> tuple:

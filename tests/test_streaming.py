@@ -6,6 +6,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.net import encoding
 
+from ttft_relay import flows
 from ttft_relay.stream import streaming
 
 
@@ -105,7 +106,7 @@ def test_corrupt_compressed_stream_is_passed_on_not_raised():
 def _flow_with_response(method="POST", path="/v1/responses", status=200, in_scope=True, **response_headers):
     from mitmproxy.test import tflow
 
-    from ttft_relay import state
+    from ttft_relay import apis, state
 
     f = tflow.tflow(resp=True)
     f.request.method, f.request.path = method, path
@@ -113,7 +114,7 @@ def _flow_with_response(method="POST", path="/v1/responses", status=200, in_scop
     f.response.headers.clear()
     f.response.headers.update({k.replace("_", "-"): v for k, v in response_headers.items()})
     if in_scope:
-        state.attach(f, state.FlowState(api="openai.responses", stream=True))
+        state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_RESPONSES), stream=True))
     return f
 
 
@@ -137,7 +138,7 @@ def test_responses_without_a_body_pass_exactly_as_received(method, status, hdrs)
         addon.responseheaders(f)
         assert f.response.headers.fields == before  # no chunked framing, no buffering hints
         assert f.response.stream is False
-        assert not streaming.carries_body(f.request, f.response)
+        assert not flows.carries_body(f.request, f.response)
 
 
 def test_event_streams_out_of_scope_are_streamed_and_left_alone():

@@ -94,7 +94,7 @@ def assert_streamed_unbuffered(fake, url: str, body, api: str, headers: dict | N
         # The client has every byte sent so far, and the upstream still holds the rest.
         assert before_release == sent_so_far
         assert not gate.is_set()
-        watcher = sse.StreamWatcher(api)
+        watcher = sse.StreamWatcher(apis.get(api))
         watcher.feed(before_release, 0.0)
         assert watcher.first_token is not None, "the first token reached the client"
 

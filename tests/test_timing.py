@@ -8,7 +8,7 @@ from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import state
+from ttft_relay import apis, state
 from ttft_relay.stream import sse
 from ttft_relay.timing import phases, record, timing
 from ttft_relay.testing import sse_samples
@@ -28,7 +28,7 @@ def make_flow(*, stream: bool = True, new_connection: bool = True, status: int =
     )
     f.response.status_code = status
     f.response.timestamp_start, f.response.timestamp_end = T0 + 0.5, T0 + 2.0
-    st = state.attach(f, state.FlowState(api="openai.chat", model="gpt-x", stream=stream))
+    st = state.attach(f, state.FlowState(api=apis.get(apis.OPENAI_CHAT), model="gpt-x", stream=stream))
     st.marks["forwarded"] = T0 + 0.011
     return f, st
 
@@ -53,7 +53,7 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
     assert f.response.headers["server-timing"] == (
         "client_upload;dur=10.0, relay;dur=2.0, upstream_connect;dur=1.0, upstream_tls;dur=200.0, upstream_wait;dur=287.0"
     )
-    st.watcher = w = sse.StreamWatcher("openai.chat")
+    st.watcher = w = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
     for i, chunk in enumerate(sse_samples.openai_chat_stream(["Hel", "lo"])):
         w.feed(chunk, T0 + 0.6 + i * 0.01)
     addon.response(f)
@@ -71,9 +71,9 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
 
 def test_slow_marking_spares_fast_flows_and_prewarm_turns(addon):
     def rec(ttft_ms, prewarm=False):
-        some = record.build_record(id="f", ts=T0, api="openai.chat", model=None, stream=True, status=200,
-                                   upstream="u", marks={}, tokens_expected=True, tls_expected=True,
-                                   reused_connection=None, rtt_ms=None)
+        some = record.build_record(record.RecordInput(id="f", ts=T0, api="openai.chat", model=None, stream=True, status=200,
+                                                      upstream="u", marks={}, tokens_expected=True, tls_expected=True,
+                                                      reused_connection=None, rtt_ms=None))
         return dataclasses.replace(some, ttft_ms=ttft_ms, prewarm=prewarm)
 
     assert addon.is_slow(rec(100.0))
@@ -122,7 +122,7 @@ def test_disconnected_connection_is_forgotten(addon):
 
 def test_client_abort_mid_stream_is_recorded_once(addon):
     f, st = make_flow()
-    st.watcher = sse.StreamWatcher("openai.chat")
+    st.watcher = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
     st.watcher.feed(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', T0 + 0.6)
     f.response.timestamp_end = None
     f.error = tflow.terr("Client disconnected.")

@@ -68,7 +68,7 @@ def make_flow(raw: bytes, *, api: str = apis.OPENAI_CHAT, content_encoding: str 
     request.raw_content = raw
     flow = tflow.tflow(req=request, resp=tutils.tresp())
     body = json.loads(encoding.decode(raw, content_encoding) if content_encoding else raw) if parsed is None else parsed
-    st = state.attach(flow, state.FlowState(api=api, model=body.get("model"), request_json=body))
+    st = state.attach(flow, state.FlowState(api=apis.get(api), model=body.get("model"), request_json=body))
     return flow, st
 
 

@@ -63,7 +63,7 @@ def head(api: str, body: dict) -> list:
 def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming.TrimResult:
     """Trim `body` and check every promise the policy makes."""
     before = orjson.dumps(body)
-    result = trimming.trim(body, api, budget, counter, plans=plans)
+    result = trimming.trim(body, apis.get(api), budget, counter, plans=plans)
     assert orjson.dumps(body) == before, "the input must not be modified"
     stats = result.stats
     if result.body is None:
@@ -210,7 +210,7 @@ def test_the_growth_per_request_counts_each_answer_once():
 def test_plan_is_not_reused_for_another_history():
     plans = trimming.PlanCache()
     a = shaped.Session(CHAT, turns=20).last()
-    first = trimming.trim(a, CHAT, Budget(15_000, "user"), FakeCounter(), plans=plans)
+    first = trimming.trim(a, apis.get(CHAT), Budget(15_000, "user"), FakeCounter(), plans=plans)
     assert first.stats["dropped_units"] > 0
     (cut,) = {plan.cut for plan in plans._plans.values()}
     b = {**a, "messages": [*a["messages"][:cut], {"role": "user", "content": "another question"}, *a["messages"][cut + 1 :]]}
@@ -229,7 +229,7 @@ def test_counting_stops_at_the_count_limit():
 
 def test_newest_turn_alone_over_budget_is_untouched():
     body = {"model": "gpt-4o", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "huge " * 4000}]}
-    result = trimming.trim(body, CHAT, Budget(1000, "user"), FakeCounter())
+    result = trimming.trim(body, apis.get(CHAT), Budget(1000, "user"), FakeCounter())
     assert result.body is None and result.stats["over_budget"] and result.stats["reason"] == "over_budget"
 
 
@@ -244,14 +244,14 @@ def test_unknown_items_and_blocks_are_carried():
 
 def test_notice_in_front_of_the_first_kept_turn():
     body = shaped.Session(CHAT, turns=30).last()
-    result = trimming.trim(body, CHAT, Budget(20_000, "user"), FakeCounter(), notice=True)
+    result = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), notice=True)
     n = result.stats["dropped_units"]
     assert n > 0
     assert sum(f"[ttft-relay: {n} earlier turns" in str(m["content"]) for m in result.body["messages"]) == 1
 
 
 def test_responses_string_input_is_one_message():
-    result = trimming.trim({"model": "gpt-5", "input": "hi", "instructions": "be brief"}, RESPONSES, Budget(100, "user"), FakeCounter())
+    result = trimming.trim({"model": "gpt-5", "input": "hi", "instructions": "be brief"}, apis.get(RESPONSES), Budget(100, "user"), FakeCounter())
     assert result.body is None and result.stats["reason"] == "fits" and result.stats["tokens_after"] > 0
 
 
@@ -273,7 +273,7 @@ def test_responses_string_input_is_one_message():
     ],
 )  # fmt: skip
 def test_malformed_is_untouched_with_a_reason(api, body, reason):
-    result = trimming.trim(body, api, Budget(1, "user"), FakeCounter())
+    result = trimming.trim(body, apis.get(api), Budget(1, "user"), FakeCounter())
     assert result.body is None and result.stats["reason"] == reason
 
 
@@ -283,12 +283,12 @@ def test_malformed_is_untouched_with_a_reason(api, body, reason):
 ])  # fmt: skip
 def test_what_real_clients_send_is_never_refused(item):
     body = {"model": "claude-opus-4-6", "messages": [{"role": "user", "content": "hi"}, item]}
-    result = trimming.trim(body, ANTHROPIC, Budget(1000, "user"), FakeCounter())
+    result = trimming.trim(body, apis.get(ANTHROPIC), Budget(1000, "user"), FakeCounter())
     assert result.stats["reason"] == "fits"
 
 
 def test_no_budget_still_counts():
-    result = trimming.trim({"messages": [{"role": "user", "content": "hello"}]}, CHAT, None, FakeCounter())
+    result = trimming.trim({"messages": [{"role": "user", "content": "hello"}]}, apis.get(CHAT), None, FakeCounter())
     assert result.body is None and result.stats["reason"].startswith("no budget") and result.stats["tokens_after"] > 0
 
 
@@ -303,7 +303,7 @@ json_values = st.recursive(
 
 @given(body=json_values, api=st.sampled_from(APIS), budget=st.integers(0, 50))
 def test_anything_goes_in_nothing_raises(body, api, budget):
-    result = trimming.trim(body, api, Budget(budget, "user"), FakeCounter(), plans=trimming.PlanCache())
+    result = trimming.trim(body, apis.get(api), Budget(budget, "user"), FakeCounter(), plans=trimming.PlanCache())
     assert result.body is None or isinstance(result.body, dict)
 
 
@@ -323,14 +323,14 @@ def test_policy_holds_for_random_sessions(api, turns, rounds, result_words, args
 
 
 def test_the_answers_cap_is_read_from_each_apis_own_field():
-    assert trimming.max_output(CHAT, {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
-    assert trimming.max_output(CHAT, {"max_tokens": 1000}) == 1000  # the older name
-    assert trimming.max_output(RESPONSES, {"max_output_tokens": 1}) == 1
-    assert trimming.max_output(RESPONSES, {"max_tokens": 1000}) is None  # not this API's field
-    assert trimming.max_output(ANTHROPIC, {"max_tokens": 64_000}) == 64_000
-    assert trimming.max_output(CHAT, {"max_tokens": True}) is None and trimming.max_output(CHAT, {"max_tokens": 0}) is None
-    assert trimming.max_output(CHAT, ["not", "a", "body"]) is None
-    assert trimming.max_output(apis.GEMINI, {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
+    assert trimming.max_output(apis.get(CHAT), {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
+    assert trimming.max_output(apis.get(CHAT), {"max_tokens": 1000}) == 1000  # the older name
+    assert trimming.max_output(apis.get(RESPONSES), {"max_output_tokens": 1}) == 1
+    assert trimming.max_output(apis.get(RESPONSES), {"max_tokens": 1000}) is None  # not this API's field
+    assert trimming.max_output(apis.get(ANTHROPIC), {"max_tokens": 64_000}) == 64_000
+    assert trimming.max_output(apis.get(CHAT), {"max_tokens": True}) is None and trimming.max_output(apis.get(CHAT), {"max_tokens": 0}) is None
+    assert trimming.max_output(apis.get(CHAT), ["not", "a", "body"]) is None
+    assert trimming.max_output(apis.get(apis.GEMINI), {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
 
 
 def test_summary():

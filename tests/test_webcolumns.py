@@ -4,7 +4,7 @@ from mitmproxy.test import taddons
 from mitmproxy.tools.web.web_columns import AVAILABLE_WEB_COLUMNS
 from mitmproxy.tools.web.webaddons import WebAddon
 
-from ttft_relay.timing import webcolumns
+from ttft_relay.observe import webcolumns
 
 
 def test_relay_columns_are_mitmweb_s_own_names():

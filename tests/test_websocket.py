@@ -50,7 +50,7 @@ def relay():
 def socket_flow(path="/v1/responses", api=apis.OPENAI_RESPONSES):
     f = tflow.twebsocketflow(messages=False)
     f.request.path = path
-    state.attach(f, state.FlowState(api=api, transport="websocket"))
+    state.attach(f, state.FlowState(api=apis.get(api), transport="websocket"))
     return f
 
 

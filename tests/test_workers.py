@@ -24,7 +24,7 @@ from prometheus_client import multiprocess
 
 from benchmarks import soak
 from ttft_relay import workers
-from ttft_relay.timing import ledger, metrics
+from ttft_relay.observe import ledger, metrics
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 

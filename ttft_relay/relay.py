@@ -61,9 +61,9 @@ if _REPO_ROOT not in sys.path:
 from ttft_relay import capacity, config, patches, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
-from ttft_relay.observe import attempts, traces, verdicts
+from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
 from ttft_relay.stream import sseview, streaming, websocket
-from ttft_relay.timing import ledger, metrics, selfwatch, timing, webcolumns
+from ttft_relay.timing import timing
 from ttft_relay.trim import trim
 
 self_watch = selfwatch.SelfWatch()

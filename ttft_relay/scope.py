@@ -1,10 +1,10 @@
 """Which LLM API a request speaks, and what it asks for.
 
 The relay only touches flows whose path matches its scope; within scope the path
-decides the API shape (one module of `ttft_relay/apis/` each), which in turn decides
-how the body is trimmed and how the response stream is read. The functions are pure;
-the `Scope` addon at the end applies them to flows and attaches the per-flow state
-the other addons share.
+decides the API (one module of `ttft_relay/apis/` each), which in turn decides how the
+body is trimmed and how the response stream is read. That is decided here, once: the
+`Scope` addon attaches the per-flow state the other addons share, with the request's
+`Api` in it, so that none of them looks an API up again. The functions are pure.
 """
 
 from __future__ import annotations
@@ -29,24 +29,9 @@ Codex with a ChatGPT sign-in at `/backend-api/codex/responses`, the Anthropic-co
 base URLs providers give, like `/anthropic/v1/messages`, Gemini's native methods)."""
 
 
-def api_shape(path: str) -> str:
-    """The API shape of a request path (query string allowed): see `apis.for_path`."""
-    return apis.for_path(path).name
-
-
 def is_websocket_upgrade(headers: http.Headers) -> bool:
     """An upgrade request to a WebSocket (RFC 6455: `Upgrade: websocket`)."""
     return "websocket" in headers.get("upgrade", "").lower()
-
-
-def model_and_stream(api: str, path: str, body: Any) -> tuple[str | None, bool]:
-    """The model a request names and whether it asks for a streamed answer.
-
-    `body` is the parsed JSON body, or anything else when it did not parse; a
-    malformed body yields `(None, False)` rather than an error: the relay forwards
-    what it does not understand.
-    """
-    return apis.get(api).model_and_stream(path, body)
 
 
 class Scope:
@@ -77,7 +62,7 @@ class Scope:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         path = flow.request.path
         if self.pattern.search(path):
-            st = state.attach(flow, state.FlowState(api=api_shape(path)))
+            st = state.attach(flow, state.FlowState(api=apis.for_path(path)))
             if is_websocket_upgrade(flow.request.headers):
                 st.transport = record.WEBSOCKET
 
@@ -92,7 +77,9 @@ class Scope:
             st.record_error(str(e), phase="relay", status=413)  # refused here: nothing went upstream
             flow.response = apierrors.error_response(st.api, 413, str(e))
             return
-        st.model, st.stream = model_and_stream(st.api, flow.request.path, st.request_json)
+        # A malformed body yields (None, False), not an error: the relay forwards what it
+        # does not understand.
+        st.model, st.stream = st.api.model_and_stream(flow.request.path, st.request_json)
         if st.model is None and st.transport == record.WEBSOCKET:
             st.model = flow.request.query.get("model")  # the Realtime API's ?model=
 

@@ -1,7 +1,9 @@
 """Per-flow state shared by the relay's addons.
 
 One `FlowState` per in-scope flow, created by the scope addon in `requestheaders`
-and read by streaming, timing and trimming. It lives in a weak map keyed by the
+and read by streaming, timing and trimming. It carries the flow's `Api`, resolved once
+by scope: the floors below find in it everything they need to know of the API (its
+reader, trim shape, error format, WebSocket turns) and never look an API up by name. It lives in a weak map keyed by the
 flow, not in `flow.metadata`: mitmproxy deep-copies and serialises metadata when
 flows are duplicated or saved, and this object holds parsers and buffers that
 must not be. What should survive a save (the finished timing record) is put in
@@ -18,11 +20,14 @@ from typing import Any
 
 from mitmproxy import http
 
+from .apis.api import Api
+from .apis.reader import Watcher
+
 
 @dataclass(slots=True, eq=False)
 class FlowState:
-    api: str
-    """API shape, one of `apis.NAMES`."""
+    api: Api
+    """The API the request speaks (scope's choice, by its path); records keep its `name`."""
     model: str | None = None
     stream: bool = False
     """The client asked for a streamed response (`"stream": true` or a streaming path)."""
@@ -34,8 +39,8 @@ class FlowState:
     """The parsed request body while request hooks run; dropped once forwarded."""
     prompt_tokens: int | None = None
     trim: dict[str, Any] | None = None
-    watcher: Any = None
-    """`sse.StreamWatcher` of a streamed response, fed by the stream callable."""
+    watcher: Watcher | None = None
+    """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""
     error: str | None = None
     """Why the flow failed; written only through `record_error`."""
     error_phase: str | None = None

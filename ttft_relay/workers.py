@@ -29,7 +29,7 @@ code under it changed, `--workers N` refuses to start, saying so). So:
   the supervisor exits 1.
 - One timing log, the one the user named: every worker appends to it (`record.RecordWriter`
   says how, rotation included); each keeps its in-flight ledger beside it
-  (`timing/ledger.py`), read by the worker that replaces it.
+  (`observe/ledger.py`), read by the worker that replaces it.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
   this process serves the one scrape endpoint (`relay_metrics_listen`).
 - The children die with the supervisor, even on kill -9 (Linux: PR_SET_PDEATHSIG;
@@ -73,7 +73,8 @@ from . import capacity, config, launch
 from .patches import pins
 from .patches.fixes import inherited_listeners
 from .patches.speed import listen_backlog
-from .timing import ledger, metrics, timing
+from .observe import ledger, metrics
+from .timing import timing
 
 LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
 """In a worker: {mode spec: [descriptors of its listening sockets]}, as JSON."""

@@ -6,7 +6,7 @@
 Every PromQL expression lives here, once: tests/test_prometheus_e2e.py evaluates each
 of them on a real Prometheus scraping a relay and compares the answers with the
 relay's own timing records, and checks that the shipped JSON is this module's output.
-A metric renamed in ttft_relay/timing/metrics.py fails that test.
+A metric renamed in ttft_relay/observe/metrics.py fails that test.
 
 Expressions use Grafana's `$__rate_interval`; the test puts a window in its place.
 Ratios of two rates (means, shares, quantiles) do not depend on Prometheus's
@@ -25,7 +25,7 @@ RATE_INTERVAL = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 """The uid the provisioned data source (provisioning/datasources/prometheus.yaml) has."""
 PHASES = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token")
-"""The phases ttft_relay/timing/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it is
+"""The phases ttft_relay/observe/metrics.py exports as ttft_relay_<phase>_seconds, but relay_queue: it is
 observed for every call (0 when the kernel held nothing), so its mean per call that had it would be its
 mean over all calls; it has a saturation panel of its own."""
 EPSILON = "1e-12"
@@ -102,7 +102,7 @@ PANELS = (
           (Query("trimmed", or_zero(f"sum(rate(ttft_relay_trimmed_tokens_total[{RATE_INTERVAL}])) / "
                                     f"clamp_min({CALLS}, {EPSILON})")),)),
     Panel("Relay saturation: event-loop lag", "How late the relay's event loop runs a timer due every 50 ms "
-          "(ttft_relay/timing/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
+          "(ttft_relay/observe/selfwatch.py): beyond a few ms the relay itself is the slow hop (verdict \"relay saturated\"; "
           "then add workers, see Scaling out).", "s", (loop_lag_quantile(0.5), loop_lag_quantile(0.99))),
     Panel("Relay saturation: time queued in the relay", "How long a call's bytes waited in the kernel because "
           "the relay's event loop was busy (the relay_queue phase, ttft_relay/timing/phases.py; 0 for most calls): "

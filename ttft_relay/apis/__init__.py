@@ -3,20 +3,25 @@
 Each module ends in an `API` record (`api.Api`): its path match and part of the default
 scope, where its model and stream flag are, where its clients put their key, its stream
 reader, its trim shape, its WebSocket turns, its error format, its metric names and its
-diagnose probe. The other floors ask this registry and hold no list of APIs of their
-own: scope finds a request's API here, the SSE watcher its reader, the trimmer its shape
-(and the answer's token cap), websocket its turns, faults and guard its error format,
-guard where keys travel, metrics its names, diagnose its probe. Adding an API is
-adding a module and listing it in `ALL` (`tests/test_apis.py` fails for a module that
-is not listed or lacks a part).
+diagnose probe. The parts' base classes are here too (`api.py`, `reader.py`, `shape.py`):
+this package imports nothing else of the relay's.
+
+This registry is asked only where an API is chosen: scope resolves each request's API
+once, by its path, and puts the `Api` on the flow's state, where the SSE watcher finds
+its reader, the trimmer its shape, websocket its turns, faults its error format, timing
+and the metrics its name; the guard asks it whose error format a refusal before scope
+takes and where keys travel, the event-stream view what a flow scope never saw speaks,
+diagnose what it probes. Adding an API is adding a module and listing it in `ALL`
+(`tests/test_apis.py` fails for a module that is not listed or lacks a part).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from . import anthropic_messages, gemini, openai_chat, openai_realtime, openai_responses, other
 from .api import Api
+from .reader import Event
 
 ALL: tuple[Api, ...] = (
     openai_responses.API,
@@ -26,7 +31,7 @@ ALL: tuple[Api, ...] = (
     gemini.API,
 )
 """The APIs a path can match (their paths exclude each other). The order is the one
-streams are recognised in (`sse.detect_api`): typed events first, since the marks of a
+streams are recognised in (`for_events`): typed events first, since the marks of a
 Chat Completions chunk (`"choices"`) can appear in a Responses event's echo of the
 request; the default scope lists their endpoints in this order too."""
 
@@ -56,6 +61,16 @@ def for_path(path: str) -> Api:
     in, whatever prefix the provider puts in front of it."""
     path = path.split("?", 1)[0].rstrip("/")
     return next((api for api in ALL if api.matches(path)), OTHER_API)
+
+
+def for_events(events: Iterable[Event]) -> Api:
+    """The API a stream speaks, guessed from its events when its request is unknown: the
+    first API whose reader recognizes an event (in `ALL`'s order); `OTHER_API` if none does."""
+    for event in events:
+        for api in ALL:
+            if api.reader.recognizes(event):
+                return api
+    return OTHER_API
 
 
 KEY_HEADERS = tuple(dict.fromkeys(h for api in ALL for h in api.key_headers))

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads, reported_error, type_of
-from ..trim.shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads, reported_error, type_of
+from .shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
 from .api import Api, ErrorFormat, Probe, TooLong, Windows, error_message, model_and_stream_from_body
-
-if TYPE_CHECKING:
-    from ..stream.sse import StreamWatcher
 
 NAME = "anthropic.messages"
 
@@ -51,7 +48,7 @@ class MessagesReader(Reader):
     def recognizes(self, event: Event) -> bool:
         return type_of(event) in ("message_start", "content_block_start", "content_block_delta")
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         kind = type_of(event)
         if kind == "message_start":
             watcher.keep_usage("message_start", event.data)

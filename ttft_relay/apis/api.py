@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from ..stream.reader import Reader
-from ..trim.shape import Shape
+from .reader import Reader
+from .shape import Shape
 
 
 def error_code(status: int) -> str:

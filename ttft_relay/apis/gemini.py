@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
 from .api import Api, ErrorFormat, TooLong, Windows, error_message, number
-
-if TYPE_CHECKING:
-    from ..stream.sse import StreamWatcher
 
 NAME = "gemini"
 
@@ -49,7 +46,7 @@ class GeminiReader(Reader):
     def recognizes(self, event: Event) -> bool:
         return b'"candidates"' in event.data
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         data = event.data
         # Every chunk may repeat the running totals: keep the latest, decode it once at the end.
         if b'"usageMetadata"' in data:

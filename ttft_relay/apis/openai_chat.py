@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..stream.reader import Event, Reader, Transcript, as_int, as_str, counts, dig, loads
-from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
+from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
+from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
 from .api import (
     Api, ErrorFormat, Probe, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,
     number)
-
-if TYPE_CHECKING:
-    from ..stream.sse import StreamWatcher
 
 NAME = "openai.chat"
 
@@ -55,7 +52,7 @@ class ChatReader(Reader):
     def recognizes(self, event: Event) -> bool:
         return b'"chat.completion.chunk"' in event.data or b'"choices"' in event.data
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         data = event.data
         # With include_usage every chunk says "usage":null; only the last one has an object.
         at = data.find(b'"usage"')

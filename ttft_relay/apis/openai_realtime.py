@@ -3,15 +3,12 @@ WebSocket turns, each ending in `response.done`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..stream.reader import Event, as_int, counts, dig, loads, reported_error, type_of
+from .reader import Event, Watcher, as_int, counts, dig, loads, reported_error, type_of
 from .api import Api, error_code, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 from .openai_responses import TURNS, ResponsesReader
-
-if TYPE_CHECKING:
-    from ..stream.sse import StreamWatcher
 
 NAME = "openai.realtime"
 
@@ -42,7 +39,7 @@ class RealtimeReader(ResponsesReader):
     )
     TERMINAL_TYPES = frozenset({"response.done"})
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         kind = type_of(event)
         if kind in self.TERMINAL_TYPES:
             watcher.done = True

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from ..stream.reader import (
-    Event, Reader, Transcript, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
-from ..trim.shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
+from .reader import (
+    Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
+from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
 from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
 from .openai_chat import OPENAI_WINDOWS, OpenAIErrors
-
-if TYPE_CHECKING:
-    from ..stream.sse import StreamWatcher
 
 NAME = "openai.responses"
 
@@ -77,7 +74,7 @@ class ResponsesReader(Reader):
     def recognizes(self, event: Event) -> bool:
         return type_of(event).startswith("response.")
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         kind = type_of(event)
         if kind == "response.created" and watcher.response_id is None:
             m = _RESPONSE_ID.search(event.data)

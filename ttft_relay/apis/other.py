@@ -3,7 +3,7 @@ it is streamed and timed, never trimmed, and answered in OpenAI's error format."
 
 from __future__ import annotations
 
-from ..stream.reader import Reader
+from .reader import Reader
 from .api import Api, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 

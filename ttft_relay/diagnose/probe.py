@@ -345,7 +345,7 @@ def _timed(
         prompt_tokens=request.prompt_tokens, body_bytes=len(request.body), transport=transport,
     )
     run = _Probe(result, timeout)
-    watcher = StreamWatcher(api)
+    watcher = StreamWatcher(apis.get(api))
     try:
         _open(run, route, tls_context)
         run.phase = "send"

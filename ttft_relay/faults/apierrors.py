@@ -2,8 +2,8 @@
 
 SDKs turn a JSON error in their API's shape into their usual exception classes
 (authentication, rate limit, server error); anything else becomes a decode error
-the user cannot act on. Each format is its API module's (`ttft_relay/apis/`); this
-module picks it by the flow's API shape. Used by scope (bodies too large), the guard
+the user cannot act on. Each format is its API module's (`ttft_relay/apis/`); these
+functions take the flow's `Api` (`FlowState.api`, or the guard's choice for a refusal). Used by scope (bodies too large), the guard
 (refused keys) and faults (upstream failures before and after the response head).
 """
 
@@ -14,18 +14,17 @@ from typing import Any
 import orjson
 from mitmproxy import http
 
-from .. import apis
-from ..apis.api import error_code
+from ..apis.api import Api, error_code
 
 __all__ = ["error_code", "error_object", "error_response", "stream_error", "error_event"]
 
 
-def error_object(api: str, status: int, message: str) -> dict[str, Any]:
+def error_object(api: Api, status: int, message: str) -> dict[str, Any]:
     """The API's error JSON for `status` (what its own servers send)."""
-    return apis.get(api).errors.body(status, message)
+    return api.errors.body(status, message)
 
 
-def error_response(api: str, status: int, message: str, headers: dict[str, str] | None = None) -> http.Response:
+def error_response(api: Api, status: int, message: str, headers: dict[str, str] | None = None) -> http.Response:
     """A complete JSON error response in the API's format."""
     return http.Response.make(
         status,
@@ -34,12 +33,12 @@ def error_response(api: str, status: int, message: str, headers: dict[str, str] 
     )
 
 
-def stream_error(api: str, status: int, message: str, response_id: str | None = None) -> dict[str, Any]:
+def stream_error(api: Api, status: int, message: str, response_id: str | None = None) -> dict[str, Any]:
     """The event that ends a response which broke mid-stream, as the API itself ends one
     (Responses: `response.failed`; Realtime: an `error` event)."""
-    return apis.get(api).errors.stream_error(status, message, response_id)
+    return api.errors.stream_error(status, message, response_id)
 
 
-def error_event(api: str, status: int, message: str, response_id: str | None = None) -> bytes:
+def error_event(api: Api, status: int, message: str, response_id: str | None = None) -> bytes:
     """The last SSE event of a stream that broke: the API's in-stream error."""
-    return apis.get(api).errors.event(status, message, response_id)
+    return api.errors.event(status, message, response_id)

@@ -32,11 +32,15 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from .. import apis, state
+from .. import state
+from ..apis.other import API as OTHER_API
+from ..apis.api import Api
+from ..apis.reader import Watcher
 from . import apierrors
 from ..patches import connections, pins
 from ..patches.fixes import answer_on_head, error_replies, stream_resets, trailers
-from ..timing import selfwatch, timing
+from ..observe import selfwatch
+from ..timing import timing
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ MESSAGE_PREFIX = "ttft-relay: "
 # --- pure ------------------------------------------------------------------------------
 
 
-def error_reply(api: str, status: int, message: str) -> http.Response:
+def error_reply(api: Api, status: int, message: str) -> http.Response:
     """The relay's answer to an upstream failure before the response head."""
     return apierrors.error_response(
         api,
@@ -63,7 +67,7 @@ def error_reply(api: str, status: int, message: str) -> http.Response:
     )
 
 
-def can_append_event(response: http.Response, watcher: Any) -> bool:
+def can_append_event(response: http.Response, watcher: Watcher | None) -> bool:
     """Whether an SSE event can end this streamed body: an event stream, framed
     by chunks or by the close (not a length), not compressed, between events."""
     headers = response.headers
@@ -106,8 +110,9 @@ class ErrorReplies:
         if not head_sent:
             reply = error_reply(st.api, status, text)
             return reply, reply.raw_content or b""
-        if flow.response is not None and can_append_event(flow.response, st.watcher):
-            return None, apierrors.error_event(st.api, status, text, st.watcher.response_id)
+        w = st.watcher
+        if flow.response is not None and w is not None and can_append_event(flow.response, w):
+            return None, apierrors.error_event(st.api, status, text, w.response_id)
         return None
 
 
@@ -139,7 +144,7 @@ class FailedConnects:
         # connect attempt (proxy authentication) has no connection error.
         if flow.server_conn.error is None or state.get(flow) is not None:
             return
-        st = state.attach(flow, state.FlowState(api=apis.OTHER))
+        st = state.attach(flow, state.FlowState(api=OTHER_API))
         st.record_error(flow.server_conn.error, phase="upstream_connect")
 
     def error(self, flow: http.HTTPFlow) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import hmac
 import ipaddress
 import logging
@@ -62,23 +61,20 @@ from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
 from .. import apis, state
+from ..apis.api import Api
 from ..faults import apierrors
 from ..patches import connections, pins
 from ..patches.fixes import (
     answer_on_head, client_resets, eager_connects, head_limit, upstream_copy, web_options, websocket_limits,
 )
 from ..patches.speed import early_connects
-from ..timing import record
+from ..text import (
+    MIN_ACCESS_KEY_LENGTH, REDACTED, SECRET_PARAM_NAME, cut_text, is_secret_header, key_digest, know_secrets,
+    knows_secrets, redacted_text, redacted_value, safe_log_text, without_known_secrets,
+)
 
 logger = logging.getLogger(__name__)
 
-REDACTED = "REDACTED"
-SECRET_HEADER_NAME = re.compile(r"authorization|cookie|(^|[-_])(api[-_]?key|key|token|secret|password)$", re.I)
-"""Request headers whose values never outlive the request: `authorization`,
-`proxy-authorization`, `cookie`, and any whose name says it holds a credential
-(`x-api-key`, `api-key`, `x-goog-api-key`, `openai-api-key`, `x-auth-token`, ...)."""
-SECRET_PARAM_NAME = re.compile(r"(api[-_]?)?key|(access[-_])?token", re.I)
-"""Query parameters redacted in any case: `?key=`, `?KEY=`, `?api_key=`, `?access_token=`."""
 QUERY_SLOT = "?"
 """Leads a credential's slot that is a query parameter (`?key`); other slots are header names."""
 
@@ -87,7 +83,6 @@ DEFAULT_UPSTREAM_KEYS = [
     "api.anthropic.com=env:ANTHROPIC_API_KEY",
     "generativelanguage.googleapis.com=env:GEMINI_API_KEY",
 ]
-MIN_ACCESS_KEY_LENGTH = 16
 HTTP_REVERSE_SCHEMES = ("http", "https", "http3")
 
 """API families, for the format of the relay's own error answers."""
@@ -270,12 +265,6 @@ def parse_keys(text: str) -> list[str]:
     return [key for line in text.splitlines() for key in re.split(r"[\s,]+", line.split("#", 1)[0]) if key]
 
 
-def key_digest(key: str) -> bytes:
-    # Comparing fixed-size digests keeps the comparison constant-time whatever the
-    # lengths, and works for any characters a client sends.
-    return hashlib.sha256(key.encode("utf8", "surrogatepass")).digest()
-
-
 def load_access_keys(sources: Sequence[str]) -> list[str]:
     keys = [key for source in sources for key in parse_keys(read_secret(source, "relay_access_keys"))]
     if sources and not keys:
@@ -356,13 +345,13 @@ def swap_credentials(request: http.Request, slots: Iterable[str], upstream_key: 
             request.headers[slot] = upstream_key
 
 
-def api_shape(request: http.Request) -> str:
+def api_shape(request: http.Request) -> Api:
     """Which API's error format a client expects. Read from the request itself: this
     runs before the scope addon, and covers paths outside its scope too."""
-    return apis.for_refusal(request.path, request.headers).name
+    return apis.for_refusal(request.path, request.headers)
 
 
-def refusal(api: str, status: int, message: str) -> http.Response:
+def refusal(api: Api, status: int, message: str) -> http.Response:
     """The relay's own answer to a request it does not let through."""
     headers = {"www-authenticate": 'Bearer realm="ttft-relay"'} if status == 401 else None
     return apierrors.error_response(api, status, message, headers)
@@ -415,8 +404,7 @@ class AccessKeys:
             upstream_keys = load_upstream_keys(reverse_upstream_hosts(ctx.options.mode), ctx.options.relay_upstream_keys)
         self.digests = [key_digest(key) for key in keys]
         self.upstream_keys = upstream_keys
-        _KNOWN_SECRETS.clear()
-        _KNOWN_SECRETS.update(self.digests, (key_digest(key) for key in upstream_keys.values()))
+        know_secrets([*self.digests, *(key_digest(key) for key in upstream_keys.values())])
         # Keyed listeners open no upstream connection before a request's key is checked.
         if pins.on(eager_connects):
             eager_connects.defer(is_http_reverse if keys else None)
@@ -587,7 +575,7 @@ class FieldSyntax:
             status, message = 400, f"header value with CR, LF or NUL in it: {', '.join(sorted(set(names)))}"
         else:
             return
-        message = record.cut_text(message)
+        message = cut_text(message)
         self.refused[flow] = message
         answer_on_head.answer_now(flow, apierrors.error_response(api_shape(request), status, message,
                                                                  {"connection": "close"}))
@@ -812,49 +800,6 @@ class ClientLimits:
 # --- redaction ----------------------------------------------------------------------
 
 
-def redacted_value(name: str, value: str) -> str:
-    """A header value with its secret replaced; an auth scheme (`Bearer`, `Basic`, a word of
-    letters) stays readable, anything else before a space may be the secret itself."""
-    scheme, sep, _ = value.partition(" ")
-    readable = sep and name.endswith("authorization") and _AUTH_SCHEME.fullmatch(scheme)
-    return f"{scheme} {REDACTED}" if readable else REDACTED
-
-
-_AUTH_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,19}")
-
-
-def is_secret_header(name: str) -> bool:
-    return SECRET_HEADER_NAME.search(name) is not None
-
-
-_KNOWN_SECRETS: set[bytes] = set()
-"""Digests of the relay's own secrets (relay access keys, upstream keys): redacted
-wherever they turn up, in any header or parameter (`AccessKeys` keeps it current)."""
-_TOKEN = re.compile(rf"[^\s'\"\\,;&=:]{{{MIN_ACCESS_KEY_LENGTH},}}")
-_TOKEN_EDGES = "()[]{}<>.!?|`*"
-"""Punctuation that may stand at a token's ends in prose ("(KEY)", "KEY."): a key is
-looked for without it too. Not split on: a key may hold any of these inside."""
-
-
-def without_known_secrets(text: str) -> str:
-    """`text` with every token that is one of the relay's own keys replaced, also where
-    punctuation of prose stands around it."""
-    if not _KNOWN_SECRETS:
-        return text
-    return _TOKEN.sub(_known_secret_redacted, text)
-
-
-def _known_secret_redacted(match: re.Match[str]) -> str:
-    token = match.group(0)
-    if key_digest(token) in _KNOWN_SECRETS:
-        return REDACTED
-    core = token.strip(_TOKEN_EDGES)
-    if core != token and len(core) >= MIN_ACCESS_KEY_LENGTH and key_digest(core) in _KNOWN_SECRETS:
-        start = token.index(core)
-        return token[:start] + REDACTED + token[start + len(core):]
-    return token
-
-
 def redact_flow(flow: http.HTTPFlow) -> None:
     """Replace every credential the flow holds: secret request headers, key and
     token query parameters (any case), the relay's own keys wherever they are, what
@@ -863,7 +808,7 @@ def redact_flow(flow: http.HTTPFlow) -> None:
     if flow.error is not None:
         flow.error.msg = redacted_text(flow.error.msg)
     headers = flow.request.headers
-    if _KNOWN_SECRETS:
+    if knows_secrets():
         for name in {name.lower() for name, value in headers.items(multi=True) if without_known_secrets(value) != value}:
             headers.set_all(name, [without_known_secrets(v) for v in headers.get_all(name)])
         flow.request.path = without_known_secrets(flow.request.path)
@@ -874,49 +819,6 @@ def redact_flow(flow: http.HTTPFlow) -> None:
         query.set_all(name, [REDACTED] * len(query.get_all(name)))
     if (auth := flow.metadata.get("proxyauth")) is not None:
         flow.metadata["proxyauth"] = (auth[0], REDACTED)
-
-
-MAX_LOG_LINE = 2000
-"""Characters one log line keeps; the rest is counted, not shown (a head that never
-ended once made one 303 MB console line)."""
-_HEADER_IN_TEXT = re.compile(
-    r"((?:(?<=\\n)|(?<![\w-]))"
-    r"(?:(?:[\w-]*[-_])?(?:authorization|cookie|api[-_]?key)|[\w-]*[-_](?:key|token|secret|password))"
-    r"|(?:(?<=\\n)|^)(?:key|token|secret|password))"
-    r"([ \t]*:[ \t]*)([^\r\n'\"\\]*)",
-    re.I | re.M,
-)
-"""A credential header written out: its value runs to the end of the line (or of
-the header in a bytes repr, where `\\r\\n` separates them). A bare `key`, `token`,
-`secret` or `password` counts only where a header starts (a line's start): in prose
-("… to the first token: learning this upstream · model …") it is a word."""
-_PARAM_IN_TEXT = re.compile(r"([?&;])([A-Za-z0-9_-]+)=([^&\s'\"\\#]*)")
-
-
-def _redact_header(m: re.Match) -> str:
-    name, sep, value = m.groups()
-    return m.group(0) if not value else name + sep + redacted_value(name.lower(), value)
-
-
-def _redact_param(m: re.Match) -> str:
-    lead, name, value = m.groups()
-    return m.group(0) if not value or not SECRET_PARAM_NAME.fullmatch(name) else f"{lead}{name}={REDACTED}"
-
-
-def redacted_text(text: str) -> str:
-    """`text` with the credentials in it redacted: header lines and query parameters (as
-    mitmproxy prints raw request bytes), and the relay's own keys anywhere."""
-    return _PARAM_IN_TEXT.sub(_redact_param, _HEADER_IN_TEXT.sub(_redact_header, without_known_secrets(text)))
-
-
-def safe_log_text(text: str) -> str:
-    """A log message with credentials in it redacted (`redacted_text`), control characters
-    escaped, and each line cut to MAX_LOG_LINE characters."""
-    lines = record.printable(redacted_text(text), keep="\n\t").split("\n")
-    return "\n".join(
-        line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}… ({len(line) - MAX_LOG_LINE} more characters)"
-        for line in lines
-    )
 
 
 MITMWEB_LOGGERS = frozenset({"mitmproxy.tools.web.master", "mitmproxy.tools.web.webaddons"})

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from .. import apis
+from ..apis.api import Api
 
 CACHE_MIN_TOKENS = 1024
 """Prompts shorter than this are not cached by the providers (OpenAI, Anthropic's smallest)."""
@@ -65,8 +65,8 @@ def _digest(*parts: Any) -> bytes:
     return h.digest()
 
 
-def _items_and_key(api: str, body: Any, client: str, model: str | None) -> tuple[list, bytes] | None:
-    shape = apis.get(api).trim_shape
+def _items_and_key(api: Api, body: Any, client: str, model: str | None) -> tuple[list, bytes] | None:
+    shape = api.trim_shape
     if shape is None or not isinstance(body, dict):
         return None
     items = shape.items(body)
@@ -88,7 +88,7 @@ class Conversations:
         self.limit = limit
         self.known: OrderedDict[bytes, Turn] = OrderedDict()
 
-    def step(self, api: str, body: Any, *, client: str, model: str | None, usage: Mapping[str, Any] | None,
+    def step(self, api: Api, body: Any, *, client: str, model: str | None, usage: Mapping[str, Any] | None,
              ts: float) -> str | None:
         """Remember this request; if it continues a conversation the provider had cached and
         reports nothing cached itself, say so (a clause for the verdict's detail)."""

@@ -41,7 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 from mitmproxy import ctx, exceptions, http
 
-from .. import apis, state
+from .. import state
 from ..timing import record
 from . import otlp
 
@@ -167,6 +167,8 @@ class Queued:
     origin_s: float
     port: int | None
     method: str | None
+    semconv: tuple[str, str]
+    """The API's (`Api.semconv`): the record keeps only its name."""
 
 
 class Exporter:
@@ -237,7 +239,7 @@ class Exporter:
         for item in batch:
             time.sleep(0)  # the GIL back to the event loop between records: a batch never holds it long
             rec = item.rec.as_dict()
-            for span in otlp.spans(rec, item.trace, origin_s=item.origin_s, semconv=apis.get(item.rec.api).semconv,
+            for span in otlp.spans(rec, item.trace, origin_s=item.origin_s, semconv=item.semconv,
                                    server_port=item.port, method=item.method):
                 encoded.append(otlp.encode_span(span, item.trace))
         return otlp.export_request(self.resource, (SCOPE_NAME, self.resource.get("service.version", "")), encoded)
@@ -368,7 +370,7 @@ class Traces:
             headers["tracestate"] = trace.tracestate
 
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
-        if (exporter := self.exporter) is None:
+        if (exporter := self.exporter) is None or (st := state.get(flow)) is None:
             return
         trace = self.traces.get(flow)
         if trace is None:  # its head came before exporting began, or it never had one (a failed CONNECT)
@@ -378,4 +380,5 @@ class Traces:
         if not trace.sampled:
             return
         origin = rec.ts if rec.turn else flow.request.timestamp_start
-        exporter.put(Queued(rec, trace, origin, flow.request.port, flow.request.method if not rec.turn else None))
+        exporter.put(Queued(rec, trace, origin, flow.request.port, flow.request.method if not rec.turn else None,
+                            st.api.semconv))

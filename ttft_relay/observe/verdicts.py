@@ -136,5 +136,5 @@ class Verdicts:
         if rec.turn or st is None or st.request_json is None or (st.trim or {}).get("trimmed"):
             return None
         peer = flow.client_conn.peername
-        return self.conversations.step(rec.api, st.request_json, client=str(peer[0]) if peer else "",
+        return self.conversations.step(st.api, st.request_json, client=str(peer[0]) if peer else "",
                                        model=rec.model, usage=rec.usage, ts=rec.ts)

@@ -24,8 +24,9 @@ Shared by both kinds, in this package:
 - `layer_events`: the seam for events the relay hands mitmproxy's HTTP layer (a patch:
   installed while `fixes.stream_resets` or `speed.early_connects` hands one);
 - `connections`: live connections, their sockets and the listeners' (private, read without
-  a patch: the self-watch, faults, guard, the splice, the pool);
-- `error_texts`: mitmproxy's error texts the relay matches (private, read without a patch);
+  a patch: `observe.selfwatch`, faults, guard, the splice, the pool);
+- `error_texts`: mitmproxy's error texts the relay matches (private, read without a patch;
+  `timing.Timing`, `faults`);
 - `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
 """
 

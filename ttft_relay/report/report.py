@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from ..observe import prefill
+from ..text import printable
 from ..timing import phases, record
 
 QUANTILES = (50, 90, 99)
@@ -130,7 +131,7 @@ def counts_as_first_token(rec: Mapping[str, Any]) -> bool:
 
 
 def group_key(rec: Mapping[str, Any]) -> str:
-    return record.printable(f"{rec.get('upstream')} · {rec.get('model') or '?'}")  # one line, whatever the model
+    return printable(f"{rec.get('upstream')} · {rec.get('model') or '?'}")  # one line, whatever the model
 
 
 def websocket_counts(records: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
@@ -281,7 +282,7 @@ def attempt_ended(rec: Mapping[str, Any]) -> str:
     if rec.get("client_aborted"):
         return f"cut by the client after {took} in {where}{unanswered}"
     if rec.get("error"):
-        return record.printable(f"{rec['error']} after {took} in {where}{unanswered}")
+        return printable(f"{rec['error']} after {took} in {where}{unanswered}")
     ttft = rec.get("ttft_ms")
     return f"{rec.get('verdict')}, first token after {_duration(ttft)}" if ttft is not None else f"{rec.get('verdict')}"
 

@@ -9,10 +9,10 @@ tested by feeding chunks.
   keeps the marks of the stream (first byte, first event, first token, last token),
   the longest silence between chunks, the usage and any in-stream error the upstream
   reported. What counts as a token, as usage, as an error or as the end depends on
-  the API: each API module's reader says (`reader.Reader`, `ttft_relay/apis/`).
-- `usage_from_body` reads the same usage from a non-streamed JSON answer.
-- `transcript` / `detect_api` assemble the assistant's answer from events, for the
-  event-stream contentview.
+  the API: its reader says (`Api.reader`, `ttft_relay/apis/reader.py`), which also reads
+  the same usage from a non-streamed JSON answer (`Reader.usage_from_body`).
+- `transcript` assembles the assistant's answer from events, for the event-stream
+  contentview.
 
 The watcher sits on the hot path, so it decodes an event's JSON only while that can
 still change something: before the first token, and for the few events that may
@@ -27,8 +27,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from .. import apis
-from .reader import Event, Transcript, error_text, loads, type_of
+from ..apis.api import Api
+from ..apis.reader import Event, Transcript, error_text, loads, type_of
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +165,11 @@ class StreamWatcher:
 
     The stream callable calls `feed(chunk, time.time())` for every chunk; the bytes
     themselves go on to the client untouched. Times are absolute, as passed in.
-    Never raises: whatever the upstream sends, the stream must pass.
+    Never raises: whatever the upstream sends, the stream must pass. What the other
+    floors read of it is `reader.Watcher`.
     """
 
-    def __init__(self, api: str, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, api: Api, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.api = api
         self.first_byte: float | None = None
         self.first_event: float | None = None
@@ -190,7 +191,7 @@ class StreamWatcher:
         """The API's terminal event was seen: the stream ended as designed."""
         self.response_id: str | None = None
         """The upstream's id of the response being streamed (Responses API), once seen."""
-        self._reader = apis.get(api).reader
+        self._reader = api.reader
         self._parser = SSEParser(max_event_bytes)
         self._last_chunk: float | None = None
         self._usage_events: dict[str, bytes] = {}
@@ -204,7 +205,7 @@ class StreamWatcher:
         try:
             self._read(self._parser.feed(chunk), now)
         except Exception:  # a bug here must cost a mark, never the stream
-            logger.exception("SSE watcher failed on a %s stream; marks may be incomplete", self.api)
+            logger.exception("SSE watcher failed on a %s stream; marks may be incomplete", self.api.name)
 
     def feed_event(self, data: bytes, now: float) -> None:
         """One event that arrived whole, not as SSE bytes: a WebSocket message whose
@@ -213,7 +214,7 @@ class StreamWatcher:
         try:
             self._read([Event("", data)], now)
         except Exception:  # as in feed
-            logger.exception("SSE watcher failed on a %s event; marks may be incomplete", self.api)
+            logger.exception("SSE watcher failed on a %s event; marks may be incomplete", self.api.name)
 
     def _arrived(self, size: int, now: float) -> None:
         self.chunks += 1
@@ -262,7 +263,7 @@ class StreamWatcher:
 
     @property
     def usage(self) -> dict[str, int] | None:
-        """Usage as the upstream reported it in the stream, normalized (see `usage_from_body`)."""
+        """Usage as the upstream reported it in the stream, normalized (see `Reader.usage_from_body`)."""
         if self._usage_stale:
             self._usage_stale = False
             raw: dict[str, Any] = {}
@@ -275,39 +276,12 @@ class StreamWatcher:
         return self._usage
 
 
-def usage_from_body(api: str, body: object) -> dict[str, int] | None:
-    """Usage of a non-streamed response from its parsed JSON body, normalized.
-
-    Keys, each present only when the upstream reported it:
-    `input_tokens` (the whole prompt, cached part included), `output_tokens`
-    (reasoning included), `cached_tokens` (prompt tokens read from cache),
-    `reasoning_tokens`, `cache_creation_tokens` (Anthropic: prompt tokens written to cache).
-    """
-    reader = apis.get(api).reader
-    try:
-        raw = reader.body_usage(body)
-        return reader.normalize(raw) if isinstance(raw, dict) else None
-    except Exception:
-        logger.exception("Cannot read usage from a %s body", api)
-        return None
-
-
 # --- assembling answers for display ---------------------------------------------------
 
 
-def detect_api(events: Iterable[Event]) -> str:
-    """Guess the API shape of a stream from its events, for when the request is unknown:
-    the first API whose reader recognizes an event (in `apis.ALL`'s order)."""
-    for event in events:
-        for api in apis.ALL:
-            if api.reader.recognizes(event):
-                return api.name
-    return apis.OTHER
-
-
-def transcript(api: str, events: Iterable[Event]) -> Transcript:
+def transcript(api: Api, events: Iterable[Event]) -> Transcript:
     """The assistant's text, reasoning and tool calls, assembled from a stream's events."""
-    reader = apis.get(api).reader
+    reader = api.reader
     out = Transcript()
     for event in events:
         obj = loads(event.data)

@@ -22,6 +22,7 @@ from mitmproxy.contentviews import Contentview
 from mitmproxy.contentviews import Metadata
 
 from .. import apis
+from ..apis.api import Api
 from ttft_relay.stream import sse
 from ttft_relay.stream import streaming
 
@@ -39,16 +40,17 @@ def _event_line(event: sse.Event) -> str:
     return f"{event.event}: {data}" if event.event else data
 
 
-def _api_of(metadata: Metadata, events: list[sse.Event]) -> str:
-    """The API shape from the request path if the flow is known, else guessed from the events."""
+def _api_of(metadata: Metadata, events: list[sse.Event]) -> Api:
+    """The API by the request path if the flow is known, else guessed from the events (the
+    view shows flows scope never saw too: out of scope, loaded from a file)."""
     if isinstance(metadata.flow, http.HTTPFlow):
         api = apis.for_path(metadata.flow.request.path)
         if api is not apis.OTHER_API:
-            return api.name
-    return sse.detect_api(events)
+            return api
+    return apis.for_events(events)
 
 
-def _transcript_lines(api: str, events: list[sse.Event]) -> list[str]:
+def _transcript_lines(api: Api, events: list[sse.Event]) -> list[str]:
     answer = sse.transcript(api, events)
     lines = []
     if answer.reasoning:
@@ -95,7 +97,7 @@ class EventStreamContentview(Contentview):
             lines = [_event_line(e) for e in events]
         api = _api_of(metadata, events)
         if answer := _transcript_lines(api, events):
-            lines += ["", f"═══ {api}: {len(events)} events ═══", *answer]
+            lines += ["", f"═══ {api.name}: {len(events)} events ═══", *answer]
         return "\n".join(lines)
 
     def render_priority(self, data: bytes, metadata: Metadata) -> float:

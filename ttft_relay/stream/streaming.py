@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from mitmproxy import ctx, http
-from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 
 from .. import state
+from ..flows import carries_body
 from ..patches import connections, pins
 from ..patches.fixes import interim_answers
 from ..patches.speed import splice
@@ -42,17 +42,6 @@ logger = logging.getLogger(__name__)
 TRUNCATED_NOTE = b"\n: [ttft-relay: body view truncated at relay_stream_view_max]\n\n"
 ARRIVALS_MAX = 8192
 """Chunks of the body view whose arrival time is kept (for the event-stream view): 128 KiB at most."""
-
-
-def carries_body(request: http.Request, response: http.Response) -> bool:
-    """Whether a response has a body to stream: not an upgrade or other 1xx, not a
-    204 or 304, not the answer to HEAD or CONNECT (HTTP/1.1's rules, RFC 9112 6.3,
-    as mitmproxy reads them). A response whose framing headers mitmproxy cannot read
-    is left to mitmproxy as well."""
-    try:
-        return http1.expected_http_body_size(request, response) != 0
-    except ValueError:
-        return False
 
 
 def should_stream(response_headers: http.Headers, client_asked_stream: bool) -> bool:
@@ -314,8 +303,8 @@ class Streaming:
             headers["transfer-encoding"] = "chunked"
         headers["x-accel-buffering"] = "no"
         headers.setdefault("cache-control", "no-cache")
-        st.watcher = sse.StreamWatcher(st.api)
-        tap = flow.response.stream = StreamTap(st.watcher, decoder, self.view_max)
+        watcher = st.watcher = sse.StreamWatcher(st.api)
+        tap = flow.response.stream = StreamTap(watcher, decoder, self.view_max)
         if decoder is not None:
             tap.on_too_far = lambda message: _end_expanding(flow, st, message)
 

@@ -55,14 +55,16 @@ from mitmproxy.net.http import http1
 from mitmproxy.utils import human
 from mitmproxy.websocket import WebSocketMessage
 
-from .. import apis, state
-from ..apis.api import Turns
+from .. import state
+from ..apis.api import Api, Turns
 from ..faults import apierrors, faults
 from ..patches import connections, error_texts
 from ..patches.fixes import websocket_limits
 from . import sse
-from ..timing import phases, record, selfwatch
-from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing, upstream_name
+from ..observe import selfwatch
+from ..timing import phases, record
+from ..flows import upstream_name
+from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ class Turn:
 class Session:
     """One WebSocket flow's turns."""
 
-    api: str
+    api: Api
     protocol: Turns
     """How its turns start."""
     turns: int = 0
@@ -227,7 +229,7 @@ class WebSocketTurns:
         st = state.get(flow)
         if st is None:
             return
-        protocol = apis.get(st.api).websocket_turns
+        protocol = st.api.websocket_turns
         if protocol is not None:
             self.sessions[flow] = Session(st.api, protocol, handshake_comment=flow.comment)
 
@@ -370,10 +372,10 @@ class WebSocketTurns:
         marks = turn_marks(turn.started, turn.forwarded, w, end)
         upstream = upstream_name(flow)
         st = state.get(flow)
-        rec = record.build_record(
+        rec = record.build_record(record.RecordInput(
             id=f"{flow.id}#{turn.number}",
             ts=turn.started,
-            api=session.api,
+            api=session.api.name,
             model=turn.model or (st.model if st is not None else None),
             stream=True,
             status=flow.response.status_code if flow.response is not None else None,
@@ -396,7 +398,7 @@ class WebSocketTurns:
             turn=turn.number,
             prewarm=turn.prewarm,
             links=self.watch.turn_links(flow, turn.started) if self.watch is not None else None,
-        )
+        ))
         data = self.timing.publish(rec, flow)
         # mitmweb shows one flow per socket: its comment lists the turns, newest first.
         slow = self.timing.is_slow(rec)

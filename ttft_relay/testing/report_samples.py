@@ -65,14 +65,14 @@ def build(id: str, ts: float, upstream: str, model: str | None, marks: dict[str,
           rtt: float | None = None, max_gap: float | None = None, new_connection: bool = False,
           error: str | None = None, client_aborted: bool = False) -> dict[str, Any]:
     tokens = "first_token" in marks or not error
-    return record.build_record(
+    return record.build_record(record.RecordInput(
         id=id, ts=ts, api="openai.chat", model=model, stream=True, status=None if error else 200,
         upstream=upstream, marks={k: round(v, 3) for k, v in marks.items()}, tokens_expected=tokens,
         tls_expected=True, reused_connection=not new_connection, rtt_ms=rtt, max_gap_ms=max_gap,
         chunks=120 if "last_token" in marks else None, bytes=9000, token_events=100, prompt_tokens=prompt,
         usage={"input_tokens": prompt, "output_tokens": 100} if prompt else None,
         error=error, client_aborted=client_aborted,
-    ).as_dict()
+    )).as_dict()
 
 
 def handshake(id: str, ts: float, *, failed: bool) -> dict[str, Any]:

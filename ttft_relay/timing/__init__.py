@@ -1,1 +1,1 @@
-"""Timing: marks, phases and verdicts (pure), the record and its sinks (JSONL, console, metrics, mitmweb)."""
+"""Timing: marks, phases and verdicts (pure), the record and its sinks (JSONL, console, mitmweb comment)."""

@@ -14,7 +14,6 @@ import fcntl
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,14 +23,12 @@ from typing import Any
 
 import orjson
 
+from ..text import cut_text, printable
 from . import logrotation, phases
 
 logger = logging.getLogger(__name__)
 
 SCHEMA = 1
-ERROR_MAX = 300
-"""Error texts are cut to this many characters (`cut_text`): an upstream error event may be
-long, and mitmproxy's error texts quote what it could not parse (an 8 MB chunk header)."""
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
 HTTP = "http"
@@ -96,7 +93,7 @@ class Record:
     """The first token had the upstream waited what this prompt predicts (learned per upstream ·
     model, `ttft_relay/observe/prefill.py`); None before that is learned."""
     error: str | None
-    """What went wrong (transport error, stream error event, HTTP status), cut to ERROR_MAX."""
+    """What went wrong (transport error, stream error event, HTTP status), cut to `text.ERROR_MAX`."""
     error_phase: str | None
     """The phase it went wrong in."""
     client_aborted: bool
@@ -160,92 +157,99 @@ LINK_KEYS = FIELDS[FIELDS.index("loop_lag_ms"):]
 """What the relay's self-watch learned of a request (`selfwatch.SelfWatch`)."""
 
 
-def build_record(
-    *,
-    id: str,
-    ts: float,
-    api: str,
-    model: str | None,
-    stream: bool,
-    status: int | None,
-    upstream: str,
-    marks: Mapping[str, float],
-    tokens_expected: bool,
-    tls_expected: bool,
-    reused_connection: bool | None,
-    rtt_ms: float | None,
-    upstream_connection: str | None = None,
-    max_gap_ms: float | None = None,
-    chunks: int | None = None,
-    bytes: int | None = None,
-    token_events: int | None = None,
-    prompt_tokens: int | None = None,
-    usage: Mapping[str, Any] | None = None,
-    error: str | None = None,
-    error_phase: str | None = None,
-    client_aborted: bool = False,
-    trim: Mapping[str, Any] | None = None,
-    request_id: str | None = None,
-    transport: str = HTTP,
-    turn: int | None = None,
-    prewarm: bool = False,
-    upstream_request_id: str | None = None,
-    upstream_processing_ms: float | None = None,
-    links: Mapping[str, float | int | None] | None = None,
-) -> Record:
-    """The record of one flow (or WebSocket turn), from plain data (marks relative, in ms).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordInput:
+    """What the relay saw of one flow (or WebSocket turn): plain data, marks relative, in ms;
+    `build_record` makes its record of it. Timing builds one for a flow, websocket for a
+    turn, the ledger for a request its process died with.
 
-    `tokens_expected`: the answer was streamed as events, so `first_token`
-    decides ttft; `tls_expected`: the upstream speaks https, so a connection
-    without a handshake mark failed in TLS. `token_events` is the rate's fallback when the upstream
-    reported no output token count. A WebSocket handshake (`turn` 0) has no first
-    token of its own: its phases end at the `101`. `links`: the `LINK_KEYS` known.
+    `tokens_expected`: the answer was streamed as events, so `first_token` decides ttft;
+    `tls_expected`: the upstream speaks https, so a connection without a handshake mark
+    failed in TLS. `token_events` is the rate's fallback when the upstream reported no
+    output token count. A WebSocket handshake (`turn` 0) has no first token of its own: its
+    phases end at the `101`. `links`: the `LINK_KEYS` known.
     """
-    handshake = is_handshake(transport, turn)
-    if (error or client_aborted) and error_phase is None:
+
+    id: str
+    ts: float
+    api: str
+    model: str | None
+    stream: bool
+    status: int | None
+    upstream: str
+    marks: Mapping[str, float]
+    tokens_expected: bool
+    tls_expected: bool
+    reused_connection: bool | None
+    rtt_ms: float | None
+    upstream_connection: str | None = None
+    max_gap_ms: float | None = None
+    chunks: int | None = None
+    bytes: int | None = None
+    token_events: int | None = None
+    prompt_tokens: int | None = None
+    usage: Mapping[str, Any] | None = None
+    error: str | None = None
+    error_phase: str | None = None
+    client_aborted: bool = False
+    trim: Mapping[str, Any] | None = None
+    request_id: str | None = None
+    transport: str = HTTP
+    turn: int | None = None
+    prewarm: bool = False
+    upstream_request_id: str | None = None
+    upstream_processing_ms: float | None = None
+    links: Mapping[str, float | int | None] | None = None
+
+
+def build_record(seen: RecordInput) -> Record:
+    """The record of one flow (or WebSocket turn): its phases and verdict from what was seen."""
+    handshake = is_handshake(seen.transport, seen.turn)
+    error_phase = seen.error_phase
+    if (seen.error or seen.client_aborted) and error_phase is None:
         error_phase = phases.error_phase(
-            marks, tls_expected=tls_expected, tokens_expected=tokens_expected
+            seen.marks, tls_expected=seen.tls_expected, tokens_expected=seen.tokens_expected
         )
     # A failed request's wait runs on in the phase it failed in, up to its end.
-    p = phases.compute(marks, tokens_expected=tokens_expected,
-                       unfinished=error_phase if error or client_aborted else None)
-    if handshake or prewarm:
+    p = phases.compute(seen.marks, tokens_expected=seen.tokens_expected,
+                       unfinished=error_phase if seen.error or seen.client_aborted else None)
+    if handshake or seen.prewarm:
         # Neither is an answer: their time is in the phases, never a (slow) first token.
         p.pop("ttft", None)
-    links = {key: (links or {}).get(key) for key in LINK_KEYS}
-    output_tokens = (usage or {}).get("output_tokens") or token_events
+    links = {key: (seen.links or {}).get(key) for key in LINK_KEYS}
+    output_tokens = (seen.usage or {}).get("output_tokens") or seen.token_events
     stream_s = p.get("stream", 0.0) / 1000
     rec = Record(
-        id=id,
-        request_id=request_id[:REQUEST_ID_MAX] if request_id else None,
-        ts=round(ts, 3),
-        api=api,
-        model=model,
-        stream=stream,
-        status=status,
-        upstream=upstream,
-        marks=dict(marks),
+        id=seen.id,
+        request_id=seen.request_id[:REQUEST_ID_MAX] if seen.request_id else None,
+        ts=round(seen.ts, 3),
+        api=seen.api,
+        model=seen.model,
+        stream=seen.stream,
+        status=seen.status,
+        upstream=seen.upstream,
+        marks=dict(seen.marks),
         phases=p,
         ttft_ms=p.get("ttft"),
-        reused_connection=reused_connection,
-        upstream_connection=upstream_connection,
-        rtt_ms=None if rtt_ms is None else round(rtt_ms, 3),
-        max_gap_ms=None if max_gap_ms is None else round(max_gap_ms, 3),
-        chunks=chunks,
-        bytes=bytes,
+        reused_connection=seen.reused_connection,
+        upstream_connection=seen.upstream_connection,
+        rtt_ms=None if seen.rtt_ms is None else round(seen.rtt_ms, 3),
+        max_gap_ms=None if seen.max_gap_ms is None else round(seen.max_gap_ms, 3),
+        chunks=seen.chunks,
+        bytes=seen.bytes,
         output_tokens_per_s=round(output_tokens / stream_s, 1) if output_tokens and stream_s > 0 else None,
-        prompt_tokens=prompt_tokens,
-        usage=dict(usage) if usage else None,
+        prompt_tokens=seen.prompt_tokens,
+        usage=dict(seen.usage) if seen.usage else None,
         verdict=phases.UNKNOWN,
-        error=cut_text(error) if error else None,
+        error=cut_text(seen.error) if seen.error else None,
         error_phase=error_phase,
-        client_aborted=client_aborted,
-        trim=dict(trim) if trim else None,
-        transport=transport,
-        turn=turn,
-        prewarm=prewarm,
-        upstream_request_id=upstream_request_id[:REQUEST_ID_MAX] if upstream_request_id else None,
-        upstream_processing_ms=upstream_processing_ms,
+        client_aborted=seen.client_aborted,
+        trim=dict(seen.trim) if seen.trim else None,
+        transport=seen.transport,
+        turn=seen.turn,
+        prewarm=seen.prewarm,
+        upstream_request_id=seen.upstream_request_id[:REQUEST_ID_MAX] if seen.upstream_request_id else None,
+        upstream_processing_ms=seen.upstream_processing_ms,
     )
     # The self-watch's numbers (`LINK_KEYS`) by name: a type checker cannot match `**links`' keys to fields.
     for key, value in links.items():
@@ -299,25 +303,6 @@ def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms
     if rtt is None:
         return None
     return rtt + (retransmit_ms or 0.0)
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def cut_text(text: str, limit: int = ERROR_MAX) -> str:
-    """`text` in at most `limit` characters, saying how long it was if it is cut; a text cut
-    once stays as it is (the reply, the console and the record cut it alike)."""
-    if len(text) <= limit:
-        return text
-    note = f"… ({len(text)} characters)"
-    return text[:max(limit - len(note), 0)] + note
-
-
-def printable(text: Any, keep: str = "") -> str:
-    """`text` for a line of text output: control characters (newlines too, unless
-    in `keep`) written as `\\n`, `\\x1b`, ..., so a value (a model name, an error
-    text) cannot start a line of its own or repaint the terminal."""
-    return _CONTROL.sub(lambda m: m.group(0) if m.group(0) in keep else repr(m.group(0))[1:-1], str(text))
 
 
 def _ms(value: float | None) -> str:

@@ -33,13 +33,14 @@ from typing import Any
 
 import orjson
 from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
-from mitmproxy.proxy import mode_specs, server_hooks
+from mitmproxy.proxy import server_hooks
 from mitmproxy.utils import human
 
 from .. import state
+from ..apis.api import Api
+from ..flows import carries_body, upstream_name
 from ..patches import error_texts
 from ..patches.speed import upstream_pool
-from ..stream import sse, streaming
 from . import logrotation, phases, record
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class Timing:
         if st is None or flow.response is None:
             return
         self._connection_marks(flow, st)
-        if self.server_timing and streaming.carries_body(flow.request, flow.response):
+        if self.server_timing and carries_body(flow.request, flow.response):
             # Not on an upgrade or a bodiless answer: those pass exactly as received.
             marks = phases.relative_marks(self._marks(flow, st), flow.request.timestamp_start)
             value = phases.server_timing(phases.compute(marks, tokens_expected=False))
@@ -395,10 +396,10 @@ class Timing:
         upstream = upstream_name(flow)
         websocket = st.transport == record.WEBSOCKET
         head = upstream_headers(flow.response)
-        return record.build_record(
+        return record.build_record(record.RecordInput(
             id=flow.id,
             ts=flow.request.timestamp_start,
-            api=st.api,
+            api=st.api.name,
             model=st.model,
             stream=st.stream,
             status=status,
@@ -425,19 +426,7 @@ class Timing:
             upstream_request_id=upstream_request_id(head),
             upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,
-        )
-
-
-def upstream_name(flow: http.HTTPFlow) -> str:
-    """The upstream as "host", or "host:port" on a non-default port."""
-    req = flow.request
-    mode = flow.client_conn.proxy_mode
-    if not req.host and isinstance(mode, mode_specs.ReverseMode):
-        # Refused before mitmproxy filled in the target (header validation): the listener's.
-        (host, port), default = mode.address, 443 if mode.scheme in ("https", "http3") else 80
-        return host if port == default else f"{host}:{port}"
-    default = 443 if req.scheme == "https" else 80
-    return req.host if req.port == default else f"{req.host}:{req.port}"
+        ))
 
 
 UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
@@ -472,7 +461,7 @@ def upstream_processing_ms(headers: dict[str, str]) -> float | None:
     return ms if ms is not None and 0 <= ms < 1e9 else None
 
 
-def body_usage(api: str, response: http.Response | None) -> dict[str, int] | None:
+def body_usage(api: Api, response: http.Response | None) -> dict[str, int] | None:
     """Usage from a response body that was not streamed (and so is at hand)."""
     if response is None or response.raw_content is None:
         return None
@@ -482,4 +471,4 @@ def body_usage(api: str, response: http.Response | None) -> dict[str, int] | Non
         body = orjson.loads(response.get_content(strict=False) or b"null")
     except orjson.JSONDecodeError:
         return None
-    return sse.usage_from_body(api, body)
+    return api.reader.usage_from_body(body)

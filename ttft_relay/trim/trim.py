@@ -35,10 +35,10 @@ from pathlib import Path
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 
-from .. import apis, state
+from .. import state
 from ..patches import pins
 from ..patches.fixes import resend
-from ..timing.timing import upstream_name
+from ..flows import upstream_name
 from . import tokens, trimming, windows
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Trim:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if not ctx.options.relay_trim or st is None or apis.get(st.api).trim_shape is None or st.request_json is None:
+        if not ctx.options.relay_trim or st is None or st.api.trim_shape is None or st.request_json is None:
             return
         try:
             await self._trim(flow, st)
@@ -219,9 +219,9 @@ class Trim:
             flow.response.headers[HEADER] = line
 
     async def _refused(self, flow: http.HTTPFlow, st: state.FlowState, response: http.Response) -> None:
-        api = apis.get(st.api)
-        assert api.windows is not None and st.trim is not None
-        refusal = api.windows.too_long(response.status_code, response.get_content(strict=False) or b"")
+        api_windows = st.api.windows
+        assert api_windows is not None and st.trim is not None
+        refusal = api_windows.too_long(response.status_code, response.get_content(strict=False) or b"")
         if refusal is None:
             return
         sent_tokens = st.trim.get("tokens_after")
@@ -268,7 +268,7 @@ class Trim:
         return windows.budget_for(
             st.model,
             trimming.max_output(st.api, st.request_json),
-            windows=apis.get(st.api).windows,
+            windows=st.api.windows,
             configured=self.configured,
             learned=learned,
             user_max=ctx.options.relay_trim_max_tokens,
@@ -295,7 +295,7 @@ class Trim:
             flow.request.content = content
         st.trim = result.stats
         st.prompt_tokens = result.stats["tokens_after"]
-        if apis.get(st.api).windows is not None and not flow.request.stream:
+        if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
 
     def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:

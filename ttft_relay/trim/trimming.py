@@ -2,7 +2,7 @@
 
 The policy is the same for every API; how an API lays out its conversation (where the
 items are, their roles, calls and results, what a shrunk part looks like) is its API
-module's trim shape (`shape.Shape`, `ttft_relay/apis/`).
+module's trim shape (`Api.trim_shape`, a `ttft_relay/apis/shape.py` `Shape`).
 
 A request over budget is cut down in this order, each step oldest first, until it fits
 its target below the budget (see "Cache-stable cuts"):
@@ -58,8 +58,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from .. import apis
-from .shape import SHRINK_KINDS, Shape
+from ..apis.api import Api
+from ..apis.shape import SHRINK_KINDS, Shape
 from .windows import Budget
 
 REQUESTS_BETWEEN_CUTS = 16
@@ -106,15 +106,15 @@ class TokenCounter(Protocol):
 # --- budget ----------------------------------------------------------------------------
 
 
-def max_output(api: str, body: Any) -> int | None:
+def max_output(api: Api, body: Any) -> int | None:
     """The cap on the answer's tokens the request sets in its API's field, if it sets one."""
-    shape = apis.get(api).trim_shape
+    shape = api.trim_shape
     return shape.max_output(body) if shape is not None and isinstance(body, dict) else None
 
 
-def long_context(api: str, anthropic_beta: str | None) -> bool:
+def long_context(api: Api, anthropic_beta: str | None) -> bool:
     """The request opens the model's long window (Claude's 1M: `anthropic-beta: context-1m-…`)."""
-    shape = apis.get(api).trim_shape
+    shape = api.trim_shape
     return shape is not None and shape.long_context(anthropic_beta)
 
 
@@ -275,7 +275,7 @@ def untouched_stats(
 
 def trim(
     body: Any,
-    api: str,
+    api: Api,
     budget: Budget | None,
     counter: TokenCounter,
     *,
@@ -322,9 +322,9 @@ class _Trimmer:
 
     def run(self) -> dict | None:
         body, stats = self.body, self.stats
-        shape = apis.get(self.api).trim_shape
+        shape = self.api.trim_shape
         if shape is None:
-            stats["reason"] = f"api {self.api} is not trimmed"
+            stats["reason"] = f"api {self.api.name} is not trimmed"
             return None
         if not isinstance(body, dict):
             stats["reason"] = "malformed: body is not an object"
@@ -367,7 +367,7 @@ class _Trimmer:
         # The earliest cut that keeps nothing uncounted.
         floor = min((c for c in lay.cuts if c >= counted_from), default=lay.head_end) if uncounted else lay.head_end
 
-        key = conversation_key(self.api, body, shape, items, lay.head_end) if self.plans is not None else None
+        key = conversation_key(self.api.name, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
         kept_total = None
         if plan is not None and self._valid(plan, lay):

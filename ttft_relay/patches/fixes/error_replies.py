@@ -17,7 +17,7 @@ but not its flow.)
 
 Installing it also lets a failed eager connect reach the HTTP layer
 (`eager_connects`), so that failure gets a rendered reply too. The error text is cut to
-the record's `ERROR_MAX` on its way in (`record.cut_text`): mitmproxy quotes what it could
+`text.ERROR_MAX` on its way in (`text.cut_text`), as the record's: mitmproxy quotes what it could
 not parse whatever its size, and the flow's error, the reply and the console all take it
 from here.
 """
@@ -36,7 +36,7 @@ from mitmproxy.proxy.layers.http._events import ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy.proxy.layers.http._http2 import Http2Connection
 
-from ...timing import record
+from ... import text
 from . import eager_connects
 from ..rewrite import replacing
 
@@ -82,11 +82,11 @@ def installed() -> bool:
 
 
 def _handle_protocol_error(self: HttpStream, event: Any) -> layer.CommandGenerator[None]:
-    if len(event.message) > record.ERROR_MAX:
+    if len(event.message) > text.ERROR_MAX:
         # mitmproxy's error text quotes what it could not parse, whatever its size (an 8 MB
         # chunk header became an 8 MB error event and console line): cut here, where the
         # flow's error, the error hook, the reply and mitmproxy's own error page all take it.
-        event = dataclasses.replace(event, message=record.cut_text(event.message))
+        event = dataclasses.replace(event, message=text.cut_text(event.message))
     return replacing(_ORIGINAL_HANDLE_PROTOCOL_ERROR(self, event), lambda command: _client_reply(self, command))
 
 

@@ -1,10 +1,13 @@
 """What an API's stream reader is (pure, sans-IO): the events it reads, the base class
-each API module's reader extends (`ttft_relay/apis/`), and the helpers they share.
+each API module's reader extends, what it tells the stream's watcher, and the helpers
+they share.
 
 A reader says what one API's events mean: which carry visible output (the first and
 last token), which carry usage, which report an error, which end the stream. The
-`StreamWatcher` (`sse.py`) feeds it every event of a stream, whether it came as SSE
-bytes or as a WebSocket message, and keeps the marks.
+watcher (`ttft_relay/stream/sse.py`'s `StreamWatcher`) feeds it every event of a
+stream, whether it came as SSE bytes or as a WebSocket message, and keeps the marks;
+`Watcher` is what the reader and the other floors (faults, timing, the self-watch, which
+find it on the flow's state) see of it.
 
 Readers sit on the hot path: they decode an event's JSON only while that can still
 change something (see `Reader`), and read types and tokens with byte-level checks.
@@ -12,14 +15,15 @@ change something (see `Reader`), and read types and tokens with byte-level check
 
 from __future__ import annotations
 
+import builtins
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
-if TYPE_CHECKING:
-    from .sse import StreamWatcher
+logger = logging.getLogger(__name__)
 
 MAX_ERROR_CHARS = 500
 """Error messages are kept for records and console lines, not as evidence."""
@@ -150,6 +154,44 @@ class Transcript:
             parts.append(piece)
 
 
+class Watcher(Protocol):
+    """The watcher of one stream as readers and the relay's other floors see it (what
+    `ttft_relay/stream/sse.py`'s `StreamWatcher` is). Times are absolute seconds."""
+
+    first_byte: float | None
+    first_event: float | None
+    first_token: float | None
+    last_token: float | None
+    chunks: int
+    bytes: int
+    token_events: int
+    max_gap: float
+    """Longest time between two consecutive chunks, in seconds."""
+    longest_gap: float | None
+    """When that longest silence began."""
+    error: str | None
+    """The first in-stream error the upstream reported."""
+    done: bool
+    """The API's terminal event was seen (a reader sets it)."""
+    response_id: str | None
+    """The upstream's id of the response being streamed, once seen (a reader sets it)."""
+
+    @property
+    def last_chunk(self) -> float | None: ...
+
+    @property
+    def at_event_boundary(self) -> bool: ...
+
+    @property
+    def usage(self) -> dict[str, int] | None: ...
+
+    def keep_usage(self, source: str, data: builtins.bytes) -> None:  # `bytes` is the count above
+        """Remember the (latest) event of kind `source` that carries usage."""
+
+    def set_error(self, error: Any) -> None:
+        """Record an upstream error object or message; the first one is the cause."""
+
+
 class Reader:
     """What one API's events mean: which are tokens, which carry usage, errors, the end.
 
@@ -164,7 +206,7 @@ class Reader:
     def looks_like_token(self, event: Event) -> bool:
         return False
 
-    def observe(self, event: Event, watcher: StreamWatcher) -> None:
+    def observe(self, event: Event, watcher: Watcher) -> None:
         if event.data[:6] == b"[DONE]":
             watcher.done = True
         elif event.event == "error":
@@ -173,7 +215,7 @@ class Reader:
             self.observe_top_level_error(event, watcher)
 
     @staticmethod
-    def observe_top_level_error(event: Event, watcher: StreamWatcher) -> None:
+    def observe_top_level_error(event: Event, watcher: Watcher) -> None:
         """OpenAI-style errors: a data object whose first key is "error"."""
         if _TOP_LEVEL_ERROR.match(event.data):
             error = dig(loads(event.data), "error")
@@ -187,6 +229,22 @@ class Reader:
     def body_usage(self, body: Any) -> dict | None:
         """The raw usage object of a non-streamed response body."""
         return dig(body, "usage")
+
+    def usage_from_body(self, body: object) -> dict[str, int] | None:
+        """Usage of a non-streamed response from its parsed JSON body, normalized; None
+        when it reports none (never raises).
+
+        Keys, each present only when the upstream reported it:
+        `input_tokens` (the whole prompt, cached part included), `output_tokens`
+        (reasoning included), `cached_tokens` (prompt tokens read from cache),
+        `reasoning_tokens`, `cache_creation_tokens` (Anthropic: prompt tokens written to cache).
+        """
+        try:
+            raw = self.body_usage(body)
+            return self.normalize(raw) if isinstance(raw, dict) else None
+        except Exception:
+            logger.exception("Cannot read usage from a %s body", type(self).__name__)
+            return None
 
     def normalize(self, raw: dict) -> dict[str, int] | None:
         """The API's usage object in the relay's terms (see `usage_from_body`)."""

@@ -55,10 +55,11 @@ import orjson
 from mitmproxy import http
 
 from .. import state
-from ..guard import guard
-from . import record
+from ..text import without_known_secrets
+from ..flows import upstream_name
+from ..timing import record
+from ..timing.timing import Timing
 from .metrics import WORKER_ENV
-from .timing import Timing, upstream_name
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,13 @@ def lost_record(entry: dict[str, Any]) -> record.Record:
         value = entry.get(key)
         return value if isinstance(value, str) else None
 
-    return record.build_record(
+    return record.build_record(record.RecordInput(
         id=entry["id"], ts=float(entry["ts"]), api=text("api") or "unknown", model=text("model"),
         stream=entry.get("stream") is True, status=None, upstream=text("upstream") or "",
         marks={}, tokens_expected=False, tls_expected=entry.get("tls") is True,
         reused_connection=None, rtt_ms=None, error=LOST_ERROR, error_phase="relay",
         request_id=text("request_id"),
-    )
+    ))
 
 
 def recorded_ids(tail: bytes) -> set[str]:
@@ -154,9 +155,9 @@ def entry_of(flow: http.HTTPFlow, st: state.FlowState) -> dict[str, Any]:
     id passes the relay's key redaction, as the record's does (its header is redacted
     before the record is written, after the ledger read it)."""
     request_id = flow.request.headers.get("x-request-id")
-    return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api, "model": st.model,
+    return {"id": flow.id, "ts": flow.request.timestamp_start, "api": st.api.name, "model": st.model,
             "stream": st.stream, "upstream": upstream_name(flow), "tls": flow.request.scheme == "https",
-            "request_id": guard.without_known_secrets(request_id) if request_id else None}
+            "request_id": without_known_secrets(request_id) if request_id else None}
 
 
 class Ledger:

@@ -58,8 +58,10 @@ from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.exposition import choose_encoder
 
-from .. import apis, state
-from . import multiproc, record, series
+from .. import state
+from ..apis.api import Api
+from ..timing import record
+from . import multiproc, series
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +167,11 @@ class RelayMetrics:
                 warnings.simplefilter("ignore", UserWarning)
                 metric.remove(*values)
 
-    def observe(self, rec: record.Record) -> None:
-        api = rec.api
-        operation, provider = apis.get(api).semconv
+    def observe(self, rec: record.Record, api: Api) -> None:
+        """Count a record of a request to `api` (the flow's: the record keeps only its name)."""
+        operation, provider = api.semconv
         success = rec.status is not None and 200 <= rec.status < 300 and not rec.error
-        labels = self.series.admit((operation, provider, rec.model or OTHER, rec.upstream or OTHER, api,
+        labels = self.series.admit((operation, provider, rec.model or OTHER, rec.upstream or OTHER, rec.api,
                                     status_class(rec.status)), success, self._evict)
         phases = rec.phases
         failed = bool(rec.error or rec.client_aborted)
@@ -416,8 +418,8 @@ class Metrics:
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         if (gauge := self.counted.pop(flow, None)) is not None:  # its first record (a socket's turns come later)
             gauge.dec()
-        if self.listen and self.metrics is not None:
-            self.metrics.observe(rec)
+        if self.listen and self.metrics is not None and (st := state.get(flow)) is not None:
+            self.metrics.observe(rec, st.api)
 
     def otlp_dropped(self, reason: str, records: int) -> None:
         """`observe.traces.Traces`' callback (from its exporter thread too: counters take a lock)."""

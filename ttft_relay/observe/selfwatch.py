@@ -63,7 +63,7 @@ from mitmproxy.proxy import server_hooks
 from .. import state
 from ..patches import connections
 from ..patches.speed import upstream_pool
-from . import record
+from ..timing import record
 
 logger = logging.getLogger(__name__)
 
