@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mitmproxy import optmanager
 from mitmproxy.test import tutils
 
 from ttft_relay import pool
@@ -24,3 +25,14 @@ def test_a_clients_close_is_its_own_hop():
         request.headers["connection"] = sent
         pool.drop_close(request)
         assert request.headers.get("connection") == upstream, sent
+
+
+def test_every_option_can_be_set_on_the_command_line():
+    # mitmproxy's --set parses bool, int, str and sequences of str only (a float option failed
+    # the relay's start: "unsupported option type").
+    options = optmanager.OptManager()
+    pool.UpstreamPool().load(options)
+    options.set("relay_upstream_pool=true", "relay_upstream_pool_warm=1", "relay_upstream_pool_idle=5",
+                "relay_upstream_pool_max=4")
+    assert (options.relay_upstream_pool, options.relay_upstream_pool_warm, options.relay_upstream_pool_idle,
+            options.relay_upstream_pool_max) == (True, 1, 5, 4)

@@ -272,7 +272,9 @@ def test_every_dashboard_expression_answers_what_the_records_say(start_relay, ce
         relay = start_relay(f"reverse:{openai_fake.base_url}@{ports[0]}", f"reverse:{anthropic_fake.base_url}@{ports[1]}",
                             f"reverse:http://127.0.0.1:{free_port()}@{ports[2]}",  # nothing listens there
                             relay_metrics_listen="127.0.0.1:0", relay_trim_max_tokens=TRIM_BUDGET,
-                            relay_upstream_pool=False)  # every request connects: the connect phases occur
+                            # Every request connects after its head: the connect phases occur (an
+                            # eager connect's handshake overlaps the client's and shows as 0).
+                            relay_upstream_pool=False, connection_strategy="lazy")
         relay.wait_for_output("tokenizer ready")  # requests before it go untrimmed
         relay_started = time.time()
         target = urllib.parse.urlsplit(metrics_url(relay)).netloc

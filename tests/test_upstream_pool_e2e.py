@@ -10,6 +10,7 @@ to a first token of about 2 x ONE_WAY_MS + the prefill.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Iterator
@@ -78,6 +79,39 @@ def test_a_new_client_connection_is_as_quick_as_a_kept_alive_one_on_a_far_link(f
         ratios.append(statistics.median(fresh) / statistics.median(kept_alive))
         if ratios[-1] <= 1.1:
             return
+    pytest.fail(f"new connections' first token over kept-alive ones' in {ATTEMPTS} rounds: {ratios}")
+
+
+def test_a_client_connection_the_pool_cannot_serve_gets_its_connection_opened_as_it_connects(far_fake_tls, start_relay,
+                                                                                             rid):
+    """A miss costs no more than without the pool: where the pool holds nothing for a new
+    client connection, the upstream connection is opened as the client connects (as
+    mitmproxy's eager connect would), so a client that connects ahead of its request (SDK
+    pools, an agent starting its turn, a TLS handshake with the relay) finds it ready. The
+    pool used to open it only at the request's head: two more far round trips (TCP, TLS)
+    on that first token, and under load every client of a burst larger than the pool waited so."""
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="true", relay_upstream_pool_warm="0", termlog_verbosity="debug")
+    ratios = []
+    # Every client keeps its connection, and so its upstream one, to the end: the pool holds none.
+    held: list[HttpConnection] = []
+    with contextlib.ExitStack() as clients:
+        def connect() -> HttpConnection:
+            held.append(clients.enter_context(HttpConnection(relay.url())))
+            relay.wait_for_lines(r"opened ahead of a request", len(held))
+            return held[-1]
+
+        for attempt in range(ATTEMPTS):
+            kept = connect()
+            first_token_ms(kept, rid)
+            kept_alive = [first_token_ms(kept, rid) for _ in range(REQUESTS)]
+            fresh = [first_token_ms(connect(), rid) for _ in range(REQUESTS)]  # each once its connection is open
+            new_ones = relay.log.of(rid, (attempt + 1) * (1 + 2 * REQUESTS))[-REQUESTS:]
+            # Its own connect (made for it, before its request: no part of its first token).
+            assert all(rec["reused_connection"] is False and rec["status"] == 200 for rec in new_ones), new_ones
+            ratios.append(statistics.median(fresh) / statistics.median(kept_alive))
+            if ratios[-1] <= 1.1:
+                return
     pytest.fail(f"new connections' first token over kept-alive ones' in {ATTEMPTS} rounds: {ratios}")
 
 

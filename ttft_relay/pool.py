@@ -33,15 +33,26 @@ Connections wait in the pool at most `relay_upstream_pool_idle` seconds: servers
 idle keep-alive connections, and one closed just as a request is written to it fails
 that request. The pool watches every idle connection (an upstream's close takes it out
 at once, and teaches the pool that upstream's idle limit: 0.8 of the idle time it saw),
-and replaces the warm ones before they would time out. Where it has none, a request
-connects as before (and its connection joins the pool when its client goes). The
-eager connect of reverse listeners (mitmproxy's, at client connect) gives way to the
-pool: a request takes its connection when its head has arrived (`patches.speed.early_connects`),
-while its body uploads, a pooled one at once.
+and replaces the warm ones before they would time out. The eager connect of reverse
+listeners (mitmproxy's, at client connect) gives way to the pool: a request takes its
+connection when its head has arrived (`patches.speed.early_connects`), while its body
+uploads, a pooled one at once. A client connection that arrives when the pool holds no
+idle connection it could count on gets one opened for it at once, as mitmproxy's eager
+connect would have (`client_connected`; not on keyed listeners, which connect no client
+before its key is checked): its request takes it, and the pool keeps it after. Without
+that, a miss began its connect and handshake only at the request's head, after the
+client's own handshake and upload: a burst of new clients larger than the pool (every
+stream at the start of a load, most of them on a saturated event loop) waited for both
+in turn (long streams over TLS at 25/s, the relay with and without the pool in one run:
+first token p50 302 ms against 83, the pool's 64 misses of 150 at 458 ms;
+docs/benchmarks.md). Where a request finds nothing (an open listener whose clients bring
+several credentials), it connects as before, and its connection joins the pool when its
+client goes.
 
 Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
-new client connection, but under load over TLS pooled connections stalled streams in the
-benchmark (docs/benchmarks.md, *The pool under load over TLS*), a cause not found yet.
+new client connection, but under load over TLS the benchmark still shows more stalled streams
+with it (docs/benchmarks.md, *The pool under load over TLS* and *looked into again*): the
+misses' late connects were one cause (fixed above), what remains has no mechanism found yet.
 
 Records say whether a request paid a connect (`reused_connection`: false only for a
 connection opened for it, with its `upstream_connect` / `upstream_tls` phases) and which
@@ -96,23 +107,29 @@ def pooled_listener(mode: mode_specs.ProxyMode) -> bool:
     return isinstance(mode, mode_specs.ReverseMode) and mode.scheme in POOLED_SCHEMES
 
 
+def listener_key(mode: mode_specs.ProxyMode, keep_host_header: bool) -> PoolKey | None:
+    """The connections a reverse listener's requests take (with the upstream's own name as
+    SNI); None where that is not known before a request (with keep_host_header the SNI is
+    each client's)."""
+    if not isinstance(mode, mode_specs.ReverseMode) or mode.scheme not in POOLED_SCHEMES:
+        return None
+    host, port = mode.address
+    tls = mode.scheme == "https"
+    if tls and keep_host_header:
+        return None
+    return PoolKey(host, port, tls, host if tls else None)
+
+
 def warm_keys(modes: Sequence[str], keep_host_header: bool) -> list[PoolKey]:
-    """The connections to keep warm: one kind per reverse listener's upstream (with the
-    upstream's own name as SNI; with keep_host_header the SNI is each client's)."""
+    """The connections to keep warm: one kind per reverse listener's upstream."""
     keys = []
     for spec in modes:
         try:
             mode = mode_specs.ProxyMode.parse(spec)
         except ValueError:
             continue
-        if not isinstance(mode, mode_specs.ReverseMode) or mode.scheme not in POOLED_SCHEMES:
-            continue
-        host, port = mode.address
-        tls = mode.scheme == "https"
-        if tls and keep_host_header:
-            continue
-        key = PoolKey(host, port, tls, host if tls else None)
-        if key not in keys:
+        key = listener_key(mode, keep_host_header)
+        if key is not None and key not in keys:
             keys.append(key)
     return keys
 
@@ -129,6 +146,10 @@ class UpstreamPool:
         self.backoff: dict[PoolKey, float] = {}
         self.timers: dict[Pooled, asyncio.TimerHandle] = {}
         self.tasks: set[asyncio.Task] = set()
+        self.counting_on_idle: dict[PoolKey, set[str]] = {}
+        """Per upstream, the clients that connected while an idle connection was there for them."""
+        self.opening_for: dict[str, tuple[PoolKey, asyncio.Future[Pooled | None]]] = {}
+        """Per client, the connection being opened for it since it connected (None if that failed)."""
         self.on = False
         self.started = False
 
@@ -146,7 +167,7 @@ class UpstreamPool:
             "Upstream connections the pool keeps open ahead of any request, per reverse listener's upstream.",
         )
         loader.add_option(
-            "relay_upstream_pool_idle", float, 30.0,
+            "relay_upstream_pool_idle", int, 30,
             "Seconds an upstream connection may wait in the pool (it is replaced before then, if warm): "
             "below the upstream's own idle timeout, which the pool also learns when an upstream closes "
             "an idle connection sooner.",
@@ -186,6 +207,8 @@ class UpstreamPool:
 
     def done(self) -> None:
         self.started = False
+        for client_id in list(self.opening_for):
+            self._forget_client(client_id)
         upstream_pool.install(None)
         eager_connects.defer(None, by="pool")
         upstream_copy.uninstall(by="pool")
@@ -218,7 +241,48 @@ class UpstreamPool:
     def _idle_for(self, address: tuple[str, int]) -> bool:
         return any(idle for key, idle in self.idle.items() if (key.host, key.port) == address)
 
+    def client_connected(self, client: connection.Client) -> None:
+        # Where mitmproxy would connect upstream now (its eager connect, which gave way to the
+        # pool), the pool does unless it has an idle connection for this client: a miss would
+        # otherwise connect only once the request's head is here (see the module docstring).
+        mode = client.proxy_mode
+        if not self.on or not pooled_listener(mode) or eager_connects.deferred(mode, besides="pool"):
+            return
+        key = listener_key(mode, ctx.options.keep_host_header)
+        if key is None:
+            return
+        counting = self.counting_on_idle.setdefault(key, set())
+        if len(self.idle.get(key, ())) > len(counting):
+            counting.add(client.id)
+            return
+        opening: asyncio.Future[Pooled | None] = asyncio.get_running_loop().create_future()
+        self.opening_for[client.id] = (key, opening)
+        self._spawn(self._open_ahead(key, opening))
+
+    async def _open_ahead(self, key: PoolKey, opening: asyncio.Future[Pooled | None]) -> None:
+        pooled = None
+        try:
+            pooled = await asyncio.wait_for(_open(key), CONNECT_TIMEOUT_S)
+            logger.debug("upstream connection %s opened ahead of a request", pooled.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the request connects itself, and says what failed
+            logger.debug("upstream connection to %s:%d not opened ahead of a request (%s)", key.host, key.port,
+                         e or type(e).__name__)
+        finally:
+            if not opening.done():
+                opening.set_result(pooled)
+            elif pooled is not None:
+                pooled.close()
+
+    def _forget_client(self, client_id: str) -> None:
+        for counting in self.counting_on_idle.values():
+            counting.discard(client_id)
+        if (ahead := self.opening_for.pop(client_id, None)) is not None:
+            self.let_go(ahead[1])
+
     def client_disconnected(self, client: connection.Client) -> None:
+        self._forget_client(client.id)
         # Before mitmproxy closes the client's upstream connections.
         handler = connections.handler_of(client)
         if handler is None or not self.on:
@@ -235,8 +299,9 @@ class UpstreamPool:
 
     # the pool (upstream_pool.Pool)
 
-    def take(self, key: PoolKey, credential: bytes) -> Pooled | None:
+    def take(self, key: PoolKey, credential: bytes, client: connection.Client) -> Pooled | None:
         """An idle connection for `key` whose requests had `credential`, else a fresh one; None if none."""
+        self.counting_on_idle.get(key, set()).discard(client.id)
         idle = self.idle.get(key, [])
         found = None
         for candidate in (*(p for p in reversed(idle) if p.credential == credential),
@@ -251,10 +316,28 @@ class UpstreamPool:
         self._unschedule(found)
         found.credential = credential
         self._rewarm(key)
+        if (ahead := self.opening_for.get(client.id)) is not None and ahead[0] == key:
+            self._forget_client(client.id)  # the one opened for it goes to the pool
         return found
+
+    def opened_ahead(self, key: PoolKey, client: connection.Client) -> asyncio.Future[Pooled | None] | None:
+        """The connection being opened for `client` since it connected, if it is `key`'s (once)."""
+        ahead = self.opening_for.get(client.id)
+        if ahead is None or ahead[0] != key:
+            return None
+        del self.opening_for[client.id]
+        return ahead[1]
 
     def put_back(self, pooled: Pooled) -> None:
         self._receive(pooled)
+
+    def let_go(self, opening: asyncio.Future[Pooled | None]) -> None:
+        """A connection opened ahead that no request waits for: into the pool once open."""
+        opening.add_done_callback(self._opened_unclaimed)
+
+    def _opened_unclaimed(self, opening: asyncio.Future[Pooled | None]) -> None:
+        if not opening.cancelled() and (pooled := opening.result()) is not None:
+            self._receive(pooled)
 
     # internals
 
@@ -271,6 +354,12 @@ class UpstreamPool:
         pooled.transport.resume_reading()
         loop = asyncio.get_running_loop()
         self.timers[pooled] = loop.call_later(self._idle_limit(pooled.key), self._expire, pooled)
+        if buffered := pooled.reader._buffer:  # type: ignore[attr-defined]
+            # What came before the watch (a connection opened ahead: the TLS session tickets
+            # after its handshake) is the watch's to read first.
+            data = bytes(buffered)
+            buffered.clear()
+            pooled.watching.data_received(data)
         logger.debug("upstream connection %s pooled (%d idle for %s:%d)", pooled.id, len(idle), pooled.key.host,
                      pooled.key.port)
 

@@ -72,6 +72,11 @@ def _deferring(mode: Any) -> bool:
     return any(listener(mode) for listener in _deferred.values())
 
 
+def deferred(mode: Any, *, besides: str) -> bool:
+    """Whether another than `besides` skips the eager connect on `mode`'s listener (the relay keys do)."""
+    return any(listener(mode) for by, listener in _deferred.items() if by != besides)
+
+
 def read_request_after_failure(on: bool) -> None:
     """A reverse proxy whose eager connect failed reads the request, whose flow then
     fails with that connection's error."""

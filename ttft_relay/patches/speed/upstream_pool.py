@@ -17,7 +17,9 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
 
 2. **Adoption** (the wrap of `ConnectionHandler.open_connection`): such a `Server`, when the
    pool holds a connection for it (`take`: same address, TLS and SNI, the same credential or
-   a fresh one that carried none), takes that connection instead of connecting: the same
+   a fresh one that carried none) or is opening one for its client since it connected
+   (`opened_ahead`: waited for as for a connect, after `server_connect`), takes that
+   connection instead of connecting: the same
    hooks and events in the same order as mitmproxy's connect (`server_connect`; in place
    of the TCP connect the pooled socket, its reader and writer, with the timestamps of its
    real connect; `server_connected`; `OpenConnectionCompleted`), then mitmproxy's own
@@ -190,9 +192,13 @@ class Pooled:
 
 
 class Pool(Protocol):
-    def take(self, key: PoolKey, credential: bytes) -> Pooled | None: ...
+    def take(self, key: PoolKey, credential: bytes, client: connection.Client) -> Pooled | None: ...
+
+    def opened_ahead(self, key: PoolKey, client: connection.Client) -> asyncio.Future[Pooled | None] | None: ...
 
     def put_back(self, pooled: Pooled) -> None: ...
+
+    def let_go(self, opening: asyncio.Future[Pooled | None]) -> None: ...
 
 
 _pool: Pool | None = None
@@ -282,19 +288,27 @@ def _get_connection(self: HttpLayer, event: GetHttpConnection, *, reuse: bool = 
 async def _open_connection(self: server.ConnectionHandler, command: commands.OpenConnection) -> None:
     conn = command.connection
     ask = _asked.get(conn) if type(conn) is Server else None
-    pooled = _pool.take(key_of(conn), ask.credential) if ask is not None and _pool is not None and conn.address else None
-    if pooled is None:
+    if ask is None or _pool is None or not conn.address:
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
-    assert isinstance(conn, Server) and _pool is not None
-    pooled.unwatch()
+    assert isinstance(conn, Server)
+    key = key_of(conn)
+    pooled = _pool.take(key, ask.credential, self.client)
+    opening = _pool.opened_ahead(key, self.client) if pooled is None else None
+    if pooled is None and opening is None:
+        return await _ORIGINAL_OPEN_CONNECTION(self, command)
+    if pooled is not None:
+        pooled.unwatch()
     # mitmproxy starts this task eagerly, inside its handler's `server_event`, which makes the
     # connection's entry in `transports` once the task first yields: let it, before this one's.
     await asyncio.sleep(0)
     hook_data = server_hooks.ServerConnectionHookData(client=self.client, server=conn)
     await self.handle_hook(server_hooks.ServerConnectHook(hook_data))
-    if conn.error or not conn.address or key_of(conn) != pooled.key:
+    if conn.error or not conn.address or key_of(conn) != key:
         # An addon killed it, or sent it elsewhere: not this connection's to take.
-        _pool.put_back(pooled)
+        if opening is not None:
+            _pool.let_go(opening)
+        elif pooled is not None:
+            _pool.put_back(pooled)
         if err := conn.error:
             self.log(f"server connection to {human.format_address(conn.address)} killed before connect: {err}")
             await self.handle_hook(server_hooks.ServerConnectErrorHook(hook_data))
@@ -302,6 +316,26 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
             return None
         # (that addon's server_connect then runs again, for the connect mitmproxy makes)
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
+    if opening is not None:
+        # The connection the pool began to open when this client connected (mitmproxy's
+        # eager connect would have): waited for as mitmproxy waits for its connect.
+        try:
+            pooled = await asyncio.shield(opening)
+        except asyncio.CancelledError as e:  # the client left, or a connect timeout (`faults`)
+            _pool.let_go(opening)
+            err = str(e) or "connection cancelled"
+            self.log(f"error establishing server connection: {err}")
+            conn.error = err
+            await self.handle_hook(server_hooks.ServerConnectErrorHook(hook_data))
+            await self.server_event(events.OpenConnectionCompleted(command, err))
+            raise
+        if pooled is None or not pooled.alive():
+            if pooled is not None:
+                pooled.close()
+            # It failed: mitmproxy connects, and says why if that fails too (its
+            # server_connect runs again, for that connect).
+            return await _ORIGINAL_OPEN_CONNECTION(self, command)
+    assert pooled is not None
     pooled.uses += 1
     _adopted[conn] = pooled
     conn.timestamp_start = pooled.timestamp_start
