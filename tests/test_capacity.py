@@ -19,7 +19,7 @@ from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
 from ttft_relay import capacity
-from ttft_relay.patches import listen_backlog
+from ttft_relay.patches.speed import listen_backlog
 from tests.conftest import reverse_to
 from benchmarks._setups import BASELINE_SCRIPT
 from ttft_relay.testing.harness import connect_many, handshakes_completed

@@ -13,7 +13,7 @@ from ttft_relay.testing.harness import REPO
 PACKAGE = "ttft_relay"
 
 STILL_TWO_WAY = {
-    frozenset({"patches", "stream"}),  # patches/splice.py decodes chunked bodies with stream/chunked.py
+    frozenset({"patches", "stream"}),  # patches/speed/splice.py decodes chunked bodies with stream/chunked.py
     frozenset({"diagnose", "report"}),  # report_html reads diagnose's probe steps for diagnose --html
 }
 """Package pairs that still import each other; nothing may join them."""
@@ -25,7 +25,7 @@ ASKS_THE_REGISTRY = {
     "ttft_relay.scope",  # resolves each request's Api, once
     "ttft_relay.guard.guard",  # a refusal's error format before scope ran; where keys travel
     "ttft_relay.stream.sseview",  # flows scope never saw (out of scope, loaded from a file)
-    "ttft_relay.patches.upstream_pool",  # where keys travel: connections are not shared across keys
+    "ttft_relay.patches.speed.upstream_pool",  # where keys travel: connections are not shared across keys
     "ttft_relay.diagnose.diagnose", "ttft_relay.diagnose.probe", "ttft_relay.diagnose.probe_requests",
 }
 """The modules outside apis/ that import the registry (`ttft_relay.apis` itself, not one of its

@@ -23,7 +23,7 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
 from ttft_relay.guard import guard, tls
-from ttft_relay.patches import upstream_copy
+from ttft_relay.patches.fixes import upstream_copy
 from ttft_relay.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import client

@@ -6,7 +6,7 @@ from mitmproxy import optmanager
 from mitmproxy.test import tutils
 
 from ttft_relay import pool
-from ttft_relay.patches.upstream_pool import PoolKey
+from ttft_relay.patches.speed.upstream_pool import PoolKey
 
 
 def test_warm_connections_for_each_reverse_listeners_http_upstream():

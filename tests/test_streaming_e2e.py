@@ -275,7 +275,7 @@ def test_direct_reads_carry_long_streams_exactly(client_tls, upstream_tls, reque
     """Long streams (reads of one event or several, cut anywhere, TLS records likewise),
     two on one kept-alive connection, plain TCP or TLS on either
     side: the client gets the upstream's bytes exactly, the upstream's reads went below
-    mitmproxy (`patches/splice.py`, its debug lines), and each body's end was mitmproxy's again."""
+    mitmproxy (`patches/speed/splice.py`, its debug lines), and each body's end was mitmproxy's again."""
     fake = request.getfixturevalue("fake_tls" if upstream_tls else "fake")
     options: dict[str, object] = {"termlog_verbosity": "debug"}
     if client_tls:

@@ -1,4 +1,4 @@
-"""End to end: WebSocket messages past the relay's bounds (ttft_relay/patches/websocket_limits.py),
+"""End to end: WebSocket messages past the relay's bounds (ttft_relay/patches/fixes/websocket_limits.py),
 from a hostile client and a hostile upstream (ttft_relay/testing/fakes/hostile.py), through a real mitmdump with
 the relay: a deflate bomb is inflated no further than the bound and closes the socket 1009 on both
 sides with a record that says so; fragment and ping floods close it 1008; the relay's memory stays

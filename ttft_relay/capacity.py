@@ -1,11 +1,12 @@
 """Capacity of one relay process: what it costs mitmproxy to take a burst of streams.
 
 mitmproxy runs on one core, so under a burst the relay itself becomes the slow hop.
-Two things about mitmproxy make that worse than it has to be, and the relay changes
-both (the patches live in `patches/`, each pinned to mitmproxy 12.3.1):
+Several things about mitmproxy make that worse than it has to be, and the relay changes
+them, most with a speed patch (`patches/speed/`, pinned to mitmproxy 12.3.1 and off on any
+other, `relay_speed_patches`):
 
 - `WorkerListeners`: a worker of `ttft-relay run --workers N` accepts from the
-  listening sockets its supervisor bound (`patches/inherited_listeners.py`) only once
+  listening sockets its supervisor bound (`patches/fixes/inherited_listeners.py`) only once
   the relay runs, never before its addons are loaded and configured.
 - `ListenBacklog`: mitmproxy listens with asyncio's fixed backlog of 100. When a
   burst of clients connects while the event loop is busy (it is, during a burst),
@@ -22,10 +23,12 @@ both (the patches live in `patches/`, each pinned to mitmproxy 12.3.1):
   bundle, and a first name lookup of each reverse-mode upstream, which loads the
   system's resolver libraries (~40 ms that the first request's upstream connect
   showed; waited for up to RESOLVE_WAIT_S); and mitmproxy's second loading of
-  its CA after the listeners are up, skipped (`ca_once.load_ca_once`).
+  its CA after the listeners are up, skipped (`ca_once.load_ca_once`); and a CA mitmproxy
+  would load only once its listeners are up, loaded before (`fixes.ca_at_start`: a request
+  arriving in between stopped mitmproxy).
 - `MessageChecks`: mitmproxy checks every field of each request and response it builds
   against its type annotation, as dearly as it parses the head; the relay checks the
-  same from classes kept per field (`patches/message_checks.py`).
+  same from classes kept per field (`patches/speed/message_checks.py`).
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
@@ -46,7 +49,9 @@ from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
 from . import pool
-from .patches import ca_once, hook_plans, inherited_listeners, listen_backlog, message_checks, upstream_tls_warmup
+from .patches import pins
+from .patches.fixes import ca_at_start, inherited_listeners
+from .patches.speed import ca_once, hook_plans, listen_backlog, message_checks, upstream_tls_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -71,32 +76,40 @@ class ListenBacklog:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_listen_backlog" in updated:
-            if not 0 <= ctx.options.relay_listen_backlog <= MAX_BACKLOG:
-                raise exceptions.OptionsError(f"relay_listen_backlog must be between 0 and {MAX_BACKLOG}")
+        if "relay_listen_backlog" in updated and not 0 <= ctx.options.relay_listen_backlog <= MAX_BACKLOG:
+            raise exceptions.OptionsError(f"relay_listen_backlog must be between 0 and {MAX_BACKLOG}")
+        if updated & {"relay_listen_backlog", pins.SPEED_OPTION}:
             self._apply()
 
     def running(self) -> None:
         # mitmdump may load this script while its first listeners are still starting;
         # by `running` they all listen.
         self._apply()
-        logger.debug("the running listeners queue up to %s new connections",
-                     ctx.options.relay_listen_backlog or listen_backlog.ASYNCIO_DEFAULT_BACKLOG)
+        if listen_backlog.installed():
+            logger.debug("the running listeners queue up to %s new connections",
+                         ctx.options.relay_listen_backlog or listen_backlog.ASYNCIO_DEFAULT_BACKLOG)
 
     def done(self) -> None:
         listen_backlog.set_listen_backlog(0)
 
     def _apply(self) -> None:
+        if not pins.on(listen_backlog):
+            listen_backlog.uninstall()  # listeners running keep what they were given
+            return
         proxyserver = ctx.master.addons.get("proxyserver")
         listen_backlog.set_listen_backlog(ctx.options.relay_listen_backlog, proxyserver.servers if proxyserver else ())
 
 
 class WorkerListeners:
     """In a worker (ttft_relay/workers.py), the listeners the supervisor bound accept once
-    the relay runs; elsewhere nothing."""
+    the relay runs; elsewhere nothing. The worker installed `inherited_listeners` before
+    mitmproxy bound its listeners (before any addon loads); this removes it."""
 
     def running(self) -> None:
         inherited_listeners.serve_after_startup()
+
+    def done(self) -> None:
+        inherited_listeners.uninstall()
 
 
 class ConnectionLog:
@@ -142,13 +155,17 @@ class WarmStart:
     """The first request pays no first-use cost upstream (see the module docstring)."""
 
     def load(self, loader) -> None:
-        ca_once.load_ca_once(_tlsconfig())
+        if pins.on(ca_at_start):
+            ca_at_start.load(_tlsconfig())
+        ca_once.load_ca_once(_tlsconfig(), on=pins.on(ca_once))
 
     def done(self) -> None:
         ca_once.load_ca_once(_tlsconfig(), on=False)
 
     def configure(self, updated: set[str]) -> None:
-        if updated & WARM_TLS_OPTIONS:
+        if pins.SPEED_OPTION in updated:
+            ca_once.load_ca_once(_tlsconfig(), on=pins.on(ca_once))
+        if updated & {*WARM_TLS_OPTIONS, pins.SPEED_OPTION} and pins.on(upstream_tls_warmup):
             try:
                 upstream_tls_warmup.warm_upstream_tls(ctx.options)
             except Exception as e:  # a bad CA option: mitmproxy reports it at the handshake
@@ -200,9 +217,10 @@ class HookPlans:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_hook_plans" in updated:
-            hook_plans.install_hook_plans(ctx.options.relay_hook_plans)
-            logger.debug("events dispatched %s", "from hook plans" if ctx.options.relay_hook_plans else "by mitmproxy")
+        if updated & {"relay_hook_plans", pins.SPEED_OPTION}:
+            on = ctx.options.relay_hook_plans and pins.on(hook_plans)
+            hook_plans.install_hook_plans(on)
+            logger.debug("events dispatched %s", "from hook plans" if on else "by mitmproxy")
         else:
             # Any option change may change the addon tree (scripts added, reordered).
             hook_plans.forget_hook_plans()
@@ -215,7 +233,11 @@ class MessageChecks:
     """Each request's and response's field types checked as mitmproxy does, for less (`message_checks`)."""
 
     def load(self, loader) -> None:
-        message_checks.install_message_checks(True)
+        message_checks.install_message_checks(pins.on(message_checks))
+
+    def configure(self, updated: set[str]) -> None:
+        if pins.SPEED_OPTION in updated:
+            message_checks.install_message_checks(pins.on(message_checks))
 
     def done(self) -> None:
         message_checks.install_message_checks(False)

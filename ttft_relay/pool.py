@@ -7,7 +7,7 @@ upstream 100 ms away, 200–400 ms more on its first token. `UpstreamPool` keeps
 connections of a reverse listener's upstream when their client goes, opens a few ahead
 of time (`relay_upstream_pool_warm`), and gives them to the next client connections:
 their requests leave at once, as they would on a connection kept alive (the seams into
-mitmproxy: `patches/upstream_pool.py`).
+mitmproxy: `patches/speed/upstream_pool.py`).
 
 What a pooled connection carries from one client to the next, and why that is safe:
 
@@ -35,7 +35,7 @@ that request. The pool watches every idle connection (an upstream's close takes 
 at once, and teaches the pool that upstream's idle limit: 0.8 of the idle time it saw),
 and replaces the warm ones before they would time out. The eager connect of reverse
 listeners (mitmproxy's, at client connect) gives way to the pool: a request takes its
-connection when its head has arrived (`layer_events.ConnectEarly`), while its body
+connection when its head has arrived (`patches.speed.early_connects`), while its body
 uploads, a pooled one at once. A client connection that arrives when the pool holds no
 idle connection it could count on gets one opened for it at once, as mitmproxy's eager
 connect would have (`client_connected`; not on keyed listeners, which connect no client
@@ -75,8 +75,10 @@ from mitmproxy.proxy.layers.tls import TlsStartServerHook
 from mitmproxy.tls import TlsData
 from OpenSSL import SSL
 
-from .patches import connections, eager_connects, layer_events, upstream_copy, upstream_pool
-from .patches.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
+from .patches import connections, pins
+from .patches.fixes import eager_connects, upstream_copy
+from .patches.speed import early_connects, upstream_pool
+from .patches.speed.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +179,7 @@ class UpstreamPool:
 
     def configure(self, updated: set[str]) -> None:
         names = {"relay_upstream_pool", "relay_upstream_pool_warm", "relay_upstream_pool_idle",
-                 "relay_upstream_pool_max", "mode", "keep_host_header"}
+                 "relay_upstream_pool_max", "mode", "keep_host_header", pins.SPEED_OPTION}
         if not updated & names:
             return
         opts = ctx.options
@@ -185,9 +187,14 @@ class UpstreamPool:
             raise exceptions.OptionsError("relay_upstream_pool_warm and relay_upstream_pool_max must be >= 0")
         if opts.relay_upstream_pool_idle <= 0:
             raise exceptions.OptionsError("relay_upstream_pool_idle must be > 0")
-        self.on = bool(opts.relay_upstream_pool)
+        self.on = bool(opts.relay_upstream_pool) and pins.on(upstream_pool)
         upstream_pool.install(self if self.on else None)
         eager_connects.defer(pooled_listener if self.on else None, by="pool")
+        for patch in (upstream_copy, early_connects):
+            if self.on and pins.on(patch):
+                patch.install(by="pool")
+            else:
+                patch.uninstall(by="pool")
         self.warm = warm_keys(opts.mode, opts.keep_host_header) if self.on else []
         if not self.on:
             self._close_all()
@@ -204,6 +211,8 @@ class UpstreamPool:
             self._forget_client(client_id)
         upstream_pool.install(None)
         eager_connects.defer(None, by="pool")
+        upstream_copy.uninstall(by="pool")
+        early_connects.uninstall(by="pool")
         self._close_all()
         for task in list(self.tasks):
             task.cancel()
@@ -227,7 +236,7 @@ class UpstreamPool:
         ):
             return
         if (handler := connections.handler_of(flow.client_conn)) is not None:
-            layer_events.hand(handler, layer_events.ConnectEarly(flow))
+            early_connects.connect_early(handler, flow)
 
     def _idle_for(self, address: tuple[str, int]) -> bool:
         return any(idle for key, idle in self.idle.items() if (key.host, key.port) == address)

@@ -4,6 +4,10 @@
 (ttft_relay/config.py); `mitmdump -s ttft_relay/relay.py` loads the addons alone. This
 file only composes the addons; each concern lives in its own module under `ttft_relay/`:
 
+    patches    the installed mitmproxy checked against the pins of the relay's patches into it
+               (patches/fixes/, patches/speed/): a fix that cannot hold stops the start, the
+               speed patches stay off on any mitmproxy but the one they were written against
+    faults.StopFirst  a clean stop ends the flows in flight before any other addon's `done`
     capacity   a burst of streams: connections queued, cheaper hook dispatch
     tls        listeners that accept only TLS (the user's certificate), plain HTTP refused
     guard      no open proxy, relay access keys, credentials redacted
@@ -25,7 +29,10 @@ file only composes the addons; each concern lives in its own module under `ttft_
     config.OptionsCheck  a relay whose options do not parse does not start (last)
 
 The order matters (tests/test_addon_order.py checks it on `addons`, and test_hooks_fuzz
-runs its hooks in it): tls refuses plain HTTP before guard looks at a key; scope attaches
+runs its hooks in it): patches.Check comes first, before any addon installs a patch (each
+addon installs the patches it uses in `load`, `configure` or `running`, and removes them
+in its `done`); faults.StopFirst's `done` comes before every other, so the flows in flight
+end while every addon still runs; tls refuses plain HTTP before guard looks at a key; scope attaches
 the per-flow state the others read, and timing comes after trim so its `request` hook
 marks the moment the request leaves.
 faults.Shutdown and websocket come before timing too: timing's `done` closes the log,
@@ -51,7 +58,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, config, reload, scope
+from ttft_relay import capacity, config, patches, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
@@ -65,7 +72,10 @@ self_watch.subscribe(prometheus.load_sample)
 otlp_traces = traces.Traces(on_dropped=prometheus.otlp_dropped)
 
 timings = timing.Timing()
+shutdown = faults.Shutdown()
 addons = [
+    patches.Check(),
+    faults.StopFirst(shutdown),
     *capacity.addons(),
     tls.ClientTLS(),
     guard.Guard(),
@@ -73,7 +83,7 @@ addons = [
     scope.Scope(),
     streaming.Streaming(),
     trim.Trim(),
-    faults.Shutdown(),
+    shutdown,
     faults.FailedConnects(),
     faults.Deadlines(),
     self_watch,

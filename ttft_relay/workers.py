@@ -6,8 +6,9 @@ would (every address of the listen host, IPv4 and IPv6 for all interfaces;
 `SO_REUSEADDR`, so a restart is not refused over connections in TIME-WAIT; the
 relay's listen backlog), and starts N identical workers (the relay, one confdir and so
 one CA) that inherit those sockets and accept from the same kernel queues: a pre-fork
-server. A worker serves them through `patches/inherited_listeners.py`, which it
-installs before mitmproxy starts. So:
+server. A worker serves them through `patches/fixes/inherited_listeners.py`, which it
+installs before mitmproxy starts (the supervisor checks its pins first: on a mitmproxy whose
+code under it changed, `--workers N` refuses to start, saying so). So:
 
 - each worker owns its clients' sockets: the client's address, `client_rtt_ms` and
   retransmits (TCP_INFO) are the client's own, with 1 worker and with N;
@@ -69,7 +70,9 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.utils import human
 
 from . import capacity, config, launch
-from .patches import listen_backlog
+from .patches import pins
+from .patches.fixes import inherited_listeners
+from .patches.speed import listen_backlog
 from .observe import ledger, metrics
 from .timing import timing
 
@@ -220,8 +223,6 @@ def bind_tcp(host: str, port: int, backlog: int) -> list[socket.socket]:
 def worker_main(args: list[str]) -> None:
     """A worker: the relay as `ttft-relay run --workers 1` runs it, on the listening sockets
     its supervisor bound (named in the environment)."""
-    from .patches import inherited_listeners
-
     listeners = json.loads(os.environ.pop(LISTEN_FDS_ENV))
     inherited_listeners.install(listeners, int(os.environ.pop(READY_FD_ENV)))
     # The supervisor says where the relay listens, once; N workers would say it N times.
@@ -294,6 +295,9 @@ class Worker:
 
 class Supervisor:
     def __init__(self, user_args: list[str], workers: int) -> None:
+        if (why := pins.problem(inherited_listeners)) is not None:
+            raise StartFailed(f"--workers {workers} needs the relay's fix inherited_listeners, and {why}: run it "
+                              f"with --workers 1, or install the mitmproxy it was written against: {pins.INSTALL}")
         _, self.opts = worker_options(user_args)
         self.listeners = bind_listeners(self.opts)
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="ttft-relay-metrics-"))

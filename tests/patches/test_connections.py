@@ -7,28 +7,13 @@ from mitmproxy.addons import proxyserver
 from mitmproxy.proxy import mode_servers, server
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
 
-from ttft_relay.patches import connections, error_replies
+from ttft_relay.patches import connections
+from ttft_relay.patches.fixes import error_replies
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    # a client's handler by its id, its connections' IO (the client's, each upstream one)
-    "Proxyserver.register_connection": (proxyserver.Proxyserver.register_connection, "d79bb91554a8bda2"),
-    "ServerInstance.handle_stream": (mode_servers.ServerInstance.handle_stream, "21eea06f208c752e"),
-    "ConnectionIO": (server.ConnectionIO, "f498a46ab1b0f40f"),
-    "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
-    "LiveConnectionHandler.__init__": (server.LiveConnectionHandler.__init__, "2cb1077a21556ca9"),
-    "ConnectionHandler.close_connection": (server.ConnectionHandler.close_connection, "c0d10cc05dd65b80"),
-    # a connection's error reaches the flows waiting for it verbatim
-    "HttpLayer.register_connection": (HttpLayer.register_connection, "deed6282affc431f"),
-    "HttpStream.make_server_connection": (HttpStream.make_server_connection, "ddc7bc72f4d2fbc7"),
-    "HttpStream.handle_protocol_error": (error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
-    # where a running listener keeps its servers
-    "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, connections)
+    assert_unchanged(connections.PINS, connections)
 
 
 def test_the_lines_it_depends_on():

@@ -8,19 +8,13 @@ from mitmproxy.proxy import server
 from mitmproxy.proxy.layers.http._http1 import Http1Connection
 from mitmproxy.proxy.layers.http._http2 import Http2Connection
 
-from ttft_relay.patches import answer_on_head, error_texts
+from ttft_relay.patches.fixes import answer_on_head
+from ttft_relay.patches import error_texts
 from tests.patches.pins import assert_unchanged, source
-
-PINNED = {
-    "Http1Connection.wait": (Http1Connection.wait, "c99d0494a840a2b6"),
-    "Http2Connection.handle_h2_event": (Http2Connection.handle_h2_event, "f6b6a52b12548102"),
-    "ConnectionHandler.handle_client": (server.ConnectionHandler.handle_client, "01f1b7cc991c4711"),
-    "HttpStream.check_killed": (answer_on_head._ORIGINAL_CHECK_KILLED, "368cad352d1e82b6"),
-}
 
 
 def test_the_mitmproxy_code_under_it_is_unchanged():
-    assert_unchanged(PINNED, error_texts)
+    assert_unchanged(error_texts.PINS, error_texts)
 
 
 def test_the_texts_are_mitmproxys():

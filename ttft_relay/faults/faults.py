@@ -3,8 +3,8 @@
 - `error_reply` (pure) is the relay's answer before the response head, a JSON
   error in the API's format (`apierrors`); after the head, the stream ends with
   the API's error event.
-- `ErrorReplies` installs `patches.error_replies` (the one place mitmproxy decides what a client
-  sees when the upstream fails) and renders those errors for in-scope flows;
+- `ErrorReplies` installs `patches.fixes.error_replies` (the one place mitmproxy decides what a
+  client sees when the upstream fails) and renders those errors for in-scope flows;
   out-of-scope flows keep mitmproxy's behaviour.
 - `FailedConnects` gives a flow whose upstream connect or TLS handshake failed
   the marks of that connection: with `connection_strategy=lazy` mitmproxy keeps
@@ -15,7 +15,8 @@
   connection other flows share; else the connection); the ordinary failure path
   then answers the client (through `ErrorReplies`) and writes the record.
 - `Shutdown` ends the flows in flight at a clean stop through that same path, so
-  each client hears why and each flow gets its record.
+  each client hears why and each flow gets its record; `StopFirst` runs that stop
+  before any other addon's `done`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ..apis.other import API as OTHER_API
 from ..apis.api import Api
 from ..apis.reader import Watcher
 from . import apierrors
-from ..patches import answer_on_head, connections, error_replies, layer_events, trailers
+from ..patches import connections, pins
+from ..patches.fixes import answer_on_head, error_replies, stream_resets, trailers
 from ..observe import selfwatch
 from ..timing import timing
 
@@ -89,11 +91,14 @@ class ErrorReplies:
     behaviour: an HTML error page, or a cut connection."""
 
     def load(self, loader) -> None:
-        error_replies.install(self.render)
-        trailers.answer_trailers()
+        if pins.on(error_replies):
+            error_replies.install(self.render)
+        if pins.on(trailers):
+            trailers.answer_trailers()
 
     def done(self) -> None:
         error_replies.uninstall()
+        trailers.uninstall()
 
     def render(self, flow: http.HTTPFlow, message: str, head_sent: bool) -> tuple[http.Response | None, bytes] | None:
         st = state.get(flow)
@@ -287,6 +292,8 @@ class Deadlines:
             "Seconds a response body may stay silent once its first token (or head) "
             "arrived; 0: no limit.",
         )
+        if pins.on(stream_resets):
+            stream_resets.install()
 
     def configure(self, updated) -> None:
         if updated & Limits.OPTIONS:
@@ -295,6 +302,7 @@ class Deadlines:
             self.connect_timeout = max(ctx.options.relay_connect_timeout, 0)
 
     def done(self) -> None:
+        stream_resets.uninstall()
         for _, timer in self.timers.values():
             timer.cancel()
         for timer in self.connect_timers.values():
@@ -383,13 +391,11 @@ class Deadlines:
         st.record_error(failure, status=504)
         if flow.server_conn.alpn == b"h2" and (handler := connections.handler_of(flow.client_conn)) is not None:
             # The upstream connection carries other flows: reset this flow's stream only.
-            reset = layer_events.ResetUpstreamStream(flow, reason=failure)
-
             def close_unless_reset(done: bool) -> None:
                 if not done:
                     self._close_upstream(flow, failure)
 
-            layer_events.hand(handler, reset, close_unless_reset)
+            stream_resets.reset(handler, flow, failure, close_unless_reset)
         else:
             self._close_upstream(flow, failure)
 
@@ -454,7 +460,8 @@ class Shutdown:
     `relay_shutdown_grace` lets flows in flight finish on their own first; requests
     arriving meanwhile get the 503. Flows still uploading their request (nothing
     forwarded, nothing to end cleanly) are recorded by timing's `done` and cut.
-    Must come before timing in relay.py's list: timing's `done` closes the log.
+    Must come before timing in relay.py's list: timing's `done` closes the log; its
+    stop runs from `StopFirst`, before every other addon's `done`.
     """
 
     def __init__(self) -> None:
@@ -468,6 +475,8 @@ class Shutdown:
             "Seconds a clean stop lets requests in flight finish on their own before it "
             "ends them with the API's error; 0: end them at once.",
         )
+        if pins.on(answer_on_head):
+            answer_on_head.install(by="shutdown")
 
     def configure(self, updated) -> None:
         if "relay_shutdown_grace" in updated:
@@ -490,6 +499,12 @@ class Shutdown:
         self.in_flight.discard(flow)
 
     async def done(self) -> None:
+        await self.stop()  # StopFirst stopped already; where it is not loaded, here
+        answer_on_head.uninstall(by="shutdown")
+
+    async def stop(self) -> None:
+        if self.stopping:
+            return
         self.stopping = True
         if self.grace and (waiting := self._live()):
             logger.info("stopping: waiting up to %d s for %d flow(s) in flight", self.grace, len(waiting))
@@ -509,6 +524,18 @@ class Shutdown:
 
     def _live(self) -> list[http.HTTPFlow]:
         return [f for f in self.in_flight if f.live]
+
+
+class StopFirst:
+    """`Shutdown`'s stop as the first `done` of the relay's addons (relay.py puts it first):
+    the flows in flight finish, or are answered and recorded, while every other addon
+    still runs as it did (its patches in, its log open); only then do they end."""
+
+    def __init__(self, shutdown: Shutdown) -> None:
+        self.shutdown = shutdown
+
+    async def done(self) -> None:
+        await self.shutdown.stop()
 
 
 async def _until(condition: Callable[[], bool], seconds: float) -> None:

@@ -63,10 +63,11 @@ from mitmproxy.proxy import mode_specs
 from .. import apis, state
 from ..apis.api import Api
 from ..faults import apierrors
-from ..patches import (
-    answer_on_head, client_resets, connections, eager_connects, head_limit, layer_events, upstream_copy, web_options,
-    websocket_limits,
+from ..patches import connections, pins
+from ..patches.fixes import (
+    answer_on_head, client_resets, eager_connects, head_limit, upstream_copy, web_options, websocket_limits,
 )
+from ..patches.speed import early_connects
 from ..text import (
     MIN_ACCESS_KEY_LENGTH, REDACTED, SECRET_PARAM_NAME, cut_text, is_secret_header, key_digest, know_secrets,
     knows_secrets, redacted_text, redacted_value, safe_log_text, without_known_secrets,
@@ -366,7 +367,7 @@ class AccessKeys:
 
     No upstream connection is opened for a client before its key is accepted (no
     eager connect on these listeners); once the key on a request's head is, the
-    connect starts while the body uploads (`layer_events.ConnectEarly`), where a
+    connect starts while the body uploads (`patches.speed.early_connects`), where a
     lazy connect would wait for the body and the request hooks."""
 
     def __init__(self) -> None:
@@ -391,9 +392,11 @@ class AccessKeys:
             "With relay_access_keys: the key sent upstream, per upstream host of a reverse "
             "listener, as HOST=env:NAME or HOST=file:PATH. Every reverse listener's host needs one.",
         )
+        if pins.on(answer_on_head):
+            answer_on_head.install(by="keys")
 
     def configure(self, updated: set[str]) -> None:
-        if not updated & {"relay_access_keys", "relay_upstream_keys", "mode"}:
+        if not updated & {"relay_access_keys", "relay_upstream_keys", "mode", pins.SPEED_OPTION}:
             return
         keys = load_access_keys(ctx.options.relay_access_keys)
         upstream_keys = {}
@@ -403,10 +406,22 @@ class AccessKeys:
         self.upstream_keys = upstream_keys
         know_secrets([*self.digests, *(key_digest(key) for key in upstream_keys.values())])
         # Keyed listeners open no upstream connection before a request's key is checked.
-        eager_connects.defer(is_http_reverse if keys else None)
+        if pins.on(eager_connects):
+            eager_connects.defer(is_http_reverse if keys else None)
+        if keys and pins.on(upstream_copy):
+            upstream_copy.install(by="keys")
+        else:
+            upstream_copy.uninstall(by="keys")
+        if keys and pins.on(early_connects):
+            early_connects.install(by="keys")
+        else:
+            early_connects.uninstall(by="keys")
 
     def done(self) -> None:
         eager_connects.defer(None)
+        answer_on_head.uninstall(by="keys")
+        upstream_copy.uninstall(by="keys")
+        early_connects.uninstall(by="keys")
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         mode = flow.client_conn.proxy_mode
@@ -428,7 +443,7 @@ class AccessKeys:
         swap_credentials(flow.request, credentials, REDACTED)
         upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
         if (handler := connections.handler_of(flow.client_conn)) is not None:
-            layer_events.hand(handler, layer_events.ConnectEarly(flow))
+            early_connects.connect_early(handler, flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has
@@ -441,7 +456,7 @@ class AccessKeys:
 
 class WebSocketLimits:
     """WebSocket messages bounded as they are read, from either side
-    (`ttft_relay/patches/websocket_limits.py`): a message's size once inflated
+    (`ttft_relay/patches/fixes/websocket_limits.py`): a message's size once inflated
     (`relay_websocket_message_max`, 24 MiB: a permessage-deflate bomb is inflated no
     further), its fragments (4096) and the control frames around them (100 at once, then
     10/s). Past one the socket closes, 1009 or 1008 to both sides, with one warning.
@@ -465,7 +480,8 @@ class WebSocketLimits:
                 size = human.parse_size(ctx.options.relay_websocket_message_max) or 0
             except ValueError as e:
                 raise exceptions.OptionsError(f"relay_websocket_message_max: {e}") from e
-            websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
+            if pins.on(websocket_limits):
+                websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
 
     def done(self) -> None:
         websocket_limits.uninstall()
@@ -543,6 +559,13 @@ class FieldSyntax:
 
     def __init__(self) -> None:
         self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+    def load(self, loader) -> None:
+        if pins.on(answer_on_head):
+            answer_on_head.install(by="field syntax")
+
+    def done(self) -> None:
+        answer_on_head.uninstall(by="field syntax")
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         request = flow.request
@@ -682,7 +705,8 @@ class ClientLimits:
         self.out_of_fds = OutOfDescriptors()
 
     def load(self, loader) -> None:
-        head_limit.limit_request_heads(MAX_HEAD_BYTES)
+        if pins.on(head_limit):
+            head_limit.limit_request_heads(MAX_HEAD_BYTES)
         loader.add_option(
             "relay_header_timeout", int, 30,
             "Seconds a client connection has for each request head, from connecting or "
@@ -702,7 +726,7 @@ class ClientLimits:
     def configure(self, updated: set[str]) -> None:
         if "relay_header_timeout" in updated:
             self.header_timeout = max(ctx.options.relay_header_timeout, 0)
-        if "relay_h2_max_resets" in updated:
+        if "relay_h2_max_resets" in updated and pins.on(client_resets):
             client_resets.install(max(ctx.options.relay_h2_max_resets, 0), RESET_WINDOW_S)
         if "relay_max_connections" in updated:
             limit = ctx.options.relay_max_connections
@@ -713,6 +737,8 @@ class ClientLimits:
 
     def done(self) -> None:
         self.out_of_fds.uninstall()
+        head_limit.uninstall()
+        client_resets.uninstall()
 
     def client_connected(self, client: connection.Client) -> None:
         if not connections.registered(client):
@@ -907,11 +933,12 @@ def shown_option_value(name: str, value: Any) -> Any:
 
 class WebOptions:
     """mitmweb's option editor (`GET /options`, and its `options/update` messages) shows
-    the passwords of `SECRET_OPTIONS` as REDACTED (ttft_relay/patches/web_options.py); the
+    the passwords of `SECRET_OPTIONS` as REDACTED (ttft_relay/patches/fixes/web_options.py); the
     options keep their values."""
 
     def load(self, loader) -> None:
-        web_options.install(shown_option_value)
+        if pins.on(web_options):
+            web_options.install(shown_option_value)
 
     def done(self) -> None:
         web_options.uninstall()

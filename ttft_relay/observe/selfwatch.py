@@ -61,7 +61,8 @@ from mitmproxy import connection, http
 from mitmproxy.proxy import server_hooks
 
 from .. import state
-from ..patches import connections, upstream_pool
+from ..patches import connections
+from ..patches.speed import upstream_pool
 from ..timing import record
 
 logger = logging.getLogger(__name__)

@@ -1,118 +1,106 @@
-"""The relay's patches into mitmproxy 12.3.1, for what hooks cannot shape: every one named here.
+"""The relay's patches into mitmproxy, for what hooks cannot shape: every one named here, in two kinds.
 
-mitmproxy is pinned ==12.3.1 (requirements.txt). Each module below says what it patches
-and why; its pin test, `tests/patches/test_<module>.py`, holds the digests of the
-mitmproxy code it patches or relies on and fails loudly if that code changes shape.
-Everything else the relay does uses hooks.
+- `fixes/`: what correctness or security needs (mitmproxy would crash, hang, lose a reset,
+  read a refused body, show a secret, or answer in its own words). Listed in `FIXES`.
+- `speed/`: what only makes the relay faster; with all of them off the relay sends the same
+  bytes and writes the same records, with more CPU per request. Listed in `SPEED`.
 
-Patches (each replaces mitmproxy functions, listed in its `ORIGINALS`, and has an
-`uninstall()` that gives them back), with the addon that installs each:
+Each is one module that says what it patches and why, and declares `PINS` (pins.py): the
+mitmproxy code it was written against, pinned by source digests that its pin test
+(`tests/patches/fixes/test_<module>.py`, `tests/patches/speed/test_<module>.py`) checks and
+that `pins.on` checks again when the relay loads, where mitmproxy may be any version: speed
+patches run only on mitmproxy 12.3.1 (one line says they are off otherwise), a fix whose
+pinned code changed stops the start (or, for the three the relay can do without, is left off
+with a warning). `Check`, the relay's first addon, runs that check for all of them at load.
 
-- `error_replies`: upstream failures reach the client in the API's error format
-  (`faults.ErrorReplies`).
-- `eager_connects`: a reverse proxy's failed eager connect is answered, not a bare
-  close (with `error_replies`); no eager connect before a relay key is checked
-  (`guard.AccessKeys`).
-- `answer_on_head`: a request refused on its head is answered without reading its body
-  (`guard.AccessKeys`, `faults.Shutdown`).
-- `head_limit`: an HTTP/1 request head that never ends gets a 431 (`guard.ClientLimits`).
-- `upstream_copy`: the upstream key goes out in a copy of the request, never into the flow
-  (`guard.AccessKeys`).
-- `trailers`: HTTP/1 trailers fail their flow with an answer instead of crashing
-  (`faults.ErrorReplies`).
-- `listen_backlog`: listeners queue more than 100 new connections (`capacity.ListenBacklog`).
-- `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
-  sockets its supervisor bound, a few connections per turn of its event loop, from the relay's
-  `running` on (installed by `workers.worker_main` before mitmproxy starts;
-  `capacity.WorkerListeners`).
-- `hook_plans`: events dispatched from per-hook plans (`capacity.HookPlans`).
-- `interim_answers`: an upstream's 1xx interim head is dropped before its real answer
-  (`stream.Streaming`).
-- `ca_once`: the CA is not loaded a second time in `running` (`capacity.WarmStart`).
-- `client_resets`: an HTTP/2 client's stream reset always reaches its flow, and a client
-  resetting streams in a loop gets GOAWAY (`guard.ClientLimits`).
-- `layer_events`: events for the HTTP layer: a deadline resets its flow's HTTP/2 upstream
-  stream, not the connection its siblings share (`faults.Deadlines`); a keyed listener
-  connects upstream once a request's key is accepted, while its body uploads
-  (`guard.AccessKeys`).
-- `message_checks`: a request's and a response's field types checked as mitmproxy checks
-  them, from classes kept per field (`capacity.MessageChecks`).
-- `resend`: an answer held for a look before the client gets any of it, and the
-  request sent once more in its place (`trim.Trim`: a refusal as too long, trimmed to
-  the provider's word).
-- `web_options`: mitmweb's option dumps (`GET /options`, its `options/update` messages) show
-  the secrets of `proxyauth`, `upstream_auth` and `web_password` redacted (`guard.WebOptions`).
-- `upstream_pool`: a reverse listener's upstream connections outlive their client
-  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`).
-- `splice`: a streamed HTTP/1 response body goes from the upstream's reader to the
-  client's framing in one step, not through mitmproxy's per-chunk routing; with direct
-  reads, a chunked one (plain TCP or TLS) is read from socket to socket
-  below mitmproxy's layers (`stream.Streaming`).
-- `websocket_limits`: a WebSocket message's inflated size, its fragments and the control
-  frames around it bounded as wsproto reads them, from either side (`guard.WebSocketLimits`).
+A patch replaces mitmproxy functions, listed in its `ORIGINALS`, and gives them back in its
+`uninstall()`. The addon that uses it installs it in `load`, `configure` or `running` and
+removes it in `done`, never from a request hook; `uninstall_all()` gives mitmproxy all its
+code back. The one exception is `fixes.inherited_listeners`, which a worker installs before
+mitmproxy binds its listeners (workers.worker_main), and `capacity.WorkerListeners` removes.
 
-Private mitmproxy code read but not patched, pinned the same way:
+Shared by both kinds, in this package:
 
-- `connections`: live connections, their sockets and the listeners' (`observe.selfwatch`);
-  closing a connection, cancelling a connect (`faults.Deadlines`, `guard.ClientLimits`).
-- `error_texts`: mitmproxy's error texts the relay matches (`timing.Timing`, `faults`).
-- `upstream_tls_warmup`: the upstream TLS context built at start (`capacity.WarmStart`).
+- `layer_events`: the seam for events the relay hands mitmproxy's HTTP layer (a patch:
+  installed while `fixes.stream_resets` or `speed.early_connects` hands one);
+- `connections`: live connections, their sockets and the listeners' (private, read without
+  a patch: `observe.selfwatch`, faults, guard, the splice, the pool);
+- `error_texts`: mitmproxy's error texts the relay matches (private, read without a patch;
+  `timing.Timing`, `faults`);
 - `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from types import ModuleType
 
-from . import (
+from . import connections, error_texts, layer_events, pins
+from .fixes import (
     answer_on_head,
-    ca_once,
+    ca_at_start,
     client_resets,
     eager_connects,
     error_replies,
     head_limit,
-    hook_plans,
     inherited_listeners,
     interim_answers,
-    layer_events,
-    listen_backlog,
-    message_checks,
     resend,
-    splice,
+    stream_resets,
     trailers,
     upstream_copy,
-    upstream_pool,
     web_options,
     websocket_limits,
+)
+from .speed import (
+    ca_once,
+    early_connects,
+    hook_plans,
+    listen_backlog,
+    message_checks,
+    splice,
+    upstream_pool,
+    upstream_tls_warmup,
 )
 
-PATCHES: tuple[ModuleType, ...] = (
+logger = logging.getLogger(__name__)
+
+FIXES: tuple[ModuleType, ...] = (
     error_replies,
     eager_connects,
     answer_on_head,
     head_limit,
     upstream_copy,
     trailers,
-    listen_backlog,
-    inherited_listeners,
-    hook_plans,
     interim_answers,
-    ca_once,
     client_resets,
-    layer_events,
-    message_checks,
+    stream_resets,
     resend,
-    splice,
     web_options,
-    upstream_pool,
     websocket_limits,
+    inherited_listeners,
+    ca_at_start,
 )
+SPEED: tuple[ModuleType, ...] = (
+    splice,
+    hook_plans,
+    message_checks,
+    listen_backlog,
+    ca_once,
+    upstream_tls_warmup,
+    upstream_pool,
+    early_connects,
+)
+READS: tuple[ModuleType, ...] = (connections, error_texts)
+"""mitmproxy's private code the relay reads without a patch: pinned, required as a fix is."""
+MODULES: tuple[ModuleType, ...] = (*FIXES, *SPEED, layer_events, *READS)
+"""Every pinned module; those with `ORIGINALS` replace mitmproxy functions."""
 
 
 def originals() -> dict[tuple[type | ModuleType, str], Callable]:
     """Every mitmproxy function some patch replaces, by (owner, attribute name)."""
-    return {key: original for patch in PATCHES for key, original in patch.ORIGINALS.items()}
+    return {key: original for module in MODULES for key, original in getattr(module, "ORIGINALS", {}).items()}
 
 
 def patched() -> list[str]:
@@ -125,5 +113,29 @@ def patched() -> list[str]:
 
 def uninstall_all() -> None:
     """mitmproxy's own code back everywhere, and every patch's state reset."""
-    for patch in PATCHES:
-        patch.uninstall()
+    for module in MODULES:
+        if (uninstall := getattr(module, "uninstall", None)) is not None:
+            uninstall()
+
+
+class Check:
+    """The installed mitmproxy checked against every patch's pins as the relay loads (pins.py):
+    a fix or read whose pinned code changed stops the start, with the mitmproxy to install; the
+    speed patches off, in one line, on any mitmproxy but the one they were written against.
+    First in relay.py's list: before any addon installs a patch, and before it declares
+    `relay_speed_patches`, which the others read."""
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            pins.SPEED_OPTION, bool, True,
+            "Use the relay's speed patches into mitmproxy (ttft_relay/patches/speed/: the splice and its "
+            "direct reads, hook plans, message checks, the listen backlog, the warm start, early upstream "
+            "connects, the upstream pool): the same bytes and records with less CPU per request. Whatever "
+            f"this says they stay off on any mitmproxy but {pins.MITMPROXY}.",
+        )
+        for module in (*FIXES, *READS):
+            pins.on(module)
+        pins.say_speed_off(SPEED)
+        if pins.installed_version() == pins.MITMPROXY and all(pins.problem(m) is None for m in MODULES):
+            logger.debug("mitmproxy %s: every pin of the relay's %d fixes and %d speed patches holds",
+                         pins.MITMPROXY, len(FIXES), len(SPEED))

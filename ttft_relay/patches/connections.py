@@ -34,9 +34,27 @@ from collections.abc import Collection
 from typing import Any
 
 from mitmproxy import connection, ctx
-from mitmproxy.proxy import mode_servers
+from mitmproxy.addons import proxyserver
+from mitmproxy.proxy import mode_servers, server
+from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
 
-from . import upstream_pool
+from .speed import upstream_pool
+
+PINS = {
+    # a client's handler by its id, its connections' IO (the client's, each upstream one)
+    "Proxyserver.register_connection": (proxyserver.Proxyserver.register_connection, "d79bb91554a8bda2"),
+    "ServerInstance.handle_stream": (mode_servers.ServerInstance.handle_stream, "21eea06f208c752e"),
+    "ConnectionIO": (server.ConnectionIO, "f498a46ab1b0f40f"),
+    "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
+    "LiveConnectionHandler.__init__": (server.LiveConnectionHandler.__init__, "2cb1077a21556ca9"),
+    "ConnectionHandler.close_connection": (server.ConnectionHandler.close_connection, "c0d10cc05dd65b80"),
+    # a connection's error reaches the flows waiting for it verbatim
+    "HttpLayer.register_connection": (HttpLayer.register_connection, "deed6282affc431f"),
+    "HttpStream.make_server_connection": (HttpStream.make_server_connection, "ddc7bc72f4d2fbc7"),
+    "HttpStream.handle_protocol_error": (HttpStream.handle_protocol_error, "59fc3b2eeeabf63a"),
+    # where a running listener keeps its servers
+    "AsyncioServerInstance._start": (mode_servers.AsyncioServerInstance._start, "f96507081fa6236b"),
+}
 
 
 def _proxyserver() -> Any:

@@ -17,6 +17,17 @@ know why a flow failed, it matches that text:
 from __future__ import annotations
 
 from mitmproxy.flow import Error as FlowError
+from mitmproxy.proxy import server
+from mitmproxy.proxy.layers.http import HttpStream
+from mitmproxy.proxy.layers.http._http1 import Http1Connection
+from mitmproxy.proxy.layers.http._http2 import Http2Connection
+
+PINS = {
+    "Http1Connection.wait": (Http1Connection.wait, "c99d0494a840a2b6"),
+    "Http2Connection.handle_h2_event": (Http2Connection.handle_h2_event, "f6b6a52b12548102"),
+    "ConnectionHandler.handle_client": (server.ConnectionHandler.handle_client, "01f1b7cc991c4711"),
+    "HttpStream.check_killed": (HttpStream.check_killed, "368cad352d1e82b6"),
+}
 
 CLIENT_GONE = ("client disconnected", "stream reset by client")
 """How mitmproxy's messages for a client that went away begin, lowercased."""

@@ -1,7 +1,7 @@
 """The data chunks of an HTTP/1 chunked body, decoded the way h11 decodes them (sans-IO).
 
 `ChunkedData` takes over from h11's `ChunkedReader` in the middle of a body and gives
-it back later (`patches/splice.py`): its state is h11's own (`in_chunk`: data bytes
+it back later (`patches/speed/splice.py`): its state is h11's own (`in_chunk`: data bytes
 left in the current chunk, `discard`: what is left of the CRLF after a chunk's data),
 and it yields the same pieces h11 would for the same reads: each read's part of a
 chunk's data is one piece, whatever the chunk's size.

@@ -32,7 +32,9 @@ from mitmproxy.utils import human
 
 from .. import state
 from ..flows import carries_body
-from ..patches import connections, interim_answers, splice
+from ..patches import connections, pins
+from ..patches.fixes import interim_answers
+from ..patches.speed import splice
 from . import sse
 
 logger = logging.getLogger(__name__)
@@ -218,8 +220,9 @@ class Streaming:
         self.view_max = 256 * 1024
 
     def load(self, loader) -> None:
-        # An interim 1xx from the upstream must not take the real answer's place (seam 5).
-        interim_answers.install()
+        # An interim 1xx from the upstream must not take the real answer's place.
+        if pins.on(interim_answers):
+            interim_answers.install()
         loader.add_option(
             "relay_stream",
             bool,
@@ -239,7 +242,7 @@ class Streaming:
             bool,
             True,
             "Pass the chunks of a streamed HTTP/1 response from upstream to client in one step "
-            "(ttft_relay/patches/splice.py) instead of through mitmproxy's per-chunk event routing; "
+            "(ttft_relay/patches/speed/splice.py) instead of through mitmproxy's per-chunk event routing; "
             "the bytes are the same, the CPU per chunk lower.",
         )
         loader.add_option(
@@ -258,8 +261,8 @@ class Streaming:
     def configure(self, updated) -> None:
         if "relay_stream" in updated:
             self.enabled = ctx.options.relay_stream
-        if "relay_stream_splice" in updated or "relay_stream_direct_reads" in updated:
-            if ctx.options.relay_stream_splice:
+        if updated & {"relay_stream_splice", "relay_stream_direct_reads", pins.SPEED_OPTION}:
+            if ctx.options.relay_stream_splice and pins.on(splice):
                 splice.install(direct=ctx.options.relay_stream_direct_reads)
             else:
                 splice.uninstall()

@@ -58,7 +58,8 @@ from mitmproxy.websocket import WebSocketMessage
 from .. import state
 from ..apis.api import Api, Turns
 from ..faults import apierrors, faults
-from ..patches import connections, error_texts, websocket_limits
+from ..patches import connections, error_texts
+from ..patches.fixes import websocket_limits
 from . import sse
 from ..observe import selfwatch
 from ..timing import phases, record
@@ -262,7 +263,7 @@ class WebSocketTurns:
         ws = flow.websocket
         refused = websocket_limits.refused_by(flow.client_conn, flow.server_conn)
         if refused is not None and ws is not None:
-            # A message past the relay's bounds (patches/websocket_limits.py) closed the socket. One
+            # A message past the relay's bounds (patches/fixes/websocket_limits.py) closed the socket. One
             # from the client started no turn: its record is one of its own, failed in the relay.
             if session.turn is None:
                 self._start(flow, session, time.time(), None, False)

@@ -39,7 +39,8 @@ from mitmproxy.utils import human
 from .. import state
 from ..apis.api import Api
 from ..flows import carries_body, upstream_name
-from ..patches import error_texts, upstream_pool
+from ..patches import error_texts
+from ..patches.speed import upstream_pool
 from . import logrotation, phases, record
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ trimmed, or anything goes wrong, the client's exact bytes go upstream.
 When the upstream refuses a request as too long and its error names the limit (before
 any byte of the answer went to the client), the addon learns that window for the
 upstream·model (kept beside the timing log, shared by every worker), trims the request
-to it and sends it once more (`patches.resend`); the client gets only the second answer,
+to it and sends it once more (`patches.fixes.resend`); the client gets only the second answer,
 streamed, and the record both attempts (`trim.refused`).
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
@@ -36,7 +36,8 @@ import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 
 from .. import state
-from ..patches import resend
+from ..patches import pins
+from ..patches.fixes import resend
 from ..flows import upstream_name
 from . import tokens, trimming, windows
 
@@ -166,7 +167,8 @@ class Trim:
             # no request waits for it or shares the GIL with it. Later (trimming switched
             # on, a new file) it costs the event loop that long once.
             self.tokenizers.load()
-            resend.install()
+            if pins.on(resend):
+                resend.install()
         else:
             resend.uninstall()
 
@@ -189,7 +191,8 @@ class Trim:
         response = flow.response
         if st is None or response is None:
             return
-        if flow in self._refusable and response.status_code in REFUSAL_STATUSES and _readable(response):
+        if (flow in self._refusable and response.status_code in REFUSAL_STATUSES and _readable(response)
+                and resend.installed()):
             # Maybe a refusal as too long: read it whole, and look at it before the client gets it.
             self._refusable.discard(flow)
             response.stream = False
