@@ -1,4 +1,4 @@
-"""stream/chunked.py: the data chunks of a chunked body decoded as h11 decodes them, and
+"""chunked.py: the data chunks of a chunked body decoded as h11 decodes them, and
 everything else left to h11 with h11's own state (pure; the splice's pin test drives it
 inside mitmproxy's layers)."""
 
@@ -11,7 +11,7 @@ import pytest
 from h11._readers import ChunkedReader
 from h11._receivebuffer import ReceiveBuffer
 
-from ttft_relay.stream.chunked import ChunkedData
+from ttft_relay.chunked import ChunkedData
 
 
 def h11_reads(reads: list[bytes], reader: ChunkedReader | None = None) -> list[object]:

@@ -13,12 +13,11 @@ from ttft_relay.testing.harness import REPO
 PACKAGE = "ttft_relay"
 
 STILL_TWO_WAY = {
-    frozenset({"patches", "stream"}),  # patches/speed/splice.py decodes chunked bodies with stream/chunked.py
     frozenset({"diagnose", "report"}),  # report_html reads diagnose's probe steps for diagnose --html
 }
 """Package pairs that still import each other; nothing may join them."""
 
-GROUND = ("apis", "text", "flows", "config")
+GROUND = ("apis", "text", "flows", "chunked", "config")
 """What imports nothing of the relay's (but itself)."""
 
 ASKS_THE_REGISTRY = {

@@ -72,7 +72,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection, Htt
 from mitmproxy.proxy.layers.tls import TLSLayer
 from OpenSSL import SSL
 
-from ...stream.chunked import ChunkedData
+from ...chunked import ChunkedData
 from .. import connections
 
 assert "read_body" not in vars(Http1Client)  # it inherits Http1Connection's (which `trailers` wraps)
