@@ -23,7 +23,9 @@ of it goes through here:
   layer fails every flow waiting for the connection with exactly that text
   (`HttpLayer.register_connection`, `HttpStream.make_server_connection`), which is how
   `faults` knows its own connect timeout in the `error` hook;
-- the listening sockets are each running instance's `_servers` (as for `listen_backlog`).
+- the listening sockets are each running instance's `_servers` (as for `listen_backlog`);
+- a connection the upstream pool parked keeps a `Detached` writer in the handler it left,
+  whose socket is still read here.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from mitmproxy.addons import proxyserver
 from mitmproxy.proxy import mode_servers, server
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
 
-from .speed import upstream_pool
 
 PINS = {
     # a client's handler by its id, its connections' IO (the client's, each upstream one)
@@ -98,7 +99,7 @@ def connection_socket(client: connection.Client, conn: connection.Connection) ->
     """The socket of `conn` (the client's own connection or one of its upstream ones);
     None once it is gone, or for a connection without a socket (UDP, WireGuard)."""
     w = writer(client, conn)
-    return w.get_extra_info("socket") if isinstance(w, (asyncio.StreamWriter, upstream_pool.Detached)) else None
+    return w.get_extra_info("socket") if isinstance(w, (asyncio.StreamWriter, Detached)) else None
 
 
 def plain_streams(client: connection.Client, server: connection.Connection) -> tuple[Any, Any, asyncio.StreamWriter] | None:
@@ -156,3 +157,31 @@ def listening_sockets() -> list[socket.socket]:
             for server in instance._servers:
                 found += [s for s in getattr(server, "sockets", ()) if s.type == socket.SOCK_STREAM]
     return found
+
+
+class Detached:
+    """Stands in for a parked connection's writer in the client handler it left (the upstream
+    pool, `speed.upstream_pool`, parks them): what mitmproxy still does to it there (close it,
+    drain it, write to it) touches nothing; a hook that runs meanwhile still finds its socket
+    (the self-watch reads TCP_INFO)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def write_eof(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._writer.get_extra_info(name, default)

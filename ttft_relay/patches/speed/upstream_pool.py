@@ -65,7 +65,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from mitmproxy import connection, http
 from mitmproxy.addons import tlsconfig
@@ -79,6 +79,7 @@ from mitmproxy.utils import human
 from OpenSSL import SSL
 
 from ... import apis
+from .. import connections
 
 logger = logging.getLogger(__name__)
 
@@ -376,33 +377,6 @@ def _start_handshake(self: tls_layers.ServerTLSLayer) -> layer.CommandGenerator[
 # 4. parking
 
 
-class Detached:
-    """Stands in for a parked connection's writer in the client handler it left: what
-    mitmproxy still does to it there (close it, drain it, write to it) touches nothing; a
-    hook that runs meanwhile still finds its socket (the self-watch reads TCP_INFO)."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self._writer = writer
-
-    def is_closing(self) -> bool:
-        return True
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def write_eof(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._writer.get_extra_info(name, default)
-
-
 def _idle_http1(stack: layer.Layer | None, conn: Server) -> tuple[bool, SSL.Connection | None]:
     """(whether the layers on `conn` are an open TLS layer at most, then an HTTP/1 client
     waiting for its next request with nothing buffered; the TLS connection, if any)."""
@@ -463,7 +437,7 @@ def park(handler: server.ConnectionHandler, conn: connection.Connection) -> tupl
     if not idle or (tls is not None and (tls.get_shutdown() or tls.pending())):
         return None
     transport.pause_reading()  # type: ignore[attr-defined]  # not a byte more for this client's reader task
-    io.writer = Detached(writer)  # type: ignore[assignment]
+    io.writer = connections.Detached(writer)  # type: ignore[assignment]
     previous = _adopted.get(conn)
     pooled = Pooled(
         key=key_of(conn),
