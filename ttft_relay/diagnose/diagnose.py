@@ -244,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     result = diagnosis.diagnose(evidence)
     if args.html:
         from ..report import report_html  # the page's code is loaded only when asked for
+        from . import diagnosis_html
 
         try:
-            args.html.write_text(redact(report_html.page(report_html.diagnose_data(evidence, result))), encoding="utf8")
+            args.html.write_text(redact(report_html.page(diagnosis_html.diagnose_data(evidence, result))),
+                                 encoding="utf8")
         except OSError as e:
             logger.error("%s", e)
             return 1
