@@ -28,6 +28,7 @@ Shared by both kinds, in this package:
 - `error_texts`: mitmproxy's error texts the relay matches (private, read without a patch;
   `timing.Timing`, `faults`);
 - `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
+- `users`: not mitmproxy's; who asked for a patch that several addons share.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from mitmproxy.proxy.layers.http._http2 import Http2Connection, Http2Server
 from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from ..rewrite import replacing
+from ..users import Users
 
 _ORIGINAL_CHECK_KILLED = HttpStream.check_killed
 ORIGINALS = {(HttpStream, "check_killed"): _ORIGINAL_CHECK_KILLED}
@@ -48,7 +49,7 @@ PINS = {
     "Http2Connection.is_closed": (Http2Connection.is_closed, "26e8192aca68a486"),
     "BufferedH2Connection.reset_stream": (BufferedH2Connection.reset_stream, "4066479f1b95343e"),
 }
-_users: set[str] = set()
+_users = Users()
 _answer_now: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _answered: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 
@@ -61,11 +62,7 @@ def install(by: str) -> None:
 
 def uninstall(by: str | None = None) -> None:
     """Off for `by` (None: for everyone)."""
-    if by is None:
-        _users.clear()
-    else:
-        _users.discard(by)
-    if not _users:
+    if _users.release(by):
         HttpStream.check_killed = _ORIGINAL_CHECK_KILLED  # type: ignore[method-assign]
 
 

@@ -20,13 +20,14 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers.http import HttpStream, RequestHeaders, SendHttp
 
 from ..rewrite import replacing
+from ..users import Users
 
 _ORIGINAL_CONSUME_REQUEST_BODY = HttpStream.state_consume_request_body
 ORIGINALS = {(HttpStream, "state_consume_request_body"): _ORIGINAL_CONSUME_REQUEST_BODY}
 PINS = {
     "HttpStream.state_consume_request_body": (_ORIGINAL_CONSUME_REQUEST_BODY, "45459c1bbd8bdb1a"),
 }
-_users: set[str] = set()
+_users = Users()
 _outgoing: weakref.WeakKeyDictionary[http.HTTPFlow, Callable[[http.Request], None]] = weakref.WeakKeyDictionary()
 
 
@@ -69,11 +70,7 @@ def _both(first: Callable[[http.Request], None], then: Callable[[http.Request], 
 
 def uninstall(by: str | None = None) -> None:
     """Off for `by` (None: for everyone)."""
-    if by is None:
-        _users.clear()
-    else:
-        _users.discard(by)
-    if not _users:
+    if _users.release(by):
         HttpStream.state_consume_request_body = _ORIGINAL_CONSUME_REQUEST_BODY  # type: ignore[method-assign]
 
 

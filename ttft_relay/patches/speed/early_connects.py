@@ -26,6 +26,7 @@ from mitmproxy.proxy import events, layer
 from mitmproxy.proxy.layers.http import GetHttpConnection, HttpLayer, HttpStream
 
 from .. import layer_events
+from ..users import Users
 
 USES = (layer_events,)
 PINS = {
@@ -42,7 +43,7 @@ class ConnectEarly(layer_events.FlowEvent):
     """Open (or find) the upstream connection the flow's request will take."""
 
 
-_users: set[str] = set()
+_users = Users()
 _connecting: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 """Flows whose ConnectEarly was handed."""
 
@@ -55,11 +56,7 @@ def install(by: str) -> None:
 
 def uninstall(by: str | None = None) -> None:
     """Off for `by` (None: for everyone)."""
-    if by is None:
-        _users.clear()
-    else:
-        _users.discard(by)
-    if not _users:
+    if _users.release(by):
         layer_events.unhandle(ConnectEarly)
 
 
