@@ -239,6 +239,21 @@ def test_relay_queue_is_what_the_kernel_held_and_the_wait_starts_at_arrival():
     assert phases.verdict(p) == phases.RELAY_SATURATED
 
 
+def test_a_queue_held_before_the_relay_process_served_is_relay_starting():
+    # The same 300 ms in the accept queue, 280 of them before this process began to serve.
+    m = stream_marks(client_arrived=-300.0, relay_serving=-20.0, head_arrived=58.0, token_arrived=62.0)
+    p = phases.compute(m, tokens_expected=True)
+    assert phases.starting_ms(m, p) == 280.0
+    v = phases.judge(p, starting_ms=phases.starting_ms(m, p))
+    assert v.words == phases.RELAY_STARTING and "while it started" in v.detail
+    assert phases.advice(v.words, p, None) is None  # no "run more workers" for a start
+    # Served for most of the wait: the queue is the relay's load, as before.
+    late = stream_marks(client_arrived=-300.0, relay_serving=-200.0, head_arrived=58.0, token_arrived=62.0)
+    assert phases.starting_ms(late, p) == 100.0
+    assert phases.verdict(p, starting_ms=phases.starting_ms(late, p)) == phases.RELAY_SATURATED
+    assert phases.starting_ms(stream_marks(client_arrived=-300.0), p) is None
+
+
 def test_without_arrival_marks_there_is_no_relay_queue_phase():
     assert "relay_queue" not in phases.compute(stream_marks(), tokens_expected=True)
 

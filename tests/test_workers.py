@@ -441,6 +441,35 @@ def test_a_worker_killed_before_it_is_ready_again_is_restarted_not_taken_for_a_s
         assert sup.stop() == 0, sup.tail()
 
 
+def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_saturated(fake, tmp_path, confdir):
+    # The supervisor listens before its first worker serves: a client that connects then waits in
+    # the kernel's queue for the start. That is no load to "run more workers" against.
+    port = workers.free_port()
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # polling for the supervisor's listener: the first connection it takes is queued
+            try:
+                status = _post(port, {"x-request-id": "at-start"})
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and sup.proc.poll() is None, sup.tail()
+                time.sleep(0.005)
+        assert status == 200
+        sup.wait_for(READY)
+        assert _post(port, {"x-request-id": "served"}) == 200
+    finally:
+        assert sup.stop() == 0, sup.tail()
+    recs = {r["request_id"]: r for r in _records(tmp_path / "timing.jsonl")}
+    started = recs["at-start"]
+    assert "relay_serving" in started["marks"] and started["phases"]["relay_queue"] >= 50, started
+    assert started["verdict"] == "relay starting", started
+    assert "while it started" in started["verdict_detail"]
+    # Once the workers serve, what a request waits is its own (a worker that began to serve a few
+    # ms after another may still mark when it did: its queue then is noise, never a verdict).
+    assert recs["served"]["verdict"] != "relay starting", recs["served"]
+
+
 def test_a_metrics_port_taken_stops_start_up_before_any_worker(fake, tmp_path, confdir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

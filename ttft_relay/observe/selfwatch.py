@@ -274,6 +274,9 @@ class SelfWatch:
         """Per flow, packets of its request that came out of order (the client's losses)."""
         self.uploads_reordered: dict[str, int] = {}
         """Per client id, its out-of-order packets already counted in a request."""
+        self.serving_since: float | None = None
+        """When this process began to serve (`running`): a worker's listeners exist before it,
+        and what the kernel queued for them meanwhile waited for the start, not on a busy relay."""
 
     def subscribe(self, fn: Callable[[float, dict[str, int] | None], None]) -> None:
         """`fn(lag_s, accept_queues)` for every lag sample; `accept_queues` ({listen
@@ -281,6 +284,7 @@ class SelfWatch:
         self.subscribers.append(fn)
 
     def running(self) -> None:
+        self.serving_since = time.time()
         self.lag.start(asyncio.get_running_loop())
 
     def done(self) -> None:
@@ -346,6 +350,9 @@ class SelfWatch:
             accepted = flow.client_conn.timestamp_start
             # Within a jiffy before the accept is the kernel's clock, not a queue.
             state.mark(flow, "client_arrived", accepted if accepted - HOLD_MIN_MS / 1000 < t < accepted else t)
+        seen = [x for x in (syn, t) if x is not None]
+        if (since := self.serving_since) is not None and seen and min(seen) < since:
+            state.mark(flow, "relay_serving", since)
 
     def request(self, flow: http.HTTPFlow) -> None:
         if state.get(flow) is None:

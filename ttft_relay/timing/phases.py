@@ -10,6 +10,8 @@ only once that connection is ready.
 
     client_syn              the client's TCP handshake began: its SYN reached the relay  } the first
                             (`selfwatch`: the handshake's duration, from TCP_INFO)        } request of
+    relay_serving           this relay process began to serve: only when the client's connection
+                            waited in the kernel's queue for its start (selfwatch)
     client_connect          client connection accepted                                    } a client
     client_tls              client's TLS handshake with the relay done (TLS clients)      } connection
     client_arrived          the kernel had this request's bytes while the relay had not read
@@ -87,6 +89,7 @@ from typing import Any
 
 MARKS = (
     "client_syn",
+    "relay_serving",
     "client_connect",
     "client_tls",
     "client_arrived",
@@ -131,6 +134,8 @@ HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect",
 # Verdict words.
 CLIENT_NETWORK = "client network (round trip)"
 RELAY_SATURATED = "relay saturated"
+RELAY_STARTING = "relay starting"
+"""What the kernel held for a relay process that was not serving yet: a start or a restart, not load."""
 CLIENT_UPLOAD = "client upload"
 RELAY = "relay"
 UPSTREAM_CONNECT = "upstream connect"
@@ -406,6 +411,16 @@ def dominant(contrib: Mapping[str, float]) -> str:
     return best
 
 
+def starting_ms(marks: Mapping[str, float], phases: Mapping[str, float]) -> float | None:
+    """The part of the relay's queue (`relay_queue`) held before this relay process began to
+    serve (`relay_serving`, relative marks); None when it served already."""
+    serving = marks.get("relay_serving")
+    if serving is None or "relay_queue" not in phases:
+        return None
+    start = min(0.0, marks.get("client_arrived", 0.0))
+    return round(min(phases["relay_queue"], max(0.0, serving - start)), 3)
+
+
 def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expected: bool) -> str:
     """The phase a request was in when it failed: the first one left unfinished."""
     if "request_body" not in marks:
@@ -471,6 +486,7 @@ def judge(
     unlearned: str | None = None,
     cache_miss: str | None = None,
     upstream_retransmit_ms: float | None = None,
+    starting_ms: float | None = None,
 ) -> Verdict:
     """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
@@ -487,6 +503,8 @@ def judge(
        - the longest silence after the first token (`gap`) against the stream's own
          cadence: a `stream stall` when `Gap.out_of_line` (the part the relay's own event
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
+       - the relay's queue: `relay saturated`, or `relay starting` where at least half of
+         it (`starting_ms`) was held before this relay process began to serve;
        - every other hop (client network, relay queue, client upload, relay, upstream
          connect, TLS and network, response download) against nothing: any cost is its own.
        A hop is out of line when it costs at least NOISE_MS beyond its normal and at least
@@ -522,6 +540,8 @@ def judge(
         if name == RELAY_SATURATED and relay_stall > phases.get("relay_queue", 0.0):
             beyond[name] = ms  # a stall the loop explains: judged as a stall, not against the wait
             continue
+        if name == RELAY_SATURATED and starting_ms and 2 * starting_ms >= ms:
+            name = RELAY_STARTING
         if no_prefill and name == RESPONSE_DOWNLOAD:
             continue  # a prewarm's events after its first one: the upstream's work, in its wait below
         if name == UPSTREAM_WAIT:
@@ -594,6 +614,8 @@ def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float
         return f"{_s(gap.ms)} of silence after the first token{pace}"
     if words == RELAY_SATURATED:
         return f"{_s(ms)} waiting on the relay itself (its event loop up to {_s(loop_lag_ms or 0.0)} late){share}"
+    if words == RELAY_STARTING:
+        return f"{_s(ms)} queued for this relay process while it started (a start or a restart, not load){share}"
     if words == CLIENT_NETWORK:
         return f"a {_s(client_rtt_ms or 0.0)} round trip to the client{share}"
     return f"{_s(ms)}{share}"

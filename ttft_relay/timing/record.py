@@ -282,6 +282,7 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         loop_lag_ms=rec.loop_lag_ms,
         client_rtt_ms=client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms),
         upstream_retransmit_ms=rec.upstream_retransmit_ms,
+        starting_ms=phases.starting_ms(rec.marks, rec.phases),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
