@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ttft_relay.testing.fakes import link
+from tests.agent_clis import Clis, installed_clis
+from ttft_relay.testing.fakes import RefusingProxy, link
 from ttft_relay.testing.fakes.certs import TestCerts
 from ttft_relay.testing.fakes.upstream import FakeUpstream
 from ttft_relay.testing.harness import MitmdumpProcess, descendants, start_fake_upstream
@@ -96,6 +97,19 @@ def module_fake_tls(certs) -> Iterator[FakeUpstream]:
     """`module_fake` over TLS: `fake_tls` in a module marked `shared_fake`."""
     with FakeUpstream(tls=True, certs=certs) as upstream:
         yield upstream
+
+
+@pytest.fixture(scope="module")
+def clis() -> Clis:
+    """The real Codex CLI and Claude Code, installed from npm on first use (tests/agent_clis.py)."""
+    return installed_clis()
+
+
+@pytest.fixture(scope="module")
+def refusing() -> Iterator[RefusingProxy]:
+    """The agents' HTTPS_PROXY: it refuses every host, so the CLIs cannot call home."""
+    with RefusingProxy() as proxy:
+        yield proxy
 
 
 @pytest.fixture

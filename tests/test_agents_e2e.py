@@ -40,9 +40,8 @@ from tests.agent_clis import (
     claude_result,
     codex_answer,
     codex_exec,
-    installed_clis,
 )
-from ttft_relay.testing.fakes import Behaviour, FakeUpstream, Received, RefusingProxy, Sent, SocketSession
+from ttft_relay.testing.fakes import Behaviour, FakeUpstream, Received, Sent, SocketSession
 from ttft_relay.testing.fakes.client import request
 from ttft_relay.testing.fakes.replies import THINKING_PIECES, answer_pieces, answer_text
 from ttft_relay.testing.harness import MitmdumpProcess, read_records
@@ -63,17 +62,6 @@ PROMPT = "Say hello."
 
 
 # --- fixtures: one fake pair, one refusing proxy, one relay per module -----------------------------
-
-
-@pytest.fixture(scope="module")
-def clis() -> Clis:
-    return installed_clis()
-
-
-@pytest.fixture(scope="module")
-def refusing() -> Iterator[RefusingProxy]:
-    with RefusingProxy() as proxy:
-        yield proxy
 
 
 def agent_behaviour() -> Behaviour:

@@ -15,7 +15,6 @@ What each CLI did is what docs/trimming.md reports.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -23,7 +22,7 @@ import pytest
 
 from ttft_relay.trim import windows
 from ttft_relay.testing import shaped
-from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec, installed_clis
+from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream, RefusingProxy
 from ttft_relay.testing.fakes.replies import CHARS_PER_TOKEN, answer_text
@@ -38,17 +37,6 @@ NEW_GPT = "gpt-5.5"
 """A model the Codex CLI knows (its own window: 272k) and the relay's table does not."""
 CODEX_CONTEXT_FULL = "Codex ran out of room in the model's context window"
 SHARE_GOAL = 0.90
-
-
-@pytest.fixture(scope="module")
-def clis() -> Clis:
-    return installed_clis()
-
-
-@pytest.fixture(scope="module")
-def refusing() -> Iterator[RefusingProxy]:
-    with RefusingProxy() as proxy:
-        yield proxy
 
 
 def write_files(sandbox: AgentSandbox, rounds: int, lines: int) -> None:

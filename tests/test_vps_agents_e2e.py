@@ -17,7 +17,7 @@ import pytest
 
 from ttft_relay import apis
 from ttft_relay.workers import free_port
-from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec, installed_clis
+from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream, RefusingProxy
 from ttft_relay.testing.fakes.replies import answer_text
 from ttft_relay.testing.harness import MitmdumpProcess
@@ -25,11 +25,6 @@ from ttft_relay.testing.harness import MitmdumpProcess
 RELAY_KEY = "relay-key-0123456789-laptop"
 UPSTREAM_KEY = "sk-upstream-FAKEKEY-vps-0123456789"
 PROMPT = "Say hello."
-
-
-@pytest.fixture(scope="module")
-def clis():
-    return installed_clis()
 
 
 @pytest.fixture
