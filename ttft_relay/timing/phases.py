@@ -217,9 +217,7 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
     conn0, tcp, tls = m.get("upstream_connect_start"), m.get("upstream_tcp"), m.get("upstream_tls")
     head, first, last, end = m.get("response_head"), m.get("first_token"), m.get("last_token"), m.get("end")
 
-    # The clock starts at the request's first byte: when the kernel had it, if the relay read it later.
-    arrived = m.get("client_arrived")
-    start = min(0.0, arrived) if arrived is not None else 0.0
+    start = clock_start(m)
     p: dict[str, float] = {}
     setup_from = m.get("client_syn", m.get("client_connect"))
     if setup_from is not None:
@@ -417,8 +415,13 @@ def starting_ms(marks: Mapping[str, float], phases: Mapping[str, float]) -> floa
     serving = marks.get("relay_serving")
     if serving is None or "relay_queue" not in phases:
         return None
-    start = min(0.0, marks.get("client_arrived", 0.0))
-    return round(min(phases["relay_queue"], max(0.0, serving - start)), 3)
+    return round(min(phases["relay_queue"], max(0.0, serving - clock_start(marks))), 3)
+
+
+def clock_start(marks: Mapping[str, float]) -> float:
+    """Where the request's clock starts on its relative marks: at its first byte, when the
+    kernel had it (`client_arrived`) if the relay read it later, else at the head (0)."""
+    return min(0.0, marks.get("client_arrived", 0.0))
 
 
 def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expected: bool) -> str:
