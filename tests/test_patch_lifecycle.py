@@ -20,7 +20,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import capacity, patches, scope
+from ttft_relay import capacity, dial, patches, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.patches import pins
@@ -50,7 +50,7 @@ def patch_owners() -> list[object]:
     mitmproxy addons whose options they read)."""
     shutdown = faults.Shutdown()
     return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown), *capacity.addons(), tls.ClientTLS(), guard.Guard(),
-            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, faults.Deadlines(), faults.ErrorReplies()]
+            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(), faults.ErrorReplies()]
 
 
 @dataclass

@@ -75,6 +75,7 @@ from mitmproxy.proxy.layers.tls import TlsStartServerHook
 from mitmproxy.tls import TlsData
 from OpenSSL import SSL
 
+from . import dial
 from .patches import connections, pins
 from .patches.fixes import eager_connects, upstream_copy
 from .patches.speed import early_connects, upstream_pool
@@ -451,7 +452,7 @@ async def _open(key: PoolKey) -> Pooled:
     if key.tls:
         server.alpn_offers = (HTTP1_ALPN,)
     server.timestamp_start = time.time()
-    reader, writer = await asyncio.open_connection(key.host, key.port)
+    reader, writer = await dial.open_upstream(key.host, key.port)
     server.timestamp_tcp_setup = time.time()
     tls = None
     try:

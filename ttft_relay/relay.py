@@ -15,6 +15,7 @@ file only composes the addons; each concern lives in its own module under `ttft_
     scope      which flows are LLM API calls, and which API shape
     streaming  every response chunk to the client as it arrives
     trim       oversized message histories cut to a token budget
+    dial       upstream connects race the name's addresses (RFC 8305 Happy Eyeballs)
     faults     bounded waits, and upstream failures answered in the API's format
     selfwatch  the relay's own event-loop lag, accept queues and sockets
     timing     per-phase marks, one record per flow, verdicts
@@ -58,7 +59,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, config, patches, reload, scope
+from ttft_relay import capacity, config, dial, patches, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
@@ -84,6 +85,7 @@ addons = [
     streaming.Streaming(),
     trim.Trim(),
     shutdown,
+    dial.HappyEyeballs(),
     faults.FailedConnects(),
     faults.Deadlines(),
     self_watch,

@@ -44,6 +44,7 @@ from .fixes import (
     client_resets,
     eager_connects,
     error_replies,
+    happy_eyeballs,
     head_limit,
     inherited_listeners,
     interim_answers,
@@ -82,6 +83,7 @@ FIXES: tuple[ModuleType, ...] = (
     websocket_limits,
     inherited_listeners,
     ca_at_start,
+    happy_eyeballs,
 )
 SPEED: tuple[ModuleType, ...] = (
     splice,

@@ -71,6 +71,10 @@ class Record:
     upstream_connection: str | None = None
     """Which upstream connection the request went on (mitmproxy's id of the connection; a
     pooled one keeps its id from client connection to client connection); None: none."""
+    upstream_dial: dict[str, Any] | None = None
+    """The upstream connect this request made (`ttft_relay/dial.py`): the address it used
+    (`address`, `family`) and why each other address of the name did not serve (`failed`);
+    None when the request opened no connection."""
     rtt_ms: float | None
     """The upstream round-trip estimate behind the verdict."""
     max_gap_ms: float | None
@@ -183,6 +187,7 @@ class RecordInput:
     reused_connection: bool | None
     rtt_ms: float | None
     upstream_connection: str | None = None
+    upstream_dial: Mapping[str, Any] | None = None
     max_gap_ms: float | None = None
     chunks: int | None = None
     bytes: int | None = None
@@ -233,6 +238,7 @@ def build_record(seen: RecordInput) -> Record:
         ttft_ms=p.get("ttft"),
         reused_connection=seen.reused_connection,
         upstream_connection=seen.upstream_connection,
+        upstream_dial=dict(seen.upstream_dial) if seen.upstream_dial else None,
         rtt_ms=None if seen.rtt_ms is None else round(seen.rtt_ms, 3),
         max_gap_ms=None if seen.max_gap_ms is None else round(seen.max_gap_ms, 3),
         chunks=seen.chunks,

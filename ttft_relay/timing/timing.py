@@ -36,7 +36,7 @@ from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.utils import human
 
-from .. import state
+from .. import dial, state
 from ..apis.api import Api
 from ..flows import carries_body, upstream_name
 from ..patches import error_texts
@@ -409,6 +409,8 @@ class Timing:
             tls_expected=flow.request.scheme == "https",
             reused_connection=None if flow.server_conn.timestamp_start is None else "upstream_connect_start" not in marks,
             upstream_connection=upstream_pool.connection_id(flow.server_conn),
+            upstream_dial=dialled.as_record() if "upstream_connect_start" in marks
+            and (dialled := dial.of(flow.server_conn)) else None,
             rtt_ms=self.upstream_rtt_ms(upstream),
             max_gap_ms=w.max_gap * 1000 if w is not None else None,
             chunks=w.chunks if w is not None else None,

@@ -34,6 +34,9 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   sockets its supervisor bound (installed by `workers.worker_main` before mitmproxy starts,
   removed by `capacity.WorkerListeners`; the supervisor checks its pins before it starts
   any worker).
+- `happy_eyeballs`: mitmproxy's upstream connect races the name's addresses (RFC 8305)
+  instead of trying them in turn, so a black-holed IPv6 address costs 250 ms, not the
+  request (`dial.HappyEyeballs`).
 - `ca_at_start`: mitmproxy's CA loaded while the relay loads, before a request can need it
   (no patch; `capacity.WarmStart`; WITHOUT: mitmproxy loads it after its listeners are up).
 """
