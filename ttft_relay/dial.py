@@ -73,7 +73,7 @@ def address_text(address: Address) -> str:
 
 
 def family_name(family: int) -> str:
-    return {socket.AF_INET6: "ipv6", socket.AF_INET: "ipv4"}.get(family, str(family))
+    return "ipv6" if family == socket.AF_INET6 else "ipv4" if family == socket.AF_INET else str(family)
 
 
 def interleave(infos: Sequence[tuple[Any, ...]]) -> list[tuple[int, Address]]:
@@ -162,8 +162,7 @@ def _close_late(task: asyncio.Task[socket.socket]) -> None:
 
 
 async def open_connection(host: str, port: int, *, local_addr: Address | None = None,
-                          delay: float = ATTEMPT_DELAY_S, limit: int | None = None,
-                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                          delay: float = ATTEMPT_DELAY_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """`asyncio.open_connection(host, port)`, its addresses raced (`race`); what it tried is
     in `last_dial` (on failure too, cancellation included)."""
     dial = Dial()
@@ -175,8 +174,7 @@ async def open_connection(host: str, port: int, *, local_addr: Address | None = 
         sock = await _race_bound([c for c in candidates if c[0] == local_family], local_addr, dial)
     else:
         sock = await race(candidates, dial, delay)
-    kwargs = {} if limit is None else {"limit": limit}
-    return await asyncio.open_connection(sock=sock, **kwargs)
+    return await asyncio.open_connection(sock=sock)
 
 
 async def _race_bound(candidates: Sequence[tuple[int, Address]], local_addr: Address, dial: Dial) -> socket.socket:
