@@ -167,3 +167,27 @@ def test_a_clients_connection_close_ends_its_hop_only(fake, start_relay, rid):
     assert first.header("connection") is None and second.header("connection") is None  # hop-by-hop: not sent on
     assert first.conn_id == second.conn_id  # so the upstream kept its connection, for the next client
     assert [rec["reused_connection"] for rec in relay.log.of(rid, 2)] == [False, True]
+
+
+def test_a_request_its_pooled_connection_dropped_before_any_answer_is_sent_once_more(fake, start_relay, rid):
+    """The keep-alive race: the upstream closes a pooled connection just as a request arrives on
+    it (its idle timeout, a restart; the fake's `keepalive_requests`), before any byte of an
+    answer. Nothing of the request reached the upstream's application, so the pool sends it
+    once more on a connection opened for it: the client gets its answer, not a 502."""
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true",
+                        relay_upstream_pool_warm="0", termlog_verbosity="debug")
+    path, body = CHAT
+    headers = {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": rid, "x-fake-keepalive-requests": "1"}
+    statuses = []
+    for n in range(2):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", path, body, headers)
+            response.read()
+            statuses.append(response.status)
+        relay.wait_for_lines(r"upstream connection \S+ pooled", n + 1)  # the next client takes it
+    assert statuses == [200, 200]
+    first, second = relay.log.of(rid, 2)
+    assert second["status"] == 200 and second["error"] is None
+    assert second["upstream_connection"] != first["upstream_connection"], "sent again on a new connection"
+    assert len(fake.received) == 2, "the dropped request never reached the fake's answering"
+    assert relay.wait_for_output(r"closed before its answer .* sending the request once more")

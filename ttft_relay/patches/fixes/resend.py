@@ -110,11 +110,12 @@ def _send_response(self: HttpStream, already_streamed: bool = False) -> layer.Co
         _again.discard(flow)
         return (yield from _ORIGINAL_SEND_RESPONSE(self, already_streamed))
     _again.discard(flow)
-    return (yield from _resend(self))
+    return (yield from send_again(self))
 
 
-def _resend(self: HttpStream) -> layer.CommandGenerator[None]:
-    """What `state_consume_request_body` does after the `request` hook, once more."""
+def send_again(self: HttpStream) -> layer.CommandGenerator[None]:
+    """What `state_consume_request_body` does after the `request` hook, once more (also the
+    upstream pool's retry of a request its reused connection lost: `speed.upstream_pool`)."""
     flow = self.flow
     flow.response = None
     self.response_body_buf.clear()

@@ -43,6 +43,15 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
    connection) and the socket, its reader and writer (the same objects: their flow
    control stays coherent) and its TLS connection go to the pool once that task ended.
 
+5. **A retry where reuse lost a race** (the wrap of `HttpStream.handle_protocol_error`): a
+   server may close a kept-alive connection just as the relay writes a request on it (its
+   idle timeout, a restart). A request whose pooled connection closed before any byte of
+   its answer came — nothing of it reached the provider's application, which answers
+   every request it read — is sent once more, on a connection opened for it (never another
+   pooled one), as `fixes.resend` sends a request again; the client sees one answer. Only a
+   request whose body the relay holds whole, once per flow. Without the pool the same race
+   needs a kept-alive client connection and is the client's to retry, as with any proxy.
+
 Anything else — a connection that is not idle, half-closed, upgraded, errored, HTTP/2,
 behind an upstream proxy, on another listener or address — is mitmproxy's as before.
 
@@ -72,7 +81,7 @@ from mitmproxy.addons import tlsconfig
 from mitmproxy.connection import ConnectionState, Server
 from mitmproxy.proxy import commands, events, layer, server, server_hooks, tunnel
 from mitmproxy.proxy.layers import tls as tls_layers
-from mitmproxy.proxy.layers.http import GetHttpConnection, HttpClient, HttpLayer
+from mitmproxy.proxy.layers.http import GetHttpConnection, HttpClient, HttpLayer, HttpStream, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Client, Http1Connection
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import human
@@ -80,16 +89,19 @@ from OpenSSL import SSL
 
 from ... import apis
 from .. import connections
+from ..fixes import resend
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL_GET_CONNECTION = HttpLayer.get_connection
 _ORIGINAL_OPEN_CONNECTION = server.ConnectionHandler.open_connection
 _ORIGINAL_START_HANDSHAKE = tls_layers.ServerTLSLayer.start_handshake
+_ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 ORIGINALS = {
     (HttpLayer, "get_connection"): _ORIGINAL_GET_CONNECTION,
     (server.ConnectionHandler, "open_connection"): _ORIGINAL_OPEN_CONNECTION,
     (tls_layers.ServerTLSLayer, "start_handshake"): _ORIGINAL_START_HANDSHAKE,
+    (HttpStream, "handle_protocol_error"): _ORIGINAL_HANDLE_PROTOCOL_ERROR,
 }
 PINS = {
     "HttpLayer.get_connection": (_ORIGINAL_GET_CONNECTION, "1aa1c63e3175766c"),
@@ -111,6 +123,8 @@ PINS = {
     "HttpClient._handle_event": (HttpClient._handle_event, "bc1cae775a49a4fe"),
     "Http1Connection.mark_done": (Http1Connection.mark_done, "dc5ed395ce4f0763"),
     "Http1Client.read_headers": (Http1Client.read_headers, "415454c5fa8b5981"),
+    # a pooled connection's close before the answer's head: the stream's error, retried instead
+    "HttpStream.handle_protocol_error": (_ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
     # the warm-up's TLS comes from this hook, as a connection mitmproxy opens
     "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
 }
@@ -209,6 +223,8 @@ _pool: Pool | None = None
 class _Ask:
     credential: bytes
     http_layer: weakref.ref[HttpLayer]
+    fresh: bool = False
+    """A retry's connection: opened for it, never a pooled one."""
 
 
 _asked: weakref.WeakKeyDictionary[Server, _Ask] = weakref.WeakKeyDictionary()
@@ -217,6 +233,8 @@ _sent: weakref.WeakKeyDictionary[HttpLayer, set[bytes]] = weakref.WeakKeyDiction
 """Per client HTTP layer, the credentials of its requests for its listener's upstream."""
 _adopted: weakref.WeakKeyDictionary[Server, Pooled] = weakref.WeakKeyDictionary()
 """`Server`s that took a pooled connection, and which."""
+_retried: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+"""Flows sent once more after their pooled connection closed before their answer."""
 
 
 def install(pool: Pool | None) -> None:
@@ -225,6 +243,8 @@ def install(pool: Pool | None) -> None:
     _pool = pool
     on = pool is not None
     HttpLayer.get_connection = _get_connection if on else _ORIGINAL_GET_CONNECTION  # type: ignore[method-assign]
+    HttpStream.handle_protocol_error = (  # type: ignore[method-assign]
+        _handle_protocol_error if on else _ORIGINAL_HANDLE_PROTOCOL_ERROR)
     server.ConnectionHandler.open_connection = (  # type: ignore[method-assign]
         _open_connection if on else _ORIGINAL_OPEN_CONNECTION)
     tls_layers.ServerTLSLayer.start_handshake = (  # type: ignore[method-assign]
@@ -246,6 +266,11 @@ def connection_id(conn: Server) -> str | None:
 def adopted(conn: Server) -> bool:
     """Whether `conn` took a pooled connection."""
     return conn in _adopted
+
+
+def retried(flow: http.HTTPFlow) -> bool:
+    """Whether `flow`'s request was sent once more after its pooled connection closed before its answer."""
+    return flow in _retried
 
 
 # 1. which connections may be pooled
@@ -278,7 +303,8 @@ def _get_connection(self: HttpLayer, event: GetHttpConnection, *, reuse: bool = 
             and isinstance(command.connection, Server)
             and command.connection not in _asked
         ):
-            _asked[command.connection] = _Ask(asking, weakref.ref(self))
+            flow = getattr(self.command_sources.get(event), "flow", None)
+            _asked[command.connection] = _Ask(asking, weakref.ref(self), fresh=flow in _retried)
         yield command
     return None
 
@@ -289,7 +315,7 @@ def _get_connection(self: HttpLayer, event: GetHttpConnection, *, reuse: bool = 
 async def _open_connection(self: server.ConnectionHandler, command: commands.OpenConnection) -> None:
     conn = command.connection
     ask = _asked.get(conn) if type(conn) is Server else None
-    if ask is None or _pool is None or not conn.address:
+    if ask is None or ask.fresh or _pool is None or not conn.address:
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
     assert isinstance(conn, Server)
     key = key_of(conn)
@@ -357,6 +383,37 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
         conn.timestamp_end = time.time()
         await self.handle_hook(server_hooks.ServerDisconnectedHook(hook_data))
     return None
+
+
+def _handle_protocol_error(self: HttpStream, event: object) -> layer.CommandGenerator[None]:
+    if _lost_a_reuse_race(self, event):
+        _retried.add(self.flow)
+        pooled = _adopted.get(self.context.server)
+        logger.info("pooled connection %s to %s closed before its answer (its client connection %s): "
+                    "sending the request once more on a new connection",
+                    pooled.id if pooled else "?", human.format_address(self.context.server.address),
+                    pooled.uses if pooled else "?")
+        return (yield from resend.send_again(self))
+    return (yield from _ORIGINAL_HANDLE_PROTOCOL_ERROR(self, event))  # type: ignore[arg-type]
+
+
+def _lost_a_reuse_race(stream: HttpStream, event: object) -> bool:
+    """The stream's pooled connection closed with no byte of its answer (`Http1Client`: "server
+    closed connection", nothing buffered), after its whole request went (held whole), once."""
+    flow = stream.flow
+    return (
+        isinstance(event, ResponseProtocolError)
+        and event.message == "server closed connection"
+        and stream.context.server in _adopted
+        and flow not in _retried
+        and flow.response is None
+        and flow.error is None
+        and flow.live
+        and stream.server_state == stream.state_wait_for_response_headers
+        and stream.client_state == stream.state_done
+        and not flow.request.stream
+        and flow.request.raw_content is not None
+    )
 
 
 # 3. its TLS

@@ -131,6 +131,10 @@ class Behaviour:
     name, a space and its JSON arguments, `{n}` in them the round (0, 1, ...) ..."""
     tool_rounds: int = 0
     """... while the request carries fewer than this many tool results; then the text answer."""
+    keepalive_requests: int = 0
+    """Answer this many requests on one connection; the next it reads is not answered: the
+    connection closes as it arrives (a server closing a kept-alive connection just as a
+    request comes, its idle timeout or a restart). 0: no limit."""
 
     def overridden_by(self, headers: Iterable[tuple[str, str]]) -> Behaviour:
         """A copy with the knobs named in `x-fake-*` headers replaced. Raises ValueError on a bad knob."""
@@ -154,6 +158,15 @@ class Behaviour:
             return self.prefill_for(request_body)
         pause = self.midstream_pause_ms if index == reply.first_token_chunk + 1 else 0
         return self.gap_ms + pause if index > 0 else 0
+
+
+def _closes_instead(head: RequestHead, answered: int) -> bool:
+    """The `keepalive_requests` knob of the request that arrived says its connection is done."""
+    try:
+        limit = Behaviour().overridden_by(head.headers).keepalive_requests
+    except ValueError:
+        return False  # a bad knob is answered with a 400
+    return 0 < limit <= answered
 
 
 KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Behaviour)}
@@ -537,10 +550,12 @@ class FakeUpstream:
         self._count_connection(+1, conn_id=conn_id)
         try:
             keep_alive = True
+            answered = 0
             while keep_alive:
                 request = await read_request(inbound, writer)
-                if request is None:
+                if request is None or _closes_instead(request[0], answered):
                     break
+                answered += 1
                 self._count_connection(0, busy=+1)
                 try:
                     keep_alive = await self._exchange(conn_id, *request, inbound, writer)
