@@ -1,7 +1,8 @@
 """ttft_relay/dial.py: an upstream name's addresses raced (RFC 8305), on real loopback sockets.
 
-A black-holed address is made for real: a listener whose accept queue is full drops every
-further SYN without an answer, as a dead IPv6 route does (the connect hangs, nothing refuses).
+A black-holed address is made for real (`BlackHole`: a listener whose accept queue is full
+drops every further SYN without an answer, as a dead IPv6 route does: the connect hangs,
+nothing refuses).
 End to end through a real mitmdump: tests/test_dial_e2e.py.
 """
 
@@ -14,43 +15,19 @@ from collections.abc import Iterator
 import pytest
 
 from ttft_relay import dial
+from ttft_relay.testing.fakes.black_hole import BlackHole
 
 NEVER = 30.0
 """Longer than any test here may take: a dial that waits on the black hole fails by it."""
 
 
-def black_hole(family: int, host: str, port: int = 0) -> tuple[socket.socket, list[socket.socket], int]:
-    """A listener on (host, port) that answers no SYN: its queue filled and never accepted."""
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    if family == socket.AF_INET6:
-        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-    listener.bind((host, port))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(8):
-        filler = socket.socket(family, socket.SOCK_STREAM)
-        filler.setblocking(False)
-        try:
-            filler.connect((host, port))
-        except BlockingIOError:
-            pass
-        fillers.append(filler)
-    return listener, fillers, port
-
-
 @pytest.fixture
 def dead_v6_live_v4() -> Iterator[int]:
     """A port whose [::1] address is black-holed and whose 127.0.0.1 address accepts."""
-    listener, fillers, port = black_hole(socket.AF_INET6, "::1")
-    live = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    live.bind(("127.0.0.1", port))
-    live.listen(16)
-    try:
-        yield port
-    finally:
-        for s in (listener, live, *fillers):
-            s.close()
+    with BlackHole(socket.AF_INET6, "::1") as hole, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as live:
+        live.bind(("127.0.0.1", hole.port))
+        live.listen(16)
+        yield hole.port
 
 
 def candidates(port: int) -> list[tuple[int, tuple]]:
@@ -115,20 +92,15 @@ def test_no_address_answering_names_each():
 
 
 def test_a_cancelled_dial_closes_every_attempt_and_says_what_it_tried():
-    listener, fillers, port = black_hole(socket.AF_INET, "127.0.0.1")
-    try:
+    with BlackHole(socket.AF_INET, "127.0.0.1") as hole:
         async def go() -> dial.Dial:
             d = dial.Dial()
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(dial.race([(socket.AF_INET, ("127.0.0.1", port))], d), 0.2)
-            await asyncio.sleep(0)  # the cancelled attempt's own cleanup runs
+                await asyncio.wait_for(dial.race([(socket.AF_INET, ("127.0.0.1", hole.port))], d), 0.2)
             return d
 
         d = asyncio.run(go())
-        assert d.failed and d.failed[0].startswith(f"127.0.0.1:{port}: no answer in ")
-    finally:
-        for s in (listener, *fillers):
-            s.close()
+        assert d.failed and d.failed[0].startswith(f"127.0.0.1:{hole.port}: no answer in ")
 
 
 def test_open_connection_resolves_and_keeps_its_dial_in_the_task():
@@ -146,3 +118,24 @@ def test_open_connection_resolves_and_keeps_its_dial_in_the_task():
         assert d is not None and d.as_record() == {"address": f"127.0.0.1:{port}", "family": "ipv4", "failed": []}
     finally:
         live.close()
+
+
+def test_the_winner_over_a_dead_first_address_is_tried_first_next_time(dead_v6_live_v4):
+    name = ("dual.test", dead_v6_live_v4)
+    resolved = candidates(dead_v6_live_v4)
+    assert dial.preferred_first(name, resolved, 0.0) == resolved
+
+    async def go() -> tuple[dial.Dial, dial.Dial]:
+        first, second = dial.Dial(), dial.Dial()
+        sock = await asyncio.wait_for(dial.race(dial.preferred_first(name, resolved, 0.0), first, delay=0.05), NEVER)
+        dial.remember(name, resolved, sock, 0.0)
+        sock.close()
+        # a delay no test may wait out: only trying the live address first answers in time
+        sock = await asyncio.wait_for(dial.race(dial.preferred_first(name, resolved, 1.0), second, delay=NEVER * 2),
+                                      NEVER)
+        sock.close()
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first.failed and not second.failed and second.used == f"127.0.0.1:{dead_v6_live_v4}"
+    assert dial.preferred_first(name, resolved, dial.PREFER_S + 1) == resolved, "remembered for a while only"

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY
-from tests.test_dial import black_hole
+from ttft_relay.testing.fakes.black_hole import BlackHole, hosts_file, with_hosts
 from ttft_relay.testing.fakes.client import HttpConnection
 from ttft_relay.testing.fakes.upstream import FakeUpstream
 from ttft_relay.testing.harness import MitmdumpProcess, TimingLog
@@ -34,17 +35,8 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
 @pytest.fixture
 def dual_stack_upstream(tmp_path) -> Iterator[tuple[int, Path]]:
     """The fake on 127.0.0.1:PORT, a black hole on [::1]:PORT, and a hosts file naming both."""
-    import socket
-
-    with FakeUpstream() as fake:
-        listener, fillers, port = black_hole(socket.AF_INET6, "::1", fake.port)
-        hosts = tmp_path / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n::1 {NAME}\n127.0.0.1 {NAME}\n")
-        try:
-            yield port, hosts
-        finally:
-            for s in (listener, *fillers):
-                s.close()
+    with FakeUpstream() as fake, BlackHole(socket.AF_INET6, "::1", fake.port):
+        yield fake.port, hosts_file(tmp_path / "hosts", {NAME: ["::1", "127.0.0.1"]})
 
 
 def relay_seeing(hosts: Path, port: int, confdir: Path, log: Path, **options: object) -> MitmdumpProcess:
@@ -53,7 +45,7 @@ def relay_seeing(hosts: Path, port: int, confdir: Path, log: Path, **options: ob
     relay = MitmdumpProcess([f"reverse:http://{NAME}:{port}@0"], confdir, options={
         **config.MITMPROXY_DEFAULTS, "relay_timing_log": log, "relay_metrics_listen": "", "relay_timing_console": False,
         **options})
-    relay.args = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *relay.args]
+    relay.args = with_hosts(hosts, relay.args)
     return relay.start()
 
 
@@ -72,6 +64,8 @@ def test_a_black_holed_ipv6_address_is_raced_past_and_named(dual_stack_upstream,
     try:
         assert ask(relay, "raced") == 200
         (rec,) = log.of("raced")
+        assert ask(relay, "next") == 200  # a new client connection: a connect of its own
+        (next_rec,) = log.of("next")
     finally:
         relay.stop()
     assert rec["verdict"] != "error" and rec["error"] is None
@@ -81,4 +75,7 @@ def test_a_black_holed_ipv6_address_is_raced_past_and_named(dual_stack_upstream,
     # the attempt delay is in the connect phase, where the time went
     assert rec["phases"]["upstream_connect"] >= 200
     assert rec["phases"].get("relay_queue", 0) < rec["phases"]["upstream_connect"]
+    # the next connect tries the address that won first: the dead one costs nothing more
+    assert next_rec["upstream_dial"] == {"address": f"127.0.0.1:{port}", "family": "ipv4", "failed": []}
+    assert next_rec["phases"]["upstream_connect"] < rec["phases"]["upstream_connect"] / 2
 

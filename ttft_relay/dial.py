@@ -10,6 +10,10 @@ started every `delay` seconds, or at once when the one before it failed, the fir
 wins and the others are closed. A black-holed IPv6 address then costs `delay` (250 ms, the
 RFC's recommended value), not the request.
 
+A name whose first address lost a race has the winner tried first on its next dials, for
+`PREFER_S` (RFC 8305 §4 lets historical data order the attempts): a broken IPv6 address costs
+the first new connection its `delay`, not every one.
+
 What each dial tried is kept (`Dial`): the address it used and, for each that failed or was
 overtaken, why. The relay's record shows it (`upstream_dial`), so an operator sees which
 family the relay used and which address is broken, and the connect's time stays in the
@@ -44,8 +48,16 @@ logger = logging.getLogger(__name__)
 ATTEMPT_DELAY_S = 0.25
 """RFC 8305's recommended Connection Attempt Delay."""
 
+PREFER_S = 600.0
+"""How long an address that won a race over the name's first one is tried first."""
+PREFER_MAX = 1024
+"""Names remembered so at most (the oldest forgotten first)."""
+
 Address = tuple[Any, ...]
 """A socket address as getaddrinfo gives it: (host, port) or (host, port, flowinfo, scope_id)."""
+
+_preferred: dict[tuple[str, int], tuple[tuple[int, Address], float]] = {}
+"""(host, port) → (the candidate that won over the name's first address, until when it is tried first)."""
 
 
 @dataclass(slots=True)
@@ -167,14 +179,37 @@ async def open_connection(host: str, port: int, *, local_addr: Address | None = 
     in `last_dial` (on failure too, cancellation included)."""
     dial = Dial()
     last_dial.set(dial)
-    candidates = interleave(await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    resolved = interleave(await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    candidates = preferred_first((host, port), resolved, time.monotonic())
     if local_addr is not None:
         # A fixed local address (mitmproxy's `connection.sockname`) pins the family: its own.
         local_family = socket.AF_INET6 if ":" in str(local_addr[0]) else socket.AF_INET
         sock = await _race_bound([c for c in candidates if c[0] == local_family], local_addr, dial)
     else:
         sock = await race(candidates, dial, delay)
+    remember((host, port), resolved, sock, time.monotonic())
     return await asyncio.open_connection(sock=sock)
+
+
+def preferred_first(name: tuple[str, int], candidates: list[tuple[int, Address]], now: float,
+                    ) -> list[tuple[int, Address]]:
+    """`candidates` with the address that last won over the name's first one in front, while it is remembered."""
+    entry = _preferred.get(name)
+    if entry is None or entry[1] < now or entry[0] not in candidates:
+        return candidates
+    return [entry[0], *(c for c in candidates if c != entry[0])]
+
+
+def remember(name: tuple[str, int], resolved: list[tuple[int, Address]], sock: socket.socket, now: float) -> None:
+    """After a dial: the winner tried first from now on if it was not the resolver's first answer."""
+    won = (sock.family, tuple(sock.getpeername()))
+    if resolved and won != resolved[0] and won in resolved:
+        _preferred.pop(name, None)
+        _preferred[name] = (won, now + PREFER_S)
+        while len(_preferred) > PREFER_MAX:
+            _preferred.pop(next(iter(_preferred)))
+    elif (entry := _preferred.get(name)) is not None and entry[0] != won:
+        _preferred.pop(name)  # the resolver's first answer serves again
 
 
 async def _race_bound(candidates: Sequence[tuple[int, Address]], local_addr: Address, dial: Dial) -> socket.socket:
