@@ -90,12 +90,80 @@ def test_probe_phases_run_between_consecutive_marks():
                           "ttft": 100.0, "total": 105.0}
 
 
-def test_context_length_finding_in_ms_per_1k_tokens():
+def test_context_length_is_a_rate_until_weighed_at_the_users_own_prompts():
     probes = [probe_result("direct", "tiny", 100 + i, tokens=10) for i in range(3)]
     probes += [probe_result("direct", "long", 900 + i, tokens=8010) for i in range(3)]
+    unweighed = diagnosis.diagnose(diagnosis.Evidence(probes))
+    context = finding(unweighed, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    assert not context.weighed and not context.significant and unweighed.verdict is None  # diagnose's size, not yours
+    text = diagnosis.render(diagnosis.Evidence(probes), unweighed)
+    assert "not weighed: every 8.0k tokens of history add 800 ms — pass --prompt-tokens N" in text
+    weighed = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(30_010, "--prompt-tokens")))
+    assert weighed.verdict.cause == diagnosis.CONTEXT_LENGTH and weighed.verdict.weighed
+    assert weighed.verdict.ms == pytest.approx(3000, abs=5)
+    assert weighed.verdict.detail.startswith("your prompts (30.0k tokens: --prompt-tokens) wait ≈ 3000 ms longer")
+    assert "not weighed" not in diagnosis.render(diagnosis.Evidence(probes), weighed)
+
+
+def linked_probe(prompt: str, rtt: float, ttft: float, tokens: int, i: int = 0) -> ProbeResult:
+    """A relayed probe as diagnose measures it over a link of `rtt` to the relay: its TCP
+    connect takes one round trip, its request crosses the link once and its first token once."""
+    marks = {"dns": 0.1, "tcp": 0.1 + rtt, "sent": 0.3 + rtt, "head": ttft - 1, "first_token": ttft, "end": ttft + 50}
+    return ProbeResult("relayed", prompt, f"relayed-{prompt}-{i}", tokens, tokens * 4, marks, 200)
+
+
+def probes_over(rtt: float, prefill_ms: float, per_1k_ms: float, repeat: int = 3) -> list[ProbeResult]:
+    """`diagnose --no-direct` (tiny, and its default 8k-token long probe) through a link of `rtt`
+    to a relay whose provider takes `prefill_ms` + `per_1k_ms` per 1k prompt tokens."""
+    def ttft(tokens: int) -> float:
+        return 2 * rtt + prefill_ms + per_1k_ms * tokens / 1000  # connect, request and first token
+    return [linked_probe(prompt, rtt, ttft(tokens) + i, tokens, i)
+            for i in range(repeat) for prompt, tokens in (("tiny", 10), ("long", 8010))]
+
+
+def test_a_far_link_is_the_verdict_whatever_the_size_of_diagnoses_own_long_probe():
+    # Issue 34: 150 ms each way, prefill 150 ms + 100 ms per 1k tokens. The long probe's extra
+    # 800 ms read `context length (804 ms) — trim history` while the tiny probe showed the link.
+    probes = probes_over(rtt=300, prefill_ms=150, per_1k_ms=100)
     result = diagnosis.diagnose(diagnosis.Evidence(probes))
-    assert result.verdict.cause == diagnosis.CONTEXT_LENGTH
-    assert result.verdict.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert result.verdict.ms == pytest.approx(300, abs=1)
+    assert finding(result, diagnosis.CONTEXT_LENGTH).numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    text = diagnosis.render(diagnosis.Evidence(probes), result)
+    assert "verdict: network to the relay (300 ms)" in text
+    assert "not weighed: every 8.0k tokens of history add 800 ms" in text
+    # At prompts of the user's that cost less than the link, the link stays the verdict.
+    short = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(2000, "--prompt-tokens")))
+    assert short.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert finding(short, diagnosis.CONTEXT_LENGTH).ms == pytest.approx(199, abs=1)
+
+
+def test_a_long_history_on_a_near_link_is_context_length_from_the_relays_log():
+    probes = probes_over(rtt=1, prefill_ms=150, per_1k_ms=100)
+    records = [{"upstream": "api.openai.com", "prompt_tokens": 41_000,
+                "usage": {"input_tokens": 40_000 + i, "cached_tokens": 10_000}} for i in range(5)]
+    size = diagnosis.prompt_size_of_traffic(records, ["api.openai.com"])
+    assert size.tokens == 30_002  # uncached, as the upstream reported: the cache's share costs next to nothing
+    result = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=size))
+    v = result.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH and v.ms == pytest.approx(3000, abs=5)
+    assert "the median of your 5 requests in the relay's log; 10.0k more read from the provider's cache" in v.detail
+
+
+def test_the_users_prompt_size_comes_from_their_own_first_token_requests_to_the_probed_upstream():
+    records = [
+        {"upstream": "up", "prompt_tokens": 900},  # counted by the relay, no usage
+        {"upstream": "up", "prompt_tokens": 50, "usage": {"input_tokens": 1100}},  # the upstream's word first
+        {"upstream": "up", "prompt_tokens": 5000, "transport": "websocket", "turn": 0},  # a handshake
+        {"upstream": "up", "prompt_tokens": 5000, "prewarm": True},  # asks for no token
+        {"upstream": "other", "prompt_tokens": 5000},  # another upstream's model
+        {"upstream": "up"},  # size unknown
+    ]
+    assert diagnosis.prompt_size_of_traffic(records, ["up"]) == diagnosis.PromptSize(
+        1000, "the median of your 2 requests in the relay's log")
+    assert diagnosis.prompt_size_of_traffic(records).tokens == 1100  # no probe record: every upstream
+    assert diagnosis.prompt_size_of_traffic(records[2:4]) is None
 
 
 def test_network_to_relay_is_what_the_relay_record_does_not_account_for():
