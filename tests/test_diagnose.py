@@ -23,6 +23,7 @@ from ttft_relay.diagnose.diagnosis import ProbeResult
 from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import DelayingForwarder
+from ttft_relay.testing.fakes.client import HttpConnection
 
 pytestmark = pytest.mark.shared_fake  # and the relays to it, where cases differ only by request
 
@@ -276,14 +277,45 @@ def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(shared_rel
     relay = shared_relay(reverse_to(fake))  # its log shared too: diagnose joins its probes by x-request-id
     evidence, result = run_diagnosis(
         "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(relay.log.path),
-        "--repeat", "3", "--long-tokens", "8000",
+        "--repeat", "3", "--long-tokens", "8000", "--prompt-tokens", "16000",
     )
     print(diagnosis.render(evidence, result))
     tiny, long = evidence.ok("direct tiny")[0], evidence.ok("direct long")[0]
     expected = per_1k_fake_tokens * ((long.body_bytes - tiny.body_bytes) / 4) / (long.prompt_tokens - tiny.prompt_tokens)
     v = result.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.cause == diagnosis.CONTEXT_LENGTH and v.numbers["prompt_tokens"] == 16000
     assert v.numbers["ms_per_1k_tokens"] == pytest.approx(expected, rel=0.15)  # ±15 %: ≈ ±60 ms on 400 ms
+    assert v.ms == pytest.approx(v.numbers["ms_per_1k_tokens"] * (16000 - tiny.prompt_tokens) / 1000, abs=1)
+
+
+def users_requests(relay, words: int, n: int = 3) -> None:
+    """`n` streamed requests of a user whose prompt is `words` words long, through the relay."""
+    body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "word " * words}]}
+    for i in range(n):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", "/v1/chat/completions", body, {"x-request-id": f"user-{i}"})
+            assert response.status == 200
+            response.read()
+        relay.log.of(f"user-{i}")  # in the log before diagnose reads it
+
+
+def test_the_context_is_weighed_at_the_users_own_requests_in_the_relays_log(start_relay, fake, tmp_path):
+    fake.behaviour.prefill_ms_per_1k_tokens = 50  # 20k-token prompts: a second of prefill
+    relay = start_relay(reverse_to(fake))
+    log = tmp_path / "timing.jsonl"
+    argv = ("--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(log), "--repeat", "2",
+            "--long-tokens", "2000")
+    _, before = run_diagnosis(*argv)  # only the probes in the log: the context is said as a rate
+    assert finding(before, diagnosis.CONTEXT_LENGTH).weighed is False
+    assert before.verdict is None or before.verdict.cause != diagnosis.CONTEXT_LENGTH
+    users_requests(relay, 16_000)  # 80 kB each: 20k tokens as the fake counts them
+    evidence, result = run_diagnosis(*argv)
+    print(diagnosis.render(evidence, result))
+    v = result.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.numbers["prompt_tokens"] == pytest.approx(20_000, rel=0.01)  # as the upstream counted them (the body)
+    assert "the median of your 3 requests in the relay's log" in v.detail  # the probes of both runs left out
+    assert v.ms > 5 * finding(result, diagnosis.CONTEXT_LENGTH).numbers["probe_extra_ms"]
 
 
 def test_slow_hop_to_the_relay_is_named_with_its_round_trip(shared_relay, fake):

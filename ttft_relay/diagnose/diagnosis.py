@@ -840,6 +840,7 @@ def as_json(ev: Evidence, diagnosis: Diagnosis) -> dict[str, Any]:
         "table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in table(ev).items()},
         "relay_table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in relay_table(ev).items()},
         "relay_records_joined": len(ev.records),
+        "prompt_size": asdict(ev.prompt_size) if ev.prompt_size else None,
         "findings": [f.as_dict() for f in diagnosis.findings],
         "verdict": v.as_dict() if v else None,
     }
