@@ -22,7 +22,7 @@ from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
 from ttft_relay.diagnose.diagnosis import ProbeResult
 from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from ttft_relay.testing.fakes import DelayingForwarder
+from ttft_relay.testing.fakes import DelayingForwarder, link
 from ttft_relay.testing.fakes.client import HttpConnection
 
 pytestmark = pytest.mark.shared_fake  # and the relays to it, where cases differ only by request
@@ -523,3 +523,37 @@ def test_a_failed_record_without_a_verdict_is_left_out_of_the_relays_word():
     result = diagnosis.diagnose(diagnosis.Evidence([gateway], {"r2": {"error": "HTTP 502"}}))
     assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
     assert "the relay's records say" not in result.verdict.detail
+
+
+# --- on a real far link (ttft_relay/testing/fakes/link.py) --------------------------------
+
+FAR_ONE_WAY_MS = 150
+"""Issue 34's client: 150 ms each way from its relay."""
+
+
+def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_near_one_the_context(
+        far_link, fake_in, confdir, tmp_path):
+    from tests.test_far_links_e2e import RELAY_PORT, relay_in
+
+    far = far_link(delay_ms=FAR_ONE_WAY_MS)
+    upstream = fake_in(far.far, prefill_ms=150, prefill_ms_per_1k_tokens=100)  # the relay reaches it on far's loopback
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    argv = ("--relay", f"http://{far.far.ip}:{RELAY_PORT}", "--no-direct", "--repeat", "3")  # the issue's run
+    with relay:
+        with far.near.entered():  # diagnose's sockets cross the link
+            evidence, at_far = run_diagnosis(*argv)
+        print(diagnosis.render(evidence, at_far))
+        far.set(link.NEAR, delay_ms=1)
+        far.set(link.FAR, delay_ms=1)
+        with far.near.entered():
+            evidence, long_history = run_diagnosis(*argv, "--prompt-tokens", "30000")
+        print(diagnosis.render(evidence, long_history))
+    # Was `context length (804 ms) — trim history`: the default 8k-token probe's extra wait.
+    v = at_far.verdict
+    assert v.cause == diagnosis.NETWORK_TO_RELAY  # the tiny probe's connect: one round trip
+    assert 2 * FAR_ONE_WAY_MS <= v.ms < 2 * FAR_ONE_WAY_MS + SLACK_MS
+    context = finding(at_far, diagnosis.CONTEXT_LENGTH)
+    assert not context.weighed and context.numbers["probe_extra_ms"] > v.ms  # larger, and still not the verdict
+    v = long_history.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.ms == pytest.approx(100 * 30, rel=0.25)  # 100 ms per 1k tokens (the fake's are bytes / 4), at 30k
