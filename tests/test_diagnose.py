@@ -152,6 +152,23 @@ def test_a_long_history_on_a_near_link_is_context_length_from_the_relays_log():
     assert "the median of your 5 requests in the relay's log; 10.0k more read from the provider's cache" in v.detail
 
 
+def test_with_the_relays_records_the_rate_is_the_upstreams_own_not_the_long_bodys_upload_over_the_link():
+    # Over 300 ms round trips a long body takes two more of them to upload (slow start): the
+    # link's, which the relay's records tell apart from the upstream's own wait.
+    probes, records = [], {}
+    for i in range(3):
+        for prompt, tokens, upload, prefill_ms in (("tiny", 10, 0, 150), ("long", 8010, 600, 950)):
+            probe = linked_probe(prompt, 300, 300 + upload + 300 + prefill_ms + 2 + i, tokens, i)
+            probes.append(probe)
+            records[probe.request_id] = {"phases": {"relay": 1.0, "upstream_wait": prefill_ms + 1.0}, "rtt_ms": 1.0}
+    result = diagnosis.diagnose(diagnosis.Evidence(probes, records))
+    context = finding(result, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)  # the probes' waits say 175
+    assert context.numbers["link_extra_ms"] == pytest.approx(600, abs=1)
+    assert "its way to the relay took 600 ms more (the link's, not counted here)" in context.detail
+    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+
+
 def test_the_users_prompt_size_comes_from_their_own_first_token_requests_to_the_probed_upstream():
     records = [
         {"upstream": "up", "prompt_tokens": 900},  # counted by the relay, no usage

@@ -344,7 +344,8 @@ def prompt_size_of_traffic(records: Iterable[Mapping[str, Any]], upstreams: Iter
         return None
     uncached, cached = statistics.median(u for u, _ in prompts), statistics.median(c for _, c in prompts)
     left_out = f"; {_tokens(cached)} more read from the provider's cache left out" if cached else ""
-    return PromptSize(uncached, f"the median of your {len(prompts)} requests in the relay's log{left_out}")
+    requests = f"{len(prompts)} requests" if len(prompts) > 1 else "1 request"
+    return PromptSize(uncached, f"the median of your {requests} in the relay's log{left_out}")
 
 
 class Evidence:
@@ -562,23 +563,45 @@ def context_length(ev: Evidence) -> Finding | None:
     tiny one is a rate ("every 8.0k tokens of history add 804 ms", ms per 1k prompt tokens);
     weighed at the user's own prompt size (`Evidence.prompt_size`) it is what their requests
     pay, the finding's cost. Without that size the rate is said, unweighed: the long probe's
-    size is diagnose's choice, and a far link would lose the verdict to it."""
-    for path in PATHS:
-        tiny, long = f"{path} tiny", f"{path} long"
-        if ev.ok(tiny) and ev.ok(long):
-            break
+    size is diagnose's choice, and a far link would lose the verdict to it.
+
+    With the relay's records of both relayed kinds, the rate is the upstream's own wait in
+    them: a probe's wait also holds the upload of its body, and over a far link to the relay
+    a long body takes round trips more (TCP's slow start), which is the link's, not the
+    context's; it is said apart. Else the probes' own waits, direct ones first."""
+    joined_tiny, joined_long = ev.joined("relayed tiny"), ev.joined("relayed long")
+    link_extra = None
+    if joined_tiny and joined_long:
+        def own(joined: list[tuple[ProbeResult, RelaySplit]]) -> tuple[float, float]:
+            return (statistics.median(s.upstream_own for _, s in joined),
+                    statistics.median(p.prompt_tokens for p, _ in joined))
+
+        def to_relay(joined: list[tuple[ProbeResult, RelaySplit]]) -> float:
+            return statistics.median(p.turn_ttft_ms - s.accounted for p, s in joined)
+
+        (tiny_wait, tiny_tokens), (long_wait, long_tokens) = own(joined_tiny), own(joined_long)
+        link_extra = to_relay(joined_long) - to_relay(joined_tiny)
+        waits = (f"the upstream waits {long_wait:.0f} ms for the long probe's first token, {tiny_wait:.0f} ms for the "
+                 f"tiny one's, in the relay's records")
     else:
-        return None
-    tiny_wait, long_wait = ev.median_measured(tiny, lambda p: p.wait_ms), ev.median_measured(long, lambda p: p.wait_ms)
-    tiny_tokens = ev.median_measured(tiny, lambda p: p.prompt_tokens)
-    tokens = ev.median_measured(long, lambda p: p.prompt_tokens) - tiny_tokens
+        path = next((path for path in PATHS if ev.ok(f"{path} tiny") and ev.ok(f"{path} long")), None)
+        if path is None:
+            return None
+        tiny, long = f"{path} tiny", f"{path} long"
+        tiny_wait, long_wait = (ev.median_measured(tiny, lambda p: p.wait_ms),
+                                ev.median_measured(long, lambda p: p.wait_ms))
+        tiny_tokens, long_tokens = (ev.median_measured(tiny, lambda p: p.prompt_tokens),
+                                    ev.median_measured(long, lambda p: p.prompt_tokens))
+        waits = f"the long probe waits {long_wait:.0f} ms for its first token, the tiny one {tiny_wait:.0f} ms; {path}"
+    tokens = long_tokens - tiny_tokens
     extra = long_wait - tiny_wait
     per_1k = extra / (tokens / 1000) if tokens > 0 else None
     rate = _rate(tokens, extra)
-    measures = (f"the long probe waits {long_wait:.0f} ms for its first token, the tiny one {tiny_wait:.0f} ms"
-                + (f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else "") + f"; {path}")
+    measures = waits + (f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else "")
+    if link_extra is not None:
+        measures += f"; its way to the relay took {link_extra:.0f} ms more (the link's, not counted here)"
     numbers = {"ms_per_1k_tokens": per_1k, "extra_tokens": tokens, "tiny_wait_ms": tiny_wait,
-               "long_wait_ms": long_wait, "probe_extra_ms": extra}
+               "long_wait_ms": long_wait, "probe_extra_ms": extra, "link_extra_ms": link_extra}
     size = ev.prompt_size
     if size is None or per_1k is None:
         finding = measured(CONTEXT_LENGTH, extra, f"{rate} ({measures}); not weighed: your prompts' size is unknown "
