@@ -4,7 +4,9 @@ The end-to-end tests inject one cause at a time (a far upstream behind a delayin
 forwarder, prefill that grows with the prompt, a slow hop to the relay, a dead
 upstream) and check that the verdict names it, with its size within a stated
 tolerance. Injected delays are a few hundred ms so scheduling noise on a busy
-machine cannot decide; no test asserts an absolute time on its own.
+machine cannot decide; no test asserts an absolute time on its own. Issue 34's case
+runs on a real far link (`ttft_relay/testing/fakes/link.py`) with diagnose's defaults:
+the link is the verdict, and the context only at a user's own long prompts.
 """
 
 from __future__ import annotations
@@ -227,6 +229,21 @@ def test_every_probe_failing_is_the_verdict():
     assert "Connection refused (in tcp) 1/1" in result.verdict.detail
     only_relay = diagnosis.diagnose(diagnosis.Evidence([gateway]))
     assert only_relay.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+
+
+def test_the_users_records_are_the_newest_before_the_probes_and_any_since_without_diagnoses_own(tmp_path,
+                                                                                              monkeypatch):
+    log = tmp_path / "timing.jsonl"
+
+    def line(rid: str) -> bytes:
+        return orjson.dumps({"request_id": rid, "prompt_tokens": 100}) + b"\n"
+
+    log.write_bytes(line("too-old") + line("recent") + line("ttft-diag-earlier-run"))
+    monkeypatch.setattr(diagnose, "USERS_RECORDS_BYTES", len(line("recent") + line("ttft-diag-earlier-run")) + 3)
+    relay_log = diagnose.RelayLog(log)
+    with open(log, "ab") as f:
+        f.write(line("ttft-diag-this-run") + line("while-probing") + b'{"request_id": "half-writ')
+    assert [r["request_id"] for r in relay_log.users_records()] == ["recent", "while-probing"]
 
 
 def test_redactor_hides_the_key_in_text_and_log_lines():
