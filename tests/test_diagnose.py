@@ -576,7 +576,9 @@ def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_n
     with relay:
         with far.near.entered():  # diagnose's sockets cross the link
             evidence, at_far = run_diagnosis(*argv)
-        print(diagnosis.render(evidence, at_far))
+            print(diagnosis.render(evidence, at_far))
+            evidence, with_records = run_diagnosis(*argv, "--relay-log", str(relay.log.path))
+        print(diagnosis.render(evidence, with_records))
         far.set(link.NEAR, delay_ms=1)
         far.set(link.FAR, delay_ms=1)
         with far.near.entered():
@@ -588,6 +590,11 @@ def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_n
     assert 2 * FAR_ONE_WAY_MS <= v.ms < 2 * FAR_ONE_WAY_MS + SLACK_MS
     context = finding(at_far, diagnosis.CONTEXT_LENGTH)
     assert not context.weighed and context.numbers["probe_extra_ms"] > v.ms  # larger, and still not the verdict
+    # The relay's records split the long body's upload over the link (slow start) from the upstream's prefill.
+    assert with_records.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    context = finding(with_records, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, rel=0.15)
+    assert context.numbers["link_extra_ms"] >= 2 * FAR_ONE_WAY_MS
     v = long_history.verdict
     assert v.cause == diagnosis.CONTEXT_LENGTH
     assert v.ms == pytest.approx(100 * 30, rel=0.25)  # 100 ms per 1k tokens (the fake's are bytes / 4), at 30k

@@ -582,7 +582,7 @@ def context_length(ev: Evidence) -> Finding | None:
         (tiny_wait, tiny_tokens), (long_wait, long_tokens) = own(joined_tiny), own(joined_long)
         link_extra = to_relay(joined_long) - to_relay(joined_tiny)
         waits = (f"the upstream waits {long_wait:.0f} ms for the long probe's first token, {tiny_wait:.0f} ms for the "
-                 f"tiny one's, in the relay's records")
+                 f"tiny one's (the relay's records)")
     else:
         path = next((path for path in PATHS if ev.ok(f"{path} tiny") and ev.ok(f"{path} long")), None)
         if path is None:
@@ -592,7 +592,7 @@ def context_length(ev: Evidence) -> Finding | None:
                                 ev.median_measured(long, lambda p: p.wait_ms))
         tiny_tokens, long_tokens = (ev.median_measured(tiny, lambda p: p.prompt_tokens),
                                     ev.median_measured(long, lambda p: p.prompt_tokens))
-        waits = f"the long probe waits {long_wait:.0f} ms for its first token, the tiny one {tiny_wait:.0f} ms; {path}"
+        waits = f"the {path} long probe waits {long_wait:.0f} ms for its first token, the tiny one {tiny_wait:.0f} ms"
     tokens = long_tokens - tiny_tokens
     extra = long_wait - tiny_wait
     per_1k = extra / (tokens / 1000) if tokens > 0 else None
