@@ -14,9 +14,13 @@ README there, on the README's own ports (8080, 8001, 8002, 8081), under
      of the client settings table answer;
   3. `scripts/report logs/timing.jsonl`;
   4. `scripts/diagnose --relay http://127.0.0.1:8001 --relay-log logs/timing.jsonl`, with
-     `--upstream <the fake> --repeat 2 --long-tokens 2000` added (its direct probes would go
-     to api.openai.com; fewer, smaller probes keep it quick): the probes are joined with
-     the relay's records;
+     `--upstream <the fake>` added (its direct probes would go to api.openai.com), and
+     otherwise its defaults (5 rounds, 8k-token long probes: the fake's prefill, 150 ms +
+     20 ms per 1k tokens, keeps them under a second each): the probes are joined with the
+     relay's records, the context is weighed at the size of the requests above (in the
+     relay's log), and the headline is what a healthy relay beside its client must read,
+     `nothing stands out`, the long probe's rate said as a finding (issue 34: the headline
+     followed the long probe's size; only `--long-tokens 2000` was ever run here);
   5. a stop (SIGTERM, as systemd and Docker stop it) while a client holds a keep-alive
      connection, and at once `scripts/relay` again: it starts, streams, and stops;
   6. `.venv/bin/python -m ttft_relay web` (with `--set web_open_browser=false`: a headless
@@ -449,10 +453,14 @@ class QuickStart:
             raise StepFailed(f"the report counts {counted(done.stdout)} requests, not the 3 sent:\n{tail(done.stdout)}")
 
     def diagnose(self) -> None:
-        done = run(f"{DIAGNOSE} --upstream {self.fake_url} --repeat 2 --long-tokens 2000", self.clone, self.env,
-                   timeout=300)
+        done = run(f"{DIAGNOSE} --upstream {self.fake_url}", self.clone, self.env, timeout=300)
         if "no record in" in done.stderr or "relay" not in done.stdout:
             raise StepFailed(f"the probes were not joined with the relay's records:\n{tail(done.stdout + done.stderr)}")
+        verdict = next((line for line in done.stdout.splitlines() if line.startswith("verdict: ")), "no verdict")
+        if verdict != "verdict: nothing stands out — every finding is below its threshold.":
+            raise StepFailed(f"a healthy relay beside its client reads {verdict!r}:\n{tail(done.stdout, 20)}")
+        if not re.search(r"context length: .*requests in the relay's log.*every \S+ tokens of history add", done.stdout):
+            raise StepFailed(f"the context is not weighed at the requests in the relay's log:\n{tail(done.stdout, 20)}")
         print(tail(done.stdout, 12), flush=True)
 
     def restart(self) -> None:

@@ -4,7 +4,9 @@ The end-to-end tests inject one cause at a time (a far upstream behind a delayin
 forwarder, prefill that grows with the prompt, a slow hop to the relay, a dead
 upstream) and check that the verdict names it, with its size within a stated
 tolerance. Injected delays are a few hundred ms so scheduling noise on a busy
-machine cannot decide; no test asserts an absolute time on its own.
+machine cannot decide; no test asserts an absolute time on its own. Issue 34's case
+runs on a real far link (`ttft_relay/testing/fakes/link.py`) with diagnose's defaults:
+the link is the verdict, and the context only at a user's own long prompts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
 from ttft_relay.diagnose.diagnosis import ProbeResult
 from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
-from ttft_relay.testing.fakes import DelayingForwarder
+from ttft_relay.testing.fakes import DelayingForwarder, link
+from ttft_relay.testing.fakes.client import HttpConnection
 
 pytestmark = pytest.mark.shared_fake  # and the relays to it, where cases differ only by request
 
@@ -90,12 +93,97 @@ def test_probe_phases_run_between_consecutive_marks():
                           "ttft": 100.0, "total": 105.0}
 
 
-def test_context_length_finding_in_ms_per_1k_tokens():
+def test_context_length_is_a_rate_until_weighed_at_the_users_own_prompts():
     probes = [probe_result("direct", "tiny", 100 + i, tokens=10) for i in range(3)]
     probes += [probe_result("direct", "long", 900 + i, tokens=8010) for i in range(3)]
+    unweighed = diagnosis.diagnose(diagnosis.Evidence(probes))
+    context = finding(unweighed, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    assert not context.weighed and not context.significant and unweighed.verdict is None  # diagnose's size, not yours
+    text = diagnosis.render(diagnosis.Evidence(probes), unweighed)
+    assert "not weighed: every 8.0k tokens of history add 800 ms — pass --prompt-tokens N" in text
+    weighed = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(30_010, "--prompt-tokens")))
+    assert weighed.verdict.cause == diagnosis.CONTEXT_LENGTH and weighed.verdict.weighed
+    assert weighed.verdict.ms == pytest.approx(3000, abs=5)
+    assert weighed.verdict.detail.startswith("your prompts (30.0k tokens: --prompt-tokens) wait ≈ 3000 ms longer")
+    assert "not weighed" not in diagnosis.render(diagnosis.Evidence(probes), weighed)
+
+
+def linked_probe(prompt: str, rtt: float, ttft: float, tokens: int, i: int = 0) -> ProbeResult:
+    """A relayed probe as diagnose measures it over a link of `rtt` to the relay: its TCP
+    connect takes one round trip, its request crosses the link once and its first token once."""
+    marks = {"dns": 0.1, "tcp": 0.1 + rtt, "sent": 0.3 + rtt, "head": ttft - 1, "first_token": ttft, "end": ttft + 50}
+    return ProbeResult("relayed", prompt, f"relayed-{prompt}-{i}", tokens, tokens * 4, marks, 200)
+
+
+def probes_over(rtt: float, prefill_ms: float, per_1k_ms: float, repeat: int = 3) -> list[ProbeResult]:
+    """`diagnose --no-direct` (tiny, and its default 8k-token long probe) through a link of `rtt`
+    to a relay whose provider takes `prefill_ms` + `per_1k_ms` per 1k prompt tokens."""
+    def ttft(tokens: int) -> float:
+        return 2 * rtt + prefill_ms + per_1k_ms * tokens / 1000  # connect, request and first token
+    return [linked_probe(prompt, rtt, ttft(tokens) + i, tokens, i)
+            for i in range(repeat) for prompt, tokens in (("tiny", 10), ("long", 8010))]
+
+
+def test_a_far_link_is_the_verdict_whatever_the_size_of_diagnoses_own_long_probe():
+    # Issue 34: 150 ms each way, prefill 150 ms + 100 ms per 1k tokens. The long probe's extra
+    # 800 ms read `context length (804 ms) — trim history` while the tiny probe showed the link.
+    probes = probes_over(rtt=300, prefill_ms=150, per_1k_ms=100)
     result = diagnosis.diagnose(diagnosis.Evidence(probes))
-    assert result.verdict.cause == diagnosis.CONTEXT_LENGTH
-    assert result.verdict.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert result.verdict.ms == pytest.approx(300, abs=1)
+    assert finding(result, diagnosis.CONTEXT_LENGTH).numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    text = diagnosis.render(diagnosis.Evidence(probes), result)
+    assert "verdict: network to the relay (300 ms)" in text
+    assert "not weighed: every 8.0k tokens of history add 800 ms" in text
+    # At prompts of the user's that cost less than the link, the link stays the verdict.
+    short = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(2000, "--prompt-tokens")))
+    assert short.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert finding(short, diagnosis.CONTEXT_LENGTH).ms == pytest.approx(199, abs=1)
+
+
+def test_a_long_history_on_a_near_link_is_context_length_from_the_relays_log():
+    probes = probes_over(rtt=1, prefill_ms=150, per_1k_ms=100)
+    records = [{"upstream": "api.openai.com", "prompt_tokens": 41_000,
+                "usage": {"input_tokens": 40_000 + i, "cached_tokens": 10_000}} for i in range(5)]
+    size = diagnosis.prompt_size_of_traffic(records, ["api.openai.com"])
+    assert size.tokens == 30_002  # uncached, as the upstream reported: the cache's share costs next to nothing
+    result = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=size))
+    v = result.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH and v.ms == pytest.approx(3000, abs=5)
+    assert "the median of your 5 requests in the relay's log; 10.0k more read from the provider's cache" in v.detail
+
+
+def test_with_the_relays_records_the_rate_is_the_upstreams_own_not_the_long_bodys_upload_over_the_link():
+    # Over 300 ms round trips a long body takes two more of them to upload (slow start): the
+    # link's, which the relay's records tell apart from the upstream's own wait.
+    probes, records = [], {}
+    for i in range(3):
+        for prompt, tokens, upload, prefill_ms in (("tiny", 10, 0, 150), ("long", 8010, 600, 950)):
+            probe = linked_probe(prompt, 300, 300 + upload + 300 + prefill_ms + 2 + i, tokens, i)
+            probes.append(probe)
+            records[probe.request_id] = {"phases": {"relay": 1.0, "upstream_wait": prefill_ms + 1.0}, "rtt_ms": 1.0}
+    result = diagnosis.diagnose(diagnosis.Evidence(probes, records))
+    context = finding(result, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)  # the probes' waits say 175
+    assert context.numbers["link_extra_ms"] == pytest.approx(600, abs=1)
+    assert "its way to the relay took 600 ms more (the link's, not counted here)" in context.detail
+    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+
+
+def test_the_users_prompt_size_comes_from_their_own_first_token_requests_to_the_probed_upstream():
+    records = [
+        {"upstream": "up", "prompt_tokens": 900},  # counted by the relay, no usage
+        {"upstream": "up", "prompt_tokens": 50, "usage": {"input_tokens": 1100}},  # the upstream's word first
+        {"upstream": "up", "prompt_tokens": 5000, "transport": "websocket", "turn": 0},  # a handshake
+        {"upstream": "up", "prompt_tokens": 5000, "prewarm": True},  # asks for no token
+        {"upstream": "other", "prompt_tokens": 5000},  # another upstream's model
+        {"upstream": "up"},  # size unknown
+    ]
+    assert diagnosis.prompt_size_of_traffic(records, ["up"]) == diagnosis.PromptSize(
+        1000, "the median of your 2 requests in the relay's log")
+    assert diagnosis.prompt_size_of_traffic(records).tokens == 1100  # no probe record: every upstream
+    assert diagnosis.prompt_size_of_traffic(records[2:4]) is None
 
 
 def test_network_to_relay_is_what_the_relay_record_does_not_account_for():
@@ -141,6 +229,21 @@ def test_every_probe_failing_is_the_verdict():
     assert "Connection refused (in tcp) 1/1" in result.verdict.detail
     only_relay = diagnosis.diagnose(diagnosis.Evidence([gateway]))
     assert only_relay.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+
+
+def test_the_users_records_are_the_newest_before_the_probes_and_any_since_without_diagnoses_own(tmp_path,
+                                                                                              monkeypatch):
+    log = tmp_path / "timing.jsonl"
+
+    def line(rid: str) -> bytes:
+        return orjson.dumps({"request_id": rid, "prompt_tokens": 100}) + b"\n"
+
+    log.write_bytes(line("too-old") + line("recent") + line("ttft-diag-earlier-run"))
+    monkeypatch.setattr(diagnose, "USERS_RECORDS_BYTES", len(line("recent") + line("ttft-diag-earlier-run")) + 3)
+    relay_log = diagnose.RelayLog(log)
+    with open(log, "ab") as f:
+        f.write(line("ttft-diag-this-run") + line("while-probing") + b'{"request_id": "half-writ')
+    assert [r["request_id"] for r in relay_log.users_records()] == ["recent", "while-probing"]
 
 
 def test_redactor_hides_the_key_in_text_and_log_lines():
@@ -208,14 +311,45 @@ def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(shared_rel
     relay = shared_relay(reverse_to(fake))  # its log shared too: diagnose joins its probes by x-request-id
     evidence, result = run_diagnosis(
         "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(relay.log.path),
-        "--repeat", "3", "--long-tokens", "8000",
+        "--repeat", "3", "--long-tokens", "8000", "--prompt-tokens", "16000",
     )
     print(diagnosis.render(evidence, result))
     tiny, long = evidence.ok("direct tiny")[0], evidence.ok("direct long")[0]
     expected = per_1k_fake_tokens * ((long.body_bytes - tiny.body_bytes) / 4) / (long.prompt_tokens - tiny.prompt_tokens)
     v = result.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.cause == diagnosis.CONTEXT_LENGTH and v.numbers["prompt_tokens"] == 16000
     assert v.numbers["ms_per_1k_tokens"] == pytest.approx(expected, rel=0.15)  # ±15 %: ≈ ±60 ms on 400 ms
+    assert v.ms == pytest.approx(v.numbers["ms_per_1k_tokens"] * (16000 - tiny.prompt_tokens) / 1000, abs=1)
+
+
+def users_requests(relay, words: int, n: int = 3) -> None:
+    """`n` streamed requests of a user whose prompt is `words` words long, through the relay."""
+    body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "word " * words}]}
+    for i in range(n):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", "/v1/chat/completions", body, {"x-request-id": f"user-{i}"})
+            assert response.status == 200
+            response.read()
+        relay.log.of(f"user-{i}")  # in the log before diagnose reads it
+
+
+def test_the_context_is_weighed_at_the_users_own_requests_in_the_relays_log(start_relay, fake, tmp_path):
+    fake.behaviour.prefill_ms_per_1k_tokens = 50  # 20k-token prompts: a second of prefill
+    relay = start_relay(reverse_to(fake))
+    log = tmp_path / "timing.jsonl"
+    argv = ("--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(log), "--repeat", "2",
+            "--long-tokens", "2000")
+    _, before = run_diagnosis(*argv)  # only the probes in the log: the context is said as a rate
+    assert finding(before, diagnosis.CONTEXT_LENGTH).weighed is False
+    assert before.verdict is None or before.verdict.cause != diagnosis.CONTEXT_LENGTH
+    users_requests(relay, 16_000)  # 80 kB each: 20k tokens as the fake counts them
+    evidence, result = run_diagnosis(*argv)
+    print(diagnosis.render(evidence, result))
+    v = result.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.numbers["prompt_tokens"] == pytest.approx(20_000, rel=0.01)  # as the upstream counted them (the body)
+    assert "the median of your 3 requests in the relay's log" in v.detail  # the probes of both runs left out
+    assert v.ms > 5 * finding(result, diagnosis.CONTEXT_LENGTH).numbers["probe_extra_ms"]
 
 
 def test_slow_hop_to_the_relay_is_named_with_its_round_trip(shared_relay, fake):
@@ -423,3 +557,44 @@ def test_a_failed_record_without_a_verdict_is_left_out_of_the_relays_word():
     result = diagnosis.diagnose(diagnosis.Evidence([gateway], {"r2": {"error": "HTTP 502"}}))
     assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
     assert "the relay's records say" not in result.verdict.detail
+
+
+# --- on a real far link (ttft_relay/testing/fakes/link.py) --------------------------------
+
+FAR_ONE_WAY_MS = 150
+"""Issue 34's client: 150 ms each way from its relay."""
+
+
+def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_near_one_the_context(
+        far_link, fake_in, confdir, tmp_path):
+    from tests.test_far_links_e2e import RELAY_PORT, relay_in
+
+    far = far_link(delay_ms=FAR_ONE_WAY_MS)
+    upstream = fake_in(far.far, prefill_ms=150, prefill_ms_per_1k_tokens=100)  # the relay reaches it on far's loopback
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    argv = ("--relay", f"http://{far.far.ip}:{RELAY_PORT}", "--no-direct", "--repeat", "3")  # the issue's run
+    with relay:
+        with far.near.entered():  # diagnose's sockets cross the link
+            evidence, at_far = run_diagnosis(*argv)
+            print(diagnosis.render(evidence, at_far))
+            evidence, with_records = run_diagnosis(*argv, "--relay-log", str(relay.log.path))
+        print(diagnosis.render(evidence, with_records))
+        far.set(link.NEAR, delay_ms=1)
+        far.set(link.FAR, delay_ms=1)
+        with far.near.entered():
+            evidence, long_history = run_diagnosis(*argv, "--prompt-tokens", "30000")
+        print(diagnosis.render(evidence, long_history))
+    # Was `context length (804 ms) — trim history`: the default 8k-token probe's extra wait.
+    v = at_far.verdict
+    assert v.cause == diagnosis.NETWORK_TO_RELAY  # the tiny probe's connect: one round trip
+    assert 2 * FAR_ONE_WAY_MS <= v.ms < 2 * FAR_ONE_WAY_MS + SLACK_MS
+    context = finding(at_far, diagnosis.CONTEXT_LENGTH)
+    assert not context.weighed and context.numbers["probe_extra_ms"] > v.ms  # larger, and still not the verdict
+    # The relay's records split the long body's upload over the link (slow start) from the upstream's prefill.
+    assert with_records.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    context = finding(with_records, diagnosis.CONTEXT_LENGTH)
+    assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, rel=0.15)
+    assert context.numbers["link_extra_ms"] >= 2 * FAR_ONE_WAY_MS
+    v = long_history.verdict
+    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.ms == pytest.approx(100 * 30, rel=0.25)  # 100 ms per 1k tokens (the fake's are bytes / 4), at 30k

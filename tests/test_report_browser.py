@@ -184,6 +184,9 @@ def test_diagnose_html_draws_each_probe_as_its_own_waterfall(fake, tmp_path):
         assert got["head_to_first_token"]["ms"] >= 100  # the prefill
         verdict = page.evaluate("document.querySelector('.verdict-line').textContent")
         assert verdict.startswith("verdict: ") or verdict == "nothing stands out"
+        listed = page.evaluate("[...document.querySelectorAll('ul.findings li')].map((li) => li.textContent)")
+        (context,) = [f for f in listed if f.startswith("context length: ")]
+        assert context.startswith(("context length: every ", "context length: a prompt "))  # a rate, no cost: unweighed
         page.screenshot(browser.ARTIFACTS / "diagnose.png")
 
 

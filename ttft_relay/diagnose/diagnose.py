@@ -3,7 +3,7 @@
     ttft-relay diagnose [--upstream https://api.openai.com] [--relay http://127.0.0.1:8001
                      [--relay-mode base-url|proxy] [--relay-log logs/timing.jsonl]]
                      [--api openai.chat|openai.responses|anthropic.messages] [--model M]
-                     [--repeat 5] [--long-tokens 8000 | --body-file request.json]
+                     [--repeat 5] [--long-tokens 8000 | --body-file request.json] [--prompt-tokens N]
                      [--transport http|websocket] [--timeout 30] [--ca mitmproxy-ca-cert.pem]
                      [--json] [--html diagnosis.html]
 
@@ -13,6 +13,13 @@ over time touches every kind alike; a kind stops repeating after its first failu
 from OPENAI_API_KEY / ANTHROPIC_API_KEY and never appears in the output. Exit
 status: 0 with a verdict, 2 when the upstream or the relay cannot be reached, 1
 on bad arguments. See diagnosis.py for the findings and their thresholds.
+
+The verdict answers for your requests, not for the probes: the long probe says what
+every 8k tokens of history add to the first token, and that cost is weighed at your own
+prompts' size — `--prompt-tokens N`, else the `--body-file` request's, else the median of
+your requests in `--relay-log` (the probes left out; the log's newest records before the
+probes, and any that come while they run). Without any of them the rate is said beside
+the verdict, never as it.
 
 `--transport websocket` probes a Responses WebSocket as Codex uses it (one new socket
 per probe, one `response.create` turn on it): a refused, hung or broken handshake
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +51,9 @@ logger = logging.getLogger("diagnose")
 
 RELAY_LOG_WAIT_S = 5.0
 """How long to wait for the relay's writer thread to append the last probes' records."""
+USERS_RECORDS_BYTES = 4 << 20
+"""How much of the relay's log before the probes is read for the user's own requests: the
+newest few thousand records (a day's log of a busy relay is far longer)."""
 REDACTED = "[redacted]"
 
 
@@ -63,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--long-tokens", type=int, default=8000, help="long prompt size in tokens (default 8000)")
     size.add_argument("--body-file", type=Path, help="your own request body (JSON) as the long probe")
+    parser.add_argument("--prompt-tokens", type=int, metavar="N",
+                        help="your requests' usual prompt size in tokens, to weigh the context's cost at (default: "
+                             "the --body-file request's, else the median of your requests in --relay-log)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens to ask for (default 16)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per probe, all phases (default 30)")
     parser.add_argument("--ca", action="append", default=[], help="extra CA file to trust (repeatable)")
@@ -77,8 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.api = args.api or (apis.OPENAI_RESPONSES if websocket else apis.OPENAI_CHAT)
     if websocket and args.api != apis.OPENAI_RESPONSES:
         parser.error("--transport websocket speaks the Responses API: --api openai.responses")
-    if args.repeat < 1 or args.timeout <= 0 or args.long_tokens < 1:
-        parser.error("--repeat, --timeout and --long-tokens must be positive")
+    if args.repeat < 1 or args.timeout <= 0 or args.long_tokens < 1 or (args.prompt_tokens or 1) < 1:
+        parser.error("--repeat, --timeout, --long-tokens and --prompt-tokens must be positive")
     if args.no_direct and not args.relay:
         parser.error("--no-direct needs --relay: there would be nothing to probe")
     return args
@@ -135,6 +149,27 @@ class RelayLog:
             logger.warning("no record in %s carries the probes' request ids (a relay records no request "
                            "it could not read; else check it writes here and records `request_id`)", self.path)
         return found
+
+    def users_records(self) -> list[dict[str, Any]]:
+        """The user's own records: the newest before the probes began (`USERS_RECORDS_BYTES`)
+        and any written since, diagnose's probes (of this run and earlier ones) left out."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            start = max(0, self.offset - USERS_RECORDS_BYTES) if self.path.stat().st_size >= self.offset else 0
+            f.seek(start)
+            if start:
+                f.readline()  # the rest of a record cut by the seek
+            out = []
+            for line in f:
+                try:
+                    rec = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue  # a line still being written
+                rid = rec.get("request_id") if isinstance(rec, dict) else None
+                if isinstance(rec, dict) and not (isinstance(rid, str) and rid.startswith(probe_requests.REQUEST_ID_PREFIX)):
+                    out.append(rec)
+            return out
 
     def _read(self, request_ids: set[str]) -> dict[str, dict[str, Any]]:
         if not self.path.exists():
@@ -217,12 +252,27 @@ class Prober:
 
 
 def collect(args: argparse.Namespace, shape: Probe, key: str | None) -> diagnosis.Evidence:
-    """Runs the probes and joins the relay's records to them."""
+    """Runs the probes, joins the relay's records to them, and finds the user's prompt size."""
     prober = Prober(args, shape, key)
     relay_log = RelayLog(args.relay_log) if args.relay_log and args.relay else None
     probes = prober.run()
     records = relay_log.records({p.request_id for p in probes if p.path == "relayed"}) if relay_log else {}
-    return diagnosis.Evidence(probes, records)
+    return diagnosis.Evidence(probes, records, users_prompt_size(args, probes, relay_log, records))
+
+
+def users_prompt_size(args: argparse.Namespace, probes: list[diagnosis.ProbeResult], relay_log: RelayLog | None,
+                      probe_records: dict[str, dict[str, Any]]) -> diagnosis.PromptSize | None:
+    """The size the context's cost is weighed at: --prompt-tokens, else the --body-file request
+    (the long probe), else the user's requests in the relay's log to the upstream the probes
+    reached (every upstream when no probe's record says which)."""
+    if args.prompt_tokens:
+        return diagnosis.PromptSize(args.prompt_tokens, "--prompt-tokens")
+    if args.body_file and (sizes := [p.prompt_tokens for p in probes if p.prompt == "long"]):
+        return diagnosis.PromptSize(statistics.median(sizes), "your --body-file request")
+    if relay_log is None:
+        return None
+    upstreams = {u for rec in probe_records.values() if isinstance(u := rec.get("upstream"), str)}
+    return diagnosis.prompt_size_of_traffic(relay_log.users_records(), upstreams)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,11 @@ Findings, each in ms of the client's wait for the first token (medians over repe
     relay→upstream network    the relay's upstream connect + TLS + one round trip
     relay overhead            relayed ttft − direct ttft − network to the relay
                               − (relay→upstream network − direct network to the upstream)
-    context length            long − tiny wait for the first token, also as ms per 1k tokens
+    context length            what the prompt's length costs the user's own requests: the long −
+                              tiny wait for the first token as a rate ("every 8.0k tokens of history
+                              add 804 ms", ms per 1k tokens), weighed at the user's prompt size
+                              (`PromptSize`: --prompt-tokens, --body-file, or their requests in the
+                              relay's log); without that size it is said as a rate, and is no verdict
     upstream queueing/instability  the largest spread of the wait within a kind, the single
                               lowest and highest try left out (one outlier is not instability)
     upstream's own wait       the upstream's wait for a tiny prompt, minus one round trip
@@ -29,7 +33,10 @@ Findings, each in ms of the client's wait for the first token (medians over repe
                               "WebSocket transport failing" (clients retry, then fall back to HTTP)
 
 A finding is *significant* from its threshold (`THRESHOLDS_MS`) on; the verdict is
-the first fatal finding, else the significant finding that costs the most.
+the first fatal finding, else the significant finding that costs the most. The verdict
+answers for the user's traffic, not for the probes: the link is the tiny probe's (what
+every request pays), and the long probe's size is diagnose's choice, so the context is
+weighed at the user's own prompt size or not at all.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..observe import prefill
+from ..report import report
 from ..timing import phases
 
 PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "message", "first_token", "end")
@@ -290,6 +299,9 @@ class Finding:
     significant: bool
     fatal: bool = False
     numbers: dict[str, float | None] = field(default_factory=dict)
+    weighed: bool = True
+    """False: what this costs the user's own requests is not known (`ms` is the probes' figure, a
+    size diagnose chose), so it is reported but is never the verdict."""
 
     @property
     def advice(self) -> str:
@@ -309,12 +321,42 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-class Evidence:
-    """The probes, the relay records joined to them by request id, and medians over both."""
+@dataclass(frozen=True)
+class PromptSize:
+    """How long the user's own prompts are, in the tokens the provider has to read (those it
+    reads from its prompt cache left out): the size the context's cost is weighed at."""
 
-    def __init__(self, probes: list[ProbeResult], records: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    tokens: float
+    source: str
+    """Where the size comes from, in words for the report."""
+
+
+def prompt_size_of_traffic(records: Iterable[Mapping[str, Any]], upstreams: Iterable[str] = ()) -> PromptSize | None:
+    """The median prompt of the user's own requests in the relay's log (the caller leaves the
+    probes out), of the probed upstreams when known: uncached tokens as the upstream reported
+    them, else as the relay counted them. WebSocket handshakes, prewarm turns and requests of
+    unknown size have no say; None when no request is left."""
+    wanted = set(upstreams)
+    prompts = [prompt for rec in records
+               if report.counts_as_first_token(rec) and (not wanted or rec.get("upstream") in wanted)
+               and (prompt := prefill.prompt_of(rec.get("usage"), rec.get("prompt_tokens"))) is not None]
+    if not prompts:
+        return None
+    uncached, cached = statistics.median(u for u, _ in prompts), statistics.median(c for _, c in prompts)
+    left_out = f"; {_tokens(cached)} more read from the provider's cache left out" if cached else ""
+    requests = f"{len(prompts)} requests" if len(prompts) > 1 else "1 request"
+    return PromptSize(uncached, f"the median of your {requests} in the relay's log{left_out}")
+
+
+class Evidence:
+    """The probes, the relay records joined to them by request id, and medians over both;
+    and the user's own prompt size when known (`PromptSize`)."""
+
+    def __init__(self, probes: list[ProbeResult], records: Mapping[str, Mapping[str, Any]] | None = None,
+                 prompt_size: PromptSize | None = None) -> None:
         self.probes = probes
         self.records = {p.request_id: records[p.request_id] for p in probes if records and p.request_id in records}
+        self.prompt_size = prompt_size
 
     def of(self, kind: str) -> list[ProbeResult]:
         return [p for p in self.probes if p.kind == kind]
@@ -517,24 +559,77 @@ def relay_overhead(ev: Evidence, to_relay: Finding | None, to_upstream: Finding 
 
 
 def context_length(ev: Evidence) -> Finding | None:
-    """What a long prompt adds before the first token, in total and per 1k prompt tokens."""
-    for path in PATHS:
-        tiny, long = f"{path} tiny", f"{path} long"
-        if ev.ok(tiny) and ev.ok(long):
-            break
+    """What the prompt's length costs the first token. The long probe's extra wait over the
+    tiny one is a rate ("every 8.0k tokens of history add 804 ms", ms per 1k prompt tokens);
+    weighed at the user's own prompt size (`Evidence.prompt_size`) it is what their requests
+    pay, the finding's cost. Without that size the rate is said, unweighed: the long probe's
+    size is diagnose's choice, and a far link would lose the verdict to it.
+
+    With the relay's records of both relayed kinds, the rate is the upstream's own wait in
+    them: a probe's wait also holds the upload of its body, and over a far link to the relay
+    a long body takes round trips more (TCP's slow start), which is the link's, not the
+    context's; it is said apart. Else the probes' own waits, direct ones first."""
+    joined_tiny, joined_long = ev.joined("relayed tiny"), ev.joined("relayed long")
+    link_extra = None
+    if joined_tiny and joined_long:
+        def own(joined: list[tuple[ProbeResult, RelaySplit]]) -> tuple[float, float]:
+            return (statistics.median(s.upstream_own for _, s in joined),
+                    statistics.median(p.prompt_tokens for p, _ in joined))
+
+        def to_relay(joined: list[tuple[ProbeResult, RelaySplit]]) -> float:
+            return statistics.median(p.turn_ttft_ms - s.accounted for p, s in joined)
+
+        (tiny_wait, tiny_tokens), (long_wait, long_tokens) = own(joined_tiny), own(joined_long)
+        link_extra = to_relay(joined_long) - to_relay(joined_tiny)
+        waits = (f"the upstream waits {long_wait:.0f} ms for the long probe's first token, {tiny_wait:.0f} ms for the "
+                 f"tiny one's (the relay's records)")
     else:
-        return None
-    tiny_wait, long_wait = ev.median_measured(tiny, lambda p: p.wait_ms), ev.median_measured(long, lambda p: p.wait_ms)
-    tokens = ev.median_measured(long, lambda p: p.prompt_tokens) - ev.median_measured(tiny, lambda p: p.prompt_tokens)
+        path = next((path for path in PATHS if ev.ok(f"{path} tiny") and ev.ok(f"{path} long")), None)
+        if path is None:
+            return None
+        tiny, long = f"{path} tiny", f"{path} long"
+        tiny_wait, long_wait = (ev.median_measured(tiny, lambda p: p.wait_ms),
+                                ev.median_measured(long, lambda p: p.wait_ms))
+        tiny_tokens, long_tokens = (ev.median_measured(tiny, lambda p: p.prompt_tokens),
+                                    ev.median_measured(long, lambda p: p.prompt_tokens))
+        waits = f"the {path} long probe waits {long_wait:.0f} ms for its first token, the tiny one {tiny_wait:.0f} ms"
+    tokens = long_tokens - tiny_tokens
     extra = long_wait - tiny_wait
     per_1k = extra / (tokens / 1000) if tokens > 0 else None
-    rate = f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else ""
+    rate = _rate(tokens, extra)
+    measures = waits + (f", ≈ {per_1k:.0f} ms per 1k prompt tokens" if per_1k is not None else "")
+    if link_extra is not None:
+        measures += f"; its way to the relay took {link_extra:.0f} ms more (the link's, not counted here)"
+    numbers = {"ms_per_1k_tokens": per_1k, "extra_tokens": tokens, "tiny_wait_ms": tiny_wait,
+               "long_wait_ms": long_wait, "probe_extra_ms": extra, "link_extra_ms": link_extra}
+    size = ev.prompt_size
+    if size is None or per_1k is None:
+        finding = measured(CONTEXT_LENGTH, extra, f"{rate} ({measures}); not weighed: your prompts' size is unknown "
+                           "(--prompt-tokens N, or --relay-log with your own requests in it)", **numbers)
+        finding.significant, finding.weighed = False, False
+        return finding
+    ms = per_1k * max(0.0, size.tokens - tiny_tokens) / 1000
     return measured(
-        CONTEXT_LENGTH, extra,
-        f"long prompt (≈{tokens:.0f} tokens more) waits {long_wait:.0f} ms for its first token, tiny {tiny_wait:.0f} ms: "
-        f"{extra:+.0f} ms{rate} ({path})",
-        ms_per_1k_tokens=per_1k, extra_tokens=tokens, tiny_wait_ms=tiny_wait, long_wait_ms=long_wait,
+        CONTEXT_LENGTH, ms,
+        f"your prompts ({_tokens(size.tokens)} tokens: {size.source}) wait ≈ {ms:.0f} ms longer for their first "
+        f"token than a tiny one: {rate} ({measures})",
+        prompt_tokens=size.tokens, **numbers,
     )
+
+
+def _rate(tokens: float, extra_ms: float) -> str:
+    """The long probe's result in words: what its extra tokens add to the first token."""
+    if extra_ms > 0 and tokens > 0:
+        return f"every {_tokens(tokens)} tokens of history add {_duration(extra_ms)}"
+    return f"a prompt {_tokens(tokens)} tokens longer adds nothing measurable ({extra_ms:+.0f} ms)"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
 
 
 def upstream_instability(ev: Evidence) -> Finding | None:
@@ -613,6 +708,13 @@ class Diagnosis:
     @property
     def failed(self) -> bool:
         return any(f.fatal for f in self.findings)
+
+    @property
+    def unweighed_context(self) -> Finding | None:
+        """The context's rate when it could not be weighed at the user's prompts and is large
+        enough that it might matter to them: said beside the verdict, never as it."""
+        return next((f for f in self.findings if f.cause == CONTEXT_LENGTH and not f.weighed
+                     and f.ms >= THRESHOLDS_MS[CONTEXT_LENGTH]), None)
 
 
 def diagnose(ev: Evidence) -> Diagnosis:
@@ -737,7 +839,7 @@ def render(ev: Evidence, diagnosis: Diagnosis) -> str:
     lines += ["", "findings:"]
     for f in diagnosis.findings:
         flag = "!!" if f.fatal else "! " if f.significant else "  "
-        size = "" if f.fatal else f" {f.ms:.0f} ms —"
+        size = f" {f.ms:.0f} ms —" if f.weighed and not f.fatal else ""
         lines.append(f" {flag} {f.cause}:{size} {f.detail}")
     lines.append("")
     v = diagnosis.verdict
@@ -746,6 +848,10 @@ def render(ev: Evidence, diagnosis: Diagnosis) -> str:
     else:
         size = "" if v.fatal else f" ({v.ms:.0f} ms)"
         lines += [f"verdict: {v.cause}{size}", f"  what to do: {v.advice}"]
+    if not (v and v.fatal) and (context := diagnosis.unweighed_context):
+        rate = _rate(context.numbers["extra_tokens"] or 0.0, context.ms)
+        lines.append(f"  not weighed: {rate} — pass --prompt-tokens N (your requests' usual prompt size) "
+                     "to weigh the context against the rest")
     return "\n".join(lines)
 
 
@@ -757,6 +863,7 @@ def as_json(ev: Evidence, diagnosis: Diagnosis) -> dict[str, Any]:
         "table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in table(ev).items()},
         "relay_table": {k: {n: asdict(s) for n, s in rows.items()} for k, rows in relay_table(ev).items()},
         "relay_records_joined": len(ev.records),
+        "prompt_size": asdict(ev.prompt_size) if ev.prompt_size else None,
         "findings": [f.as_dict() for f in diagnosis.findings],
         "verdict": v.as_dict() if v else None,
     }

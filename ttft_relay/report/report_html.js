@@ -424,7 +424,7 @@
     s.appendChild(el("p", { class: "verdict-line" }, esc(D.verdict || "nothing stands out")));
     if (D.advice) s.appendChild(el("p", {}, esc(D.advice)));
     s.appendChild(el("ul", { class: "findings" }, D.findings.map((f) =>
-      `<li class="${f.significant ? "sig" : ""}">${esc(f.cause)}: ${f.fatal ? "" : esc(fmtMs(f.ms)) + " — "}${esc(f.detail)}</li>`).join("")));
+      `<li class="${f.significant ? "sig" : ""}">${esc(f.cause)}: ${f.fatal || f.weighed === false ? "" : esc(fmtMs(f.ms)) + " — "}${esc(f.detail)}</li>`).join("")));
     const w = section("Probe waterfalls", "Each probe on one time axis from the moment it began: DNS, TCP, proxy tunnel, TLS, request sent (on a WebSocket: the upgrade), wait for the head (the 101), the turn's message, head to first token, then the stream. A row “↳ the relay's record of it” is the relay's own record of the probe above, placed where the probe sent its request.");
     w.appendChild(waterfall([...Array(N).keys()], {}));
     w.appendChild(phaseLegend());
