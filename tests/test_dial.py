@@ -84,9 +84,12 @@ def test_no_address_answering_names_each():
     port = closed.getsockname()[1]
     try:
         d = dial.Dial()
-        with pytest.raises(OSError, match=rf"no address answered \(127.0.0.1:{port}: refused\)"):
+        with pytest.raises(ConnectionRefusedError, match=r"Connect call failed"):
             asyncio.run(dial.race([(socket.AF_INET, ("127.0.0.1", port))], d))
-        assert d.used is None
+        assert d.used is None and d.failed == [f"127.0.0.1:{port}: refused"]
+        d = dial.Dial()
+        with pytest.raises(OSError, match=r"^Multiple exceptions: .*Connect call failed.*; .*Connect call failed"):
+            asyncio.run(dial.race([(socket.AF_INET, ("127.0.0.1", port))] * 2, d))
     finally:
         closed.close()
 

@@ -131,12 +131,14 @@ async def _connect(family: int, address: Address, local_addr: Address | None) ->
 async def race(candidates: Sequence[tuple[int, Address]], dial: Dial, delay: float = ATTEMPT_DELAY_S,
                ) -> socket.socket:
     """The first of `candidates` to connect, each started `delay` after the one before (or
-    as soon as every attempt so far failed); `dial` says what was tried. OSError naming each
-    address when none connects. Cancelled (a deadline, the client gone): every attempt closed."""
+    as soon as every attempt so far failed); `dial` says what was tried. When none connects,
+    the OSError of the one address tried, or one naming each (the system's words, as asyncio
+    says them). Cancelled (a deadline, the client gone): every attempt closed."""
     if not candidates:
         raise OSError("the name resolved to no address")
     queue = list(candidates)
     running: dict[asyncio.Task[socket.socket], tuple[int, Address, float]] = {}
+    errors: list[BaseException] = []
     try:
         while queue or running:
             if queue:
@@ -153,12 +155,17 @@ async def race(candidates: Sequence[tuple[int, Address]], dial: Dial, delay: flo
                 elif task.exception() is None:
                     task.result().close()  # two at once: the first wins
                 else:
-                    dial.failed.append(f"{address_text(address)}: {_reason(task.exception())}")  # type: ignore[arg-type]
+                    error = task.exception()
+                    assert error is not None
+                    errors.append(error)
+                    dial.failed.append(f"{address_text(address)}: {_reason(error)}")
             if winner is not None:
                 sock, family, address = winner
                 dial.used, dial.family = address_text(address), family_name(family)
                 return sock
-        raise OSError(f"no address answered ({'; '.join(dial.failed)})")
+        if len(errors) == 1:
+            raise errors[0]
+        raise OSError(f"Multiple exceptions: {'; '.join(str(e) for e in errors)}")
     finally:
         now = time.monotonic()
         for task, (_family, address, started) in running.items():
@@ -287,5 +294,5 @@ class HappyEyeballs:
         if (dial := last_dial.get()) is not None:
             _dials[server] = dial
             last_dial.set(None)
-            if dial.failed:
+            if dial.failed and dial.used:
                 logger.debug("upstream connect used %s after %s", dial.used, "; ".join(dial.failed))

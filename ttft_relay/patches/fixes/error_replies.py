@@ -15,6 +15,10 @@ of a `Renderer`; None keeps mitmproxy's behaviour. (The per-protocol alternative
 `Http1Server.send` plus the HTTP/2 equivalent, would be two patches that see a request
 but not its flow.)
 
+Before any of that, a stream's error may be taken over instead (`instead_of_errors`): the
+upstream pool sends a request once more when its reused connection closed before any byte
+of the answer (`speed.upstream_pool`); one wrap of the function, whoever asks.
+
 Installing it also lets a failed eager connect reach the HTTP layer
 (`eager_connects`), so that failure gets a rendered reply too. The error text is cut to
 `text.ERROR_MAX` on its way in (`text.cut_text`), as the record's: mitmproxy quotes what it could
@@ -61,6 +65,10 @@ PINS = {
 }
 _renderer: Renderer | None = None
 
+Instead = Callable[[HttpStream, Any], "layer.CommandGenerator[None] | None"]
+"""Given a stream and its protocol error event: the commands to run in place of the error, or None."""
+_instead: dict[str, Instead] = {}
+
 
 def install(renderer: Renderer) -> None:
     """`renderer` decides the client's error replies, also for a failed eager connect."""
@@ -81,7 +89,18 @@ def installed() -> bool:
     return HttpStream.handle_protocol_error is _handle_protocol_error
 
 
+def instead_of_errors(by: str, handler: Instead | None) -> None:
+    """`handler` (None: none) may take a stream's protocol error over before it is one (`by`: who asks)."""
+    if handler is None:
+        _instead.pop(by, None)
+    else:
+        _instead[by] = handler
+
+
 def _handle_protocol_error(self: HttpStream, event: Any) -> layer.CommandGenerator[None]:
+    for handler in _instead.values():
+        if (commands := handler(self, event)) is not None:
+            return commands
     if len(event.message) > text.ERROR_MAX:
         # mitmproxy's error text quotes what it could not parse, whatever its size (an 8 MB
         # chunk header became an 8 MB error event and console line): cut here, where the

@@ -43,7 +43,7 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
    connection) and the socket, its reader and writer (the same objects: their flow
    control stays coherent) and its TLS connection go to the pool once that task ended.
 
-5. **A retry where reuse lost a race** (the wrap of `HttpStream.handle_protocol_error`): a
+5. **A retry where reuse lost a race** (through `fixes.error_replies.instead_of_errors`): a
    server may close a kept-alive connection just as the relay writes a request on it (its
    idle timeout, a restart). A request whose pooled connection closed before any byte of
    its answer came — nothing of it reached the provider's application, which answers
@@ -89,19 +89,17 @@ from OpenSSL import SSL
 
 from ... import apis
 from .. import connections
-from ..fixes import resend
+from ..fixes import error_replies, resend
 
 logger = logging.getLogger(__name__)
 
 _ORIGINAL_GET_CONNECTION = HttpLayer.get_connection
 _ORIGINAL_OPEN_CONNECTION = server.ConnectionHandler.open_connection
 _ORIGINAL_START_HANDSHAKE = tls_layers.ServerTLSLayer.start_handshake
-_ORIGINAL_HANDLE_PROTOCOL_ERROR = HttpStream.handle_protocol_error
 ORIGINALS = {
     (HttpLayer, "get_connection"): _ORIGINAL_GET_CONNECTION,
     (server.ConnectionHandler, "open_connection"): _ORIGINAL_OPEN_CONNECTION,
     (tls_layers.ServerTLSLayer, "start_handshake"): _ORIGINAL_START_HANDSHAKE,
-    (HttpStream, "handle_protocol_error"): _ORIGINAL_HANDLE_PROTOCOL_ERROR,
 }
 PINS = {
     "HttpLayer.get_connection": (_ORIGINAL_GET_CONNECTION, "1aa1c63e3175766c"),
@@ -123,8 +121,8 @@ PINS = {
     "HttpClient._handle_event": (HttpClient._handle_event, "bc1cae775a49a4fe"),
     "Http1Connection.mark_done": (Http1Connection.mark_done, "dc5ed395ce4f0763"),
     "Http1Client.read_headers": (Http1Client.read_headers, "415454c5fa8b5981"),
-    # a pooled connection's close before the answer's head: the stream's error, retried instead
-    "HttpStream.handle_protocol_error": (_ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
+    # a pooled connection's close before the answer's head: the stream's state then, and its request
+    "HttpStream.handle_protocol_error": (error_replies._ORIGINAL_HANDLE_PROTOCOL_ERROR, "59fc3b2eeeabf63a"),
     # the warm-up's TLS comes from this hook, as a connection mitmproxy opens
     "TlsConfig.tls_start_server": (tlsconfig.TlsConfig.tls_start_server, "2e2dc9c25670cf64"),
 }
@@ -243,8 +241,7 @@ def install(pool: Pool | None) -> None:
     _pool = pool
     on = pool is not None
     HttpLayer.get_connection = _get_connection if on else _ORIGINAL_GET_CONNECTION  # type: ignore[method-assign]
-    HttpStream.handle_protocol_error = (  # type: ignore[method-assign]
-        _handle_protocol_error if on else _ORIGINAL_HANDLE_PROTOCOL_ERROR)
+    error_replies.instead_of_errors("upstream pool", _retry_a_lost_reuse_race if on else None)
     server.ConnectionHandler.open_connection = (  # type: ignore[method-assign]
         _open_connection if on else _ORIGINAL_OPEN_CONNECTION)
     tls_layers.ServerTLSLayer.start_handshake = (  # type: ignore[method-assign]
@@ -385,16 +382,16 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
     return None
 
 
-def _handle_protocol_error(self: HttpStream, event: object) -> layer.CommandGenerator[None]:
-    if _lost_a_reuse_race(self, event):
-        _retried.add(self.flow)
-        pooled = _adopted.get(self.context.server)
-        logger.info("pooled connection %s to %s closed before its answer (its client connection %s): "
-                    "sending the request once more on a new connection",
-                    pooled.id if pooled else "?", human.format_address(self.context.server.address),
-                    pooled.uses if pooled else "?")
-        return (yield from resend.send_again(self))
-    return (yield from _ORIGINAL_HANDLE_PROTOCOL_ERROR(self, event))  # type: ignore[arg-type]
+def _retry_a_lost_reuse_race(stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
+    if not _lost_a_reuse_race(stream, event):
+        return None
+    _retried.add(stream.flow)
+    pooled = _adopted.get(stream.context.server)
+    logger.info("pooled connection %s to %s closed before its answer (its client connection %s): "
+                "sending the request once more on a new connection",
+                pooled.id if pooled else "?", human.format_address(stream.context.server.address),
+                pooled.uses if pooled else "?")
+    return resend.send_again(stream)
 
 
 def _lost_a_reuse_race(stream: HttpStream, event: object) -> bool:
