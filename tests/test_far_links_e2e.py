@@ -34,6 +34,7 @@ from ttft_relay.testing.fakes.client import HttpConnection
 from ttft_relay.testing.fakes.link import FAR, NEAR, FarLink
 from ttft_relay.testing.fakes.upstream import FakeUpstream
 from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.observe import prefill
 from ttft_relay.testing.harness import REPO, MitmdumpProcess, read_records
 from ttft_relay.timing import phases
 
@@ -290,7 +291,7 @@ UPSTREAM_OWN = (phases.UPSTREAM_WAIT, phases.UPSTREAM_QUEUEING)
 """The upstream's own wait: before the relay has learned this upstream · model, and beyond it."""
 
 
-def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool) -> list[str]:
+def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool, body: dict = BODY) -> list[str]:
     """`n` requests from a client beside the relay (call inside its namespace): each on a
     connection of its own (so each opens an upstream connection), or all on one kept-alive
     connection. Returns their request ids."""
@@ -302,7 +303,7 @@ def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool
                 if conn is not None:
                     conn.close()
                 conn = HttpConnection(relay.url())
-            response = conn.request("POST", "/v1/chat/completions", BODY, {"x-request-id": rid})
+            response = conn.request("POST", "/v1/chat/completions", body, {"x-request-id": rid})
             assert response.status == 200, response.read()
             response.read()
     finally:
@@ -387,3 +388,41 @@ def test_websocket_turns_of_a_far_client_are_named_client_network(far_link, fake
     named = [(r["turn"], r["client_min_rtt_ms"], r["ttft_ms"], r["verdict"]) for r in turns]
     assert len(turns) == 3 and all(r["client_min_rtt_ms"] >= 1.8 * CLIENT_ONE_WAY_MS for r in turns), named
     assert all(r["verdict"] == phases.CLIENT_NETWORK for r in turns), named
+
+
+LONG_BODY = {**BODY, "messages": [{"role": "user", "content": "Say hello. " + "context " * 2000}]}
+"""A 16 kB request: more than a fresh connection's first flight (ten segments) carries."""
+NAMED_SHARE = 0.95
+
+
+@pytest.mark.parametrize("jitter_ms", [0, 20])
+def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_its_wait(far_link, certs, confdir,
+                                                                                      tmp_path, jitter_ms):
+    """Relay → provider 100 ms round trip, TLS, fresh connections carrying 16 kB: each part of the
+    link (connect, TLS, the round trip, the upload's second flight) is a round trip, none a quarter
+    of the first token's wait alone; together they are most of it, and the link is the one named."""
+    far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, jitter_ms=jitter_ms, seed=13)
+    with far.far.entered():
+        fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip).start()
+    try:
+        fake.behaviour.prefill_ms = 30
+        relay = relay_in(far.near, [f"reverse:https://{far.far.ip}:{fake.port}@0"], confdir,
+                         tmp_path / "timing.jsonl", ssl_insecure=True)
+        with relay, far.near.entered():
+            fresh = upstream_requests(relay, 20, "fresh", fresh=True, body=LONG_BODY)
+            kept = upstream_requests(relay, 10, "kept", fresh=False, body=LONG_BODY)
+            records = {r["request_id"]: r for r in relay.log.wait(30)}
+    finally:
+        fake.stop()
+    assert "Addon error" not in relay.text()
+    table = {rid[:8]: (records[rid]["verdict"], records[rid]["ttft_ms"], records[rid]["rtt_ms"],
+                       {k: round(v) for k, v in records[rid]["phases"].items()}) for rid in fresh + kept}
+    for ids in (fresh, kept[1:]):
+        named = [rid for rid in ids if records[rid]["verdict"] in UPSTREAM_LINK]
+        assert len(named) >= NAMED_SHARE * len(ids), table
+    # The upload's second flight is measured on the upstream socket, as the link's ...
+    uploads = [records[rid]["phases"].get("upstream_upload", 0.0) for rid in fresh]
+    assert statistics.median(uploads) >= 0.5 * 2 * UPSTREAM_ONE_WAY_MS, table
+    # ... and kept out of the upstream's own wait, which the prefill line is learned from.
+    own = [prefill.own_wait(records[rid]) for rid in fresh + kept]
+    assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)

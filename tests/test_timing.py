@@ -64,7 +64,7 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
     assert rec["rtt_ms"] == pytest.approx(200.0)
     assert rec["marks"]["upstream_tls"] == pytest.approx(213.0)
     assert rec["phases"]["upstream_tls"] == pytest.approx(200.0)
-    assert f.comment.startswith("upstream TLS: 200 ms, ")  # the verdict first
+    assert f.comment.startswith("upstream network (round trip): the link to the upstream 401 ms, ")  # the verdict first
     assert f.comment.splitlines()[1].startswith("SLOW: ttft ")  # relay_slow_ms=100
     assert f.marked == timing.SLOW_MARKER
 

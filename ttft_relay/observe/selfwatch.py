@@ -378,6 +378,7 @@ class SelfWatch:
         upstream = self._socket(flow, flow.server_conn)
         if (t := arrival(upstream, flow.response.timestamp_start)) is not None:
             state.mark(flow, "head_arrived", t)
+        self._mark_sent(flow, upstream)
         self._count_reordered(flow, upstream)
         tap = flow.response.stream
         if hasattr(tap, "on_first_token"):  # streaming.StreamTap: it calls back once, after the first token
@@ -411,6 +412,8 @@ class SelfWatch:
         start = min(st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
         # A WebSocket's handshake: its turns follow at once on the same connection.
         settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
+        if flow.response is None and flow.server_conn.timestamp_start is not None:
+            self._mark_sent(flow, self._socket(flow, flow.server_conn))
         self._mark_resent(flow, st)
         st.links = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3),
                     **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
@@ -444,6 +447,23 @@ class SelfWatch:
             st.links.update(self.side_links(flow, "client"))
             st.settle = None
 
+    def _mark_sent(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
+        """Mark `upstream_sent` if the relay's kernel sent the request's last byte at least
+        HOLD_MIN_MS after the relay wrote it (the request's upload took more round trips than
+        its first flight, or a segment was resent). Read as the head arrives, or as the request
+        fails without one: until then the relay sends an HTTP/1 upstream nothing but the
+        request. On HTTP/2 other streams' frames are sent meanwhile: nothing is marked."""
+        conn = flow.server_conn
+        if conn.alpn == b"h2" or (info := tcp_info(sock)) is None or info.last_data_sent_ms is None:
+            return
+        st = state.get(flow)
+        if st is None or (forwarded := st.marks.get("forwarded")) is None:
+            return
+        written = max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
+        last_sent = time.time() - info.last_data_sent_ms / 1000
+        if (last_sent - written) * 1000 >= HOLD_MIN_MS:
+            state.mark(flow, "upstream_sent", last_sent)
+
     def _mark_resent(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
         """Mark `upstream_resent` if the upstream connection retransmitted during the request:
         the kernel's last send on it then is the request's last resending (the relay sends
@@ -458,14 +478,15 @@ class SelfWatch:
 
     def _upstream_lost_ms(self, flow: http.HTTPFlow, st: state.FlowState) -> float:
         """What the upstream link lost to retransmissions before the first token: the request's
-        resending (`upstream_resent` after it was first sent) and, where answer packets came out
-        of order, one round trip: the least a lost segment costs (the sender learns of the
-        hole from the relay's acknowledgements)."""
+        resending (`upstream_resent` after it was first sent; already in the `upstream_upload`
+        phase where `upstream_sent` is marked) and, where answer packets came out of order, one
+        round trip: the least a lost segment costs (the sender learns of the hole from the
+        relay's acknowledgements)."""
         m = st.marks
         sent = max(t for t in (m.get("forwarded"), m.get("upstream_tcp"), m.get("upstream_tls")) if t is not None) \
             if m.get("forwarded") is not None else None
         lost = 0.0
-        if (resent := m.get("upstream_resent")) is not None and sent is not None:
+        if (resent := m.get("upstream_resent")) is not None and sent is not None and "upstream_sent" not in m:
             lost += max(0.0, resent - sent) * 1000
         if self.reordered.get(flow):
             info = tcp_info(self._socket(flow, flow.server_conn))

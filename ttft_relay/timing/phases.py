@@ -22,6 +22,10 @@ only once that connection is ready.
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
     upstream_tcp            TCP is up                                           } this request
     upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    upstream_sent           the relay's kernel sent the request's last byte: only when that was
+                            later than the relay wrote it (the connection's congestion window
+                            was too small for the request: the upload's extra round trips; a
+                            segment retransmitted), on an HTTP/1 connection (selfwatch)
     upstream_resent         the relay's kernel last sent the request again: only when it was
                             retransmitted on the way (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)
@@ -48,7 +52,7 @@ client's wait that each hop is responsible for. They do not overlap, and for a
 streamed answer
 
     relay_queue + client_upload + relay + upstream_connect + upstream_tls
-        + upstream_wait + head_to_first_token == ttft
+        + upstream_upload + upstream_wait + head_to_first_token == ttft
 
 Before the head was read the request's bytes were held: by an early upstream
 connect (its connect and TLS handshake count where they overlap that time) or by
@@ -70,8 +74,11 @@ the phase it was in) has that phase run on to `end`, so its phases add up to
     relay                last body byte → forwarded, plus forwarded → connect start
     upstream_connect     critical part of DNS + TCP connect
     upstream_tls         critical part of the upstream TLS handshake
-    upstream_wait        max(forwarded, connection ready) → response head: one network
-                         round trip plus the upstream's queueing and prefill
+    upstream_upload      max(forwarded, connection ready) → the request's last byte left the
+                         relay's kernel (`upstream_sent`): the round trips the request's
+                         upload took beyond its first flight, and its retransmissions
+    upstream_wait        the request sent → response head: one network round trip plus
+                         the upstream's queueing and prefill
     head_to_first_token  response head → first token (prefill, for upstreams that
                          send their head at once)
     response_body        response head → end, for an answer that was not streamed
@@ -99,6 +106,7 @@ MARKS = (
     "upstream_connect_start",
     "upstream_tcp",
     "upstream_tls",
+    "upstream_sent",
     "upstream_resent",
     "head_arrived",
     "response_head",
@@ -117,6 +125,7 @@ CRITICAL_PHASES = (
     "relay",
     "upstream_connect",
     "upstream_tls",
+    "upstream_upload",
     "upstream_wait",
     "head_to_first_token",
     "response_body",
@@ -128,7 +137,8 @@ SETUP_PHASE = "connection_setup"
 
 PHASES = (SETUP_PHASE,) + CRITICAL_PHASES + ("stream", "ttft", "total")
 
-HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
+HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_upload",
+                    "upstream_wait")
 """The phases complete when the response head leaves for the client (Server-Timing)."""
 
 # Verdict words.
@@ -141,6 +151,8 @@ RELAY = "relay"
 UPSTREAM_CONNECT = "upstream connect"
 UPSTREAM_TLS = "upstream TLS"
 UPSTREAM_NETWORK = "upstream network (round trip)"
+UPSTREAM_LINK = (UPSTREAM_CONNECT, UPSTREAM_TLS, UPSTREAM_NETWORK)
+"""One hop, judged as one: what the link to the upstream cost (`judge`, `link_words`)."""
 UPSTREAM_WAIT = "upstream wait (prefill/queue)"
 """The upstream's own wait before anything was learned to tell its prefill from its queue."""
 UPSTREAM_QUEUEING = "upstream queueing"
@@ -159,6 +171,7 @@ PHASE_WORDS = {
     "relay": RELAY,
     "upstream_connect": UPSTREAM_CONNECT,
     "upstream_tls": UPSTREAM_TLS,
+    "upstream_upload": "upstream upload",
     "upstream_wait": "upstream wait",
     "head_to_first_token": "head to first token",
     "response_body": "response body",
@@ -252,11 +265,17 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
         else:
             p["relay"] = relay
     reached_first_token = False
-    if head is not None:
-        # The upstream's side ends when the kernel had its bytes; the relay read them later.
-        head_in = head
-        if sent is not None and m.get("head_arrived") is not None:
-            head_in = max(sent, min(head, m["head_arrived"]))
+    # The upstream's side ends when the kernel had its bytes; the relay read them later.
+    head_in = head
+    if head is not None and sent is not None and m.get("head_arrived") is not None:
+        head_in = max(sent, min(head, m["head_arrived"]))
+    if sent is not None and (kernel_sent := m.get("upstream_sent")) is not None:
+        # The upstream waits for the request's last byte: the time its upload took after the
+        # relay wrote it is the link's (a congestion window it did not fit in, a segment lost).
+        upload_end = max(sent, kernel_sent if head_in is None else min(kernel_sent, head_in))
+        p["upstream_upload"] = upload_end - sent
+        sent = upload_end
+    if head is not None and head_in is not None:
         if sent is not None:
             p["upstream_wait"] = max(0.0, head_in - sent)
         if tokens_expected and first is not None:
@@ -370,7 +389,8 @@ def contributions(
     worked on the request before its head (`upstream_ms`, OpenAI's
     `openai-processing-ms`), the rest of the wait is network; otherwise the
     round-trip estimate is, plus what the link lost to retransmissions before the
-    first token (`upstream_retransmit_ms`): a lossy link, not a slow server.
+    first token (`upstream_retransmit_ms`): a lossy link, not a slow server. The
+    request's upload beyond its first flight (`upstream_upload`) is the link's too.
     The time from head to first token is the upstream's too (prefill after an early head).
     """
     wait = phases.get("upstream_wait", 0.0)
@@ -380,6 +400,8 @@ def contributions(
         # A lost segment of the answer delays the first token after the head as well.
         network = min(rtt_ms or 0.0, wait)
         network += min(upstream_retransmit_ms or 0.0, wait - network + phases.get("head_to_first_token", 0.0))
+    own = wait - network + phases.get("head_to_first_token", 0.0)
+    network += phases.get("upstream_upload", 0.0)
     relay_stall = min(stall, loop_lag_ms or 0.0)
     return {
         CLIENT_NETWORK: client_rtt_ms or 0.0,
@@ -389,7 +411,7 @@ def contributions(
         UPSTREAM_CONNECT: phases.get("upstream_connect", 0.0),
         UPSTREAM_TLS: phases.get("upstream_tls", 0.0),
         UPSTREAM_NETWORK: network,
-        UPSTREAM_WAIT: wait - network + phases.get("head_to_first_token", 0.0),
+        UPSTREAM_WAIT: own,
         RESPONSE_DOWNLOAD: phases.get("response_body", 0.0),
         STREAM_STALL: stall - relay_stall,
     }
@@ -508,8 +530,13 @@ def judge(
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
        - the relay's queue: `relay saturated`, or `relay starting` where at least half of
          it (`starting_ms`) was held before this relay process began to serve;
-       - every other hop (client network, relay queue, client upload, relay, upstream
-         connect, TLS and network, response download) against nothing: any cost is its own.
+       - the upstream's link as one hop: its connect, TLS handshake and round trips (the
+         request's, its upload's beyond the first flight, what retransmissions cost) together,
+         named after its connect or TLS handshake where one of them cost most of it, else
+         `upstream network` (`link_words`): a far provider costs a round trip in each, none of
+         which alone need be a large share of the wait;
+       - every other hop (client network, relay queue, client upload, relay, response
+         download) against nothing: any cost is its own.
        A hop is out of line when it costs at least NOISE_MS beyond its normal and at least
        SHARE of the wait (the first token, or the whole answer without one): a few ms of
        noise, or a far link that adds little to a long wait, never make a verdict. The hop
@@ -545,6 +572,10 @@ def judge(
             continue
         if name == RELAY_SATURATED and starting_ms and 2 * starting_ms >= ms:
             name = RELAY_STARTING
+        if name in UPSTREAM_LINK:
+            if name != UPSTREAM_LINK[0]:
+                continue  # judged with the first
+            name, ms = link_words(contrib), sum(contrib[part] for part in UPSTREAM_LINK)
         if no_prefill and name == RESPONSE_DOWNLOAD:
             continue  # a prewarm's events after its first one: the upstream's work, in its wait below
         if name == UPSTREAM_WAIT:
@@ -560,8 +591,19 @@ def judge(
     if words == UNKNOWN:
         return _in_line(wait, expectation, expected_ttft, cache_miss, no_prefill)
     detail = _out_of_line(words, beyond[words], wait, contrib, gap, expectation, expected_ttft, unlearned,
-                          client_rtt_ms, loop_lag_ms, no_prefill)
+                          client_rtt_ms, loop_lag_ms, no_prefill, phases.get("upstream_upload"))
     return Verdict(words, detail, expected_ttft)
+
+
+def link_words(contrib: Mapping[str, float]) -> str:
+    """The upstream link's name in a verdict: its connect or its TLS handshake where that
+    cost more than the rest of it together (a connect that timed out and was tried again, a
+    handshake the server was slow in), else its network (round trips)."""
+    total = sum(contrib[part] for part in UPSTREAM_LINK)
+    for part in (UPSTREAM_CONNECT, UPSTREAM_TLS):
+        if contrib[part] > total / 2:
+            return part
+    return UPSTREAM_NETWORK
 
 
 def verdict(phases: Mapping[str, float], **inputs: Any) -> str:
@@ -601,9 +643,14 @@ def _in_line(wait: float, e: Expectation | None, expected_ttft: float | None, ca
 
 def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float], gap: Gap | None,
                  e: Expectation | None, expected_ttft: float | None, unlearned: str | None,
-                 client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool) -> str:
+                 client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool,
+                 upload_ms: float | None) -> str:
     """How far out of line the named hop is, in one sentence."""
     share = f", {ms / wait:.0%} of the {_s(wait)} {'it took' if no_prefill else 'to the first token'}" if wait else ""
+    if words in UPSTREAM_LINK:
+        upload = f", of which the request's upload {_s(upload_ms)}" if upload_ms else ""
+        return (f"the link to the upstream {_s(ms)}{share} (connect {_s(contrib[UPSTREAM_CONNECT])}, TLS "
+                f"{_s(contrib[UPSTREAM_TLS])}, round trips {_s(contrib[UPSTREAM_NETWORK])}{upload})")
     if words == UPSTREAM_QUEUEING and e is not None and expected_ttft:
         return (f"first token {_s(wait)}, {wait / expected_ttft:.1f}× the {_s(expected_ttft)} this prompt "
                 f"predicts ({_prompt(e)}; the upstream's own wait {_s(contrib[UPSTREAM_WAIT])} against "
