@@ -258,6 +258,30 @@ def test_error_verdicts_name_the_phase():
     assert phases.verdict({}, error="x", error_phase="upstream_wait", client_aborted=True) == "client aborted in upstream wait"
 
 
+@pytest.mark.parametrize("error, phase, status, answered, words", [
+    ("HTTP 429", "upstream_wait", 429, True, "upstream refused: rate limited (429)"),
+    ("HTTP 529", "upstream_wait", 529, True, "upstream refused: overloaded (529)"),
+    ("HTTP 500", "upstream_wait", 500, True, "upstream failed: internal error (500)"),
+    ("HTTP 418", "upstream_wait", 418, True, "upstream refused: status 418 (418)"),
+    ("relay access key not accepted", "relay", 401, False, "refused by relay: key not accepted"),
+    (phases.RELAY_SHUTTING_DOWN, "upstream_wait", 503, False, phases.RELAY_SHUTTING_DOWN),
+    (phases.RELAY_SHUTTING_DOWN, "relay", 503, False, phases.RELAY_SHUTTING_DOWN),
+    ("connect timed out", "upstream_connect", 504, False, "error in upstream connect"),  # the relay's 504
+    ("boom", "relay", None, False, "error in relay"),
+])
+def test_a_refusal_names_who_refused_and_why(error, phase, status, answered, words):
+    p = {"client_upload": 1.0, "relay": 1.0, "upstream_wait": 1000.0, "total": 1002.0}
+    v = phases.judge(p, error=error, error_phase=phase, status=status, upstream_answered=answered)
+    assert v.words == words
+    assert v.detail is not None and "upstream wait 1.0 s" in v.detail  # where its time went
+
+
+def test_a_stops_cut_says_the_phase_it_cut():
+    v = phases.judge({"upstream_wait": 1005.0, "total": 1006.0}, error=phases.RELAY_SHUTTING_DOWN,
+                     error_phase="upstream_wait", status=503)
+    assert v == phases.Verdict(phases.RELAY_SHUTTING_DOWN, "ended in upstream wait after 1.0 s (upstream wait 1.0 s)")
+
+
 @pytest.mark.parametrize("marks, tls, expected", [
     ({}, True, "client_upload"),
     ({"request_body": 1}, True, "relay"),

@@ -39,7 +39,7 @@ def test_a_websocket_handshake_has_no_first_token_and_its_failure_names_the_tran
     assert not ok["verdict"].startswith(record.WEBSOCKET_HANDSHAKE_FAILED)
     failed = make(transport=record.WEBSOCKET, turn=0, marks=marks, tokens_expected=False, status=404,
                   error="HTTP 404", error_phase="upstream_wait")
-    assert failed["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: error in upstream wait"
+    assert failed["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: upstream refused: not found (404)"
     hung = make(transport=record.WEBSOCKET, turn=0, marks={"request_body": 0.5, "forwarded": 1.0, "end": 15000.0},
                 tokens_expected=False, status=None, client_aborted=True)
     assert hung["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: client aborted in upstream wait"

@@ -135,12 +135,14 @@ def test_client_abort_mid_stream_is_recorded_once(addon):
     assert rec["marks"]["end"] == pytest.approx(900.0)
 
 
-def test_http_error_is_an_error_in_upstream_wait(addon):
+def test_a_providers_429_reads_upstream_refused_rate_limited_in_upstream_wait(addon):
     f, _ = make_flow(stream=False, status=429)
     f.response.headers["content-type"] = "application/json"
     addon.response(f)
     (rec,) = records(addon)
-    assert rec["error"] == "HTTP 429" and rec["verdict"] == "error in upstream wait"
+    assert rec["error"] == "HTTP 429" and rec["error_phase"] == "upstream_wait"
+    assert rec["verdict"] == "upstream refused: rate limited (429)"
+    assert "upstream wait " in rec["verdict_detail"]  # where its time went
 
 
 def test_non_streamed_usage_from_the_body(addon):

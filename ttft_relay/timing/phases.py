@@ -164,6 +164,21 @@ OK = "ok"
 CONTEXT_LENGTH = "context length"
 PROMPT_CACHE_MISS = "prompt cache miss"
 UNKNOWN = "unknown"
+RELAY_SHUTTING_DOWN = "relay shutting down"
+"""A request the relay ended (or refused) because it stops: the error it records, and the verdict."""
+UPSTREAM_REFUSED = "upstream refused"
+UPSTREAM_FAILED = "upstream failed"
+REFUSED_BY_RELAY = "refused by relay"
+
+STATUS_REASONS = {
+    400: "bad request", 401: "key not accepted", 402: "payment required", 403: "forbidden", 404: "not found",
+    408: "request timeout", 409: "conflict", 413: "request too large", 422: "invalid request",
+    429: "rate limited", 500: "internal error", 502: "bad gateway", 503: "unavailable", 504: "gateway timeout",
+    529: "overloaded",
+}
+"""A failure status in a refusal's words (`failure_words`): what the APIs mean by it."""
+DECLINED_5XX = (503, 529)
+"""Server errors that are a refusal (unavailable, overloaded: the provider declines the load), not a failure."""
 
 PHASE_WORDS = {
     "relay_queue": "relay queue",
@@ -495,6 +510,31 @@ class Verdict:
     """This request's first token had the upstream waited what its prompt predicts."""
 
 
+def failure_words(error: str | None, error_phase: str | None, status: int | None, *, upstream_answered: bool) -> str:
+    """A failed request's verdict: who refused it and why, where the record tells.
+
+    The relay stopping (`RELAY_SHUTTING_DOWN`, whichever phase it cut); the upstream's own
+    answer with a failure status (`upstream_answered`): `upstream refused: <reason> (<status>)`
+    for a 4xx, 503 or 529, `upstream failed: …` for another 5xx; the relay's own refusal (a 4xx
+    it answered before forwarding): `refused by relay: <reason>`; else `error in <phase>`.
+    """
+    reason = STATUS_REASONS.get(status or 0) or f"status {status}"
+    if error == RELAY_SHUTTING_DOWN:
+        return RELAY_SHUTTING_DOWN
+    if status is not None and status >= 400 and upstream_answered:
+        refused = status < 500 or status in DECLINED_5XX
+        return f"{UPSTREAM_REFUSED if refused else UPSTREAM_FAILED}: {reason} ({status})"
+    if status is not None and 400 <= status < 500 and error_phase == "relay":
+        return f"{REFUSED_BY_RELAY}: {reason}"
+    return f"error in {PHASE_WORDS.get(error_phase or '', error_phase or 'unknown phase')}"
+
+
+def where_time_went(phases: Mapping[str, float]) -> str:
+    """The critical phases that held a failed request's time, largest first, in a few words."""
+    held = sorted(((ms, name) for name in CRITICAL_PHASES if (ms := phases.get(name, 0.0)) >= 1.0), reverse=True)
+    return ", ".join(f"{PHASE_WORDS.get(name, name)} {_s(ms)}" for ms, name in held[:3]) or "no time in any phase"
+
+
 def judge(
     phases: Mapping[str, float],
     *,
@@ -512,11 +552,16 @@ def judge(
     cache_miss: str | None = None,
     upstream_retransmit_ms: float | None = None,
     starting_ms: float | None = None,
+    status: int | None = None,
+    upstream_answered: bool = False,
 ) -> Verdict:
     """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
     1. A client abort: `client aborted in <phase>`; any other failure (transport error,
-       error event in the stream, HTTP status >= 400): `error in <phase>`.
+       error event in the stream, HTTP status >= 400): who refused it and why where that is
+       known (`failure_words`: the relay stopping, the upstream's failure `status` when it
+       `upstream_answered`, the relay's own refusal), else `error in <phase>`; its detail
+       says where its time went.
     2. Each hop's cost (`contributions`) against what is normal for it:
        - the upstream's own wait against the `expectation` for this prompt: beyond
          `own_ms + tolerance_ms` it is `upstream queueing`, out of line by the difference.
@@ -550,7 +595,12 @@ def judge(
     if client_aborted:
         return Verdict(f"client aborted in {where}")
     if error:
-        return Verdict(f"error in {where}")
+        words = failure_words(error, error_phase, status, upstream_answered=upstream_answered)
+        total = phases.get("total")
+        after = f" after {_s(total)}" if total is not None else ""
+        why = f"{error}; " if words.startswith(REFUSED_BY_RELAY) else ""
+        cut = f" in {where}" if words == RELAY_SHUTTING_DOWN else ""
+        return Verdict(words, f"{why}ended{cut}{after} ({where_time_went(phases)})")
     stall = gap.ms if gap is not None and gap.out_of_line else 0.0
     contrib = contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
                             loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms,

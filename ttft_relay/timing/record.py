@@ -141,8 +141,9 @@ class Record:
     lost segments and sent them again."""
     upstream_retransmit_ms: float | None = None
     """What the upstream link lost to retransmissions before the first token: the request
-    resent (`upstream_resent` after it was first sent), plus one round trip where answer
-    packets came out of order (the least a lost segment costs); upstream network in the verdict."""
+    resent (`upstream_resent` after it was first sent; in the `upstream_upload` phase instead
+    where `upstream_sent` is marked), plus one round trip where answer packets came out of
+    order (the least a lost segment costs); upstream network in the verdict."""
     upstream_out_of_order: int | None = None
     """As `client_out_of_order`, from the upstream."""
 
@@ -283,6 +284,8 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         client_rtt_ms=client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms),
         upstream_retransmit_ms=rec.upstream_retransmit_ms,
         starting_ms=phases.starting_ms(rec.marks, rec.phases),
+        status=rec.status,
+        upstream_answered=upstream_answered(rec),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
@@ -292,6 +295,14 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+
+
+def upstream_answered(rec: Record) -> bool:
+    """The record's failure status is the upstream's own answer: a forwarded request whose
+    response head said it (timing records such a failure as `HTTP <status>`), not a reply
+    the relay made."""
+    return (rec.status is not None and rec.error == f"HTTP {rec.status}"
+            and "forwarded" in rec.marks and "response_head" in rec.marks)
 
 
 def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms: float | None) -> float | None:

@@ -72,7 +72,7 @@ METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
 """mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
 ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
-SHUTDOWN_ERROR = "relay shutting down"
+SHUTDOWN_ERROR = phases.RELAY_SHUTTING_DOWN
 """The error of a flow the relay ended because it stops (`faults.Shutdown`)."""
 RTT_SAMPLES = 16
 """Handshakes per upstream whose round trips are remembered; the estimate is their minimum."""
@@ -185,7 +185,7 @@ class Timing:
         # `faults.Shutdown` (earlier in the chain) has ended what it could end cleanly.
         for live in list(self.in_flight):
             if (st := state.get(live)) is not None:
-                st.record_error(SHUTDOWN_ERROR, phase="relay")
+                st.record_error(SHUTDOWN_ERROR)  # in the phase it was in: its time went there
                 state.mark(live, "end", time.time())
                 self._finish(live)
         for waiting, (timer, marks) in list(self.settling.items()):
