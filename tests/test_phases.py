@@ -554,3 +554,74 @@ def test_a_failed_requests_phases_add_up_to_its_total(queue_in, body, relay, wai
     p = phases.compute(m, tokens_expected=True, unfinished=unfinished)
     covered = sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES)
     assert covered == pytest.approx(p["total"], abs=0.01)
+
+
+# --- the first request on a connection: the wait the client felt, from its SYN ------------
+
+
+def first_request_marks(*, syn: float, tcp: float, accepted: float, tls: float | None, **more: float) -> dict[str, float]:
+    m = stream_marks(client_syn=syn, client_tcp=tcp, client_connect=accepted, **more)
+    if tls is not None:
+        m["client_tls"] = tls
+    return m
+
+
+def test_a_far_clients_handshakes_are_client_network_and_its_idle_time_no_ones():
+    # 150 ms round trips: the TCP handshake, one TLS 1.3 round trip; the client then idled 500 ms.
+    m = first_request_marks(syn=-1150.0, tcp=-1000.0, accepted=-1000.0, tls=-850.0)
+    split = phases.setup(m, client_rtt_ms=150.0, round_trips=1)
+    assert split == phases.Setup(client_ms=300.0, relay_ms=0.0, starting_ms=0.0, upstream_ms=0.0)
+    # Its first token 700 ms after the request, in line with what its prompt predicts: alone, a
+    # 150 ms round trip is not a quarter of it; with the handshakes it felt 1 s, 450 ms the link.
+    p = {"client_upload": 2.0, "relay": 1.0, "upstream_wait": 680.0, "head_to_first_token": 17.0, "ttft": 700.0}
+    line = phases.Expectation(own_ms=690.0, tolerance_ms=250.0, prompt_ms=0.0, uncached_tokens=10, cached_tokens=0,
+                              ms_per_1k=None, learned_from=8)
+    assert phases.verdict(p, client_rtt_ms=150.0, expectation=line) == phases.OK
+    v = phases.judge(p, client_rtt_ms=150.0, expectation=line, setup=split)
+    assert v.words == phases.CLIENT_NETWORK and "handshakes 300 ms" in v.detail, v
+
+
+@pytest.mark.parametrize("tls", [None, -3000.0])
+def test_a_connection_the_relay_accepted_late_is_the_relays_on_every_listener(tls):
+    # The kernel did the handshake at -4010; the relay accepted the connection at -3010 (plain: the
+    # request had arrived with it, the kernel held it: relay_queue from client_arrived on).
+    m = first_request_marks(syn=-4012.0, tcp=-4010.0, accepted=-3010.0, tls=tls)
+    if tls is None:
+        m |= {"client_arrived": -4009.0}
+    else:
+        m |= {"client_connect": -3010.0}
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=0 if tls is None else 1)
+    p = phases.compute(m, tokens_expected=True)
+    if tls is None:
+        # What the kernel held after the request's first byte is relay_queue already: never twice.
+        assert split.relay_ms == pytest.approx(1.0) and p["relay_queue"] == pytest.approx(4009.0)
+    else:
+        assert split.relay_ms == pytest.approx(1000.0 + 9.0)  # the accept queue, the handshake's end read late
+        assert p[phases.SETUP_PHASE] == pytest.approx(4012.0)
+    v = phases.judge(p, client_rtt_ms=1.0, setup=split, starting_ms=phases.starting_ms(m, p))
+    assert v.words == phases.RELAY_SATURATED, v
+
+
+def test_a_tls_handshake_queued_for_a_starting_relay_is_relay_starting():
+    # The supervisor's listener took the connection 4.3 s before this worker served (relay_serving).
+    m = first_request_marks(syn=-4350.0, tcp=-4349.0, accepted=-60.0, tls=-55.0, relay_serving=-62.0)
+    p = phases.compute(m, tokens_expected=True)
+    split = phases.setup(m, client_rtt_ms=0.5, round_trips=1)
+    assert split.starting_ms == pytest.approx(4349.0 - 62.0)
+    v = phases.judge(p, client_rtt_ms=0.5, setup=split, starting_ms=phases.starting_ms(m, p))
+    assert v.words == phases.RELAY_STARTING and "while it started" in v.detail, v
+    assert v.detail is not None and "before the relay read the new connection's request" in v.detail
+
+
+def test_an_upstream_connect_the_client_handshake_waited_on_is_the_upstreams():
+    # HTTPS-proxy mode: mitmproxy connects upstream (300 ms) inside the client's TLS handshake.
+    m = first_request_marks(syn=-402.0, tcp=-401.0, accepted=-400.0, tls=-50.0,
+                            upstream_connect_start=-399.0, upstream_tcp=-250.0, upstream_tls=-100.0)
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=2)
+    assert split.upstream_ms == pytest.approx(299.0)
+    assert split.client_ms == pytest.approx(1.0 + 2.0)  # the TCP handshake, two TLS 1.2 round trips
+    assert split.relay_ms == pytest.approx(1.0 + 49.0)  # the accept, the handshake's end after the connect
+
+
+def test_a_kept_alive_request_has_no_setup():
+    assert phases.setup(stream_marks(), client_rtt_ms=150.0, round_trips=1) is None

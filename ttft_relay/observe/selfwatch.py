@@ -22,7 +22,8 @@ wait or a stream stall: the network is blamed exactly when the relay is the caus
   connection and a lossy upstream apart from a slow one.
 - Per client connection, TCP_INFO as it is accepted tells how long the kernel's TCP
   handshake took (its round trip, or the SYN-ACK's retransmission timeouts): the
-  mark `client_syn` on its first request, where `connection_setup` begins.
+  marks `client_syn` (and `client_tcp`, its end) on its first request, where
+  `connection_setup` begins.
 - The client's figures are final only once it acknowledged the response: a segment
   lost on the way (the first token's among them) is retransmitted after the response
   hook. `settle` keeps the record back until then (every SETTLE_POLL_S, at most
@@ -264,8 +265,9 @@ class SelfWatch:
         self.counted: dict[str, Counters] = {}
         """Per connection id, its totals already counted in an earlier record (for a client
         at its accept, the handshake's time in retransmission timeouts: connection set-up)."""
-        self.handshakes: dict[str, float] = {}
-        """Per client id whose first request is still to come: when its SYN reached the relay."""
+        self.handshakes: dict[str, tuple[float, float]] = {}
+        """Per client id whose first request is still to come: when its SYN reached the relay,
+        and when its TCP handshake was done (the client's ACK in)."""
         self.settling: dict[str, http.HTTPFlow] = {}
         """Per client id, its flow whose client figures wait for the client's acknowledgement."""
         self.reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
@@ -316,7 +318,7 @@ class SelfWatch:
         # The kernel's last receive is the handshake's end, or the client's first bytes
         # right after it; either way not after the accept.
         done = min(time.time() - info.last_data_recv_ms / 1000, client.timestamp_start)
-        self.handshakes[client.id] = done - handshake_ms(info) / 1000
+        self.handshakes[client.id] = (done - handshake_ms(info) / 1000, done)
         # The handshake's retransmits count in the first request; their time is its set-up's.
         self.counted[client.id] = Counters(0, info.rto_time_ms, 0 if info.out_of_order is not None else None)
 
@@ -343,8 +345,11 @@ class SelfWatch:
             self._settled(earlier)
         if state.get(flow) is None:
             return
-        if (syn := self.handshakes.pop(flow.client_conn.id, None)) is not None:
+        syn = None
+        if (handshake := self.handshakes.pop(flow.client_conn.id, None)) is not None:
+            syn, done = handshake
             state.mark(flow, "client_syn", syn)
+            state.mark(flow, "client_tcp", done)
         t = arrival(self._socket(flow, flow.client_conn), flow.request.timestamp_start)
         if t is not None:
             accepted = flow.client_conn.timestamp_start

@@ -10,6 +10,7 @@ only once that connection is ready.
 
     client_syn              the client's TCP handshake began: its SYN reached the relay  } the first
                             (`selfwatch`: the handshake's duration, from TCP_INFO)        } request of
+    client_tcp              ... and was done: the client's ACK reached the relay          } a client
     relay_serving           this relay process began to serve: only when the client's connection
                             waited in the kernel's queue for its start (selfwatch)
     client_connect          client connection accepted                                    } a client
@@ -96,6 +97,7 @@ from typing import Any
 
 MARKS = (
     "client_syn",
+    "client_tcp",
     "relay_serving",
     "client_connect",
     "client_tls",
@@ -481,6 +483,58 @@ def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expect
 
 
 @dataclass(frozen=True, slots=True)
+class Setup:
+    """Where a connection's set-up went, for the verdict on its first request: what the client
+    felt before its request's clock started (`setup`)."""
+
+    client_ms: float
+    """The client's link: its TCP handshake, and the round trips of its CONNECT and TLS handshake."""
+    relay_ms: float
+    """The relay's: the connection waiting to be accepted, the TLS handshake beyond its round trips
+    (a busy or starting relay reads the client's handshake late)."""
+    starting_ms: float
+    """Of `relay_ms`, what was held before this relay process began to serve (`relay_serving`)."""
+    upstream_ms: float
+    """An upstream connect the client's TLS handshake waited on (mitmproxy's eager connect)."""
+
+
+def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trips: int | None) -> Setup | None:
+    """Split a first request's `connection_setup` (relative marks, from `client_syn`) into the
+    client's link, the relay and an upstream connect; None without the set-up's marks.
+
+        client_syn → client_tcp      the TCP handshake: the client's link
+        client_tcp → client_connect  the accept queue: the relay's
+        client_connect → client_tls  `round_trips` client round trips (a CONNECT, the TLS
+                                     handshake: 1 for TLS 1.3, 2 before), the rest the relay's,
+                                     except where an upstream connect overlapped it
+        → the request's first byte   the client's own idle time: no one's wait, left out
+
+    Each stretch ends at the request's first byte at the latest: what the kernel held after it
+    is already `relay_queue`.
+    """
+    syn, tcp, accepted = marks.get("client_syn"), marks.get("client_tcp"), marks.get("client_connect")
+    if syn is None or tcp is None or accepted is None:
+        return None
+    start = clock_start(marks)
+    tls = marks.get("client_tls")
+    handshake = max(0.0, min(tcp, start) - syn)
+    relay_spans = [(tcp, min(accepted, start))]
+    upstream = 0.0
+    if tls is not None and tls > accepted:
+        end = min(tls, start)
+        conn0, ready = marks.get("upstream_connect_start"), marks.get("upstream_tls", marks.get("upstream_tcp"))
+        upstream = _overlap(accepted, end, conn0, ready) if conn0 is not None and ready is not None else 0.0
+        client = min(max(0.0, end - accepted - upstream), (client_rtt_ms or 0.0) * (round_trips or 0))
+        # The relay's part of the handshake: its end, after the client's round trips and the connect.
+        relay_spans.append((accepted + upstream + client, end))
+        handshake += client
+    relay = sum(max(0.0, b - a) for a, b in relay_spans)
+    serving = marks.get("relay_serving")
+    starting = 0.0 if serving is None else sum(_overlap(a, b, a, serving) for a, b in relay_spans)
+    return Setup(round(handshake, 3), round(relay, 3), round(starting, 3), round(upstream, 3))
+
+
+@dataclass(frozen=True, slots=True)
 class Expectation:
     """What the upstream's own wait for this request's prompt should be, learned from the
     traffic to its upstream · model (`ttft_relay/observe/prefill.py`)."""
@@ -554,6 +608,7 @@ def judge(
     starting_ms: float | None = None,
     status: int | None = None,
     upstream_answered: bool = False,
+    setup: Setup | None = None,
 ) -> Verdict:
     """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
@@ -582,6 +637,9 @@ def judge(
          which alone need be a large share of the wait;
        - every other hop (client network, relay queue, client upload, relay, response
          download) against nothing: any cost is its own.
+       The first request on a connection is judged on the wait the client felt: from its SYN
+       (`setup`), so the client's handshakes count as client network, the accept queue and a
+       handshake the relay read late as the relay's (starting, where that was before it served).
        A hop is out of line when it costs at least NOISE_MS beyond its normal and at least
        SHARE of the wait (the first token, or the whole answer without one): a few ms of
        noise, or a far link that adds little to a long wait, never make a verdict. The hop
@@ -605,11 +663,18 @@ def judge(
     contrib = contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
                             loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms,
                             upstream_retransmit_ms=upstream_retransmit_ms)
-    wait = phases.get("ttft", phases.get("total", 0.0))
+    first = phases.get("ttft", phases.get("total", 0.0))
+    wait = first
+    if setup is not None:  # what the client felt before the request's clock started
+        wait += setup.client_ms + setup.relay_ms + setup.upstream_ms
+        contrib[CLIENT_NETWORK] += setup.client_ms
+        contrib[RELAY_SATURATED] += setup.relay_ms
+        contrib[UPSTREAM_CONNECT] += setup.upstream_ms
+        starting_ms = (starting_ms or 0.0) + setup.starting_ms
     own = contrib[UPSTREAM_WAIT]
     expected_ttft = None
     if expectation is not None and not no_prefill and "ttft" in phases:
-        expected_ttft = round(max(0.0, wait - own + expectation.own_ms), 1)
+        expected_ttft = round(max(0.0, first - own + expectation.own_ms), 1)
     relay_stall = min(stall, loop_lag_ms or 0.0)
     beyond: dict[str, float] = {}
     for name, ms in contrib.items():
@@ -639,9 +704,9 @@ def judge(
             beyond[name] = ms
     words = dominant(beyond)
     if words == UNKNOWN:
-        return _in_line(wait, expectation, expected_ttft, cache_miss, no_prefill)
+        return _in_line(first, expectation, expected_ttft, cache_miss, no_prefill)
     detail = _out_of_line(words, beyond[words], wait, contrib, gap, expectation, expected_ttft, unlearned,
-                          client_rtt_ms, loop_lag_ms, no_prefill, phases.get("upstream_upload"))
+                          client_rtt_ms, loop_lag_ms, no_prefill, phases.get("upstream_upload"), setup)
     return Verdict(words, detail, expected_ttft)
 
 
@@ -694,9 +759,13 @@ def _in_line(wait: float, e: Expectation | None, expected_ttft: float | None, ca
 def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float], gap: Gap | None,
                  e: Expectation | None, expected_ttft: float | None, unlearned: str | None,
                  client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool,
-                 upload_ms: float | None) -> str:
+                 upload_ms: float | None, setup: Setup | None) -> str:
     """How far out of line the named hop is, in one sentence."""
-    share = f", {ms / wait:.0%} of the {_s(wait)} {'it took' if no_prefill else 'to the first token'}" if wait else ""
+    since = " from its connection's first packet" if setup is not None else ""
+    share = f", {ms / wait:.0%} of the {_s(wait)}{since} {'it took' if no_prefill else 'to the first token'}" \
+        if wait else ""
+    if setup is not None and words in (RELAY_SATURATED, RELAY_STARTING) and setup.relay_ms >= 1.0:
+        share += f" ({_s(setup.relay_ms)} of it before the relay read the new connection's request)"
     if words in UPSTREAM_LINK:
         upload = f", of which the request's upload {_s(upload_ms)}" if upload_ms else ""
         return (f"the link to the upstream {_s(ms)}{share} (connect {_s(contrib[UPSTREAM_CONNECT])}, TLS "
@@ -716,6 +785,9 @@ def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float
         return f"{_s(ms)} waiting on the relay itself (its event loop up to {_s(loop_lag_ms or 0.0)} late){share}"
     if words == RELAY_STARTING:
         return f"{_s(ms)} queued for this relay process while it started (a start or a restart, not load){share}"
+    if words == CLIENT_NETWORK and setup is not None and setup.client_ms >= 1.0:
+        return (f"the client's link {_s(ms)}: its connection's handshakes {_s(setup.client_ms)} and a "
+                f"{_s(client_rtt_ms or 0.0)} round trip{share}")
     if words == CLIENT_NETWORK:
         return f"a {_s(client_rtt_ms or 0.0)} round trip to the client{share}"
     return f"{_s(ms)}{share}"

@@ -73,6 +73,10 @@ class Record:
     pooled one keeps its id from client connection to client connection); None: none."""
     rtt_ms: float | None
     """The upstream round-trip estimate behind the verdict."""
+    client_setup_round_trips: int | None = None
+    """On a connection's first request: the client's round trips in its connection's set-up
+    after the TCP handshake (a CONNECT's, one; its TLS handshake's: one for TLS 1.3, two
+    before); None on a later request."""
     max_gap_ms: float | None
     """The longest silence between response chunks."""
     chunks: int | None
@@ -183,6 +187,7 @@ class RecordInput:
     tls_expected: bool
     reused_connection: bool | None
     rtt_ms: float | None
+    client_setup_round_trips: int | None = None
     upstream_connection: str | None = None
     max_gap_ms: float | None = None
     chunks: int | None = None
@@ -235,6 +240,7 @@ def build_record(seen: RecordInput) -> Record:
         reused_connection=seen.reused_connection,
         upstream_connection=seen.upstream_connection,
         rtt_ms=None if seen.rtt_ms is None else round(seen.rtt_ms, 3),
+        client_setup_round_trips=seen.client_setup_round_trips,
         max_gap_ms=None if seen.max_gap_ms is None else round(seen.max_gap_ms, 3),
         chunks=seen.chunks,
         bytes=seen.bytes,
@@ -272,6 +278,7 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     is published."""
     handshake = is_handshake(rec.transport, rec.turn)
     error = rec.error
+    client_link = client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms)
     v = phases.judge(
         rec.phases,
         rtt_ms=rec.rtt_ms,
@@ -281,11 +288,14 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         error_phase=rec.error_phase,
         client_aborted=rec.client_aborted,
         loop_lag_ms=rec.loop_lag_ms,
-        client_rtt_ms=client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms),
+        client_rtt_ms=client_link,
         upstream_retransmit_ms=rec.upstream_retransmit_ms,
         starting_ms=phases.starting_ms(rec.marks, rec.phases),
         status=rec.status,
         upstream_answered=upstream_answered(rec),
+        # The path's own round trip for the handshakes: not the time lost to retransmissions.
+        setup=phases.setup(rec.marks, client_rtt_ms=rec.client_min_rtt_ms or rec.client_rtt_ms,
+                           round_trips=rec.client_setup_round_trips),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,

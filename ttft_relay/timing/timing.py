@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
-from mitmproxy.proxy import server_hooks
+from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from .. import state
@@ -426,7 +426,21 @@ class Timing:
             upstream_request_id=upstream_request_id(head),
             upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,
+            client_setup_round_trips=client_setup_round_trips(flow) if "client_connect" in marks else None,
         ))
+
+
+def client_setup_round_trips(flow: http.HTTPFlow) -> int:
+    """The client's round trips in its connection's set-up after the TCP handshake: a CONNECT
+    (an HTTPS request through the proxy listener), its TLS handshake with the relay (one round
+    trip for TLS 1.3, two before)."""
+    client = flow.client_conn
+    trips = 0
+    if client.tls_established:
+        trips += 1 if client.tls_version in (None, "TLSv1.3") else 2
+    if isinstance(client.proxy_mode, mode_specs.RegularMode) and flow.request.scheme == "https":
+        trips += 1
+    return trips
 
 
 UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
