@@ -427,3 +427,42 @@ def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_it
     # ... and kept out of the upstream's own wait, which the prefill line is learned from.
     own = [prefill.own_wait(records[rid]) for rid in fresh + kept]
     assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)
+
+
+FAR_CLIENT_PREFILL_MS = 600
+"""Long enough that one client round trip (150 ms) is under a quarter of the first token."""
+LEARNING = 10
+"""Requests that teach the relay this upstream · model's first token (prefill.MIN_SAMPLES of them, and more)."""
+
+
+def test_a_far_clients_handshake_counts_in_its_first_requests_wait(far_link, fake_in, confdir, tmp_path):
+    """A far client on fresh connections: its TCP handshake is a round trip it waited before its
+    request, which the request's own clock does not see. Judged from its SYN, the link (the
+    handshake and the request's round trip) is a third of what it felt: named, where the request's
+    round trip alone (a fifth of its first token) read `ok`."""
+    far = far_link(delay_ms=CLIENT_ONE_WAY_MS, seed=9)
+    upstream = fake_in(far.far, prefill_ms=FAR_CLIENT_PREFILL_MS)
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    origin = f"http://{far.far.ip}:{RELAY_PORT}"
+    with relay:
+        with far.near.entered():
+            conn = HttpConnection(origin)
+        with conn:
+            learning = [one_request(conn, False, time.time()) for _ in range(LEARNING)]
+        fresh = []
+        for _ in range(20):
+            began = time.time()
+            with far.near.entered():
+                conn = HttpConnection(origin)
+            with conn:
+                fresh.append(one_request(conn, True, began))
+        records = {r["request_id"]: r for r in relay.log.wait(len(learning) + len(fresh))}
+    assert "Addon error" not in relay.text()
+    mine = [records[s.request_id] for s in fresh]
+    table = [(r["verdict"], r["ttft_ms"], r["expected_ttft_ms"], r["client_min_rtt_ms"],
+              r["phases"].get(phases.SETUP_PHASE), r["verdict_detail"]) for r in mine]
+    # The relay had learned what this upstream · model takes: the first token was in line with it.
+    assert all(r["expected_ttft_ms"] is not None for r in mine), table
+    named = [r for r in mine if r["verdict"] == phases.CLIENT_NETWORK and "handshakes" in r["verdict_detail"]]
+    assert len(named) >= NAMED_SHARE * len(mine), table
+    assert all(r["client_setup_round_trips"] == 0 and "client_tcp" in r["marks"] for r in mine), table
