@@ -625,3 +625,16 @@ def test_an_upstream_connect_the_client_handshake_waited_on_is_the_upstreams():
 
 def test_a_kept_alive_request_has_no_setup():
     assert phases.setup(stream_marks(), client_rtt_ms=150.0, round_trips=1) is None
+
+
+def test_an_early_connect_that_never_finished_is_upstream_connect_not_the_relays_queue():
+    # An address that black-holes: the connect opened as the client connected ran 10 s until it
+    # failed; the request, in the kernel all along, was read after (it read relay_queue 9,996 ms).
+    m = {"client_connect": -10001.0, "client_arrived": -10000.0, "upstream_connect_start": -9999.0,
+         "request_body": 0.5, "forwarded": 1.0, "end": 2.0}
+    unfinished = phases.error_phase(m, tls_expected=True, tokens_expected=True)
+    assert unfinished == "upstream_connect"
+    p = phases.compute(m, tokens_expected=True, unfinished=unfinished)
+    assert p["upstream_connect"] == pytest.approx(9999.0 + 1.0)
+    assert p["relay_queue"] == pytest.approx(1.0)
+    assert sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES) == pytest.approx(p["total"])

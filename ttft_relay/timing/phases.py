@@ -255,10 +255,11 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
 
     # Until the head was read the request's bytes were held: by an early upstream
     # connect where one ran (the request waited on it), else by the relay.
+    # An early connect that never finished held them until it failed (the head was read after).
     pre_connect, pre_tls = 0.0, 0.0
-    if conn0 is not None and tcp is not None and conn0 < 0:
-        pre_connect = _overlap(start, 0.0, conn0, tcp)
-        pre_tls = _overlap(start, 0.0, tcp, tls) if tls is not None else 0.0
+    if conn0 is not None and conn0 < 0:
+        pre_connect = _overlap(start, 0.0, conn0, tcp if tcp is not None else 0.0)
+        pre_tls = _overlap(start, 0.0, tcp, tls) if tcp is not None and tls is not None else 0.0
     queue = -start - pre_connect - pre_tls
 
     if body is not None and body_in is not None:  # body_in is None exactly when body is
@@ -281,6 +282,8 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
                 p["upstream_tls"] = pre_tls + handshake
         else:
             p["relay"] = relay
+    if pre_connect and "upstream_connect" not in p:
+        p["upstream_connect"] = pre_connect  # a connect that failed (or a request that got no further)
     reached_first_token = False
     # The upstream's side ends when the kernel had its bytes; the relay read them later.
     head_in = head
