@@ -72,13 +72,13 @@ def relay_in(side: link.Side, modes: list[str], confdir: Path, log: Path, **opti
 class Workers:
     """`ttft-relay run --workers N` in a namespace, on RELAY_PORT; records in `log`'s directory."""
 
-    def __init__(self, side: link.Side, n: int, upstream: str, confdir: Path, log: Path) -> None:
+    def __init__(self, side: link.Side, n: int, upstream: str, confdir: Path, log: Path, **options: object) -> None:
         from ttft_relay import config
 
         args = [sys.executable, "-m", "ttft_relay", "run", "--workers", str(n),
                 "--mode", f"reverse:{upstream}@{RELAY_PORT}", "--listen-host", "0.0.0.0"]
         for name, value in {**config.MITMPROXY_DEFAULTS, **RELAY_OPTIONS, "confdir": confdir,
-                            "relay_timing_log": log}.items():
+                            "relay_timing_log": log, **options}.items():
             args += ["--set", f"{name}={str(value).lower() if isinstance(value, bool) else value}"]
         self.log = log
         self.proc = subprocess.Popen(side.adopt(args), cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""},
@@ -291,7 +291,7 @@ UPSTREAM_OWN = (phases.UPSTREAM_WAIT, phases.UPSTREAM_QUEUEING)
 """The upstream's own wait: before the relay has learned this upstream · model, and beyond it."""
 
 
-def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool, body: dict = BODY) -> list[str]:
+def upstream_requests(relay: MitmdumpProcess | str, n: int, label: str, *, fresh: bool, body: dict = BODY) -> list[str]:
     """`n` requests from a client beside the relay (call inside its namespace): each on a
     connection of its own (so each opens an upstream connection), or all on one kept-alive
     connection. Returns their request ids."""
@@ -302,7 +302,7 @@ def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool
             if conn is None or fresh:
                 if conn is not None:
                     conn.close()
-                conn = HttpConnection(relay.url())
+                conn = HttpConnection(relay if isinstance(relay, str) else relay.url())
             response = conn.request("POST", "/v1/chat/completions", body, {"x-request-id": rid})
             assert response.status == 200, response.read()
             response.read()
@@ -396,26 +396,42 @@ LONG_BODY = {**BODY, "messages": [{"role": "user", "content": "Say hello. " + "c
 NAMED_SHARE = 0.95
 
 
-@pytest.mark.parametrize("jitter_ms", [0, 20])
+@pytest.mark.parametrize("jitter_ms, n_workers", [(0, 1), (20, 1), (0, 2)], ids=["steady", "jitter", "workers"])
 def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_its_wait(far_link, certs, confdir,
-                                                                                      tmp_path, jitter_ms):
+                                                                                      tmp_path, jitter_ms, n_workers):
     """Relay → provider 100 ms round trip, TLS, fresh connections carrying 16 kB: each part of the
     link (connect, TLS, the round trip, the upload's second flight) is a round trip, none a quarter
-    of the first token's wait alone; together they are most of it, and the link is the one named."""
+    of the first token's wait alone; together they are most of it, and the link is the one named,
+    by a relay alone or by each of `--workers 2`."""
     far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, jitter_ms=jitter_ms, seed=13)
     with far.far.entered():
         fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip).start()
+    upstream = f"https://{far.far.ip}:{fake.port}"
+    log = tmp_path / "timing.jsonl"
     try:
         fake.behaviour.prefill_ms = 30
-        relay = relay_in(far.near, [f"reverse:https://{far.far.ip}:{fake.port}@0"], confdir,
-                         tmp_path / "timing.jsonl", ssl_insecure=True)
-        with relay, far.near.entered():
-            fresh = upstream_requests(relay, 20, "fresh", fresh=True, body=LONG_BODY)
-            kept = upstream_requests(relay, 10, "kept", fresh=False, body=LONG_BODY)
-            records = {r["request_id"]: r for r in relay.log.wait(30)}
+        if n_workers == 1:
+            # The test CA names localhost, not the far side's address: TLS is real, its name unchecked.
+            relay = relay_in(far.near, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, log, ssl_insecure=True)
+            with relay, far.near.entered():
+                fresh, kept = far_provider_requests(f"http://127.0.0.1:{RELAY_PORT}")
+                records = {r["request_id"]: r for r in relay.log.wait(len(fresh) + len(kept))}
+            output = relay.text()
+        else:
+            workers = Workers(far.near, n_workers, upstream, confdir, log, ssl_insecure=True)
+            try:
+                wait_until_serving(far.near, ("127.0.0.1", RELAY_PORT), workers.proc)
+                with far.near.entered():
+                    fresh, kept = far_provider_requests(f"http://127.0.0.1:{RELAY_PORT}")
+                deadline = time.monotonic() + 10
+                while len(records := {r["request_id"]: r for r in workers.records()}) < len(fresh) + len(kept) + 1:
+                    assert time.monotonic() < deadline, f"{len(records)} records of {len(fresh) + len(kept) + 1}"
+                    time.sleep(0.05)  # the workers write their records moments after the answers
+            finally:
+                output = workers.stop()
     finally:
         fake.stop()
-    assert "Addon error" not in relay.text()
+    assert "Addon error" not in output, output[-3000:]
     table = {rid[:8]: (records[rid]["verdict"], records[rid]["ttft_ms"], records[rid]["rtt_ms"],
                        {k: round(v) for k, v in records[rid]["phases"].items()}) for rid in fresh + kept}
     for ids in (fresh, kept[1:]):
@@ -427,6 +443,13 @@ def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_it
     # ... and kept out of the upstream's own wait, which the prefill line is learned from.
     own = [prefill.own_wait(records[rid]) for rid in fresh + kept]
     assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)
+
+
+def far_provider_requests(origin: str) -> tuple[list[str], list[str]]:
+    """20 requests of 16 kB each on a connection of its own (each opens an upstream connection),
+    then 10 on one kept-alive connection."""
+    return (upstream_requests(origin, 20, "fresh", fresh=True, body=LONG_BODY),
+            upstream_requests(origin, 10, "kept", fresh=False, body=LONG_BODY))
 
 
 FAR_CLIENT_PREFILL_MS = 600
