@@ -590,7 +590,8 @@ def test_a_connection_the_relay_accepted_late_is_the_relays_on_every_listener(tl
         m |= {"client_arrived": -4009.0}
     else:
         m |= {"client_connect": -3010.0}
-    split = phases.setup(m, client_rtt_ms=1.0, round_trips=0 if tls is None else 1)
+    # The relay's event loop ran up to 1.2 s late meanwhile.
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=0 if tls is None else 1, loop_lag_ms=1200.0)
     p = phases.compute(m, tokens_expected=True)
     if tls is None:
         # What the kernel held after the request's first byte is relay_queue already: never twice.
@@ -617,10 +618,23 @@ def test_an_upstream_connect_the_client_handshake_waited_on_is_the_upstreams():
     # HTTPS-proxy mode: mitmproxy connects upstream (300 ms) inside the client's TLS handshake.
     m = first_request_marks(syn=-402.0, tcp=-401.0, accepted=-400.0, tls=-50.0,
                             upstream_connect_start=-399.0, upstream_tcp=-250.0, upstream_tls=-100.0)
-    split = phases.setup(m, client_rtt_ms=1.0, round_trips=2)
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=2, loop_lag_ms=20.0)
     assert split.upstream_ms == pytest.approx(299.0)
     assert split.client_ms == pytest.approx(1.0 + 2.0)  # the TCP handshake, two TLS 1.2 round trips
-    assert split.relay_ms == pytest.approx(1.0 + 49.0)  # the accept, the handshake's end after the connect
+    # The accept; of the handshake's 49 ms after the connect, what the loop's lag explains (the
+    # rest: the handshake's own work at either end, no one's hop).
+    assert split.relay_ms == pytest.approx(1.0 + 20.0)
+
+
+def test_a_slow_tls_handshake_of_a_relay_neither_busy_nor_starting_is_no_ones():
+    # 80 ms of crypto on a loaded machine: no lag, no start. Not a reason to run more workers.
+    m = first_request_marks(syn=-82.0, tcp=-81.0, accepted=-81.0, tls=-0.5)
+    split = phases.setup(m, client_rtt_ms=0.1, round_trips=1, loop_lag_ms=2.0)
+    assert split.relay_ms == pytest.approx(2.0)
+    p = {"client_upload": 0.5, "relay": 0.5, "upstream_wait": 60.0, "head_to_first_token": 9.0, "ttft": 70.0}
+    line = phases.Expectation(own_ms=69.0, tolerance_ms=250.0, prompt_ms=0.0, uncached_tokens=10, cached_tokens=0,
+                              ms_per_1k=None, learned_from=8)
+    assert phases.verdict(p, client_rtt_ms=0.1, expectation=line, setup=split) == phases.OK
 
 
 def test_a_kept_alive_request_has_no_setup():

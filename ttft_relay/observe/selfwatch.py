@@ -414,7 +414,9 @@ class SelfWatch:
         st = state.get(flow)
         if st is None or st.links is not None:
             return
-        start = min(st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
+        # From the client's SYN on a connection's first request: a busy loop may have read its handshake late.
+        start = min(st.marks.get("client_syn", flow.request.timestamp_start),
+                    st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
         # A WebSocket's handshake: its turns follow at once on the same connection.
         settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
         if flow.response is None and flow.server_conn.timestamp_start is not None:

@@ -501,15 +501,18 @@ class Setup:
     """An upstream connect the client's TLS handshake waited on (mitmproxy's eager connect)."""
 
 
-def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trips: int | None) -> Setup | None:
+def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trips: int | None,
+          loop_lag_ms: float | None = None) -> Setup | None:
     """Split a first request's `connection_setup` (relative marks, from `client_syn`) into the
     client's link, the relay and an upstream connect; None without the set-up's marks.
 
         client_syn → client_tcp      the TCP handshake: the client's link
         client_tcp → client_connect  the accept queue: the relay's
         client_connect → client_tls  `round_trips` client round trips (a CONNECT, the TLS
-                                     handshake: 1 for TLS 1.3, 2 before), the rest the relay's,
-                                     except where an upstream connect overlapped it
+                                     handshake: 1 for TLS 1.3, 2 before), an upstream connect
+                                     it waited on; the rest the relay's as far as the relay had
+                                     not served yet or its event loop ran late (`loop_lag_ms`),
+                                     else the handshake's own work at either end: no one's hop
         → the request's first byte   the client's own idle time: no one's wait, left out
 
     Each stretch ends at the request's first byte at the latest: what the kernel held after it
@@ -529,7 +532,9 @@ def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trip
         upstream = _overlap(accepted, end, conn0, ready) if conn0 is not None and ready is not None else 0.0
         client = min(max(0.0, end - accepted - upstream), (client_rtt_ms or 0.0) * (round_trips or 0))
         # The relay's part of the handshake: its end, after the client's round trips and the connect.
-        relay_spans.append((accepted + upstream + client, end))
+        rest = accepted + upstream + client
+        before_serving = _overlap(rest, end, rest, marks.get("relay_serving", rest))
+        relay_spans.append((rest, min(end, rest + before_serving + (loop_lag_ms or 0.0))))
         handshake += client
     relay = sum(max(0.0, b - a) for a, b in relay_spans)
     serving = marks.get("relay_serving")

@@ -124,7 +124,8 @@ class Record:
     attempt: int | None = None
     """This record's attempt in its group: 1 for the first, 2 for the first retry, ..."""
     loop_lag_ms: float | None = None
-    """The relay's event loop: its worst lag while the request ran (selfwatch)."""
+    """The relay's event loop: its worst lag while the request ran (selfwatch); on a
+    connection's first request from the client's SYN."""
     client_rtt_ms: float | None = None
     """The client connection's smoothed round trip (Linux TCP_INFO)."""
     client_retransmits: int | None = None
@@ -295,7 +296,7 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         upstream_answered=upstream_answered(rec),
         # The path's own round trip for the handshakes: not the time lost to retransmissions.
         setup=phases.setup(rec.marks, client_rtt_ms=rec.client_min_rtt_ms or rec.client_rtt_ms,
-                           round_trips=rec.client_setup_round_trips),
+                           round_trips=rec.client_setup_round_trips, loop_lag_ms=rec.loop_lag_ms),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
