@@ -497,8 +497,10 @@ class Setup:
     (a busy or starting relay reads the client's handshake late)."""
     starting_ms: float
     """Of `relay_ms`, what was held before this relay process began to serve (`relay_serving`)."""
-    upstream_ms: float
-    """An upstream connect the client's TLS handshake waited on (mitmproxy's eager connect)."""
+    upstream_connect_ms: float
+    """An upstream connect the client's TLS handshake waited on (mitmproxy's eager connect) ..."""
+    upstream_tls_ms: float
+    """... and that connection's TLS handshake."""
 
 
 def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trips: int | None,
@@ -525,11 +527,14 @@ def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trip
     tls = marks.get("client_tls")
     handshake = max(0.0, min(tcp, start) - syn)
     relay_spans = [(tcp, min(accepted, start))]
-    upstream = 0.0
+    upstream_connect = upstream_tls = 0.0
     if tls is not None and tls > accepted:
         end = min(tls, start)
-        conn0, ready = marks.get("upstream_connect_start"), marks.get("upstream_tls", marks.get("upstream_tcp"))
-        upstream = _overlap(accepted, end, conn0, ready) if conn0 is not None and ready is not None else 0.0
+        conn0, up_tcp, up_tls = marks.get("upstream_connect_start"), marks.get("upstream_tcp"), marks.get("upstream_tls")
+        if conn0 is not None and up_tcp is not None:
+            upstream_connect = _overlap(accepted, end, conn0, up_tcp)
+            upstream_tls = _overlap(accepted, end, up_tcp, up_tls) if up_tls is not None else 0.0
+        upstream = upstream_connect + upstream_tls
         client = min(max(0.0, end - accepted - upstream), (client_rtt_ms or 0.0) * (round_trips or 0))
         # The relay's part of the handshake: its end, after the client's round trips and the connect.
         rest = accepted + upstream + client
@@ -539,7 +544,8 @@ def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trip
     relay = sum(max(0.0, b - a) for a, b in relay_spans)
     serving = marks.get("relay_serving")
     starting = 0.0 if serving is None else sum(_overlap(a, b, a, serving) for a, b in relay_spans)
-    return Setup(round(handshake, 3), round(relay, 3), round(starting, 3), round(upstream, 3))
+    return Setup(round(handshake, 3), round(relay, 3), round(starting, 3), round(upstream_connect, 3),
+                 round(upstream_tls, 3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -674,10 +680,11 @@ def judge(
     first = phases.get("ttft", phases.get("total", 0.0))
     wait = first
     if setup is not None:  # what the client felt before the request's clock started
-        wait += setup.client_ms + setup.relay_ms + setup.upstream_ms
+        wait += setup.client_ms + setup.relay_ms + setup.upstream_connect_ms + setup.upstream_tls_ms
         contrib[CLIENT_NETWORK] += setup.client_ms
         contrib[RELAY_SATURATED] += setup.relay_ms
-        contrib[UPSTREAM_CONNECT] += setup.upstream_ms
+        contrib[UPSTREAM_CONNECT] += setup.upstream_connect_ms
+        contrib[UPSTREAM_TLS] += setup.upstream_tls_ms
         starting_ms = (starting_ms or 0.0) + setup.starting_ms
     own = contrib[UPSTREAM_WAIT]
     expected_ttft = None
@@ -718,13 +725,20 @@ def judge(
     return Verdict(words, detail, expected_ttft)
 
 
+LINK_PART_DOMINATES = 2 / 3
+"""A part of the upstream link is named for it from this share on: twice the rest together. A
+fresh connection costs a round trip in its connect (unless a forwarder beside the relay answers
+it), one or two in its TLS handshake and one in its request: about half each, which is the
+link's, not one part's."""
+
+
 def link_words(contrib: Mapping[str, float]) -> str:
-    """The upstream link's name in a verdict: its connect or its TLS handshake where that
-    cost more than the rest of it together (a connect that timed out and was tried again, a
-    handshake the server was slow in), else its network (round trips)."""
+    """The upstream link's name in a verdict: its connect or its TLS handshake where that cost
+    most of it (`LINK_PART_DOMINATES`: a connect that timed out and was tried again, a handshake
+    the server was slow in), else its network (round trips)."""
     total = sum(contrib[part] for part in UPSTREAM_LINK)
     for part in (UPSTREAM_CONNECT, UPSTREAM_TLS):
-        if contrib[part] > total / 2:
+        if contrib[part] >= LINK_PART_DOMINATES * total > 0:
             return part
     return UPSTREAM_NETWORK
 
