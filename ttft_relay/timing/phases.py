@@ -646,7 +646,7 @@ def judge(
          it (`starting_ms`) was held before this relay process began to serve;
        - the upstream's link as one hop: its connect, TLS handshake and round trips (the
          request's, its upload's beyond the first flight, what retransmissions cost) together,
-         named after its connect or TLS handshake where one of them cost most of it, else
+         named after its connect or TLS handshake where one of them cost two thirds of it, else
          `upstream network` (`link_words`): a far provider costs a round trip in each, none of
          which alone need be a large share of the wait;
        - every other hop (client network, relay queue, client upload, relay, response

@@ -39,8 +39,9 @@ The forwarder is `python -m ttft_relay.testing.fakes.link` (`forward()`): one pr
 loop over the two TUN descriptors, a FIFO per direction (a constant delay keeps
 packets in order; drops are independent per packet, from a seeded generator per
 direction, so the n-th packet each way is dropped or not whatever the other way
-does; the jitter has generators of its own). Its commands on stdin: `set near|far DELAY_MS LOSS` and `stats`, each
-answered `ok ...`. It writes every drop to a log the test reads (`drops()`).
+does; the jitter has generators of its own). Its commands on stdin: `set near|far
+DELAY_MS LOSS` and `stats`, each answered `ok ...`. It writes every drop to a log the
+test reads (`drops()`).
 """
 
 from __future__ import annotations
