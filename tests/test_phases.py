@@ -602,6 +602,8 @@ def test_a_connection_the_relay_accepted_late_is_the_relays_on_every_listener(tl
         assert p[phases.SETUP_PHASE] == pytest.approx(4012.0)
     v = phases.judge(p, client_rtt_ms=1.0, setup=split, starting_ms=phases.starting_ms(m, p))
     assert v.words == phases.RELAY_SATURATED, v
+    advice = phases.advice(v.words, p, 1200.0, split)
+    assert advice is not None and f"{p.get('relay_queue', 0.0) + split.relay_ms:.0f} ms in its own queues" in advice
 
 
 def test_a_tls_handshake_queued_for_a_starting_relay_is_relay_starting():

@@ -815,12 +815,14 @@ def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float
     return f"{_s(ms)}{share}"
 
 
-def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None) -> str | None:
-    """What to do about a verdict that is the relay's own, with its numbers; else None."""
+def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None, setup: Setup | None = None) -> str | None:
+    """What to do about a verdict that is the relay's own, with its numbers; else None. `setup`:
+    a first request's, whose connection may have waited for the relay before its request."""
     if verdict != RELAY_SATURATED:
         return None
+    queued = phases.get("relay_queue", 0.0) + (setup.relay_ms if setup is not None else 0.0)
     return (
-        f"The relay was the slow hop: {phases.get('relay_queue', 0.0):.0f} ms in its own queues, its event loop "
+        f"The relay was the slow hop: {queued:.0f} ms in its own queues, its event loop "
         f"up to {loop_lag_ms or 0.0:.0f} ms late. Run more workers (scripts/relay --workers N, one per core), "
         "keep other work off its cores, or switch off addons it does not need (relay_timing_console, relay_trim)."
     )

@@ -294,9 +294,8 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         starting_ms=phases.starting_ms(rec.marks, rec.phases),
         status=rec.status,
         upstream_answered=upstream_answered(rec),
-        # The path's own round trip for the handshakes: not the time lost to retransmissions.
-        setup=phases.setup(rec.marks, client_rtt_ms=rec.client_min_rtt_ms or rec.client_rtt_ms,
-                           round_trips=rec.client_setup_round_trips, loop_lag_ms=rec.loop_lag_ms),
+        setup=connection_setup(rec.marks, rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_setup_round_trips,
+                               rec.loop_lag_ms),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
@@ -306,6 +305,14 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+
+
+def connection_setup(marks: Mapping[str, float], client_min_rtt_ms: float | None, client_rtt_ms: float | None,
+                     round_trips: int | None, loop_lag_ms: float | None) -> phases.Setup | None:
+    """Where a connection's first request's set-up went (`phases.setup`), from its record's fields:
+    the handshakes' round trips are the path's own (its minimum RTT), not time lost to retransmissions."""
+    return phases.setup(marks, client_rtt_ms=client_min_rtt_ms or client_rtt_ms, round_trips=round_trips,
+                        loop_lag_ms=loop_lag_ms)
 
 
 def upstream_answered(rec: Record) -> bool:
@@ -402,7 +409,9 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
         rate = rec.get("output_tokens_per_s")
         stream = f"; {rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}" + (f", {rate} tok/s" if rate else "")
     lines.append(f"Connection {conn}, rtt {_ms(rec.get('rtt_ms'))}{stream}.")
-    if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms")):
+    setup = connection_setup(rec.get("marks") or {}, rec.get("client_min_rtt_ms"), rec.get("client_rtt_ms"),
+                             rec.get("client_setup_round_trips"), rec.get("loop_lag_ms"))
+    if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms"), setup):
         lines.append(advice)
     if rec.get("error"):
         lines.append(printable(f"Error ({rec.get('error_phase')}): {rec['error']}"))
