@@ -34,6 +34,7 @@ from ttft_relay.testing.fakes.client import HttpConnection
 from ttft_relay.testing.fakes.link import FAR, NEAR, FarLink
 from ttft_relay.testing.fakes.upstream import FakeUpstream
 from ttft_relay.testing.fakes.ws_client import WebSocketClient
+from ttft_relay.observe import prefill
 from ttft_relay.testing.harness import REPO, MitmdumpProcess, read_records
 from ttft_relay.timing import phases
 
@@ -71,13 +72,13 @@ def relay_in(side: link.Side, modes: list[str], confdir: Path, log: Path, **opti
 class Workers:
     """`ttft-relay run --workers N` in a namespace, on RELAY_PORT; records in `log`'s directory."""
 
-    def __init__(self, side: link.Side, n: int, upstream: str, confdir: Path, log: Path) -> None:
+    def __init__(self, side: link.Side, n: int, upstream: str, confdir: Path, log: Path, **options: object) -> None:
         from ttft_relay import config
 
         args = [sys.executable, "-m", "ttft_relay", "run", "--workers", str(n),
                 "--mode", f"reverse:{upstream}@{RELAY_PORT}", "--listen-host", "0.0.0.0"]
         for name, value in {**config.MITMPROXY_DEFAULTS, **RELAY_OPTIONS, "confdir": confdir,
-                            "relay_timing_log": log}.items():
+                            "relay_timing_log": log, **options}.items():
             args += ["--set", f"{name}={str(value).lower() if isinstance(value, bool) else value}"]
         self.log = log
         self.proc = subprocess.Popen(side.adopt(args), cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""},
@@ -290,7 +291,7 @@ UPSTREAM_OWN = (phases.UPSTREAM_WAIT, phases.UPSTREAM_QUEUEING)
 """The upstream's own wait: before the relay has learned this upstream · model, and beyond it."""
 
 
-def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool) -> list[str]:
+def upstream_requests(relay: MitmdumpProcess | str, n: int, label: str, *, fresh: bool, body: dict = BODY) -> list[str]:
     """`n` requests from a client beside the relay (call inside its namespace): each on a
     connection of its own (so each opens an upstream connection), or all on one kept-alive
     connection. Returns their request ids."""
@@ -301,8 +302,8 @@ def upstream_requests(relay: MitmdumpProcess, n: int, label: str, *, fresh: bool
             if conn is None or fresh:
                 if conn is not None:
                     conn.close()
-                conn = HttpConnection(relay.url())
-            response = conn.request("POST", "/v1/chat/completions", BODY, {"x-request-id": rid})
+                conn = HttpConnection(relay if isinstance(relay, str) else relay.url())
+            response = conn.request("POST", "/v1/chat/completions", body, {"x-request-id": rid})
             assert response.status == 200, response.read()
             response.read()
     finally:
@@ -347,9 +348,10 @@ def test_a_far_upstream_is_its_network_and_a_lossy_one_is_told_apart_from_a_slow
     assert all(records[rid]["verdict"] in UPSTREAM_LINK for rid in fresh), table(fresh)
     assert all(records[rid]["verdict"] == phases.UPSTREAM_NETWORK for rid in kept[1:]), table(kept)
     # Slow: the same link, a server that takes its time: the upstream's own wait (queueing, once
-    # the relay has learned how fast this upstream · model answers), no loss.
+    # the relay has learned how fast this upstream · model answers), no loss. (The first opens
+    # its connection: its connect, TLS and round trip cost the link as much as the server's delay.)
     assert all(records[rid]["verdict"] in UPSTREAM_OWN and not records[rid]["upstream_retransmits"]
-               and not records[rid]["upstream_out_of_order"] for rid in slow), table(slow)
+               and not records[rid]["upstream_out_of_order"] for rid in slow[1:]), table(slow)
     # Lossy: told apart from a slow server. The loss a request met is in its record, and names
     # the link wherever the record can time it: a request resent (the kernel's last send of
     # it), an answer segment lost and sent again (one round trip at least). An answer segment
@@ -387,3 +389,103 @@ def test_websocket_turns_of_a_far_client_are_named_client_network(far_link, fake
     named = [(r["turn"], r["client_min_rtt_ms"], r["ttft_ms"], r["verdict"]) for r in turns]
     assert len(turns) == 3 and all(r["client_min_rtt_ms"] >= 1.8 * CLIENT_ONE_WAY_MS for r in turns), named
     assert all(r["verdict"] == phases.CLIENT_NETWORK for r in turns), named
+
+
+LONG_BODY = {**BODY, "messages": [{"role": "user", "content": "Say hello. " + "context " * 2000}]}
+"""A 16 kB request: more than a fresh connection's first flight (ten segments) carries."""
+NAMED_SHARE = 0.95
+
+
+@pytest.mark.parametrize("jitter_ms, n_workers", [(0, 1), (20, 1), (0, 2)], ids=["steady", "jitter", "workers"])
+def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_its_wait(far_link, certs, confdir,
+                                                                                      tmp_path, jitter_ms, n_workers):
+    """Relay → provider 100 ms round trip, TLS, fresh connections carrying 16 kB: each part of the
+    link (connect, TLS, the round trip, the upload's second flight) is a round trip, none a quarter
+    of the first token's wait alone; together they are most of it, and the link is the one named,
+    by a relay alone or by each of `--workers 2`."""
+    far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, jitter_ms=jitter_ms, seed=13)
+    with far.far.entered():
+        fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip).start()
+    upstream = f"https://{far.far.ip}:{fake.port}"
+    log = tmp_path / "timing.jsonl"
+    try:
+        fake.behaviour.prefill_ms = 30
+        if n_workers == 1:
+            # The test CA names localhost, not the far side's address: TLS is real, its name unchecked.
+            relay = relay_in(far.near, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, log, ssl_insecure=True)
+            with relay, far.near.entered():
+                fresh, kept = far_provider_requests(f"http://127.0.0.1:{RELAY_PORT}")
+                records = {r["request_id"]: r for r in relay.log.wait(len(fresh) + len(kept))}
+            output = relay.text()
+        else:
+            workers = Workers(far.near, n_workers, upstream, confdir, log, ssl_insecure=True)
+            try:
+                wait_until_serving(far.near, ("127.0.0.1", RELAY_PORT), workers.proc)
+                with far.near.entered():
+                    fresh, kept = far_provider_requests(f"http://127.0.0.1:{RELAY_PORT}")
+                deadline = time.monotonic() + 10
+                while len(records := {r["request_id"]: r for r in workers.records()}) < len(fresh) + len(kept) + 1:
+                    assert time.monotonic() < deadline, f"{len(records)} records of {len(fresh) + len(kept) + 1}"
+                    time.sleep(0.05)  # the workers write their records moments after the answers
+            finally:
+                output = workers.stop()
+    finally:
+        fake.stop()
+    assert "Addon error" not in output, output[-3000:]
+    table = {rid[:8]: (records[rid]["verdict"], records[rid]["ttft_ms"], records[rid]["rtt_ms"],
+                       {k: round(v) for k, v in records[rid]["phases"].items()}) for rid in fresh + kept}
+    for ids in (fresh, kept[1:]):
+        named = [rid for rid in ids if records[rid]["verdict"] in UPSTREAM_LINK]
+        assert len(named) >= NAMED_SHARE * len(ids), table
+    # The upload's second flight is measured on the upstream socket, as the link's ...
+    uploads = [records[rid]["phases"].get("upstream_upload", 0.0) for rid in fresh]
+    assert statistics.median(uploads) >= 0.5 * 2 * UPSTREAM_ONE_WAY_MS, table
+    # ... and kept out of the upstream's own wait, which the prefill line is learned from.
+    own = [prefill.own_wait(records[rid]) for rid in fresh + kept]
+    assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)
+
+
+def far_provider_requests(origin: str) -> tuple[list[str], list[str]]:
+    """20 requests of 16 kB each on a connection of its own (each opens an upstream connection),
+    then 10 on one kept-alive connection."""
+    return (upstream_requests(origin, 20, "fresh", fresh=True, body=LONG_BODY),
+            upstream_requests(origin, 10, "kept", fresh=False, body=LONG_BODY))
+
+
+FAR_CLIENT_PREFILL_MS = 600
+"""Long enough that one client round trip (150 ms) is under a quarter of the first token."""
+LEARNING = 10
+"""Requests that teach the relay this upstream · model's first token (prefill.MIN_SAMPLES of them, and more)."""
+
+
+def test_a_far_clients_handshake_counts_in_its_first_requests_wait(far_link, fake_in, confdir, tmp_path):
+    """A far client on fresh connections: its TCP handshake is a round trip it waited before its
+    request, which the request's own clock does not see. Judged from its SYN, the link (the
+    handshake and the request's round trip) is a third of what it felt: named, where the request's
+    round trip alone (a fifth of its first token) read `ok`."""
+    far = far_link(delay_ms=CLIENT_ONE_WAY_MS, seed=9)
+    upstream = fake_in(far.far, prefill_ms=FAR_CLIENT_PREFILL_MS)
+    relay = relay_in(far.far, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, tmp_path / "timing.jsonl")
+    origin = f"http://{far.far.ip}:{RELAY_PORT}"
+    with relay:
+        with far.near.entered():
+            conn = HttpConnection(origin)
+        with conn:
+            learning = [one_request(conn, False, time.time()) for _ in range(LEARNING)]
+        fresh = []
+        for _ in range(20):
+            began = time.time()
+            with far.near.entered():
+                conn = HttpConnection(origin)
+            with conn:
+                fresh.append(one_request(conn, True, began))
+        records = {r["request_id"]: r for r in relay.log.wait(len(learning) + len(fresh))}
+    assert "Addon error" not in relay.text()
+    mine = [records[s.request_id] for s in fresh]
+    table = [(r["verdict"], r["ttft_ms"], r["expected_ttft_ms"], r["client_min_rtt_ms"],
+              r["phases"].get(phases.SETUP_PHASE), r["verdict_detail"]) for r in mine]
+    # The relay had learned what this upstream · model takes: the first token was in line with it.
+    assert all(r["expected_ttft_ms"] is not None for r in mine), table
+    named = [r for r in mine if r["verdict"] == phases.CLIENT_NETWORK and "handshakes" in r["verdict_detail"]]
+    assert len(named) >= NAMED_SHARE * len(mine), table
+    assert all(r["client_setup_round_trips"] == 0 and "client_tcp" in r["marks"] for r in mine), table

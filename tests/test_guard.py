@@ -401,6 +401,7 @@ def test_wrong_or_missing_relay_keys_get_401_in_the_apis_own_format(keyed_relay,
     assert len(records) == 3  # the in-scope calls; /health is not an LLM call
     assert all(r["status"] == 401 and r["error_phase"] == "relay" for r in records)
     assert {r["error"] for r in records} == {"relay access key not accepted"}
+    assert {r["verdict"] for r in records} == {"refused by relay: key not accepted"}
 
 
 # --- end to end: no secret in any output --------------------------------------------------

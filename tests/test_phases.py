@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from ttft_relay.timing import phases
 
-CRITICAL_UP_TO_TTFT = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token")
+CRITICAL_UP_TO_TTFT = ("client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_upload", "upstream_wait",
+                       "head_to_first_token")
 
 
 def stream_marks(**overrides: float) -> dict[str, float]:
@@ -134,8 +135,8 @@ ms = st.floats(min_value=0, max_value=5000, allow_nan=False)
 
 
 @given(body=ms, relay=ms, conn_at=st.floats(-5000, 5000), connect=ms, tls=ms, tls_on=st.booleans(),
-       new=st.booleans(), wait=ms, prefill=ms, accept=ms)
-def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_on, new, wait, prefill, accept):
+       new=st.booleans(), wait=ms, prefill=ms, accept=ms, upload=st.none() | st.floats(-100, 6000))
+def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_on, new, wait, prefill, accept, upload):
     fwd = body + relay
     m = {"request_body": body, "forwarded": fwd}
     if new and conn_at < 0:
@@ -149,8 +150,11 @@ def test_critical_phases_add_up_to_ttft(body, relay, conn_at, connect, tls, tls_
             m["upstream_tls"] = ready = conn_at + connect + tls
     head = max(fwd, ready) + wait
     m |= {"response_head": head, "first_token": head + prefill, "last_token": head + prefill, "end": head + prefill}
+    if upload is not None:  # the kernel's last send of the request: any reading, even a wrong one
+        m["upstream_sent"] = max(fwd, ready) + upload
     p = phases.compute(m, tokens_expected=True)
     assert all(p[name] >= 0 for name in CRITICAL_UP_TO_TTFT if name in p)
+    assert ("upstream_upload" in p) == (upload is not None)
     assert sum(p.get(name, 0.0) for name in CRITICAL_UP_TO_TTFT) == pytest.approx(p["ttft"], abs=0.01)
     assert ("upstream_connect" in p) == new
     assert ("upstream_tls" in p) == (new and tls_on)
@@ -172,10 +176,58 @@ def test_verdict_far_upstream_differs_from_slow_upstream():
     assert phases.verdict({"upstream_wait": 20, "head_to_first_token": 400}, rtt_ms=10) == phases.UPSTREAM_WAIT
 
 
-def test_verdict_near_tie_goes_to_the_handshake():
-    # A fresh TLS connection to a far upstream: the handshake and the request cost one round trip each.
+def test_a_handshake_is_named_only_where_it_cost_most_of_the_link():
+    # A fresh TLS connection to a far upstream: the handshake and the request cost one round trip
+    # each, the link as a whole is named; a handshake that cost more than the rest is named itself.
     p = {"client_upload": 1, "relay": 1, "upstream_connect": 1, "upstream_tls": 203, "upstream_wait": 255}
-    assert phases.verdict(p, rtt_ms=205) == phases.UPSTREAM_TLS
+    assert phases.verdict(p, rtt_ms=205) == phases.UPSTREAM_NETWORK
+    assert phases.verdict(p | {"upstream_tls": 900}, rtt_ms=205) == phases.UPSTREAM_TLS
+
+
+def far_provider_phases(connect: float = 100.0, tls: float = 105.0, upload_rtt: float = 120.0) -> dict[str, float]:
+    """A fresh TLS connection 100 ms from the relay, a 16 kB request that takes a second flight."""
+    m = stream_marks(upstream_connect_start=3.5, upstream_tcp=3.5 + connect, upstream_tls=3.5 + connect + tls)
+    sent = m["upstream_tls"]
+    m |= {"upstream_sent": sent + upload_rtt, "response_head": sent + upload_rtt + 130.0}
+    m |= {"first_byte": m["response_head"] + 1, "first_event": m["response_head"] + 1,
+          "first_token": m["response_head"] + 40.0}
+    return phases.compute(m, tokens_expected=True)
+
+
+def test_the_requests_upload_beyond_its_first_flight_is_the_links_not_the_upstreams_wait():
+    p = far_provider_phases()
+    assert p["upstream_upload"] == 120.0 and p["upstream_wait"] == 130.0
+    assert sum(p.get(name, 0.0) for name in CRITICAL_UP_TO_TTFT) == pytest.approx(p["ttft"])
+    c = phases.contributions(p, rtt_ms=100.0)
+    assert c[phases.UPSTREAM_NETWORK] == 100.0 + 120.0
+    assert c[phases.UPSTREAM_WAIT] == 30.0 + 40.0  # the upstream's own: what prefill is learned from
+    # A kernel reading past the head (a clock's jiffy) never makes the wait negative.
+    late = stream_marks(upstream_sent=90.0, response_head=60.0)
+    assert phases.compute(late, tokens_expected=True)["upstream_wait"] == 0.0
+
+
+@pytest.mark.parametrize("connect, tls, upload, words", [
+    (100.0, 105.0, 120.0, phases.UPSTREAM_NETWORK),  # each part under a quarter of the wait: the link is one hop
+    (100.0, 105.0, 0.0, phases.UPSTREAM_NETWORK),  # a round trip in each part: none dominates
+    (100.0, 500.0, 0.0, phases.UPSTREAM_TLS),  # a server slow in its handshake
+    (1100.0, 105.0, 0.0, phases.UPSTREAM_CONNECT),  # a SYN lost: the connect took its 1 s timeout
+])
+def test_a_far_providers_link_is_judged_as_one_hop_named_after_its_largest_part(connect, tls, upload, words):
+    p = far_provider_phases(connect, tls, upload)
+    v = phases.judge(p, rtt_ms=100.0)
+    assert v.words == words, (v, p)
+    assert v.detail is not None and v.detail.startswith("the link to the upstream")
+    assert "round trips" in v.detail
+
+
+def test_a_link_whose_every_part_is_under_a_quarter_of_the_wait_is_named_as_one_hop():
+    # connect, TLS and the request's round trip 100 ms each, the upstream's own 150 ms: no part
+    # is a quarter of the ~460 ms wait (each was judged alone, and the verdict was `ok`).
+    p = far_provider_phases(100.0, 100.0, 0.0) | {"upstream_wait": 210.0, "head_to_first_token": 40.0}
+    p["ttft"] = sum(p.get(name, 0.0) for name in CRITICAL_UP_TO_TTFT)
+    c = phases.contributions(p, rtt_ms=100.0)
+    assert all(c[part] < phases.SHARE * p["ttft"] for part in phases.UPSTREAM_LINK), (c, p["ttft"])
+    assert phases.verdict(p, rtt_ms=100.0) == phases.UPSTREAM_NETWORK
 
 
 @pytest.mark.parametrize("phase, words", [
@@ -204,6 +256,30 @@ def test_the_longest_gap_counts_as_a_stall_only_after_the_first_token():
 def test_error_verdicts_name_the_phase():
     assert phases.verdict({}, error="boom", error_phase="upstream_tls") == "error in upstream TLS"
     assert phases.verdict({}, error="x", error_phase="upstream_wait", client_aborted=True) == "client aborted in upstream wait"
+
+
+@pytest.mark.parametrize("error, phase, status, answered, words", [
+    ("HTTP 429", "upstream_wait", 429, True, "upstream refused: rate limited (429)"),
+    ("HTTP 529", "upstream_wait", 529, True, "upstream refused: overloaded (529)"),
+    ("HTTP 500", "upstream_wait", 500, True, "upstream failed: internal error (500)"),
+    ("HTTP 418", "upstream_wait", 418, True, "upstream refused: status 418 (418)"),
+    ("relay access key not accepted", "relay", 401, False, "refused by relay: key not accepted"),
+    (phases.RELAY_SHUTTING_DOWN, "upstream_wait", 503, False, phases.RELAY_SHUTTING_DOWN),
+    (phases.RELAY_SHUTTING_DOWN, "relay", 503, False, phases.RELAY_SHUTTING_DOWN),
+    ("connect timed out", "upstream_connect", 504, False, "error in upstream connect"),  # the relay's 504
+    ("boom", "relay", None, False, "error in relay"),
+])
+def test_a_refusal_names_who_refused_and_why(error, phase, status, answered, words):
+    p = {"client_upload": 1.0, "relay": 1.0, "upstream_wait": 1000.0, "total": 1002.0}
+    v = phases.judge(p, error=error, error_phase=phase, status=status, upstream_answered=answered)
+    assert v.words == words
+    assert v.detail is not None and "upstream wait 1.0 s" in v.detail  # where its time went
+
+
+def test_a_stops_cut_says_the_phase_it_cut():
+    v = phases.judge({"upstream_wait": 1005.0, "total": 1006.0}, error=phases.RELAY_SHUTTING_DOWN,
+                     error_phase="upstream_wait", status=503)
+    assert v == phases.Verdict(phases.RELAY_SHUTTING_DOWN, "ended in upstream wait after 1.0 s (upstream wait 1.0 s)")
 
 
 @pytest.mark.parametrize("marks, tls, expected", [
@@ -478,3 +554,104 @@ def test_a_failed_requests_phases_add_up_to_its_total(queue_in, body, relay, wai
     p = phases.compute(m, tokens_expected=True, unfinished=unfinished)
     covered = sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES)
     assert covered == pytest.approx(p["total"], abs=0.01)
+
+
+# --- the first request on a connection: the wait the client felt, from its SYN ------------
+
+
+def first_request_marks(*, syn: float, tcp: float, accepted: float, tls: float | None, **more: float) -> dict[str, float]:
+    m = stream_marks(client_syn=syn, client_tcp=tcp, client_connect=accepted, **more)
+    if tls is not None:
+        m["client_tls"] = tls
+    return m
+
+
+def test_a_far_clients_handshakes_are_client_network_and_its_idle_time_no_ones():
+    # 150 ms round trips: the TCP handshake, one TLS 1.3 round trip; the client then idled 500 ms.
+    m = first_request_marks(syn=-1150.0, tcp=-1000.0, accepted=-1000.0, tls=-850.0)
+    split = phases.setup(m, client_rtt_ms=150.0, round_trips=1)
+    assert split == phases.Setup(client_ms=300.0, relay_ms=0.0, starting_ms=0.0, upstream_connect_ms=0.0,
+                                 upstream_tls_ms=0.0)
+    # Its first token 700 ms after the request, in line with what its prompt predicts: alone, a
+    # 150 ms round trip is not a quarter of it; with the handshakes it felt 1 s, 450 ms the link.
+    p = {"client_upload": 2.0, "relay": 1.0, "upstream_wait": 680.0, "head_to_first_token": 17.0, "ttft": 700.0}
+    line = phases.Expectation(own_ms=690.0, tolerance_ms=250.0, prompt_ms=0.0, uncached_tokens=10, cached_tokens=0,
+                              ms_per_1k=None, learned_from=8)
+    assert phases.verdict(p, client_rtt_ms=150.0, expectation=line) == phases.OK
+    v = phases.judge(p, client_rtt_ms=150.0, expectation=line, setup=split)
+    assert v.words == phases.CLIENT_NETWORK and "handshakes 300 ms" in v.detail, v
+
+
+@pytest.mark.parametrize("tls", [None, -3000.0])
+def test_a_connection_the_relay_accepted_late_is_the_relays_on_every_listener(tls):
+    # The kernel did the handshake at -4010; the relay accepted the connection at -3010 (plain: the
+    # request had arrived with it, the kernel held it: relay_queue from client_arrived on).
+    m = first_request_marks(syn=-4012.0, tcp=-4010.0, accepted=-3010.0, tls=tls)
+    if tls is None:
+        m |= {"client_arrived": -4009.0}
+    else:
+        m |= {"client_connect": -3010.0}
+    # The relay's event loop ran up to 1.2 s late meanwhile.
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=0 if tls is None else 1, loop_lag_ms=1200.0)
+    p = phases.compute(m, tokens_expected=True)
+    if tls is None:
+        # What the kernel held after the request's first byte is relay_queue already: never twice.
+        assert split.relay_ms == pytest.approx(1.0) and p["relay_queue"] == pytest.approx(4009.0)
+    else:
+        assert split.relay_ms == pytest.approx(1000.0 + 9.0)  # the accept queue, the handshake's end read late
+        assert p[phases.SETUP_PHASE] == pytest.approx(4012.0)
+    v = phases.judge(p, client_rtt_ms=1.0, setup=split, starting_ms=phases.starting_ms(m, p))
+    assert v.words == phases.RELAY_SATURATED, v
+    advice = phases.advice(v.words, p, 1200.0, split)
+    assert advice is not None and f"{p.get('relay_queue', 0.0) + split.relay_ms:.0f} ms in its own queues" in advice
+
+
+def test_a_tls_handshake_queued_for_a_starting_relay_is_relay_starting():
+    # The supervisor's listener took the connection 4.3 s before this worker served (relay_serving).
+    m = first_request_marks(syn=-4350.0, tcp=-4349.0, accepted=-60.0, tls=-55.0, relay_serving=-62.0)
+    p = phases.compute(m, tokens_expected=True)
+    split = phases.setup(m, client_rtt_ms=0.5, round_trips=1)
+    assert split.starting_ms == pytest.approx(4349.0 - 62.0)
+    v = phases.judge(p, client_rtt_ms=0.5, setup=split, starting_ms=phases.starting_ms(m, p))
+    assert v.words == phases.RELAY_STARTING and "while it started" in v.detail, v
+    assert v.detail is not None and "before the relay read the new connection's request" in v.detail
+
+
+def test_an_upstream_connect_the_client_handshake_waited_on_is_the_upstreams():
+    # HTTPS-proxy mode: mitmproxy connects upstream (300 ms) inside the client's TLS handshake.
+    m = first_request_marks(syn=-402.0, tcp=-401.0, accepted=-400.0, tls=-50.0,
+                            upstream_connect_start=-399.0, upstream_tcp=-250.0, upstream_tls=-100.0)
+    split = phases.setup(m, client_rtt_ms=1.0, round_trips=2, loop_lag_ms=20.0)
+    assert (split.upstream_connect_ms, split.upstream_tls_ms) == (pytest.approx(149.0), pytest.approx(150.0))
+    assert split.client_ms == pytest.approx(1.0 + 2.0)  # the TCP handshake, two TLS 1.2 round trips
+    # The accept; of the handshake's 49 ms after the connect, what the loop's lag explains (the
+    # rest: the handshake's own work at either end, no one's hop).
+    assert split.relay_ms == pytest.approx(1.0 + 20.0)
+
+
+def test_a_slow_tls_handshake_of_a_relay_neither_busy_nor_starting_is_no_ones():
+    # 80 ms of crypto on a loaded machine: no lag, no start. Not a reason to run more workers.
+    m = first_request_marks(syn=-82.0, tcp=-81.0, accepted=-81.0, tls=-0.5)
+    split = phases.setup(m, client_rtt_ms=0.1, round_trips=1, loop_lag_ms=2.0)
+    assert split.relay_ms == pytest.approx(2.0)
+    p = {"client_upload": 0.5, "relay": 0.5, "upstream_wait": 60.0, "head_to_first_token": 9.0, "ttft": 70.0}
+    line = phases.Expectation(own_ms=69.0, tolerance_ms=250.0, prompt_ms=0.0, uncached_tokens=10, cached_tokens=0,
+                              ms_per_1k=None, learned_from=8)
+    assert phases.verdict(p, client_rtt_ms=0.1, expectation=line, setup=split) == phases.OK
+
+
+def test_a_kept_alive_request_has_no_setup():
+    assert phases.setup(stream_marks(), client_rtt_ms=150.0, round_trips=1) is None
+
+
+def test_an_early_connect_that_never_finished_is_upstream_connect_not_the_relays_queue():
+    # An address that black-holes: the connect opened as the client connected ran 10 s until it
+    # failed; the request, in the kernel all along, was read after (it read relay_queue 9,996 ms).
+    m = {"client_connect": -10001.0, "client_arrived": -10000.0, "upstream_connect_start": -9999.0,
+         "request_body": 0.5, "forwarded": 1.0, "end": 2.0}
+    unfinished = phases.error_phase(m, tls_expected=True, tokens_expected=True)
+    assert unfinished == "upstream_connect"
+    p = phases.compute(m, tokens_expected=True, unfinished=unfinished)
+    assert p["upstream_connect"] == pytest.approx(9999.0 + 1.0)
+    assert p["relay_queue"] == pytest.approx(1.0)
+    assert sum(p.get(name, 0.0) for name in phases.CRITICAL_PHASES) == pytest.approx(p["total"])

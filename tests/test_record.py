@@ -39,7 +39,7 @@ def test_a_websocket_handshake_has_no_first_token_and_its_failure_names_the_tran
     assert not ok["verdict"].startswith(record.WEBSOCKET_HANDSHAKE_FAILED)
     failed = make(transport=record.WEBSOCKET, turn=0, marks=marks, tokens_expected=False, status=404,
                   error="HTTP 404", error_phase="upstream_wait")
-    assert failed["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: error in upstream wait"
+    assert failed["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: upstream refused: not found (404)"
     hung = make(transport=record.WEBSOCKET, turn=0, marks={"request_body": 0.5, "forwarded": 1.0, "end": 15000.0},
                 tokens_expected=False, status=None, client_aborted=True)
     assert hung["verdict"] == f"{record.WEBSOCKET_HANDSHAKE_FAILED}: client aborted in upstream wait"
@@ -95,7 +95,8 @@ def test_record_has_every_key_and_plain_json_values():
     assert rec["ttft_ms"] == 460.0
     assert rec["phases"]["upstream_tls"] == 200.0
     assert rec["output_tokens_per_s"] == 200.0  # 200 tokens over one second
-    assert rec["verdict"] == phases.UPSTREAM_TLS
+    # The link to a far upstream: its TLS handshake and the request's round trip, one hop.
+    assert rec["verdict"] == phases.UPSTREAM_NETWORK
 
 
 def test_rate_falls_back_to_token_events():
@@ -120,18 +121,23 @@ def test_long_errors_are_cut():
     assert len(make(error="x" * 5000)["error"]) == text.ERROR_MAX
 
 
+LINK_COMMENT = ("upstream network (round trip): the link to the upstream 400 ms, 87% of the 460 ms to the first "
+                "token (connect 0 ms, TLS 200 ms, round trips 200 ms).")
+
+
 def test_summary_line_and_comment():
     rec = make()
     line = record.summary_line(rec)
     assert "ttft 460 ms" in line and "upstream_wait 247" in line
-    assert line.endswith("→ upstream TLS: 200 ms, 43% of the 460 ms to the first token")
+    assert line.endswith("→ upstream network (round trip): the link to the upstream 400 ms, 87% of the 460 ms to the "
+                         "first token (connect 0 ms, TLS 200 ms, round trips 200 ms)")
     text = record.comment(rec)
     # mitmweb's Comment column shows the start: the verdict and its numbers first.
-    assert text.splitlines()[0] == "upstream TLS: 200 ms, 43% of the 460 ms to the first token."
+    assert text.splitlines()[0] == LINK_COMMENT
     assert "upstream_wait 247" in text.splitlines()[2]
     assert "Connection new, rtt 200 ms; 120 chunks" in text
     assert record.comment(rec, slow=True).splitlines()[:2] == [
-        "upstream TLS: 200 ms, 43% of the 460 ms to the first token.", "SLOW: ttft 460 ms."]
+        LINK_COMMENT, "SLOW: ttft 460 ms."]
     judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
                          "last_token": 3000.0, "end": 3001.0})
     record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),

@@ -8,7 +8,9 @@ every client has its first events.
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
+import time
 
 import orjson
 import pytest
@@ -53,9 +55,31 @@ def test_a_clean_stop_records_and_tells_every_stream_in_flight(signum, fake, sta
     recs = read_records(tmp_path / "timing.jsonl")
     assert len(recs) == len(open_streams), recs
     for rec in recs:
-        assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay", rec
-        assert rec["verdict"] == "error in relay" and rec["client_aborted"] is False
+        # Cut mid-stream: the phase it was in, not the relay's.
+        assert rec["error"] == "relay shutting down", rec
+        assert rec["error_phase"] in ("head_to_first_token", "stream"), rec
+        assert rec["verdict"] == "relay shutting down" and rec["client_aborted"] is False
         assert rec["status"] == 200  # what the client got: the head went out before the stop
+
+
+def test_a_request_the_stop_cut_in_the_upstreams_wait_keeps_that_wait_in_its_phase(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake))
+    fake.behaviour.head_delay_ms = 60_000  # the upstream is still thinking when the relay stops
+    path, body = body_for(apis.OPENAI_CHAT, stream=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(client.request, "POST", relay.url() + path, body, timeout=WAIT)
+        assert fake.wait_received(1, WAIT)
+        time.sleep(0.5)  # the scenario, not a sync: the upstream's wait runs on for a while before the stop
+        relay.proc.send_signal(signal.SIGTERM)
+        conn, response = sent.result(WAIT)
+    with conn:
+        assert response.status == 503 and "relay shutting down" in response.read().decode()
+    assert relay.proc.wait(WAIT) == 0
+    (rec,) = read_records(tmp_path / "timing.jsonl")
+    assert rec["error"] == "relay shutting down" and rec["error_phase"] == "upstream_wait", rec
+    assert rec["verdict"] == "relay shutting down" and "in upstream wait" in rec["verdict_detail"], rec
+    # The time went to the upstream's wait, not to the relay (it read `relay 1005` once).
+    assert rec["phases"]["upstream_wait"] >= 0.8 * rec["phases"]["total"], rec
 
 
 def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, start_relay, tmp_path):
@@ -80,6 +104,7 @@ def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, st
     assert set(recs) == {200, 503}
     assert recs[200]["error"] is None
     assert recs[503]["error"] == "relay shutting down" and recs[503]["error_phase"] == "relay"
+    assert recs[503]["verdict"] == "relay shutting down"
 
 
 def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
@@ -95,5 +120,5 @@ def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):
         t.done()
         t.error(f)  # what mitmproxy does once it cancels the connection: no second record
     (rec,) = read_records(tmp_path / "timing.jsonl")
-    assert rec["error"] == "relay shutting down" and rec["error_phase"] == "relay"
-    assert rec["verdict"] == "error in relay" and rec["status"] is None
+    assert rec["error"] == "relay shutting down" and rec["error_phase"] == "client_upload"
+    assert rec["verdict"] == "relay shutting down" and rec["status"] is None

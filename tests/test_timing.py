@@ -64,7 +64,7 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
     assert rec["rtt_ms"] == pytest.approx(200.0)
     assert rec["marks"]["upstream_tls"] == pytest.approx(213.0)
     assert rec["phases"]["upstream_tls"] == pytest.approx(200.0)
-    assert f.comment.startswith("upstream TLS: 200 ms, ")  # the verdict first
+    assert f.comment.startswith("upstream network (round trip): the link to the upstream 401 ms, ")  # the verdict first
     assert f.comment.splitlines()[1].startswith("SLOW: ttft ")  # relay_slow_ms=100
     assert f.marked == timing.SLOW_MARKER
 
@@ -135,12 +135,14 @@ def test_client_abort_mid_stream_is_recorded_once(addon):
     assert rec["marks"]["end"] == pytest.approx(900.0)
 
 
-def test_http_error_is_an_error_in_upstream_wait(addon):
+def test_a_providers_429_reads_upstream_refused_rate_limited_in_upstream_wait(addon):
     f, _ = make_flow(stream=False, status=429)
     f.response.headers["content-type"] = "application/json"
     addon.response(f)
     (rec,) = records(addon)
-    assert rec["error"] == "HTTP 429" and rec["verdict"] == "error in upstream wait"
+    assert rec["error"] == "HTTP 429" and rec["error_phase"] == "upstream_wait"
+    assert rec["verdict"] == "upstream refused: rate limited (429)"
+    assert "upstream wait " in rec["verdict_detail"]  # where its time went
 
 
 def test_non_streamed_usage_from_the_body(addon):

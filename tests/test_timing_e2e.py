@@ -156,7 +156,8 @@ def test_far_upstream_lands_in_upstream_tls(fake_tls, far_fake_tls, relay_at, ri
         # The request's own round trip is in the wait, and the round trip estimate knows it.
         assert_within(rec["phases"]["upstream_wait"], 2 * ONE_WAY_MS, f"{api} upstream_wait", rec)
         assert_within(rec["rtt_ms"], 2 * ONE_WAY_MS, f"{api} rtt_ms", rec)
-        assert rec["verdict"] == phases.UPSTREAM_TLS, rec
+        # The link as one hop: its handshake and the request's round trip, a round trip each.
+        assert rec["verdict"] == phases.UPSTREAM_NETWORK, rec
         if strategy == "eager":
             assert rec["marks"]["upstream_connect_start"] < 0  # opened before the head was read
         else:
@@ -257,7 +258,7 @@ def test_regular_proxy_mode_https_through_connect(fake_tls, far_fake_tls, relay_
     assert first["upstream"] == f"localhost:{far_fake_tls.port}"
     if strategy == "lazy":
         assert_within(first["phases"]["upstream_tls"], 2 * ONE_WAY_MS, "upstream_tls", first)
-        assert first["verdict"] == phases.UPSTREAM_TLS, first
+        assert first["verdict"] == phases.UPSTREAM_NETWORK, first  # the link, as one hop
     else:
         # Eager: mitmproxy connected upstream during the client's own TLS handshake, before the
         # request's first byte: that handshake is the connection's set-up, not the request's wait.

@@ -25,6 +25,7 @@ from prometheus_client import multiprocess
 from benchmarks import soak
 from ttft_relay import workers
 from ttft_relay.observe import ledger, metrics
+from ttft_relay.timing import phases
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 
@@ -441,28 +442,44 @@ def test_a_worker_killed_before_it_is_ready_again_is_restarted_not_taken_for_a_s
         assert sup.stop() == 0, sup.tail()
 
 
-def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_saturated(fake, tmp_path, confdir):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_saturated(fake, tmp_path, confdir,
+                                                                                        certs, tls):
     # The supervisor listens before its first worker serves: a client that connects then waits in
-    # the kernel's queue for the start. That is no load to "run more workers" against.
+    # the kernel's queue for the start. That is no load to "run more workers" against. Over TLS
+    # (the VPS's listener) the wait is inside the client's handshake, before its request.
     port = workers.free_port()
-    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
+    more = ["--set", f"certs=localhost={certs.cert_and_key_pem}", "--set", "relay_client_tls=all"] if tls else []
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=", *more))
+
+    def post(headers: dict) -> int:
+        if not tls:
+            return _post(port, headers)
+        conn, resp = client.request("POST", f"https://localhost:{port}/v1/chat/completions", CHAT, headers,
+                                    ca=certs.ca_pem, timeout=30)
+        with conn:
+            resp.read()
+        return resp.status
+
     try:
         deadline = time.monotonic() + 60
         while True:  # polling for the supervisor's listener: the first connection it takes is queued
             try:
-                status = _post(port, {"x-request-id": "at-start"})
+                status = post({"x-request-id": "at-start"})
                 break
             except ConnectionRefusedError:
                 assert time.monotonic() < deadline and sup.proc.poll() is None, sup.tail()
                 time.sleep(0.005)
         assert status == 200
         sup.wait_for(READY)
-        assert _post(port, {"x-request-id": "served"}) == 200
+        assert post({"x-request-id": "served"}) == 200
     finally:
         assert sup.stop() == 0, sup.tail()
     recs = {r["request_id"]: r for r in _records(tmp_path / "timing.jsonl")}
     started = recs["at-start"]
-    assert "relay_serving" in started["marks"] and started["phases"]["relay_queue"] >= 50, started
+    assert "relay_serving" in started["marks"], started
+    queued = started["phases"][phases.SETUP_PHASE] if tls else started["phases"]["relay_queue"]
+    assert queued >= 50, started
     assert started["verdict"] == "relay starting", started
     assert "while it started" in started["verdict_detail"]
     # Once the workers serve, what a request waits is its own (a worker that began to serve a few

@@ -513,7 +513,8 @@ class Shutdown:
             st = state.get(flow)
             if st is None or "forwarded" not in st.marks:
                 continue  # still uploading: timing records it
-            st.record_error(timing.SHUTDOWN_ERROR, phase="relay", status=SHUTDOWN_STATUS)
+            # Cut in the phase it was in (the upstream's wait, most often): its time went there.
+            st.record_error(timing.SHUTDOWN_ERROR, status=SHUTDOWN_STATUS)
             _replying.add(flow)
             if not close_upstream(flow, timing.SHUTDOWN_ERROR):
                 _replying.discard(flow)

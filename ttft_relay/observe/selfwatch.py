@@ -22,7 +22,8 @@ wait or a stream stall: the network is blamed exactly when the relay is the caus
   connection and a lossy upstream apart from a slow one.
 - Per client connection, TCP_INFO as it is accepted tells how long the kernel's TCP
   handshake took (its round trip, or the SYN-ACK's retransmission timeouts): the
-  mark `client_syn` on its first request, where `connection_setup` begins.
+  marks `client_syn` (and `client_tcp`, its end) on its first request, where
+  `connection_setup` begins.
 - The client's figures are final only once it acknowledged the response: a segment
   lost on the way (the first token's among them) is retransmitted after the response
   hook. `settle` keeps the record back until then (every SETTLE_POLL_S, at most
@@ -264,8 +265,9 @@ class SelfWatch:
         self.counted: dict[str, Counters] = {}
         """Per connection id, its totals already counted in an earlier record (for a client
         at its accept, the handshake's time in retransmission timeouts: connection set-up)."""
-        self.handshakes: dict[str, float] = {}
-        """Per client id whose first request is still to come: when its SYN reached the relay."""
+        self.handshakes: dict[str, tuple[float, float]] = {}
+        """Per client id whose first request is still to come: when its SYN reached the relay,
+        and when its TCP handshake was done (the client's ACK in)."""
         self.settling: dict[str, http.HTTPFlow] = {}
         """Per client id, its flow whose client figures wait for the client's acknowledgement."""
         self.reordered: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
@@ -316,7 +318,7 @@ class SelfWatch:
         # The kernel's last receive is the handshake's end, or the client's first bytes
         # right after it; either way not after the accept.
         done = min(time.time() - info.last_data_recv_ms / 1000, client.timestamp_start)
-        self.handshakes[client.id] = done - handshake_ms(info) / 1000
+        self.handshakes[client.id] = (done - handshake_ms(info) / 1000, done)
         # The handshake's retransmits count in the first request; their time is its set-up's.
         self.counted[client.id] = Counters(0, info.rto_time_ms, 0 if info.out_of_order is not None else None)
 
@@ -343,8 +345,11 @@ class SelfWatch:
             self._settled(earlier)
         if state.get(flow) is None:
             return
-        if (syn := self.handshakes.pop(flow.client_conn.id, None)) is not None:
+        syn = None
+        if (handshake := self.handshakes.pop(flow.client_conn.id, None)) is not None:
+            syn, done = handshake
             state.mark(flow, "client_syn", syn)
+            state.mark(flow, "client_tcp", done)
         t = arrival(self._socket(flow, flow.client_conn), flow.request.timestamp_start)
         if t is not None:
             accepted = flow.client_conn.timestamp_start
@@ -378,6 +383,7 @@ class SelfWatch:
         upstream = self._socket(flow, flow.server_conn)
         if (t := arrival(upstream, flow.response.timestamp_start)) is not None:
             state.mark(flow, "head_arrived", t)
+        self._mark_sent(flow, upstream)
         self._count_reordered(flow, upstream)
         tap = flow.response.stream
         if hasattr(tap, "on_first_token"):  # streaming.StreamTap: it calls back once, after the first token
@@ -408,9 +414,13 @@ class SelfWatch:
         st = state.get(flow)
         if st is None or st.links is not None:
             return
-        start = min(st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
+        # From the client's SYN on a connection's first request: a busy loop may have read its handshake late.
+        start = min(st.marks.get("client_syn", flow.request.timestamp_start),
+                    st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
         # A WebSocket's handshake: its turns follow at once on the same connection.
         settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
+        if flow.response is None and flow.server_conn.timestamp_start is not None:
+            self._mark_sent(flow, self._socket(flow, flow.server_conn))
         self._mark_resent(flow, st)
         st.links = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3),
                     **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
@@ -444,6 +454,23 @@ class SelfWatch:
             st.links.update(self.side_links(flow, "client"))
             st.settle = None
 
+    def _mark_sent(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
+        """Mark `upstream_sent` if the relay's kernel sent the request's last byte at least
+        HOLD_MIN_MS after the relay wrote it (the request's upload took more round trips than
+        its first flight, or a segment was resent). Read as the head arrives, or as the request
+        fails without one: until then the relay sends an HTTP/1 upstream nothing but the
+        request. On HTTP/2 other streams' frames are sent meanwhile: nothing is marked."""
+        conn = flow.server_conn
+        if conn.alpn == b"h2" or (info := tcp_info(sock)) is None or info.last_data_sent_ms is None:
+            return
+        st = state.get(flow)
+        if st is None or (forwarded := st.marks.get("forwarded")) is None:
+            return
+        written = max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
+        last_sent = time.time() - info.last_data_sent_ms / 1000
+        if (last_sent - written) * 1000 >= HOLD_MIN_MS:
+            state.mark(flow, "upstream_sent", last_sent)
+
     def _mark_resent(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
         """Mark `upstream_resent` if the upstream connection retransmitted during the request:
         the kernel's last send on it then is the request's last resending (the relay sends
@@ -458,14 +485,15 @@ class SelfWatch:
 
     def _upstream_lost_ms(self, flow: http.HTTPFlow, st: state.FlowState) -> float:
         """What the upstream link lost to retransmissions before the first token: the request's
-        resending (`upstream_resent` after it was first sent) and, where answer packets came out
-        of order, one round trip: the least a lost segment costs (the sender learns of the
-        hole from the relay's acknowledgements)."""
+        resending (`upstream_resent` after it was first sent; already in the `upstream_upload`
+        phase where `upstream_sent` is marked) and, where answer packets came out of order, one
+        round trip: the least a lost segment costs (the sender learns of the hole from the
+        relay's acknowledgements)."""
         m = st.marks
         sent = max(t for t in (m.get("forwarded"), m.get("upstream_tcp"), m.get("upstream_tls")) if t is not None) \
             if m.get("forwarded") is not None else None
         lost = 0.0
-        if (resent := m.get("upstream_resent")) is not None and sent is not None:
+        if (resent := m.get("upstream_resent")) is not None and sent is not None and "upstream_sent" not in m:
             lost += max(0.0, resent - sent) * 1000
         if self.reordered.get(flow):
             info = tcp_info(self._socket(flow, flow.server_conn))

@@ -7,7 +7,7 @@
   const C = D.col, N = C.id.length, P = D.phases.length, M = D.marks.length;
   const PHASE_COLORS = {
     client_upload: "#7fb3d5", relay: "#af7ac5", relay_queue: "#d7bde2", upstream_connect: "#f5b041",
-    upstream_tls: "#dc7633", upstream_wait: "#2e86c1", head_to_first_token: "#48c9b0",
+    upstream_tls: "#dc7633", upstream_upload: "#eb984e", upstream_wait: "#2e86c1", head_to_first_token: "#48c9b0",
     response_body: "#58d68d", stream: "#a9dfbf",
     dns: "#aab7b8", tcp: "#f5b041", tunnel: "#f8c471", tls: "#dc7633", send: "#7fb3d5", wait: "#2e86c1",
   };

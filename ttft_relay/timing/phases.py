@@ -10,6 +10,7 @@ only once that connection is ready.
 
     client_syn              the client's TCP handshake began: its SYN reached the relay  } the first
                             (`selfwatch`: the handshake's duration, from TCP_INFO)        } request of
+    client_tcp              ... and was done: the client's ACK reached the relay          } a client
     relay_serving           this relay process began to serve: only when the client's connection
                             waited in the kernel's queue for its start (selfwatch)
     client_connect          client connection accepted                                    } a client
@@ -22,6 +23,10 @@ only once that connection is ready.
     upstream_connect_start  upstream connect begins (includes the DNS lookup)    } only when
     upstream_tcp            TCP is up                                           } this request
     upstream_tls            upstream TLS handshake done (https upstreams only)  } opened it
+    upstream_sent           the relay's kernel sent the request's last byte: only when that was
+                            later than the relay wrote it (the connection's congestion window
+                            was too small for the request: the upload's extra round trips; a
+                            segment retransmitted), on an HTTP/1 connection (selfwatch)
     upstream_resent         the relay's kernel last sent the request again: only when it was
                             retransmitted on the way (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)
@@ -48,7 +53,7 @@ client's wait that each hop is responsible for. They do not overlap, and for a
 streamed answer
 
     relay_queue + client_upload + relay + upstream_connect + upstream_tls
-        + upstream_wait + head_to_first_token == ttft
+        + upstream_upload + upstream_wait + head_to_first_token == ttft
 
 Before the head was read the request's bytes were held: by an early upstream
 connect (its connect and TLS handshake count where they overlap that time) or by
@@ -70,8 +75,11 @@ the phase it was in) has that phase run on to `end`, so its phases add up to
     relay                last body byte → forwarded, plus forwarded → connect start
     upstream_connect     critical part of DNS + TCP connect
     upstream_tls         critical part of the upstream TLS handshake
-    upstream_wait        max(forwarded, connection ready) → response head: one network
-                         round trip plus the upstream's queueing and prefill
+    upstream_upload      max(forwarded, connection ready) → the request's last byte left the
+                         relay's kernel (`upstream_sent`): the round trips the request's
+                         upload took beyond its first flight, and its retransmissions
+    upstream_wait        the request sent → response head: one network round trip plus
+                         the upstream's queueing and prefill
     head_to_first_token  response head → first token (prefill, for upstreams that
                          send their head at once)
     response_body        response head → end, for an answer that was not streamed
@@ -89,6 +97,7 @@ from typing import Any
 
 MARKS = (
     "client_syn",
+    "client_tcp",
     "relay_serving",
     "client_connect",
     "client_tls",
@@ -99,6 +108,7 @@ MARKS = (
     "upstream_connect_start",
     "upstream_tcp",
     "upstream_tls",
+    "upstream_sent",
     "upstream_resent",
     "head_arrived",
     "response_head",
@@ -117,6 +127,7 @@ CRITICAL_PHASES = (
     "relay",
     "upstream_connect",
     "upstream_tls",
+    "upstream_upload",
     "upstream_wait",
     "head_to_first_token",
     "response_body",
@@ -128,7 +139,8 @@ SETUP_PHASE = "connection_setup"
 
 PHASES = (SETUP_PHASE,) + CRITICAL_PHASES + ("stream", "ttft", "total")
 
-HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_wait")
+HEAD_TIME_PHASES = ("relay_queue", "client_upload", "relay", "upstream_connect", "upstream_tls", "upstream_upload",
+                    "upstream_wait")
 """The phases complete when the response head leaves for the client (Server-Timing)."""
 
 # Verdict words.
@@ -141,6 +153,8 @@ RELAY = "relay"
 UPSTREAM_CONNECT = "upstream connect"
 UPSTREAM_TLS = "upstream TLS"
 UPSTREAM_NETWORK = "upstream network (round trip)"
+UPSTREAM_LINK = (UPSTREAM_CONNECT, UPSTREAM_TLS, UPSTREAM_NETWORK)
+"""One hop, judged as one: what the link to the upstream cost (`judge`, `link_words`)."""
 UPSTREAM_WAIT = "upstream wait (prefill/queue)"
 """The upstream's own wait before anything was learned to tell its prefill from its queue."""
 UPSTREAM_QUEUEING = "upstream queueing"
@@ -152,6 +166,21 @@ OK = "ok"
 CONTEXT_LENGTH = "context length"
 PROMPT_CACHE_MISS = "prompt cache miss"
 UNKNOWN = "unknown"
+RELAY_SHUTTING_DOWN = "relay shutting down"
+"""A request the relay ended (or refused) because it stops: the error it records, and the verdict."""
+UPSTREAM_REFUSED = "upstream refused"
+UPSTREAM_FAILED = "upstream failed"
+REFUSED_BY_RELAY = "refused by relay"
+
+STATUS_REASONS = {
+    400: "bad request", 401: "key not accepted", 402: "payment required", 403: "forbidden", 404: "not found",
+    408: "request timeout", 409: "conflict", 413: "request too large", 422: "invalid request",
+    429: "rate limited", 500: "internal error", 502: "bad gateway", 503: "unavailable", 504: "gateway timeout",
+    529: "overloaded",
+}
+"""A failure status in a refusal's words (`failure_words`): what the APIs mean by it."""
+DECLINED_5XX = (503, 529)
+"""Server errors that are a refusal (unavailable, overloaded: the provider declines the load), not a failure."""
 
 PHASE_WORDS = {
     "relay_queue": "relay queue",
@@ -159,6 +188,7 @@ PHASE_WORDS = {
     "relay": RELAY,
     "upstream_connect": UPSTREAM_CONNECT,
     "upstream_tls": UPSTREAM_TLS,
+    "upstream_upload": "upstream upload",
     "upstream_wait": "upstream wait",
     "head_to_first_token": "head to first token",
     "response_body": "response body",
@@ -225,10 +255,11 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
 
     # Until the head was read the request's bytes were held: by an early upstream
     # connect where one ran (the request waited on it), else by the relay.
+    # An early connect that never finished held them until it failed (the head was read after).
     pre_connect, pre_tls = 0.0, 0.0
-    if conn0 is not None and tcp is not None and conn0 < 0:
-        pre_connect = _overlap(start, 0.0, conn0, tcp)
-        pre_tls = _overlap(start, 0.0, tcp, tls) if tls is not None else 0.0
+    if conn0 is not None and conn0 < 0:
+        pre_connect = _overlap(start, 0.0, conn0, tcp if tcp is not None else 0.0)
+        pre_tls = _overlap(start, 0.0, tcp, tls) if tcp is not None and tls is not None else 0.0
     queue = -start - pre_connect - pre_tls
 
     if body is not None and body_in is not None:  # body_in is None exactly when body is
@@ -251,12 +282,20 @@ def compute(marks: Mapping[str, float], *, tokens_expected: bool, unfinished: st
                 p["upstream_tls"] = pre_tls + handshake
         else:
             p["relay"] = relay
+    if pre_connect and "upstream_connect" not in p:
+        p["upstream_connect"] = pre_connect  # a connect that failed (or a request that got no further)
     reached_first_token = False
-    if head is not None:
-        # The upstream's side ends when the kernel had its bytes; the relay read them later.
-        head_in = head
-        if sent is not None and m.get("head_arrived") is not None:
-            head_in = max(sent, min(head, m["head_arrived"]))
+    # The upstream's side ends when the kernel had its bytes; the relay read them later.
+    head_in = head
+    if head is not None and sent is not None and m.get("head_arrived") is not None:
+        head_in = max(sent, min(head, m["head_arrived"]))
+    if sent is not None and (kernel_sent := m.get("upstream_sent")) is not None:
+        # The upstream waits for the request's last byte: the time its upload took after the
+        # relay wrote it is the link's (a congestion window it did not fit in, a segment lost).
+        upload_end = max(sent, kernel_sent if head_in is None else min(kernel_sent, head_in))
+        p["upstream_upload"] = upload_end - sent
+        sent = upload_end
+    if head is not None and head_in is not None:
         if sent is not None:
             p["upstream_wait"] = max(0.0, head_in - sent)
         if tokens_expected and first is not None:
@@ -370,7 +409,8 @@ def contributions(
     worked on the request before its head (`upstream_ms`, OpenAI's
     `openai-processing-ms`), the rest of the wait is network; otherwise the
     round-trip estimate is, plus what the link lost to retransmissions before the
-    first token (`upstream_retransmit_ms`): a lossy link, not a slow server.
+    first token (`upstream_retransmit_ms`): a lossy link, not a slow server. The
+    request's upload beyond its first flight (`upstream_upload`) is the link's too.
     The time from head to first token is the upstream's too (prefill after an early head).
     """
     wait = phases.get("upstream_wait", 0.0)
@@ -380,6 +420,8 @@ def contributions(
         # A lost segment of the answer delays the first token after the head as well.
         network = min(rtt_ms or 0.0, wait)
         network += min(upstream_retransmit_ms or 0.0, wait - network + phases.get("head_to_first_token", 0.0))
+    own = wait - network + phases.get("head_to_first_token", 0.0)
+    network += phases.get("upstream_upload", 0.0)
     relay_stall = min(stall, loop_lag_ms or 0.0)
     return {
         CLIENT_NETWORK: client_rtt_ms or 0.0,
@@ -389,7 +431,7 @@ def contributions(
         UPSTREAM_CONNECT: phases.get("upstream_connect", 0.0),
         UPSTREAM_TLS: phases.get("upstream_tls", 0.0),
         UPSTREAM_NETWORK: network,
-        UPSTREAM_WAIT: wait - network + phases.get("head_to_first_token", 0.0),
+        UPSTREAM_WAIT: own,
         RESPONSE_DOWNLOAD: phases.get("response_body", 0.0),
         STREAM_STALL: stall - relay_stall,
     }
@@ -444,6 +486,69 @@ def error_phase(marks: Mapping[str, float], *, tls_expected: bool, tokens_expect
 
 
 @dataclass(frozen=True, slots=True)
+class Setup:
+    """Where a connection's set-up went, for the verdict on its first request: what the client
+    felt before its request's clock started (`setup`)."""
+
+    client_ms: float
+    """The client's link: its TCP handshake, and the round trips of its CONNECT and TLS handshake."""
+    relay_ms: float
+    """The relay's: the connection waiting to be accepted, the TLS handshake beyond its round trips
+    (a busy or starting relay reads the client's handshake late)."""
+    starting_ms: float
+    """Of `relay_ms`, what was held before this relay process began to serve (`relay_serving`)."""
+    upstream_connect_ms: float
+    """An upstream connect the client's TLS handshake waited on (mitmproxy's eager connect) ..."""
+    upstream_tls_ms: float
+    """... and that connection's TLS handshake."""
+
+
+def setup(marks: Mapping[str, float], *, client_rtt_ms: float | None, round_trips: int | None,
+          loop_lag_ms: float | None = None) -> Setup | None:
+    """Split a first request's `connection_setup` (relative marks, from `client_syn`) into the
+    client's link, the relay and an upstream connect; None without the set-up's marks.
+
+        client_syn → client_tcp      the TCP handshake: the client's link
+        client_tcp → client_connect  the accept queue: the relay's
+        client_connect → client_tls  `round_trips` client round trips (a CONNECT, the TLS
+                                     handshake: 1 for TLS 1.3, 2 before), an upstream connect
+                                     it waited on; the rest the relay's as far as the relay had
+                                     not served yet or its event loop ran late (`loop_lag_ms`),
+                                     else the handshake's own work at either end: no one's hop
+        → the request's first byte   the client's own idle time: no one's wait, left out
+
+    Each stretch ends at the request's first byte at the latest: what the kernel held after it
+    is already `relay_queue`.
+    """
+    syn, tcp, accepted = marks.get("client_syn"), marks.get("client_tcp"), marks.get("client_connect")
+    if syn is None or tcp is None or accepted is None:
+        return None
+    start = clock_start(marks)
+    tls = marks.get("client_tls")
+    handshake = max(0.0, min(tcp, start) - syn)
+    relay_spans = [(tcp, min(accepted, start))]
+    upstream_connect = upstream_tls = 0.0
+    if tls is not None and tls > accepted:
+        end = min(tls, start)
+        conn0, up_tcp, up_tls = marks.get("upstream_connect_start"), marks.get("upstream_tcp"), marks.get("upstream_tls")
+        if conn0 is not None and up_tcp is not None:
+            upstream_connect = _overlap(accepted, end, conn0, up_tcp)
+            upstream_tls = _overlap(accepted, end, up_tcp, up_tls) if up_tls is not None else 0.0
+        upstream = upstream_connect + upstream_tls
+        client = min(max(0.0, end - accepted - upstream), (client_rtt_ms or 0.0) * (round_trips or 0))
+        # The relay's part of the handshake: its end, after the client's round trips and the connect.
+        rest = accepted + upstream + client
+        before_serving = _overlap(rest, end, rest, marks.get("relay_serving", rest))
+        relay_spans.append((rest, min(end, rest + before_serving + (loop_lag_ms or 0.0))))
+        handshake += client
+    relay = sum(max(0.0, b - a) for a, b in relay_spans)
+    serving = marks.get("relay_serving")
+    starting = 0.0 if serving is None else sum(_overlap(a, b, a, serving) for a, b in relay_spans)
+    return Setup(round(handshake, 3), round(relay, 3), round(starting, 3), round(upstream_connect, 3),
+                 round(upstream_tls, 3))
+
+
+@dataclass(frozen=True, slots=True)
 class Expectation:
     """What the upstream's own wait for this request's prompt should be, learned from the
     traffic to its upstream · model (`ttft_relay/observe/prefill.py`)."""
@@ -473,6 +578,31 @@ class Verdict:
     """This request's first token had the upstream waited what its prompt predicts."""
 
 
+def failure_words(error: str | None, error_phase: str | None, status: int | None, *, upstream_answered: bool) -> str:
+    """A failed request's verdict: who refused it and why, where the record tells.
+
+    The relay stopping (`RELAY_SHUTTING_DOWN`, whichever phase it cut); the upstream's own
+    answer with a failure status (`upstream_answered`): `upstream refused: <reason> (<status>)`
+    for a 4xx, 503 or 529, `upstream failed: …` for another 5xx; the relay's own refusal (a 4xx
+    it answered before forwarding): `refused by relay: <reason>`; else `error in <phase>`.
+    """
+    reason = STATUS_REASONS.get(status or 0) or f"status {status}"
+    if error == RELAY_SHUTTING_DOWN:
+        return RELAY_SHUTTING_DOWN
+    if status is not None and status >= 400 and upstream_answered:
+        refused = status < 500 or status in DECLINED_5XX
+        return f"{UPSTREAM_REFUSED if refused else UPSTREAM_FAILED}: {reason} ({status})"
+    if status is not None and 400 <= status < 500 and error_phase == "relay":
+        return f"{REFUSED_BY_RELAY}: {reason}"
+    return f"error in {PHASE_WORDS.get(error_phase or '', error_phase or 'unknown phase')}"
+
+
+def where_time_went(phases: Mapping[str, float]) -> str:
+    """The critical phases that held a failed request's time, largest first, in a few words."""
+    held = sorted(((ms, name) for name in CRITICAL_PHASES if (ms := phases.get(name, 0.0)) >= 1.0), reverse=True)
+    return ", ".join(f"{PHASE_WORDS.get(name, name)} {_s(ms)}" for ms, name in held[:3]) or "no time in any phase"
+
+
 def judge(
     phases: Mapping[str, float],
     *,
@@ -490,11 +620,17 @@ def judge(
     cache_miss: str | None = None,
     upstream_retransmit_ms: float | None = None,
     starting_ms: float | None = None,
+    status: int | None = None,
+    upstream_answered: bool = False,
+    setup: Setup | None = None,
 ) -> Verdict:
     """The request's verdict: `ok` unless a phase is out of line, else the phase that is most.
 
     1. A client abort: `client aborted in <phase>`; any other failure (transport error,
-       error event in the stream, HTTP status >= 400): `error in <phase>`.
+       error event in the stream, HTTP status >= 400): who refused it and why where that is
+       known (`failure_words`: the relay stopping, the upstream's failure `status` when it
+       `upstream_answered`, the relay's own refusal), else `error in <phase>`; its detail
+       says where its time went.
     2. Each hop's cost (`contributions`) against what is normal for it:
        - the upstream's own wait against the `expectation` for this prompt: beyond
          `own_ms + tolerance_ms` it is `upstream queueing`, out of line by the difference.
@@ -508,8 +644,16 @@ def judge(
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
        - the relay's queue: `relay saturated`, or `relay starting` where at least half of
          it (`starting_ms`) was held before this relay process began to serve;
-       - every other hop (client network, relay queue, client upload, relay, upstream
-         connect, TLS and network, response download) against nothing: any cost is its own.
+       - the upstream's link as one hop: its connect, TLS handshake and round trips (the
+         request's, its upload's beyond the first flight, what retransmissions cost) together,
+         named after its connect or TLS handshake where one of them cost two thirds of it, else
+         `upstream network` (`link_words`): a far provider costs a round trip in each, none of
+         which alone need be a large share of the wait;
+       - every other hop (client network, relay queue, client upload, relay, response
+         download) against nothing: any cost is its own.
+       The first request on a connection is judged on the wait the client felt: from its SYN
+       (`setup`), so the client's handshakes count as client network, the accept queue and a
+       handshake the relay read late as the relay's (starting, where that was before it served).
        A hop is out of line when it costs at least NOISE_MS beyond its normal and at least
        SHARE of the wait (the first token, or the whole answer without one): a few ms of
        noise, or a far link that adds little to a long wait, never make a verdict. The hop
@@ -523,16 +667,29 @@ def judge(
     if client_aborted:
         return Verdict(f"client aborted in {where}")
     if error:
-        return Verdict(f"error in {where}")
+        words = failure_words(error, error_phase, status, upstream_answered=upstream_answered)
+        total = phases.get("total")
+        after = f" after {_s(total)}" if total is not None else ""
+        why = f"{error}; " if words.startswith(REFUSED_BY_RELAY) else ""
+        cut = f" in {where}" if words == RELAY_SHUTTING_DOWN else ""
+        return Verdict(words, f"{why}ended{cut}{after} ({where_time_went(phases)})")
     stall = gap.ms if gap is not None and gap.out_of_line else 0.0
     contrib = contributions(phases, rtt_ms=rtt_ms, upstream_ms=upstream_ms, stall=stall,
                             loop_lag_ms=loop_lag_ms, client_rtt_ms=client_rtt_ms,
                             upstream_retransmit_ms=upstream_retransmit_ms)
-    wait = phases.get("ttft", phases.get("total", 0.0))
+    first = phases.get("ttft", phases.get("total", 0.0))
+    wait = first
+    if setup is not None:  # what the client felt before the request's clock started
+        wait += setup.client_ms + setup.relay_ms + setup.upstream_connect_ms + setup.upstream_tls_ms
+        contrib[CLIENT_NETWORK] += setup.client_ms
+        contrib[RELAY_SATURATED] += setup.relay_ms
+        contrib[UPSTREAM_CONNECT] += setup.upstream_connect_ms
+        contrib[UPSTREAM_TLS] += setup.upstream_tls_ms
+        starting_ms = (starting_ms or 0.0) + setup.starting_ms
     own = contrib[UPSTREAM_WAIT]
     expected_ttft = None
     if expectation is not None and not no_prefill and "ttft" in phases:
-        expected_ttft = round(max(0.0, wait - own + expectation.own_ms), 1)
+        expected_ttft = round(max(0.0, first - own + expectation.own_ms), 1)
     relay_stall = min(stall, loop_lag_ms or 0.0)
     beyond: dict[str, float] = {}
     for name, ms in contrib.items():
@@ -545,6 +702,10 @@ def judge(
             continue
         if name == RELAY_SATURATED and starting_ms and 2 * starting_ms >= ms:
             name = RELAY_STARTING
+        if name in UPSTREAM_LINK:
+            if name != UPSTREAM_LINK[0]:
+                continue  # judged with the first
+            name, ms = link_words(contrib), sum(contrib[part] for part in UPSTREAM_LINK)
         if no_prefill and name == RESPONSE_DOWNLOAD:
             continue  # a prewarm's events after its first one: the upstream's work, in its wait below
         if name == UPSTREAM_WAIT:
@@ -558,10 +719,28 @@ def judge(
             beyond[name] = ms
     words = dominant(beyond)
     if words == UNKNOWN:
-        return _in_line(wait, expectation, expected_ttft, cache_miss, no_prefill)
+        return _in_line(first, expectation, expected_ttft, cache_miss, no_prefill)
     detail = _out_of_line(words, beyond[words], wait, contrib, gap, expectation, expected_ttft, unlearned,
-                          client_rtt_ms, loop_lag_ms, no_prefill)
+                          client_rtt_ms, loop_lag_ms, no_prefill, phases.get("upstream_upload"), setup)
     return Verdict(words, detail, expected_ttft)
+
+
+LINK_PART_DOMINATES = 2 / 3
+"""A part of the upstream link is named for it from this share on: twice the rest together. A
+fresh connection costs a round trip in its connect (unless a forwarder beside the relay answers
+it), one or two in its TLS handshake and one in its request: about half each, which is the
+link's, not one part's."""
+
+
+def link_words(contrib: Mapping[str, float]) -> str:
+    """The upstream link's name in a verdict: its connect or its TLS handshake where that cost
+    most of it (`LINK_PART_DOMINATES`: a connect that timed out and was tried again, a handshake
+    the server was slow in), else its network (round trips)."""
+    total = sum(contrib[part] for part in UPSTREAM_LINK)
+    for part in (UPSTREAM_CONNECT, UPSTREAM_TLS):
+        if contrib[part] >= LINK_PART_DOMINATES * total > 0:
+            return part
+    return UPSTREAM_NETWORK
 
 
 def verdict(phases: Mapping[str, float], **inputs: Any) -> str:
@@ -601,9 +780,18 @@ def _in_line(wait: float, e: Expectation | None, expected_ttft: float | None, ca
 
 def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float], gap: Gap | None,
                  e: Expectation | None, expected_ttft: float | None, unlearned: str | None,
-                 client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool) -> str:
+                 client_rtt_ms: float | None, loop_lag_ms: float | None, no_prefill: bool,
+                 upload_ms: float | None, setup: Setup | None) -> str:
     """How far out of line the named hop is, in one sentence."""
-    share = f", {ms / wait:.0%} of the {_s(wait)} {'it took' if no_prefill else 'to the first token'}" if wait else ""
+    since = " from its connection's first packet" if setup is not None else ""
+    share = f", {ms / wait:.0%} of the {_s(wait)}{since} {'it took' if no_prefill else 'to the first token'}" \
+        if wait else ""
+    if setup is not None and words in (RELAY_SATURATED, RELAY_STARTING) and setup.relay_ms >= 1.0:
+        share += f" ({_s(setup.relay_ms)} of it before the relay read the new connection's request)"
+    if words in UPSTREAM_LINK:
+        upload = f", of which the request's upload {_s(upload_ms)}" if upload_ms else ""
+        return (f"the link to the upstream {_s(ms)}{share} (connect {_s(contrib[UPSTREAM_CONNECT])}, TLS "
+                f"{_s(contrib[UPSTREAM_TLS])}, round trips {_s(contrib[UPSTREAM_NETWORK])}{upload})")
     if words == UPSTREAM_QUEUEING and e is not None and expected_ttft:
         return (f"first token {_s(wait)}, {wait / expected_ttft:.1f}× the {_s(expected_ttft)} this prompt "
                 f"predicts ({_prompt(e)}; the upstream's own wait {_s(contrib[UPSTREAM_WAIT])} against "
@@ -619,17 +807,22 @@ def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float
         return f"{_s(ms)} waiting on the relay itself (its event loop up to {_s(loop_lag_ms or 0.0)} late){share}"
     if words == RELAY_STARTING:
         return f"{_s(ms)} queued for this relay process while it started (a start or a restart, not load){share}"
+    if words == CLIENT_NETWORK and setup is not None and setup.client_ms >= 1.0:
+        return (f"the client's link {_s(ms)}: its connection's handshakes {_s(setup.client_ms)} and a "
+                f"{_s(client_rtt_ms or 0.0)} round trip{share}")
     if words == CLIENT_NETWORK:
         return f"a {_s(client_rtt_ms or 0.0)} round trip to the client{share}"
     return f"{_s(ms)}{share}"
 
 
-def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None) -> str | None:
-    """What to do about a verdict that is the relay's own, with its numbers; else None."""
+def advice(verdict: str, phases: Mapping[str, float], loop_lag_ms: float | None, setup: Setup | None = None) -> str | None:
+    """What to do about a verdict that is the relay's own, with its numbers; else None. `setup`:
+    a first request's, whose connection may have waited for the relay before its request."""
     if verdict != RELAY_SATURATED:
         return None
+    queued = phases.get("relay_queue", 0.0) + (setup.relay_ms if setup is not None else 0.0)
     return (
-        f"The relay was the slow hop: {phases.get('relay_queue', 0.0):.0f} ms in its own queues, its event loop "
+        f"The relay was the slow hop: {queued:.0f} ms in its own queues, its event loop "
         f"up to {loop_lag_ms or 0.0:.0f} ms late. Run more workers (scripts/relay --workers N, one per core), "
         "keep other work off its cores, or switch off addons it does not need (relay_timing_console, relay_trim)."
     )

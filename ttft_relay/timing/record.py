@@ -77,6 +77,10 @@ class Record:
     None when the request opened no connection."""
     rtt_ms: float | None
     """The upstream round-trip estimate behind the verdict."""
+    client_setup_round_trips: int | None = None
+    """On a connection's first request: the client's round trips in its connection's set-up
+    after the TCP handshake (a CONNECT's, one; its TLS handshake's: one for TLS 1.3, two
+    before); None on a later request."""
     max_gap_ms: float | None
     """The longest silence between response chunks."""
     chunks: int | None
@@ -124,7 +128,8 @@ class Record:
     attempt: int | None = None
     """This record's attempt in its group: 1 for the first, 2 for the first retry, ..."""
     loop_lag_ms: float | None = None
-    """The relay's event loop: its worst lag while the request ran (selfwatch)."""
+    """The relay's event loop: its worst lag while the request ran (selfwatch); on a
+    connection's first request from the client's SYN."""
     client_rtt_ms: float | None = None
     """The client connection's smoothed round trip (Linux TCP_INFO)."""
     client_retransmits: int | None = None
@@ -145,8 +150,9 @@ class Record:
     lost segments and sent them again."""
     upstream_retransmit_ms: float | None = None
     """What the upstream link lost to retransmissions before the first token: the request
-    resent (`upstream_resent` after it was first sent), plus one round trip where answer
-    packets came out of order (the least a lost segment costs); upstream network in the verdict."""
+    resent (`upstream_resent` after it was first sent; in the `upstream_upload` phase instead
+    where `upstream_sent` is marked), plus one round trip where answer packets came out of
+    order (the least a lost segment costs); upstream network in the verdict."""
     upstream_out_of_order: int | None = None
     """As `client_out_of_order`, from the upstream."""
 
@@ -186,6 +192,7 @@ class RecordInput:
     tls_expected: bool
     reused_connection: bool | None
     rtt_ms: float | None
+    client_setup_round_trips: int | None = None
     upstream_connection: str | None = None
     upstream_dial: Mapping[str, Any] | None = None
     max_gap_ms: float | None = None
@@ -240,6 +247,7 @@ def build_record(seen: RecordInput) -> Record:
         upstream_connection=seen.upstream_connection,
         upstream_dial=dict(seen.upstream_dial) if seen.upstream_dial else None,
         rtt_ms=None if seen.rtt_ms is None else round(seen.rtt_ms, 3),
+        client_setup_round_trips=seen.client_setup_round_trips,
         max_gap_ms=None if seen.max_gap_ms is None else round(seen.max_gap_ms, 3),
         chunks=seen.chunks,
         bytes=seen.bytes,
@@ -277,6 +285,7 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     is published."""
     handshake = is_handshake(rec.transport, rec.turn)
     error = rec.error
+    client_link = client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms)
     v = phases.judge(
         rec.phases,
         rtt_ms=rec.rtt_ms,
@@ -286,9 +295,13 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         error_phase=rec.error_phase,
         client_aborted=rec.client_aborted,
         loop_lag_ms=rec.loop_lag_ms,
-        client_rtt_ms=client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms),
+        client_rtt_ms=client_link,
         upstream_retransmit_ms=rec.upstream_retransmit_ms,
         starting_ms=phases.starting_ms(rec.marks, rec.phases),
+        status=rec.status,
+        upstream_answered=upstream_answered(rec),
+        setup=connection_setup(rec.marks, rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_setup_round_trips,
+                               rec.loop_lag_ms),
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
@@ -298,6 +311,22 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+
+
+def connection_setup(marks: Mapping[str, float], client_min_rtt_ms: float | None, client_rtt_ms: float | None,
+                     round_trips: int | None, loop_lag_ms: float | None) -> phases.Setup | None:
+    """Where a connection's first request's set-up went (`phases.setup`), from its record's fields:
+    the handshakes' round trips are the path's own (its minimum RTT), not time lost to retransmissions."""
+    return phases.setup(marks, client_rtt_ms=client_min_rtt_ms or client_rtt_ms, round_trips=round_trips,
+                        loop_lag_ms=loop_lag_ms)
+
+
+def upstream_answered(rec: Record) -> bool:
+    """The record's failure status is the upstream's own answer: a forwarded request whose
+    response head said it (timing records such a failure as `HTTP <status>`), not a reply
+    the relay made."""
+    return (rec.status is not None and rec.error == f"HTTP {rec.status}"
+            and "forwarded" in rec.marks and "response_head" in rec.marks)
 
 
 def client_link_ms(min_rtt_ms: float | None, rtt_ms: float | None, retransmit_ms: float | None) -> float | None:
@@ -386,7 +415,9 @@ def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
         rate = rec.get("output_tokens_per_s")
         stream = f"; {rec['chunks']} chunks, max gap {_ms(rec.get('max_gap_ms'))}" + (f", {rate} tok/s" if rate else "")
     lines.append(f"Connection {conn}, rtt {_ms(rec.get('rtt_ms'))}{stream}.")
-    if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms")):
+    setup = connection_setup(rec.get("marks") or {}, rec.get("client_min_rtt_ms"), rec.get("client_rtt_ms"),
+                             rec.get("client_setup_round_trips"), rec.get("loop_lag_ms"))
+    if advice := phases.advice(rec.get("verdict") or "", rec.get("phases") or {}, rec.get("loop_lag_ms"), setup):
         lines.append(advice)
     if rec.get("error"):
         lines.append(printable(f"Error ({rec.get('error_phase')}): {rec['error']}"))

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
-from mitmproxy.proxy import server_hooks
+from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
 from .. import dial, state
@@ -72,7 +72,7 @@ METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
 """mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
 ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
-SHUTDOWN_ERROR = "relay shutting down"
+SHUTDOWN_ERROR = phases.RELAY_SHUTTING_DOWN
 """The error of a flow the relay ended because it stops (`faults.Shutdown`)."""
 RTT_SAMPLES = 16
 """Handshakes per upstream whose round trips are remembered; the estimate is their minimum."""
@@ -185,7 +185,7 @@ class Timing:
         # `faults.Shutdown` (earlier in the chain) has ended what it could end cleanly.
         for live in list(self.in_flight):
             if (st := state.get(live)) is not None:
-                st.record_error(SHUTDOWN_ERROR, phase="relay")
+                st.record_error(SHUTDOWN_ERROR)  # in the phase it was in: its time went there
                 state.mark(live, "end", time.time())
                 self._finish(live)
         for waiting, (timer, marks) in list(self.settling.items()):
@@ -428,7 +428,21 @@ class Timing:
             upstream_request_id=upstream_request_id(head),
             upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,
+            client_setup_round_trips=client_setup_round_trips(flow) if "client_connect" in marks else None,
         ))
+
+
+def client_setup_round_trips(flow: http.HTTPFlow) -> int:
+    """The client's round trips in its connection's set-up after the TCP handshake: a CONNECT
+    (an HTTPS request through the proxy listener), its TLS handshake with the relay (one round
+    trip for TLS 1.3, two before)."""
+    client = flow.client_conn
+    trips = 0
+    if client.tls_established:
+        trips += 1 if client.tls_version in (None, "TLSv1.3") else 2
+    if isinstance(client.proxy_mode, mode_specs.RegularMode) and flow.request.scheme == "https":
+        trips += 1
+    return trips
 
 
 UPSTREAM_REQUEST_ID_HEADERS = ("x-request-id", "request-id")

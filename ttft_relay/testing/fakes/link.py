@@ -21,6 +21,8 @@ handshake included) and retransmit what was lost, exactly as over a far network.
   upstream's loop), stays there;
 - each namespace has its own loopback (up), so a relay and a fake upstream in `far`
   talk over `far`'s 127.0.0.1 while the client crosses the link;
+- `jitter_ms` adds up to that much delay to each packet, drawn at random (packets stay in
+  order: one held longer holds those behind it, as on a real queue);
 - `set(direction, delay_ms=..., loss=...)` changes a direction while the link runs;
 - `drops()` lists the packets the link dropped (when, which way, TCP ports, flags,
   payload length), so a test can hold each loss against the record it belongs to.
@@ -37,8 +39,9 @@ The forwarder is `python -m ttft_relay.testing.fakes.link` (`forward()`): one pr
 loop over the two TUN descriptors, a FIFO per direction (a constant delay keeps
 packets in order; drops are independent per packet, from a seeded generator per
 direction, so the n-th packet each way is dropped or not whatever the other way
-does). Its commands on stdin: `set near|far DELAY_MS LOSS` and `stats`, each
-answered `ok ...`. It writes every drop to a log the test reads (`drops()`).
+does; the jitter has generators of its own). Its commands on stdin: `set near|far
+DELAY_MS LOSS` and `stats`, each answered `ok ...`. It writes every drop to a log the
+test reads (`drops()`).
 """
 
 from __future__ import annotations
@@ -156,12 +159,13 @@ class FarLink:
 
     `delay_ms` and `loss` apply to each direction; `far_delay_ms`/`far_loss` (towards
     `far`) and `near_delay_ms`/`near_loss` (towards `near`) set one direction apart.
-    `seed` makes the drops repeatable.
+    `jitter_ms`: each packet is held up to that much longer, at random, both ways.
+    `seed` makes the drops and the jitter repeatable.
     """
 
     def __init__(self, delay_ms: float = 0.0, loss: float = 0.0, *, far_delay_ms: float | None = None,
                  near_delay_ms: float | None = None, far_loss: float | None = None,
-                 near_loss: float | None = None, seed: int = 1) -> None:
+                 near_loss: float | None = None, jitter_ms: float = 0.0, seed: int = 1) -> None:
         stem = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self.near = Side(f"{stem}-near", NEAR_IP)
         self.far = Side(f"{stem}-far", FAR_IP)
@@ -169,6 +173,7 @@ class FarLink:
             FAR: (delay_ms if far_delay_ms is None else far_delay_ms, loss if far_loss is None else far_loss),
             NEAR: (delay_ms if near_delay_ms is None else near_delay_ms, loss if near_loss is None else near_loss),
         }
+        self.jitter_ms = jitter_ms
         self.seed = seed
         self.forwarder: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
@@ -186,7 +191,7 @@ class FarLink:
             self.forwarder = subprocess.Popen(
                 [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "ttft_relay.testing.fakes.link", str(self.near.path),
                  str(self.far.path), f"{far_ms}", f"{far_loss}", f"{near_ms}", f"{near_loss}", str(self.seed),
-                 str(self._drop_log)],
+                 str(self._drop_log), f"{self.jitter_ms}"],
                 cwd=Path(__file__).resolve().parents[3], stdin=subprocess.PIPE,  # beside the package: -m finds this copy
                 stdout=subprocess.PIPE, text=True)
             assert self.forwarder.stdout is not None
@@ -310,8 +315,10 @@ def describe(packet: bytes) -> str:
     return f"{sport} {dport} {names} {len(packet) - ihl - offset * 4}"
 
 
-def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int, drop_log: str) -> None:
-    """Copy packets between the two namespaces' TUN devices, delayed and dropped per direction."""
+def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int, drop_log: str,
+            jitter_ms: float = 0.0) -> None:
+    """Copy packets between the two namespaces' TUN devices, delayed (plus up to `jitter_ms`)
+    and dropped per direction."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the test process
     with contextlib.suppress(PermissionError):
@@ -319,6 +326,7 @@ def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int,
     near_fd, far_fd = _open_tun(near_ns), _open_tun(far_ns)
     rngs = {FAR: random.Random(seed), NEAR: random.Random(seed + 1)}
     """One per direction: the n-th packet each way is dropped or not whatever the other way does."""
+    jitters = {FAR: random.Random(-seed), NEAR: random.Random(-seed - 1)}
     # direction -> (queue of (due, packet), fd it goes out on); counted passed / dropped.
     queues: dict[str, deque[tuple[float, bytes]]] = {FAR: deque(), NEAR: deque()}
     out = {FAR: far_fd, NEAR: near_fd}
@@ -363,13 +371,16 @@ def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int,
                     print(f"{time.time():.6f} {direction} {describe(packet)}", file=drops, flush=True)
                     continue
                 counts[direction][0] += 1
+                if jitter_ms:
+                    delay_ms += jitters[direction].uniform(0.0, jitter_ms)
+                # In order: the queue releases a packet only after every one before it.
                 queues[direction].append((time.monotonic() + delay_ms / 1000, packet))
 
 
 def main(argv: list[str]) -> None:
-    near_ns, far_ns, far_ms, far_loss, near_ms, near_loss, seed, drop_log = argv
+    near_ns, far_ns, far_ms, far_loss, near_ms, near_loss, seed, drop_log, jitter_ms = argv
     forward(near_ns, far_ns, {FAR: [float(far_ms), float(far_loss)], NEAR: [float(near_ms), float(near_loss)]},
-            int(seed), drop_log)
+            int(seed), drop_log, float(jitter_ms))
 
 
 if __name__ == "__main__":
