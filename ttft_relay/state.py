@@ -13,6 +13,7 @@ must not be. What should survive a save (the finished timing record) is put in
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,24 @@ _states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDi
 def get(flow: http.HTTPFlow) -> FlowState | None:
     """The relay's state for `flow`, or None if the flow is out of scope."""
     return _states.get(flow)
+
+
+_sources: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+
+def note_credential(flow: http.HTTPFlow, credential: str) -> None:
+    """The key the client presented, seen before the guard swaps or redacts it, kept only as a
+    short digest: who sent the flow (`source_of`), never the key."""
+    _sources[flow] = "key " + hashlib.sha256(credential.encode("utf8", "surrogatepass")).hexdigest()[:16]
+
+
+def source_of(flow: http.HTTPFlow) -> str:
+    """Who sent the flow, for what the relay learns from it: the digest of the key its client
+    presented (a relay access key, or the client's own upstream key), else its client's address."""
+    if (source := _sources.get(flow)) is not None:
+        return source
+    peer = flow.client_conn.peername
+    return f"address {peer[0]}" if peer else "address ?"
 
 
 def attach(flow: http.HTTPFlow, st: FlowState) -> FlowState:
