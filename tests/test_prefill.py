@@ -113,9 +113,10 @@ def test_one_clients_slow_requests_neither_move_the_line_nor_hide_a_real_queue_f
     assert sum(s[4] != "key poison" for s in line.samples) == 30  # its samples pushed none of theirs out
     p = rates.expect(KEY, (1000, 0))
     assert p.expectation.own_ms == pytest.approx(300, abs=40)
-    # A real 3 s provider queue still reads as one for every other client.
-    assert verdict(rates, 3300) == phases.UPSTREAM_QUEUEING
-    assert verdict(rates, 320) == phases.OK
+    # A real 3 s provider queue still reads as one for every other client, and the poisoner's run
+    # with it is no new speed.
+    assert judged_then_learned(rates, 3300, t + 1, source="key 1") == phases.UPSTREAM_QUEUEING
+    assert verdict(rates, 320) == phases.OK and not rates.expect(KEY, (1000, 0)).learning
 
 
 def test_a_full_window_drops_the_oldest_sample_of_the_source_holding_most():

@@ -34,8 +34,8 @@ While a line has fewer than MIN_SAMPLES samples it is learning: from PROVISIONAL
 a provisional expectation (the median wait seen, for a prompt no longer than those seen)
 holds a wait against what the first requests took; nothing is predicted for a prompt far
 beyond those seen. A lasting change of the provider's speed (RELEARN_RUN requests in a
-row out of line the same way by about the same factor, up to RELEARN_NEAR times; from two
-of the line's recent sources where it had two)
+row out of line the same way by about the same factor, up to RELEARN_NEAR times; not all
+from one source where the line recently had two)
 starts the line again from those requests: re-learned in a few requests, not after a
 window's worth.
 
@@ -101,11 +101,13 @@ RELEARN_RUN_FAR = 24
 """A change beyond RELEARN_NEAR times the learned wait (either way) is more like a queue (a
 server that holds every request 300 ms more is 25 times slower on a 12 ms line): it becomes
 the line only after this many requests in a row."""
+RELEARN_SHARE = 2 / 3
+"""... of which no one source sends more than this share, where the line recently had more than one."""
 RECENT = 32
 RECENT_S = 600.0
-"""A new speed must be seen from two of the sources of the line's last RECENT samples and of
-those of the last RECENT_S seconds, where there were two: one client alone, however many
-requests it sends, does not re-learn the line the others use."""
+"""The sources a new speed must be seen from: those of the line's last RECENT samples and of
+its last RECENT_S seconds. Where there were two, one client alone, however many requests it
+sends, does not re-learn the line the others use."""
 
 Sample = tuple[float, int, int, float, str]
 """(time, uncached tokens, cached tokens, the upstream's own wait in ms, source)."""
@@ -398,7 +400,7 @@ class Line:
         """The newest samples say the provider's speed changed for good: RELEARN_RUN of them
         (RELEARN_RUN_FAR for a change beyond RELEARN_NEAR times: more like a queue than a new
         speed) each out of line with the learned fit the same way, by about the same factor,
-        from the sources the line has recently seen (two of them, where there were two)."""
+        and no more than RELEARN_SHARE of them from one source where the line recently had two."""
         n, f = len(self.samples), self.fitted
         if f is None or f.provisional or not f.covers(*self.samples[-1][1:3]):
             return False
@@ -409,8 +411,8 @@ class Line:
             return False
         run = [self.samples[i] for i in range(n - k, n)]
         recent = {s[4] for i, s in enumerate(self.samples) if i >= n - RECENT or newest[0] - s[0] <= RECENT_S}
-        if len({s[4] for s in run}) < min(2, len(recent)):
-            return False
+        if len(recent) >= 2 and Counter(s[4] for s in run).most_common(1)[0][1] > RELEARN_SHARE * k:
+            return False  # one client's run: its own, not the provider's
         ratios = []
         for s in run:
             if not f.covers(s[1], s[2]):
