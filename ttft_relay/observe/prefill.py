@@ -363,6 +363,8 @@ class Line:
 
     upstream: str
     samples: deque[Sample] = field(default_factory=deque)
+    sources: Counter[str] = field(default_factory=Counter)
+    """Samples per source in `samples`."""
     proven: bool = False
     """It had MIN_SAMPLES samples once: never evicted for a new line (but when stale)."""
     fitted: Fit | None = None
@@ -371,19 +373,23 @@ class Line:
 
     def add(self, sample: Sample) -> None:
         if len(self.samples) >= WINDOW:
-            self._drop_oldest_of(Counter(s[4] for s in self.samples).most_common(1)[0][0])
+            self._drop_oldest_of(max(self.sources, key=self.sources.__getitem__))
         self.samples.append(sample)
+        self.sources[sample[4]] += 1
         self.proven = self.proven or len(self.samples) >= MIN_SAMPLES
         self.added = self.added + 1 if self.added >= 0 else -1
-        if self._new_speed():
-            run = list(self.samples)[-RELEARN_RUN:]
-            self.samples = deque(run)
+        if (run := self._new_speed()) is not None:
+            self.samples = deque(self.samples[i] for i in range(len(self.samples) - run, len(self.samples)))
+            self.sources = Counter(s[4] for s in self.samples)
             self.added = -1
 
     def _drop_oldest_of(self, source: str) -> None:
         for i, s in enumerate(self.samples):
             if s[4] == source:
                 del self.samples[i]
+                self.sources[source] -= 1
+                if not self.sources[source]:
+                    del self.sources[source]
                 return
 
     def fit(self) -> Fit | None:
@@ -396,33 +402,36 @@ class Line:
             self.added = 0
         return self.fitted
 
-    def _new_speed(self) -> bool:
+    def _new_speed(self) -> int | None:
         """The newest samples say the provider's speed changed for good: RELEARN_RUN of them
         (RELEARN_RUN_FAR for a change beyond RELEARN_NEAR times: more like a queue than a new
         speed) each out of line with the learned fit the same way, by about the same factor,
-        and no more than RELEARN_SHARE of them from one source where the line recently had two."""
+        and no more than RELEARN_SHARE of them from one source where the line recently had two.
+        Returns how many they are, or None."""
         n, f = len(self.samples), self.fitted
         if f is None or f.provisional or not f.covers(*self.samples[-1][1:3]):
-            return False
+            return None
         newest = self.samples[-1]
         ratio = (newest[3] + 1.0) / (f.expect(newest[1], newest[2]).own_ms + 1.0)
         k = RELEARN_RUN if 1 / RELEARN_NEAR <= ratio <= RELEARN_NEAR else RELEARN_RUN_FAR
         if n < MIN_SAMPLES + k:
-            return False
+            return None
         run = [self.samples[i] for i in range(n - k, n)]
-        recent = {s[4] for i, s in enumerate(self.samples) if i >= n - RECENT or newest[0] - s[0] <= RECENT_S}
-        if len(recent) >= 2 and Counter(s[4] for s in run).most_common(1)[0][1] > RELEARN_SHARE * k:
-            return False  # one client's run: its own, not the provider's
         ratios = []
         for s in run:
             if not f.covers(s[1], s[2]):
-                return False
+                return None
             e = f.expect(s[1], s[2])
             if abs(s[3] - e.own_ms) <= e.tolerance_ms:
-                return False
+                return None
             ratios.append((s[3] + 1.0) / (e.own_ms + 1.0))
         same_way = all(r > 1 for r in ratios) or all(r < 1 for r in ratios)
-        return same_way and max(ratios) <= RELEARN_FACTOR * min(ratios)
+        if not same_way or max(ratios) > RELEARN_FACTOR * min(ratios):
+            return None
+        recent = {s[4] for i, s in enumerate(self.samples) if i >= n - RECENT or newest[0] - s[0] <= RECENT_S}
+        if len(recent) >= 2 and Counter(s[4] for s in run).most_common(1)[0][1] > RELEARN_SHARE * k:
+            return None  # one client's run: its own, not the provider's
+        return k
 
 
 class PrefillRates:
@@ -480,10 +489,15 @@ class PrefillRates:
     def fits(self) -> dict[str, Fit]:
         return {key: f for key, line in self.lines.items() if (f := line.fit()) is not None and not f.provisional}
 
-    def rows(self) -> list[Row]:
-        """Every line's samples, oldest first: what a compacted shared file holds."""
-        return sorted((Row(key, line.upstream, s) for key, line in self.lines.items() for s in line.samples),
-                      key=lambda row: row.sample[0])
+    def snapshot(self) -> list[tuple[str, str, tuple[Sample, ...]]]:
+        """(key, upstream, samples) of every line, cheaply: `rows_of` makes them rows elsewhere."""
+        return [(key, line.upstream, tuple(line.samples)) for key, line in self.lines.items()]
+
+
+def rows_of(snapshot: Iterable[tuple[str, str, Sequence[Sample]]]) -> list[Row]:
+    """Every line's samples as rows, oldest first: what a compacted shared file holds."""
+    return sorted((Row(key, upstream, s) for key, upstream, samples in snapshot for s in samples),
+                  key=lambda row: row.sample[0])
 
 
 class Row(NamedTuple):

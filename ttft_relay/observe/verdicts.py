@@ -144,6 +144,21 @@ class SharedLines:
             os.close(fd)
 
 
+def _fetch(shared: SharedLines, mine: list[prefill.Row],
+           snapshot: list[tuple[str, str, tuple[prefill.Sample, ...]]] | None
+           ) -> tuple[prefill.PrefillRates | None, list[prefill.Row]]:
+    """`shared.sync` (in a thread; `snapshot`: the lines held, `PrefillRates.snapshot`): (the
+    lines learned from the whole file, []) when it was read whole, else (None, the rows the
+    other processes appended since)."""
+    whole, rows = shared.sync(mine, None if snapshot is None else prefill.rows_of(snapshot))
+    if not whole:
+        return None, [row for writer, row in rows if writer != shared.writer]
+    rates = prefill.PrefillRates()
+    for _, row in rows:
+        rates.add(*row)
+    return rates, []
+
+
 class Verdicts:
     """Judges each record against the first token its prompt predicts, and learns from it."""
 
@@ -191,9 +206,9 @@ class Verdicts:
         if shared is None:
             return
         mine, self.pending = self.pending, []
-        snapshot = self.rates.rows() if shared.size > FILE_MAX else None
+        snapshot = self.rates.snapshot() if shared.size > FILE_MAX else None
         try:
-            whole, rows = await asyncio.to_thread(shared.sync, mine, snapshot)
+            rebuilt, theirs = await asyncio.to_thread(_fetch, shared, mine, snapshot)
         except OSError as e:
             self.pending = (mine + self.pending)[-PENDING_MAX:]
             if str(e) != self.failing:
@@ -203,16 +218,11 @@ class Verdicts:
         self.failing = None
         if shared is not self.shared:
             return  # the log moved meanwhile
-        if whole:  # a start, or the file was rewritten: start from it, then what was learned since
-            self.rates = prefill.PrefillRates()
-            for _, row in rows:
-                self.rates.add(*row)
-            for row in mine + self.pending:
-                self.rates.add(*row)
-            return
-        for writer, row in rows:
-            if writer != shared.writer:
-                self.rates.add(*row)
+        if rebuilt is not None:  # a start, or the file was rewritten: start from it, then what was learned since
+            self.rates = rebuilt
+            theirs = mine + self.pending
+        for row in theirs:
+            self.rates.add(*row)
 
     def timing_observe(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         if rec.error or rec.client_aborted:
