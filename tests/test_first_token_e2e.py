@@ -143,3 +143,19 @@ def test_one_clients_slow_first_tokens_leave_the_others_verdicts_unchanged(fake,
         healthy
     # The poisoner's own are held against the team's line: queueing, as far as the relay can tell.
     assert sum(r["verdict"] == "upstream queueing" for r in poisoned) >= 36, [r["verdict"] for r in poisoned]
+
+
+def test_80_junk_model_names_do_not_send_the_real_model_back_to_learning(fake, start_relay):
+    relay = start_relay(reverse_to(fake), relay_trim="false")
+    with HttpConnection(relay.url()) as conn:
+        for i in range(prefill.MIN_SAMPLES):
+            post(conn, "sk-team-0123456789abcdef", f"real-{i}")
+        for i in range(80):  # the upstream answers any name (a proxy to one of the client's choosing does)
+            headers = {"authorization": "Bearer sk-junk-0123456789abcdef", "x-request-id": "junk"}
+            response = conn.request("POST", CHAT, {**BODY, "model": f"junk-{i}-{uuid.uuid4().hex}"}, headers)
+            assert response.status == 200
+            response.read()
+        post(conn, "sk-team-0123456789abcdef", "real-after")
+    relay.log.of("junk", 80)
+    after = relay.log.of("real-after")[0]
+    assert after["expected_ttft_ms"] is not None and after["verdict"] == "ok", after
