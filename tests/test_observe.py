@@ -65,7 +65,7 @@ def test_nothing_is_predicted_before_enough_requests_nor_far_beyond_what_was_see
     assert expectation is not None and why is None and not learning and expectation.learned_from == prefill.MIN_SAMPLES
     assert not expectation.provisional
     expectation, why, learning = rates.expect("up · m", (500_000, 0))
-    assert expectation is None and why.startswith("no prompt this long learned yet") and not learning
+    assert expectation is None and why.startswith("no prompt this long learned yet") and learning
     assert rates.expect("up · m", None) == (None, "the prompt's size is unknown: the upstream reported no usage", False)
 
 

@@ -33,7 +33,7 @@ the largest of QUEUE_MIN_MS, QUEUE_RELATIVE of the prediction and QUEUE_SCALES s
 While a line has fewer than MIN_SAMPLES samples it is learning: from PROVISIONAL_MIN on,
 a provisional expectation (the median wait seen, for a prompt no longer than those seen)
 holds a wait against what the first requests took; nothing is predicted for a prompt far
-beyond those seen. A lasting change of the provider's speed (RELEARN_RUN requests in a
+beyond those seen (that length is still being learned). A lasting change of the provider's speed (RELEARN_RUN requests in a
 row out of line the same way by about the same factor, up to RELEARN_NEAR times; not all
 from one source where the line recently had two)
 starts the line again from those requests: re-learned in a few requests, not after a
@@ -115,7 +115,8 @@ Sample = tuple[float, int, int, float, str]
 
 class Prediction(NamedTuple):
     """What a line says of a prompt: the expectation, or None and why not; `learning`: the
-    line has not been learned yet, so a wait without an expectation is out of line with nothing."""
+    line, or prompts this long on it, are still being learned, so a wait without an
+    expectation is out of line with nothing."""
 
     expectation: phases.Expectation | None
     unlearned: str | None
@@ -474,13 +475,12 @@ class PrefillRates:
         if prompt is None:
             return Prediction(None, "the prompt's size is unknown: the upstream reported no usage", False)
         f = line.fit() if line is not None else None
-        learning = f is None or f.provisional
         if f is None:
             n = len(line.samples) if line is not None else 0
             return Prediction(None, f"learning this upstream · model: {n} of {MIN_SAMPLES} requests", True)
-        if not f.covers(*prompt):
+        if not f.covers(*prompt):  # learning prompts this long: its prefill may explain any wait
             return Prediction(None, (f"no prompt this long learned yet (up to {f.max_uncached} uncached, "
-                                     f"{f.max_cached} cached tokens)"), learning)
+                                     f"{f.max_cached} cached tokens)"), True)
         if f.provisional:
             return Prediction(f.expect(*prompt), f"learning this upstream · model: {f.n} of {MIN_SAMPLES} requests",
                               True)
