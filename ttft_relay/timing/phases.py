@@ -511,9 +511,10 @@ def judge(
          prompt longer than any learned) a wait with no expectation is out of line with
          nothing (never a slow hop for what the relay does not know yet), and one with a
          provisional expectation (`Expectation.provisional`) beyond it is `upstream wait
-         (prefill/queue)`, out of line with what the first requests took. A WebSocket handshake or a prewarm (`no_prefill`) has no prefill and no
-         first token: its upstream wait (a prewarm's events up to the last included) is
-         `upstream wait`, against nothing;
+         (prefill/queue)`, out of line with what the first requests took. A WebSocket
+         handshake or a prewarm (`no_prefill`) has no prefill and no first token: its
+         upstream wait (a prewarm's events up to the last included) is `upstream wait`,
+         against nothing;
        - the longest silence after the first token (`gap`) against the stream's own
          cadence: a `stream stall` when `Gap.out_of_line` (the part the relay's own event
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
