@@ -252,3 +252,13 @@ def test_a_server_that_holds_every_request_far_longer_stays_queueing_until_it_la
         held.append(judged_then_learned(rates, 312 + t % 5, t))
     assert held[:prefill.RELEARN_RUN_FAR] == [phases.UPSTREAM_QUEUEING] * prefill.RELEARN_RUN_FAR
     assert held[-1] == phases.OK  # it lasted: the new normal
+
+
+def test_while_learning_a_prompt_is_held_only_against_first_requests_at_least_as_long():
+    rates = prefill.PrefillRates()
+    for t, (tokens, own) in enumerate([(100, 110.0), (14_000, 1500.0), (500, 150.0)]):
+        rates.add(KEY, UP, sample(t, own, tokens=tokens))
+    assert verdict(rates, 1100, tokens=10_000) == phases.OK  # the 14k prompt took 1.5 s: prefill, maybe
+    assert verdict(rates, 3500, tokens=10_000) == phases.UPSTREAM_WAIT
+    assert verdict(rates, 900, tokens=200) == phases.UPSTREAM_WAIT  # the 500-token one took 150 ms
+    assert verdict(rates, 3500, tokens=30_000) == phases.OK  # none as long: its prefill may explain it

@@ -31,9 +31,9 @@ From a fit, a request's `phases.Expectation`: the own wait its prompt predicts, 
 its tokens account for, and the tolerance beyond which the wait is out of line (queueing):
 the largest of QUEUE_MIN_MS, QUEUE_RELATIVE of the prediction and QUEUE_SCALES spreads.
 While a line has fewer than MIN_SAMPLES samples it is learning: from PROVISIONAL_MIN on,
-a provisional expectation (the median wait seen, for a prompt no longer than those seen)
-holds a wait against what the first requests took; nothing is predicted for a prompt far
-beyond those seen (that length is still being learned). A lasting change of the provider's speed (RELEARN_RUN requests in a
+a provisional expectation (`provisional`: what the first requests nearest in size whose
+prompts were at least as long took) holds a wait against them; nothing is predicted
+for a prompt far beyond those seen (that length is still being learned). A lasting change of the provider's speed (RELEARN_RUN requests in a
 row out of line the same way by about the same factor, up to RELEARN_NEAR times; not all
 from one source where the line recently had two)
 starts the line again from those requests: re-learned in a few requests, not after a
@@ -63,6 +63,8 @@ MIN_SAMPLES = 8
 """Requests of a line before its fit predicts (and the line is proven)."""
 PROVISIONAL_MIN = 3
 """Requests of a line before a provisional expectation holds a wait against them."""
+PROVISIONAL_NEAREST = 3
+"""The first requests nearest in size whose waits bound a prompt's, while learning."""
 MAX_MODELS = 64
 """Lines learned at once (the names come from clients)."""
 UPSTREAM_MODELS = 16
@@ -136,14 +138,9 @@ class Fit:
     n: int
     max_uncached: int
     max_cached: int
-    provisional: bool = False
-    """Fewer than MIN_SAMPLES samples: the median wait seen, no rates."""
 
     def covers(self, uncached: int, cached: int) -> bool:
-        """The prompt is within what the samples let the fit say (a provisional one: no
-        longer than those seen, give or take MIN_SPREAD_TOKENS)."""
-        if self.provisional:
-            return uncached + cached <= self.max_uncached + self.max_cached + MIN_SPREAD_TOKENS
+        """The prompt is within what the samples let the fit say."""
         return all(tokens <= EXTRAPOLATE * seen + EXTRAPOLATE_TOKENS
                    for tokens, seen in ((uncached, self.max_uncached), (cached, self.max_cached)))
 
@@ -162,7 +159,6 @@ class Fit:
             cached_tokens=cached,
             ms_per_1k=None if self.per_1k_uncached is None else round(self.per_1k_uncached, 1),
             learned_from=self.n,
-            provisional=self.provisional,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -288,16 +284,25 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
     )
 
 
-def provisional(samples: Sequence[Sample]) -> Fit | None:
-    """What the first requests of a line say (PROVISIONAL_MIN up to MIN_SAMPLES): the median
-    wait seen and its robust spread, no rates; None before PROVISIONAL_MIN."""
+def provisional(samples: Sequence[Sample], uncached: int, cached: int) -> phases.Expectation | None:
+    """What a line's first requests (PROVISIONAL_MIN up to MIN_SAMPLES) say of a prompt: no
+    more than the requests nearest in size whose prompts were at least as long took (a
+    longer prompt never takes less; give or take MIN_SPREAD_TOKENS): the lower median wait
+    of up to PROVISIONAL_NEAREST of them, with the usual tolerance. None before
+    PROVISIONAL_MIN, or when none was as long (then any wait may be its prefill)."""
     if len(samples) < PROVISIONAL_MIN:
         return None
-    ys = [s[3] for s in samples]
-    middle = _median(ys)
-    return Fit(base_ms=middle, per_1k_uncached=None, per_1k_cached=None,
-               scale_ms=1.4826 * _median([abs(y - middle) for y in ys]), n=len(samples),
-               max_uncached=max(s[1] for s in samples), max_cached=max(s[2] for s in samples), provisional=True)
+    longer = sorted((s for s in samples if s[1] + MIN_SPREAD_TOKENS >= uncached and s[2] + MIN_SPREAD_TOKENS >= cached),
+                    key=lambda s: s[1] + s[2])[:PROVISIONAL_NEAREST]
+    if not longer:
+        return None
+    ys = sorted(s[3] for s in longer)
+    own = ys[(len(ys) - 1) // 2]
+    spread = 1.4826 * _median([abs(y - own) for y in ys])
+    return phases.Expectation(
+        own_ms=round(own, 1), tolerance_ms=round(max(QUEUE_MIN_MS, QUEUE_RELATIVE * own, QUEUE_SCALES * spread), 1),
+        prompt_ms=0.0, uncached_tokens=uncached, cached_tokens=cached, ms_per_1k=None, learned_from=len(samples),
+        provisional=True)
 
 
 def balanced(samples: Sequence[Sample]) -> list[Sample]:
@@ -394,12 +399,11 @@ class Line:
                 return
 
     def fit(self) -> Fit | None:
-        """The line's fit, refitted once its samples grew by an eighth since the last one
-        (a provisional one at every sample)."""
+        """The line's fit, refitted once its samples grew by an eighth since the last one;
+        None before MIN_SAMPLES."""
         n = len(self.samples)
         if self.added < 0 or self.added >= max(1, n // 8) or n < MIN_SAMPLES:
-            samples = balanced(self.samples)
-            self.fitted = fit(samples) or provisional(samples)
+            self.fitted = fit(balanced(self.samples))
             self.added = 0
         return self.fitted
 
@@ -410,7 +414,7 @@ class Line:
         and no more than RELEARN_SHARE of them from one source where the line recently had two.
         Returns how many they are, or None."""
         n, f = len(self.samples), self.fitted
-        if f is None or f.provisional or not f.covers(*self.samples[-1][1:3]):
+        if f is None or not f.covers(*self.samples[-1][1:3]):
             return None
         newest = self.samples[-1]
         ratio = (newest[3] + 1.0) / (f.expect(newest[1], newest[2]).own_ms + 1.0)
@@ -477,17 +481,15 @@ class PrefillRates:
         f = line.fit() if line is not None else None
         if f is None:
             n = len(line.samples) if line is not None else 0
-            return Prediction(None, f"learning this upstream · model: {n} of {MIN_SAMPLES} requests", True)
+            first = provisional(balanced(line.samples), *prompt) if line is not None else None
+            return Prediction(first, f"learning this upstream · model: {n} of {MIN_SAMPLES} requests", True)
         if not f.covers(*prompt):  # learning prompts this long: its prefill may explain any wait
             return Prediction(None, (f"no prompt this long learned yet (up to {f.max_uncached} uncached, "
                                      f"{f.max_cached} cached tokens)"), True)
-        if f.provisional:
-            return Prediction(f.expect(*prompt), f"learning this upstream · model: {f.n} of {MIN_SAMPLES} requests",
-                              True)
         return Prediction(f.expect(*prompt), None, False)
 
     def fits(self) -> dict[str, Fit]:
-        return {key: f for key, line in self.lines.items() if (f := line.fit()) is not None and not f.provisional}
+        return {key: f for key, line in self.lines.items() if (f := line.fit()) is not None}
 
     def snapshot(self) -> list[tuple[str, str, tuple[Sample, ...]]]:
         """(key, upstream, samples) of every line, cheaply: `rows_of` makes them rows elsewhere."""

@@ -463,8 +463,8 @@ class Expectation:
     learned_from: int
     """Requests behind the prediction."""
     provisional: bool = False
-    """Fewer requests than a fit needs: the wait the line's first requests took, for a prompt
-    no longer than theirs (`prefill.provisional`); a wait beyond it is `upstream wait
+    """Fewer requests than a fit needs: what the line's first requests with prompts at least
+    as long took (`prefill.provisional`); a wait beyond it is `upstream wait
     (prefill/queue)`, the prompt's share and the queue not told apart yet."""
 
 
