@@ -8,6 +8,7 @@ not timed; a worker is told by the socket it holds (/proc), not by a guess.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -19,6 +20,7 @@ import pytest
 from tests.conftest import reverse_to
 from ttft_relay.observe import prefill
 from ttft_relay.testing.fakes.client import HttpConnection
+from ttft_relay.testing.fakes.ws_client import WebSocketClient
 from ttft_relay.testing.harness import RECORD_WAIT_S, RelayWorkers, TimingLog
 
 PREFILL_MS = 160
@@ -159,3 +161,22 @@ def test_80_junk_model_names_do_not_send_the_real_model_back_to_learning(fake, s
     relay.log.of("junk", 80)
     after = relay.log.of("real-after")[0]
     assert after["expected_ttft_ms"] is not None and after["verdict"] == "ok", after
+
+
+def test_codex_turns_over_websocket_learn_the_line_of_their_reasoning_effort(fake, start_relay, tmp_path):
+    relay = start_relay(reverse_to(fake), relay_trim="false")
+    headers = {"authorization": "Bearer sk-team-0123456789abcdef", "x-request-id": "ws",
+               "openai-beta": "responses_websockets=2026-02-06"}
+    with WebSocketClient(relay.url().replace("http://", "ws://") + "/v1/responses", headers=headers) as client:
+        for effort in ("high", "low"):
+            client.send_text(json.dumps({"type": "response.create", "model": "gpt-5.1-codex",
+                                         "reasoning": {"effort": effort}, "input": "hi"}))
+            while (msg := client.receive(RECORD_WAIT_S)) is not None and json.loads(msg.text)["type"] not in (
+                    "response.completed", "response.failed", "error"):
+                pass
+    relay.log.of("ws", 3)  # the handshake and two turns
+    shared = tmp_path / ".ttft-relay.first-token"
+    wait_until(lambda: shared.exists() and len(prefill.decode_rows(shared.read_bytes())) >= 2, "the turns' samples")
+    keys = {row.key for _, row in prefill.decode_rows(shared.read_bytes())}
+    assert keys == {f"{row_upstream} · gpt-5.1-codex · effort {e}" for e in ("high", "low")
+                    for row_upstream in {row.upstream for _, row in prefill.decode_rows(shared.read_bytes())}}, keys

@@ -141,6 +141,9 @@ def test_the_line_is_keyed_by_model_reasoning_effort_thinking_budget_and_tools_s
     assert chat({"reasoning_effort": "high", "tools": tools[:0]}) == "effort high"
     responses = apis.get(apis.OPENAI_RESPONSES).prefill_traits
     assert responses({"reasoning": {"effort": "low"}}) == "effort low"
+    # Codex's WebSocket turn: the websocket addon reads the same from its response.create.
+    assert responses({"type": "response.create", "reasoning": {"effort": "xhigh"}, "tools": tools}) == \
+        "effort xhigh · tools ≤64 kB"
     anthropic = apis.get(apis.ANTHROPIC_MESSAGES).prefill_traits
     assert anthropic({"thinking": {"type": "enabled", "budget_tokens": 10_000}}) == "thinking ≤16384 tokens"
     assert anthropic({"thinking": {"type": "disabled", "budget_tokens": 10_000}}) == ""

@@ -39,6 +39,9 @@ class FlowState:
     request_json: Any = None
     """The parsed request body while request hooks run; dropped once forwarded."""
     prompt_tokens: int | None = None
+    prefill_traits: str = ""
+    """What of the request changes its prefill beyond its tokens (`Api.prefill_traits`, read
+    by scope); a WebSocket's, its current turn's: the key of its first-token line."""
     trim: dict[str, Any] | None = None
     watcher: Watcher | None = None
     """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""

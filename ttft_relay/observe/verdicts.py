@@ -228,8 +228,7 @@ class Verdicts:
         if rec.error or rec.client_aborted:
             return  # its verdict is where it failed, whatever was learned
         st = state.get(flow)
-        traits = st.api.prefill_traits(st.request_json) if st is not None and not rec.turn else ""
-        key = prefill.model_key(rec.upstream, rec.model, traits)
+        key = prefill.model_key(rec.upstream, rec.model, st.prefill_traits if st is not None else "")
         prompt = prefill.prompt_of(rec.usage, rec.prompt_tokens)
         if rec.prewarm or record.is_handshake(rec.transport, rec.turn):
             prediction = prefill.Prediction(None, None, False)
