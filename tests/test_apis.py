@@ -33,6 +33,7 @@ PART_CHECKS = {
     "scope": lambda v: v is None or isinstance(v, str) and _regex(v),
     "matches": callable,
     "model_and_stream": callable,
+    "prefill_traits": callable,
     "client_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
     "key_headers": lambda v: isinstance(v, tuple) and all(isinstance(h, str) and h == h.lower() for h in v),
     "key_params": lambda v: isinstance(v, tuple) and all(isinstance(p, str) for p in v),

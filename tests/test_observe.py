@@ -16,7 +16,7 @@ from ttft_relay.timing import phases, record
 
 
 def traffic(n: int, *, base=100.0, per_1k=100.0, per_1k_cached=10.0, noise=15.0, spikes=0.0, spike_ms=1500.0,
-            seed=1, cached=True) -> list[prefill.Sample]:
+            seed=1, cached=True, source="client a") -> list[prefill.Sample]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -24,7 +24,7 @@ def traffic(n: int, *, base=100.0, per_1k=100.0, per_1k_cached=10.0, noise=15.0,
         y = base + per_1k * u / 1000 + per_1k_cached * c / 1000 + rng.gauss(0, noise)
         if rng.random() < spikes:
             y += spike_ms
-        out.append((1000.0 + i, u, c, max(0.0, y)))
+        out.append((1000.0 + i, u, c, max(0.0, y), source))
     return out
 
 
@@ -52,16 +52,21 @@ def test_queue_spikes_on_a_third_of_the_requests_do_not_bend_the_fit(seed, spike
 
 def test_nothing_is_predicted_before_enough_requests_nor_far_beyond_what_was_seen():
     rates = prefill.PrefillRates()
-    for s in traffic(prefill.MIN_SAMPLES - 1, cached=False):
-        rates.add("up · m", s)
-    expectation, why = rates.expect("up · m", (5000, 0))
-    assert expectation is None and why == f"learning this upstream · model: {prefill.MIN_SAMPLES - 1} of 8 requests"
-    rates.add("up · m", (2000.0, 10_000, 0, 1100.0))
-    expectation, why = rates.expect("up · m", (5000, 0))
-    assert expectation is not None and why is None and expectation.learned_from == prefill.MIN_SAMPLES
-    expectation, why = rates.expect("up · m", (500_000, 0))
-    assert expectation is None and why.startswith("no prompt this long learned yet")
-    assert rates.expect("up · m", None) == (None, "the prompt's size is unknown: the upstream reported no usage")
+    for s in traffic(prefill.PROVISIONAL_MIN - 1, cached=False):
+        rates.add("up · m", "up", s)
+    assert rates.expect("up · m", (5000, 0)) == (
+        None, f"learning this upstream · model: {prefill.PROVISIONAL_MIN - 1} of 8 requests", True)
+    for s in traffic(prefill.MIN_SAMPLES - 1, cached=False)[prefill.PROVISIONAL_MIN - 1:]:
+        rates.add("up · m", "up", s)
+    expectation, why, learning = rates.expect("up · m", (5000, 0))
+    assert expectation.provisional and learning and why == "learning this upstream · model: 7 of 8 requests"
+    rates.add("up · m", "up", (2000.0, 10_000, 0, 1100.0, "client a"))
+    expectation, why, learning = rates.expect("up · m", (5000, 0))
+    assert expectation is not None and why is None and not learning and expectation.learned_from == prefill.MIN_SAMPLES
+    assert not expectation.provisional
+    expectation, why, learning = rates.expect("up · m", (500_000, 0))
+    assert expectation is None and why.startswith("no prompt this long learned yet") and learning
+    assert rates.expect("up · m", None) == (None, "the prompt's size is unknown: the upstream reported no usage", False)
 
 
 def test_a_rate_is_learned_only_from_sizes_that_varied_and_never_negative():
@@ -89,34 +94,24 @@ def test_prompt_tokens_come_from_the_providers_usage_first():
     assert prefill.prompt_of({"input_tokens": True}, None) is None
 
 
-def test_samples_merge_by_union_and_survive_the_state_file():
-    a = traffic(300, seed=1)
-    b = [(t + 1000, u, c, y) for t, u, c, y in traffic(10, seed=2)]  # learned later, in another process
-    merged = prefill.merge({"k": a[:200]}, {"k": a[100:] + b[:10]})
-    assert len(merged["k"]) == prefill.WINDOW and merged["k"][-1] == b[9]  # newest kept, no sample twice
-    assert prefill.decode(prefill.encode(merged)) == merged
-    for garbage in (b"", b"{", b'{"version": 9, "samples": {}}', b'{"version": 1, "samples": {"k": [[1, -2, 0, 3]]}}',
-                    b'{"version": 1, "samples": {"k": [["x", 1, 0, 3]]}}', b"[]"):
-        assert prefill.decode(garbage) == {}
+def test_samples_survive_the_shared_file_and_garbage_is_skipped():
+    rows = [prefill.Row("up · m", "up", s) for s in traffic(20)]
+    assert [row for _, row in prefill.decode_rows(prefill.encode_rows("w1", rows))] == rows
+    assert {writer for writer, _ in prefill.decode_rows(prefill.encode_rows("w1", rows))} == {"w1"}
+    good = prefill.encode_rows("w", rows[:1])
+    for garbage in (b"", b"{", b'["w", "k", "u", 1, -2, 0, 3, "s"]', b'["w", "k", "u", "x", 1, 0, 3, "s"]', b"[]",
+                    b'{"version": 1, "samples": {}}', good[:-5]):
+        assert prefill.decode_rows(garbage + b"\n") == []
+    assert len(prefill.decode_rows(b"{torn\n" + good)) == 1
 
 
-def test_the_models_learned_are_bounded_whatever_clients_name():
+def test_the_lines_learned_are_bounded_whatever_clients_name():
     rates = prefill.PrefillRates()
     for i in range(prefill.MAX_MODELS + 10):
-        rates.add(prefill.model_key("up", f"model-{i}" * 50), (float(i), 100, 0, 10.0))
-    assert len(rates.samples) == prefill.MAX_MODELS
-    assert all(len(key) <= prefill.KEY_MAX for key in rates.samples)
-    many = {f"k{i}": [(float(i), 1, 0, 1.0)] for i in range(prefill.MAX_MODELS * 2)}
-    assert len(prefill.merge(many, {})) == prefill.MAX_MODELS
-
-
-def test_merging_in_another_process_samples_refits():
-    rates = prefill.PrefillRates()
-    for s in traffic(10, per_1k=100, cached=False, seed=3):
-        rates.add("k", s)
-    before = rates.expect("k", (10_000, 0))[0].own_ms
-    rates.merge({"k": [(5000.0 + i, s[1], 0, s[3] * 3) for i, s in enumerate(traffic(30, per_1k=100, cached=False))]})
-    assert rates.expect("k", (10_000, 0))[0].own_ms > 2 * before
+        upstream = f"up{i % 8}"
+        rates.add(prefill.model_key(upstream, f"model-{i}" * 50), upstream, (float(i), 100, 0, 10.0, "a"))
+    assert len(rates.lines) == prefill.MAX_MODELS
+    assert all(len(key) <= prefill.KEY_MAX for key in rates.lines)
 
 
 # --- prompt cache misses ---------------------------------------------------------------------

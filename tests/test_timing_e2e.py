@@ -189,9 +189,12 @@ def test_upstream_wait(fake, relay_at, rid, knob, phase):
     for api, rec in zip(APIS, records):
         assert_within(rec["phases"][phase], PREFILL_MS, f"{api} {phase}", rec)
         assert_within(rec["ttft_ms"], PREFILL_MS, f"{api} ttft", rec)
-        # The upstream's own wait: prefill and queue not told apart while the relay is still learning
-        # this model, queueing once it has learned its first token takes a few ms for this prompt.
-        assert rec["verdict"] in (phases.UPSTREAM_WAIT, phases.UPSTREAM_QUEUEING), rec
+        # The upstream's own wait, and no other hop: while the relay is still learning this model it
+        # blames nobody for it (`ok`, learning), queueing once it has learned its first token takes
+        # a few ms for this prompt.
+        assert rec["verdict"] in (phases.OK, phases.UPSTREAM_WAIT, phases.UPSTREAM_QUEUEING), rec
+        if rec["verdict"] == phases.OK:
+            assert "learning this upstream · model" in rec["verdict_detail"], rec
 
 
 def test_mid_stream_stall(fake, relay_at, rid):

@@ -20,7 +20,8 @@ file only composes the addons; each concern lives in its own module under `ttft_
     selfwatch  the relay's own event-loop lag, accept queues and sockets
     timing     per-phase marks, one record per flow, verdicts
     observe    verdicts against the first token each prompt predicts (learned per upstream ·
-               model, prompt cache misses), attempt groups of retried requests
+               model · prefill traits, shared by the workers; prompt cache misses), attempt
+               groups of retried requests
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)

@@ -80,6 +80,7 @@ class Scope:
         # A malformed body yields (None, False), not an error: the relay forwards what it
         # does not understand.
         st.model, st.stream = st.api.model_and_stream(flow.request.path, st.request_json)
+        st.prefill_traits = st.api.prefill_traits(st.request_json)
         if st.model is None and st.transport == record.WEBSOCKET:
             st.model = flow.request.query.get("model")  # the Realtime API's ?model=
 

@@ -13,6 +13,7 @@ must not be. What should survive a save (the finished timing record) is put in
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class FlowState:
     request_json: Any = None
     """The parsed request body while request hooks run; dropped once forwarded."""
     prompt_tokens: int | None = None
+    prefill_traits: str = ""
+    """What of the request changes its prefill beyond its tokens (`Api.prefill_traits`, read
+    by scope); a WebSocket's, its current turn's: the key of its first-token line."""
     trim: dict[str, Any] | None = None
     watcher: Watcher | None = None
     """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""
@@ -84,6 +88,24 @@ _states: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDi
 def get(flow: http.HTTPFlow) -> FlowState | None:
     """The relay's state for `flow`, or None if the flow is out of scope."""
     return _states.get(flow)
+
+
+_sources: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+
+def note_credential(flow: http.HTTPFlow, credential: str) -> None:
+    """The key the client presented, seen before the guard swaps or redacts it, kept only as a
+    short digest: who sent the flow (`source_of`), never the key."""
+    _sources[flow] = "key " + hashlib.sha256(credential.encode("utf8", "surrogatepass")).hexdigest()[:16]
+
+
+def source_of(flow: http.HTTPFlow) -> str:
+    """Who sent the flow, for what the relay learns from it: the digest of the key its client
+    presented (a relay access key, or the client's own upstream key), else its client's address."""
+    if (source := _sources.get(flow)) is not None:
+        return source
+    peer = flow.client_conn.peername
+    return f"address {peer[0]}" if peer else "address ?"
 
 
 def attach(flow: http.HTTPFlow, st: FlowState) -> FlowState:

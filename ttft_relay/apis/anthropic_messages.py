@@ -8,7 +8,7 @@ from typing import Any
 
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads, reported_error, type_of
 from .shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
-from .api import Api, ErrorFormat, Probe, TooLong, Windows, error_message, model_and_stream_from_body
+from .api import Api, ErrorFormat, as_dict, traits, Probe, TooLong, Windows, error_message, model_and_stream_from_body
 
 NAME = "anthropic.messages"
 
@@ -201,11 +201,21 @@ class MessagesProbe(Probe):
         return ([("x-api-key", key)] if key else []) + [("anthropic-version", "2023-06-01")]
 
 
+def prefill_traits(body: Any) -> str:
+    """Extended thinking's `budget_tokens` (or its adaptive `effort`) and the tools' size."""
+    body = as_dict(body)
+    thinking = as_dict(body.get("thinking"))
+    on = thinking.get("type") in ("enabled", "adaptive")
+    return traits(effort=as_dict(body.get("output_config")).get("effort"),
+                  budget=thinking.get("budget_tokens") if on else None, tools=body.get("tools"))
+
+
 API = Api(
     name=NAME,
     scope=r"/messages/?(?:\?|$)",
     matches=matches,
     model_and_stream=model_and_stream_from_body,
+    prefill_traits=prefill_traits,
     client_headers=("anthropic-version",),
     key_headers=("x-api-key", "authorization"),  # authorization: a Bearer token (ANTHROPIC_AUTH_TOKEN)
     key_params=(),

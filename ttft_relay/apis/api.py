@@ -57,6 +57,42 @@ def model_and_stream_from_body(path: str, body: Any) -> tuple[str | None, bool]:
     return (model if isinstance(model, str) else None), body.get("stream") is True
 
 
+def traits(*, effort: Any = None, budget: Any = None, tools: Any = None) -> str:
+    """A request's prefill traits as words: a reasoning effort as named (a short word), a
+    thinking budget and the tools' JSON size each as a size class (powers of 4), so that
+    requests that take about as long share a first-token line."""
+    words = []
+    if isinstance(effort, str) and effort:
+        words.append(f"effort {effort[:16]}")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        words.append(f"thinking ≤{_size_class(budget)} tokens")
+    if isinstance(tools, list) and tools:
+        try:
+            size = len(orjson.dumps(tools))
+        except TypeError:
+            size = 0
+        words.append(f"tools ≤{_size_class(max(1, size // 1024))} kB")
+    return " · ".join(words)
+
+
+def _size_class(n: int) -> int:
+    """The power of 4 at or above `n` (at least 1): a class a few more bytes or tokens do not change."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 4
+    return bucket
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one: nested fields read without checks."""
+    return value if isinstance(value, dict) else {}
+
+
+def no_traits(body: Any) -> str:
+    """`Api.prefill_traits` of an API whose requests carry none the relay reads."""
+    return ""
+
+
 @dataclass(frozen=True, slots=True)
 class Turns:
     """How the turns of the API's WebSocket start; a turn's events are read by the API's
@@ -202,6 +238,11 @@ class Api:
     model_and_stream: Callable[[str, Any], tuple[str | None, bool]]
     """(path with query, parsed JSON body or anything else) → the model the request
     names and whether it asks for a streamed answer; never raises."""
+    prefill_traits: Callable[[Any], str]
+    """Parsed JSON body (or anything else) → what of the request changes how long the
+    model takes to its first token beyond the prompt's tokens (reasoning effort or
+    thinking budget, the tools' schema size: `traits`), as words for the first-token
+    line's key; "" for none. Never raises."""
     client_headers: tuple[str, ...]
     """Request headers only this API's clients send: before scope has read a path, the
     guard answers a refusal in this API's error format when one is present."""

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
-from .api import Api, ErrorFormat, TooLong, Windows, error_message, number
+from .api import Api, ErrorFormat, as_dict, traits, TooLong, Windows, error_message, number
 
 NAME = "gemini"
 
@@ -115,11 +115,19 @@ def too_long(status: int, body: bytes) -> TooLong | None:
                    output_tokens=None)
 
 
+def prefill_traits(body: Any) -> str:
+    """`generationConfig.thinkingConfig`'s budget or level, and the tools' size."""
+    body = as_dict(body)
+    thinking = as_dict(as_dict(body.get("generationConfig")).get("thinkingConfig"))
+    return traits(effort=thinking.get("thinkingLevel"), budget=thinking.get("thinkingBudget"), tools=body.get("tools"))
+
+
 API = Api(
     name=NAME,
     scope=r":(?:stream)?[gG]enerateContent",
     matches=lambda path: _METHOD.search(path) is not None,
     model_and_stream=model_and_stream,
+    prefill_traits=prefill_traits,
     client_headers=("x-goog-api-key",),
     key_headers=("x-goog-api-key",),
     key_params=("key",),

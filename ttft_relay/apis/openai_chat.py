@@ -10,7 +10,7 @@ from typing import Any
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
 from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
 from .api import (
-    Api, ErrorFormat, Probe, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,
+    Api, ErrorFormat, Probe, as_dict, traits, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,
     number)
 
 NAME = "openai.chat"
@@ -199,11 +199,18 @@ class ChatProbe(Probe):
         return {**super().streamed(body), "stream_options": {"include_usage": True}}
 
 
+def prefill_traits(body: Any) -> str:
+    """`reasoning_effort` and the tools' size."""
+    body = as_dict(body)
+    return traits(effort=body.get("reasoning_effort"), tools=body.get("tools"))
+
+
 API = Api(
     name=NAME,
     scope=r"/chat/completions/?(?:\?|$)",
     matches=lambda path: path.endswith("/chat/completions"),
     model_and_stream=model_and_stream_from_body,
+    prefill_traits=prefill_traits,
     client_headers=(),
     key_headers=("authorization", "api-key"),  # api-key: Azure OpenAI
     key_params=(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .reader import Event, Watcher, as_int, counts, dig, loads, reported_error, type_of
-from .api import Api, error_code, model_and_stream_from_body
+from .api import Api, error_code, no_traits, model_and_stream_from_body
 from .openai_chat import OpenAIErrors
 from .openai_responses import TURNS, ResponsesReader
 
@@ -62,6 +62,7 @@ API = Api(
     scope=r"/realtime/?(?:\?|$)",
     matches=lambda path: path.endswith("/realtime"),
     model_and_stream=model_and_stream_from_body,
+    prefill_traits=no_traits,
     client_headers=(),
     key_headers=("authorization", "api-key"),  # api-key: Azure OpenAI
     key_params=(),

@@ -13,7 +13,7 @@ import orjson
 from .reader import (
     Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, event_type, loads, reported_error, type_of)
 from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, json_placeholder, placeholder, size
-from .api import Api, Probe, Turns, error_code, model_and_stream_from_body
+from .api import Api, Probe, Turns, as_dict, traits, error_code, model_and_stream_from_body
 from .openai_chat import OPENAI_WINDOWS, OpenAIErrors
 
 NAME = "openai.responses"
@@ -220,11 +220,18 @@ TURNS = Turns(
 """A turn per `response.create`, as Codex sends them (the Realtime API's turns too)."""
 
 
+def prefill_traits(body: Any) -> str:
+    """`reasoning.effort` and the tools' size."""
+    body = as_dict(body)
+    return traits(effort=as_dict(body.get("reasoning")).get("effort"), tools=body.get("tools"))
+
+
 API = Api(
     name=NAME,
     scope=r"/responses/?(?:\?|$)",
     matches=lambda path: path.endswith("/responses"),
     model_and_stream=model_and_stream_from_body,
+    prefill_traits=prefill_traits,
     client_headers=(),
     key_headers=("authorization", "api-key"),  # api-key: Azure OpenAI
     key_params=(),

@@ -4,7 +4,7 @@ it is streamed and timed, never trimmed, and answered in OpenAI's error format."
 from __future__ import annotations
 
 from .reader import Reader
-from .api import Api, model_and_stream_from_body
+from .api import Api, model_and_stream_from_body, no_traits
 from .openai_chat import OpenAIErrors
 
 NAME = "other"
@@ -14,6 +14,7 @@ API = Api(
     scope=None,
     matches=lambda path: False,
     model_and_stream=model_and_stream_from_body,
+    prefill_traits=no_traits,
     client_headers=(),
     key_headers=(),
     key_params=(),

@@ -424,10 +424,12 @@ class AccessKeys:
         early_connects.uninstall(by="keys")
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        credentials = presented_credentials(flow.request)
+        if credentials:  # who sent it, for what the relay learns (a digest), before the key is swapped
+            state.note_credential(flow, credentials[min(credentials)])
         mode = flow.client_conn.proxy_mode
         if not self.digests or flow.response is not None or not is_http_reverse(mode):
             return
-        credentials = presented_credentials(flow.request)
         status, reason = 401, rejection(credentials, self.digests)
         upstream_key = self.upstream_keys.get(mode.address[0].lower())
         if reason is None and upstream_key is None:

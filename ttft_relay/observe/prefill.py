@@ -3,8 +3,10 @@
 A model reads the whole prompt before its first token, so the upstream's own wait
 (queue and prefill: `upstream_wait` and `head_to_first_token`, one network round trip
 taken out, `phases.contributions`) grows with the prompt's uncached tokens, and less
-with its cached ones. Per upstream · model the relay keeps the newest WINDOW samples
-(time, uncached tokens, cached tokens, own wait) of its successful streamed requests and
+with its cached ones. Per line — upstream · model · what else of the request changes its
+prefill (`model_key`: reasoning effort or thinking budget, the tools' schema size, as the
+API tells, `Api.prefill_traits`) — the relay keeps the newest WINDOW samples (time,
+uncached tokens, cached tokens, own wait, source) of its successful streamed requests and
 fits
 
     own wait ≈ base + a · uncached/1k + b · cached/1k
@@ -16,39 +18,63 @@ across the samples (else it is left out, and with it any claim about the prompt'
 rate comes out negative. The residuals' robust spread (1.4826 × their median absolute
 value) is how much this upstream's wait varies on its own.
 
+No client owns a line. Each sample names its source (the client's access key as a digest,
+else its address: `state.source_of`); a full window drops the oldest sample of the source
+holding most, and a fit counts no source for more than all the others together (`balanced`):
+300 slow requests of one client neither push the others' samples out nor move the line
+their first tokens draw. A line is admitted only from a successful streamed answer (the
+traffic proves the model exists), at most UPSTREAM_MODELS per upstream and MAX_MODELS in
+all; a proven line (MIN_SAMPLES samples once) is never evicted for a new one, however many
+names clients send, unless it went unused for STALE_S.
+
 From a fit, a request's `phases.Expectation`: the own wait its prompt predicts, the part
 its tokens account for, and the tolerance beyond which the wait is out of line (queueing):
 the largest of QUEUE_MIN_MS, QUEUE_RELATIVE of the prediction and QUEUE_SCALES spreads.
-Nothing is predicted before MIN_SAMPLES requests, nor for a prompt far beyond those seen:
-no verdict from a model that does not exist yet.
+While a line has fewer than MIN_SAMPLES samples it is learning: from PROVISIONAL_MIN on,
+a provisional expectation (`provisional`: what the first requests nearest in size whose
+prompts were at least as long took) holds a wait against them; nothing is predicted
+for a prompt far beyond those seen (that length is still being learned). A lasting change of the provider's speed (RELEARN_RUN requests in a
+row out of line the same way by about the same factor, up to RELEARN_NEAR times; not all
+from one source where the line recently had two)
+starts the line again from those requests: re-learned in a few requests, not after a
+window's worth.
 
-The samples persist as JSON (`encode`, `decode`) and merge by union (`merge`): each relay
-process, a worker among N, keeps its own and merges them with the state file beside the
-timing log now and then (`ttft_relay/observe/verdicts.py`), so every process learns from all.
+What one relay process learns every process logging into the same directory uses within
+moments: each appends its samples to a shared file and reads the others' (`encode_lines`,
+`decode_lines`; the file work is `ttft_relay/observe/verdicts.py`'s).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import mul, sub
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from ..timing import phases
 
 WINDOW = 256
-"""Recent samples kept per upstream · model."""
+"""Recent samples kept per line."""
 MIN_SAMPLES = 8
-"""Requests of an upstream · model before anything is predicted for it."""
+"""Requests of a line before its fit predicts (and the line is proven)."""
+PROVISIONAL_MIN = 3
+"""Requests of a line before a provisional expectation holds a wait against them."""
+PROVISIONAL_NEAREST = 3
+"""The first requests nearest in size whose waits bound a prompt's, while learning."""
 MAX_MODELS = 64
-"""Upstream · model pairs learned at once (the names come from clients): the ones whose
-newest sample is oldest go first."""
+"""Lines learned at once (the names come from clients)."""
+UPSTREAM_MODELS = 16
+"""Lines learned at once per upstream: an upstream a client chose (proxy mode) takes no more."""
+STALE_S = 7 * 86400.0
+"""A proven line unused this long may give way to a new one."""
 KEY_MAX = 200
-"""Characters of an upstream · model key kept."""
+"""Characters of a line's key kept."""
+SOURCE_MAX = 40
+"""Characters of a sample's source kept."""
 MIN_SPREAD_TOKENS = 256
 """A token count varies enough to fit a rate when its samples span at least this many
 tokens, and at least MIN_SPREAD_SHARE of their largest value."""
@@ -68,9 +94,35 @@ SPIKE_MIN_MS = 50.0
 spike, left out of the second."""
 IRLS_FLOOR_MS = 1.0
 """Residuals below this weigh as this in the median fit (its iteratively reweighted least squares)."""
+RELEARN_RUN = 3
+"""Requests in a row out of line the same way that make a new speed, not a queue."""
+RELEARN_FACTOR = 1.2
+"""... each within this factor of the others (a queue comes and goes; a new speed holds)."""
+RELEARN_NEAR = 3.0
+RELEARN_RUN_FAR = 24
+"""A change beyond RELEARN_NEAR times the learned wait (either way) is more like a queue (a
+server that holds every request 300 ms more is 25 times slower on a 12 ms line): it becomes
+the line only after this many requests in a row."""
+RELEARN_SHARE = 2 / 3
+"""... of which no one source sends more than this share, where the line recently had more than one."""
+RECENT = 32
+RECENT_S = 600.0
+"""The sources a new speed must be seen from: those of the line's last RECENT samples and of
+its last RECENT_S seconds. Where there were two, one client alone, however many requests it
+sends, does not re-learn the line the others use."""
 
-Sample = tuple[float, int, int, float]
-"""(time, uncached tokens, cached tokens, the upstream's own wait in ms)."""
+Sample = tuple[float, int, int, float, str]
+"""(time, uncached tokens, cached tokens, the upstream's own wait in ms, source)."""
+
+
+class Prediction(NamedTuple):
+    """What a line says of a prompt: the expectation, or None and why not; `learning`: the
+    line, or prompts this long on it, are still being learned, so a wait without an
+    expectation is out of line with nothing."""
+
+    expectation: phases.Expectation | None
+    unlearned: str | None
+    learning: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +284,48 @@ def fit(samples: Sequence[Sample]) -> Fit | None:
     )
 
 
-def model_key(upstream: str, model: str | None) -> str:
-    """The learned models' key, as `ttft-relay report` groups: "upstream · model"."""
-    return f"{upstream} · {model or '?'}"[:KEY_MAX]
+def provisional(samples: Sequence[Sample], uncached: int, cached: int) -> phases.Expectation | None:
+    """What a line's first requests (PROVISIONAL_MIN up to MIN_SAMPLES) say of a prompt: no
+    more than the requests nearest in size whose prompts were at least as long took (a
+    longer prompt never takes less; give or take MIN_SPREAD_TOKENS): the lower median wait
+    of up to PROVISIONAL_NEAREST of them, with the usual tolerance. None before
+    PROVISIONAL_MIN, or when none was as long (then any wait may be its prefill)."""
+    if len(samples) < PROVISIONAL_MIN:
+        return None
+    longer = sorted((s for s in samples if s[1] + MIN_SPREAD_TOKENS >= uncached and s[2] + MIN_SPREAD_TOKENS >= cached),
+                    key=lambda s: s[1] + s[2])[:PROVISIONAL_NEAREST]
+    if not longer:
+        return None
+    ys = sorted(s[3] for s in longer)
+    own = ys[(len(ys) - 1) // 2]
+    spread = 1.4826 * _median([abs(y - own) for y in ys])
+    return phases.Expectation(
+        own_ms=round(own, 1), tolerance_ms=round(max(QUEUE_MIN_MS, QUEUE_RELATIVE * own, QUEUE_SCALES * spread), 1),
+        prompt_ms=0.0, uncached_tokens=uncached, cached_tokens=cached, ms_per_1k=None, learned_from=len(samples),
+        provisional=True)
+
+
+def balanced(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples with the source holding most cut to its newest as many as all the others
+    together hold (at least MIN_SAMPLES): no one client draws the line for the rest."""
+    counts = Counter(s[4] for s in samples)
+    if len(counts) < 2:
+        return list(samples)
+    source, most = counts.most_common(1)[0]
+    drop = most - max(len(samples) - most, MIN_SAMPLES)
+    out = []
+    for s in samples:
+        if drop > 0 and s[4] == source:
+            drop -= 1
+            continue
+        out.append(s)
+    return out
+
+
+def model_key(upstream: str, model: str | None, traits: str = "") -> str:
+    """A line's key: "upstream · model", and " · traits" when the request has any that change
+    its prefill (`Api.prefill_traits`: "effort high · tools ≤16 kB")."""
+    return " · ".join(part for part in (upstream, model or "?", traits) if part)[:KEY_MAX]
 
 
 def prompt_of(usage: Mapping[str, Any] | None, prompt_tokens: int | None) -> tuple[int, int] | None:
@@ -258,7 +349,7 @@ def own_wait(rec: Mapping[str, Any]) -> float | None:
         phases.UPSTREAM_WAIT]
 
 
-def sample_of(rec: Mapping[str, Any]) -> Sample | None:
+def sample_of(rec: Mapping[str, Any], source: str = "") -> Sample | None:
     """What a record teaches: a successful streamed request (or turn) that asked for output
     and whose prompt's size is known; None for any other (a failure, a handshake, a
     prewarm, an answer not streamed, whose wait holds the whole answer)."""
@@ -269,114 +360,176 @@ def sample_of(rec: Mapping[str, Any]) -> Sample | None:
     prompt, own = prompt_of(rec.get("usage"), rec.get("prompt_tokens")), own_wait(rec)
     if prompt is None or own is None:
         return None
-    return round(rec.get("ts") or 0.0, 3), *prompt, round(own, 1)
+    return round(rec.get("ts") or 0.0, 3), *prompt, round(own, 1), source[:SOURCE_MAX]
+
+
+@dataclass(eq=False, slots=True)
+class Line:
+    """One line's samples (time order) and its fit."""
+
+    upstream: str
+    samples: deque[Sample] = field(default_factory=deque)
+    sources: Counter[str] = field(default_factory=Counter)
+    """Samples per source in `samples`."""
+    proven: bool = False
+    """It had MIN_SAMPLES samples once: never evicted for a new line (but when stale)."""
+    fitted: Fit | None = None
+    added: int = -1
+    """Samples added since the last fit; -1: never fitted."""
+
+    def add(self, sample: Sample) -> None:
+        if len(self.samples) >= WINDOW:
+            self._drop_oldest_of(max(self.sources, key=self.sources.__getitem__))
+        self.samples.append(sample)
+        self.sources[sample[4]] += 1
+        self.proven = self.proven or len(self.samples) >= MIN_SAMPLES
+        self.added = self.added + 1 if self.added >= 0 else -1
+        if (run := self._new_speed()) is not None:
+            self.samples = deque(self.samples[i] for i in range(len(self.samples) - run, len(self.samples)))
+            self.sources = Counter(s[4] for s in self.samples)
+            self.added = -1
+
+    def _drop_oldest_of(self, source: str) -> None:
+        for i, s in enumerate(self.samples):
+            if s[4] == source:
+                del self.samples[i]
+                self.sources[source] -= 1
+                if not self.sources[source]:
+                    del self.sources[source]
+                return
+
+    def fit(self) -> Fit | None:
+        """The line's fit, refitted once its samples grew by an eighth since the last one;
+        None before MIN_SAMPLES."""
+        n = len(self.samples)
+        if self.added < 0 or self.added >= max(1, n // 8) or n < MIN_SAMPLES:
+            self.fitted = fit(balanced(self.samples))
+            self.added = 0
+        return self.fitted
+
+    def _new_speed(self) -> int | None:
+        """The newest samples say the provider's speed changed for good: RELEARN_RUN of them
+        (RELEARN_RUN_FAR for a change beyond RELEARN_NEAR times: more like a queue than a new
+        speed) each out of line with the learned fit the same way, by about the same factor,
+        and no more than RELEARN_SHARE of them from one source where the line recently had two.
+        Returns how many they are, or None."""
+        n, f = len(self.samples), self.fitted
+        if f is None or not f.covers(*self.samples[-1][1:3]):
+            return None
+        newest = self.samples[-1]
+        ratio = (newest[3] + 1.0) / (f.expect(newest[1], newest[2]).own_ms + 1.0)
+        k = RELEARN_RUN if 1 / RELEARN_NEAR <= ratio <= RELEARN_NEAR else RELEARN_RUN_FAR
+        if n < MIN_SAMPLES + k:
+            return None
+        run = [self.samples[i] for i in range(n - k, n)]
+        ratios = []
+        for s in run:
+            if not f.covers(s[1], s[2]):
+                return None
+            e = f.expect(s[1], s[2])
+            if abs(s[3] - e.own_ms) <= e.tolerance_ms:
+                return None
+            ratios.append((s[3] + 1.0) / (e.own_ms + 1.0))
+        same_way = all(r > 1 for r in ratios) or all(r < 1 for r in ratios)
+        if not same_way or max(ratios) > RELEARN_FACTOR * min(ratios):
+            return None
+        recent = {s[4] for i, s in enumerate(self.samples) if i >= n - RECENT or newest[0] - s[0] <= RECENT_S}
+        if len(recent) >= 2 and Counter(s[4] for s in run).most_common(1)[0][1] > RELEARN_SHARE * k:
+            return None  # one client's run: its own, not the provider's
+        return k
 
 
 class PrefillRates:
-    """Samples and fits per upstream · model; what a request's prompt predicts."""
+    """The lines, and what a request's prompt predicts on its line."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, deque[Sample]] = {}
-        self._fits: dict[str, Fit | None] = {}
-        self._added: dict[str, int] = {}
-        """Samples added per key since its last fit."""
+        self.lines: dict[str, Line] = {}
 
-    def add(self, key: str, sample: Sample) -> None:
-        window = self.samples.get(key)
-        if window is None:
-            if len(self.samples) >= MAX_MODELS:
-                self._forget_oldest()
-            window = self.samples[key] = deque(maxlen=WINDOW)
-        window.append(sample)
-        self._added[key] = self._added.get(key, 0) + 1
+    def add(self, key: str, upstream: str, sample: Sample) -> bool:
+        """Learn `sample` on the line `key` (of `upstream`); False: the line was not admitted
+        (the table, or the upstream's share of it, is full of proven lines)."""
+        key = key[:KEY_MAX]
+        line = self.lines.get(key)
+        if line is None:
+            if not self._room_for(upstream, sample[0]):
+                return False
+            line = self.lines[key] = Line(upstream)
+        line.add(sample)
+        return True
 
-    def fit_of(self, key: str) -> Fit | None:
-        """The key's fit, refitted once its samples grew by an eighth since the last one."""
-        window = self.samples.get(key)
-        if window is None:
-            return None
-        added = self._added.get(key, 0)
-        if key not in self._fits or (added and added >= max(1, len(window) // 8)):
-            self._fits[key] = fit(window)
-            self._added[key] = 0
-        return self._fits[key]
+    def _room_for(self, upstream: str, now: float) -> bool:
+        """Whether a new line of `upstream` fits, evicting the stalest line that may go for it."""
+        same = [key for key, line in self.lines.items() if line.upstream == upstream]
+        if len(same) >= UPSTREAM_MODELS:
+            candidates = same
+        elif len(self.lines) >= MAX_MODELS:
+            candidates = list(self.lines)
+        else:
+            return True
+        newest = {key: self.lines[key].samples[-1][0] if self.lines[key].samples else 0.0 for key in candidates}
+        may_go = [key for key in candidates if not self.lines[key].proven or now - newest[key] > STALE_S]
+        if not may_go:
+            return False
+        del self.lines[min(may_go, key=newest.__getitem__)]
+        return True
 
-    def expect(self, key: str, prompt: tuple[int, int] | None) -> tuple[phases.Expectation | None, str | None]:
-        """What this prompt predicts for the key, or None and why not."""
+    def expect(self, key: str, prompt: tuple[int, int] | None) -> Prediction:
+        """What this prompt predicts on the line `key`."""
+        line = self.lines.get(key[:KEY_MAX])
         if prompt is None:
-            return None, "the prompt's size is unknown: the upstream reported no usage"
-        f = self.fit_of(key)
+            return Prediction(None, "the prompt's size is unknown: the upstream reported no usage", False)
+        f = line.fit() if line is not None else None
         if f is None:
-            n = len(self.samples.get(key, ()))
-            return None, f"learning this upstream · model: {n} of {MIN_SAMPLES} requests"
-        if not f.covers(*prompt):
-            return None, (f"no prompt this long learned yet (up to {f.max_uncached} uncached, "
-                          f"{f.max_cached} cached tokens)")
-        return f.expect(*prompt), None
+            n = len(line.samples) if line is not None else 0
+            first = provisional(balanced(line.samples), *prompt) if line is not None else None
+            return Prediction(first, f"learning this upstream · model: {n} of {MIN_SAMPLES} requests", True)
+        if not f.covers(*prompt):  # learning prompts this long: its prefill may explain any wait
+            return Prediction(None, (f"no prompt this long learned yet (up to {f.max_uncached} uncached, "
+                                     f"{f.max_cached} cached tokens)"), True)
+        return Prediction(f.expect(*prompt), None, False)
 
     def fits(self) -> dict[str, Fit]:
-        return {key: f for key in self.samples if (f := self.fit_of(key)) is not None}
+        return {key: f for key, line in self.lines.items() if (f := line.fit()) is not None}
 
-    def snapshot(self) -> dict[str, list[Sample]]:
-        return {key: list(window) for key, window in self.samples.items()}
-
-    def merge(self, other: Mapping[str, Iterable[Sample]]) -> None:
-        """Take in samples learned elsewhere (the state file): the union, newest WINDOW kept."""
-        merged = merge(self.snapshot(), other)
-        for key in [key for key in self.samples if key not in merged]:
-            self._forget(key)
-        for key, samples in merged.items():
-            if key not in self.samples or list(self.samples[key]) != samples:
-                self.samples[key] = deque(samples, maxlen=WINDOW)
-                self._fits.pop(key, None)  # refitted when next asked
-
-    def _forget_oldest(self) -> None:
-        self._forget(min(self.samples, key=lambda k: self.samples[k][-1][0] if self.samples[k] else 0.0))
-
-    def _forget(self, key: str) -> None:
-        self.samples.pop(key, None)
-        self._fits.pop(key, None)
-        self._added.pop(key, None)
+    def snapshot(self) -> list[tuple[str, str, tuple[Sample, ...]]]:
+        """(key, upstream, samples) of every line, cheaply: `rows_of` makes them rows elsewhere."""
+        return [(key, line.upstream, tuple(line.samples)) for key, line in self.lines.items()]
 
 
-def merge(a: Mapping[str, Iterable[Sample]], b: Mapping[str, Iterable[Sample]]) -> dict[str, list[Sample]]:
-    """The union of two sets of samples per key, in time order, the newest WINDOW each, and
-    the MAX_MODELS keys learned most recently."""
-    out: dict[str, list[Sample]] = {}
-    for key in {*a, *b}:
-        union = sorted({tuple(s) for s in (*a.get(key, ()), *b.get(key, ()))})
-        if union:
-            out[key] = [(float(t), int(u), int(c), float(y)) for t, u, c, y in union[-WINDOW:]]
-    newest = sorted(out, key=lambda k: out[k][-1][0], reverse=True)[:MAX_MODELS]
-    return {key: out[key] for key in sorted(newest)}
+def rows_of(snapshot: Iterable[tuple[str, str, Sequence[Sample]]]) -> list[Row]:
+    """Every line's samples as rows, oldest first: what a compacted shared file holds."""
+    return sorted((Row(key, upstream, s) for key, upstream, samples in snapshot for s in samples),
+                  key=lambda row: row.sample[0])
 
 
-STATE_VERSION = 1
+class Row(NamedTuple):
+    """One line of the shared file: a sample learned on `key` of `upstream`."""
+
+    key: str
+    upstream: str
+    sample: Sample
 
 
-def encode(samples: Mapping[str, Iterable[Sample]]) -> bytes:
-    return orjson.dumps({"version": STATE_VERSION, "samples": {k: list(v) for k, v in samples.items()}})
+def encode_rows(writer: str, rows: Iterable[Row]) -> bytes:
+    """JSON lines, one a sample: [writer, key, upstream, time, uncached, cached, own wait, source]."""
+    return b"".join(orjson.dumps([writer, r.key, r.upstream, *r.sample]) + b"\n" for r in rows)
 
 
-def decode(data: bytes) -> dict[str, list[Sample]]:
-    """The samples of a state file; empty for anything that is not one (a torn write, an
-    older format, a hand edit): the model then learns again from the traffic."""
-    try:
-        state = orjson.loads(data) if data else {}
-    except orjson.JSONDecodeError:
-        return {}
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not isinstance(state.get("samples"), dict):
-        return {}
-    out: dict[str, list[Sample]] = {}
-    for key, rows in state["samples"].items():
-        if not isinstance(key, str) or not isinstance(rows, list):
+def decode_rows(data: bytes) -> list[tuple[str, Row]]:
+    """(writer, row) for each whole line of `data` that is one; anything else (a torn line, a
+    hand edit, an older format) is skipped: what it held is learned again from the traffic."""
+    rows = []
+    for text in data.split(b"\n"):
+        try:
+            row = orjson.loads(text) if text else None
+        except orjson.JSONDecodeError:
             continue
-        good = [(float(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows
-                if isinstance(r, list) and len(r) == 4 and all(_finite(v) for v in r)
-                and r[1] >= 0 and r[2] >= 0 and r[3] >= 0]
-        if good:
-            out[key[:KEY_MAX]] = good[-WINDOW:]
-    return merge(out, {})
+        if (isinstance(row, list) and len(row) == 8 and all(isinstance(row[i], str) for i in (0, 1, 2, 7))
+                and all(_finite(v) and v >= 0 for v in row[3:7])):
+            writer, key, upstream, t, u, c, y, source = row
+            rows.append((writer, Row(key[:KEY_MAX], upstream[:KEY_MAX],
+                                     (float(t), int(u), int(c), float(y), source[:SOURCE_MAX]))))
+    return rows
 
 
 def _finite(value: object) -> bool:

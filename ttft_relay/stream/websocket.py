@@ -304,6 +304,8 @@ class WebSocketTurns:
             body = protocol.request(message.content)
             if body is not None:
                 self._start(flow, session, message.timestamp, protocol.model(body), protocol.prewarm(body))
+                if (st := state.get(flow)) is not None:
+                    st.prefill_traits = session.api.prefill_traits(body)  # the turn's first-token line
             return
         if session.turn is None:
             if not session.protocol.server_started(message.content):

@@ -156,7 +156,9 @@ UPSTREAM_NETWORK = "upstream network (round trip)"
 UPSTREAM_LINK = (UPSTREAM_CONNECT, UPSTREAM_TLS, UPSTREAM_NETWORK)
 """One hop, judged as one: what the link to the upstream cost (`judge`, `link_words`)."""
 UPSTREAM_WAIT = "upstream wait (prefill/queue)"
-"""The upstream's own wait before anything was learned to tell its prefill from its queue."""
+"""The upstream's own wait out of line with what its line's first requests took, before
+enough was learned to tell its prefill from its queue; or, for an answer with no first
+token to learn from (not streamed, a prompt of unknown size), its wait against nothing."""
 UPSTREAM_QUEUEING = "upstream queueing"
 UPSTREAM_ANSWER = "upstream wait"
 """A WebSocket handshake's or a prewarm's upstream wait: neither has a prefill to tell apart."""
@@ -565,6 +567,10 @@ class Expectation:
     """The learned rate per 1k uncached prompt tokens; None while prompt sizes did not vary enough."""
     learned_from: int
     """Requests behind the prediction."""
+    provisional: bool = False
+    """Fewer requests than a fit needs: what the line's first requests with prompts at least
+    as long took (`prefill.provisional`); a wait beyond it is `upstream wait
+    (prefill/queue)`, the prompt's share and the queue not told apart yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,6 +623,7 @@ def judge(
     no_prefill: bool = False,
     expectation: Expectation | None = None,
     unlearned: str | None = None,
+    learning: bool = False,
     cache_miss: str | None = None,
     upstream_retransmit_ms: float | None = None,
     starting_ms: float | None = None,
@@ -636,9 +643,14 @@ def judge(
          `own_ms + tolerance_ms` it is `upstream queueing`, out of line by the difference.
          Without an expectation (not learned yet: `unlearned` says why) it is
          `upstream wait (prefill/queue)`, prefill and queueing not told apart, against
-         nothing. A WebSocket handshake or a prewarm (`no_prefill`) has no prefill and no
-         first token: its upstream wait (a prewarm's events up to the last included) is
-         `upstream wait`, against nothing;
+         nothing; but while the relay is `learning` the line (its first requests, a
+         prompt longer than any learned) a wait with no expectation is out of line with
+         nothing (never a slow hop for what the relay does not know yet), and one with a
+         provisional expectation (`Expectation.provisional`) beyond it is `upstream wait
+         (prefill/queue)`, out of line with what the first requests took. A WebSocket
+         handshake or a prewarm (`no_prefill`) has no prefill and no first token: its
+         upstream wait (a prewarm's events up to the last included) is `upstream wait`,
+         against nothing;
        - the longest silence after the first token (`gap`) against the stream's own
          cadence: a `stream stall` when `Gap.out_of_line` (the part the relay's own event
          loop explains, up to `loop_lag_ms`, is `relay saturated`);
@@ -688,7 +700,7 @@ def judge(
         starting_ms = (starting_ms or 0.0) + setup.starting_ms
     own = contrib[UPSTREAM_WAIT]
     expected_ttft = None
-    if expectation is not None and not no_prefill and "ttft" in phases:
+    if expectation is not None and not expectation.provisional and not no_prefill and "ttft" in phases:
         expected_ttft = round(max(0.0, first - own + expectation.own_ms), 1)
     relay_stall = min(stall, loop_lag_ms or 0.0)
     beyond: dict[str, float] = {}
@@ -714,12 +726,15 @@ def judge(
             elif expectation is not None:
                 if ms <= expectation.own_ms + expectation.tolerance_ms:
                     continue
-                name, ms = UPSTREAM_QUEUEING, ms - expectation.own_ms
+                name = UPSTREAM_WAIT if expectation.provisional else UPSTREAM_QUEUEING
+                ms -= expectation.own_ms
+            elif learning:
+                continue
         if ms >= NOISE_MS and ms >= SHARE * wait:
             beyond[name] = ms
     words = dominant(beyond)
     if words == UNKNOWN:
-        return _in_line(first, expectation, expected_ttft, cache_miss, no_prefill)
+        return _in_line(first, expectation, expected_ttft, cache_miss, no_prefill, unlearned)
     detail = _out_of_line(words, beyond[words], wait, contrib, gap, expectation, expected_ttft, unlearned,
                           client_rtt_ms, loop_lag_ms, no_prefill, phases.get("upstream_upload"), setup)
     return Verdict(words, detail, expected_ttft)
@@ -762,10 +777,14 @@ def _prompt(e: Expectation) -> str:
 
 
 def _in_line(wait: float, e: Expectation | None, expected_ttft: float | None, cache_miss: str | None,
-             no_prefill: bool) -> Verdict:
+             no_prefill: bool, unlearned: str | None) -> Verdict:
     what = "the answer" if no_prefill else "first token"
+    why = f" ({unlearned})" if unlearned else ""
+    if e is not None and e.provisional:
+        return Verdict(OK, f"{what} {_s(wait)}, in line with the {_s(e.own_ms)} the upstream's own wait took on "
+                       f"this line's first requests{why}")
     if e is None or expected_ttft is None:
-        return Verdict(OK, f"{what} {_s(wait)}, nothing out of line", expected_ttft)
+        return Verdict(OK, f"{what} {_s(wait)}, nothing out of line{why}", expected_ttft)
     prompt_explains = e.prompt_ms >= NOISE_MS and e.prompt_ms >= CONTEXT_SHARE * wait
     rate = f" at {e.ms_per_1k:.0f} ms per 1k" if e.ms_per_1k is not None else ""
     if prompt_explains and cache_miss:
@@ -798,6 +817,10 @@ def _out_of_line(words: str, ms: float, wait: float, contrib: Mapping[str, float
                 f"{_s(e.own_ms)})")
     if words == UPSTREAM_WAIT:
         why = f" ({unlearned})" if unlearned else ""
+        if e is not None and e.provisional:
+            own = contrib[UPSTREAM_WAIT]
+            return (f"the upstream's own wait {_s(own)}, {own / max(e.own_ms, 1.0):.1f}× the {_s(e.own_ms)} it took "
+                    f"on this line's first requests{share}: prefill and queueing not told apart{why}")
         return f"the upstream's own wait {_s(ms)}{share}: prefill and queueing not told apart{why}"
     if words == STREAM_STALL and gap is not None:
         pace = f", {gap.ms / gap.cadence_ms:.0f}× the stream's {_s(gap.cadence_ms)} between chunks" \

@@ -278,7 +278,7 @@ def is_handshake(transport: str | None, turn: int | None) -> bool:
 
 
 def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearned: str | None = None,
-          cache_miss: str | None = None) -> None:
+          learning: bool = False, cache_miss: str | None = None) -> None:
     """Set the record's verdict, its detail and expected first token from its own numbers
     and what the relay learned across records (`phases.judge`): `build_record` judges
     with nothing learned, the observe floor again with its expectation before the record
@@ -305,6 +305,7 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         no_prefill=handshake or rec.prewarm,
         expectation=expectation,
         unlearned=unlearned,
+        learning=learning,
         cache_miss=cache_miss,
     )
     rec.verdict, rec.verdict_detail, rec.expected_ttft_ms = v.words, v.detail, v.expected_ttft_ms
