@@ -20,10 +20,12 @@ from ttft_relay.testing.fakes import Behaviour, FakeUpstream
 from ttft_relay.testing.fakes.replies import answer_text
 
 WAIT = 60
-NEW_CLAUDE = "claude-opus-5-5"
-"""Claude Code's newest model, in no table of the relay's."""
-NEW_GPT = "gpt-5.5"
-"""A GPT-5 model the relay's table does not name: `gpt-5`'s window is not its own."""
+NEW_CLAUDE = "acme-coder-2"
+"""A model of a family no table of the relay's names, served on the Anthropic API (as other
+providers serve theirs): its window is the provider's word alone. (A new Claude model's
+window is never learned below 200k, the smallest of its family's: `judge_refusal`.)"""
+NEW_GPT = "gpt-4-fork"
+"""A model of the gpt-4 family the relay's table does not name (the family's smallest window: 8192)."""
 
 
 def fake_with_window(tokens: int) -> FakeUpstream:
@@ -154,7 +156,7 @@ def test_openai_chat_refused_as_too_long_is_trimmed_and_answered(start_relay, st
         assert shaped.problems(shaped.CHAT, body, orjson.loads(fake.received[1].body)) == []
         (rec,) = records(relay)
     assert rec["status"] == 200 and rec["trim"]["refused"]["window"] == window and rec["trim"]["refused"]["resent"]
-    assert rec["trim"]["count_source"] == "exact" and rec["trim"]["encoding"] == "o200k_base"
+    assert rec["trim"]["count_source"] == "exact" and rec["trim"]["encoding"] == "cl100k_base"
 
 
 def test_a_refusal_that_names_no_limit_reaches_the_client_as_it_came(start_relay):

@@ -60,7 +60,7 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from .. import apis, state
+from .. import apis, flows, state
 from ..apis.api import Api
 from ..faults import apierrors
 from ..patches import connections, pins
@@ -424,10 +424,11 @@ class AccessKeys:
         early_connects.uninstall(by="keys")
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        credentials = presented_credentials(flow.request)
+        flows.note_client_key(flow, credentials.values())
         mode = flow.client_conn.proxy_mode
         if not self.digests or flow.response is not None or not is_http_reverse(mode):
             return
-        credentials = presented_credentials(flow.request)
         status, reason = 401, rejection(credentials, self.digests)
         upstream_key = self.upstream_keys.get(mode.address[0].lower())
         if reason is None and upstream_key is None:
