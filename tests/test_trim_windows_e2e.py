@@ -9,6 +9,8 @@ refuses longer requests in each API's own words (`sse_samples.too_long_body`).""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import anthropic
@@ -20,6 +22,7 @@ from ttft_relay.testing import shaped
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream
 from ttft_relay.testing.fakes.replies import answer_text
+from ttft_relay.testing.harness import REPO, metrics_url, scrape, total
 
 WAIT = 60
 NEW_CLAUDE = "acme-coder-2"
@@ -138,6 +141,18 @@ def test_a_learned_window_is_used_by_the_next_relay_on_the_same_log(start_relay)
     assert rec["trim"]["budget_source"] == "learned" and rec["trim"]["trimmed"]
 
 
+def test_a_window_learned_by_one_running_relay_is_used_by_another_running_on_the_same_log_at_once(start_relay):
+    window = 60_000
+    with fake_with_window(window) as fake:
+        one, other = start_relay(reverse_to(fake)), start_relay(reverse_to(fake))  # two workers, say
+        body = claude_code_body(30)
+        create(sdk_for(one, FAKE_ANTHROPIC_KEY), body)
+        create(sdk_for(other, FAKE_ANTHROPIC_KEY), body)
+        assert [s.status for s in fake.sent] == [400, 200, 200]  # the other sent it once, trimmed
+        rec = records(other)[-1]
+    assert rec["trim"]["budget_source"] == "learned" and rec["trim"]["trimmed"]
+
+
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "not-streamed"])
 def test_openai_chat_refused_as_too_long_is_trimmed_and_answered(start_relay, streamed):
     window = 40_000
@@ -249,12 +264,20 @@ def test_a_window_one_key_learned_serves_it_alone_until_another_keys_refusal_con
         create(third, body)  # trimmed at once
         assert [s.status for s in fake.sent] == [400, 200, 400, 200, 200]
         (learned,) = learned_file(relay)
+        shown = scrape(metrics_url(relay))
+        assert total(shown, "ttft_relay_learned_context_window_tokens", gen_ai_request_model=NEW_CLAUDE,
+                     limit="max_input", confirmed="yes") == window
         recs = records(relay)
     assert learned["model"] == NEW_CLAUDE and learned["max_input"] == window and learned["status"] == 400
     assert learned["error"] == "invalid_request_error"
     assert learned["key"] and learned["confirmed"] and learned["key"] != learned["confirmed"]
     assert all(key not in orjson.dumps(learned).decode() for key in (FAKE_ANTHROPIC_KEY, OTHER_KEY))
     assert [r["trim"]["budget_source"] for r in recs] == ["learned"] * 3
+    text = subprocess.run([sys.executable, "-m", "ttft_relay", "report", relay.log.path], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout
+    assert f"{NEW_CLAUDE}: at most {window} prompt tokens" in text, text
+    assert f"from a 400 invalid_request_error to key {learned['key']}" in text, text
+    assert f"by key {learned['confirmed']}'s refusal" in text, text
 
 
 def test_a_window_one_key_learned_is_forgotten_when_the_provider_takes_more_from_another(fake, start_relay):
