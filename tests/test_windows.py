@@ -209,8 +209,9 @@ def test_a_genuine_refusal_teaches_its_limit_with_where_it_came_from():
     (anthropic_refusal(61_000, 60_000), "claude-opus-5-5", 60_000, "below 200000, the smallest window"),
     (anthropic_refusal(61_000, 60_000), "Evil-Tenant/CLAUDE-SONNET-4-5", 60_000, "smallest window"),
     (anthropic_refusal(61_000, 60_000), "acme-1", None, "no count"),
+    (anthropic_refusal(61_000, 60_000), "acme-" + "1" * 300, 60_000, "longer than 256"),
 ], ids=["echo", "incoherent", "ratio", "far-below", "small", "huge", "ratio-1e8", "family", "alias-family",
-        "uncounted"])
+        "uncounted", "long-name"])
 def test_what_a_refusal_does_not_teach_and_why(refusal, model, counted, why):
     assert why in judge(refusal, model, counted)
 

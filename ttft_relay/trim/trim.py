@@ -44,6 +44,7 @@ from mitmproxy import addonmanager, ctx, exceptions, http
 from .. import state
 from ..patches import pins
 from ..patches.fixes import resend
+from ..apis.api import TooLong, Windows
 from ..flows import client_key, upstream_name
 from . import tokens, trimming, windows
 
@@ -242,15 +243,11 @@ class Trim:
             "resent": False,
         }
         st.trim = {**st.trim, "refused": refused}
-        upstream, key = upstream_name(flow), client_key(flow)
-        judge = functools.partial(windows.judge_refusal, refusal, upstream=upstream, model=st.model,
-                                  status=response.status_code, counted=sent_tokens, key=key,
-                                  windows=api_windows, configured=self.configured)
-        self._handed = self.worker.submit(self._learn, judge, upstream, st.model)
-        learned = await asyncio.wrap_future(self._handed)
+        upstream = upstream_name(flow)
+        learned = await self.learn_from_refusal(api_windows, refusal, upstream=upstream, model=st.model,
+                                                status=response.status_code, counted=sent_tokens,
+                                                key=client_key(flow))
         if isinstance(learned, str):
-            # One line, no key: what a refusal did not teach, and why.
-            logger.info("%s refused %s as too long; nothing learned: %s", upstream, st.model, learned)
             st.trim = {**st.trim, "refused": {**refused, "ignored": learned}}
             return
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
@@ -273,6 +270,21 @@ class Trim:
         st.prompt_tokens = result.stats["tokens_after"]
         st.marks.pop("head_arrived", None)  # the refused answer's head
         resend.again(flow)
+
+    async def learn_from_refusal(self, api_windows: Windows, refusal: TooLong, *, upstream: str, model: str | None,
+                                 status: int, counted: int | None, key: str) -> windows.Learned | str:
+        """What an upstream's refusal of a prompt as too long teaches (`windows.judge_refusal`),
+        kept for the next requests: the window to resend within, or why there is none (logged
+        in one line, without the key). For any transport's resend: an HTTP request's
+        (`relay_held_answer`), a WebSocket turn's. `counted`: the relay's count of the refused
+        prompt; `key`: `flows.client_key` of the flow that sent it."""
+        judge = functools.partial(windows.judge_refusal, refusal, upstream=upstream, model=model, status=status,
+                                  counted=counted, key=key, windows=api_windows, configured=self.configured)
+        self._handed = self.worker.submit(self._learn, judge, upstream, model)
+        learned = await asyncio.wrap_future(self._handed)
+        if isinstance(learned, str):
+            logger.info("%s refused %s as too long; nothing learned: %s", upstream, model, learned)
+        return learned
 
     def _learn(self, judge: Callable[..., windows.Learned | str], upstream: str,
                model: str | None) -> windows.Learned | str:

@@ -70,6 +70,8 @@ REFUTE_MARGIN = 1.05
 """An accepted request this much longer than an unconfirmed window (in the provider's
 tokens, by the window's ratio) shows the window wrong."""
 
+MAX_MODEL = 256
+"""A model named longer is not kept (no provider's is)."""
 MAX_ENTRIES = 256
 """Upstream·models kept in the file; beyond, the oldest unconfirmed go first, then the oldest."""
 MAX_LINE = 4096
@@ -179,6 +181,8 @@ def judge_refusal(
         return "it names no limit"
     if not model:
         return "the request names no model"
+    if len(model) > MAX_MODEL:
+        return f"its model's name is longer than {MAX_MODEL} characters"
     if (operator := configured_window(configured, model)) is not None and operator > 0:
         return f"relay_context_windows sets {model}'s window ({operator}): the operator's word stands"
     limit = refusal.max_input if refusal.max_input is not None else refusal.window
