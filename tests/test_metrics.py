@@ -142,9 +142,9 @@ def test_the_learned_windows_are_read_from_their_file_at_each_scrape(tmp_path):
                                "context_length_exceeded", "k1", confirmed="k2"))
     assert learned() == {
         "acme-coder-2": ({"server_address": "api.anthropic.com", "gen_ai_request_model": "acme-coder-2",
-                          "limit": "max_input", "confirmed": "no"}, 60_000),
+                          "limit": "max_input", "confirmed": "no", "learned_from": "k1"}, 60_000),
         "gpt-4-fork": ({"server_address": "api.openai.com", "gen_ai_request_model": "gpt-4-fork",
-                        "limit": "window", "confirmed": "yes"}, 40_000),
+                        "limit": "window", "confirmed": "yes", "learned_from": "k1"}, 40_000),
     }
 
 

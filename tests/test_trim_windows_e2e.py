@@ -280,6 +280,27 @@ def test_a_window_one_key_learned_serves_it_alone_until_another_keys_refusal_con
     assert f"by key {learned['confirmed']}'s refusal" in text, text
 
 
+def test_one_keys_lower_window_leaves_the_confirmed_one_to_the_other_keys(start_relay):
+    window = 60_000
+    with fake_with_window(window) as fake:
+        relay = start_relay(reverse_to(fake))
+        body = claude_code_body(30)
+        for key in (FAKE_ANTHROPIC_KEY, OTHER_KEY):  # refused twice: confirmed
+            create(sdk_for(relay, key), body)
+        create(sdk_for(relay, HOSTILE_KEY, {"x-fake-window": "20000"}), body)  # refused at 20k: its own
+        assert [s.status for s in fake.sent] == [400, 200, 400, 200, 400, 200]
+        assert {w["max_input"] for w in learned_file(relay)} == {window, 20_000}
+        # Another conversation: trimmed to the confirmed window at once, and accepted.
+        another = {**shaped.Session(shaped.ANTHROPIC, turns=30, seed=2).last(), "model": NEW_CLAUDE,
+                   "max_tokens": 128_000}
+        create(sdk_for(relay, FAKE_ANTHROPIC_KEY), another)
+        assert [s.status for s in fake.sent][6:] == [200]
+        relay.wait_for_output("more than the 20000 tokens learned from one key's refusal: forgotten")
+        assert [w["max_input"] for w in learned_file(relay)] == [window]
+        recs = records(relay)
+    assert recs[-1]["trim"]["budget_source"] == "learned" and recs[-1]["trim"]["window"] == window
+
+
 def test_a_window_one_key_learned_is_forgotten_when_the_provider_takes_more_from_another(fake, start_relay):
     # The provider refused one key's request at 20k (its own quota, a gateway in front of it):
     # another key's longer request, accepted, shows that window is not the model's.

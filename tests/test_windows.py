@@ -179,7 +179,7 @@ def test_openai_and_gemini_read_their_own_sentence_only():
 # --- what a refusal may teach: judge_refusal ---------------------------------------------------
 
 
-def judge(refusal: TooLong, model: str, counted: int | None, *, key: str = "k1", before: Learned | None = None,
+def judge(refusal: TooLong, model: str, counted: int | None, *, key: str = "k1", before: tuple[Learned, ...] = (),
           configured: dict[str, int] | None = None, api=ANTHROPIC):
     return windows.judge_refusal(refusal, upstream="api.anthropic.com", model=model, status=400, counted=counted,
                                  key=key, before=before, windows=api, configured=configured or {}, now=5.0)
@@ -230,12 +230,16 @@ def test_openai_names_the_window_of_prompt_and_answer_together():
 
 def test_a_window_is_confirmed_by_another_keys_refusal_not_the_same_keys():
     first = judge(anthropic_refusal(61_000, 60_000), "acme-1", 60_000, key="k1")
-    assert judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k1", before=first) is first
-    confirmed = judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k2", before=first)
+    assert judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k1", before=(first,)) is first
+    confirmed = judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k2", before=(first,))
     assert confirmed.confirmed == "k2" and confirmed.key == "k1" and confirmed.usable_by("k3")
+    assert judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k3", before=(confirmed,)) is confirmed
     # another limit from another key: the new word, for that key until confirmed
-    other = judge(anthropic_refusal(52_000, 50_000), "acme-1", 51_000, key="k3", before=confirmed)
+    other = judge(anthropic_refusal(52_000, 50_000), "acme-1", 51_000, key="k3", before=(confirmed,))
     assert other.limit == 50_000 and other.key == "k3" and other.confirmed is None
+    # ... and confirmed by a fourth key's refusal naming it
+    assert judge(anthropic_refusal(52_000, 50_000), "acme-1", 51_000, key="k4",
+                 before=(confirmed, other)).confirmed == "k4"
 
 
 def test_an_accepted_request_confirms_or_refutes_an_unconfirmed_window():
@@ -267,16 +271,26 @@ def test_what_one_process_learns_the_others_read(tmp_path):
     worker2.refresh()
     assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k1").max_input == 200_000
     assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k2") is None  # not confirmed: k1's only
-    worker2.keep(entry("claude-opus-5-5", max_input=180_000, confirmed="k2"))  # newer word wins, everywhere
+    worker2.keep(entry("claude-opus-5-5", max_input=200_000, confirmed="k2"))  # confirmed, in every process
     worker1.refresh()
-    assert worker1.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 180_000
+    assert worker1.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 200_000
+    # a key's own word stays its own: the others keep the confirmed one
+    worker1.keep(entry("claude-opus-5-5", max_input=150_000, key="k7"))
+    worker2.refresh()
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k7").max_input == 150_000
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 200_000
+    assert len(worker2.held("api.anthropic.com", "claude-opus-5-5")) == 2
+    worker2.forget(entry("claude-opus-5-5", max_input=150_000, key="k7"))
+    worker1.keep(entry("claude-opus-5-5", max_input=180_000, confirmed="k2"))  # newer word wins, everywhere
+    worker1.refresh()
+    assert worker1.get("api.anthropic.com", "claude-opus-5-5", "k7").max_input == 180_000
     assert worker1.get("api.anthropic.com", "CLAUDE-OPUS-5-5", "k9") is None  # the exact name only
     assert worker1.get("other.host", "claude-opus-5-5", "k9") is None  # per upstream
     restarted = LearnedWindows(path)
     restarted.refresh()
     assert len(restarted) == 1 and restarted.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 180_000
     assert len(path.read_bytes().splitlines()) == 1  # one current entry per key
-    worker1.forget("api.anthropic.com", "claude-opus-5-5")
+    worker1.forget(restarted.get("api.anthropic.com", "claude-opus-5-5", "k9"))
     worker2.refresh()
     assert len(worker2) == 0
 
@@ -304,8 +318,8 @@ def test_the_file_stays_bounded_and_a_huge_one_is_read_fast(tmp_path, monkeypatc
     for i in range(50):
         store.keep(entry(f"m{i}", max_input=100_000))
     assert len(store) == 20 and len(path.read_bytes().splitlines()) == 20
-    assert store.held("api.anthropic.com", "m0") is None  # the oldest unconfirmed went first
-    assert store.held("api.anthropic.com", "confirmed") is not None
+    assert store.held("api.anthropic.com", "m0") == []  # the oldest unconfirmed went first
+    assert store.held("api.anthropic.com", "confirmed") != []
     path.write_bytes(b'{"upstream": "' + b"x" * (64 * windows.MAX_FILE))  # one endless line
     store.refresh()
     assert len(store) == 0

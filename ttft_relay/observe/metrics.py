@@ -23,7 +23,8 @@ LLM call (each timing record):
     ttft_relay_learned_context_window_tokens     each window learned from a provider's refusal
                                                  (trim/windows.py), read from its file at each scrape:
                                                  server_address, gen_ai_request_model, limit (max_input
-                                                 or window), confirmed (yes, or no: one key's only);
+                                                 or window), confirmed (yes, or no: for the key with
+                                                 digest learned_from only), learned_from;
                                                  at most windows.MAX_ENTRIES series
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
@@ -219,7 +220,8 @@ class LearnedWindowsCollector:
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(LEARNED_WINDOWS, "A context window learned from a provider's refusal, in the "
                                  "provider's tokens (the operator's relay_context_windows wins over it).",
-                                 labels=("server_address", "gen_ai_request_model", "limit", "confirmed"))
+                                 labels=("server_address", "gen_ai_request_model", "limit", "confirmed",
+                                         "learned_from"))
 
     def describe(self) -> list[GaugeMetricFamily]:
         return [self._family()]
@@ -229,7 +231,7 @@ class LearnedWindowsCollector:
         family = self._family()
         for learned in self.store.entries():
             family.add_metric([learned.upstream, learned.model, "max_input" if learned.max_input else "window",
-                               "yes" if learned.confirmed else "no"], learned.limit)
+                               "yes" if learned.confirmed else "no", learned.key], learned.limit)
         return [family]
 
 

@@ -292,21 +292,27 @@ class Trim:
         self.learned.refresh()
         before = self.learned.held(upstream, model)
         learned = judge(before=before, now=time.time())
-        if isinstance(learned, windows.Learned) and learned != before:
+        if isinstance(learned, windows.Learned) and learned not in before:
             self.learned.keep(learned)
         return learned
 
     def response(self, flow: http.HTTPFlow) -> None:
-        """An accepted request may confirm or refute a window learned but not yet confirmed."""
+        """An accepted request may refute the windows keys learned and not yet confirmed, and
+        confirm its own key's."""
         st = state.get(flow)
         if (st is None or st.trim is None or st.prompt_tokens is None or flow.response is None
                 or not 200 <= flow.response.status_code < 300):
             return
         held = self.learned.held(upstream_name(flow), st.model)
-        if held is None or held.confirmed is not None:
+        unconfirmed = [learned for learned in held if learned.confirmed is None]
+        if not unconfirmed:
             return
-        before = self._budget(flow, st, user_max=0)(learned=None)
-        self._handed = self.worker.submit(self._accepted, held, st.prompt_tokens, before)
+        shared = next((learned for learned in held if learned.confirmed is not None), None)
+        before = self._budget(flow, st, user_max=0)(learned=shared)  # what the other keys go by
+        key = client_key(flow)
+        for learned in unconfirmed:  # another key's window is refuted by this request, never confirmed
+            self._handed = self.worker.submit(self._accepted, learned, st.prompt_tokens,
+                                              before if learned.key == key else None)
 
     def _accepted(self, held: windows.Learned, sent: int, before: windows.Budget | None) -> None:
         """In the worker thread: what an accepted request says of an unconfirmed window."""
@@ -314,7 +320,7 @@ class Trim:
         if judged is None:
             logger.info("%s accepted %s tokens of %s, more than the %s tokens learned from one key's refusal: "
                         "forgotten", held.upstream, sent, held.model, held.limit)
-            self.learned.forget(held.upstream, held.model)
+            self.learned.forget(held)
         elif isinstance(judged, windows.Learned):
             logger.info("%s accepted %s tokens of %s, more than the window before allowed: the %s tokens learned "
                         "confirmed", held.upstream, sent, held.model, held.limit)

@@ -27,7 +27,8 @@ the same limit, or by an accepted request the window before it would have cut
 refusal that teaches nothing is logged in one line (no key) and ignored.
 
 `LearnedWindows` is shared by every relay process on one timing log through a small file
-beside it (`learned-windows.jsonl`): one JSON line per upstream·model, at most MAX_ENTRIES,
+beside it (`learned-windows.jsonl`): one JSON line per upstream·model's confirmed window and
+per key's unconfirmed one, at most MAX_ENTRIES,
 rewritten whole (a temporary file renamed over it, under a lock) when a process learns, and
 read again when it changed. Its file is only touched off the event loop (the trim worker
 thread): on the loop the relay reads the view in memory.
@@ -39,7 +40,7 @@ import fcntl
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -168,15 +169,16 @@ def judge_refusal(
     status: int,
     counted: int | None,
     key: str,
-    before: Learned | None,
+    before: Sequence[Learned],
     windows: Windows | None,
     configured: Mapping[str, int],
     now: float,
 ) -> Learned | str:
     """What a refusal as too long teaches (the module docstring): the window to keep (a new
-    one, or `before` confirmed by another key), or why it teaches nothing. `counted`: the
-    relay's count of the refused prompt; `key`: the digest of the access key that sent it;
-    `before`: what the relay holds for this upstream·model."""
+    one for `key`, or one of `before` confirmed by `key`; one of `before` itself: nothing
+    new), or why it teaches nothing. `counted`: the relay's count of the refused prompt;
+    `key`: the digest of the access key that sent it; `before`: what the relay holds for
+    this upstream·model (`LearnedWindows.held`)."""
     if not refusal.limit_given:
         return "it names no limit"
     if not model:
@@ -206,18 +208,20 @@ def judge_refusal(
             return f"the refused request ({counted} tokens by the relay's count) is far below its limit {limit}"
     learned = Learned(upstream, model, refusal.max_input, refusal.window, round(ratio, 4), round(now, 3),
                       status, refusal.kind, key)
-    if before is not None and (before.max_input, before.window) == (learned.max_input, learned.window):
-        if before.confirmed is not None or before.key == key:
-            return before  # nothing new: the same key said it again, or it stands confirmed
-        return replace(before, confirmed=key, confirmed_ts=round(now, 3))
+    same = [held for held in before if (held.max_input, held.window) == (learned.max_input, learned.window)]
+    for held in same:
+        if held.confirmed is not None or held.key == key:
+            return held  # nothing new: it stands confirmed, or the same key said it again
+    if same:
+        return replace(same[0], confirmed=key, confirmed_ts=round(now, 3))
     return learned
 
 
 def judge_accepted(learned: Learned, sent: int, before: Budget | None, now: float) -> Learned | None | str:
     """What an accepted request of `sent` tokens (the relay's count) says of an unconfirmed
     window: refuted (None) when the provider took more than it allows, confirmed when the
-    window before it (`before`, the budget without it) would have cut the request; else
-    nothing (a string saying so)."""
+    window the other keys go by (`before`, their budget; None: not the request of the key
+    that learned it) would have cut the request; else nothing (a string saying so)."""
     if learned.confirmed is not None:
         return "already confirmed"
     if sent * learned.ratio > learned.limit * REFUTE_MARGIN:
@@ -271,32 +275,52 @@ def budget_for(
     return min(candidates, key=lambda b: b.tokens, default=None)
 
 
+Slot = tuple[str, str, str | None]
+"""Where the store keeps a window: (upstream, model, None) the confirmed one, which every key
+uses; (upstream, model, key digest) the one a key's refusal taught, for that key alone."""
+
+
+def _slot(learned: Learned) -> Slot:
+    return learned.upstream, learned.model, None if learned.confirmed is not None else learned.key
+
+
 class LearnedWindows:
-    """Windows learned from providers' refusals, by (upstream, model), kept in `path` (None:
-    in memory only) and shared with every process on it. `get` reads memory only; `refresh`,
-    `keep` and `forget` touch the file and block: call them off the event loop."""
+    """Windows learned from providers' refusals, kept in `path` (None: in memory only) and
+    shared with every process on it: per upstream·model the confirmed window, and each access
+    key's unconfirmed one (a key's unconfirmed window never displaces the confirmed one for
+    the others). `get` and `held` read memory only; `refresh`, `keep` and `forget` touch the
+    file and block: call them off the event loop."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self._by_key: dict[tuple[str, str], Learned] = {}
+        self._by_slot: dict[Slot, Learned] = {}
+        self._by_model: dict[tuple[str, str], list[Learned]] = {}
         self._seen: tuple[int, int, int] | None = None
         """(inode, size, mtime_ns) of the file as last read."""
         self._write_failed = False
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return len(self._by_slot)
 
     def entries(self) -> list[Learned]:
-        return list(self._by_key.values())
+        return list(self._by_slot.values())
 
-    def held(self, upstream: str, model: str | None) -> Learned | None:
-        """What the relay holds for this upstream·model (the exact name), confirmed or not."""
-        return self._by_key.get((upstream, model or ""))
+    def held(self, upstream: str, model: str | None) -> list[Learned]:
+        """What the relay holds for this upstream·model (the exact name): the confirmed window
+        and each key's unconfirmed one."""
+        return self._by_model.get((upstream, model or ""), [])
 
     def get(self, upstream: str, model: str | None, key: str) -> Learned | None:
-        """The window learned for this upstream·model that the access key `key` may use."""
-        learned = self.held(upstream, model)
-        return learned if learned is not None and learned.usable_by(key) else None
+        """The window the access key `key` uses for this upstream·model: its own unconfirmed
+        one, else the confirmed one."""
+        name = model or ""
+        return self._by_slot.get((upstream, name, key)) or self._by_slot.get((upstream, name, None))
+
+    def _set(self, entries: dict[Slot, Learned]) -> None:
+        by_model: dict[tuple[str, str], list[Learned]] = {}
+        for learned in entries.values():
+            by_model.setdefault((learned.upstream, learned.model), []).append(learned)
+        self._by_slot, self._by_model = entries, by_model
 
     def refresh(self) -> None:
         """Read the file again if it changed since the last read (a stat when it did not)."""
@@ -305,7 +329,8 @@ class LearnedWindows:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self._seen, self._by_key = None, {}
+            self._seen = None
+            self._set({})
             return
         except OSError as e:
             logger.debug("cannot stat %s: %s", self.path, e)
@@ -318,19 +343,27 @@ class LearnedWindows:
         except OSError as e:
             logger.warning("cannot read the learned windows in %s: %s", self.path, e)
             return
-        self._by_key, self._seen = entries, seen
+        self._set(entries)
+        self._seen = seen
 
     def keep(self, learned: Learned) -> None:
-        """Keep `learned` (replacing what was held for its upstream·model), here and in the file."""
-        self._update(lambda entries: entries.__setitem__((learned.upstream, learned.model), learned))
+        """Keep `learned` in its slot, here and in the file; a window confirmed leaves its key's slot."""
 
-    def forget(self, upstream: str, model: str) -> None:
-        self._update(lambda entries: entries.pop((upstream, model), None))
+        def change(entries: dict[Slot, Learned]) -> None:
+            entries[_slot(learned)] = learned
+            if learned.confirmed is not None:
+                entries.pop((learned.upstream, learned.model, learned.key), None)
 
-    def _update(self, change: Callable[[dict[tuple[str, str], Learned]], object]) -> None:
+        self._update(change)
+
+    def forget(self, learned: Learned) -> None:
+        self._update(lambda entries: entries.pop(_slot(learned), None))
+
+    def _update(self, change: Callable[[dict[Slot, Learned]], object]) -> None:
         if self.path is None:
-            change(self._by_key)
-            self._by_key = _bounded(self._by_key)
+            entries = dict(self._by_slot)
+            change(entries)
+            self._set(_bounded(entries))
             return
         try:
             with _locked(self.path):
@@ -339,16 +372,18 @@ class LearnedWindows:
                 entries = _bounded(entries)
                 _write(self.path, entries)
                 st = os.stat(self.path)
-            self._by_key, self._seen = entries, (st.st_ino, st.st_size, st.st_mtime_ns)
+            self._set(entries)
+            self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError as e:
-            change(self._by_key)
-            self._by_key = _bounded(self._by_key)
+            entries = dict(self._by_slot)
+            change(entries)
+            self._set(_bounded(entries))
             if not self._write_failed:
                 self._write_failed = True
                 logger.warning("cannot keep the learned window in %s (%s): this process alone knows it", self.path, e)
 
 
-def _bounded(entries: dict[tuple[str, str], Learned]) -> dict[tuple[str, str], Learned]:
+def _bounded(entries: dict[Slot, Learned]) -> dict[Slot, Learned]:
     if len(entries) <= MAX_ENTRIES:
         return entries
     kept = sorted(entries.items(), key=lambda item: (item[1].confirmed is not None, item[1].ts))[-MAX_ENTRIES:]
@@ -369,7 +404,7 @@ class _locked:
         os.close(self.fd)  # releases the lock
 
 
-def _read(path: Path) -> dict[tuple[str, str], Learned]:
+def _read(path: Path) -> dict[Slot, Learned]:
     with open(path, "rb") as f:
         data = f.read(MAX_FILE + 1)
     if len(data) > MAX_FILE:
@@ -378,11 +413,11 @@ def _read(path: Path) -> dict[tuple[str, str], Learned]:
     entries = {}
     for line in data.split(b"\n"):
         if (learned := _parse(line)) is not None:
-            entries[(learned.upstream, learned.model)] = learned
+            entries[_slot(learned)] = learned
     return entries
 
 
-def _write(path: Path, entries: dict[tuple[str, str], Learned]) -> None:
+def _write(path: Path, entries: dict[Slot, Learned]) -> None:
     """The whole file anew, renamed over the old one: a reader sees the old or the new, whole."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     data = b"".join(orjson.dumps(asdict(learned)) + b"\n" for learned in entries.values())
