@@ -236,9 +236,12 @@ def test_a_slot_holds_an_attempt_and_a_torn_slot_reads_as_empty(key, group, atte
 def test_the_body_digest_reads_only_its_edges():
     big = b"a" * (3 * attempts.BODY_EDGE)
     middle_changed = big[:attempts.BODY_EDGE + 5] + b"b" + big[attempts.BODY_EDGE + 6:]
-    assert attempts.request_key("c", "POST", "/p", big) == attempts.request_key("c", "POST", "/p", middle_changed)
-    assert attempts.request_key("c", "POST", "/p", big) != attempts.request_key("c", "POST", "/p", big + b"a")
-    assert attempts.request_key("c", "GET", "/p", None) == attempts.request_key("c", "GET", "/p", b"")
+    def key(method: str, body: bytes | None) -> bytes:
+        return attempts.request_key("key c", "", method, "/p", body)
+
+    assert key("POST", big) == key("POST", middle_changed)
+    assert key("POST", big) != key("POST", big + b"a")
+    assert key("GET", None) == key("GET", b"")
 
 
 def test_phases_expectation_is_what_the_fit_says():
