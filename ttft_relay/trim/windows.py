@@ -28,10 +28,10 @@ refusal that teaches nothing is logged in one line (no key) and ignored.
 
 `LearnedWindows` is shared by every relay process on one timing log through a small file
 beside it (`learned-windows.jsonl`): one JSON line per upstream·model's confirmed window and
-per key's unconfirmed one, at most MAX_ENTRIES,
-rewritten whole (a temporary file renamed over it, under a lock) when a process learns, and
-read again when it changed. Its file is only touched off the event loop (the trim worker
-thread): on the loop the relay reads the view in memory.
+per key's unconfirmed one, at most MAX_ENTRIES, rewritten whole (a temporary file renamed
+over it, under a lock) when a process learns, and read again when it changed. Its file is
+only touched off the event loop (the trim worker thread): on the loop the relay reads the
+view in memory.
 """
 
 from __future__ import annotations
