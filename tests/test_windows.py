@@ -337,3 +337,15 @@ def test_a_file_it_cannot_write_is_said_once_and_the_window_kept(tmp_path, caplo
     store.keep(entry("y", max_input=5_000))
     assert store.get("api.anthropic.com", "x", "k1").max_input == 5_000
     assert caplog.text.count("cannot keep the learned window") == 1
+
+
+def test_get_and_held_read_memory_only(tmp_path):
+    # What the event loop calls never touches the file: only refresh/keep/forget do (off the loop).
+    path = tmp_path / windows.FILE_NAME
+    store = LearnedWindows(path)
+    store.keep(entry("a", max_input=100_000))
+    path.unlink()
+    assert store.get("api.anthropic.com", "a", "k1").max_input == 100_000
+    assert [w.max_input for w in store.held("api.anthropic.com", "a")] == [100_000]
+    store.refresh()
+    assert store.get("api.anthropic.com", "a", "k1") is None
