@@ -123,6 +123,31 @@ def test_the_self_watch_samples_feed_the_lag_and_the_accept_queues():
     assert value("ttft_relay_accept_queue_connections", {"listener": "127.0.0.1:8002"}) == 2
 
 
+def test_the_learned_windows_are_read_from_their_file_at_each_scrape(tmp_path):
+    from ttft_relay.trim import windows
+
+    registry = CollectorRegistry()
+    metrics.watch_learned_windows(registry, tmp_path / "timing.jsonl")
+    store = windows.LearnedWindows(tmp_path / windows.FILE_NAME)
+
+    def learned() -> dict[str, tuple[dict[str, str], float]]:
+        return {s.labels["gen_ai_request_model"]: (s.labels, s.value)
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in family.samples if s.name == metrics.LEARNED_WINDOWS}
+
+    assert learned() == {}  # no file yet
+    store.keep(windows.Learned("api.anthropic.com", "acme-coder-2", 60_000, None, 1.0, 1.0, 400,
+                               "invalid_request_error", "k1"))
+    store.keep(windows.Learned("api.openai.com", "gpt-4-fork", None, 40_000, 1.0, 1.0, 400,
+                               "context_length_exceeded", "k1", confirmed="k2"))
+    assert learned() == {
+        "acme-coder-2": ({"server_address": "api.anthropic.com", "gen_ai_request_model": "acme-coder-2",
+                          "limit": "max_input", "confirmed": "no", "learned_from": "k1"}, 60_000),
+        "gpt-4-fork": ({"server_address": "api.openai.com", "gen_ai_request_model": "gpt-4-fork",
+                        "limit": "window", "confirmed": "yes", "learned_from": "k1"}, 40_000),
+    }
+
+
 def test_listen_addresses():
     assert metrics.parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
     assert metrics.parse_listen("[::1]:0") == ("::1", 0)

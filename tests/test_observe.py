@@ -188,7 +188,7 @@ def run(table: dict[int, bytes], rec: record.Record, key: bytes) -> record.Recor
 
 def test_three_attempts_each_cut_at_60_s_share_a_group():
     table: dict[int, bytes] = {}
-    key = attempts.request_key("10.0.0.1", "POST", "/v1/chat/completions", b'{"model": "m"}')
+    key = attempts.request_key("key k1", "", "POST", "/v1/chat/completions", b'{"model": "m"}')
     first = run(table, attempt_record("a", 1000.0, cut=True, total_ms=60_000), key)
     second = run(table, attempt_record("b", 1060.5, cut=True, total_ms=60_000), key)
     third = run(table, attempt_record("c", 1121.0, cut=False, total_ms=4_000), key)
@@ -200,10 +200,12 @@ def test_three_attempts_each_cut_at_60_s_share_a_group():
 
 def test_not_a_retry_another_request_another_client_too_late_or_alongside():
     table: dict[int, bytes] = {}
-    key = attempts.request_key("10.0.0.1", "POST", "/v1/x", b"body")
+    key = attempts.request_key("key k1", "s1", "POST", "/v1/x", b"body")
     run(table, attempt_record("a", 1000.0, cut=True, total_ms=5_000), key)
-    for other in (attempts.request_key("10.0.0.2", "POST", "/v1/x", b"body"),
-                  attempts.request_key("10.0.0.1", "POST", "/v1/x", b"bodY")):
+    for other in (attempts.request_key("key k2", "s1", "POST", "/v1/x", b"body"),  # another key, one address
+                  attempts.request_key("key k1", "s2", "POST", "/v1/x", b"body"),  # another session of the key
+                  attempts.request_key("address 10.0.0.1", "s1", "POST", "/v1/x", b"body"),
+                  attempts.request_key("key k1", "s1", "POST", "/v1/x", b"bodY")):
         assert run(dict(table), attempt_record("b", 1006.0, cut=False, total_ms=100), other).attempt is None
     late = attempt_record("c", 1005.0 + attempts.WINDOW_S + 1, cut=False, total_ms=100)
     assert run(dict(table), late, key).attempt is None
@@ -229,9 +231,12 @@ def test_a_slot_holds_an_attempt_and_a_torn_slot_reads_as_empty(key, group, atte
 def test_the_body_digest_reads_only_its_edges():
     big = b"a" * (3 * attempts.BODY_EDGE)
     middle_changed = big[:attempts.BODY_EDGE + 5] + b"b" + big[attempts.BODY_EDGE + 6:]
-    assert attempts.request_key("c", "POST", "/p", big) == attempts.request_key("c", "POST", "/p", middle_changed)
-    assert attempts.request_key("c", "POST", "/p", big) != attempts.request_key("c", "POST", "/p", big + b"a")
-    assert attempts.request_key("c", "GET", "/p", None) == attempts.request_key("c", "GET", "/p", b"")
+    def key(method: str, body: bytes | None) -> bytes:
+        return attempts.request_key("key c", "", method, "/p", body)
+
+    assert key("POST", big) == key("POST", middle_changed)
+    assert key("POST", big) != key("POST", big + b"a")
+    assert key("GET", None) == key("GET", b"")
 
 
 def test_phases_expectation_is_what_the_fit_says():

@@ -33,6 +33,10 @@ CLAUDE_MODEL, CLAUDE_MAX_TOKENS = "claude-opus-5-5", 128_000
 """What Claude Code 2.1.332 asks for: a model in no table of the relay's, and 128k of output,
 so that a guessed 200k window would leave 72,000 tokens of prompt."""
 GUESSED_BUDGET = 200_000 - CLAUDE_MAX_TOKENS
+OTHER_MODEL = "acme-coder-2"
+"""A model of another provider's on the Anthropic API (Claude Code's ANTHROPIC_MODEL), of a family
+no table of the relay's names: a window of tens of thousands is its provider's word alone (a
+Claude model's is never learned below 200k, the smallest of its family's)."""
 NEW_GPT = "gpt-5.5"
 """A model the Codex CLI knows (its own window: 272k) and the relay's table does not."""
 CODEX_CONTEXT_FULL = "Codex ran out of room in the model's context window"
@@ -47,12 +51,14 @@ def write_files(sandbox: AgentSandbox, rounds: int, lines: int) -> None:
 
 
 def claude_loop(clis: Clis, refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str,
-                rounds: int, lines: int) -> CliRun:
+                rounds: int, lines: int, model: str | None = None) -> CliRun:
+    """Claude Code's agent loop over `rounds` files; `model`: ANTHROPIC_MODEL (None: its own)."""
     sandbox = AgentSandbox(root, refusing.url)
     write_files(sandbox, rounds, lines)
     fake.behaviour.tool_call = 'Read {"file_path": "%s/f{n}.txt"}' % sandbox.workdir
     fake.behaviour.tool_rounds = rounds
-    return claude_print(clis, sandbox, PROMPT, sandbox.env(ANTHROPIC_BASE_URL=relay_url), timeout=RUN_TIMEOUT_S)
+    env = sandbox.env(ANTHROPIC_BASE_URL=relay_url, **({"ANTHROPIC_MODEL": model} if model else {}))
+    return claude_print(clis, sandbox, PROMPT, env, timeout=RUN_TIMEOUT_S)
 
 
 def codex_sandbox(refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str, rounds: int, lines: int,
@@ -120,7 +126,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_once_on_the_providers_word(c
     window = 40_000
     with FakeUpstream(behaviour=Behaviour(window=window)) as fake:
         relay = start_relay(reverse_to(fake))
-        run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=9, lines=600)
+        run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=9, lines=600, model=OTHER_MODEL)
         assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
         sent = posts(fake)
         learned_file = relay.log.path.parent / windows.FILE_NAME
@@ -145,7 +151,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_once_on_the_providers_word(c
     # Only requests the provider would refuse are trimmed: none smaller than the refused one.
     assert min(r["trim"]["tokens_before"] for r in [refusal_rec, *after]) >= refusal["relay_tokens"]
     lessons = [orjson.loads(line) for line in learned_file.read_bytes().splitlines()]
-    assert [(w["model"], w["max_input"]) for w in lessons] == [(CLAUDE_MODEL, window)]
+    assert [(w["model"], w["max_input"]) for w in lessons] == [(OTHER_MODEL, window)]
 
 
 def test_codex_gets_a_refusal_that_names_no_limit_as_it_came(clis, refusing, start_relay, tmp_path):

@@ -184,6 +184,32 @@ def test_a_request_cut_by_the_client_and_sent_again_is_one_attempt_group(fake, s
     assert "cut by the client after " in text and "while the upstream had not answered" in text, text
 
 
+def test_two_keys_behind_one_address_sending_the_same_request_are_not_one_attempt_group(fake, start_relay):
+    # A team behind one NAT: the same request (a warm-up every client sends alike) from two
+    # access keys, the first failed; the second is not its retry. The same key sending it
+    # again, in the same session, is.
+    relay = start_relay(reverse_to(fake), relay_trim="false")
+    payload = body(1)
+
+    def send(rid: str, key: str, session: str, status: int = 200) -> None:
+        headers = {"Authorization": f"Bearer {key}", "x-request-id": rid, "session_id": session,
+                   "x-fake-status": str(status)}
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", CHAT, payload, headers)
+            assert response.status == status
+            response.read()
+
+    send("first", FAKE_OPENAI_KEY, "s1", 500)
+    send("other-key", FAKE_OPENAI_KEY.replace("FAKEKEY", "OTHERKEY"), "s1")
+    send("other-session", FAKE_OPENAI_KEY, "s2")
+    send("retry", FAKE_OPENAI_KEY, "s1")
+    first, other_key, other_session, retry = (relay.log.of(rid)[0] for rid in
+                                              ("first", "other-key", "other-session", "retry"))
+    assert (first["attempt_group"], first["attempt"]) == (first["id"], 1)
+    assert other_key["attempt"] is None and other_session["attempt"] is None
+    assert (retry["attempt_group"], retry["attempt"]) == (first["id"], 2)
+
+
 def cut_while_unanswered(url: str, payload: dict, fake, n: int) -> None:
     """Send `payload` through the relay to a fake that holds its head, and hang up once the fake has it."""
     port = int(url.rsplit(":", 1)[1])

@@ -3,6 +3,8 @@ own words teach a window, and what one relay process learns every other on the l
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -69,14 +71,31 @@ def test_configured_windows_come_before_known_ones_and_0_makes_a_model_unknown()
             windows.parse_context_windows([bad])
 
 
-def test_a_learned_window_comes_first_in_the_providers_tokens_scaled_to_the_relays():
-    learned = Learned("api.anthropic.com", "claude-opus-4-6", max_input=150_000, window=None, ratio=0.8, ts=0)
+def entry(model: str, *, max_input: int | None = None, window: int | None = None, ratio: float = 1.0,
+          upstream: str = "api.anthropic.com", key: str = "k1", confirmed: str | None = None) -> Learned:
+    return Learned(upstream, model, max_input, window, ratio, ts=1.0, status=400, error="invalid_request_error",
+                   key=key, confirmed=confirmed)
+
+
+def test_a_learned_window_comes_before_the_known_one_in_the_providers_tokens_scaled_to_the_relays():
+    learned = entry("claude-opus-4-6", max_input=150_000, ratio=0.8)
     budget = budget_for("claude-opus-4-6", 64_000, windows=ANTHROPIC, learned=learned)
     assert budget == Budget(int(150_000 / 0.8 * windows.LEARNED_MARGIN), windows.LEARNED, 150_000)
     # OpenAI names the window of prompt and answer together: the reserve comes off it
-    learned = Learned("api.openai.com", "gpt-5.5", max_input=None, window=258_000, ratio=1.0, ts=0)
+    learned = entry("gpt-5.5", window=258_000, upstream="api.openai.com")
     assert budget_for("gpt-5.5", 8_000, windows=OPENAI, learned=learned).tokens == int(250_000 * windows.LEARNED_MARGIN)
     assert budget_for("gpt-5.5", 8_000, windows=OPENAI, learned=learned, user_max=1000) == Budget(1000, windows.USER)
+
+
+def test_the_operators_window_wins_over_a_learned_one_above_or_below_it():
+    configured = windows.parse_context_windows(["claude-opus-5=300000", "acme-=0"])
+    for limit in (250_000, 5_000_000):
+        learned = entry("claude-opus-5-5", max_input=limit)
+        assert budget_for("claude-opus-5-5", 0, windows=ANTHROPIC, configured=configured, learned=learned) == Budget(
+            300_000 - 4096, windows.CONFIGURED, 300_000)
+    # 0: the table's window is switched off, what the provider said still counts
+    assert budget_for("acme-1", 0, windows=ANTHROPIC, configured=configured,
+                      learned=entry("acme-1", max_input=50_000)).source == windows.LEARNED
 
 
 # --- the providers' refusals, as they word them ----------------------------------------------
@@ -88,35 +107,38 @@ def body(obj) -> bytes:
 
 def test_openai_chat_names_the_window():
     refusal = OPENAI.too_long(400, body(sse_samples.too_long_body(apis.OPENAI_CHAT, 130_012, 128_000)))
-    assert refusal == TooLong(max_input=None, window=128_000, prompt_tokens=130_012, output_tokens=None)
+    assert refusal == TooLong(max_input=None, window=128_000, prompt_tokens=130_012, output_tokens=None,
+                              kind="context_length_exceeded")
     requested = {"error": {"message": "This model's maximum context length is 4097 tokens. However, you requested "
                                       "4130 tokens (3130 in the messages, 1000 in the completion). Please reduce the "
                                       "length of the messages or completion.", "type": "invalid_request_error",
                            "param": "messages", "code": "context_length_exceeded"}}  # fmt: skip
-    assert OPENAI.too_long(400, body(requested)) == TooLong(None, 4097, 3130, 1000)
+    assert OPENAI.too_long(400, body(requested)) == TooLong(None, 4097, 3130, 1000, "context_length_exceeded")
 
 
 def test_the_responses_api_refuses_without_a_limit():
     refusal = OPENAI.too_long(400, body(sse_samples.too_long_body(apis.OPENAI_RESPONSES, 300_000, 272_000)))
     assert refusal is not None and not refusal.limit_given
-    assert windows.learned_from("api.openai.com", "gpt-5.5", refusal, 290_000) is None
+    assert judge(refusal, "gpt-5.5", 290_000) == "it names no limit"
 
 
 def test_anthropic_names_the_prompts_maximum_or_the_window_with_max_tokens():
     refusal = ANTHROPIC.too_long(400, body(sse_samples.too_long_body(apis.ANTHROPIC_MESSAGES, 219_898, 200_000)))
-    assert refusal == TooLong(max_input=200_000, window=None, prompt_tokens=219_898, output_tokens=None)
+    assert refusal == TooLong(max_input=200_000, window=None, prompt_tokens=219_898, output_tokens=None,
+                              kind="invalid_request_error")
     with_output = {"type": "error", "error": {"type": "invalid_request_error", "message":
                    "input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000, decrease input "
                    "length or `max_tokens` and try again"}}  # fmt: skip
-    assert ANTHROPIC.too_long(400, body(with_output)) == TooLong(None, 200_000, 188_240, 21_333)
+    assert ANTHROPIC.too_long(400, body(with_output)) == TooLong(None, 200_000, 188_240, 21_333, "invalid_request_error")
 
 
 def test_gemini_names_the_maximum_with_or_without_the_count():
     refusal = GEMINI.too_long(400, body(sse_samples.too_long_body(apis.GEMINI, 1_200_293, 1_048_576)))
-    assert refusal == TooLong(max_input=1_048_576, window=None, prompt_tokens=1_200_293, output_tokens=None)
+    assert refusal == TooLong(max_input=1_048_576, window=None, prompt_tokens=1_200_293, output_tokens=None,
+                              kind="INVALID_ARGUMENT")
     bare = [{"error": {"code": 400, "message": "The input token count exceeds the maximum number of tokens "
                                                "allowed (1048576).", "status": "INVALID_ARGUMENT"}}]
-    assert GEMINI.too_long(400, body(bare)) == TooLong(1_048_576, None, None, None)
+    assert GEMINI.too_long(400, body(bare)) == TooLong(1_048_576, None, None, None, "INVALID_ARGUMENT")
 
 
 @pytest.mark.parametrize("status, payload", [
@@ -133,58 +155,197 @@ def test_malformed_bodies_are_not_refusals(raw):
     assert all(w.too_long(400, raw) is None for w in (OPENAI, ANTHROPIC, GEMINI))
 
 
-def test_the_ratio_between_the_providers_count_and_the_relays():
-    refusal = TooLong(max_input=200_000, window=None, prompt_tokens=219_898, output_tokens=None)
-    learned = windows.learned_from("h", "Claude-Opus-5-5", refusal, 250_000)
-    assert learned.model == "claude-opus-5-5" and learned.ratio == round(219_898 / 250_000, 4)
-    assert windows.learned_from("h", "m", TooLong(200_000, None, None, None), 250_000).ratio == 1.0
+ECHO = "prompt is too long: 9 tokens > 400 maximum"
+"""A client's own text, quoted back by a strict validator's 400."""
+
+
+@pytest.mark.parametrize("payload", [
+    {"type": "error", "error": {"type": "invalid_request_error", "message": f"messages.0.content: {ECHO!r} rejected"}},
+    {"type": "error", "error": {"type": "validation_error", "message": ECHO}},  # not Anthropic's type
+    {"type": "error", "error": {"type": "invalid_request_error", "message": ECHO + " (in messages.0)"}},
+], ids=["quoted-inside", "another-type", "trailing-text"])
+def test_a_refusal_quoting_the_clients_text_is_not_anthropics(payload):
+    assert ANTHROPIC.too_long(400, body(payload)) is None
+
+
+def test_openai_and_gemini_read_their_own_sentence_only():
+    quoted = {"error": {"message": "Invalid 'messages[0]': \"This model's maximum context length is 400 tokens\"",
+                        "type": "invalid_request_error", "code": "context_length_exceeded"}}
+    assert OPENAI.too_long(400, body(quoted)) == TooLong(None, None, None, None, "context_length_exceeded")
+    gemini = sse_samples.too_long_body(apis.GEMINI, 1_200_293, 1_048_576)
+    assert GEMINI.too_long(400, body({"error": {**gemini["error"], "status": "FAILED_PRECONDITION"}})) is None
+
+
+# --- what a refusal may teach: judge_refusal ---------------------------------------------------
+
+
+def judge(refusal: TooLong, model: str, counted: int | None, *, key: str = "k1", before: tuple[Learned, ...] = (),
+          configured: dict[str, int] | None = None, api=ANTHROPIC):
+    return windows.judge_refusal(refusal, upstream="api.anthropic.com", model=model, status=400, counted=counted,
+                                 key=key, before=before, windows=api, configured=configured or {}, now=5.0)
+
+
+def anthropic_refusal(prompt: int | None, limit: int) -> TooLong:
+    return TooLong(limit, None, prompt, None, "invalid_request_error")
+
+
+def test_a_genuine_refusal_teaches_its_limit_with_where_it_came_from():
+    learned = judge(anthropic_refusal(219_898, 200_000), "Claude-Opus-5-5", 215_000)
+    assert learned == Learned("api.anthropic.com", "Claude-Opus-5-5", 200_000, None, round(219_898 / 215_000, 4),
+                              ts=5.0, status=400, error="invalid_request_error", key="k1", confirmed=None)
+    assert learned.usable_by("k1") and not learned.usable_by("k2")
+    # no count of its own from the provider: the relay's count must be near the limit
+    assert judge(anthropic_refusal(None, 60_000), "acme-1", 61_000).ratio == 1.0
+
+
+@pytest.mark.parametrize("refusal, model, counted, why", [
+    (anthropic_refusal(9, 400), "acme-1", 60, "outside"),  # the echoed limit
+    (anthropic_refusal(9, 40_000), "acme-1", 60, "not over its limit"),  # the provider's count under its limit
+    (anthropic_refusal(50_000, 40_000), "acme-1", 60, "not the refused request"),  # the relay counted 60
+    (anthropic_refusal(None, 40_000), "acme-1", 60, "far below"),
+    (anthropic_refusal(None, 50), "acme-1", 100, "outside"),  # a silly small limit
+    (anthropic_refusal(2 * 10**8, 10**8 + 1), "acme-1", 2, "outside"),  # a huge one
+    (anthropic_refusal(10**8, 9_000_000), "acme-1", 1, "not the refused request"),  # a ratio of 1e8
+    (anthropic_refusal(61_000, 60_000), "claude-opus-5-5", 60_000, "below 200000, the smallest window"),
+    (anthropic_refusal(61_000, 60_000), "Evil-Tenant/CLAUDE-SONNET-4-5", 60_000, "smallest window"),
+    (anthropic_refusal(61_000, 60_000), "acme-1", None, "no count"),
+    (anthropic_refusal(61_000, 60_000), "acme-" + "1" * 300, 60_000, "longer than 256"),
+], ids=["echo", "incoherent", "ratio", "far-below", "small", "huge", "ratio-1e8", "family", "alias-family",
+        "uncounted", "long-name"])
+def test_what_a_refusal_does_not_teach_and_why(refusal, model, counted, why):
+    assert why in judge(refusal, model, counted)
+
+
+def test_the_operators_window_is_never_overruled_by_a_refusal():
+    assert "the operator's word stands" in judge(anthropic_refusal(61_000, 60_000), "acme-1", 60_000,
+                                                 configured={"acme-": 80_000})
+
+
+def test_openai_names_the_window_of_prompt_and_answer_together():
+    refusal = TooLong(None, 128_000, 121_000, 8_000, "context_length_exceeded")
+    learned = judge(refusal, "gpt-4o-fork", 120_000, api=OPENAI)  # the gpt-4o family's smallest: 128000
+    assert isinstance(learned, Learned) and learned.window == 128_000 and learned.limit == 128_000
+    assert "smallest window" in judge(TooLong(None, 32_000, 33_000, None, "x"), "gpt-5.5", 33_000, api=OPENAI)
+
+
+def test_a_window_is_confirmed_by_another_keys_refusal_not_the_same_keys():
+    first = judge(anthropic_refusal(61_000, 60_000), "acme-1", 60_000, key="k1")
+    assert judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k1", before=(first,)) is first
+    confirmed = judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k2", before=(first,))
+    assert confirmed.confirmed == "k2" and confirmed.key == "k1" and confirmed.usable_by("k3")
+    assert judge(anthropic_refusal(62_000, 60_000), "acme-1", 61_000, key="k3", before=(confirmed,)) is confirmed
+    # another limit from another key: the new word, for that key until confirmed
+    other = judge(anthropic_refusal(52_000, 50_000), "acme-1", 51_000, key="k3", before=(confirmed,))
+    assert other.limit == 50_000 and other.key == "k3" and other.confirmed is None
+    # ... and confirmed by a fourth key's refusal naming it
+    assert judge(anthropic_refusal(52_000, 50_000), "acme-1", 51_000, key="k4",
+                 before=(confirmed, other)).confirmed == "k4"
+
+
+def test_an_accepted_request_confirms_or_refutes_an_unconfirmed_window():
+    pending = entry("acme-1", max_input=100_000, ratio=1.1)
+    old = Budget(60_000, windows.KNOWN, 64_000)
+    assert windows.judge_accepted(pending, 100_000, old, 5.0) is None  # the provider took 110k: refuted
+    assert windows.judge_accepted(pending, 80_000, old, 5.0).confirmed == windows.ACCEPTED  # the old one cut it
+    assert windows.judge_accepted(pending, 50_000, old, 5.0) == "nothing to confirm"
+    assert windows.judge_accepted(pending, 80_000, None, 5.0) == "nothing to confirm"
+    confirmed = entry("acme-1", max_input=100_000, confirmed="k2")
+    assert windows.judge_accepted(confirmed, 500_000, old, 5.0) == "already confirmed"
+
+
+def test_a_family_is_the_longest_prefix_a_known_id_shares():
+    assert windows.family_floor(ANTHROPIC, "claude-opus-5-5") == 200_000
+    assert windows.family_floor(OPENAI, "gpt-5.5") == 128_000  # gpt-5-chat-latest
+    assert windows.family_floor(OPENAI, "gpt-4o-2099-01-01") == 128_000
+    assert windows.family_floor(OPENAI, "acme-1") is None and windows.family_floor(GEMINI, "gemini-9") is None
 
 
 # --- shared by the processes on one log ------------------------------------------------------
 
 
-def learned(model: str, limit: int) -> Learned:
-    return Learned("api.anthropic.com", model, max_input=limit, window=None, ratio=1.0, ts=1.0)
-
-
 def test_what_one_process_learns_the_others_read(tmp_path):
     path = tmp_path / windows.FILE_NAME
     worker1, worker2 = LearnedWindows(path), LearnedWindows(path)
-    assert worker2.get("api.anthropic.com", "claude-opus-5-5") is None
-    worker1.learn(learned("claude-opus-5-5", 200_000))
-    assert worker2.get("api.anthropic.com", "claude-opus-5-5").max_input == 200_000
-    worker2.learn(learned("claude-opus-5-5", 180_000))  # newer word wins, in every process
-    assert worker1.get("api.anthropic.com", "CLAUDE-OPUS-5-5").max_input == 180_000
-    assert worker1.get("other.host", "claude-opus-5-5") is None  # per upstream
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k1") is None
+    worker1.keep(entry("claude-opus-5-5", max_input=200_000))
+    worker2.refresh()
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k1").max_input == 200_000
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k2") is None  # not confirmed: k1's only
+    worker2.keep(entry("claude-opus-5-5", max_input=200_000, confirmed="k2"))  # confirmed, in every process
+    worker1.refresh()
+    assert worker1.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 200_000
+    # a key's own word stays its own: the others keep the confirmed one
+    worker1.keep(entry("claude-opus-5-5", max_input=150_000, key="k7"))
+    worker2.refresh()
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k7").max_input == 150_000
+    assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 200_000
+    assert len(worker2.held("api.anthropic.com", "claude-opus-5-5")) == 2
+    worker2.forget(entry("claude-opus-5-5", max_input=150_000, key="k7"))
+    worker1.keep(entry("claude-opus-5-5", max_input=180_000, confirmed="k2"))  # newer word wins, everywhere
+    worker1.refresh()
+    assert worker1.get("api.anthropic.com", "claude-opus-5-5", "k7").max_input == 180_000
+    assert worker1.get("api.anthropic.com", "CLAUDE-OPUS-5-5", "k9") is None  # the exact name only
+    assert worker1.get("other.host", "claude-opus-5-5", "k9") is None  # per upstream
     restarted = LearnedWindows(path)
     restarted.refresh()
-    assert len(restarted) == 1 and restarted.get("api.anthropic.com", "claude-opus-5-5").max_input == 180_000
+    assert len(restarted) == 1 and restarted.get("api.anthropic.com", "claude-opus-5-5", "k9").max_input == 180_000
+    assert len(path.read_bytes().splitlines()) == 1  # one current entry per key
+    worker1.forget(restarted.get("api.anthropic.com", "claude-opus-5-5", "k9"))
+    worker2.refresh()
+    assert len(worker2) == 0
 
 
-def test_a_line_being_written_bad_lines_and_a_replaced_file(tmp_path):
+def test_bad_lines_long_lines_and_a_replaced_file(tmp_path):
     path = tmp_path / windows.FILE_NAME
-    line = orjson.dumps({"upstream": "h", "model": "a", "max_input": 100, "window": None, "ratio": 1.0, "ts": 1.0})
-    b_line = line.replace(b'"a"', b'"b"')
-    path.write_bytes(b"garbage\n" + b'{"upstream": "h"}\n' + line.replace(b"100", b"-1") + b"\n" + line + b"\n"
-                     + b_line[:-5])  # the last line still being appended
+    line = orjson.dumps(dataclasses.asdict(entry("a", max_input=100_000)))
+    huge = b'{"upstream": "' + b"x" * (4 * windows.MAX_LINE) + b'"}'
+    path.write_bytes(b"garbage\n" + b'{"upstream": "h"}\n' + line.replace(b"100000", b"-1") + b"\n" + huge + b"\n"
+                     + line.replace(b"100000", b"50") + b"\n" + line + b"\n")
     store = LearnedWindows(path)
-    assert store.get("h", "a").max_input == 100 and store.get("h", "b") is None
-    with open(path, "ab") as f:
-        f.write(b_line[-5:] + b"\n")
-    assert store.get("h", "b").max_input == 100
+    store.refresh()
+    assert len(store) == 1 and store.get("api.anthropic.com", "a", "k1").max_input == 100_000
     path.unlink()
     path.write_bytes(line.replace(b'"a"', b'"c"') + b"\n")  # replaced (rotated away, written anew)
-    assert store.get("h", "c").max_input == 100
+    store.refresh()
+    assert store.get("api.anthropic.com", "c", "k1").max_input == 100_000 and len(store) == 1
+
+
+def test_the_file_stays_bounded_and_a_huge_one_is_read_fast(tmp_path, monkeypatch):
+    monkeypatch.setattr(windows, "MAX_ENTRIES", 20)
+    path = tmp_path / windows.FILE_NAME
+    store = LearnedWindows(path)
+    store.keep(entry("confirmed", max_input=100_000, confirmed="k2"))
+    for i in range(50):
+        store.keep(entry(f"m{i}", max_input=100_000))
+    assert len(store) == 20 and len(path.read_bytes().splitlines()) == 20
+    assert store.held("api.anthropic.com", "m0") == []  # the oldest unconfirmed went first
+    assert store.held("api.anthropic.com", "confirmed") != []
+    path.write_bytes(b'{"upstream": "' + b"x" * (64 * windows.MAX_FILE))  # one endless line
+    store.refresh()
+    assert len(store) == 0
 
 
 def test_without_a_file_it_learns_in_memory(tmp_path):
     store = LearnedWindows(None)
-    store.learn(learned("x", 5))
-    assert store.get("api.anthropic.com", "x").max_input == 5
+    store.keep(entry("x", max_input=5_000))
+    assert store.get("api.anthropic.com", "x", "k1").max_input == 5_000
 
 
 def test_a_file_it_cannot_write_is_said_once_and_the_window_kept(tmp_path, caplog):
     store = LearnedWindows(tmp_path / "missing-dir" / windows.FILE_NAME)
-    store.learn(learned("x", 5))
-    assert store.get("api.anthropic.com", "x").max_input == 5
-    assert "cannot keep the learned window" in caplog.text
+    store.keep(entry("x", max_input=5_000))
+    store.keep(entry("y", max_input=5_000))
+    assert store.get("api.anthropic.com", "x", "k1").max_input == 5_000
+    assert caplog.text.count("cannot keep the learned window") == 1
+
+
+def test_get_and_held_read_memory_only(tmp_path):
+    # What the event loop calls never touches the file: only refresh/keep/forget do (off the loop).
+    path = tmp_path / windows.FILE_NAME
+    store = LearnedWindows(path)
+    store.keep(entry("a", max_input=100_000))
+    path.unlink()
+    assert store.get("api.anthropic.com", "a", "k1").max_input == 100_000
+    assert [w.max_input for w in store.held("api.anthropic.com", "a")] == [100_000]
+    store.refresh()
+    assert store.get("api.anthropic.com", "a", "k1") is None

@@ -1,7 +1,12 @@
 """What the relay reads of a mitmproxy flow the same way wherever it reads it: which
-upstream the request goes to, and whether its answer carries a body (pure)."""
+upstream the request goes to, whose access key sent it, and whether its answer carries a
+body (pure)."""
 
 from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Iterable
 
 from mitmproxy import http
 from mitmproxy.net.http import http1
@@ -18,6 +23,26 @@ def upstream_name(flow: http.HTTPFlow) -> str:
         return host if port == default else f"{host}:{port}"
     default = 443 if req.scheme == "https" else 80
     return req.host if req.port == default else f"{req.host}:{req.port}"
+
+
+_client_keys: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
+
+
+def note_client_key(flow: http.HTTPFlow, credentials: Iterable[str]) -> None:
+    """Remember whose key sent `flow` (the credentials the client presented: a relay access
+    key, or its own API key), before the relay swaps a relay key for the upstream's."""
+    creds = sorted(credentials)
+    if not creds:
+        return
+    h = hashlib.blake2b(b"\0".join(c.encode("utf-8", "surrogatepass") for c in creds), digest_size=6,
+                        person=b"ttft-relay-key")
+    _client_keys[flow] = h.hexdigest()
+
+
+def client_key(flow: http.HTTPFlow) -> str:
+    """A short digest of the access key that sent `flow`, never the key; "" when it sent none.
+    What the relay learns from one key's requests is told apart from another's by it."""
+    return _client_keys.get(flow, "")
 
 
 def carries_body(request: http.Request, response: http.Response) -> bool:

@@ -13,7 +13,6 @@ must not be. What should survive a save (the finished timing record) is put in
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 
 from mitmproxy import http
 
+from . import flows
 from .apis.api import Api
 from .apis.reader import Watcher
 
@@ -90,20 +90,12 @@ def get(flow: http.HTTPFlow) -> FlowState | None:
     return _states.get(flow)
 
 
-_sources: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
-
-
-def note_credential(flow: http.HTTPFlow, credential: str) -> None:
-    """The key the client presented, seen before the guard swaps or redacts it, kept only as a
-    short digest: who sent the flow (`source_of`), never the key."""
-    _sources[flow] = "key " + hashlib.sha256(credential.encode("utf8", "surrogatepass")).hexdigest()[:16]
-
-
 def source_of(flow: http.HTTPFlow) -> str:
     """Who sent the flow, for what the relay learns from it: the digest of the key its client
-    presented (a relay access key, or the client's own upstream key), else its client's address."""
-    if (source := _sources.get(flow)) is not None:
-        return source
+    presented (a relay access key, or the client's own upstream key: `flows.client_key`), else
+    its client's address."""
+    if key := flows.client_key(flow):
+        return f"key {key}"
     peer = flow.client_conn.peername
     return f"address {peer[0]}" if peer else "address ?"
 

@@ -316,7 +316,9 @@ class Supervisor:
         try:
             if listen := self.opts.relay_metrics_listen:
                 try:
-                    (host, port), _server = metrics.serve(listen, metrics.multiprocess_registry(self.metrics_dir))
+                    registry = metrics.multiprocess_registry(self.metrics_dir)
+                    metrics.watch_learned_windows(registry, self.opts.relay_timing_log)
+                    (host, port), _server = metrics.serve(listen, registry)
                 except (OSError, ValueError) as e:
                     # asyncio words a bind error at length: the system's words are enough.
                     why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if isinstance(e, OSError) and e.errno else e

@@ -8,7 +8,7 @@ from typing import Any
 
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads, reported_error, type_of
 from .shape import ARGUMENTS, IMAGES, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, placeholder, size
-from .api import Api, ErrorFormat, as_dict, traits, Probe, TooLong, Windows, error_message, model_and_stream_from_body
+from .api import Api, ErrorFormat, Probe, TooLong, Windows, as_dict, error_field, model_and_stream_from_body, traits
 
 NAME = "anthropic.messages"
 
@@ -178,21 +178,25 @@ LONG_CONTEXT: dict[str, int] = dict.fromkeys((
 """The models the `context-1m-…` beta header opens a 1M window for."""
 
 _TOO_LONG = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum")
-_WITH_OUTPUT = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
+_WITH_OUTPUT = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)\b")
+REFUSAL_TYPE = "invalid_request_error"
 
 
 def too_long(status: int, body: bytes) -> TooLong | None:
-    """Anthropic's 400 `invalid_request_error`: "prompt is too long: 219898 tokens > 200000
-    maximum", or, for prompt and answer together, "input length and `max_tokens` exceed
-    context limit: 188240 + 21333 > 200000, …"."""
-    if status != 400:
+    """Anthropic's 400 `invalid_request_error` whose message is, whole, "prompt is too long:
+    219898 tokens > 200000 maximum", or, for prompt and answer together, begins "input length
+    and `max_tokens` exceed context limit: 188240 + 21333 > 200000". The message must be the
+    provider's own sentence from its first character: a validator that quotes a field of the
+    request back in its error (the client's own text) is not Anthropic saying so."""
+    if status != 400 or error_field(body, "type") != REFUSAL_TYPE:
         return None
-    message = error_message(body) or ""
-    if m := _TOO_LONG.search(message):
-        return TooLong(max_input=int(m.group(2)), window=None, prompt_tokens=int(m.group(1)), output_tokens=None)
-    if m := _WITH_OUTPUT.search(message):
+    message = error_field(body, "message") or ""
+    if m := _TOO_LONG.fullmatch(message):
+        return TooLong(max_input=int(m.group(2)), window=None, prompt_tokens=int(m.group(1)), output_tokens=None,
+                       kind=REFUSAL_TYPE)
+    if m := _WITH_OUTPUT.match(message):
         return TooLong(max_input=None, window=int(m.group(3)), prompt_tokens=int(m.group(1)),
-                       output_tokens=int(m.group(2)))
+                       output_tokens=int(m.group(2)), kind=REFUSAL_TYPE)
     return None
 
 

@@ -150,6 +150,9 @@ class TooLong:
     """The provider's own count of the refused prompt."""
     output_tokens: int | None
     """The answer tokens the request asked for, as the provider counted them."""
+    kind: str
+    """The provider's own structured word for the error (`error.code`, `error.type` or
+    `error.status`), which said it was this refusal: for the record of what was learned."""
 
     @property
     def limit_given(self) -> bool:
@@ -196,8 +199,8 @@ class Windows:
         return long if long is not None else self.lookup(self.known, model)
 
 
-def error_message(body: bytes) -> str | None:
-    """`error.message` of an error body as OpenAI, Anthropic and Google send it (None if not one)."""
+def error_object(body: bytes) -> dict[str, Any] | None:
+    """The `error` object of an error body as OpenAI, Anthropic and Google send it (None if not one)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -205,18 +208,18 @@ def error_message(body: bytes) -> str | None:
     if isinstance(obj, list) and obj:  # Google's REST errors sometimes come as a one-element array
         obj = obj[0]
     error = obj.get("error") if isinstance(obj, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return message if isinstance(message, str) else None
+    return error if isinstance(error, dict) else None
 
 
-def error_code_of(body: bytes) -> str | None:
-    """`error.code` of an OpenAI error body, if it is a string."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    code = obj.get("error", {}).get("code") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else None
-    return code if isinstance(code, str) else None
+def error_field(body: bytes, name: str) -> str | None:
+    """A string field of the body's `error` object (`message`, `code`, `type`, `status`)."""
+    value = (error_object(body) or {}).get(name)
+    return value if isinstance(value, str) else None
+
+
+def error_message(body: bytes) -> str | None:
+    """`error.message` of an error body as OpenAI, Anthropic and Google send it (None if not one)."""
+    return error_field(body, "message")
 
 
 def number(match: re.Match[str] | None, group: int = 1) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
-from .api import Api, ErrorFormat, as_dict, traits, TooLong, Windows, error_message, number
+from .api import Api, ErrorFormat, TooLong, Windows, as_dict, error_field, number, traits
 
 NAME = "gemini"
 
@@ -100,19 +100,22 @@ def _gemini_parts(obj: Any) -> list[dict]:
     ]
 
 
-_TOO_LONG = re.compile(r"input token count (?:\((\d+)\) )?exceeds the maximum number of tokens allowed \((\d+)\)")
+_TOO_LONG = re.compile(r"The input token count (?:\((\d+)\) )?exceeds the maximum number of tokens allowed \((\d+)\)")
+
+
+REFUSAL_STATUS = "INVALID_ARGUMENT"
 
 
 def too_long(status: int, body: bytes) -> TooLong | None:
-    """Google's 400 `INVALID_ARGUMENT`: "The input token count (1200293) exceeds the
-    maximum number of tokens allowed (1048576)." (the count is sometimes left out)."""
-    if status != 400:
+    """Google's 400 `INVALID_ARGUMENT` whose message begins "The input token count (1200293)
+    exceeds the maximum number of tokens allowed (1048576)." (the count is sometimes left out)."""
+    if status != 400 or error_field(body, "status") != REFUSAL_STATUS:
         return None
-    m = _TOO_LONG.search(error_message(body) or "")
+    m = _TOO_LONG.match(error_field(body, "message") or "")
     if m is None:
         return None
     return TooLong(max_input=int(m.group(2)), window=None, prompt_tokens=number(m) if m.group(1) else None,
-                   output_tokens=None)
+                   output_tokens=None, kind=REFUSAL_STATUS)
 
 
 def prefill_traits(body: Any) -> str:

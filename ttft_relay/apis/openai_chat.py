@@ -10,7 +10,7 @@ from typing import Any
 from .reader import Event, Reader, Transcript, Watcher, as_int, as_str, counts, dig, loads
 from .shape import ARGUMENTS, RESULTS, SHRINK_MIN_CHARS, Shape, id_problem, ids, json_placeholder, placeholder, size
 from .api import (
-    Api, ErrorFormat, Probe, as_dict, traits, TooLong, Windows, error_code, error_code_of, error_message, model_and_stream_from_body,
+    Api, ErrorFormat, Probe, TooLong, Windows, as_dict, error_code, error_field, model_and_stream_from_body, traits,
     number)
 
 NAME = "openai.chat"
@@ -167,26 +167,31 @@ MAX_INPUT: dict[str, int] = dict.fromkeys(
      "gpt-5.1-codex-max", "gpt-5.2", "gpt-5.2-codex", "gpt-5.2-pro"), 272_000)  # fmt: skip
 """GPT-5's API takes at most 272k prompt tokens of its 400k window."""
 
-_CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
+_CONTEXT = re.compile(r"This model's maximum context length is (\d+) tokens\b")
 _RESULTED = re.compile(r"(?:messages|input) resulted in (\d+) tokens")
 _REQUESTED = re.compile(r"you requested (\d+) tokens \((\d+) in the messages, (\d+) in the completion\)")
+REFUSAL_CODE = "context_length_exceeded"
 
 
 def too_long(status: int, body: bytes) -> TooLong | None:
-    """OpenAI's `context_length_exceeded` (400). Chat Completions says the window
-    ("This model's maximum context length is 128000 tokens. However, your messages
-    resulted in 130012 tokens …", or "… you requested 8250 tokens (250 in the messages,
-    8000 in the completion) …"); the Responses API does not ("Your input exceeds the
-    context window of this model …")."""
-    if status != 400 or error_code_of(body) != "context_length_exceeded":
+    """OpenAI's `context_length_exceeded` (400). Chat Completions says the window, its
+    message beginning "This model's maximum context length is 128000 tokens. However, your
+    messages resulted in 130012 tokens …", or "… you requested 8250 tokens (250 in the
+    messages, 8000 in the completion) …"; the Responses API does not ("Your input exceeds the
+    context window of this model …"). A window is read only from a message that begins with
+    OpenAI's own sentence, never from text quoted further on."""
+    if status != 400 or error_field(body, "code") != REFUSAL_CODE:
         return None
-    message = error_message(body) or ""
-    requested = _REQUESTED.search(message)
+    message = error_field(body, "message") or ""
+    if (window := _CONTEXT.match(message)) is None:
+        return TooLong(max_input=None, window=None, prompt_tokens=None, output_tokens=None, kind=REFUSAL_CODE)
+    requested = _REQUESTED.search(message, window.end())
     return TooLong(
         max_input=None,
-        window=number(_CONTEXT.search(message)),
-        prompt_tokens=number(requested, 2) if requested else number(_RESULTED.search(message)),
+        window=number(window),
+        prompt_tokens=number(requested, 2) if requested else number(_RESULTED.search(message, window.end())),
         output_tokens=number(requested, 3),
+        kind=REFUSAL_CODE,
     )
 
 

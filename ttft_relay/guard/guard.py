@@ -60,7 +60,7 @@ from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from .. import apis, state
+from .. import apis, flows, state
 from ..apis.api import Api
 from ..faults import apierrors
 from ..patches import connections, pins
@@ -425,8 +425,7 @@ class AccessKeys:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         credentials = presented_credentials(flow.request)
-        if credentials:  # who sent it, for what the relay learns (a digest), before the key is swapped
-            state.note_credential(flow, credentials[min(credentials)])
+        flows.note_client_key(flow, credentials.values())
         mode = flow.client_conn.proxy_mode
         if not self.digests or flow.response is not None or not is_http_reverse(mode):
             return

@@ -5,9 +5,13 @@ timeout cuts the request, and it sends the same request again, and again. Each a
 is a record of its own; grouped, they say what the user lived through ("waited 3 min over
 3 attempts, each cut by the client at 60 s while the upstream had not answered").
 
-A request is *the same* when the same client (its address) sends the same method, path
-and body (`request_key`: a digest of the body's length and its first and last
-BODY_EDGE bytes). It *retries* a request when that request failed or was cut (an error,
+A request is *the same* when the same sender, in the same conversation, sends the same
+method, path and body (`request_key`: a digest of them, of the body its length and its
+first and last BODY_EDGE bytes). The sender is the access key the request presented (its
+digest, `flows.client_key`; the client's address only when it presented none): a team
+behind one NAT is as many senders as it has keys. The conversation is what the client names
+its session by in its headers (CONVERSATION_HEADERS), so two sessions of one key that send
+the same request (a warm-up, a quota probe) are not taken for attempts of one request. It *retries* a request when that request failed or was cut (an error,
 an HTTP error status, the client gone) and it starts at most WINDOW_S after that one
 ended. The first attempt's record gets `attempt_group` = its own id and `attempt` 1 (it
 failed: a retry may follow); each retry the same group and the next number. A request
@@ -39,6 +43,7 @@ from pathlib import Path
 
 from mitmproxy import ctx, http
 
+from ..flows import client_key
 from ..timing import record
 
 logger = logging.getLogger(__name__)
@@ -71,12 +76,28 @@ class Attempt:
     failed: bool
 
 
-def request_key(client: str, method: str, path: str, body: bytes | None) -> bytes:
-    """What makes two requests the same request (the module docstring)."""
+CONVERSATION_HEADERS = ("session_id", "conversation_id", "x-claude-code-session-id")
+"""Request headers the coding agents name their session by (Codex: session_id,
+conversation_id; Claude Code: x-claude-code-session-id)."""
+
+
+def sender(key: str, address: str) -> str:
+    """Who sent a request: its access key's digest; its address only when it presented no key."""
+    return f"key {key}" if key else f"address {address}"
+
+
+def conversation(headers: http.Headers) -> str:
+    """The session the request's headers name ("" when they name none)."""
+    return "\0".join(headers.get(name, "") for name in CONVERSATION_HEADERS)
+
+
+def request_key(who: str, session: str, method: str, path: str, body: bytes | None) -> bytes:
+    """What makes two requests the same request (the module docstring): `who` is its `sender`,
+    `session` its `conversation`."""
     body = body or b""
     h = hashlib.blake2b(digest_size=16)
-    for part in (client.encode("utf-8", "surrogateescape"), method.encode(), path.encode("utf-8", "surrogateescape"),
-                 str(len(body)).encode()):
+    for part in (who.encode("utf-8", "surrogateescape"), session.encode("utf-8", "surrogateescape"), method.encode(),
+                 path.encode("utf-8", "surrogateescape"), str(len(body)).encode()):
         h.update(part)
         h.update(b"\0")
     h.update(body[:BODY_EDGE])
@@ -195,7 +216,8 @@ class AttemptGroups:
         if rec.turn:  # a WebSocket turn: the flow's request is the socket's upgrade
             return
         peer = flow.client_conn.peername
-        key = request_key(str(peer[0]) if peer else "", flow.request.method, flow.request.path,
+        who = sender(client_key(flow), str(peer[0]) if peer else "")
+        key = request_key(who, conversation(flow.request.headers), flow.request.method, flow.request.path,
                           flow.request.raw_content)
         offset = slot_offset(key)
         try:

@@ -20,6 +20,12 @@ LLM call (each timing record):
                                                  killed now would take with it, unrecorded)
     ttft_relay_otlp_dropped_records_total        records whose trace was not exported (observe/traces.py),
                                                  by reason: queue_full, export_failed, rejected
+    ttft_relay_learned_context_window_tokens     each window learned from a provider's refusal
+                                                 (trim/windows.py), read from its file at each scrape:
+                                                 server_address, gen_ai_request_model, limit (max_input
+                                                 or window), confirmed (yes, or no: for the key with
+                                                 digest learned_from only), learned_from;
+                                                 at most windows.MAX_ENTRIES series
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -56,11 +62,13 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from .. import state
 from ..apis.api import Api
 from ..timing import record
+from ..trim import windows
 from . import multiproc, series
 
 logger = logging.getLogger(__name__)
@@ -197,6 +205,43 @@ class RelayMetrics:
         out = usage.get("output_tokens")
         if out and out > 1 and (total := phases.get("total")) is not None:
             self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
+
+
+LEARNED_WINDOWS = "ttft_relay_learned_context_window_tokens"
+
+
+class LearnedWindowsCollector:
+    """The windows the relay processes on one timing log learned (`windows.LearnedWindows`'
+    file), as a gauge read at each scrape: in the scrape server's thread, never the event loop."""
+
+    def __init__(self, timing_log: str | Path) -> None:
+        self.store = windows.LearnedWindows(Path(timing_log).with_name(windows.FILE_NAME))
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(LEARNED_WINDOWS, "A context window learned from a provider's refusal, in the "
+                                 "provider's tokens (the operator's relay_context_windows wins over it).",
+                                 labels=("server_address", "gen_ai_request_model", "limit", "confirmed",
+                                         "learned_from"))
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        self.store.refresh()
+        family = self._family()
+        for learned in self.store.entries():
+            family.add_metric([learned.upstream, learned.model, "max_input" if learned.max_input else "window",
+                               "yes" if learned.confirmed else "no", learned.key], learned.limit)
+        return [family]
+
+
+def watch_learned_windows(registry: CollectorRegistry, timing_log: str | Path | None) -> LearnedWindowsCollector | None:
+    """Serve the learned windows of the processes logging to `timing_log` from `registry`."""
+    if not timing_log:
+        return None
+    collector = LearnedWindowsCollector(timing_log)
+    registry.register(collector)
+    return collector
 
 
 def in_flight_of(pid: int, path: str | Path) -> int:
@@ -353,6 +398,7 @@ class Metrics:
         self.metrics: RelayMetrics | None = None
         self.server: ScrapeServer | None = None
         self.listen = ""
+        self.learned: LearnedWindowsCollector | None = None
         self.counted: weakref.WeakKeyDictionary[http.HTTPFlow, Gauge] = weakref.WeakKeyDictionary()
         """The flows in the in-flight gauge, each with the gauge it went into (the registry
         may be new by the time it is recorded)."""
@@ -375,7 +421,7 @@ class Metrics:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if not updated & {"relay_metrics_listen", "relay_metrics_max_series"}:
+        if not updated & {"relay_metrics_listen", "relay_metrics_max_series", "relay_timing_log"}:
             return
         listen = ctx.options.relay_metrics_listen
         if listen:
@@ -386,6 +432,11 @@ class Metrics:
         if "relay_metrics_max_series" in updated or self.metrics is None:
             # A registry of its own: instruments are per instance, not process globals.
             self.metrics = RelayMetrics(CollectorRegistry(), ctx.options.relay_metrics_max_series)
+            self.learned = None
+        if "relay_timing_log" in updated or self.learned is None:
+            if self.learned is not None:
+                self.metrics.registry.unregister(self.learned)
+            self.learned = watch_learned_windows(self.metrics.registry, getattr(ctx.options, "relay_timing_log", ""))
         if listen != self.listen or "relay_metrics_max_series" in updated:
             self._stop_server()
             self.listen = listen

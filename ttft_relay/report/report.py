@@ -6,7 +6,10 @@ learns it (a median fit of the upstream's own wait against uncached and cached p
 tokens, `ttft_relay/observe/prefill.py`: ms per 1k tokens plus a base), and the
 requests that waited beyond what their prompt predicts (upstream queueing). Above the
 groups, the requests clients sent again after a failure or a cut (`attempt_group`):
-how long the user waited over how many attempts, and why each one ended.
+how long the user waited over how many attempts, and why each one ended; and the
+context windows the relay learned from providers' refusals (`learned-windows.jsonl`
+beside the logs): when, from which reply, which access key's digest, and whether
+another key or an accepted request confirmed it.
 WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
@@ -21,6 +24,7 @@ plots (report_html.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import io
@@ -38,6 +42,7 @@ import orjson
 from ..observe import prefill
 from ..text import printable
 from ..timing import phases, record
+from ..trim import windows
 
 QUANTILES = (50, 90, 99)
 METRICS = phases.PHASES
@@ -325,6 +330,32 @@ def format_attempts(groups: Sequence[Mapping[str, Any]], shown: int = 10) -> lis
     return [*out, ""]
 
 
+def learned_windows(logs: Iterable[str]) -> list[dict[str, Any]]:
+    """The windows learned by the relays writing `logs` (the file beside each log's directory)."""
+    found: dict[tuple[str, str], windows.Learned] = {}
+    for path in sorted({Path(log).with_name(windows.FILE_NAME) for log in logs}):
+        store = windows.LearnedWindows(path)
+        store.refresh()
+        found |= {(e.upstream, e.model): e for e in store.entries()}
+    return [dataclasses.asdict(e) for e in found.values()]
+
+
+def format_learned(learned: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not learned:
+        return []
+    out = ["Context windows learned from the providers' refusals (the operator's relay_context_windows wins):"]
+    for e in sorted(learned, key=lambda e: (e["upstream"], e["model"])):
+        limit = f"at most {e['max_input']} prompt tokens" if e["max_input"] else f"a window of {e['window']} tokens"
+        confirmed = e["confirmed"]
+        by = ("by an accepted request the window before would have cut" if confirmed == windows.ACCEPTED
+              else f"by key {confirmed}'s refusal")
+        used = f"confirmed {_when(e['confirmed_ts'])} {by}" if confirmed else "used for that key only until confirmed"
+        out.append(f"   {printable(e['upstream'])} {printable(e['model'])}: {limit} (ratio {e['ratio']}), learned "
+                   f"{_when(e['ts'])} from a {e['status']} {printable(e['error'])} to key {e['key'] or '(none)'}; "
+                   f"{used}")
+    return [*out, ""]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ttft-relay report", description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+",
@@ -359,10 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"report: wrote {args.html} ({len(records)} records)", file=sys.stderr)
     retried = attempt_groups(records)
+    learned = learned_windows(expand_globs(args.logs))
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(report | ({"attempt_groups": retried} if retried else {}),
+        sys.stdout.buffer.write(orjson.dumps(report | ({"attempt_groups": retried} if retried else {})
+                                             | ({"learned_windows": learned} if learned else {}),
                                              option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        print("\n".join(format_attempts(retried)) + format_text(report, websocket_counts(records)) if report
-              else "no records")
+        print("\n".join(format_learned(learned) + format_attempts(retried))
+              + format_text(report, websocket_counts(records)) if report else "no records")
     return 0

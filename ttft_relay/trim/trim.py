@@ -12,23 +12,29 @@ know is not trimmed unless the user set a budget. It fails open: when nothing is
 trimmed, or anything goes wrong, the client's exact bytes go upstream.
 
 When the upstream refuses a request as too long and its error names the limit (before
-any byte of the answer went to the client), the addon learns that window for the
-upstream·model (kept beside the timing log, shared by every worker), trims the request
-to it and sends it once more (`patches.fixes.resend`); the client gets only the second answer,
-streamed, and the record both attempts (`trim.refused`).
+any byte of the answer went to the client), the addon asks `windows.judge_refusal` whether
+that is the provider's word about this request; if so it learns that window for the
+upstream·model (kept beside the timing log, shared by every worker, used by other access
+keys once confirmed), trims the request to it and sends it once more
+(`patches.fixes.resend`); the client gets only the second answer, streamed, and the record
+both attempts (`trim.refused`). An accepted request may confirm or refute a window not yet
+confirmed (`windows.judge_accepted`).
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
 many megabytes is counted while every other flow keeps streaming (the hook awaits the
-worker). The tokenizers are loaded when the script is configured, before mitmproxy's
-listeners accept the first connection.
+worker). The learned windows' file is read and written there too. The tokenizers are
+loaded when the script is configured, before mitmproxy's listeners accept the first
+connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,7 +44,8 @@ from mitmproxy import addonmanager, ctx, exceptions, http
 from .. import state
 from ..patches import pins
 from ..patches.fixes import resend
-from ..flows import upstream_name
+from ..apis.api import TooLong, Windows
+from ..flows import client_key, upstream_name
 from . import tokens, trimming, windows
 
 logger = logging.getLogger(__name__)
@@ -144,9 +151,9 @@ class Trim:
             [],
             """
             Context windows as "model-prefix=tokens", e.g. "my-model=32000": the longest
-            matching prefix wins over the windows the relay knows (exact model ids); 0 makes
-            a prefix unknown (user budget only). A window a provider's refusal named wins
-            over both.
+            matching prefix wins over the windows the relay knows (exact model ids) and over
+            any a provider's refusal named; 0 makes a prefix unknown (user budget only, or
+            what a refusal teaches).
             """,
         )
 
@@ -159,7 +166,7 @@ class Trim:
         if "relay_timing_log" in updated:
             log = getattr(ctx.options, "relay_timing_log", "")
             self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
-            self.learned.refresh()
+            self._handed = self.worker.submit(self.learned.refresh)  # off the event loop, before the first trim
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
@@ -237,21 +244,22 @@ class Trim:
         }
         st.trim = {**st.trim, "refused": refused}
         upstream = upstream_name(flow)
-        learned = windows.learned_from(upstream, st.model, refusal, sent_tokens)
-        if learned is None:
-            logger.info("%s refused %s as too long without naming its limit: passed to the client", upstream, st.model)
+        learned = await self.learn_from_refusal(api_windows, refusal, upstream=upstream, model=st.model,
+                                                status=response.status_code, counted=sent_tokens,
+                                                key=client_key(flow))
+        if isinstance(learned, str):
+            st.trim = {**st.trim, "refused": {**refused, "ignored": learned}}
             return
-        self.learned.learn(learned)
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
-        budget = self._budget(flow, st, learned)
+        budget = self._budget(flow, st)(learned=learned)
         if counter is None or budget is None:
             return
         work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
         self._handed = self.worker.submit(self._work, *work)
         result, content = await asyncio.wrap_future(self._handed)
         logger.info(
-            "%s: %s takes at most %s tokens (its refusal): learned; %s", upstream, st.model,
-            refusal.max_input or refusal.window,
+            "%s: %s takes at most %s tokens (its refusal, %s): learned%s; %s", upstream, st.model, learned.limit,
+            learned.error, "" if learned.confirmed else " for this access key until confirmed",
             "trimmed to it and sent once more" if content is not None else f"not resent ({result.stats['reason']})",
         )  # fmt: skip
         if content is None:
@@ -263,15 +271,71 @@ class Trim:
         st.marks.pop("head_arrived", None)  # the refused answer's head
         resend.again(flow)
 
+    async def learn_from_refusal(self, api_windows: Windows, refusal: TooLong, *, upstream: str, model: str | None,
+                                 status: int, counted: int | None, key: str) -> windows.Learned | str:
+        """What an upstream's refusal of a prompt as too long teaches (`windows.judge_refusal`),
+        kept for the next requests: the window to resend within, or why there is none (logged
+        in one line, without the key). For any transport's resend: an HTTP request's
+        (`relay_held_answer`), a WebSocket turn's. `counted`: the relay's count of the refused
+        prompt; `key`: `flows.client_key` of the flow that sent it."""
+        judge = functools.partial(windows.judge_refusal, refusal, upstream=upstream, model=model, status=status,
+                                  counted=counted, key=key, windows=api_windows, configured=self.configured)
+        self._handed = self.worker.submit(self._learn, judge, upstream, model)
+        learned = await asyncio.wrap_future(self._handed)
+        if isinstance(learned, str):
+            logger.info("%s refused %s as too long; nothing learned: %s", upstream, model, learned)
+        return learned
+
+    def _learn(self, judge: Callable[..., windows.Learned | str], upstream: str,
+               model: str | None) -> windows.Learned | str:
+        """In the worker thread: judge a refusal against what the relay holds, and keep what it teaches."""
+        self.learned.refresh()
+        before = self.learned.held(upstream, model)
+        learned = judge(before=before, now=time.time())
+        if isinstance(learned, windows.Learned) and learned not in before:
+            self.learned.keep(learned)
+        return learned
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """An accepted request may refute the windows keys learned and not yet confirmed, and
+        confirm its own key's."""
+        st = state.get(flow)
+        if (st is None or st.trim is None or st.prompt_tokens is None or flow.response is None
+                or not 200 <= flow.response.status_code < 300):
+            return
+        held = self.learned.held(upstream_name(flow), st.model)
+        unconfirmed = [learned for learned in held if learned.confirmed is None]
+        if not unconfirmed:
+            return
+        shared = next((learned for learned in held if learned.confirmed is not None), None)
+        before = self._budget(flow, st, user_max=0)(learned=shared)  # what the other keys go by
+        key = client_key(flow)
+        for learned in unconfirmed:  # another key's window is refuted by this request, never confirmed
+            self._handed = self.worker.submit(self._accepted, learned, st.prompt_tokens,
+                                              before if learned.key == key else None)
+
+    def _accepted(self, held: windows.Learned, sent: int, before: windows.Budget | None) -> None:
+        """In the worker thread: what an accepted request says of an unconfirmed window."""
+        judged = windows.judge_accepted(held, sent, before, time.time())
+        if judged is None:
+            logger.info("%s accepted %s tokens of %s, more than the %s tokens learned from one key's refusal: "
+                        "forgotten", held.upstream, sent, held.model, held.limit)
+            self.learned.forget(held)
+        elif isinstance(judged, windows.Learned):
+            logger.info("%s accepted %s tokens of %s, more than the window before allowed: the %s tokens learned "
+                        "confirmed", held.upstream, sent, held.model, held.limit)
+            self.learned.keep(judged)
+
     def _budget(self, flow: http.HTTPFlow, st: state.FlowState,
-                learned: windows.Learned | None) -> windows.Budget | None:
-        return windows.budget_for(
+                user_max: int | None = None) -> Callable[..., windows.Budget | None]:
+        """`windows.budget_for` for this request, but for its `learned=` window."""
+        return functools.partial(
+            windows.budget_for,
             st.model,
             trimming.max_output(st.api, st.request_json),
             windows=st.api.windows,
             configured=self.configured,
-            learned=learned,
-            user_max=ctx.options.relay_trim_max_tokens,
+            user_max=ctx.options.relay_trim_max_tokens if user_max is None else user_max,
             default_reserve=ctx.options.relay_trim_reserve_tokens,
             long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
         )
@@ -281,14 +345,17 @@ class Trim:
         if counter is None:
             st.trim = trimming.untouched_stats("no tokenizer")
             return
-        budget = self._budget(flow, st, self.learned.get(upstream_name(flow), st.model))
-        work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
+        budget = self._budget(flow, st)
+        upstream, key = upstream_name(flow), client_key(flow)
         if (self._handed is None or self._handed.done()) and _small(flow.request):
             # The worker has nothing left to do, so its caches are free; this little is
-            # counted faster than handing it over costs.
+            # counted faster than handing it over costs (with the learned windows as last read).
+            work = (st.request_json, st.api, budget(learned=self.learned.get(upstream, st.model, key)), counter,
+                    ctx.options.relay_trim_notice)
             result, content = self._work(*work)
         else:
-            self._handed = self.worker.submit(self._work, *work)
+            self._handed = self.worker.submit(self._work_fresh, st.request_json, st.api, budget, upstream, st.model,
+                                              key, counter, ctx.options.relay_trim_notice)
             result, content = await asyncio.wrap_future(self._handed)
         if content is not None:
             # Re-encoded to the request's Content-Encoding; Content-Length follows.
@@ -297,6 +364,12 @@ class Trim:
         st.prompt_tokens = result.stats["tokens_after"]
         if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
+
+    def _work_fresh(self, body, api, budget, upstream, model, key, counter, notice):
+        """In the worker thread: the learned windows read again if another process changed
+        them, then the trim (`_work`) within the budget they give."""
+        self.learned.refresh()
+        return self._work(body, api, budget(learned=self.learned.get(upstream, model, key)), counter, notice)
 
     def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:
         """In the worker thread: the trim, and the new body's bytes if there is one."""

@@ -2,28 +2,46 @@
 
 A model's context window comes from, in this order of trust:
 
-1. **learned** — the provider said it: a refusal of a prompt as too long names its
-   limit (`apis.api.TooLong`); the relay keeps it per upstream·model (`LearnedWindows`);
-2. **configured** — `relay_context_windows`, the user's own table (model prefixes);
+1. **configured** — `relay_context_windows`, the operator's own table (model prefixes): the
+   operator's word wins over anything a refusal says;
+2. **learned** — the provider said it: a refusal of a prompt as too long names its limit
+   (`apis.api.TooLong`); the relay keeps it per upstream·model (`LearnedWindows`), once
+   `judge_refusal` found the refusal to be the provider's word about that request;
 3. **known** — the API module's table of exact model ids (`apis.api.Windows`);
 
 and nothing else: a model that none of them names has no window, and its requests are
 trimmed only to a budget the user set (`relay_trim_max_tokens`). A family prefix is not
 knowledge: the newest model of a known family is unknown until its provider says.
 
-`LearnedWindows` is shared by every relay process on one timing log: an append-only file
-of JSON lines beside it (`learned-windows.jsonl`), each process appending what it learns
-in one write (O_APPEND) and reading what the others appended before it trims.
+What a refusal may teach is guarded, since every client of a relay shares it
+(`judge_refusal`, pure): the provider's structured error says "too long" (its API module's
+`too_long`: the error's code/type and the provider's own sentence, never text quoted from
+the request); the limit lies within LIMIT_BOUNDS and not below the smallest window the
+API's table gives the model's family; the refused request was longer than that limit by the
+provider's count and by the relay's (their ratio within RATIO_BOUNDS); the model is keyed
+exactly as the request named it; and an operator's `relay_context_windows` entry for the
+model stands. A learned window is used for the requests of the access key whose request was
+refused at once, and for other keys' once it is confirmed: by another key's refusal naming
+the same limit, or by an accepted request the window before it would have cut
+(`judge_accepted`); an accepted request longer than an unconfirmed window refutes it. Every
+refusal that teaches nothing is logged in one line (no key) and ignored.
+
+`LearnedWindows` is shared by every relay process on one timing log through a small file
+beside it (`learned-windows.jsonl`): one JSON line per upstream·model's confirmed window and
+per key's unconfirmed one, at most MAX_ENTRIES, rewritten whole (a temporary file renamed
+over it, under a lock) when a process learns, and read again when it changed. Its file is
+only touched off the event loop (the trim worker thread): on the loop the relay reads the
+view in memory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import os
-import time
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import orjson
@@ -43,19 +61,38 @@ LEARNED_MARGIN = 0.97
 them by the refusal's own ratio, and kept this far below the limit (the ratio moves a
 little with the text)."""
 
+LIMIT_BOUNDS = (4_096, 10_000_000)
+"""The least and most tokens a limit learned from a refusal may name: no model in use
+takes fewer, none of any API takes more."""
+RATIO_BOUNDS = (0.5, 2.0)
+"""The provider's count of a prompt over the relay's: tokenizers differ by some tens of
+percent, not by factors."""
+REFUTE_MARGIN = 1.05
+"""An accepted request this much longer than an unconfirmed window (in the provider's
+tokens, by the window's ratio) shows the window wrong."""
+
+MAX_MODEL = 256
+"""A model named longer is not kept (no provider's is)."""
+MAX_ENTRIES = 256
+"""Upstream·models kept in the file; beyond, the oldest unconfirmed go first, then the oldest."""
 MAX_LINE = 4096
 """A longer line in the file is not one the relay wrote: skipped."""
+MAX_FILE = MAX_ENTRIES * 1024
+"""Of a longer file only this much is read: the relay never writes one."""
 
 KNOWN, CONFIGURED, LEARNED, USER = "window", "configured", "learned", "user"
 """`Budget.source`: the known window, relay_context_windows, the provider's refusal, relay_trim_max_tokens."""
+ACCEPTED = "accepted"
+"""`Learned.confirmed` when an accepted request confirmed the window (not another key's refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Learned:
-    """A window learned from a provider's refusal of one upstream·model."""
+    """A window learned from a provider's refusal of one upstream·model, with where it came from."""
 
     upstream: str
     model: str
+    """The model exactly as the refused request named it."""
     max_input: int | None
     """Most prompt tokens, in the provider's tokens (Anthropic, Gemini)."""
     window: int | None
@@ -63,17 +100,27 @@ class Learned:
     ratio: float
     """The provider's count of the refused prompt over the relay's (1.0: the provider gave none)."""
     ts: float
+    """When it was learned."""
+    status: int
+    """The refusal's HTTP status."""
+    error: str
+    """The refusal's structured error: `error.code`, `.type` or `.status` (`TooLong.kind`)."""
+    key: str
+    """The digest of the access key whose request was refused (`flows.client_key`); "" for none."""
+    confirmed: str | None = None
+    """Who confirmed it: another key's digest (its refusal said the same), ACCEPTED (an accepted
+    request the earlier window would have cut); None: used for `key`'s requests only."""
+    confirmed_ts: float | None = None
 
+    @property
+    def limit(self) -> int:
+        limit = self.max_input if self.max_input is not None else self.window
+        assert limit is not None
+        return limit
 
-def learned_from(upstream: str, model: str | None, refusal: TooLong, counted: int | None) -> Learned | None:
-    """What a refusal teaches (None if it names no limit). `counted`: the relay's count of the
-    refused prompt, for the ratio between the provider's tokens and the relay's."""
-    if not refusal.limit_given:
-        return None
-    ratio = 1.0
-    if refusal.prompt_tokens and counted:
-        ratio = refusal.prompt_tokens / counted
-    return Learned(upstream, model_id(model), refusal.max_input, refusal.window, round(ratio, 4), round(time.time(), 3))
+    def usable_by(self, key: str) -> bool:
+        """Whether the requests of the access key with digest `key` are trimmed to it."""
+        return self.confirmed is not None or key == self.key
 
 
 def parse_context_windows(entries: Iterable[str]) -> dict[str, int]:
@@ -94,6 +141,94 @@ def configured_window(table: Mapping[str, int], model: str | None) -> int | None
     name = model_id(model)
     best = max((p for p in table if name.startswith(p)), key=len, default=None)
     return None if best is None else table[best]
+
+
+def family_floor(windows: Windows | None, model: str) -> int | None:
+    """The smallest window the API's table gives a model of `model`'s family: the known ids
+    that share with it its longest prefix ending before a "-" or "." that any known id has
+    ("claude-opus-5-5" → the "claude-opus" ids; "gpt-5.5" → the "gpt-5" ids). None: no
+    known id shares a prefix with it."""
+    if windows is None or not windows.known:
+        return None
+    name = model_id(model)
+    ends = [len(name), *(i for i in range(len(name) - 1, 0, -1) if name[i] in "-.")]
+    for end in ends:
+        stem = name[:end]
+        family = [w for known, w in windows.known.items()
+                  if known.startswith(stem) and (len(known) == end or known[end] in "-.")]
+        if family:
+            return min(family)
+    return None
+
+
+def judge_refusal(
+    refusal: TooLong,
+    *,
+    upstream: str,
+    model: str | None,
+    status: int,
+    counted: int | None,
+    key: str,
+    before: Sequence[Learned],
+    windows: Windows | None,
+    configured: Mapping[str, int],
+    now: float,
+) -> Learned | str:
+    """What a refusal as too long teaches (the module docstring): the window to keep (a new
+    one for `key`, or one of `before` confirmed by `key`; one of `before` itself: nothing
+    new), or why it teaches nothing. `counted`: the relay's count of the refused prompt;
+    `key`: the digest of the access key that sent it; `before`: what the relay holds for
+    this upstream·model (`LearnedWindows.held`)."""
+    if not refusal.limit_given:
+        return "it names no limit"
+    if not model:
+        return "the request names no model"
+    if len(model) > MAX_MODEL:
+        return f"its model's name is longer than {MAX_MODEL} characters"
+    if (operator := configured_window(configured, model)) is not None and operator > 0:
+        return f"relay_context_windows sets {model}'s window ({operator}): the operator's word stands"
+    limit = refusal.max_input if refusal.max_input is not None else refusal.window
+    assert limit is not None
+    if not LIMIT_BOUNDS[0] <= limit <= LIMIT_BOUNDS[1]:
+        return f"its limit {limit} is outside {LIMIT_BOUNDS[0]}..{LIMIT_BOUNDS[1]} tokens"
+    if (floor := family_floor(windows, model)) is not None and limit < floor:
+        return f"its limit {limit} is below {floor}, the smallest window of {model}'s family"
+    if not counted:
+        return "the relay has no count of the refused request"
+    output = (refusal.output_tokens or 0) if refusal.max_input is None else 0
+    if refusal.prompt_tokens is not None:
+        if refusal.prompt_tokens + output <= limit:
+            return f"its own count ({refusal.prompt_tokens} + {output}) is not over its limit {limit}"
+        ratio = refusal.prompt_tokens / counted
+        if not RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]:
+            return f"its count {refusal.prompt_tokens} is not the refused request's ({counted} by the relay's count)"
+    else:
+        ratio = 1.0
+        if (counted + output) * RATIO_BOUNDS[1] <= limit:
+            return f"the refused request ({counted} tokens by the relay's count) is far below its limit {limit}"
+    learned = Learned(upstream, model, refusal.max_input, refusal.window, round(ratio, 4), round(now, 3),
+                      status, refusal.kind, key)
+    same = [held for held in before if (held.max_input, held.window) == (learned.max_input, learned.window)]
+    for held in same:
+        if held.confirmed is not None or held.key == key:
+            return held  # nothing new: it stands confirmed, or the same key said it again
+    if same:
+        return replace(same[0], confirmed=key, confirmed_ts=round(now, 3))
+    return learned
+
+
+def judge_accepted(learned: Learned, sent: int, before: Budget | None, now: float) -> Learned | None | str:
+    """What an accepted request of `sent` tokens (the relay's count) says of an unconfirmed
+    window: refuted (None) when the provider took more than it allows, confirmed when the
+    window the other keys go by (`before`, their budget; None: not the request of the key
+    that learned it) would have cut the request; else nothing (a string saying so)."""
+    if learned.confirmed is not None:
+        return "already confirmed"
+    if sent * learned.ratio > learned.limit * REFUTE_MARGIN:
+        return None
+    if before is not None and sent > before.tokens:
+        return replace(learned, confirmed=ACCEPTED, confirmed_ts=round(now, 3))
+    return "nothing to confirm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,22 +253,19 @@ def budget_for(
     long_context: bool = False,
 ) -> Budget | None:
     """The smallest of the model's room (its window minus the reserved output, within its
-    input limit: learned, else configured, else known) and `user_max` (0 = none). None when
+    input limit: configured, else learned, else known) and `user_max` (0 = none). None when
     neither applies: an unknown model and no user budget is never trimmed."""
     reserve = max_output or default_reserve
     candidates = []
-    if learned is not None:
-        if learned.max_input is not None:
-            room = learned.max_input
-        else:
-            assert learned.window is not None
-            room = learned.window - reserve
+    configured_tokens = configured_window(configured or {}, model)
+    if configured_tokens:
+        candidates.append(Budget(max(configured_tokens - reserve, 0), CONFIGURED, configured_tokens))
+    elif learned is not None:
+        room = learned.max_input if learned.max_input is not None else learned.limit - reserve
         tokens = math.floor(max(room, 0) / learned.ratio * LEARNED_MARGIN)
-        candidates.append(Budget(tokens, LEARNED, learned.max_input or learned.window))
-    elif (window := configured_window(configured or {}, model)) is not None:
-        if window > 0:  # 0: the user says the model's window is unknown
-            candidates.append(Budget(max(window - reserve, 0), CONFIGURED, window))
-    elif windows is not None and (window := windows.window(model, long_context=long_context)) is not None:
+        candidates.append(Budget(tokens, LEARNED, learned.limit))
+    elif configured_tokens is None and windows is not None and (  # 0: the user says the window is unknown
+            window := windows.window(model, long_context=long_context)) is not None:
         room = max(window - reserve, 0)
         if (max_input := windows.lookup(windows.max_input, model)) is not None:
             room = min(room, max_input)
@@ -143,65 +275,158 @@ def budget_for(
     return min(candidates, key=lambda b: b.tokens, default=None)
 
 
+Slot = tuple[str, str, str | None]
+"""Where the store keeps a window: (upstream, model, None) the confirmed one, which every key
+uses; (upstream, model, key digest) the one a key's refusal taught, for that key alone."""
+
+
+def _slot(learned: Learned) -> Slot:
+    return learned.upstream, learned.model, None if learned.confirmed is not None else learned.key
+
+
 class LearnedWindows:
-    """Windows learned from providers' refusals, by (upstream, model id), kept in `path`
-    (None: in memory only) and shared with every process appending to it."""
+    """Windows learned from providers' refusals, kept in `path` (None: in memory only) and
+    shared with every process on it: per upstream·model the confirmed window, and each access
+    key's unconfirmed one (a key's unconfirmed window never displaces the confirmed one for
+    the others). `get` and `held` read memory only; `refresh`, `keep` and `forget` touch the
+    file and block: call them off the event loop."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self._by_key: dict[tuple[str, str], Learned] = {}
-        self._read_to = 0
-        self._inode: int | None = None
+        self._by_slot: dict[Slot, Learned] = {}
+        self._by_model: dict[tuple[str, str], list[Learned]] = {}
+        self._seen: tuple[int, int, int] | None = None
+        """(inode, size, mtime_ns) of the file as last read."""
+        self._write_failed = False
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return len(self._by_slot)
 
-    def get(self, upstream: str, model: str | None) -> Learned | None:
-        """The newest window learned for this upstream·model, by any process on the file."""
-        self.refresh()
-        return self._by_key.get((upstream, model_id(model)))
+    def entries(self) -> list[Learned]:
+        return list(self._by_slot.values())
 
-    def learn(self, learned: Learned) -> None:
-        """Keep `learned`, and append it to the file for the other processes (one write)."""
-        self._by_key[(learned.upstream, learned.model)] = learned
-        if self.path is None:
-            return
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            try:
-                os.write(fd, orjson.dumps(asdict(learned)) + b"\n")
-            finally:
-                os.close(fd)
-        except OSError as e:
-            logger.warning("cannot keep the learned window in %s (%s): this process alone knows it", self.path, e)
+    def held(self, upstream: str, model: str | None) -> list[Learned]:
+        """What the relay holds for this upstream·model (the exact name): the confirmed window
+        and each key's unconfirmed one."""
+        return self._by_model.get((upstream, model or ""), [])
+
+    def get(self, upstream: str, model: str | None, key: str) -> Learned | None:
+        """The window the access key `key` uses for this upstream·model: its own unconfirmed
+        one, else the confirmed one."""
+        name = model or ""
+        return self._by_slot.get((upstream, name, key)) or self._by_slot.get((upstream, name, None))
+
+    def _set(self, entries: dict[Slot, Learned]) -> None:
+        by_model: dict[tuple[str, str], list[Learned]] = {}
+        for learned in entries.values():
+            by_model.setdefault((learned.upstream, learned.model), []).append(learned)
+        self._by_slot, self._by_model = entries, by_model
 
     def refresh(self) -> None:
-        """Read what was appended since the last read (a stat when nothing was)."""
+        """Read the file again if it changed since the last read (a stat when it did not)."""
         if self.path is None:
             return
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
+            self._seen = None
+            self._set({})
             return
         except OSError as e:
             logger.debug("cannot stat %s: %s", self.path, e)
             return
-        if st.st_ino != self._inode or st.st_size < self._read_to:  # replaced or truncated: read it anew
-            self._inode, self._read_to = st.st_ino, 0
-        if st.st_size == self._read_to:
+        seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if seen == self._seen:
             return
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._read_to)
-                data = f.read(st.st_size - self._read_to)
+            entries = _read(self.path)
         except OSError as e:
             logger.warning("cannot read the learned windows in %s: %s", self.path, e)
             return
-        complete = data.rfind(b"\n") + 1  # a line being appended right now is read next time
-        self._read_to += complete
-        for line in data[:complete].splitlines():
-            if learned := _parse(line):
-                self._by_key[(learned.upstream, learned.model)] = learned
+        self._set(entries)
+        self._seen = seen
+
+    def keep(self, learned: Learned) -> None:
+        """Keep `learned` in its slot, here and in the file; a window confirmed leaves its key's slot."""
+
+        def change(entries: dict[Slot, Learned]) -> None:
+            entries[_slot(learned)] = learned
+            if learned.confirmed is not None:
+                entries.pop((learned.upstream, learned.model, learned.key), None)
+
+        self._update(change)
+
+    def forget(self, learned: Learned) -> None:
+        self._update(lambda entries: entries.pop(_slot(learned), None))
+
+    def _update(self, change: Callable[[dict[Slot, Learned]], object]) -> None:
+        if self.path is None:
+            entries = dict(self._by_slot)
+            change(entries)
+            self._set(_bounded(entries))
+            return
+        try:
+            with _locked(self.path):
+                entries = _read(self.path) if self.path.exists() else {}
+                change(entries)
+                entries = _bounded(entries)
+                _write(self.path, entries)
+                st = os.stat(self.path)
+            self._set(entries)
+            self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError as e:
+            entries = dict(self._by_slot)
+            change(entries)
+            self._set(_bounded(entries))
+            if not self._write_failed:
+                self._write_failed = True
+                logger.warning("cannot keep the learned window in %s (%s): this process alone knows it", self.path, e)
+
+
+def _bounded(entries: dict[Slot, Learned]) -> dict[Slot, Learned]:
+    if len(entries) <= MAX_ENTRIES:
+        return entries
+    kept = sorted(entries.items(), key=lambda item: (item[1].confirmed is not None, item[1].ts))[-MAX_ENTRIES:]
+    return dict(kept)
+
+
+class _locked:
+    """The file's lock (beside it), held while a process reads, changes and rewrites it."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock = path.with_name(path.name + ".lock")
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)  # releases the lock
+
+
+def _read(path: Path) -> dict[Slot, Learned]:
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE + 1)
+    if len(data) > MAX_FILE:
+        logger.warning("%s is longer than the relay writes it: only its first %d bytes are read", path, MAX_FILE)
+        data = data[:MAX_FILE]
+    entries = {}
+    for line in data.split(b"\n"):
+        if (learned := _parse(line)) is not None:
+            entries[_slot(learned)] = learned
+    return entries
+
+
+def _write(path: Path, entries: dict[Slot, Learned]) -> None:
+    """The whole file anew, renamed over the old one: a reader sees the old or the new, whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = b"".join(orjson.dumps(asdict(learned)) + b"\n" for learned in entries.values())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _parse(line: bytes) -> Learned | None:
@@ -214,8 +439,11 @@ def _parse(line: bytes) -> Learned | None:
         return None
     ok = (
         isinstance(learned.upstream, str) and isinstance(learned.model, str)
-        and all(v is None or (isinstance(v, int) and v > 0) for v in (learned.max_input, learned.window))
-        and (learned.max_input is not None or learned.window is not None)
-        and isinstance(learned.ratio, (int, float)) and 0.1 <= learned.ratio <= 10
+        and all(v is None or (isinstance(v, int) and LIMIT_BOUNDS[0] <= v <= LIMIT_BOUNDS[1])
+                for v in (learned.max_input, learned.window))
+        and (learned.max_input is None) != (learned.window is None)
+        and isinstance(learned.ratio, (int, float)) and RATIO_BOUNDS[0] <= learned.ratio <= RATIO_BOUNDS[1]
+        and isinstance(learned.key, str) and isinstance(learned.ts, (int, float))
+        and (learned.confirmed is None or isinstance(learned.confirmed, str))
     )  # fmt: skip
     return learned if ok else None

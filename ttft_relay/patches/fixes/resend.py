@@ -2,8 +2,9 @@
 request may be sent once more in its place.
 
 When an upstream refuses a request as too long, the relay trims it to the limit the
-refusal names and sends it again (`trim.Trim`); the client must see only the second
-answer, streamed as any answer is. No hook can do that: an answer's body is read after
+refusal names and sends it again (`trim.Trim`, once `trim.windows.judge_refusal` found the
+refusal to be the provider's word about that request); the client must see only the
+second answer, streamed as any answer is. No hook can do that: an answer's body is read after
 `responseheaders`, and once the `response` hook has run, mitmproxy sends it
 (`HttpStream.send_response`). The wrap of `send_response` runs, for a flow given to
 `hold` whose answer was read whole (not streamed), the `relay_held_answer` hook
@@ -54,7 +55,7 @@ PINS = {
     "HttpStream.state_consume_response_body": (HttpStream.state_consume_response_body, "5323db61dfc7e2e1"),
 }
 WITHOUT = ("an upstream's refusal of a request as too long reaches the client as the upstream sent it, "
-           "not trimmed and sent again (the window it names is still learned for the next requests)")
+           "not trimmed and sent again, and no window is learned from it (it is never read)")
 _held: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _again: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 
