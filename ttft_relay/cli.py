@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         print(version())
         return 0
     command, rest = args[0], args[1:]
+    if command in ("run", "web") and ("--version" in rest or "-V" in rest):
+        # Before any config is read: an image or a unit asks this with its config not (yet) there.
+        print(version())
+        return 0
     if command in ("run", "web") and ("-h" in rest or "--help" in rest):
         print(tool_help(command, "mitmdump" if command == "run" else "mitmweb", rest))
         return 0
