@@ -75,6 +75,10 @@ FIRST_RUN_TIMEOUT = 900  # the first scripts/relay installs mitmproxy and the re
 START_TIMEOUT = 90
 STOP_TIMEOUT = 40
 FAKE_KEY = "sk-quickstart-not-a-real-key"
+FAKE_PREFILL_MS = 150
+HEALTHY_VERDICT = "upstream wait (prefill/queue)"
+"""What a healthy request's console line leads with while the relay learns an upstream · model
+(ttft_relay/timing/phases.py UPSTREAM_WAIT): the fake's prefill, its own wait, is the wait."""
 
 # The README's own lines this check runs, verbatim (a trailing comment aside).
 RUN = "scripts/relay"
@@ -420,19 +424,25 @@ class QuickStart:
 
     def start_fake(self) -> None:
         self.fake = self.procs.start(
-            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream --port {self.fake_port} --prefill-ms 150 "
+            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream --port {self.fake_port} --prefill-ms {FAKE_PREFILL_MS} "
             "--prefill-ms-per-1k-tokens 20 --gap-ms 10", self.clone, self.env)
         wait_for_line(self.fake.log_path, r"^listening ", self.fake, START_TIMEOUT)  # type: ignore[attr-defined]
 
     def readme_curl(self) -> None:
         done = run(CURL, self.clone, self.env, timeout=60)
         assert_openai_stream(done.stdout.encode(), "curl")
-        # The console line the README shows: the first token, the phases, a verdict in words.
+        # The console line the README shows, as a healthy request reads it: the fake upstream's
+        # prefill is its own wait (not yet learned: an upstream · model's first requests), nothing else.
         assert self.relay is not None
-        line = wait_for_line(self.relay.log_path, r"openai\.chat gpt-4o-mini 200 ttft \d+ ms \[.*\] → .*",  # type: ignore[attr-defined]
-                             self.relay, 30).group(0)
-        if "REDACTED" in line:
-            raise StepFailed(f"the console line hides its own words: {line}")
+        healthy = (rf"{re.escape(HEALTHY_VERDICT)} (\d+) ms · ttft (\d+) ms \[[a-z_]+ \d+.*\] · "
+                   rf"gpt-4o-mini 200 → 127\.0\.0\.1:{self.fake_port}$")
+        try:
+            m = wait_for_line(self.relay.log_path, healthy, self.relay, 30)  # type: ignore[attr-defined]
+        except StepFailed:
+            said = self.relay.log_path.read_text(errors="replace").splitlines()[-3:]  # type: ignore[attr-defined]
+            raise StepFailed(f"no console line reads as a healthy request's ({healthy!r}):\n" + "\n".join(said)) from None
+        if int(m.group(1)) < FAKE_PREFILL_MS:
+            raise StepFailed(f"the upstream's own wait is shorter than the fake's prefill: {m.group(0)}")
 
     def other_listeners(self) -> None:
         body = post_stream("http://127.0.0.1:8002/v1/messages", MESSAGES,

@@ -123,8 +123,15 @@ def test_long_errors_are_cut():
 def test_summary_line_and_comment():
     rec = make()
     line = record.summary_line(rec)
-    assert "ttft 460 ms" in line and "upstream_wait 247" in line
-    assert line.endswith("→ upstream TLS: 200 ms, 43% of the 460 ms to the first token")
+    # The verdict and its number first, then the first token and its phases; the upstream last.
+    assert line == ("upstream TLS 200 ms · ttft 460 ms [upstream_wait 247, upstream_tls 200] · gpt-x 200 → "
+                    "api.example.com")
+    trimmed = {**rec, "trim": {"trimmed": True, "tokens_before": 79440, "tokens_after": 39912, "budget": 40000},
+               "model": "claude-sonnet-4-5", "phases": {**rec["phases"], "client_upload": 5.0}}
+    # Within a terminal's width: the smallest phases give way (every phase is in the record and mitmweb).
+    assert record.summary_line(trimmed) == ("upstream TLS 200 ms · ttft 460 ms [upstream_wait 247] · "
+                                            "claude-sonnet-4-5 200 → api.example.com · trimmed 79440→39912")
+    assert len(record.summary_line(trimmed)) <= record.CONSOLE_WIDTH
     text = record.comment(rec)
     # mitmweb's Comment column shows the start: the verdict and its numbers first.
     assert text.splitlines()[0] == "upstream TLS: 200 ms, 43% of the 460 ms to the first token."
@@ -137,6 +144,10 @@ def test_summary_line_and_comment():
     record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),
                  expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
                                                 uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
+    assert record.summary_line(judged_rec.as_dict()).startswith("upstream queueing 4.6× predicted · ttft 2310 ms [")
+    assert record.headline({"verdict": "context length", "verdict_detail": "first token 1.0 s: 9.2k prompt tokens "
+                            "(0 cached) at 100 ms per 1k explain 924 ms of it"}) == "context length 9.2k tokens"
+    assert record.headline({"verdict": "ok", "verdict_detail": "first token 310 ms, nothing out of line"}) == "ok"
     text = record.comment(judged_rec.as_dict())
     assert text.startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
     assert text.splitlines()[1] == "ttft 2310 ms, expected 504 ms."
