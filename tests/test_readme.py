@@ -72,6 +72,15 @@ def test_the_chinese_quick_start_shows_only_the_english_readmes_commands():
         assert setting in text
 
 
+def test_run_help_opens_with_the_options_the_readme_says_to_change_first():
+    from ttft_relay import cli
+
+    text = (REPO / "README.md").read_text(encoding="utf8")
+    table = text.split("The ones people change first:", 1)[1].lstrip().split("\n\n", 1)[0]
+    named = [name for row in re.findall(r"^\| (`.*?) \|", table, re.M) for name in re.findall(r"`([a-z_]+)`", row)]
+    assert named == list(cli.FIRST_OPTIONS)
+
+
 @cache
 def known_options() -> set[str]:
     from ttft_relay import cli, config
