@@ -435,6 +435,8 @@ class QuickStart:
         wait_ports_free(RUN, (*RELAY_PORTS, WEB_PORT))
         self.relay = self.procs.start(name, RUN, self.clone, self.env)
         wait_for_ports(self.relay, RELAY_PORTS, timeout)
+        # A user waits for the relay to say it listens (the sockets accept a moment before it serves).
+        wait_for_line(self.relay.log_path, r"listening at 127\.0\.0\.1:8002$", self.relay, timeout)  # type: ignore[attr-defined]
 
     def first_run(self) -> None:
         self.start_relay("relay", FIRST_RUN_TIMEOUT)
