@@ -115,10 +115,10 @@ class StepFailed(Exception):
 
 
 def shell_lines(markdown: str) -> list[str]:
-    """The command lines of the fenced sh blocks, continuation lines joined and trailing
-    comments (` # ...` outside quotes) removed."""
+    """The command lines of the fenced sh blocks (a list item's indented ones too), continuation
+    lines joined and trailing comments (` # ...` outside quotes) removed."""
     lines: list[str] = []
-    for block in re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", markdown, re.S | re.M):
+    for block in re.findall(r"^ *```(?:sh|bash|shell)\n(.*?)^ *```", markdown, re.S | re.M):
         pending = ""
         for raw in block.splitlines():
             line = pending + raw.strip()
