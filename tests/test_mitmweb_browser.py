@@ -53,12 +53,15 @@ def test_mitmweb_lists_timing_marks_slow_flows_and_times_events(fake, confdir, t
         headers = page.evaluate("[...document.querySelectorAll('.flow-table thead th')].map((th) => th.textContent.trim())")
         assert "Comment" in headers
         slow, fast = rows(page)
-        # The verdict first, then its numbers: "upstream wait (prefill/queue): the upstream's own wait 1203 ms, ..."
-        assert slow["comment"].startswith(f"{phases.UPSTREAM_WAIT}: the upstream's own wait "), slow
+        # The verdict and its number first, as on the console: "upstream wait (prefill/queue) 1.2 s · SLOW: ttft ...",
+        # then the verdict's sentence.
+        assert slow["comment"].startswith(f"{phases.UPSTREAM_WAIT} "), slow
+        assert f"{phases.UPSTREAM_WAIT}: the upstream's own wait " in slow["comment"], slow
         assert f"{record.SLOW_WORD}: ttft " in slow["comment"] and f"{record.SLOW_WORD}:" not in fast["comment"]
         assert float(re.search(r"own wait ([\d.]+) s", slow["comment"]).group(1)) * 1000 >= SLOW_MS
         assert slow["marker"] == "\u26a0"  # ⚠: no emoji font needed (DejaVu Sans has it)
-        assert re.match(r"ok: first token \d+ ms, nothing out of line", fast["comment"]) and fast["marker"] == ""
+        assert re.match(r"ok · ttft \d+ ms\.\s*ok: first token \d+ ms, nothing out of line", fast["comment"]), fast
+        assert fast["marker"] == ""
         browser.ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(browser.ARTIFACTS / "mitmweb-list.png", full_page=False)
         # Readable where mitmweb cuts the 150 px column: the verdict's words end inside the cell (it was

@@ -133,12 +133,12 @@ def test_summary_line_and_comment():
                                             "claude-sonnet-4-5 200 → api.example.com · trimmed 79440→39912")
     assert len(record.summary_line(trimmed)) <= record.CONSOLE_WIDTH
     text = record.comment(rec)
-    # mitmweb's Comment column shows the start: the verdict and its numbers first.
-    assert text.splitlines()[0] == "upstream TLS: 200 ms, 43% of the 460 ms to the first token."
+    # mitmweb's Comment column shows the start: the verdict and its number first, as on the console.
+    assert text.splitlines()[:2] == ["upstream TLS 200 ms · ttft 460 ms.",
+                                     "upstream TLS: 200 ms, 43% of the 460 ms to the first token."]
     assert "upstream_wait 247" in text.splitlines()[2]
     assert "Connection new, rtt 200 ms; 120 chunks" in text
-    assert record.comment(rec, slow=True).splitlines()[:2] == [
-        "upstream TLS: 200 ms, 43% of the 460 ms to the first token.", "SLOW: ttft 460 ms."]
+    assert record.comment(rec, slow=True).splitlines()[0] == "upstream TLS 200 ms · SLOW: ttft 460 ms."
     judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
                          "last_token": 3000.0, "end": 3001.0})
     record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),
@@ -149,8 +149,8 @@ def test_summary_line_and_comment():
                             "(0 cached) at 100 ms per 1k explain 924 ms of it"}) == "context length 9.2k tokens"
     assert record.headline({"verdict": "ok", "verdict_detail": "first token 310 ms, nothing out of line"}) == "ok"
     text = record.comment(judged_rec.as_dict())
-    assert text.startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
-    assert text.splitlines()[1] == "ttft 2310 ms, expected 504 ms."
+    assert text.splitlines()[0] == "upstream queueing 4.6× predicted · ttft 2310 ms, expected 504 ms."
+    assert text.splitlines()[1].startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
     assert record.turn_line(judged_rec.as_dict() | {"turn": 3}, slow=True).startswith(
         "upstream queueing (turn 3, SLOW): first token 2.3 s, 4.6× ")
 

@@ -376,22 +376,23 @@ def summary_line(rec: Mapping[str, Any]) -> str:
 
 
 SLOW_WORD = "SLOW"
-"""Marks a slow flow's comment, after its verdict (mitmweb's Comment column is 150 px wide:
-it shows the verdict's first words and little more): plain letters any font draws."""
+"""Marks a slow flow's comment, after its verdict and number (mitmweb's Comment column is 150 px
+wide until the user widens it: it shows the verdict's first words): plain letters any font draws."""
 
 
 def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
     """The breakdown shown as the flow's comment in mitmweb (and in its flow list's
-    Comment column, which shows the start of it: the verdict comes first).
+    Comment column, which shows the start of it: the verdict and its number, as the
+    console line leads, then the first token; the verdict's sentence follows).
 
     One short sentence per line: mitmweb collapses line breaks and runs of
     spaces, so the text must read as well run together as on separate lines.
     """
     detail = rec.get("verdict_detail")
-    lines = [printable(f"{rec.get('verdict')}: {detail}." if detail else f"{rec.get('verdict')}.")]
     expected = rec.get("expected_ttft_ms")
-    lines.append(f"{SLOW_WORD + ': ' if slow else ''}ttft {_ms(rec.get('ttft_ms'))}"
-                 + (f", expected {_ms(expected)}." if expected is not None else "."))
+    lines = [printable(f"{headline(rec)} · {SLOW_WORD + ': ' if slow else ''}ttft {_ms(rec.get('ttft_ms'))}"
+                       + (f", expected {_ms(expected)}." if expected is not None else "."))]
+    lines.append(printable(f"{rec.get('verdict')}: {detail}." if detail else f"{rec.get('verdict')}."))
     phase_list = " · ".join(f"{name} {ms:.1f}" for name, ms in (rec.get("phases") or {}).items())
     if phase_list:
         lines.append(f"Phases (ms): {phase_list}.")
