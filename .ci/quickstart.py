@@ -2,16 +2,18 @@
 
 The suite builds its own environment and starts the relay its own way, which hides what a
 user meets first: a `.venv` built by the first `scripts/relay`, the log path the README names,
-the URL mitmweb prints, the listeners an installed package opens. This check copies the
-checkout (tracked and new files, no `.venv`, no `logs/`) to a scratch directory and walks the
-README there, on the README's own ports (8080, 8001, 8002, 8081), under
-`flock /tmp/ttft-ports.lock`:
+the URL mitmweb prints, the listeners an installed package opens. This check `git clone`s the
+checkout (its committed tree, as a user gets it) into a scratch directory and walks the README
+there, on the README's own ports (8080, 8001, 8002, 8081), under `flock /tmp/ttft-ports.lock`
+(the metrics port 9464 is not waited for: the relay starts with it taken):
 
   1. mitm.conf's two reverse listeners pointed at a fake upstream, as a user edits them for
-     another upstream (README "Other upstreams"); then `scripts/relay`, its first run
-     (no .venv), with the default workers;
-  2. the README's curl through 8001 streams; the Anthropic (8002) and proxy (8080) listeners
-     of the client settings table answer;
+     another upstream (README "Other upstreams"), and the HTTPS fake's CA trusted upstream;
+     then `scripts/relay`, its first run (no .venv), with the default workers;
+  2. the README's curl through 8001 streams, and its console line reads as a healthy
+     request's (the upstream's own wait, the fake's prefill, leads); the Anthropic (8002)
+     listener answers, and the proxy (8080) as HTTPS_PROXY: CONNECT, then TLS to an https
+     upstream with the relay's certificate, trusted through ~/.mitmproxy/mitmproxy-ca-cert.pem;
   3. `scripts/report logs/timing.jsonl`;
   4. `scripts/diagnose --relay http://127.0.0.1:8001 --relay-log logs/timing.jsonl`, with
      `--upstream <the fake>` added (its direct probes would go to api.openai.com), and
@@ -21,8 +23,9 @@ README there, on the README's own ports (8080, 8001, 8002, 8081), under
      relay's log), and the headline is what a healthy relay beside its client must read,
      `nothing stands out`, the long probe's rate said as a finding (issue 34: the headline
      followed the long probe's size; only `--long-tokens 2000` was ever run here);
-  5. a stop (SIGTERM, as systemd and Docker stop it) while a client holds a keep-alive
-     connection, and at once `scripts/relay` again: it starts, streams, and stops;
+  5. a stop (SIGTERM, as systemd and Docker stop it) while a 3 s stream runs over TLS through
+     8080: the stream ends whole and is recorded; then `scripts/relay` again at once: it
+     starts and streams (a reload with a stream in flight goes after this), and stops;
   6. `.venv/bin/python -m ttft_relay web` (with `--set web_open_browser=false`: a headless
      machine): the URL it prints opens the UI (a real HTTP request with its token);
   7. `.venv/bin/mitmdump -s addons/relay.py --listen-host 127.0.0.1`: streams through its
@@ -33,8 +36,10 @@ README there, on the README's own ports (8080, 8001, 8002, 8081), under
      logs/timing.jsonl`, and `mitmdump -s "$(ttft-relay addon-path)" --listen-host 127.0.0.1`;
   9. the container (no Docker daemon here): the Dockerfile's COPY steps done by hand in a
      scratch WORKDIR, its `RUN ... ensure_venv requirements.txt` run as written (a real pip
-     install), then its ENTRYPOINT with `--version`: the image's .venv serves it as built.
-     Its apt-get and useradd steps are not run.
+     install), then its ENTRYPOINT with `--version` in the image's environment, its config
+     not mounted: the image's .venv serves it as built. Its apt-get and useradd steps are
+     not run. Then deploy/compose.yaml: the relay reads the relay.conf the README's step 5
+     has the user copy and edit.
 
 Every command above that the README shows is looked up in README.md first (`README_COMMANDS`):
 a command the README no longer shows fails the check, and tests/test_readme.py checks the
@@ -56,9 +61,11 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.error
@@ -69,16 +76,21 @@ REPO = Path(__file__).resolve().parent.parent
 PORTS_LOCK = "/tmp/ttft-ports.lock"
 RELAY_PORTS = (8080, 8001, 8002)
 WEB_PORT = 8081
-METRICS_PORT = 9464
 PORTS_FREE_TIMEOUT = 120
-"""A port of the README's taken before a start is waited for this long (on a shared machine a
-test of someone else's may hold the metrics port a moment), then the step fails. The metrics
-port is waited for only where its being taken stops the start (the workers' supervisor; one
-relay process warns and goes on)."""
+"""A listener port of the README's taken before a start is waited for this long, then the step
+fails. The metrics port (9464) is not waited for: a user's machine may have it taken (another
+relay, an OpenTelemetry exporter), and the relay must start anyway."""
 FIRST_RUN_TIMEOUT = 900  # the first scripts/relay installs mitmproxy and the rest into .venv
 START_TIMEOUT = 90
 STOP_TIMEOUT = 40
 FAKE_KEY = "sk-quickstart-not-a-real-key"
+FAKE_PREFILL_MS = 150
+IN_FLIGHT = {"x-fake-chunks": "30", "x-fake-gap-ms": "100"}
+"""The stream a stop meets: 30 chunks 100 ms apart (3 s), the stop sent after its first one."""
+HEALTHY_VERDICT = "upstream wait (prefill/queue)"
+"""What a healthy request's console line leads with while the relay learns an upstream · model
+(ttft_relay/timing/phases.py UPSTREAM_WAIT): the fake's prefill, its own wait, is the wait;
+`ok` once it has learned."""
 
 # The README's own lines this check runs, verbatim (a trailing comment aside).
 RUN = "scripts/relay"
@@ -108,10 +120,10 @@ class StepFailed(Exception):
 
 
 def shell_lines(markdown: str) -> list[str]:
-    """The command lines of the fenced sh blocks, continuation lines joined and trailing
-    comments (` # ...` outside quotes) removed."""
+    """The command lines of the fenced sh blocks (a list item's indented ones too), continuation
+    lines joined and trailing comments (` # ...` outside quotes) removed."""
     lines: list[str] = []
-    for block in re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", markdown, re.S | re.M):
+    for block in re.findall(r"^ *```(?:sh|bash|shell)\n(.*?)^ *```", markdown, re.S | re.M):
         pending = ""
         for raw in block.splitlines():
             line = pending + raw.strip()
@@ -285,13 +297,24 @@ def records(log: Path) -> list[dict]:
 # --- HTTP -------------------------------------------------------------------------------
 
 
-def post_stream(url: str, body: dict, headers: dict[str, str], proxy: str | None = None) -> bytes:
-    handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+def post_stream(url: str, body: dict, headers: dict[str, str], proxy: str | None = None, ca: Path | None = None,
+                on_first_bytes=None) -> bytes:
+    """POSTs `body`, returns the whole answer. An https `url` through `proxy` goes over CONNECT and
+    TLS with the relay's certificate, trusted through `ca` (the client settings' HTTPS_PROXY row).
+    `on_first_bytes()` runs once the first bytes of the answer are in (to stop the relay mid-stream)."""
+    scheme = url.split(":", 1)[0]
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({scheme: proxy} if proxy else {})]
+    if ca is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=str(ca))))
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"content-type": "application/json", **headers})
     try:
         with urllib.request.build_opener(*handlers).open(request, timeout=60) as resp:
-            return resp.read()
+            if on_first_bytes is None:
+                return resp.read()
+            first = resp.read1()
+            on_first_bytes()
+            return first + resp.read()
     except urllib.error.HTTPError as e:
         raise StepFailed(f"{url}: {e.code} {e.read()[:500]!r}") from None
     except OSError as e:
@@ -314,6 +337,8 @@ def assert_openai_stream(body: bytes, what: str) -> None:
 class QuickStart:
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
+        self.fake_certs = scratch / "fake-certs"
+        self.fake_https = ""
         self.clone = scratch / "ttft-relay"
         self.logs = scratch / "output"
         self.logs.mkdir(parents=True)
@@ -324,6 +349,7 @@ class QuickStart:
             self.env.pop(name, None)
         self.fake_port = free_port()
         self.fake_url = f"http://127.0.0.1:{self.fake_port}"
+        self.relay_ca = Path(self.env.get("HOME", "~")).expanduser() / ".mitmproxy" / "mitmproxy-ca-cert.pem"
         self.results: list[tuple[str, str, float]] = []
         self.relay: subprocess.Popen | None = None
         self.fake: subprocess.Popen | None = None
@@ -356,19 +382,25 @@ class QuickStart:
     def walk(self) -> bool:
         steps = [
             ("README.md shows the commands this check runs", self.readme_lists_them, True),
-            ("a copy of the checkout, mitm.conf's reverse listeners pointed at a fake upstream",
-             self.copy_checkout, True),
+            ("a git clone of the checkout, mitm.conf's reverse listeners pointed at a fake upstream",
+             self.clone_checkout, True),
             (f"{RUN}: its first run (no .venv) starts with the default workers", self.first_run, True),
-            ("the fake upstream (python -m ttft_relay.testing.fakes.upstream)", self.start_fake, True),
+            ("the fake upstreams, HTTP and HTTPS (python -m ttft_relay.testing.fakes.upstream)", self.start_fake, True),
             ("the README's curl streams through 8001", self.readme_curl, False),
-            ("the client settings' Anthropic (8002) and proxy (8080) listeners answer", self.other_listeners, False),
+            ("the client settings' Anthropic (8002) and HTTPS proxy (8080, TLS through the CA) listeners answer",
+             self.other_listeners, False),
             (REPORT, self.report, False),
             (DIAGNOSE, self.diagnose, False),
-            (f"a stop (SIGTERM) with a keep-alive client, then {RUN} again at once", self.restart, False),
+            ("a stop (SIGTERM) with a stream in flight over TLS through 8080: it ends whole and is recorded",
+             self.stop_in_flight, False),
+            (f"{RUN} again at once: it starts and streams", self.restart, False),
+            # the reload check (a stream in flight over TLS, systemctl reload) goes here
+            ("and stops", self.stop_again, False),
             (f"{WEB}: the printed URL opens the UI", self.web, False),
             (f"{ADDONS}: streams and records", self.addons_entry, False),
             (f"{PIP_INSTALL} into a fresh venv, then the installed commands", self.installed, False),
             ("the Dockerfile's steps, without Docker", self.dockerfile, False),
+            ("deploy/compose.yaml mounts the relay.conf the README has the user edit", self.compose, False),
         ]
         try:
             for title, fn, needed in steps:
@@ -390,32 +422,26 @@ class QuickStart:
         if missing := missing_from_readme():
             raise StepFailed("README.md no longer shows " + "; ".join(missing) + " (update .ci/quickstart.py with it)")
 
-    def copy_checkout(self) -> None:
-        try:
-            listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                                    capture_output=True, check=True).stdout.decode().split("\0")
-        except (OSError, subprocess.CalledProcessError):
-            listed = [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()
-                      and not {".git", ".venv", "logs", "__pycache__"} & set(p.relative_to(REPO).parts)]
-        for name in filter(None, listed):
-            source = REPO / name
-            if source.is_file():
-                (self.clone / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, self.clone / name)
+    def clone_checkout(self) -> None:
+        # What a user has: the committed tree, cloned (not this working tree's files).
+        run(f"git clone -q {REPO} {self.clone}", self.scratch, self.env, timeout=300)
         conf = self.clone / "mitm.conf"
         text = conf.read_text()
         for listener in MITM_CONF_LISTENERS:
             if listener not in text:
                 raise StepFailed(f"mitm.conf has no {listener}: the README's listeners changed")
             text = text.replace(listener, re.sub(r"https://[^@]+", self.fake_url, listener))
-        conf.write_text(text)
+        # The HTTPS fake's certificate is its own CA's: the relay trusts it as it trusts a public API's.
+        conf.write_text(text + f"\nssl_verify_upstream_trusted_ca: {self.fake_certs / 'ca.pem'}\n")
         if (self.clone / ".venv").exists():
-            raise StepFailed("the copy has a .venv")
+            raise StepFailed("the clone has a .venv")
 
     def start_relay(self, name: str, timeout: float) -> None:
-        wait_ports_free(RUN, (*RELAY_PORTS, WEB_PORT, METRICS_PORT))
+        wait_ports_free(RUN, (*RELAY_PORTS, WEB_PORT))
         self.relay = self.procs.start(name, RUN, self.clone, self.env)
         wait_for_ports(self.relay, RELAY_PORTS, timeout)
+        # A user waits for the relay to say it listens (the sockets accept a moment before it serves).
+        wait_for_line(self.relay.log_path, r"listening at 127\.0\.0\.1:8002$", self.relay, timeout)  # type: ignore[attr-defined]
 
     def first_run(self) -> None:
         self.start_relay("relay", FIRST_RUN_TIMEOUT)
@@ -424,28 +450,41 @@ class QuickStart:
 
     def start_fake(self) -> None:
         self.fake = self.procs.start(
-            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream --port {self.fake_port} --prefill-ms 150 "
+            "fake-upstream", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream --port {self.fake_port} --prefill-ms {FAKE_PREFILL_MS} "
             "--prefill-ms-per-1k-tokens 20 --gap-ms 10", self.clone, self.env)
         wait_for_line(self.fake.log_path, r"^listening ", self.fake, START_TIMEOUT)  # type: ignore[attr-defined]
+        tls = self.procs.start(
+            "fake-upstream-https", f".venv/bin/python -W ignore::RuntimeWarning -m ttft_relay.testing.fakes.upstream "
+            f"--port 0 --tls --certs-dir {self.fake_certs} --gap-ms 10", self.clone, self.env)
+        self.fake_https = wait_for_line(tls.log_path, r"^listening (\S+)", tls, START_TIMEOUT).group(1)  # type: ignore[attr-defined]
 
     def readme_curl(self) -> None:
         done = run(CURL, self.clone, self.env, timeout=60)
         assert_openai_stream(done.stdout.encode(), "curl")
-        # The console line the README shows: the first token, the phases, a verdict in words.
+        # The console line the README shows, as a healthy request reads it: the fake upstream's
+        # prefill is its own wait (while the relay learns an upstream · model), or `ok` (once it
+        # knows what this prompt takes there); no hop out of line.
         assert self.relay is not None
-        line = wait_for_line(self.relay.log_path, r"openai\.chat gpt-4o-mini 200 ttft \d+ ms \[.*\] → .*",  # type: ignore[attr-defined]
-                             self.relay, 30).group(0)
-        if "REDACTED" in line:
-            raise StepFailed(f"the console line hides its own words: {line}")
+        healthy = (rf"(?:ok|{re.escape(HEALTHY_VERDICT)} (\d+) ms) · ttft (\d+) ms \[[a-z_]+ \d+.*\] · "
+                   rf"gpt-4o-mini 200 → 127\.0\.0\.1:{self.fake_port}$")
+        try:
+            m = wait_for_line(self.relay.log_path, healthy, self.relay, 30)  # type: ignore[attr-defined]
+        except StepFailed:
+            said = self.relay.log_path.read_text(errors="replace").splitlines()[-3:]  # type: ignore[attr-defined]
+            raise StepFailed(f"no console line reads as a healthy request's ({healthy!r}):\n" + "\n".join(said)) from None
+        if m.group(1) and int(m.group(1)) < FAKE_PREFILL_MS:
+            raise StepFailed(f"the upstream's own wait is shorter than the fake's prefill: {m.group(0)}")
 
     def other_listeners(self) -> None:
         body = post_stream("http://127.0.0.1:8002/v1/messages", MESSAGES,
                            {"x-api-key": FAKE_KEY, "anthropic-version": "2023-06-01"})
         if b"event: message_stop" not in body:
             raise StepFailed(f"8002: not an Anthropic event stream: {body[:300]!r}")
-        body = post_stream(f"{self.fake_url}/v1/chat/completions", CHAT, {"authorization": f"Bearer {FAKE_KEY}"},
-                           proxy="http://127.0.0.1:8080")
-        assert_openai_stream(body, "through the proxy listener 8080")
+        # HTTPS_PROXY=http://127.0.0.1:8080, trusting ~/.mitmproxy/mitmproxy-ca-cert.pem: CONNECT, then TLS
+        # with the certificate the relay makes for the API's name.
+        body = post_stream(f"{self.fake_https}/v1/chat/completions", CHAT, {"authorization": f"Bearer {FAKE_KEY}"},
+                           proxy="http://127.0.0.1:8080", ca=self.relay_ca)
+        assert_openai_stream(body, "over TLS through the proxy listener 8080")
 
     def report(self) -> None:
         done = run(REPORT, self.clone, self.env, timeout=120)
@@ -463,17 +502,42 @@ class QuickStart:
             raise StepFailed(f"the context is not weighed at the requests in the relay's log:\n{tail(done.stdout, 20)}")
         print(tail(done.stdout, 12), flush=True)
 
-    def restart(self) -> None:
+    def stop_in_flight(self) -> None:
+        """systemctl stop (SIGTERM to the main process) while a stream runs over TLS through the proxy
+        listener: the stream ends whole, the relay records it and exits."""
         assert self.relay is not None
-        with socket.create_connection(("127.0.0.1", 8001), timeout=30) as held:  # keep-alive, as SDKs do
-            held.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:8001\r\nAuthorization: Bearer x\r\n\r\n")
-            if not held.recv(65536).startswith(b"HTTP/1.1 "):
-                raise StepFailed("no answer on the keep-alive connection")
-            status = self.procs.stop(self.relay)
-        if status not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
-            raise StepFailed(f"the stop exited {status}")
+        log = self.clone / "logs" / "timing.jsonl"
+        before = len(records(log))
+        relay = self.relay
+        stopped: list[int] = []
+
+        def stop() -> None:
+            stopper = threading.Thread(target=lambda: stopped.append(self.procs.stop(relay)), daemon=True)
+            stopper.start()
+
+        body = post_stream(f"{self.fake_https}/v1/chat/completions", CHAT,
+                           {"authorization": f"Bearer {FAKE_KEY}", **IN_FLIGHT}, proxy="http://127.0.0.1:8080",
+                           ca=self.relay_ca, on_first_bytes=stop)
+        if b"[DONE]" not in body or b"shutting down" in body:
+            raise StepFailed(f"the stop cut the stream in flight: ...{body[-300:]!r}")
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not stopped or stopped[0] not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+            raise StepFailed(f"the stop exited {stopped[0] if stopped else 'not at all'}")
+        finished = records(log)[before:]
+        if not any(r.get("status") == 200 and not r.get("error") and r.get("chunks", 0) >= 30 for r in finished):
+            raise StepFailed(f"no whole record of the stream in flight: {[r.get('error') for r in finished]}")
+
+    def restart(self) -> None:
         self.start_relay("relay-restarted", START_TIMEOUT)
         self.readme_curl()
+
+    # A reload with a stream in flight (systemctl reload: new workers on the same sockets) goes
+    # here, between the restart and the stop below, when the supervisor's reload lands.
+
+    def stop_again(self) -> None:
+        assert self.relay is not None
         self.procs.stop(self.relay)
 
     def web(self) -> None:
@@ -559,11 +623,35 @@ class QuickStart:
         venv_step, entrypoint = docker_build_by_hand(self.clone / "deploy" / "Dockerfile", self.clone, image)
         run(venv_step, image, self.env, timeout=900)
         command = [entrypoint[0].replace("/opt/ttft-relay", str(image)), *entrypoint[1:], "--version"]
-        done = subprocess.run(command, cwd=image, env={**self.env, "TTFT_RELAY_CONF": ""}, capture_output=True,
+        # The image's own environment, its config not mounted (`docker run ttft-relay:local --version`).
+        env = {**self.env, **dockerfile_env(self.clone / "deploy" / "Dockerfile")}
+        if Path(env["TTFT_RELAY_CONF"]).exists():
+            raise StepFailed(f"{env['TTFT_RELAY_CONF']} exists on this machine: the check needs it absent")
+        done = subprocess.run(command, cwd=image, env={**env, "HOME": str(image)}, capture_output=True,
                               text=True, timeout=120, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or "installing" in done.stderr:
             raise StepFailed(f"the image's entry point (exit {done.returncode}) did not run on the .venv its build "
                              f"made:\n{tail(done.stdout + done.stderr)}")
+        if not done.stdout.startswith("ttft-relay "):
+            raise StepFailed(f"the image's --version says no ttft-relay version:\n{tail(done.stdout + done.stderr)}")
+
+    def compose(self) -> None:
+        """README "In a container": steps 1-5 (relay.conf copied to /etc/ttft-relay/ and edited for the
+        user's name), then compose: the relay must read that file, not the repository's copy."""
+        compose = json.loads(run(".venv/bin/python -c 'import json, sys; from ruamel.yaml import YAML; "
+                                 "print(json.dumps(YAML(typ=\"safe\").load(open(sys.argv[1]))))' deploy/compose.yaml",
+                                 self.clone, self.env).stdout)
+        readme = (self.clone / "README.md").read_text(encoding="utf8")
+        copied = re.search(r"sudo cp /opt/ttft-relay/deploy/relay\.conf ([^\s`]+)", readme)
+        if not copied:
+            raise StepFailed("README.md no longer says where relay.conf is copied (step 5)")
+        edited = copied.group(1).rstrip("/") + "/relay.conf"
+        conf = dockerfile_env(self.clone / "deploy" / "Dockerfile")["TTFT_RELAY_CONF"]
+        mounted = {target: source for source, target in
+                   (volume.split(":")[:2] for volume in compose["services"]["relay"]["volumes"])}
+        if mounted.get(conf) != edited:
+            raise StepFailed(f"the container reads {conf} from {mounted.get(conf)}, not {edited} (the file the "
+                             "README has the user edit)")
 
 
 def docker_build_by_hand(dockerfile: Path, context: Path, image: Path) -> tuple[str, list[str]]:
@@ -591,6 +679,15 @@ def docker_build_by_hand(dockerfile: Path, context: Path, image: Path) -> tuple[
     if not venv_step or not entrypoint:
         raise StepFailed(f"{dockerfile} has no RUN step building .venv (ensure_venv) or no ENTRYPOINT")
     return venv_step, entrypoint
+
+
+def dockerfile_env(dockerfile: Path) -> dict[str, str]:
+    """The image's ENV (one `ENV A=1 B=2` line)."""
+    env: dict[str, str] = {}
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("ENV "):
+            env.update(word.split("=", 1) for word in line.split()[1:])
+    return env
 
 
 def local_addresses() -> list[str]:

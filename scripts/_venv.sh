@@ -42,6 +42,18 @@ ensure_venv() {
     if [ -x "$VENV_PY" ] && _py_ok "$VENV_PY" && grep -qxF "$want" "$stamp" 2>/dev/null; then
         return 0
     fi
+    # The systemd unit runs as its own user over a read-only checkout (ProtectSystem=strict): a
+    # .venv a `git pull` left behind is rebuilt by the checkout's owner, not by a start. 78: the
+    # unit fails with this message instead of restarting into the same wall.
+    if ! [ -w "$REPO" ] || { [ -e "$VENV" ] && ! [ -w "$VENV" ]; }; then
+        cat >&2 <<MSG
+[ttft-relay] $VENV is not up to date with $reqs (a git pull changed the requirements?)
+and $(id -un) cannot rebuild it here (the checkout is read-only to it). As the checkout's
+owner, rebuild it and start again:
+  sudo $REPO/scripts/relay --version
+MSG
+        exit 78
+    fi
     if ! [ -x "$VENV_PY" ] || ! _py_ok "$VENV_PY"; then
         local py; py="$(find_python)" || exit 1
         echo "[ttft-relay] creating .venv with $("$py" --version 2>&1) ($py)" >&2

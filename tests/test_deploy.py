@@ -6,9 +6,12 @@ parse and every path it and the Dockerfile name must exist).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from ruamel.yaml import YAML
@@ -143,3 +146,38 @@ def test_prometheus_scrapes_the_relays_metrics_and_grafana_finds_the_dashboard()
     assert (DEPLOY / dashboards / "ttft-relay.json").is_file()
     datasource = YAML(typ="safe").load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert datasource["datasources"][0]["uid"] == dashboard.DATASOURCE["uid"]
+
+
+def _dockerfile_env() -> dict[str, str]:
+    (line,) = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENV ")]
+    return dict(word.split("=", 1) for word in line.split()[1:])
+
+
+def test_the_container_reads_the_files_the_readmes_vps_steps_make():
+    """README "In a container": steps 1-5, then compose. The relay.conf the user edited in step 5 (their
+    domain: the certificate served for it) is the one the container reads, and so is every other file
+    of /etc/ttft-relay the compose file names: the README's steps make each one."""
+    readme = (REPO / "README.md").read_text(encoding="utf8")
+    (copied_to,) = re.findall(rf"sudo cp {INSTALL_DIR}/deploy/relay\.conf ([^\s`]+)", readme)
+    edited = copied_to.rstrip("/") + "/relay.conf"
+    relay = _compose()["services"]["relay"]
+    mounts = dict(volume.split(":")[:2] for volume in relay["volumes"])
+    conf_in_image = _dockerfile_env()["TTFT_RELAY_CONF"]
+    assert {target: source for source, target in mounts.items()}[conf_in_image] == edited
+    host_files = [source for source in mounts if source.startswith("/")] + [relay["env_file"]]
+    host_files += [secret["file"] for secret in _compose()["secrets"].values()]
+    assert [path for path in host_files if path not in readme] == []
+    # What the config names (certificate, relay keys) is mounted where it looks.
+    conf = (DEPLOY / "relay.conf").read_text()
+    named = re.findall(r"=(/etc/ttft-relay/\S+)", conf) + re.findall(r"file:(/etc/ttft-relay/\S+)", conf)
+    assert named and [path for path in named if not any(path.startswith(target) for target in mounts.values())] == []
+
+
+def test_the_images_entry_point_answers_version_without_a_config(tmp_path):
+    entrypoint = json.loads(next(line.split(None, 1)[1] for line in (DEPLOY / "Dockerfile").read_text()
+                                 .replace("\\\n", " ").splitlines() if line.startswith("ENTRYPOINT")))
+    assert entrypoint[0] == f"{INSTALL_DIR}/scripts/relay"  # = ttft-relay run --workers auto
+    env = {**os.environ, "TTFT_RELAY_CONF": str(tmp_path / "not-mounted" / "relay.conf")}
+    done = subprocess.run([sys.executable, "-m", "ttft_relay", "run", "--workers", "auto", *entrypoint[1:], "--version"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("ttft-relay "), done.stdout + done.stderr

@@ -53,14 +53,16 @@ def test_mitmweb_lists_timing_marks_slow_flows_and_times_events(fake, confdir, t
         headers = page.evaluate("[...document.querySelectorAll('.flow-table thead th')].map((th) => th.textContent.trim())")
         assert "Comment" in headers
         slow, fast = rows(page)
-        # The verdict first, then its numbers; a new relay blames nobody while it learns the model:
+        # The verdict and its number first, as on the console: "ok · SLOW: ttft 1.2 s", then the
+        # verdict's sentence; a new relay blames nobody while it learns the model:
         # "ok: first token 1.2 s, nothing out of line (learning this upstream · model: 0 of 8 requests)"
-        assert slow["comment"].startswith(f"{phases.OK}: first token "), slow
+        assert slow["comment"].startswith(f"{phases.OK} · "), slow
         assert "(learning this upstream · model: 0 of 8 requests)" in slow["comment"], slow
         assert f"{record.SLOW_WORD}: ttft " in slow["comment"] and f"{record.SLOW_WORD}:" not in fast["comment"]
         assert float(re.search(r"first token ([\d.]+) s", slow["comment"]).group(1)) * 1000 >= SLOW_MS
         assert slow["marker"] == "\u26a0"  # ⚠: no emoji font needed (DejaVu Sans has it)
-        assert re.match(r"ok: first token \d+ ms, nothing out of line", fast["comment"]) and fast["marker"] == ""
+        assert re.match(r"ok · ttft \d+ ms\.\s*ok: first token \d+ ms, nothing out of line", fast["comment"]), fast
+        assert fast["marker"] == ""
         browser.ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(browser.ARTIFACTS / "mitmweb-list.png", full_page=False)
         # Readable where mitmweb cuts the 150 px column: the verdict's words end inside the cell (it was

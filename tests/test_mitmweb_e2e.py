@@ -50,7 +50,7 @@ def test_mitmweb_shows_a_relayed_stream(plans, fake, confdir, tmp_path):
         (flow,) = flows
         assert flow["request"]["path"] == "/v1/chat/completions"
         assert flow["response"]["status_code"] == 200
-        assert flow["comment"].startswith("ok: first token ")
+        assert flow["comment"].startswith("ok · ttft ")
 
         view = web_get(web_port, f"/flows/{flow['id']}/response/content/event-stream.json")
         assert view["view_name"] == "Event stream"

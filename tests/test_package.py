@@ -47,6 +47,9 @@ def test_help_leads_with_the_relays_own_options(command, tool, capsys):
     assert "listeners:   regular@8080, reverse:https://api.openai.com@8001" in relay_part
     documented = re.findall(r"^# (relay_\w+): ", config.DEFAULT_CONF.read_text(), re.M)
     assert len(documented) > 30 and [n for n in documented if f"\n  {n} = " not in relay_part] == []
+    # The README's "change first" options open it (it was speed patches, backlog and hook plans first).
+    shown = re.findall(r"^  (\w+) = ", relay_part, re.M)
+    assert shown[:len(cli.FIRST_OPTIONS)] == list(cli.FIRST_OPTIONS) and len(shown) == len(set(shown))
 
 
 def test_diagnose_help_says_where_the_key_comes_from():

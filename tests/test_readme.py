@@ -60,16 +60,33 @@ def test_ci_runs_the_quickstart_check_and_then_the_readmes_test_command():
     assert "scripts/test" in (REPO / "README.md").read_text()
 
 
-def test_the_chinese_quick_start_shows_only_the_english_readmes_commands():
+def sudo_spans(path: Path) -> set[str]:
+    """The commands a page gives in running text (the VPS steps): inline code that starts with sudo."""
+    return {code for code in code_texts(path) if code.startswith("sudo ")}
+
+
+def test_the_chinese_readme_shows_the_english_readmes_commands():
     english = set(shell_lines(REPO / "README.md"))
     chinese = shell_lines(REPO / "README.zh-CN.md")
-    assert len(chinese) > 10
-    assert [line for line in chinese if line not in english] == []
+    assert len(chinese) > 30  # the VPS steps' blocks, indented in their list, count too
+    assert "sudo certbot certonly --standalone -d relay.example.com --deploy-hook " \
+           "/opt/ttft-relay/deploy/certbot-deploy-hook" in english
+    assert sorted(set(chinese) ^ english) == []
+    assert sorted(sudo_spans(REPO / "README.zh-CN.md") ^ sudo_spans(REPO / "README.md")) == []
     for command in (quickstart().RUN, quickstart().DIAGNOSE, quickstart().REPORT, quickstart().PIP_INSTALL):
         assert command in chinese
     text = (REPO / "README.zh-CN.md").read_text()
     for setting in ("http://127.0.0.1:8001/v1", "http://127.0.0.1:8002", "HTTPS_PROXY=http://127.0.0.1:8080"):
         assert setting in text
+
+
+def test_run_help_opens_with_the_options_the_readme_says_to_change_first():
+    from ttft_relay import cli
+
+    text = (REPO / "README.md").read_text(encoding="utf8")
+    table = text.split("The ones people change first:", 1)[1].lstrip().split("\n\n", 1)[0]
+    named = [name for row in re.findall(r"^\| (`.*?) \|", table, re.M) for name in re.findall(r"`([a-z_]+)`", row)]
+    assert named == list(cli.FIRST_OPTIONS)
 
 
 @cache

@@ -128,24 +128,34 @@ LINK_COMMENT = ("upstream network (round trip): the link to the upstream 400 ms,
 def test_summary_line_and_comment():
     rec = make()
     line = record.summary_line(rec)
-    assert "ttft 460 ms" in line and "upstream_wait 247" in line
-    assert line.endswith("→ upstream network (round trip): the link to the upstream 400 ms, 87% of the 460 ms to the "
-                         "first token (connect 0 ms, TLS 200 ms, round trips 200 ms)")
+    # The verdict and its number first, then the first token and its phases; the upstream last.
+    assert line == ("upstream network (round trip) 400 ms · ttft 460 ms [upstream_wait 247, upstream_tls 200] · "
+                    "gpt-x 200 → api.example.com")
+    trimmed = {**rec, "trim": {"trimmed": True, "tokens_before": 79440, "tokens_after": 39912, "budget": 40000},
+               "model": "claude-sonnet-4-5", "phases": {**rec["phases"], "client_upload": 5.0}}
+    # Within a terminal's width: the smallest phases give way, all of them if need be (every phase is
+    # in the record and mitmweb).
+    assert record.summary_line(trimmed) == ("upstream network (round trip) 400 ms · ttft 460 ms · "
+                                            "claude-sonnet-4-5 200 → api.example.com · trimmed 79440→39912")
+    assert len(record.summary_line(trimmed)) <= record.CONSOLE_WIDTH
     text = record.comment(rec)
-    # mitmweb's Comment column shows the start: the verdict and its numbers first.
-    assert text.splitlines()[0] == LINK_COMMENT
+    # mitmweb's Comment column shows the start: the verdict and its number first, as on the console.
+    assert text.splitlines()[:2] == ["upstream network (round trip) 400 ms · ttft 460 ms.", LINK_COMMENT]
     assert "upstream_wait 247" in text.splitlines()[2]
     assert "Connection new, rtt 200 ms; 120 chunks" in text
-    assert record.comment(rec, slow=True).splitlines()[:2] == [
-        LINK_COMMENT, "SLOW: ttft 460 ms."]
+    assert record.comment(rec, slow=True).splitlines()[0] == "upstream network (round trip) 400 ms · SLOW: ttft 460 ms."
     judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
                          "last_token": 3000.0, "end": 3001.0})
     record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),
                  expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
                                                 uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
+    assert record.summary_line(judged_rec.as_dict()).startswith("upstream queueing 4.6× predicted · ttft 2310 ms [")
+    assert record.headline({"verdict": "context length", "verdict_detail": "first token 1.0 s: 9.2k prompt tokens "
+                            "(0 cached) at 100 ms per 1k explain 924 ms of it"}) == "context length 9.2k tokens"
+    assert record.headline({"verdict": "ok", "verdict_detail": "first token 310 ms, nothing out of line"}) == "ok"
     text = record.comment(judged_rec.as_dict())
-    assert text.startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
-    assert text.splitlines()[1] == "ttft 2310 ms, expected 504 ms."
+    assert text.splitlines()[0] == "upstream queueing 4.6× predicted · ttft 2310 ms, expected 504 ms."
+    assert text.splitlines()[1].startswith("upstream queueing: first token 2.3 s, 4.6× the 504 ms this prompt predicts")
     assert record.turn_line(judged_rec.as_dict() | {"turn": 3}, slow=True).startswith(
         "upstream queueing (turn 3, SLOW): first token 2.3 s, 4.6× ")
 

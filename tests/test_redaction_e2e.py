@@ -52,7 +52,7 @@ def test_safe_log_text_escapes_controls_and_caps_each_line():
     line = text.safe_log_text("a" * 10_000 + "\nshort")
     first, second = line.split("\n")
     assert len(first) < text.MAX_LOG_LINE + 40 and first.endswith("(8000 more characters)") and second == "short"
-    ordinary = "127.0.0.1:1 openai.chat gpt-4o 200 ttft 310 ms [upstream_wait 3, relay 1] → upstream wait"
+    ordinary = "upstream wait (prefill/queue) 304 ms · ttft 310 ms [upstream_wait 304] · gpt-4o 200 → 127.0.0.1:1"
     assert text.safe_log_text(ordinary) == ordinary
 
 

@@ -202,3 +202,24 @@ def test_a_log_without_records_still_gives_a_page_that_draws(tmp_path, lines):
         page.wait_for("document.body.dataset.rendered", timeout=10)
         assert page.evaluate("document.querySelectorAll('.wf-row').length") == 0
         assert "0 records" in page.evaluate("document.body.innerText")
+
+
+def test_the_page_fits_a_phone_and_colours_verdicts_by_meaning(report_page, tmp_path):
+    page, _ = report_page
+    # The verdicts' legend (first token over time): each verdict and its colour.
+    colours = page.evaluate("""Object.fromEntries([...document.querySelectorAll('.legend span')]
+        .filter((span) => / \\(\\d+\\)$/.test(span.textContent))
+        .map((span) => [span.textContent.replace(/ \\(\\d+\\)$/, ''), span.querySelector('i').style.background]))""")
+    assert colours["ok"] == "rgb(39, 174, 96)"  # green: it was drawn in the palette's orange
+    assert colours["upstream wait (prefill/queue)"] == "rgb(46, 134, 193)"  # the model's own time: blue
+    assert colours["stream stall"] == "rgb(230, 126, 34)"  # a hop out of line: warm
+    assert colours["error in response body"] == "rgb(192, 57, 43)"  # a failure: red
+    out = next(iter(page.evaluate("[location.href]"))).removeprefix("file://")
+    with browser.Browser(tmp_path / "phone", width=390, height=844) as phone:
+        small = phone.open(f"file://{out}")
+        small.wait_for("document.body.dataset.rendered")
+        # The charts were 1180 px wide on the page itself: now each scrolls within its section.
+        width = small.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        assert width[0] <= width[1] == 390, width
+        browser.ARTIFACTS.mkdir(exist_ok=True)
+        small.screenshot(browser.ARTIFACTS / "report-phone.png", full_page=False)

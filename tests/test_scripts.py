@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -90,3 +91,61 @@ def test_the_dockerfiles_venv_step_succeeds(tmp_path):
     assert done.returncode == 0, f"{venv_step}: {done.stdout}{done.stderr}"
     assert (image / ".venv" / ".installed").exists()
     assert entrypoint[0] == "/opt/ttft-relay/scripts/relay"
+
+
+def _readme_upgrade_lines() -> list[str]:
+    spec = importlib.util.spec_from_file_location("quickstart", REPO / ".ci" / "quickstart.py")
+    assert spec and spec.loader
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    readme = (REPO / "README.md").read_text(encoding="utf8")
+    (block,) = [block for block in re.findall(r"^```sh\n.*?^```\n", readme, re.S | re.M) if "git pull" in block]
+    return quickstart.shell_lines(block)
+
+
+def _as_the_unit(checkout: Path, command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`command` with `checkout` read-only, as ProtectSystem=strict leaves /opt/ttft-relay to the service."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    return subprocess.run(["unshare", "-m", "sh", "-c", script, str(checkout), *command], capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
+def _git(*args: str, cwd: Path) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a read-only mount needs root")
+def test_the_readmes_upgrade_rebuilds_the_venv_the_unit_cannot(tmp_path):
+    origin = _repo_copy(tmp_path, [*SCRIPT_FILES, "scripts/relay"])
+    _git("init", "-q", cwd=origin)
+    _git("add", "-A", cwd=origin)
+    _git("commit", "-qm", "v1", cwd=origin)
+    installed = tmp_path / "opt" / "ttft-relay"
+    _git("clone", "-q", str(origin), str(installed), cwd=tmp_path)
+    env = _fake_python(tmp_path)
+    pip_log = installed / ".venv" / "pip.log"
+    # README step 2, as root: .venv built.
+    subprocess.run([str(installed / "scripts" / "relay"), "--version"], env=env, check=True, capture_output=True)
+    unit = dict(line.split("=", 1) for line in (REPO / "deploy" / "ttft-relay.service").read_text().splitlines()
+                if line.startswith("ExecStart="))
+    start = [*unit["ExecStart"].replace("/opt/ttft-relay", str(installed)).split(), "--version"]
+    assert _as_the_unit(installed, start, env).returncode == 0 and len(pip_log.read_text().splitlines()) == 1
+    (origin / "requirements.txt").write_text((origin / "requirements.txt").read_text() + "# a new release\n")
+    _git("commit", "-qam", "v2: requirements changed", cwd=origin)
+
+    pull, rebuild, restart = _readme_upgrade_lines()
+    assert restart == "sudo systemctl restart ttft-relay"
+    here = lambda line: line.replace("/opt/ttft-relay", str(installed))  # noqa: E731
+    subprocess.run(here(pull).replace("sudo ", ""), shell=True, env=env, check=True, capture_output=True, timeout=60)
+    # A restart before the rebuild: the unit cannot install, says what to run, and exits 78 (not retried).
+    refused = _as_the_unit(installed, start, env)
+    assert refused.returncode == 78, refused.stdout + refused.stderr
+    assert here(rebuild) in refused.stderr and "RAN" not in refused.stdout
+    assert len(pip_log.read_text().splitlines()) == 1
+    # The README's rebuild, as root; then the unit starts on the new requirements.
+    subprocess.run(here(rebuild).replace("sudo ", ""), shell=True, env=env, check=True, capture_output=True,
+                   timeout=60)
+    assert len(pip_log.read_text().splitlines()) == 2
+    started = _as_the_unit(installed, start, env)
+    assert started.returncode == 0 and "RAN -m ttft_relay run --workers auto" in started.stdout, started.stderr

@@ -64,8 +64,8 @@ def test_streamed_flow_gets_one_record_everywhere(addon):
     assert rec["rtt_ms"] == pytest.approx(200.0)
     assert rec["marks"]["upstream_tls"] == pytest.approx(213.0)
     assert rec["phases"]["upstream_tls"] == pytest.approx(200.0)
-    assert f.comment.startswith("upstream network (round trip): the link to the upstream 401 ms, ")  # the verdict first
-    assert f.comment.splitlines()[1].startswith("SLOW: ttft ")  # relay_slow_ms=100
+    assert f.comment.startswith("upstream network (round trip) 401 ms · SLOW: ttft ")  # the verdict first; relay_slow_ms=100
+    assert f.comment.splitlines()[1].startswith("upstream network (round trip): the link to the upstream 401 ms, ")
     assert f.marked == timing.SLOW_MARKER
 
 
@@ -84,7 +84,7 @@ def test_slow_marking_spares_fast_flows_and_prewarm_turns(addon):
     f.response.timestamp_start = f.response.timestamp_end = T0 + 0.05
     f.server_conn.timestamp_start = None  # no upstream connection phases
     addon.response(f)
-    assert f.comment.startswith("ok: ") and not f.marked
+    assert f.comment.startswith("ok · ttft ") and not f.marked
 
 
 def test_second_request_on_the_connection_is_reused_and_uses_the_remembered_rtt(addon):
@@ -178,7 +178,7 @@ def test_summary_command(addon):
     other = tflow.tflow(resp=True)
     text = addon.summary([f, other])
     first, second = text.splitlines()
-    assert "api.example.com openai.chat gpt-x 200" in first
+    assert first.endswith(" · gpt-x 200 → api.example.com") and first.startswith("response download 1.5 s · ttft ")
     assert "no timing record" in second
 
 

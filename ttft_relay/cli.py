@@ -69,6 +69,11 @@ def version() -> str:
     return f"ttft-relay {__version__} (mitmproxy {VERSION}, Python {platform.python_version()})"
 
 
+FIRST_OPTIONS = ("mode", "listen_host", "relay_first_token_timeout", "relay_trim_max_tokens", "relay_timing_log",
+                 "relay_slow_ms", "relay_access_keys", "certs", "relay_metrics_listen", "relay_otlp_endpoint")
+"""The options people change first: `run --help` shows them before the rest, in the order of the
+README's "Configuration" table (tests/test_readme.py keeps the two the same)."""
+
 WORKERS_HELP = """\
   --workers N|auto      N relay processes sharing the listeners (auto: one per core);
                         default 1, scripts/relay: auto (docs/scaling.md)"""
@@ -94,13 +99,25 @@ def tool_help(command: str, tool: str, args: list[str]) -> str:
         lines.append(f"  listeners:   cannot tell ({e})")
     if command == "run":
         lines += ["", WORKERS_HELP]
-    lines += ["", "The relay's options, with their defaults (mitm.conf documents each):"]
-    for name, default, text in relay_options():
-        lines.append(f"  {name} = {default}")
-        lines += textwrap.wrap(" ".join(text.split()), 92, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    relay = {name: (default, text) for name, default, text in relay_options()}
+    mitmproxy = config.declared_options(tool)
+    first = {name: relay.get(name) or (_shown_default(mitmproxy.default(name)), mitmproxy._options[name].help)
+             for name in FIRST_OPTIONS}
+    lines += ["", "The options to change first (--set NAME=VALUE; the README's \"Configuration\"):"]
+    lines += _described(first)
+    lines += ["", "The relay's other options, with their defaults (mitm.conf documents each):"]
+    lines += _described({name: described for name, described in relay.items() if name not in first})
     lines += ["", f"{tool}'s own options ({tool} --options lists every option):", ""]
     lines.append(config._PARSERS[tool](config.declared_options(tool)).format_help())
     return "\n".join(lines)
+
+
+def _described(options: dict[str, tuple[str, str]]) -> list[str]:
+    lines = []
+    for name, (default, text) in options.items():
+        lines.append(f"  {name} = {default}")
+        lines += textwrap.wrap(" ".join(text.split()), 92, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return lines
 
 
 def relay_options() -> list[tuple[str, str, str]]:
@@ -147,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         print(version())
         return 0
     command, rest = args[0], args[1:]
+    if command in ("run", "web") and ("--version" in rest or "-V" in rest):
+        # Before any config is read: an image or a unit asks this with its config not (yet) there.
+        print(version())
+        return 0
     if command in ("run", "web") and ("-h" in rest or "--help" in rest):
         print(tool_help(command, "mitmdump" if command == "run" else "mitmweb", rest))
         return 0

@@ -45,13 +45,13 @@ client's own handshake and upload: a burst of new clients larger than the pool (
 stream at the start of a load, most of them on a saturated event loop) waited for both
 in turn (long streams over TLS at 25/s, the relay with and without the pool in one run:
 first token p50 302 ms against 83, the pool's 64 misses of 150 at 458 ms;
-docs/benchmarks.md). Where a request finds nothing (an open listener whose clients bring
+docs/benchmarks-notebook.md). Where a request finds nothing (an open listener whose clients bring
 several credentials), it connects as before, and its connection joins the pool when its
 client goes.
 
 Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
 new client connection, but under load over TLS the benchmark still shows more stalled streams
-with it (docs/benchmarks.md, *The pool under load over TLS* and *looked into again*): the
+with it (docs/benchmarks-notebook.md, *The pool under load over TLS* and *looked into again*): the
 misses' late connects were one cause (fixed above), what remains has no mechanism found yet.
 
 Records say whether a request paid a connect (`reused_connection`: false only for a

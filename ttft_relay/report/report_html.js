@@ -14,9 +14,19 @@
   const PALETTE = ["#2e86c1", "#e67e22", "#27ae60", "#c0392b", "#8e44ad", "#16a085", "#d4ac0d",
     "#7f8c8d", "#e84393", "#34495e", "#a04000", "#1abc9c"];
   const phaseColor = (name, k) => PHASE_COLORS[name] || PALETTE[k % PALETTE.length];
-  const REDS = ["#c0392b", "#e74c3c", "#922b21", "#f1948a", "#78281f"];
-  const CALM = PALETTE.filter((c) => c !== "#c0392b");
-  const VCOL = (() => { let bad = 0, good = 0; return D.verdicts.map((v) => /fail|error|abort/.test(v) ? REDS[bad++ % REDS.length] : CALM[good++ % CALM.length]); })();
+  // Verdicts coloured by meaning: ok green; the model's own time (a long prompt, a cache miss, a
+  // wait not yet told apart) blues; a hop out of line warm colours; a failure reds.
+  const MEANINGS = [
+    [/^ok$/, ["#27ae60"]],
+    [/fail|error|abort/, ["#c0392b", "#e74c3c", "#922b21", "#f1948a", "#78281f"]],
+    [/^(context length|prompt cache miss|upstream wait)/, ["#2e86c1", "#5dade2", "#1b4f72", "#85c1e9"]],
+    [/./, ["#e67e22", "#d4ac0d", "#a04000", "#8e44ad", "#e84393", "#f5b041", "#6e2c00", "#b7950b"]],
+  ];
+  const VCOL = (() => {
+    const used = MEANINGS.map(() => 0);
+    return D.verdicts.map((v) => { const k = MEANINGS.findIndex(([rx]) => rx.test(v)), colors = MEANINGS[k][1];
+      return colors[used[k]++ % colors.length]; });
+  })();
   const verdictColor = (v) => VCOL[v];
   const groupColor = (g) => g < 8 ? PALETTE[g] : "#b2babb";
   const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);

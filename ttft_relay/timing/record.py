@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -356,57 +357,78 @@ def top_phases(rec: Mapping[str, Any], n: int = 3) -> list[tuple[str, float]]:
     return ranked[:n]
 
 
-def _verdict_words(rec: Mapping[str, Any]) -> str:
-    """The verdict, and its detail unless it is a plain `ok`."""
-    verdict, detail = rec.get("verdict"), rec.get("verdict_detail")
-    return f"{verdict}: {detail}" if detail and verdict != phases.OK else str(verdict)
-
-
-def summary_line(rec: Mapping[str, Any]) -> str:
-    """One line for the console: who, ttft, the biggest phases, the verdict."""
-    biggest = ", ".join(f"{name} {ms:.0f}" for name, ms in top_phases(rec))
-    return printable(
-        f"{rec.get('upstream')} {rec.get('api')} {rec.get('model') or '?'} "
-        f"{rec.get('status') or 'ERR'} ttft {_ms(rec.get('ttft_ms'))}"
-        f" [{biggest}] → {_verdict_words(rec)}{_trim_note(rec.get('trim'))}"
-    )
-
-
 def _trim_note(trim: Any) -> str:
-    """What trimming did, by whose word, when it did anything (the trim addon's stats)."""
-    if not isinstance(trim, Mapping) or not (trim.get("trimmed") or trim.get("refused") or trim.get("over_budget")):
+    """What trimming did, when it did anything (by whose word: the record and mitmweb)."""
+    if not isinstance(trim, Mapping):
         return ""
-    by = trim.get("budget_source")
-    by = f"{by} {trim['window']}" if trim.get("window") else by
+    note = ""
     if trim.get("trimmed"):
-        note = f"; trimmed {trim.get('tokens_before')}→{trim.get('tokens_after')} tokens (budget {trim.get('budget')} by {by})"
+        note = f" · trimmed {trim.get('tokens_before')}→{trim.get('tokens_after')}"
     elif trim.get("over_budget"):
-        note = f"; over budget {trim.get('budget')} by {by}"
-    else:
-        note = ""
+        note = f" · over budget {trim.get('budget')}"
     if refused := trim.get("refused"):
-        limit = refused.get("max_input") or refused.get("window")
-        note += f"; upstream refused it as too long (limit {limit})" + (", resent trimmed" if refused.get("resent") else "")
+        note += " · refused as too long" + (", resent trimmed" if refused.get("resent") else "")
     return note
 
 
+CONSOLE_WIDTH = 120
+"""The console line fits a terminal this wide when it can (the phases it names are dropped
+from the smallest up); the verdict's sentence and every phase are in the record and mitmweb."""
+
+_DURATION = re.compile(r"\d+(?:\.\d+)? m?s\b")
+_PROMPT_SIZE = re.compile(r"([\d.]+k?) prompt tokens")
+
+
+def headline(rec: Mapping[str, Any]) -> str:
+    """The verdict and the number it stands on, in a few words: `upstream TLS 200 ms`,
+    `upstream queueing 13.0× predicted`, `context length 9.2k tokens`, `ok`."""
+    verdict, detail = str(rec.get("verdict")), rec.get("verdict_detail") or ""
+    ttft, expected = rec.get("ttft_ms"), rec.get("expected_ttft_ms")
+    if verdict == phases.OK or not detail:
+        return verdict
+    if verdict == phases.UPSTREAM_QUEUEING and ttft and expected:
+        return f"{verdict} {ttft / expected:.1f}× predicted"
+    if verdict in (phases.CONTEXT_LENGTH, phases.PROMPT_CACHE_MISS):
+        size = _PROMPT_SIZE.search(detail)
+        return f"{verdict} {size.group(1)} tokens" if size else verdict
+    number = _DURATION.search(detail)  # the hop's own cost comes first in its sentence
+    return f"{verdict} {number.group(0)}" if number else verdict
+
+
+def summary_line(rec: Mapping[str, Any]) -> str:
+    """One line for the console: the verdict and its number, the first token and its largest
+    phases, then the model, the status and the upstream (last: it is not the client); the API
+    shape and the verdict's sentence are in the record and mitmweb."""
+    lead = f"{headline(rec)} · ttft {_ms(rec.get('ttft_ms'))}"
+    tail = (f" · {rec.get('model') or '?'} {rec.get('status') or 'ERR'} → {rec.get('upstream')}"
+            f"{_trim_note(rec.get('trim'))}")
+    biggest = top_phases(rec)
+    while True:
+        shown = " [" + ", ".join(f"{name} {ms:.0f}" for name, ms in biggest) + "]" if biggest else ""
+        line = printable(lead + shown + tail)
+        if len(line) <= CONSOLE_WIDTH or not biggest:
+            return line
+        biggest = biggest[:-1]
+
+
 SLOW_WORD = "SLOW"
-"""Marks a slow flow's comment, after its verdict (mitmweb's Comment column is 150 px wide:
-it shows the verdict's first words and little more): plain letters any font draws."""
+"""Marks a slow flow's comment, after its verdict and number (mitmweb's Comment column is 150 px
+wide until the user widens it: it shows the verdict's first words): plain letters any font draws."""
 
 
 def comment(rec: Mapping[str, Any], slow: bool = False) -> str:
     """The breakdown shown as the flow's comment in mitmweb (and in its flow list's
-    Comment column, which shows the start of it: the verdict comes first).
+    Comment column, which shows the start of it: the verdict and its number, as the
+    console line leads, then the first token; the verdict's sentence follows).
 
     One short sentence per line: mitmweb collapses line breaks and runs of
     spaces, so the text must read as well run together as on separate lines.
     """
     detail = rec.get("verdict_detail")
-    lines = [printable(f"{rec.get('verdict')}: {detail}." if detail else f"{rec.get('verdict')}.")]
     expected = rec.get("expected_ttft_ms")
-    lines.append(f"{SLOW_WORD + ': ' if slow else ''}ttft {_ms(rec.get('ttft_ms'))}"
-                 + (f", expected {_ms(expected)}." if expected is not None else "."))
+    lines = [printable(f"{headline(rec)} · {SLOW_WORD + ': ' if slow else ''}ttft {_ms(rec.get('ttft_ms'))}"
+                       + (f", expected {_ms(expected)}." if expected is not None else "."))]
+    lines.append(printable(f"{rec.get('verdict')}: {detail}." if detail else f"{rec.get('verdict')}."))
     phase_list = " · ".join(f"{name} {ms:.1f}" for name, ms in (rec.get("phases") or {}).items())
     if phase_list:
         lines.append(f"Phases (ms): {phase_list}.")
