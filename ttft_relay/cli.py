@@ -139,7 +139,13 @@ def _shown_default(value: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except launch.CannotStart as e:
+        return e.say()
+
+
+def _main(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(__doc__.strip())
         return 0
