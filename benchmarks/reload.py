@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         first = next(chunks).data
                         mark = len(relay.lines)
                         relay.proc.send_signal(signal.SIGHUP)
-                        results[kind] += window(port, tls, args.window, lambda: relay.said(r"reloaded: ", mark))
+                        results[kind] += window(port, tls, args.window, lambda mark=mark: relay.said(r"reloaded: ", mark))
                         upstream.release_stalls()
                         with held:
                             body = first + b"".join(c.data for c in chunks)

@@ -618,6 +618,27 @@ def test_a_reload_rereads_the_config_and_drops_no_turn_nor_client(tmp_path, conf
         assert set(outcomes) == {200} and len(outcomes) >= 10, outcomes
 
 
+def test_ttft_relay_reload_finds_the_relay_run_with_the_same_options(fake, tmp_path, confdir):
+    port = workers.free_port()
+    args = _args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=")
+    command = [sys.executable, "-m", "ttft_relay", "reload", *args]
+    env = {**os.environ, "TTFT_RELAY_CONF": ""}
+    sup = Supervised(args)
+    try:
+        sup.wait_for(READY)
+        pid_file = confdir / f"ttft-relay-{port}.pid"
+        assert pid_file.read_text().strip() == str(sup.proc.pid)
+        asked = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert asked.returncode == 0, asked.stderr
+        sup.wait_for(r"reloaded: 2 workers ready")
+        assert _post(port) == 200
+    finally:
+        assert sup.stop() == 0, sup.tail()
+    assert not pid_file.exists()
+    none = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert none.returncode == 1 and "no relay to reload" in none.stderr and "systemctl reload" in none.stderr
+
+
 def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_saturated(fake, tmp_path, confdir):
     # The supervisor listens before its first worker serves: a client that connects then waits in
     # the kernel's queue for the start. That is no load to "run more workers" against.

@@ -43,7 +43,9 @@ code under it changed, `--workers N` refuses to start, saying so). So:
   workers started on the same sockets; once all are ready they take over and the old
   ones retire (listeners.RETIRE_SIGNAL: they finish their turns in flight, then exit).
   A configuration that cannot be read, or a new worker that cannot start, leaves the
-  old ones serving. No signal reaches a worker before it can handle it.
+  old ones serving. No signal reaches a worker before it can handle it. `ttft-relay
+  reload` sends the SIGHUP, finding the supervisor by the pid file it keeps in the
+  confdir (`pid_file`).
 - Listeners that need UDP (WireGuard, HTTP/3, DNS) cannot be shared: the UDP side of a
   reverse https listener (HTTP/3) is not served, other UDP listeners need `--workers 1`.
 
@@ -364,6 +366,11 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
+        self.pid_file = pid_file(self.opts)
+        try:
+            self.pid_file.write_text(f"{os.getpid()}\n")
+        except OSError as e:  # `ttft-relay reload` cannot find it; a SIGHUP still reloads
+            log(f"cannot write {self.pid_file} ({e.strerror}): `ttft-relay reload` will not find this relay")
         try:
             self._serve_metrics()
             self.workers[0].start()  # alone: a configuration error shows once, in its output
@@ -614,6 +621,38 @@ class Supervisor:
             for sock in lst.sockets:
                 sock.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        try:
+            if self.pid_file.read_text().strip() == str(os.getpid()):
+                self.pid_file.unlink()
+        except OSError:
+            pass
+
+
+def pid_file(opts: optmanager.OptManager) -> Path:
+    """Where a supervisor writes its pid for `ttft-relay reload`: in the relay's confdir,
+    named by its first listener's port (two relays may share a confdir, not a port)."""
+    first = mode_specs.ProxyMode.parse(opts.mode[0]) if opts.mode else None
+    port = first.listen_port(opts.listen_port) if first is not None else opts.listen_port
+    return Path(os.path.expanduser(opts.confdir)) / f"ttft-relay-{port}.pid"
+
+
+def reload_main(argv: list[str]) -> int:
+    """`ttft-relay reload [the run's arguments]`: SIGHUP to the supervisor that runs with them."""
+    _, args, _ = split_workers(argv)
+    _, opts = worker_options(args)
+    path = pid_file(opts)
+    try:
+        pid = int(path.read_text())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError) as e:
+        why = "no such process (a relay that was killed left it)" if isinstance(e, ProcessLookupError) else (
+            f"cannot read {path}" if not isinstance(e, PermissionError) else f"not allowed to signal it ({path})")
+        log(f"reload: no relay to reload: {why}. `ttft-relay reload` reaches a relay started by scripts/relay "
+            "or `ttft-relay run --workers N|auto`, given the same options (the same confdir and first "
+            "listener); under systemd: sudo systemctl reload ttft-relay")
+        return 1
+    log(f"reload: asked the relay (pid {pid}); its output says when the new workers have taken over")
+    return 0
 
 
 def split_workers(argv: list[str]) -> tuple[int, list[str], bool]:
