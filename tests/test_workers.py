@@ -618,6 +618,34 @@ def test_a_reload_rereads_the_config_and_drops_no_turn_nor_client(tmp_path, conf
         assert set(outcomes) == {200} and len(outcomes) >= 10, outcomes
 
 
+def test_a_reload_of_a_config_that_cannot_serve_leaves_the_workers_serving(fake, tmp_path, confdir):
+    port = workers.free_port()
+    conf = tmp_path / "relay.conf"
+    good = f"listen_host: 127.0.0.1\nmode:\n  - {reverse_to(fake).replace('@0', f'@{port}')}\nrelay_metrics_listen: ''\n"
+    conf.write_text(good)
+    sup = Supervised(["--workers", "2", "--set", f"confdir={confdir}", "--set", "relay_trim=false",
+                      "--set", f"relay_timing_log={tmp_path / 'timing.jsonl'}"], conf=conf)
+    try:
+        sup.wait_for(READY)
+        conf.write_text(good + " bad: [\n")  # a YAML error: read by the supervisor, refused there
+        mark = len(sup.lines)
+        sup.proc.send_signal(signal.SIGHUP)
+        sup.wait_for(rf"reload refused, the workers keep serving as they were: {re.escape(str(conf))}: "
+                     r"Config error at line 5", after=mark)
+        assert _post(port) == 200
+        missing = tmp_path / "no-such-keys"
+        conf.write_text(good + f"relay_access_keys:\n  - file:{missing}\n")  # only a worker finds out
+        mark = len(sup.lines)
+        sup.proc.send_signal(signal.SIGHUP)
+        sup.wait_for(r"reload failed: worker \d exited \(1\) before it was ready, see its output above; the "
+                     r"workers keep serving as they were", after=mark)
+        assert f"cannot read {missing}" in "\n".join(sup.lines[mark:])
+        assert _post(port) == 200 and sup.proc.poll() is None
+        assert len(sup.children()) == 2, sup.tail()
+    finally:
+        assert sup.stop() == 0, sup.tail()
+
+
 def test_ttft_relay_reload_finds_the_relay_run_with_the_same_options(fake, tmp_path, confdir):
     port = workers.free_port()
     args = _args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=")

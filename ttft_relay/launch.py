@@ -20,15 +20,15 @@ class CannotStart(SystemExit):
     """The relay's configuration cannot be applied: exits EXIT_CONFIG once `say` has
     printed it (cli.main, a worker's main)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, reason: str) -> None:
         super().__init__(EXIT_CONFIG)
-        self.message = message
+        self.reason = reason
 
     def __str__(self) -> str:
-        return self.message
+        return f"ttft-relay: cannot start the relay: {self.reason}"
 
     def say(self) -> int:
-        print(self.message, file=sys.stderr, flush=True)
+        print(self, file=sys.stderr, flush=True)
         return EXIT_CONFIG
 
 
@@ -64,4 +64,4 @@ def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
     try:
         return config.merged_args(args, config.conf_path(), tool)
     except exceptions.OptionsError as e:
-        raise CannotStart(f"ttft-relay: cannot start the relay: {e}") from None
+        raise CannotStart(str(e)) from None

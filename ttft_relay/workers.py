@@ -349,6 +349,7 @@ class Supervisor:
         """The listeners and options `incoming` start with."""
         self.unused: list[Listener] = []
         """Listeners a reload dropped: closed once the workers that served them are gone."""
+        self.pid_file = pid_file(self.opts)
         self.stopping = False
         self.reload_asked = False
         self.serving = False
@@ -366,7 +367,6 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
-        self.pid_file = pid_file(self.opts)
         try:
             self.pid_file.write_text(f"{os.getpid()}\n")
         except OSError as e:  # `ttft-relay reload` cannot find it; a SIGHUP still reloads
@@ -441,7 +441,7 @@ class Supervisor:
             _, opts = worker_options(self.user_args)
             kept, new = self._listeners_for(opts)
         except (SystemExit, Exception) as e:  # a config that cannot be read or bound: it says why
-            log(f"reload refused, the workers keep serving as they were: {e}")
+            log(f"reload refused, the workers keep serving as they were: {getattr(e, 'reason', e)}")
             return
         if opts.relay_metrics_listen != self.opts.relay_metrics_listen:
             log("reload: relay_metrics_listen changes on a restart, not a reload")
@@ -464,7 +464,11 @@ class Supervisor:
         listening, self.opts = self.reloaded
         self.reloaded = None
         still = {id(lst.sockets) for lst in listening}
-        self.unused += [lst for lst in self.listeners if id(lst.sockets) not in still]
+        dropped = [lst for lst in self.listeners if id(lst.sockets) not in still]
+        for lst in dropped:  # nobody accepts there any more: no new connection waits in vain
+            for sock in lst.sockets:
+                listeners.refuse_handshakes(sock.fileno())
+        self.unused += dropped
         self.listeners = listening
         log(f"reloaded: {self._ready_line()}; the {len(self.retiring)} before them finish their turns in flight")
 
