@@ -63,7 +63,6 @@ import errno
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -379,8 +378,9 @@ class Supervisor:
                     self._look_after(w)
                 self._look_after_retiring()
                 self._progress()
-                pipes = [w._ready_pipe for w in [*self.workers, *self.incoming] if w._ready_pipe is not None]
-                select.select(pipes, [], [], TICK_S)
+                # A tick, not a wake-up on each worker's pipe: workers killed together (the OOM
+                # killer, an operator) are then seen dead together, whichever the kernel reaps first.
+                time.sleep(TICK_S)
             return 0
         except StartFailed as e:
             log(str(e))
