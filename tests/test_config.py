@@ -99,19 +99,30 @@ def test_conf_errors_are_clear(tmp_path):
         config.read_conf(_conf(tmp_path, "mode: [unclosed\n"))
 
 
+BAD_YAML = "mode:\n  - reverse:https://api.openai.com@8443\n listen_host: 0.0.0.0\n"
+
+
 @pytest.mark.parametrize(
-    "conf, args, reason",
+    "conf, args, reason, code",
     [
-        ("", ["--set", "relay_stream=False"], "Failed to parse option relay_stream"),
-        ("/nonexistent/mitm.conf", [], "cannot read /nonexistent/mitm.conf"),
+        ("", ["--set", "relay_stream=False"], "Failed to parse option relay_stream", 1),
+        # A file that cannot be read, or read as YAML, stops it before mitmdump starts, with
+        # sysexits' EX_CONFIG, which the systemd unit does not retry (it retried a YAML error 5x).
+        ("/nonexistent/mitm.conf", [], "cannot read /nonexistent/mitm.conf", 78),
+        ("bad.conf", [], "{conf}: Config error at line 3", 78),
     ],
 )
-def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, confdir):
+def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, code, confdir, tmp_path):
     # mitmproxy would drop the relay script without a word and go on as a bare, buffering proxy.
-    # Through the command, which reads mitm.conf (a file it cannot read stops it before mitmdump starts).
+    # Through the command, which reads mitm.conf.
     import os
     import subprocess
     import sys
+
+    if conf == "bad.conf":
+        conf = str(tmp_path / conf)
+        Path(conf).write_text(BAD_YAML)
+        reason = reason.format(conf=conf)
 
     proc = subprocess.run(
         [sys.executable, "-m", "ttft_relay", "run", "--set", f"confdir={confdir}", "--listen-host", "127.0.0.1",
@@ -119,7 +130,7 @@ def test_a_relay_that_cannot_be_configured_does_not_start(conf, args, reason, co
         env={**os.environ, "TTFT_RELAY_CONF": conf}, capture_output=True, text=True, timeout=60,
         stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == code, proc.stdout + proc.stderr
     assert f"cannot start the relay: {reason}" in proc.stdout + proc.stderr
 
 

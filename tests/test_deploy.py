@@ -16,6 +16,7 @@ import sys
 import pytest
 from ruamel.yaml import YAML
 
+from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from deploy.grafana import dashboard
 from ttft_relay import config, launch, workers
@@ -53,9 +54,10 @@ def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
     assert lines["ExecStart"].startswith(f"{INSTALL_DIR}/scripts/relay ")
     assert "/var/log/ttft-relay/" in lines["ExecStart"] and lines["LogsDirectory"] == "ttft-relay"
     assert "/var/lib/ttft-relay/" in lines["ExecStart"] and lines["StateDirectory"] == "ttft-relay"
-    # SIGTERM to the supervisor only: it stops the workers itself, each answering its flows in flight,
-    # within the unit's stop timeout.
-    assert lines["KillMode"] == "mixed" and int(lines["TimeoutStopSec"]) > workers.STOP_TIMEOUT
+    # SIGTERM to the supervisor only: it stops the workers itself, each finishing its flows in flight
+    # within the default grace, within the unit's stop timeout.
+    assert lines["KillMode"] == "mixed"
+    assert int(lines["TimeoutStopSec"]) > workers.stop_timeout(faults.SHUTDOWN_GRACE_S)
     assert lines["ExecReload"] == "/bin/kill -HUP $MAINPID"
     # Restarted when it dies, not when it cannot start: then the unit fails, with the relay's message.
     assert lines["Restart"] == "on-failure" and lines["RestartPreventExitStatus"] == str(workers.EXIT_START_FAILED)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import runpy
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import orjson
@@ -204,3 +206,16 @@ def test_pip_install_gives_a_working_command(tmp_path):
     finally:
         run.terminate()
         run.wait(30)
+
+
+def test_pip_install_on_a_python_older_than_the_relays_says_which_to_use(monkeypatch):
+    # Debian 12's python3 is 3.11: pip alone ended on "No matching distribution found for
+    # mitmproxy==12.3.1". pip imports the build backend in the Python it installs for.
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
+    backend = REPO / build["backend-path"][0] / f"{build['build-backend']}.py"
+    monkeypatch.setattr(sys, "version_info", (3, 11, 7, "final", 0))
+    with pytest.raises(SystemExit, match=r"needs Python 3\.12 or newer .* python3\.12 -m pip install \."):
+        runpy.run_path(str(backend))
+    monkeypatch.undo()
+    hooks = runpy.run_path(str(backend))  # on this Python: setuptools' hooks, as they are
+    assert {"build_wheel", "build_sdist", "prepare_metadata_for_build_wheel"} <= set(hooks)

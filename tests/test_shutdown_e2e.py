@@ -31,7 +31,7 @@ STREAMS = {
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_clean_stop_records_and_tells_every_stream_in_flight(signum, fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+    relay = start_relay(reverse_to(fake), relay_shutdown_grace=0)  # the streams stall: cut at once
     fake.behaviour.stall_after_chunks = 2
     open_streams = []
     for api, count in STREAMS.items():
@@ -82,29 +82,34 @@ def test_a_request_the_stop_cut_in_the_upstreams_wait_keeps_that_wait_in_its_pha
     assert rec["phases"]["upstream_wait"] >= 0.8 * rec["phases"]["total"], rec
 
 
-def test_requests_arriving_while_stopping_are_refused_in_the_api_format(fake, start_relay, tmp_path):
+def test_a_stop_refuses_new_connections_answers_open_ones_and_finishes_the_stream(fake, start_relay, tmp_path):
     relay = start_relay(reverse_to(fake), relay_shutdown_grace=30)
     fake.behaviour.stall_after_chunks = 2
     path, body = body_for(apis.OPENAI_CHAT, stream=True)
+    kept = client.HttpConnection(relay.url(), timeout=WAIT)  # a client's pooled connection, idle
+    kept.request("POST", path, body_for(apis.OPENAI_CHAT, stream=False)[1]).read()
     conn, response = client.request("POST", relay.url() + path, body, timeout=WAIT)
     chunks = response.chunks()
     next(chunks)
     relay.proc.send_signal(signal.SIGTERM)
     relay.wait_for_output(r"stopping: waiting up to 30 s for 1 flow")
-    late_conn, late = client.request("POST", relay.url() + path, body, timeout=WAIT)
-    with late_conn:
+    with pytest.raises(ConnectionRefusedError):  # the listener closed first: refused, not reset
+        client.request("POST", relay.url() + path, body, timeout=WAIT)
+    with kept:
+        late = kept.request("POST", path, body)
         assert late.status == 503
         assert "relay shutting down" in orjson.loads(late.read())["error"]["message"]
-    fake.release_stalls()  # the stream in flight may finish within the grace period
+    fake.release_stalls()  # the stream in flight finishes within the grace period
     with conn:
         rest = b"".join(chunk.data for chunk in chunks)
     assert response.complete and b"[DONE]" in rest
     assert relay.proc.wait(WAIT) == 0
-    recs = {rec["status"]: rec for rec in read_records(tmp_path / "timing.jsonl")}
-    assert set(recs) == {200, 503}
-    assert recs[200]["error"] is None
-    assert recs[503]["error"] == "relay shutting down" and recs[503]["error_phase"] == "relay"
-    assert recs[503]["verdict"] == "relay shutting down"
+    recs = read_records(tmp_path / "timing.jsonl")
+    assert sorted(rec["status"] for rec in recs) == [200, 200, 503], recs
+    assert all(rec["error"] is None for rec in recs if rec["status"] == 200)
+    (refused,) = [rec for rec in recs if rec["status"] == 503]
+    assert refused["error"] == "relay shutting down" and refused["error_phase"] == "relay"
+    assert refused["verdict"] == "relay shutting down"
 
 
 def test_timing_records_a_flow_still_uploading_when_the_relay_stops(tmp_path):

@@ -3,6 +3,8 @@
     ttft-relay run [mitmdump arguments]   the relay (mitmdump with the relay's addons);
                    [--workers N|auto]     N of them sharing its listeners (auto: one per core)
                                           (run --help: the relay's options, then mitmdump's)
+    ttft-relay reload [run's arguments]   relay.conf read again by new workers, turns in flight
+                                          finished by the old (the relay run with --workers N|auto)
     ttft-relay web [mitmweb arguments]    the same in mitmweb, to watch flows in a browser
     ttft-relay report LOG ... [--html F]  the timing logs summarised (--help: the options)
     ttft-relay diagnose [--relay URL]     why is my first token slow? probes it, names the cause
@@ -156,7 +158,13 @@ def _shown_default(value: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except launch.CannotStart as e:
+        return e.say()
+
+
+def _main(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(__doc__.strip())
         return 0
@@ -178,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import workers
 
         return workers.main(rest)
+    if command == "reload":
+        from . import workers
+
+        return workers.reload_main(rest)
     if command == "web":
         launch.start("mitmweb", rest)
     if command == "report":

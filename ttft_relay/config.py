@@ -69,7 +69,10 @@ def read_conf(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf8")
     except OSError as e:
         raise exceptions.OptionsError(f"cannot read {path}: {e}") from e
-    data = optmanager.parse(text)
+    try:
+        data = optmanager.parse(text)
+    except exceptions.OptionsError as e:  # mitmproxy's words name the line, not the file
+        raise exceptions.OptionsError(f"{path}: {e}") from e
     if not isinstance(data, dict):
         raise exceptions.OptionsError(f"{path}: expected a mapping of option names to values")
     if "scripts" in data:

@@ -11,6 +11,25 @@ from pathlib import Path
 from typing import NoReturn
 
 ADDON = Path(__file__).resolve().parent / "relay.py"
+EXIT_CONFIG = 78
+"""sysexits' EX_CONFIG: a configuration no restart can fix (a bad option, a YAML error, a
+port taken); the systemd unit's RestartPreventExitStatus, so it is not retried."""
+
+
+class CannotStart(SystemExit):
+    """The relay's configuration cannot be applied: exits EXIT_CONFIG once `say` has
+    printed it (cli.main, a worker's main)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(EXIT_CONFIG)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"ttft-relay: cannot start the relay: {self.reason}"
+
+    def say(self) -> int:
+        print(self, file=sys.stderr, flush=True)
+        return EXIT_CONFIG
 
 
 def tool_path(name: str) -> str:
@@ -45,4 +64,4 @@ def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:
     try:
         return config.merged_args(args, config.conf_path(), tool)
     except exceptions.OptionsError as e:
-        raise SystemExit(f"ttft-relay: cannot start the relay: {e}") from None
+        raise CannotStart(str(e)) from None

@@ -1,4 +1,7 @@
-"""Reload: SIGHUP re-reads the files the relay's options name, without dropping a connection.
+"""Reload of the one process (`ttft-relay run`, `--workers 1`): SIGHUP re-reads the files the
+relay's options name, without dropping a connection. (Under the supervisor, `scripts/relay`
+and `--workers N|auto`, SIGHUP reaches the supervisor only, which replaces its workers with
+new ones that read everything, relay.conf included: ttft_relay/workers.py.)
 
     relay_timing_log    reopened at its path: logrotate renamed the log (its default,
                         copy-less rotation) and the records must go to a new file

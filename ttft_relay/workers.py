@@ -20,23 +20,32 @@ code under it changed, `--workers N` refuses to start, saying so). So:
   `ttft-relay run --workers 1` does (`launch.start`); the supervisor reads the options
   mitmdump makes of that same command line (`config.merged_args`). Each worker checks
   them as the single process does, open-proxy check on the listen addresses included.
-- Start-up: worker 0 starts first; once it is ready (accepting), the others. A worker
-  that exits before it was ready stops the start, its error printed once (its own
-  output: a bad option, a missing key file), as does a port already taken: exit status
-  EXIT_START_FAILED, on which systemd does not restart the unit (deploy/ttft-relay.service)
-  but shows it failed. A worker that dies after it served is started again, with a
-  growing pause if it keeps dying; if none serves and the one restarted cannot start,
-  the supervisor exits 1.
+- Start-up: worker 0 starts first; once it is ready (accepting), the others. Only a
+  configuration no restart can fix stops the start, with exit status EXIT_START_FAILED,
+  on which systemd does not restart the unit (deploy/ttft-relay.service) but shows it
+  failed: worker 0 exiting on its own before any worker was ready (its own output says
+  why: a bad option, a missing key file), a port already taken. Any other death is
+  restarted, during start-up as after it (killed before it was ready: the OOM killer),
+  with a growing pause if it keeps dying; the others serve meanwhile, and "N workers
+  ready" counts the live ones.
 - One timing log, the one the user named: every worker appends to it (`record.RecordWriter`
   says how, rotation included); each keeps its in-flight ledger beside it
   (`observe/ledger.py`), read by the worker that replaces it.
 - Metrics: the workers record into one prometheus-client multiprocess directory and
-  this process serves the one scrape endpoint (`relay_metrics_listen`).
+  this process serves the one scrape endpoint (`relay_metrics_listen`; a port taken is a
+  warning with the fix, as in the single process).
 - The children die with the supervisor, even on kill -9 (Linux: PR_SET_PDEATHSIG;
   the workers then stop cleanly), and a listen port already taken stops start-up.
-- Ctrl-C (SIGINT) or SIGTERM stops every worker, each answering and recording its flows
-  in flight. SIGHUP goes on to every worker (each re-reads certificates and key files
-  and reopens the log).
+- Ctrl-C (SIGINT) or SIGTERM stops: the listeners first (listeners.py: no new
+  connection, the queued ones served, then closed), then every worker finishes its
+  flows in flight within relay_shutdown_grace, answering and recording what is left.
+- SIGHUP reloads (systemctl reload): relay.conf and the command line read again, new
+  workers started on the same sockets; once all are ready they take over and the old
+  ones retire (listeners.RETIRE_SIGNAL: they finish their turns in flight, then exit).
+  A configuration that cannot be read, or a new worker that cannot start, leaves the
+  old ones serving. No signal reaches a worker before it can handle it. `ttft-relay
+  reload` sends the SIGHUP, finding the supervisor by the pid file it keeps in the
+  confdir (`pid_file`).
 - Listeners that need UDP (WireGuard, HTTP/3, DNS) cannot be shared: the UDP side of a
   reverse https listener (HTTP/3) is not served, other UDP listeners need `--workers 1`.
 
@@ -54,7 +63,6 @@ import errno
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -69,7 +77,8 @@ from mitmproxy import optmanager
 from mitmproxy.proxy import mode_specs
 from mitmproxy.utils import human
 
-from . import capacity, config, launch
+from . import capacity, config, launch, listeners
+from .faults import faults
 from .patches import pins
 from .patches.fixes import inherited_listeners
 from .patches.speed import listen_backlog
@@ -80,13 +89,21 @@ LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
 """In a worker: {mode spec: [descriptors of its listening sockets]}, as JSON."""
 READY_FD_ENV = "TTFT_RELAY_READY_FD"
 """In a worker: the pipe on which it says it is ready (accepting)."""
-EXIT_START_FAILED = 78
-"""The relay could not start (sysexits' EX_CONFIG): the unit's RestartPreventExitStatus."""
+EXIT_START_FAILED = launch.EXIT_CONFIG
+"""The relay could not start: the unit's RestartPreventExitStatus."""
 READY_TIMEOUT = 60.0
 RESTART_PAUSE = (1.0, 30.0)
 """Pause before restarting a dead worker: doubles from the first while it keeps dying
 within a minute of its start, up to the second."""
-STOP_TIMEOUT = 15.0
+STOP_MARGIN_S = 4.0
+
+
+def stop_timeout(grace: float) -> float:
+    """How long a stop waits for the workers before it kills them: their grace
+    (relay_shutdown_grace), the answers to the flows they cut, letting go of the
+    listeners, and a margin to exit. The systemd unit's TimeoutStopSec is more."""
+    return grace + faults.CUT_WAIT_S + listeners.DRAIN_S + STOP_MARGIN_S
+
 TICK_S = 0.2
 """How often the supervisor looks after its workers."""
 
@@ -120,7 +137,7 @@ def log(msg: str) -> None:
 
 # --- options ------------------------------------------------------------------------
 
-SUPERVISOR_READS = (capacity.ListenBacklog, timing.Timing, metrics.Metrics)
+SUPERVISOR_READS = (capacity.ListenBacklog, timing.Timing, metrics.Metrics, faults.Shutdown)
 """The addons whose options the supervisor reads (their `load` only declares them)."""
 
 
@@ -155,11 +172,11 @@ class Listener:
         return " and ".join(dict.fromkeys(human.format_address(s.getsockname()) for s in self.sockets))
 
 
-def bind_listeners(opts: optmanager.OptManager) -> list[Listener]:
-    """Every listener of `opts.mode`, bound and listening."""
+def bind_listeners(opts: optmanager.OptManager, specs: list[str] | None = None) -> list[Listener]:
+    """Every listener of `opts.mode` (or of `specs`, some of them), bound and listening."""
     out: list[Listener] = []
     try:
-        for spec in opts.mode:
+        for spec in opts.mode if specs is None else specs:
             try:
                 mode = mode_specs.ProxyMode.parse(spec)
             except ValueError as e:  # in mitmproxy's words
@@ -227,7 +244,10 @@ def worker_main(args: list[str]) -> None:
     inherited_listeners.install(listeners, int(os.environ.pop(READY_FD_ENV)))
     # The supervisor says where the relay listens, once; N workers would say it N times.
     logging.getLogger("mitmproxy.proxy.mode_servers").setLevel(logging.WARNING)
-    launch.start("mitmdump", args)
+    try:
+        launch.start("mitmdump", args)
+    except launch.CannotStart as e:
+        sys.exit(e.say())
 
 
 class Worker:
@@ -243,7 +263,9 @@ class Worker:
         self.ready = False
         """It accepts (it said so since it was last started)."""
         self.served = False
-        """It was ready at least once: a death after that is a restart, not a failed start."""
+        """It was ready at least once."""
+        self.died = False
+        """It exited at least once (and is restarted)."""
         self.restart_at: float | None = None
         self.pause = RESTART_PAUSE[0]
         self._ready_pipe: int | None = None
@@ -281,8 +303,16 @@ class Worker:
             self.ready = self.served = True
         return bool(said)
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signum)
 
     def _close_pipe(self) -> None:
         if self._ready_pipe is not None:
@@ -294,46 +324,62 @@ class Worker:
 
 
 class Supervisor:
+    """Starts the workers, restarts any that dies, replaces them all on a reload (SIGHUP),
+    and stops them (SIGINT, SIGTERM)."""
+
     def __init__(self, user_args: list[str], workers: int) -> None:
         if (why := pins.problem(inherited_listeners)) is not None:
             raise StartFailed(f"--workers {workers} needs the relay's fix inherited_listeners, and {why}: run it "
                               f"with --workers 1, or install the mitmproxy it was written against: {pins.INSTALL}")
+        self.user_args = user_args
+        self.count = workers
         _, self.opts = worker_options(user_args)
         self.listeners = bind_listeners(self.opts)
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="ttft-relay-metrics-"))
-        listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in self.listeners}
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
-        args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
-        self.workers = [Worker(i, args, env, listen_fds) for i in range(workers)]
+        self.env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        self.args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
+        self.workers: list[Worker] = []
+        self.retiring: list[Worker] = []
+        """Workers a reload replaced, finishing their turns in flight."""
+        self.workers = self._generation(self.listeners)
+        self.incoming: list[Worker] = []
+        """A reload's workers, starting; they replace `workers` once all are ready."""
+        self.reloaded: tuple[list[Listener], optmanager.OptManager] | None = None
+        """The listeners and options `incoming` start with."""
+        self.unused: list[Listener] = []
+        """Listeners a reload dropped: closed once the workers that served them are gone."""
+        self.pid_file = pid_file(self.opts)
         self.stopping = False
+        self.reload_asked = False
         self.serving = False
-        """Start-up is over: every worker was ready once."""
+        """Start-up is over: every worker was ready once, or died trying."""
+
+    def _generation(self, listening: list[Listener]) -> list[Worker]:
+        """`count` workers on `listening`, each with an index no live worker has (a worker's
+        index names its in-flight ledger, which its process holds locked)."""
+        taken = {w.index for w in [*self.workers, *self.retiring]}
+        indices = [i for i in range(self.count + len(taken)) if i not in taken][: self.count]
+        listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in listening}
+        return [Worker(i, self.args, self.env, listen_fds) for i in indices]
 
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
         try:
-            if listen := self.opts.relay_metrics_listen:
-                try:
-                    registry = metrics.multiprocess_registry(self.metrics_dir)
-                    metrics.watch_learned_windows(registry, self.opts.relay_timing_log)
-                    (host, port), _server = metrics.serve(listen, registry)
-                except (OSError, ValueError) as e:
-                    # asyncio words a bind error at length: the system's words are enough.
-                    why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if isinstance(e, OSError) and e.errno else e
-                    raise StartFailed(f"cannot serve metrics at {listen}: {why}") from None
-                log(f"metrics of all workers at http://{host}:{port}/metrics")
-            # The first one alone: a configuration error then shows once, in its output.
-            if not self._start_and_wait(self.workers[:1]) or not self._start_and_wait(self.workers[1:]):
-                return 0  # stopped while starting
-            self.serving = True
-            for lst in self.listeners:
-                log(f"{lst.mode.description} listening at {lst.where}")
-            log(f"{len(self.workers)} workers ready")
+            self.pid_file.write_text(f"{os.getpid()}\n")
+        except OSError as e:  # `ttft-relay reload` cannot find it; a SIGHUP still reloads
+            log(f"cannot write {self.pid_file} ({e.strerror}): `ttft-relay reload` will not find this relay")
+        try:
+            self._serve_metrics()
+            self.workers[0].start()  # alone: a configuration error shows once, in its output
             while not self.stopping:
-                for w in self.workers:
+                for w in [*self.workers, *self.incoming]:
                     self._look_after(w)
+                self._look_after_retiring()
+                self._progress()
+                # A tick, not a wake-up on each worker's pipe: workers killed together (the OOM
+                # killer, an operator) are then seen dead together, whichever the kernel reaps first.
                 time.sleep(TICK_S)
             return 0
         except StartFailed as e:
@@ -342,48 +388,150 @@ class Supervisor:
         finally:
             self._shutdown()
 
-    def _start_and_wait(self, workers: list[Worker]) -> bool:
-        """Start `workers` and wait until each is ready; False if stopped meanwhile."""
-        for w in workers:
-            w.start()
-        deadline = time.monotonic() + READY_TIMEOUT
-        waiting = list(workers)
-        while waiting:
-            if self.stopping:
-                return False
-            for w in list(waiting):
-                if w.became_ready():
-                    waiting.remove(w)
-                elif w.exited():
-                    assert w.proc is not None
-                    raise StartFailed(f"worker {w.index} exited ({w.proc.returncode}) before it was ready, "
-                                      "see its output above; stopping")
-            if waiting and time.monotonic() > deadline:
-                raise StartFailed(f"worker {waiting[0].index} was not ready within {READY_TIMEOUT:.0f} s; stopping")
-            if waiting:
-                select.select([w._ready_pipe for w in waiting if w._ready_pipe is not None], [], [], TICK_S)
-        return True
+    def _serve_metrics(self) -> None:
+        if not (listen := self.opts.relay_metrics_listen):
+            return
+        try:
+            registry = metrics.multiprocess_registry(self.metrics_dir)
+            metrics.watch_learned_windows(registry, self.opts.relay_timing_log)
+            (host, port), _server = metrics.serve(listen, registry)
+        except (OSError, ValueError) as e:
+            # asyncio words a bind error at length: the system's words are enough.
+            why = f"[Errno {e.errno}] {os.strerror(e.errno)}" if isinstance(e, OSError) and e.errno else e
+            log(f"cannot serve metrics at {listen}: {why}; the relay runs without them. "
+                f"{metrics.LISTEN_FIX}")
+            return
+        log(f"metrics of all workers at http://{host}:{port}/metrics")
+
+    def _progress(self) -> None:
+        """Start-up's steps (worker 0, then the others, then "N workers ready") and a reload's."""
+        first = self.workers[0]
+        if not self.serving:
+            if not first.served:
+                return
+            rest = self.workers[1:]
+            if any(w.proc is None for w in rest):
+                for w in rest:
+                    w.start()
+                return
+            if all(w.served or w.died for w in rest):
+                self.serving = True
+                for lst in self.listeners:
+                    log(f"{lst.mode.description} listening at {lst.where}")
+                log(self._ready_line())
+            return
+        if self.incoming and all(w.ready for w in self.incoming):
+            self._take_over()
+        elif self.incoming and all(w.ready for w in self.incoming if w.proc is not None):
+            next(w for w in self.incoming if w.proc is None).start()
+        elif self.reload_asked and not self.incoming:
+            self.reload_asked = False
+            self._begin_reload()
+
+    def _ready_line(self) -> str:
+        ready = [w for w in self.workers if w.ready]
+        if len(ready) == len(self.workers):
+            return f"{len(ready)} workers ready"
+        down = ", ".join(str(w.index) for w in self.workers if not w.ready)
+        return f"{len(ready)} of {len(self.workers)} workers ready (restarting {down})"
+
+    def _begin_reload(self) -> None:
+        """A reload: relay.conf and the command line read again, new workers started on the
+        listeners they name (the same sockets where an address stays); once all are ready they
+        take over (`_take_over`), and the ones before them finish their turns."""
+        try:
+            _, opts = worker_options(self.user_args)
+            kept, new = self._listeners_for(opts)
+        except (SystemExit, Exception) as e:  # a config that cannot be read or bound: it says why
+            log(f"reload refused, the workers keep serving as they were: {getattr(e, 'reason', e)}")
+            return
+        if opts.relay_metrics_listen != self.opts.relay_metrics_listen:
+            log("reload: relay_metrics_listen changes on a restart, not a reload")
+        for lst in new:
+            log(f"reload: {lst.mode.description} listening at {lst.where}")
+        self.reloaded = (kept + new, opts)
+        self.incoming = self._generation(kept + new)
+        log(f"reload: starting {len(self.incoming)} workers with the configuration read again")
+        # One at a time: a worker's start takes a core for a second or two, which the
+        # workers serving meanwhile need (all at once: first token p50 x10 during a reload).
+        self.incoming[0].start()
+
+    def _take_over(self) -> None:
+        assert self.reloaded is not None
+        for w in self.workers:
+            # A ready worker finishes its turns; one not ready has none (nor a handler yet).
+            w.signal(listeners.RETIRE_SIGNAL if w.ready else signal.SIGKILL)
+        self.retiring += self.workers
+        self.workers, self.incoming = self.incoming, []
+        listening, self.opts = self.reloaded
+        self.reloaded = None
+        still = {id(lst.sockets) for lst in listening}
+        dropped = [lst for lst in self.listeners if id(lst.sockets) not in still]
+        for lst in dropped:  # nobody accepts there any more: no new connection waits in vain
+            for sock in lst.sockets:
+                listeners.refuse_handshakes(sock.fileno())
+        self.unused += dropped
+        self.listeners = listening
+        log(f"reloaded: {self._ready_line()}; the {len(self.retiring)} before them finish their turns in flight")
+
+    def _abandon_reload(self, why: str) -> None:
+        for w in self.incoming:
+            w.signal(signal.SIGKILL)
+            if w.proc is not None:
+                w.proc.wait()
+            w.close()
+        self.incoming = []
+        if self.reloaded is not None:
+            current = {id(lst.sockets) for lst in self.listeners}
+            for lst in self.reloaded[0]:
+                if id(lst.sockets) not in current:
+                    for sock in lst.sockets:
+                        sock.close()
+            self.reloaded = None
+        log(f"reload failed: {why}; the workers keep serving as they were")
+
+    def _listeners_for(self, opts: optmanager.OptManager) -> tuple[list[Listener], list[Listener]]:
+        """The listeners `opts` names: (those on an address bound already, its sockets kept
+        whatever the mode there now, those bound now)."""
+        bound = {self._address(lst.mode, self.opts): lst for lst in self.listeners}
+        kept, specs = [], []
+        for spec in opts.mode:
+            mode = mode_specs.ProxyMode.parse(spec)
+            if (lst := bound.get(self._address(mode, opts))) is not None:
+                kept.append(Listener(mode, lst.sockets))
+            else:
+                specs.append(spec)
+        return kept, bind_listeners(opts, specs)
+
+    @staticmethod
+    def _address(mode: mode_specs.ProxyMode, opts: optmanager.OptManager) -> tuple[str, int | None]:
+        return mode.listen_host(opts.listen_host), mode.listen_port(opts.listen_port)
 
     def _look_after(self, w: Worker) -> None:
         now = time.monotonic()
+        if w.proc is None:
+            return
         if w.restart_at is None and w.exited():
-            assert w.proc is not None  # exited() says it ran
             code = w.proc.returncode
             w.became_ready()  # whether it said so before it died
             w.close()
             lost = metrics.in_flight_of(w.proc.pid, self.metrics_dir)
             metrics.forget_process(w.proc.pid, self.metrics_dir)
-            # Exited on its own before it was ready: its start fails (a configuration or a
-            # resource gone bad since). Killed before it was ready (a signal: the OOM killer,
-            # an operator) it is restarted like any worker that died.
+            # Exited on its own before it was ready: its configuration (or a resource it
+            # names) does not serve. Killed (a signal: the OOM killer, an operator) it is
+            # restarted like any worker that died, start-up included.
             failed_start = not w.ready and code > 0
+            if failed_start and not self.serving and not any(o.served for o in self.workers):
+                raise StartFailed(f"worker {w.index} exited ({code}) before it was ready, see its output above; "
+                                  "stopping")
+            if failed_start and w in self.incoming:
+                self._abandon_reload(f"worker {w.index} exited ({code}) before it was ready, see its output above")
+                return
             w.ready = False
+            w.died = True
             w.pause = RESTART_PAUSE[0] if now - w.started_at > 60 else min(w.pause * 2, RESTART_PAUSE[1])
             w.restart_at = now + w.pause
             if failed_start:
-                if not any(other.ready for other in self.workers):
-                    raise StartFailed(f"worker {w.index} exited ({code}) before it was ready again, see its "
-                                      "output above, and no worker is serving; stopping", exit_code=1)
                 log(f"worker {w.index} exited ({code}) before it was ready again, see its output above; "
                     f"next try in {w.pause:.0f} s")
                 return
@@ -391,21 +539,39 @@ class Supervisor:
                         else "no record of them")
             in_flight = (f" with {lost} request(s) in flight ({recorded}; their clients saw the connection "
                          f"reset)") if lost else ""
-            others = "the others serve" if any(other.ready for other in self.workers) else "no worker serves meanwhile"
+            others = "the others serve" if any(o.ready for o in self.workers) else "no worker serves meanwhile"
             log(f"worker {w.index} exited ({code}){in_flight}; {others}, restarting it in {w.pause:.0f} s")
         elif w.restart_at is not None and now >= w.restart_at:
             w.start()
         elif w.became_ready():
-            log(f"worker {w.index} ready again")
+            if w.died:
+                log(f"worker {w.index} ready again")
+        elif not w.ready and w.restart_at is None and now - w.started_at > READY_TIMEOUT:
+            log(f"worker {w.index} was not ready within {READY_TIMEOUT:.0f} s; killing it")
+            w.signal(signal.SIGKILL)
+
+    def _look_after_retiring(self) -> None:
+        for w in list(self.retiring):
+            if w.exited():
+                assert w.proc is not None
+                metrics.forget_process(w.proc.pid, self.metrics_dir)
+                w.close()
+                self.retiring.remove(w)
+                log(f"worker {w.index} (before the reload) finished its turns and exited ({w.proc.returncode})")
+        if not self.retiring and self.unused:
+            for lst in self.unused:
+                for sock in lst.sockets:
+                    sock.close()
+            self.unused = []
+
+    def _all_listeners(self) -> list[Listener]:
+        return [*self.listeners, *self.unused, *(self.reloaded[0] if self.reloaded else [])]
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
 
     def _reload(self, signum, frame) -> None:
-        # Each worker re-reads certificates and key files and reopens the log (ttft_relay/reload.py).
-        for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGHUP)
+        self.reload_asked = True  # done by the main loop, once start-up is over
 
     def _record_what_the_dead_left(self) -> None:
         """Before a stop: a worker that died and whose replacement is not running yet (its
@@ -428,13 +594,27 @@ class Supervisor:
 
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # No new connection from here on; what the kernel queued is served (listeners.py).
+        for lst in self._all_listeners():
+            for sock in lst.sockets:
+                listeners.refuse_handshakes(sock.fileno())
         self._record_what_the_dead_left()
+        everyone = [*self.workers, *self.incoming, *self.retiring]
         # Each worker answers its flows in flight ("relay shutting down") and records them.
-        for w in self.workers:
-            if w.proc is not None and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGINT)  # as Ctrl-C: done hooks run, logs are flushed
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for w in self.workers:
+        for w in everyone:
+            w.signal(signal.SIGINT)  # as Ctrl-C: done hooks run, logs are flushed
+        # The workers accept what the kernel queued, then let go: the supervisor's copies too,
+        # so that the sockets close (connections refused, not left waiting) while they finish.
+        fds = [sock.fileno() for lst in self._all_listeners() for sock in lst.sockets if sock.fileno() >= 0]
+        deadline = time.monotonic() + listeners.DRAIN_S
+        while any(listeners.queued(fd) for fd in fds) and time.monotonic() < deadline:
+            time.sleep(listeners.POLL_S)
+        for lst in self._all_listeners():
+            for sock in lst.sockets:
+                sock.close()
+        deadline = time.monotonic() + stop_timeout(self.opts.relay_shutdown_grace)
+        for w in everyone:
             if w.proc is None:
                 continue
             try:
@@ -443,23 +623,57 @@ class Supervisor:
                 w.proc.kill()
                 w.proc.wait()
             w.close()
-        for lst in self.listeners:
+        for lst in self._all_listeners():
             for sock in lst.sockets:
                 sock.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        try:
+            if self.pid_file.read_text().strip() == str(os.getpid()):
+                self.pid_file.unlink()
+        except OSError:
+            pass
 
 
-def split_workers(argv: list[str]) -> tuple[int, list[str]]:
+def pid_file(opts: optmanager.OptManager) -> Path:
+    """Where a supervisor writes its pid for `ttft-relay reload`: in the relay's confdir,
+    named by its first listener's port (two relays may share a confdir, not a port)."""
+    first = mode_specs.ProxyMode.parse(opts.mode[0]) if opts.mode else None
+    port = first.listen_port(opts.listen_port) if first is not None else opts.listen_port
+    return Path(os.path.expanduser(opts.confdir)) / f"ttft-relay-{port}.pid"
+
+
+def reload_main(argv: list[str]) -> int:
+    """`ttft-relay reload [the run's arguments]`: SIGHUP to the supervisor that runs with them."""
+    _, args, _ = split_workers(argv)
+    _, opts = worker_options(args)
+    path = pid_file(opts)
+    try:
+        pid = int(path.read_text())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError) as e:
+        why = "no such process (a relay that was killed left it)" if isinstance(e, ProcessLookupError) else (
+            f"cannot read {path}" if not isinstance(e, PermissionError) else f"not allowed to signal it ({path})")
+        log(f"reload: no relay to reload: {why}. `ttft-relay reload` reaches a relay started by scripts/relay "
+            "or `ttft-relay run --workers N|auto`, given the same options (the same confdir and first "
+            "listener); under systemd: sudo systemctl reload ttft-relay")
+        return 1
+    log(f"reload: asked the relay (pid {pid}); its output says when the new workers have taken over")
+    return 0
+
+
+def split_workers(argv: list[str]) -> tuple[int, list[str], bool]:
     """`--workers N|auto` (or `--workers=N`; the last one counts; default 1) out of the
-    command line; the rest is mitmdump's."""
+    command line: (N, the rest, which is mitmdump's, whether a supervisor runs them). `auto`
+    (one per core) is supervised even on one core: a reload then replaces the worker
+    without dropping a turn; `--workers 1` (the default) is the one process, nothing between."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--workers", default="1")
     ns, rest = ap.parse_known_args(argv)
     if ns.workers == "auto":
-        return default_workers(), rest
+        return default_workers(), rest, True
     if not ns.workers.isdigit() or int(ns.workers) < 1:
         raise SystemExit(f"--workers must be a number of at least 1, or auto (one per core), not {ns.workers!r}")
-    return int(ns.workers), rest
+    return int(ns.workers), rest, int(ns.workers) > 1
 
 
 def default_workers() -> int:
@@ -468,8 +682,8 @@ def default_workers() -> int:
 
 
 def main(argv: list[str]) -> int:
-    workers, args = split_workers(argv)
-    if workers == 1:
+    workers, args, supervised = split_workers(argv)
+    if not supervised:
         launch.start("mitmdump", args)
     try:
         supervisor = Supervisor(args, workers)

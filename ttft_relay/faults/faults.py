@@ -32,13 +32,13 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.tls import TlsData
 
-from .. import state
+from .. import listeners, state
 from ..apis.other import API as OTHER_API
 from ..apis.api import Api
 from ..apis.reader import Watcher
 from . import apierrors
 from ..patches import connections, pins
-from ..patches.fixes import answer_on_head, error_replies, stream_resets, trailers
+from ..patches.fixes import answer_on_head, error_replies, inherited_listeners, stream_resets, trailers
 from ..observe import selfwatch
 from ..timing import timing
 
@@ -437,6 +437,10 @@ class Deadlines:
 
 
 SHUTDOWN_STATUS = 503
+SHUTDOWN_GRACE_S = 30
+"""The default of relay_shutdown_grace: a coding agent's turn streams for seconds to
+minutes, and one cut is sent again (paid twice). deploy/ttft-relay.service gives the stop
+TimeoutStopSec=45: the grace, the cut flows' answers (CUT_WAIT_S) and exiting."""
 CUT_WAIT_S = 5.0
 POLL_S = 0.01
 """How long a stop waits for the flows it cut to be answered and recorded (they take
@@ -457,30 +461,43 @@ class Shutdown:
     closes. mitmproxy would run the `done` hooks first (the log closes) and only then
     cancel the connections, cutting each client off without a word or a record.
 
-    `relay_shutdown_grace` lets flows in flight finish on their own first; requests
-    arriving meanwhile get the 503. Flows still uploading their request (nothing
-    forwarded, nothing to end cleanly) are recorded by timing's `done` and cut.
+    First the listeners close (`listeners.let_go`): new connections are refused, the
+    ones the kernel had queued are served. `relay_shutdown_grace` (default
+    SHUTDOWN_GRACE_S, within the systemd unit's TimeoutStopSec) lets flows in flight
+    finish on their own; requests arriving meanwhile on open connections get the 503.
+    Flows still uploading their request (nothing forwarded, nothing to end cleanly) are
+    recorded by timing's `done` and cut.
+
+    A worker retiring on a reload (`listeners.RETIRE_SIGNAL` from the supervisor,
+    ttft_relay/workers.py) lets go of its listeners (the workers replacing it accept
+    from them), goes on serving the requests of its open connections, each answer
+    with `Connection: close` (HTTP/1: the client's next request goes to a new worker),
+    and stops once nothing is in flight or the grace is over.
     Must come before timing in relay.py's list: timing's `done` closes the log; its
     stop runs from `StopFirst`, before every other addon's `done`.
     """
 
     def __init__(self) -> None:
-        self.grace = 0
+        self.grace = SHUTDOWN_GRACE_S
         self.stopping = False
+        self.retiring = False
         self.in_flight: set[http.HTTPFlow] = set()
+        self._retire_task: asyncio.Task | None = None
 
     def load(self, loader) -> None:
         loader.add_option(
-            "relay_shutdown_grace", int, 0,
-            "Seconds a clean stop lets requests in flight finish on their own before it "
-            "ends them with the API's error; 0: end them at once.",
+            "relay_shutdown_grace", int, SHUTDOWN_GRACE_S,
+            "Seconds a clean stop (or a worker retiring on a reload) lets requests in flight "
+            "finish on their own before it ends them with the API's error; 0: end them at once. "
+            "Keep it under the systemd unit's TimeoutStopSec.",
         )
-        if pins.on(answer_on_head):
-            answer_on_head.install(by="shutdown")
 
     def configure(self, updated) -> None:
         if "relay_shutdown_grace" in updated:
             self.grace = max(ctx.options.relay_shutdown_grace, 0)
+        # Here, not in `load`: the supervisor declares this addon's options without running it.
+        if pins.on(answer_on_head):
+            answer_on_head.install(by="shutdown")
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -492,11 +509,34 @@ class Shutdown:
             return
         self.in_flight.add(flow)
 
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if self.retiring and flow.response is not None and flow.request.http_version.startswith("HTTP/1"):
+            flow.response.headers["connection"] = "close"
+
     def response(self, flow: http.HTTPFlow) -> None:
         self.in_flight.discard(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self.in_flight.discard(flow)
+
+    def running(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(listeners.RETIRE_SIGNAL, self.retire)
+        except (NotImplementedError, AttributeError, RuntimeError):  # no such signal here (Windows)
+            pass
+
+    def retire(self) -> None:
+        if self.retiring or self.stopping:
+            return
+        self.retiring = True
+        self._retire_task = asyncio.get_running_loop().create_task(self._retire())
+
+    async def _retire(self) -> None:
+        await self._let_go(refuse=False)
+        if waiting := self._live():
+            logger.info("retiring: finishing %d flow(s) in flight", len(waiting))
+            await _until(lambda: not self._live(), self.grace)
+        ctx.master.shutdown()
 
     async def done(self) -> None:
         await self.stop()  # StopFirst stopped already; where it is not loaded, here
@@ -506,6 +546,12 @@ class Shutdown:
         if self.stopping:
             return
         self.stopping = True
+        try:
+            asyncio.get_running_loop().remove_signal_handler(listeners.RETIRE_SIGNAL)
+        except (NotImplementedError, AttributeError, RuntimeError):
+            pass
+        if not self.retiring:
+            await self._let_go(refuse=True)
         if self.grace and (waiting := self._live()):
             logger.info("stopping: waiting up to %d s for %d flow(s) in flight", self.grace, len(waiting))
             await _until(lambda: not self._live(), self.grace)
@@ -522,6 +568,11 @@ class Shutdown:
             logger.info("stopping: ending %d flow(s) in flight", len(_replying))
             await _until(lambda: not _replying, CUT_WAIT_S)
             _replying.clear()
+
+    @staticmethod
+    async def _let_go(refuse: bool) -> None:
+        await listeners.let_go(listeners.tcp_servers(ctx.master.addons.get("proxyserver")), refuse=refuse)
+        inherited_listeners.release()
 
     def _live(self) -> list[http.HTTPFlow]:
         return [f for f in self.in_flight if f.live]

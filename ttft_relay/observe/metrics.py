@@ -73,6 +73,10 @@ from . import multiproc, series
 
 logger = logging.getLogger(__name__)
 
+LISTEN_FIX = ("To serve them, give the metrics another port (--set relay_metrics_listen=127.0.0.1:9465) "
+              "or turn them off (--set relay_metrics_listen=).")
+"""What a taken metrics port's warning says to do (9464 is also OpenTelemetry's exporter's
+default: a second relay, or a collector, on the same machine takes it)."""
 WORKER_ENV = "TTFT_RELAY_WORKER"
 """Set by ttft_relay/workers.py in each worker: record, but leave serving to the supervisor."""
 DEFAULT_LISTEN = "127.0.0.1:9464"
@@ -448,7 +452,8 @@ class Metrics:
             (host, port), self.server = serve(self.listen, registry)
         except OSError as e:
             # Not fatal: the relay's job is relaying. (An error at start-up would stop mitmdump.)
-            logger.warning("metrics endpoint not started on %s: %s", self.listen, e.strerror or e)
+            logger.warning("metrics endpoint not started on %s: %s; the relay runs without it. %s",
+                           self.listen, e.strerror or e, LISTEN_FIX)
             return
         logger.info("metrics at http://%s:%s/metrics", host, port)
 

@@ -67,6 +67,10 @@ class MitmdumpProcess:
             args += ["--mode", mode]
         if script is not None and relay_conf is None:
             args += ["-s", str(script)]
+        if script == RELAY_SCRIPT:
+            # A test stops its relay with the streams it holds open: ended at once (the relay's
+            # default waits up to 30 s for them to finish); a test of the grace sets its own.
+            options = {"relay_shutdown_grace": 0, **(options or {})}
         for name, value in (options or {}).items():
             args += ["--set", f"{name}={option_text(value)}"]
         args += extra_args or []

@@ -26,7 +26,9 @@ a connection waits in the one queue until some worker is free to accept it.
 - A mode that also listens on UDP (a reverse https listener's HTTP/3, reverse dns)
   serves TCP only: UDP sockets are not shared, so HTTP/3 needs `--workers 1`.
 - Each server gets its own duplicates of the descriptors: closing it (the worker stops)
-  leaves the shared socket listening for the other workers.
+  leaves the shared socket listening for the other workers. A stopping or retiring
+  worker closes the inherited descriptors too (`release`): a socket no process serves
+  any more then closes, and refuses.
 """
 
 from __future__ import annotations
@@ -106,6 +108,20 @@ async def _start(self: mode_servers.AsyncioServerInstance) -> None:
         if not _serving:
             _waiting.append(server)
     self._servers = servers
+
+
+def release() -> None:
+    """This process lets go of the inherited sockets (a stop, or retiring on a reload), its
+    servers closed (`listeners.let_go`): the socket closes once no process holds it, and
+    a connection is refused from then on instead of waiting in a queue nobody serves. Its
+    modes are no longer served from them."""
+    for fds in _inherited.values():
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _inherited.clear()
 
 
 def serve_after_startup() -> None:
