@@ -344,6 +344,9 @@ def _trim_note(trim: Any) -> str:
     by = f"{by} {trim['window']}" if trim.get("window") else by
     if trim.get("trimmed"):
         note = f"; trimmed {trim.get('tokens_before')}→{trim.get('tokens_after')} tokens (budget {trim.get('budget')} by {by})"
+        if trim.get("over_budget"):
+            note += (f", over budget: {trim.get('dropped_rounds')} older rounds of the newest turn left out, "
+                     f"{trim.get('cut_results')} of its newest tool results cut")
     elif trim.get("over_budget"):
         note = f"; over budget {trim.get('budget')} by {by}"
     else:

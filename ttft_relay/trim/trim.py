@@ -246,7 +246,8 @@ class Trim:
         budget = self._budget(flow, st, learned)
         if counter is None or budget is None:
             return
-        work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
+        # At the limit the refusal named, no deeper: no room left for the next requests.
+        work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice, False)
         self._handed = self.worker.submit(self._work, *work)
         result, content = await asyncio.wrap_future(self._handed)
         logger.info(
@@ -298,9 +299,9 @@ class Trim:
         if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
 
-    def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:
+    def _work(self, body, api, budget, counter, notice, headroom=True) -> tuple[trimming.TrimResult, bytes | None]:
         """In the worker thread: the trim, and the new body's bytes if there is one."""
-        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice)
+        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
         return result, None if result.body is None else orjson.dumps(result.body)
 
     def _log_failure_once(self, e: Exception) -> None:
