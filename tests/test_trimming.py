@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ttft_relay import apis
-from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim import tokens, trimming, turns
 from ttft_relay.trim.trimming import Budget
 from ttft_relay.testing import shaped
 
@@ -456,3 +456,47 @@ def test_trimmed_requests_of_generated_sessions_share_their_prefix(api):
         assert new_cuts * 10 <= GENERATED_TRIMMED, (seed, new_cuts)  # at most one trimmed request in ten
     worst = {profile: round(min(m), 3) for profile, m in means.items()}
     assert len(worst) == len(shaped.PROFILES) and min(worst.values()) >= GENERATED_SHARE_GOAL, worst
+
+
+# --- WebSocket turns ---------------------------------------------------------------------------
+
+
+def test_a_socket_puts_each_turns_whole_conversation_together():
+    api = apis.get(RESPONSES)
+    conversation = turns.SocketConversation(api.websocket_turns, api.trim_shape)
+    prompt = {"type": "message", "role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    prewarm = {"type": "response.create", "model": "m", "generate": False, "input": [prompt]}
+    request, items = conversation.whole(prewarm)
+    assert request == {"model": "m", "generate": False, "input": [prompt]} and items == [prompt]
+    conversation.started(turns.Turn(request, items, "m", {}))
+    conversation.completed("resp_1", [])
+    # The turn continuing the prewarm adds nothing; the next one the call's output.
+    request, items = conversation.whole({"type": "response.create", "model": "m", "previous_response_id": "resp_1",
+                                         "input": []})
+    assert request == {"model": "m", "input": [prompt]}
+    conversation.started(turns.Turn(request, items, "m", {}))
+    conversation.completed("resp_2", [call])
+    request, _ = conversation.whole({"model": "m", "previous_response_id": "resp_2", "input": [output]})
+    assert request["input"] == [prompt, call, output]
+    # A response this socket did not carry: not known, and nothing after it either.
+    assert conversation.whole({"model": "m", "previous_response_id": "resp_elsewhere", "input": []}) is None
+    conversation.started(None)
+    conversation.completed("resp_3", [call])
+    assert conversation.whole({"model": "m", "previous_response_id": "resp_3", "input": []}) is None
+
+
+def test_a_turns_refusal_and_completion_are_read_from_its_events():
+    protocol = apis.get(RESPONSES).websocket_turns
+    error = {"type": "invalid_request_error", "code": "context_length_exceeded", "message": "too long"}
+    assert protocol.refusal(orjson.dumps({"type": "error", "status": 400, "error": error})) == (
+        400, orjson.dumps({"error": error}))
+    failed = {"type": "response.failed", "response": {"id": "r", "status": "failed", "error": error}}
+    assert protocol.refusal(orjson.dumps(failed)) == (400, orjson.dumps({"error": error}))
+    assert protocol.refusal(b'{"type": "response.output_text.delta", "delta": "x"}') is None
+    assert protocol.refusal(b'{"type": "error", "error": "not an object"}') is None
+    done = {"type": "response.completed", "response": {"id": "resp_1", "output": [{"type": "message"}]}}
+    assert protocol.completed(orjson.dumps(done)) == ("resp_1", [{"type": "message"}])
+    assert protocol.completed(b'{"type": "response.completed", "response": {"output": []}}') is None
+    assert protocol.completed(b"not json") is None

@@ -39,6 +39,9 @@ class FlowState:
     """The parsed request body while request hooks run; dropped once forwarded."""
     prompt_tokens: int | None = None
     trim: dict[str, Any] | None = None
+    turn_trim: dict[str, Any] | None = None
+    """A WebSocket's: what trimming did to the turn whose message is being passed on (the
+    trim addon's stats), taken by that turn's record (updated in place after a refusal)."""
     watcher: Watcher | None = None
     """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""
     error: str | None = None

@@ -28,18 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
+from mitmproxy.websocket import WebSocketMessage
 
 from .. import state
 from ..patches import pins
 from ..patches.fixes import resend
 from ..flows import upstream_name
-from . import tokens, trimming, windows
+from ..apis.api import Api
+from . import tokens, trimming, turns, windows
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ class Trim:
         """The last request handed to the worker: until it is done (the worker runs them in
         order), the caches are the worker's and every request goes there."""
         self._failures_logged: set[str] = set()
+        self._sockets: weakref.WeakKeyDictionary[http.HTTPFlow, turns.SocketConversation] = weakref.WeakKeyDictionary()
+        """Each Responses WebSocket's conversation, for trimming its turns."""
 
     def load(self, loader: addonmanager.Loader) -> None:
         loader.add_option("relay_trim", bool, True, "Trim oversized conversation histories before they go upstream.")
@@ -243,13 +248,12 @@ class Trim:
             return
         self.learned.learn(learned)
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
-        budget = self._budget(flow, st, learned)
+        budget = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"), learned)
         if counter is None or budget is None:
             return
         # At the limit the refusal named, no deeper: no room left for the next requests.
         work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice, False)
-        self._handed = self.worker.submit(self._work, *work)
-        result, content = await asyncio.wrap_future(self._handed)
+        result, content = await self._in_worker(*work)
         logger.info(
             "%s: %s takes at most %s tokens (its refusal): learned; %s", upstream, st.model,
             refusal.max_input or refusal.window,
@@ -264,17 +268,17 @@ class Trim:
         st.marks.pop("head_arrived", None)  # the refused answer's head
         resend.again(flow)
 
-    def _budget(self, flow: http.HTTPFlow, st: state.FlowState,
+    def _budget(self, model: str | None, api: Api, body: Any, anthropic_beta: str | None,
                 learned: windows.Learned | None) -> windows.Budget | None:
         return windows.budget_for(
-            st.model,
-            trimming.max_output(st.api, st.request_json),
-            windows=st.api.windows,
+            model,
+            trimming.max_output(api, body),
+            windows=api.windows,
             configured=self.configured,
             learned=learned,
             user_max=ctx.options.relay_trim_max_tokens,
             default_reserve=ctx.options.relay_trim_reserve_tokens,
-            long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
+            long_context=trimming.long_context(api, anthropic_beta),
         )
 
     async def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
@@ -282,15 +286,15 @@ class Trim:
         if counter is None:
             st.trim = trimming.untouched_stats("no tokenizer")
             return
-        budget = self._budget(flow, st, self.learned.get(upstream_name(flow), st.model))
+        learned = self.learned.get(upstream_name(flow), st.model)
+        budget = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"), learned)
         work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
         if (self._handed is None or self._handed.done()) and _small(flow.request):
             # The worker has nothing left to do, so its caches are free; this little is
             # counted faster than handing it over costs.
             result, content = self._work(*work)
         else:
-            self._handed = self.worker.submit(self._work, *work)
-            result, content = await asyncio.wrap_future(self._handed)
+            result, content = await self._in_worker(*work)
         if content is not None:
             # Re-encoded to the request's Content-Encoding; Content-Length follows.
             flow.request.content = content
@@ -299,10 +303,113 @@ class Trim:
         if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
 
-    def _work(self, body, api, budget, counter, notice, headroom=True) -> tuple[trimming.TrimResult, bytes | None]:
-        """In the worker thread: the trim, and the new body's bytes if there is one."""
+    def _work(self, body, api, budget, counter, notice, headroom=True,
+              encode: Callable[[dict], bytes] = orjson.dumps) -> tuple[trimming.TrimResult, bytes | None]:
+        """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one."""
         result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
-        return result, None if result.body is None else orjson.dumps(result.body)
+        return result, None if result.body is None else encode(result.body)
+
+    async def _in_worker(self, *work: Any) -> tuple[trimming.TrimResult, bytes | None]:
+        self._handed = self.worker.submit(self._work, *work)
+        return await asyncio.wrap_future(self._handed)
+
+    # --- WebSocket turns (the Responses API's, Codex's default transport) ---------------
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or st.api.trim_shape is None or st.api.websocket_turns is None:
+            return
+        self._sockets[flow] = turns.SocketConversation(st.api.websocket_turns, st.api.trim_shape)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self._sockets.pop(flow, None)
+
+    async def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """A turn's `response.create` is trimmed like an HTTP request (the message is
+        re-encoded only then; otherwise it passes byte for byte); a refusal of it as too
+        long that names the limit is learned from, and the turn sent once more, trimmed to
+        it, on the same socket, the refusal kept from the client."""
+        conversation = self._sockets.get(flow)
+        st = state.get(flow)
+        if conversation is None or st is None or flow.websocket is None or not ctx.options.relay_trim:
+            return
+        message = flow.websocket.messages[-1]
+        if message.injected or not message.is_text:
+            return
+        try:
+            if message.from_client:
+                await self._turn(flow, st, conversation, message)
+            elif (done := conversation.protocol.completed(message.content)) is not None:
+                conversation.completed(*done)
+            elif conversation.turn is not None and not conversation.turn.resent:
+                await self._turn_refused(flow, st, conversation, conversation.turn, message)
+        except Exception as e:  # the message goes on as it came
+            self._log_failure_once(e)
+
+    async def _turn(self, flow: http.HTTPFlow, st: state.FlowState, conversation: turns.SocketConversation,
+                    message: WebSocketMessage) -> None:
+        protocol = conversation.protocol
+        body = protocol.request(message.content)
+        if body is None:
+            return
+        model = protocol.model(body)
+        whole = conversation.whole(body)
+        counter = tokens.counter_for(model, self.tokenizers, self.counts)
+        if whole is None or counter is None:
+            conversation.started(None)
+            st.turn_trim = trimming.untouched_stats(
+                "continues a response this socket did not carry: its conversation is the upstream's"
+                if whole is None else "no tokenizer")
+            return
+        request, items = whole
+        learned = self.learned.get(upstream_name(flow), model)
+        budget = self._budget(model, st.api, request, None, learned)
+        work = (request, st.api, budget, counter, ctx.options.relay_trim_notice, True, protocol.start)
+        result, content = await self._in_worker(*work)
+        if content is not None:
+            message.content = content
+        st.turn_trim = result.stats
+        conversation.started(turns.Turn(request, items, model, result.stats))
+
+    async def _turn_refused(self, flow: http.HTTPFlow, st: state.FlowState, conversation: turns.SocketConversation,
+                            turn: turns.Turn, message: WebSocketMessage) -> None:
+        api_windows = st.api.windows
+        failed = conversation.protocol.refusal(message.content)
+        if failed is None or api_windows is None:
+            return
+        refusal = api_windows.too_long(*failed)
+        if refusal is None:
+            return
+        sent_tokens = turn.stats.get("tokens_after")
+        refused = {"status": failed[0], "max_input": refusal.max_input, "window": refusal.window,
+                   "provider_tokens": refusal.prompt_tokens, "relay_tokens": sent_tokens, "resent": False}
+        turn.stats["refused"] = refused
+        upstream = upstream_name(flow)
+        learned = windows.learned_from(upstream, turn.model, refusal, sent_tokens)
+        if learned is None:
+            logger.info("%s refused a turn of %s as too long without naming its limit: passed to the client",
+                        upstream, turn.model)
+            return
+        self.learned.learn(learned)
+        counter = tokens.counter_for(turn.model, self.tokenizers, self.counts)
+        budget = self._budget(turn.model, st.api, turn.request, None, learned)
+        if counter is None or budget is None or not flow.live:
+            return
+        # At the limit the refusal named, no deeper, as for HTTP.
+        work = (turn.request, st.api, budget, counter, ctx.options.relay_trim_notice, False, conversation.protocol.start)
+        result, content = await self._in_worker(*work)
+        logger.info(
+            "%s: %s takes at most %s tokens (its refusal of a WebSocket turn): learned; %s", upstream, turn.model,
+            refusal.max_input or refusal.window,
+            "trimmed to it and sent once more" if content is not None else f"not resent ({result.stats['reason']})",
+        )  # fmt: skip
+        turn.resent = True
+        resent = content is not None
+        turn.stats.clear()
+        turn.stats.update(result.stats, refused={**refused, "resent": resent})
+        if resent:
+            message.drop()  # the client gets the second answer only
+            ctx.master.commands.call("inject.websocket", flow, False, content, True)
 
     def _log_failure_once(self, e: Exception) -> None:
         # One line per place of failure, not per message text: that set stays small.
