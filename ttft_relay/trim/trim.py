@@ -9,13 +9,17 @@ model ids), or within a smaller budget the user sets: old tool results and argum
 shrunk, then old turns dropped, in cuts that stay put from turn to turn so the
 provider's prompt cache keeps hitting (see `trimming`). A model whose window it does not
 know is not trimmed unless the user set a budget. It fails open: when nothing is
-trimmed, or anything goes wrong, the client's exact bytes go upstream.
+trimmed, or anything goes wrong, the client's exact bytes go upstream. The cuts are
+kept beside the timing log (`plans`), so a restarted relay and the other workers cut a
+conversation where it was cut. Codex's WebSocket turns (`response.create`) are trimmed
+the same way, each put together whole from the socket's conversation (`turns`).
 
 When the upstream refuses a request as too long and its error names the limit (before
 any byte of the answer went to the client), the addon learns that window for the
 upstream·model (kept beside the timing log, shared by every worker), trims the request
 to it and sends it once more (`patches.fixes.resend`); the client gets only the second answer,
-streamed, and the record both attempts (`trim.refused`).
+streamed, and the record both attempts (`trim.refused`). A WebSocket turn refused so is
+sent once more on its socket, the refusal kept from the client.
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
 many megabytes is counted while every other flow keeps streaming (the hook awaits the
@@ -42,7 +46,7 @@ from ..patches import pins
 from ..patches.fixes import resend
 from ..flows import upstream_name
 from ..apis.api import Api
-from . import tokens, trimming, turns, windows
+from . import plans, tokens, trimming, turns, windows
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +92,8 @@ class Trim:
     def __init__(self) -> None:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
-        self.plans = trimming.PlanCache()
+        self.plans = plans.KeptPlans()
+        """Conversations' cuts, kept beside the timing log for the next relay and the other workers."""
         self.configured: dict[str, int] = {}
         """relay_context_windows: the user's windows by model prefix."""
         self.learned = windows.LearnedWindows()
@@ -165,6 +170,8 @@ class Trim:
             log = getattr(ctx.options, "relay_timing_log", "")
             self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
             self.learned.refresh()
+            self.plans = plans.KeptPlans(Path(log).with_name(plans.FILE_NAME) if log else None)
+            self._handed = self.worker.submit(self.plans.refresh)  # read there, not on the event loop
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
@@ -291,8 +298,10 @@ class Trim:
         work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
         if (self._handed is None or self._handed.done()) and _small(flow.request):
             # The worker has nothing left to do, so its caches are free; this little is
-            # counted faster than handing it over costs.
-            result, content = self._work(*work)
+            # counted faster than handing it over costs (and the plans' file waits for the worker).
+            result, content = self._work(*work, files=False)
+            if self.plans.unsaved:
+                self._handed = self.worker.submit(self.plans.save)
         else:
             result, content = await self._in_worker(*work)
         if content is not None:
@@ -303,10 +312,15 @@ class Trim:
         if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
 
-    def _work(self, body, api, budget, counter, notice, headroom=True,
-              encode: Callable[[dict], bytes] = orjson.dumps) -> tuple[trimming.TrimResult, bytes | None]:
-        """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one."""
+    def _work(self, body, api, budget, counter, notice, headroom=True, encode: Callable[[dict], bytes] = orjson.dumps,
+              files: bool = True) -> tuple[trimming.TrimResult, bytes | None]:
+        """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one;
+        the other processes' plans read before, this one's new plan kept after (`files`)."""
+        if files:
+            self.plans.refresh()
         result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
+        if files:
+            self.plans.save()
         return result, None if result.body is None else encode(result.body)
 
     async def _in_worker(self, *work: Any) -> tuple[trimming.TrimResult, bytes | None]:
