@@ -1,6 +1,6 @@
 """Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Three parts, each beside baselines measured in the same run:
+Four parts, each beside baselines measured in the same run:
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
