@@ -58,10 +58,10 @@ def claude_loop(clis: Clis, refusing: RefusingProxy, root: Path, fake: FakeUpstr
 
 
 def codex_sandbox(refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str, rounds: int, lines: int,
-                  model: str) -> AgentSandbox:
+                  model: str, websockets: bool = False) -> AgentSandbox:
     sandbox = AgentSandbox(root, refusing.url)
     write_files(sandbox, rounds, lines)
-    config = sandbox.write_codex_config(relay_url + "/v1", websockets=False)
+    config = sandbox.write_codex_config(relay_url + "/v1", websockets=websockets)
     config.write_text(config.read_text().replace('model = "gpt-test"', f'model = "{model}"'))
     fake.behaviour.tool_call = 'exec_command {"cmd": "cat f{n}.txt"}'
     fake.behaviour.tool_rounds = rounds
@@ -237,6 +237,31 @@ def test_a_real_agent_loop_over_budget_is_still_trimmed(clis, refusing, start_re
     assert len(over) > 10 and all(t["trimmed"] and t["dropped_rounds"] > 0 for t in over), summary
     assert all(r["trim"]["tokens_after"] <= budget for r in recs), summary
     assert max(t["tokens_before"] for t in over) > 1.5 * budget, summary
+
+
+def test_codex_over_its_websocket_is_trimmed_turn_by_turn(clis, refusing, start_relay, tmp_path):
+    # Codex's default transport: one socket, a prewarm with the whole input, then each turn
+    # as what it adds to the previous response. Over budget, the relay sends each turn whole
+    # and trimmed on the same socket; Codex goes on to its answer.
+    budget = OVER_BUDGET["codex"]
+    with FakeUpstream(behaviour=Behaviour()) as fake:
+        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
+        sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=40, lines=40, model="gpt-test",
+                                websockets=True)
+        run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+        assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        (socket,) = fake.sockets
+        creates = socket.response_creates
+    assert posts(fake) == []  # no fallback to HTTP
+    turns = sorted(records(relay), key=lambda r: r["turn"])
+    assert len(turns) == len(creates) >= 41
+    trimmed = [(r, create) for r, create in zip(turns, creates) if r["trim"]["trimmed"]]
+    summary = (f"codex over WebSocket: {len(trimmed)} of {len(turns)} turns trimmed, "
+               f"{sum(r['trim']['over_budget'] for r, _ in trimmed)} over budget, tokens before "
+               f"{max(r['trim']['tokens_before'] for r, _ in trimmed)} at most")
+    print(summary)
+    assert len(trimmed) > 20 and all(r["trim"]["tokens_after"] <= budget for r in turns), summary
+    assert all("previous_response_id" not in create for _, create in trimmed)  # sent whole
 
 
 OVER_BUDGET = {"claude": 16_000, "codex": 10_500}

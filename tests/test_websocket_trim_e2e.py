@@ -92,6 +92,8 @@ def test_a_refusal_naming_the_window_is_learned_and_the_turn_sent_again_in_the_s
     relay = shared_relay(reverse_to(fake))
     relay.wait_for_output(r"tokenizer")
     create = codex_create(12)
+    # A conversation of its own: the module's relays keep their plans in one file (one log directory).
+    create["instructions"] = "Refused once. " + create["instructions"]
     window = 30_000
     assert tokens_of(create) > window
     knobs = {"x-fake-window": str(window), "x-fake-window-named": "1"}

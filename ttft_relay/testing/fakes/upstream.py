@@ -131,7 +131,7 @@ class Behaviour:
     """WebSocket: the refusal names the window, in Chat Completions' words ("maximum context
     length is N tokens"), as OpenAI-compatible servers word it for every API."""
     tool_call: str | None = None
-    """An agent loop (`replies.ToolLoop`, HTTP answers only): the tool call to answer with, its
+    """An agent loop (`replies.ToolLoop`, HTTP and WebSocket answers): the tool call to answer with, its
     name, a space and its JSON arguments, `{n}` in them the round (0, 1, ...) ..."""
     tool_rounds: int = 0
     """... while the request carries fewer than this many tool results; then the text answer."""

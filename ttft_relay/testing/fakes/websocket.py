@@ -18,7 +18,9 @@ The knobs are `Behaviour`'s, read from the upgrade request's `x-fake-*` headers
   `head_delay_ms` delays the `101`; `reset_before_headers` resets instead of answering;
   `close_after_accept` closes the socket with that code right after the `101`;
 - per turn: `window` refuses a `response.create` over that many tokens (its bytes / 4)
-  with the API's `error` event (`window_named`: naming the window), the prefill before the first text delta (`prefill_ms`, and
+  with the API's `error` event (`window_named`: naming the window); `tool_call` and
+  `tool_rounds` answer with the agent loop's calls as over HTTP (a turn continuing a
+  response counts the rounds of that response's calls too), the prefill before the first text delta (`prefill_ms`, and
   `prefill_ms_per_1k_tokens` of the message's uncached tokens, which its usage reports with
   `cached_tokens`), `gap_ms` between the other events (and `midstream_pause_ms` more after
   the first text delta), `chunks` text pieces,
@@ -57,7 +59,7 @@ from wsproto.extensions import PerMessageDeflate
 from ttft_relay.testing import sse_samples
 from ttft_relay.testing.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
 from ttft_relay.testing.fakes.replies import (
-    CHARS_PER_TOKEN, OPENAI_CHAT, OPENAI_RESPONSES, answer_pieces, prompt_tokens)
+    CHARS_PER_TOKEN, OPENAI_CHAT, OPENAI_RESPONSES, ToolLoop, answer_pieces, loop_round, prompt_tokens)
 
 if TYPE_CHECKING:
     from ttft_relay.testing.fakes.upstream import Behaviour
@@ -286,8 +288,13 @@ class ResponsesSocket:
             model = message.get("model") if isinstance(message.get("model"), str) else sse_samples.OPENAI_MODEL
             pieces = [] if turn.prewarm else answer_pieces(behaviour.chunks)
             tokens, cached = prompt_tokens(json.dumps(message).encode(), behaviour.cached_tokens)
+            call: dict[str, Any] = {}
+            loop = ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds)
+            if loop is not None and not turn.prewarm and (n := loop_round(json.dumps(message).encode(), message)) < loop.rounds:
+                pieces = []
+                call = {"tool_call": (loop.name, [loop.arguments.replace("{n}", str(n))]), "tool_id": f"call_fake{n}"}
             events = [_sse_payload(e) for e in sse_samples.responses_stream(
-                pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached)]
+                pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached, **call)]
             first_token = next((i for i, e in enumerate(events) if '"response.output_text.delta"' in e), None)
         try:
             for index in range(len(events) + 1):
