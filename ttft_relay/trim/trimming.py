@@ -19,11 +19,23 @@ its target below the budget (see "Cache-stable cuts"):
    so that the model does not read the two as one question, a shape with `gap_notice`
    (Anthropic's) always starts that prompt with the notice of what was left out.
 
+Over budget — the pinned head and the newest turn alone do not fit — it goes on into
+the newest turn rather than send the whole history (`_Trimmer._into_newest_turn`):
+
+3. **Drop rounds.** The newest turn's oldest rounds (an answer with its calls, and
+   their results), down to its newest round.
+4. **Cut the newest results.** The newest round's own tool results are shrunk, one by
+   one, while it is still over the budget.
+
+The request is then the smallest the API accepts, marked (`over_budget`), even if
+what is left (head, prompt, the newest calls) is still over the budget.
+
 Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
 developer message, wherever it is (Anthropic's mid-conversation system messages too);
 context items (Codex's `<environment_context>`, `<user_instructions>`, AGENTS.md); the
 pinned head (the leading system/developer/user messages before the first answer: the
-opening context and first prompt); the newest user prompt; reasoning, thinking and
+opening context and first prompt); the newest user prompt; the newest round's calls;
+reasoning, thinking and
 redacted-thinking blocks with their signatures, server tool blocks, and anything the
 relay does not recognise, which is carried as it is.
 
@@ -418,13 +430,12 @@ class _Trimmer:
             stats.update(plan="kept", over_budget=bool(plan.rounds_to))
             total = kept_total
         else:
-            self._restore()
-            plan, total = self._new_plan(lay, floor, fixed, shape, counted_from)
-            cut_results = 0
-            if total > budget.tokens:
-                stats["over_budget"] = True
-                plan, total, cut_results = self._into_newest_turn(plan, lay, shape, total)
-            total, shrunk = self._finish(plan, lay, shape, total)
+            plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, budget.tokens)
+            if total > budget.tokens and not stats["over_budget"]:
+                # The notice (Anthropic's, always) tipped it over: once more, that much lower.
+                room = 2 * budget.tokens - total
+                plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, room)
+                stats["over_budget"] = stats["over_budget"] or total > budget.tokens
             if plan.cut == lay.head_end and not plan.rounds_to and not shrunk:
                 stats["reason"] = "over_budget"  # nothing could go: the head and the newest prompt
                 return None
@@ -444,6 +455,20 @@ class _Trimmer:
             dropped_rounds=sum(1 for r in lay.rounds if r <= plan.rounds_to),
         )
         return {**body, shape.items_key: new_items}
+
+    def _plan_anew(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
+                   room: int) -> tuple[Plan, int, int, int]:
+        """A new plan within `room` tokens (the budget, or less to leave the notice room), into
+        the newest turn if it must be: the plan, its total, how many kept items are shrunk and
+        how many newest results were cut."""
+        self._restore()
+        plan, total = self._new_plan(lay, floor, fixed, shape, counted_from, self.budget.tokens - room)
+        cut_results = 0
+        if total > room:
+            self.stats["over_budget"] = True
+            plan, total, cut_results = self._into_newest_turn(plan, lay, shape, total, room)
+        total, shrunk = self._finish(plan, lay, shape, total)
+        return plan, total, shrunk, cut_results
 
     def _finish(self, plan: Plan, lay: Layout, shape: Shape, total: int) -> tuple[int, int]:
         """After a drop, the notice in front of the first kept prompt (Anthropic's always, as
@@ -518,9 +543,10 @@ class _Trimmer:
         headroom = min(max(headroom, LEAST_HEADROOM * budget), MOST_HEADROOM * budget)
         return math.floor(budget - headroom)
 
-    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int) -> tuple[Plan, int]:
-        """Shrink, then drop, oldest first, until the request fits `target`."""
-        target = self.target(lay, shape, counted_from)
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
+                  lower: int = 0) -> tuple[Plan, int]:
+        """Shrink, then drop, oldest first, until the request fits `target` (`lower` below it)."""
+        target = self.target(lay, shape, counted_from) - lower
         self.stats["target"] = target
         n = len(self.versions)
         cut = floor
@@ -540,10 +566,11 @@ class _Trimmer:
                 cut = c
         return Plan(shrunk, cut, _anchor(self.items, cut, 0)), total
 
-    def _into_newest_turn(self, plan: Plan, lay: Layout, shape: Shape, total: int) -> tuple[Plan, int, int]:
+    def _into_newest_turn(self, plan: Plan, lay: Layout, shape: Shape, total: int,
+                          room: int) -> tuple[Plan, int, int]:
         """Over budget with every older turn dropped and everything before the newest round
         shrunk: the newest turn's oldest rounds go too, down to its newest round, until the
-        request fits the target; then, while it is still over the budget, the newest round's
+        request fits the target; then, while it is still over `room`, the newest round's
         own tool results are shrunk (each says what it held). Returns the plan, the total and
         how many results were cut."""
         target = self.stats["target"]
@@ -556,7 +583,7 @@ class _Trimmer:
         plan = Plan(plan.shrunk, plan.cut, _anchor(self.items, plan.cut, rounds_to), rounds_to)
         cut_results = 0
         for i in range(max(lay.protect_from, lay.newest), len(self.items)):
-            if total <= self.budget.tokens:
+            if total <= room:
                 break
             if not lay.always[i] and (new := shape.shrink(self.versions[i], RESULTS)) is not None:
                 total += self.replace(i, new)
