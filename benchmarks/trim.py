@@ -1,6 +1,6 @@
 """Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Three parts, each beside baselines measured in the same run:
+Four parts, each beside baselines measured in the same run:
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
@@ -24,7 +24,13 @@ Three parts, each beside baselines measured in the same run:
    trimmed, at --generated-budgets, with the relay's cut depth (room for 16 requests at the
    conversation's growth) beside the fixed 60 % before it and 8 or 24 requests' room:
    the mean and minimum share, how often a new cut came, and the context kept.
-3. Counting speed on English, Chinese and code text (the `chat` history's messages):
+3. Cuts across a restart: in the same sessions (30 turns per API, and --generated per
+   profile at the first --generated-budgets), at every trimmed request after the first
+   cut, what a relay restarted just before it would send (a fresh process: empty count
+   cache, its plans read from the file the one before kept, `plans.KeptPlans`), beside one
+   that keeps plans in memory only (as before): the share of the previous request it sends
+   again, and how often it made a new cut.
+4. Counting speed on English, Chinese and code text (the `chat` history's messages):
    tiktoken with cl100k_base (what counted gpt-4o before o200k_base could be had
    offline: the baseline), tiktoken with o200k_base from the bpe-openai wheel (what
    counts now), and bpe-openai's own Rust BPE with o200k_base; time per pass, ratios
@@ -51,7 +57,7 @@ from typing import Any
 import orjson
 
 from ttft_relay import apis
-from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim import plans, tokens, trimming
 from ttft_relay.testing import shaped
 
 REPO = Path(__file__).resolve().parent.parent
@@ -322,6 +328,65 @@ def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, t
                       f"{statistics.mean(st['tokens_after'] for st in cuts) / budget:>7.0%}")
 
 
+def restart_shares(trimmer: Trimmer, api: str, session: shaped.Session, budget: int, trimmed: int,
+                   path: Path) -> dict[str, list[tuple[float, bool]]]:
+    """For each trimmed request after the session's first cut (up to `trimmed` of them): the
+    share of the previous request that a relay restarted just before it sends again, and
+    whether it made a new cut, with plans kept in `path` ("kept") and in memory ("memory")."""
+    path.unlink(missing_ok=True)
+    counter, _ = trimmer.fresh()
+    running = plans.KeptPlans(path)
+    found: dict[str, list[tuple[float, bool]]] = {"kept": [], "memory": []}
+    previous, cut_seen = None, False
+    for body in session.requests():
+        if cut_seen and previous is not None:
+            for label, restarted in (("kept", plans.KeptPlans(path)), ("memory", trimming.PlanCache())):
+                if isinstance(restarted, plans.KeptPlans):
+                    restarted.refresh()
+                fresh, _ = trimmer.fresh()
+                result = trimmer.trim(body, api, budget, (fresh, restarted))
+                if result.stats["trimmed"]:
+                    sent = result.body if result.body is not None else body
+                    found[label].append((shaped.prefix_share(api, previous, sent), result.stats["plan"] == "new"))
+        running.refresh()
+        result = trimmer.trim(body, api, budget, (counter, running))
+        running.save()
+        cut_seen = cut_seen or result.stats["trimmed"]
+        previous = result.body if result.body is not None else body
+        if len(found["kept"]) >= trimmed:
+            break
+    return found
+
+
+def restart_table(trimmer: Trimmer, budget: int, seeds: int, trimmed: int) -> None:
+    print(f"\ncuts across a restart, budget {budget:,}: the first request after a restart before each trimmed request "
+          f"(after the first cut, up to {trimmed} per session)\nshare of the previous request it sends again; new cuts: "
+          "how often the restarted relay made one\n")
+    header = f"{'sessions':<17} {'plans':<7} {'restarts':>8} {'mean':>7} {'min':>7} {'new cuts':>9}"
+    print(header)
+    print("-" * len(header))
+    groups: dict[str, list[shaped.Session]] = {
+        f"{label} 30 turns": [shaped.Session(api, turns=30)]
+        for label, api in (("claude", shaped.ANTHROPIC), ("codex", shaped.RESPONSES), ("chat", shaped.CHAT))}
+    for seed in range(seeds * len(shaped.PROFILES)):
+        for api in (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT):
+            groups.setdefault(shaped.PROFILES[seed % len(shaped.PROFILES)], []).append(
+                shaped.generated(api, seed, turns=100_000))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / plans.FILE_NAME
+        for name, sessions in groups.items():
+            rows: dict[str, list[tuple[float, bool]]] = {"kept": [], "memory": []}
+            for session in sessions:
+                for label, found in restart_shares(trimmer, session.api, session, budget, trimmed, path).items():
+                    rows[label] += found
+            for label, found in rows.items():
+                if not found:
+                    continue
+                shares = [share for share, _ in found]
+                print(f"{name:<17} {label:<7} {len(found):>8} {statistics.mean(shares):>7.1%} {min(shares):>7.1%} "
+                      f"{sum(new for _, new in found) / len(found):>9.1%}")
+
+
 def counting_speed(repeat: int, messages: int) -> None:
     import bpe_openai
 
@@ -378,6 +443,7 @@ def main() -> None:
     sharing_table(trimmers, args.share_budget)
     if args.generated:
         sharing_generated(trimmers, args.generated_budgets, args.generated, args.generated_trimmed)
+    restart_table(trimmers[0], args.generated_budgets[0], args.generated, args.generated_trimmed)
     counting_speed(args.repeat, args.messages)
 
 

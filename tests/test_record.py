@@ -206,3 +206,14 @@ def test_cut_text_says_how_long_the_text_was_and_cuts_once():
     cut = text.cut_text("z" * 8_000_000)
     assert len(cut) <= text.ERROR_MAX and cut.endswith("… (8000000 characters)") and cut.startswith("zzz")
     assert text.cut_text(cut) == cut  # the reply, the console and the record cut it alike
+
+
+def test_the_console_line_says_what_trimming_did_and_when_it_went_into_the_newest_turn():
+    trim = {"trimmed": True, "tokens_before": 42618, "tokens_after": 15612, "budget": 16000, "budget_source": "user",
+            "window": None, "over_budget": False, "dropped_rounds": 0, "cut_results": 0}
+    assert record.summary_line(make() | {"trim": trim}).endswith("; trimmed 42618→15612 tokens (budget 16000 by user)")
+    over = record.summary_line(make() | {"trim": trim | {"over_budget": True, "dropped_rounds": 31}})
+    assert over.endswith("(budget 16000 by user), over budget: 31 older rounds of the newest turn left out, "
+                         "0 of its newest tool results cut")
+    untouched = record.summary_line(make() | {"trim": trim | {"trimmed": False, "over_budget": True}})
+    assert untouched.endswith("; over budget 16000 by user")

@@ -203,12 +203,20 @@ def test_unserializable_result_forwards_the_original_bytes(addon):
 
 
 def test_over_budget_header(addon):
+    # Over budget, the earlier turns still go: the smallest request, marked.
     body = conversation(2)
     body["messages"][-1]["content"] = "huge " * 5000
     flow, st = make_flow(orjson.dumps(body))
+    run(addon.request(flow))
+    assert st.trim["over_budget"] and st.trim["trimmed"] and st.trim["dropped_units"] == 2
+    assert orjson.loads(flow.request.content)["messages"][-1] == body["messages"][-1]
+    addon.responseheaders(flow)
+    assert flow.response.headers[HEADER].startswith("dropped=2; ") and "; over_budget; " in flow.response.headers[HEADER]
+    # Nothing can go (the head is the huge prompt): sent as it came.
+    flow, st = make_flow(orjson.dumps(conversation(0) | {"messages": [body["messages"][0], body["messages"][-1]]}))
     raw = flow.request.raw_content
     run(addon.request(flow))
-    assert flow.request.raw_content is raw and st.trim["over_budget"]
+    assert flow.request.raw_content is raw and st.trim["over_budget"] and not st.trim["trimmed"]
     addon.responseheaders(flow)
     assert flow.response.headers[HEADER].startswith("over_budget; tokens=")
 

@@ -7,7 +7,9 @@ the CLI sends one request per round, each the previous history plus the call and
 as in a real session; then the text answer. With a `window`, the fake refuses a longer request
 (its tokens: body bytes / 4) in its API's own words: Anthropic names the limit ("prompt is too
 long: N tokens > M maximum"), the Responses API does not. Codex talks HTTP SSE
-(`supports_websockets = false`): the relay trims HTTP requests.
+(`supports_websockets = false`): the fake's agent loop answers HTTP only (the relay's
+trimming of WebSocket turns is tested against the fake's socket,
+tests/test_websocket_trim_e2e.py).
 
 What each CLI did is what docs/trimming.md reports.
 """
@@ -62,10 +64,10 @@ def claude_loop(clis: Clis, refusing: RefusingProxy, root: Path, fake: FakeUpstr
 
 
 def codex_sandbox(refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str, rounds: int, lines: int,
-                  model: str) -> AgentSandbox:
+                  model: str, websockets: bool = False) -> AgentSandbox:
     sandbox = AgentSandbox(root, refusing.url)
     write_files(sandbox, rounds, lines)
-    config = sandbox.write_codex_config(relay_url + "/v1", websockets=False)
+    config = sandbox.write_codex_config(relay_url + "/v1", websockets=websockets)
     config.write_text(config.read_text().replace('model = "gpt-test"', f'model = "{model}"'))
     fake.behaviour.tool_call = 'exec_command {"cmd": "cat f{n}.txt"}'
     fake.behaviour.tool_rounds = rounds
@@ -210,3 +212,64 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
     print(summary)
     assert len(shares) > 30 and all(r["trim"]["tokens_after"] <= budget for r in recs), summary
     assert statistics.mean(shares) >= SHARE_GOAL, summary
+
+
+# --- over budget: the newest turn alone is too long ------------------------------------------------
+
+
+@pytest.mark.parametrize("cli", ["claude", "codex"])
+def test_a_real_agent_loop_over_budget_is_still_trimmed(clis, refusing, start_relay, tmp_path, cli):
+    # One prompt and 40 tool rounds: the whole loop is the newest turn, and with every old
+    # result shrunk it is still over the budget. Its oldest rounds go (it used to go out
+    # whole, growing past the budget round by round); the CLI goes on to its answer.
+    budget = OVER_BUDGET[cli]
+    with FakeUpstream(behaviour=Behaviour()) as fake:
+        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
+        if cli == "claude":
+            run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=40, lines=40)
+            assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
+        else:
+            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=40, lines=40, model="gpt-test")
+            run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+            assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        sent = [orjson.loads(body) for body, status in posts(fake)]
+    recs = records(relay)
+    assert len(recs) == len(sent) == 41
+    over = [r["trim"] for r in recs if r["trim"]["over_budget"]]
+    summary = (f"{cli}: {len(over)} of {len(recs)} requests over budget {budget}, tokens before "
+               f"{max(t['tokens_before'] for t in over)} at most, after {max(t['tokens_after'] for t in over)}, "
+               f"rounds dropped {max(t['dropped_rounds'] for t in over)} at most")
+    print(summary)
+    assert len(over) > 10 and all(t["trimmed"] and t["dropped_rounds"] > 0 for t in over), summary
+    assert all(r["trim"]["tokens_after"] <= budget for r in recs), summary
+    assert max(t["tokens_before"] for t in over) > 1.5 * budget, summary
+
+
+def test_codex_over_its_websocket_is_trimmed_turn_by_turn(clis, refusing, start_relay, tmp_path):
+    # Codex's default transport: one socket, a prewarm with the whole input, then each turn
+    # as what it adds to the previous response. Over budget, the relay sends each turn whole
+    # and trimmed on the same socket; Codex goes on to its answer.
+    budget = OVER_BUDGET["codex"]
+    with FakeUpstream(behaviour=Behaviour()) as fake:
+        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
+        sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=40, lines=40, model="gpt-test",
+                                websockets=True)
+        run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+        assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        (socket,) = fake.sockets
+        creates = socket.response_creates
+    assert posts(fake) == []  # no fallback to HTTP
+    turns = sorted(records(relay), key=lambda r: r["turn"])
+    assert len(turns) == len(creates) >= 41
+    trimmed = [(r, create) for r, create in zip(turns, creates) if r["trim"]["trimmed"]]
+    summary = (f"codex over WebSocket: {len(trimmed)} of {len(turns)} turns trimmed, "
+               f"{sum(r['trim']['over_budget'] for r, _ in trimmed)} over budget, tokens before "
+               f"{max(r['trim']['tokens_before'] for r, _ in trimmed)} at most")
+    print(summary)
+    assert len(trimmed) > 20 and all(r["trim"]["tokens_after"] <= budget for r in turns), summary
+    assert all("previous_response_id" not in create for _, create in trimmed)  # sent whole
+
+
+OVER_BUDGET = {"claude": 16_000, "codex": 10_500}
+"""Budgets the loops above pass with every old result shrunk (Claude Code's first request is
+~10k tokens of system, tools and prompt; Codex's ~9.8k)."""

@@ -126,3 +126,34 @@ def test_newest_turn_over_budget_goes_out_unchanged(fake, relay):
         assert resp.header("x-relay-trim").startswith("over_budget")
         resp.read()
     assert fake.received[-1].body == raw
+
+
+def test_a_restarted_relay_cuts_a_conversation_where_it_was_cut(fake, start_relay):
+    # Each request is the one before, its answer and a new question. The cut the first relay
+    # made is kept beside the timing log: the relay after a restart sends the conversation's
+    # next request with the same cut (the previous request's body, then the new items: a
+    # prompt-cache hit), where it used to make a cut of its own.
+    def conversation(turns: int) -> dict:
+        question = {"role": "user", "content": f"question {turns}: {FILLER}"}
+        return {"model": "gpt-4o", "messages": [*chat_history(turns)[:-1], question]}
+
+    def send(relay, turns: int) -> list[dict]:
+        conn, resp = client.request("POST", relay.url() + "/v1/chat/completions", conversation(turns))
+        with conn:
+            assert resp.status == 200
+            resp.read()
+        return orjson.loads(fake.received[-1].body)["messages"]
+
+    def started():
+        proc = start_relay(reverse_to(fake), relay_trim_max_tokens=BUDGET)
+        proc.wait_for_output("tokenizer ready")
+        return proc
+
+    relay = started()
+    before = [send(relay, turns) for turns in (40, 41)]
+    relay.stop()
+    relay = started()
+    after = send(relay, 42)
+    assert len(before[1]) < len(conversation(41)["messages"])  # trimmed
+    assert after[: len(before[1])] == before[1] and len(after) == len(before[1]) + 2
+    assert [r["trim"]["plan"] for r in records(relay)] == ["new", "kept", "kept"]

@@ -118,6 +118,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_to_the_providers_word_and_an
     assert refused["resent"] is True and refused["status"] == 400 and refused["max_input"] == window
     assert refused["provider_tokens"] == fake_tokens(first.body)
     assert recs[0]["trim"]["budget_source"] == "learned" and recs[0]["stream"] is streamed
+    assert recs[0]["trim"]["target"] == recs[0]["trim"]["budget"]  # resent at the limit, no deeper
     assert recs[1]["trim"]["budget_source"] == "learned" and "refused" not in recs[1]["trim"]
     if streamed:
         assert recs[0]["ttft_ms"] is not None and recs[0]["chunks"] > 5  # the second answer was streamed

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ttft_relay import apis
-from ttft_relay.trim import tokens, trimming
+from ttft_relay.trim import tokens, trimming, turns
 from ttft_relay.trim.trimming import Budget
 from ttft_relay.testing import shaped
 
@@ -73,18 +73,36 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming
         return result
     sent = result.body
     assert shaped.problems(api, body, sent) == []
-    assert stats["tokens_after"] <= budget.tokens and not stats["over_budget"]
     assert full_tokens(sent, api, counter) == stats["tokens_after"]
     items, kept = shaped.items_of(api, body), shaped.items_of(api, sent)
     assert kept[: len(head(api, body))] == head(api, body), "the pinned head is sent byte for byte"
     pinned = [i for i in items if apis.get(api).trim_shape.pinned(i)]
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
-    assert kept[-1] == items[-1] or without_notice(kept[-1]) == items[-1], "the newest message is sent whole"
     lay = trimming.layout(items, apis.get(api).trim_shape)
+    if stats["over_budget"]:
+        check_into_newest_turn(items, kept, lay, stats, budget)
+        return result
+    assert stats["tokens_after"] <= budget.tokens and not stats["dropped_rounds"] and not stats["cut_results"]
+    assert kept[-1] == items[-1] or without_notice(kept[-1]) == items[-1], "the newest message is sent whole"
     # The newest round (its calls and results) is never shrunk; the newest turn never dropped.
     whole = items[max(lay.protect_from, lay.newest) :]
     assert [without_notice(i) for i in kept[len(kept) - len(whole) :]] == whole, "the newest round and turn are whole"
     return result
+
+
+def check_into_newest_turn(items: list, kept: list, lay: trimming.Layout, stats: dict, budget: Budget) -> None:
+    """The promises of a trim that had to go into the newest turn: every older turn gone,
+    its prompt kept, its oldest rounds dropped, the newest round's calls kept (their results
+    cut only if nothing else could go)."""
+    assert stats["trimmed"] and stats["dropped_units"] == len(lay.cuts)
+    if lay.cuts:
+        assert items[lay.newest] in [without_notice(k) for k in kept], "the newest prompt is kept"
+    newest_round = items[max(lay.protect_from, lay.newest) :]
+    tail = kept[len(kept) - len(newest_round) :]
+    assert all(shaped._same_skeleton(a, b) for a, b in zip(newest_round, tail)), "the newest round is kept"
+    assert sum(a != without_notice(b) for a, b in zip(newest_round, tail)) <= stats["cut_results"]
+    if stats["cut_results"] or stats["tokens_after"] > budget.tokens:
+        assert stats["dropped_rounds"] == len(lay.rounds), "results are cut only once every older round went"
 
 
 # --- coding agents' sessions -------------------------------------------------------------
@@ -231,6 +249,50 @@ def test_newest_turn_alone_over_budget_is_untouched():
     body = {"model": "gpt-4o", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "huge " * 4000}]}
     result = trimming.trim(body, apis.get(CHAT), Budget(1000, "user"), FakeCounter())
     assert result.body is None and result.stats["over_budget"] and result.stats["reason"] == "over_budget"
+
+
+def test_an_agent_loop_over_budget_drops_its_oldest_rounds_not_the_budget(claude_counter):
+    # One prompt, then 40 tool rounds: with every old result shrunk it is still over 20k, so
+    # the turn's oldest rounds go (it used to go out whole: 186k tokens).
+    body = shaped.Session(ANTHROPIC, turns=1, rounds=40, result_words=3000).last()
+    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter)
+    stats = result.stats
+    assert stats["over_budget"] and stats["dropped_rounds"] > 20 and stats["tokens_after"] <= 20_000
+    assert stats["tokens_before"] > 150_000 and stats["cut_results"] == 0
+    sent = result.body["messages"]
+    assert sent[-2]["role"] == "assistant" and sent[-2]["content"][0]["type"] in ("thinking", "redacted_thinking")
+    assert sent[-1] == body["messages"][-1]  # the newest round's results whole
+    assert "; over_budget; rounds=" in trimming.summary(stats)
+
+
+def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter):
+    body = shaped.Session(ANTHROPIC, turns=3, rounds=40, result_words=3000).last()
+    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter)
+    stats = result.stats
+    assert stats["over_budget"] and stats["dropped_units"] == 2 and stats["dropped_rounds"] > 20
+    prompt = next(m for m in result.body["messages"][2:] if m["role"] == "user")
+    notice = trimming.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    assert prompt["content"][0]["text"] == notice
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_newest_round_over_budget_has_its_results_cut_with_a_notice(api):
+    body = shaped.Session(api, turns=2, rounds=2, result_words=40_000).last()
+    budget = Budget(full_tokens(body, api, FakeCounter()) // 10, "user")
+    result = check(api, body, budget, FakeCounter())
+    stats = result.stats
+    assert stats["over_budget"] and stats["cut_results"] >= 1 and stats["tokens_after"] <= budget.tokens
+    assert "tool result removed to fit the context budget" in str(shaped.items_of(api, result.body)[-1])
+
+
+def test_a_resend_cuts_at_the_limit_not_below_it():
+    # A request the upstream refused is sent again at the limit it named: no room is left
+    # for the next requests, which will make a cut of their own anyway.
+    body = shaped.Session(CHAT, turns=30).last()
+    with_room = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter())
+    at_limit = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), headroom=False)
+    assert with_room.stats["target"] < at_limit.stats["target"] == 20_000
+    assert with_room.stats["tokens_after"] < 0.9 * at_limit.stats["tokens_after"] <= 20_000
 
 
 def test_unknown_items_and_blocks_are_carried():
@@ -394,3 +456,47 @@ def test_trimmed_requests_of_generated_sessions_share_their_prefix(api):
         assert new_cuts * 10 <= GENERATED_TRIMMED, (seed, new_cuts)  # at most one trimmed request in ten
     worst = {profile: round(min(m), 3) for profile, m in means.items()}
     assert len(worst) == len(shaped.PROFILES) and min(worst.values()) >= GENERATED_SHARE_GOAL, worst
+
+
+# --- WebSocket turns ---------------------------------------------------------------------------
+
+
+def test_a_socket_puts_each_turns_whole_conversation_together():
+    api = apis.get(RESPONSES)
+    conversation = turns.SocketConversation(api.websocket_turns, api.trim_shape)
+    prompt = {"type": "message", "role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    prewarm = {"type": "response.create", "model": "m", "generate": False, "input": [prompt]}
+    request, items = conversation.whole(prewarm)
+    assert request == {"model": "m", "generate": False, "input": [prompt]} and items == [prompt]
+    conversation.started(turns.Turn(request, items, "m", {}))
+    conversation.completed("resp_1", [])
+    # The turn continuing the prewarm adds nothing; the next one the call's output.
+    request, items = conversation.whole({"type": "response.create", "model": "m", "previous_response_id": "resp_1",
+                                         "input": []})
+    assert request == {"model": "m", "input": [prompt]}
+    conversation.started(turns.Turn(request, items, "m", {}))
+    conversation.completed("resp_2", [call])
+    request, _ = conversation.whole({"model": "m", "previous_response_id": "resp_2", "input": [output]})
+    assert request["input"] == [prompt, call, output]
+    # A response this socket did not carry: not known, and nothing after it either.
+    assert conversation.whole({"model": "m", "previous_response_id": "resp_elsewhere", "input": []}) is None
+    conversation.started(None)
+    conversation.completed("resp_3", [call])
+    assert conversation.whole({"model": "m", "previous_response_id": "resp_3", "input": []}) is None
+
+
+def test_a_turns_refusal_and_completion_are_read_from_its_events():
+    protocol = apis.get(RESPONSES).websocket_turns
+    error = {"type": "invalid_request_error", "code": "context_length_exceeded", "message": "too long"}
+    assert protocol.refusal(orjson.dumps({"type": "error", "status": 400, "error": error})) == (
+        400, orjson.dumps({"error": error}))
+    failed = {"type": "response.failed", "response": {"id": "r", "status": "failed", "error": error}}
+    assert protocol.refusal(orjson.dumps(failed)) == (400, orjson.dumps({"error": error}))
+    assert protocol.refusal(b'{"type": "response.output_text.delta", "delta": "x"}') is None
+    assert protocol.refusal(b'{"type": "error", "error": "not an object"}') is None
+    done = {"type": "response.completed", "response": {"id": "resp_1", "output": [{"type": "message"}]}}
+    assert protocol.completed(orjson.dumps(done)) == ("resp_1", [{"type": "message"}])
+    assert protocol.completed(b'{"type": "response.completed", "response": {"output": []}}') is None
+    assert protocol.completed(b"not json") is None

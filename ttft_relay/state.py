@@ -43,6 +43,9 @@ class FlowState:
     """What of the request changes its prefill beyond its tokens (`Api.prefill_traits`, read
     by scope); a WebSocket's, its current turn's: the key of its first-token line."""
     trim: dict[str, Any] | None = None
+    turn_trim: dict[str, Any] | None = None
+    """A WebSocket's: what trimming did to the turn whose message is being passed on (the
+    trim addon's stats), taken by that turn's record (updated in place after a refusal)."""
     watcher: Watcher | None = None
     """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""
     error: str | None = None

@@ -108,7 +108,15 @@ class Turns:
     """A server message that opens a turn the server started on its own."""
     start: Callable[[dict[str, Any]], bytes]
     """The client message that starts a turn asking what an HTTP request's JSON body asks
-    (`ttft-relay diagnose --transport websocket`)."""
+    (`ttft-relay diagnose --transport websocket`, and a trimmed turn)."""
+    continues: Callable[[dict[str, Any]], str | None] = lambda body: None
+    """The id of the response a turn's request continues (its history is that response's
+    input and output, kept by the upstream), or None: the request carries all of it."""
+    completed: Callable[[bytes], tuple[str, list] | None] = lambda content: None
+    """A server message completing a response → its id and output items, else None."""
+    refusal: Callable[[bytes], tuple[int, bytes] | None] = lambda content: None
+    """A server message failing a turn → its status and error as the HTTP error body
+    (for `Windows.too_long`), else None."""
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,39 @@ def turn_message(body: dict[str, Any]) -> bytes:
     return orjson.dumps({"type": "response.create", **fields})
 
 
+def turn_continues(body: dict[str, Any]) -> str | None:
+    """`previous_response_id`: the turn's `input` only adds to that response's conversation
+    (Codex sends each turn so, after a prewarm that carried the whole input)."""
+    previous = body.get("previous_response_id")
+    return previous if isinstance(previous, str) else None
+
+
+def turn_completed(content: bytes) -> tuple[str, list] | None:
+    """`response.completed`: the response's id and its output items (what the next turn continues)."""
+    if event_type(content) != "response.completed":
+        return None
+    response = dig(loads(content), "response")
+    if not isinstance(response, dict) or not isinstance(response.get("id"), str):
+        return None
+    output = response.get("output")
+    return response["id"], output if isinstance(output, list) else []
+
+
+def turn_refusal(content: bytes) -> tuple[int, bytes] | None:
+    """A turn's `error` event (`{"type": "error", "status": 400, "error": {...}}`) or
+    `response.failed` (its `response.error`): the status and `{"error": ...}`, the body an
+    HTTP request's refusal would have had."""
+    kind = event_type(content)
+    if kind not in ("error", "response.failed"):
+        return None
+    obj = loads(content)
+    error = dig(obj, "error") if kind == "error" else dig(obj, "response", "error")
+    if not isinstance(error, dict):
+        return None
+    status = dig(obj, "status") if kind == "error" else None
+    return (status if isinstance(status, int) else 400), orjson.dumps({"error": error})
+
+
 TURNS = Turns(
     request=parse_turn_request,
     model=turn_model,
@@ -216,6 +249,9 @@ TURNS = Turns(
     # The Realtime API starts turns of its own (voice activity): from their first event.
     server_started=lambda content: event_type(content) == "response.created",
     start=turn_message,
+    continues=turn_continues,
+    completed=turn_completed,
+    refusal=turn_refusal,
 )
 """A turn per `response.create`, as Codex sends them (the Realtime API's turns too)."""
 

@@ -147,6 +147,8 @@ class Turn:
     watcher: sse.StreamWatcher
     timer: asyncio.TimerHandle | None = None
     error: str | None = None
+    trim: dict | None = None
+    """What trimming did to its message (`FlowState.turn_trim`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -297,15 +299,18 @@ class WebSocketTurns:
                 session.closing = None
                 faults.close_upstream(flow, "websocket turn deadline passed")
             return
-        if not message.is_text:
+        if not message.is_text or message.dropped:  # dropped: a refusal the turn is sent again for
             return
         if message.from_client:
             protocol = session.protocol
             body = protocol.request(message.content)
             if body is not None:
                 self._start(flow, session, message.timestamp, protocol.model(body), protocol.prewarm(body))
-                if (st := state.get(flow)) is not None:
+                st = state.get(flow)
+                if st is not None:
                     st.prefill_traits = session.api.prefill_traits(body)  # the turn's first-token line
+                    if session.turn is not None:
+                        session.turn.trim, st.turn_trim = st.turn_trim, None
             return
         if session.turn is None:
             if not session.protocol.server_started(message.content):
@@ -392,6 +397,8 @@ class WebSocketTurns:
             bytes=w.bytes,
             token_events=w.token_events,
             usage=w.usage,
+            prompt_tokens=turn.trim.get("tokens_after") if turn.trim else None,
+            trim=turn.trim,
             error=error or w.error,
             error_phase=error_phase,
             client_aborted=client_aborted,

@@ -364,6 +364,8 @@ def _trim_note(trim: Any) -> str:
     note = ""
     if trim.get("trimmed"):
         note = f" · trimmed {trim.get('tokens_before')}→{trim.get('tokens_after')}"
+        if trim.get("over_budget"):
+            note += f" over budget (rounds -{trim.get('dropped_rounds')}, results cut {trim.get('cut_results')})"
     elif trim.get("over_budget"):
         note = f" · over budget {trim.get('budget')}"
     if refused := trim.get("refused"):

@@ -9,7 +9,10 @@ model ids), or within a smaller budget the user sets: old tool results and argum
 shrunk, then old turns dropped, in cuts that stay put from turn to turn so the
 provider's prompt cache keeps hitting (see `trimming`). A model whose window it does not
 know is not trimmed unless the user set a budget. It fails open: when nothing is
-trimmed, or anything goes wrong, the client's exact bytes go upstream.
+trimmed, or anything goes wrong, the client's exact bytes go upstream. The cuts are
+kept beside the timing log (`plans`), so a restarted relay and the other workers cut a
+conversation where it was cut. Codex's WebSocket turns (`response.create`) are trimmed
+the same way, each put together whole from the socket's conversation (`turns`).
 
 When the upstream refuses a request as too long and its error names the limit (before
 any byte of the answer went to the client), the addon asks `windows.judge_refusal` whether
@@ -18,7 +21,8 @@ upstream·model (kept beside the timing log, shared by every worker, used by oth
 keys once confirmed), trims the request to it and sends it once more
 (`patches.fixes.resend`); the client gets only the second answer, streamed, and the record
 both attempts (`trim.refused`). An accepted request may confirm or refute a window not yet
-confirmed (`windows.judge_accepted`).
+confirmed (`windows.judge_accepted`). A WebSocket turn refused so is
+sent once more on its socket, the refusal kept from the client.
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
 many megabytes is counted while every other flow keeps streaming (the hook awaits the
@@ -37,16 +41,18 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
+from mitmproxy.websocket import WebSocketMessage
 
 from .. import state
 from ..patches import pins
 from ..patches.fixes import resend
-from ..apis.api import TooLong, Windows
+from ..apis.api import Api, TooLong, Windows
 from ..flows import client_key, upstream_name
-from . import tokens, trimming, windows
+from . import plans, tokens, trimming, turns, windows
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +98,8 @@ class Trim:
     def __init__(self) -> None:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
-        self.plans = trimming.PlanCache()
+        self.plans = plans.KeptPlans()
+        """Conversations' cuts, kept beside the timing log for the next relay and the other workers."""
         self.configured: dict[str, int] = {}
         """relay_context_windows: the user's windows by model prefix."""
         self.learned = windows.LearnedWindows()
@@ -107,6 +114,8 @@ class Trim:
         """The last request handed to the worker: until it is done (the worker runs them in
         order), the caches are the worker's and every request goes there."""
         self._failures_logged: set[str] = set()
+        self._sockets: weakref.WeakKeyDictionary[http.HTTPFlow, turns.SocketConversation] = weakref.WeakKeyDictionary()
+        """Each Responses WebSocket's conversation, for trimming its turns."""
 
     def load(self, loader: addonmanager.Loader) -> None:
         loader.add_option("relay_trim", bool, True, "Trim oversized conversation histories before they go upstream.")
@@ -166,7 +175,10 @@ class Trim:
         if "relay_timing_log" in updated:
             log = getattr(ctx.options, "relay_timing_log", "")
             self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
-            self._handed = self.worker.submit(self.learned.refresh)  # off the event loop, before the first trim
+            self.plans = plans.KeptPlans(Path(log).with_name(plans.FILE_NAME) if log else None)
+            # Both read in the worker thread, not on the event loop, before the first trim.
+            self.worker.submit(self.learned.refresh)
+            self._handed = self.worker.submit(self.plans.refresh)
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
@@ -251,12 +263,13 @@ class Trim:
             st.trim = {**st.trim, "refused": {**refused, "ignored": learned}}
             return
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
-        budget = self._budget(flow, st)(learned=learned)
+        budget = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"))(
+            learned=learned)
         if counter is None or budget is None:
             return
-        work = (st.request_json, st.api, budget, counter, ctx.options.relay_trim_notice)
-        self._handed = self.worker.submit(self._work, *work)
-        result, content = await asyncio.wrap_future(self._handed)
+        # At the limit the refusal named, no deeper: no room left for the next requests.
+        result, content = await self._in_worker(self._work, st.request_json, st.api, budget, counter,
+                                                ctx.options.relay_trim_notice, False)
         logger.info(
             "%s: %s takes at most %s tokens (its refusal, %s): learned%s; %s", upstream, st.model, learned.limit,
             learned.error, "" if learned.confirmed else " for this access key until confirmed",
@@ -308,7 +321,8 @@ class Trim:
         if not unconfirmed:
             return
         shared = next((learned for learned in held if learned.confirmed is not None), None)
-        before = self._budget(flow, st, user_max=0)(learned=shared)  # what the other keys go by
+        before = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"),
+                              user_max=0)(learned=shared)  # what the other keys go by
         key = client_key(flow)
         for learned in unconfirmed:  # another key's window is refuted by this request, never confirmed
             self._handed = self.worker.submit(self._accepted, learned, st.prompt_tokens,
@@ -326,18 +340,18 @@ class Trim:
                         "confirmed", held.upstream, sent, held.model, held.limit)
             self.learned.keep(judged)
 
-    def _budget(self, flow: http.HTTPFlow, st: state.FlowState,
+    def _budget(self, model: str | None, api: Api, body: Any, anthropic_beta: str | None,
                 user_max: int | None = None) -> Callable[..., windows.Budget | None]:
-        """`windows.budget_for` for this request, but for its `learned=` window."""
+        """`windows.budget_for` for this request (a model, its API, its body), but for its `learned=` window."""
         return functools.partial(
             windows.budget_for,
-            st.model,
-            trimming.max_output(st.api, st.request_json),
-            windows=st.api.windows,
+            model,
+            trimming.max_output(api, body),
+            windows=api.windows,
             configured=self.configured,
             user_max=ctx.options.relay_trim_max_tokens if user_max is None else user_max,
             default_reserve=ctx.options.relay_trim_reserve_tokens,
-            long_context=trimming.long_context(st.api, flow.request.headers.get("anthropic-beta")),
+            long_context=trimming.long_context(api, anthropic_beta),
         )
 
     async def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
@@ -345,18 +359,20 @@ class Trim:
         if counter is None:
             st.trim = trimming.untouched_stats("no tokenizer")
             return
-        budget = self._budget(flow, st)
+        budget = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"))
         upstream, key = upstream_name(flow), client_key(flow)
         if (self._handed is None or self._handed.done()) and _small(flow.request):
             # The worker has nothing left to do, so its caches are free; this little is
-            # counted faster than handing it over costs (with the learned windows as last read).
+            # counted faster than handing it over costs (with the learned windows as last read;
+            # the plans' file waits for the worker).
             work = (st.request_json, st.api, budget(learned=self.learned.get(upstream, st.model, key)), counter,
                     ctx.options.relay_trim_notice)
-            result, content = self._work(*work)
+            result, content = self._work(*work, files=False)
+            if self.plans.unsaved:
+                self._handed = self.worker.submit(self.plans.save)
         else:
-            self._handed = self.worker.submit(self._work_fresh, st.request_json, st.api, budget, upstream, st.model,
-                                              key, counter, ctx.options.relay_trim_notice)
-            result, content = await asyncio.wrap_future(self._handed)
+            result, content = await self._in_worker(self._work_fresh, st.request_json, st.api, budget, upstream,
+                                                    st.model, key, counter, ctx.options.relay_trim_notice)
         if content is not None:
             # Re-encoded to the request's Content-Encoding; Content-Length follows.
             flow.request.content = content
@@ -365,16 +381,127 @@ class Trim:
         if st.api.windows is not None and not flow.request.stream:
             self._refusable.add(flow)
 
-    def _work_fresh(self, body, api, budget, upstream, model, key, counter, notice):
-        """In the worker thread: the learned windows read again if another process changed
-        them, then the trim (`_work`) within the budget they give."""
-        self.learned.refresh()
-        return self._work(body, api, budget(learned=self.learned.get(upstream, model, key)), counter, notice)
+    def _work(self, body, api, budget, counter, notice, headroom=True, encode: Callable[[dict], bytes] = orjson.dumps,
+              files: bool = True) -> tuple[trimming.TrimResult, bytes | None]:
+        """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one;
+        the other processes' plans read before, this one's new plan kept after (`files`)."""
+        if files:
+            self.plans.refresh()
+        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
+        if files:
+            self.plans.save()
+        return result, None if result.body is None else encode(result.body)
 
-    def _work(self, body, api, budget, counter, notice) -> tuple[trimming.TrimResult, bytes | None]:
-        """In the worker thread: the trim, and the new body's bytes if there is one."""
-        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice)
-        return result, None if result.body is None else orjson.dumps(result.body)
+    def _work_fresh(self, body, api, budget, upstream, model, key, counter, notice, headroom=True,
+                    encode: Callable[[dict], bytes] = orjson.dumps) -> tuple[trimming.TrimResult, bytes | None]:
+        """In the worker thread: the learned windows read again if another process changed
+        them, then the trim (`_work`) within the budget they give (`budget(learned=...)`)."""
+        self.learned.refresh()
+        return self._work(body, api, budget(learned=self.learned.get(upstream, model, key)), counter, notice,
+                          headroom, encode)
+
+    async def _in_worker(self, work: Callable[..., tuple[trimming.TrimResult, bytes | None]],
+                         *args: Any) -> tuple[trimming.TrimResult, bytes | None]:
+        """`work(*args)` (`_work`, `_work_fresh`) in the worker thread, awaited."""
+        self._handed = self.worker.submit(work, *args)
+        return await asyncio.wrap_future(self._handed)
+
+    # --- WebSocket turns (the Responses API's, Codex's default transport) ---------------
+
+    def websocket_start(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        if st is None or st.api.trim_shape is None or st.api.websocket_turns is None:
+            return
+        self._sockets[flow] = turns.SocketConversation(st.api.websocket_turns, st.api.trim_shape)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self._sockets.pop(flow, None)
+
+    async def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """A turn's `response.create` is trimmed like an HTTP request (the message is
+        re-encoded only then; otherwise it passes byte for byte); a refusal of it as too
+        long that names the limit is learned from, and the turn sent once more, trimmed to
+        it, on the same socket, the refusal kept from the client."""
+        conversation = self._sockets.get(flow)
+        st = state.get(flow)
+        if conversation is None or st is None or flow.websocket is None or not ctx.options.relay_trim:
+            return
+        message = flow.websocket.messages[-1]
+        if message.injected or not message.is_text:
+            return
+        try:
+            if message.from_client:
+                await self._turn(flow, st, conversation, message)
+            elif (done := conversation.protocol.completed(message.content)) is not None:
+                conversation.completed(*done)
+            elif conversation.turn is not None and not conversation.turn.resent:
+                await self._turn_refused(flow, st, conversation, conversation.turn, message)
+        except Exception as e:  # the message goes on as it came
+            self._log_failure_once(e)
+
+    async def _turn(self, flow: http.HTTPFlow, st: state.FlowState, conversation: turns.SocketConversation,
+                    message: WebSocketMessage) -> None:
+        protocol = conversation.protocol
+        body = protocol.request(message.content)
+        if body is None:
+            return
+        model = protocol.model(body)
+        whole = conversation.whole(body)
+        counter = tokens.counter_for(model, self.tokenizers, self.counts)
+        if whole is None or counter is None:
+            conversation.started(None)
+            st.turn_trim = trimming.untouched_stats(
+                "continues a response this socket did not carry: its conversation is the upstream's"
+                if whole is None else "no tokenizer")
+            return
+        request, items = whole
+        budget = self._budget(model, st.api, request, None)
+        result, content = await self._in_worker(self._work_fresh, request, st.api, budget, upstream_name(flow), model,
+                                                client_key(flow), counter, ctx.options.relay_trim_notice, True,
+                                                protocol.start)
+        if content is not None:
+            message.content = content
+        st.turn_trim = result.stats
+        conversation.started(turns.Turn(request, items, model, result.stats))
+
+    async def _turn_refused(self, flow: http.HTTPFlow, st: state.FlowState, conversation: turns.SocketConversation,
+                            turn: turns.Turn, message: WebSocketMessage) -> None:
+        api_windows = st.api.windows
+        failed = conversation.protocol.refusal(message.content)
+        if failed is None or api_windows is None:
+            return
+        refusal = api_windows.too_long(*failed)
+        if refusal is None:
+            return
+        sent_tokens = turn.stats.get("tokens_after")
+        refused = {"status": failed[0], "max_input": refusal.max_input, "window": refusal.window,
+                   "provider_tokens": refusal.prompt_tokens, "relay_tokens": sent_tokens, "resent": False}
+        turn.stats["refused"] = refused
+        upstream = upstream_name(flow)
+        learned = await self.learn_from_refusal(api_windows, refusal, upstream=upstream, model=turn.model,
+                                                status=failed[0], counted=sent_tokens, key=client_key(flow))
+        if isinstance(learned, str):
+            turn.stats["refused"] = {**refused, "ignored": learned}
+            return
+        counter = tokens.counter_for(turn.model, self.tokenizers, self.counts)
+        budget = self._budget(turn.model, st.api, turn.request, None)(learned=learned)
+        if counter is None or budget is None or not flow.live:
+            return
+        # At the limit the refusal named, no deeper, as for HTTP.
+        result, content = await self._in_worker(self._work, turn.request, st.api, budget, counter,
+                                                ctx.options.relay_trim_notice, False, conversation.protocol.start)
+        logger.info(
+            "%s: %s takes at most %s tokens (its refusal of a WebSocket turn, %s): learned%s; %s", upstream,
+            turn.model, learned.limit, learned.error, "" if learned.confirmed else " for this access key until confirmed",
+            "trimmed to it and sent once more" if content is not None else f"not resent ({result.stats['reason']})",
+        )  # fmt: skip
+        turn.resent = True
+        resent = content is not None
+        turn.stats.clear()
+        turn.stats.update(result.stats, refused={**refused, "resent": resent})
+        if resent:
+            message.drop()  # the client gets the second answer only
+            ctx.master.commands.call("inject.websocket", flow, False, content, True)
 
     def _log_failure_once(self, e: Exception) -> None:
         # One line per place of failure, not per message text: that set stays small.

@@ -19,11 +19,23 @@ its target below the budget (see "Cache-stable cuts"):
    so that the model does not read the two as one question, a shape with `gap_notice`
    (Anthropic's) always starts that prompt with the notice of what was left out.
 
+Over budget — the pinned head and the newest turn alone do not fit — it goes on into
+the newest turn rather than send the whole history (`_Trimmer._into_newest_turn`):
+
+3. **Drop rounds.** The newest turn's oldest rounds (an answer with its calls, and
+   their results), down to its newest round.
+4. **Cut the newest results.** The newest round's own tool results are shrunk, one by
+   one, while it is still over the budget.
+
+The request is then the smallest the API accepts, marked (`over_budget`), even if
+what is left (head, prompt, the newest calls) is still over the budget.
+
 Never changed: request-level parts (`system`, `instructions`, `tools`); every system or
 developer message, wherever it is (Anthropic's mid-conversation system messages too);
 context items (Codex's `<environment_context>`, `<user_instructions>`, AGENTS.md); the
 pinned head (the leading system/developer/user messages before the first answer: the
-opening context and first prompt); the newest user prompt; reasoning, thinking and
+opening context and first prompt); the newest user prompt; the newest round's calls;
+reasoning, thinking and
 redacted-thinking blocks with their signatures, server tool blocks, and anything the
 relay does not recognise, which is carried as it is.
 
@@ -59,7 +71,7 @@ from typing import Any, Protocol
 import orjson
 
 from ..apis.api import Api
-from ..apis.shape import SHRINK_KINDS, Shape
+from ..apis.shape import RESULTS, SHRINK_KINDS, Shape
 from .windows import Budget
 
 REQUESTS_BETWEEN_CUTS = 16
@@ -87,6 +99,10 @@ UNBUDGETED_COUNT_LIMIT = 2_000_000
 for the record, up to this many tokens."""
 
 NOTICE = "[ttft-relay: {n} earlier turns of this conversation were left out to fit the context budget]"
+ROUNDS_NOTICE = (
+    "[ttft-relay: {n} earlier turns of this conversation, and the first {rounds} tool rounds of this turn,"
+    " were left out to fit the context budget]"
+)
 
 class TokenCounter(Protocol):
     """What `trim` needs to count tokens (`tokens.Counter`, or a fake in tests)."""
@@ -135,6 +151,14 @@ class Layout:
     """Start of the newest turn, never dropped (a cut, or head_end)."""
     protect_from: int
     """Items from here on are never shrunk: the newest round and what follows."""
+    rounds: list[int]
+    """Where a drop inside the newest turn may end (over budget only): the starts of its
+    answers after the first, at which no call waits for its result, up to the newest round."""
+
+    @property
+    def turn_body(self) -> int:
+        """Where the newest turn's rounds start: after its prompt (or the head)."""
+        return self.newest + 1 if self.cuts else self.head_end
 
 
 def layout(items: list[dict], shape: Shape) -> Layout:
@@ -157,10 +181,11 @@ def layout(items: list[dict], shape: Shape) -> Layout:
     for call_id, i in caller.items():
         if call_id in answered_at:
             reach_at[i + 1] = max(reach_at[i + 1], answered_at[call_id])
-    cuts, reach = [], -1
+    cuts, free, reach = [], [False] * n, -1
     for i, item in enumerate(items):
         reach = max(reach, reach_at[i])
-        if i > head_end and reach < i and not always[i] and shape.is_prompt(item):
+        free[i] = reach < i
+        if i > head_end and free[i] and not always[i] and shape.is_prompt(item):
             cuts.append(i)
     newest = cuts[-1] if cuts else head_end
     last_round = max(answered_at.values(), default=None)
@@ -169,7 +194,14 @@ def layout(items: list[dict], shape: Shape) -> Layout:
         protect_from = min(
             (caller[c] for c, at in answered_at.items() if at == last_round and c in caller), default=last_round
         )
-    return Layout(always, head_end, cuts, newest, max(min(protect_from, n - 1), 0))
+    protect_from = max(min(protect_from, n - 1), 0)
+    turn_body = newest + 1 if cuts else head_end
+    rounds = [
+        i for i in range(turn_body + 1, protect_from + 1)
+        if shape.from_model(items[i]) and not shape.from_model(items[i - 1]) and not always[i]
+        and free[i]
+    ]  # fmt: skip
+    return Layout(always, head_end, cuts, newest, protect_from, rounds)
 
 
 # --- plans -----------------------------------------------------------------------------
@@ -184,7 +216,18 @@ class Plan:
     cut: int
     """Items from the head up to here are dropped (except pinned ones); head_end: none."""
     anchor: bytes
-    """Digest of the item at `cut` when the plan was made: the same conversation has it there."""
+    """Digest of the items at `cut` and `rounds_to` when the plan was made: the same
+    conversation has them there."""
+    rounds_to: int = 0
+    """Over budget: the newest turn's rounds before this index are dropped too (0: none)."""
+
+    def keeps(self, lay: Layout, i: int) -> bool:
+        """Item `i` is sent (shrunk or not)."""
+        return lay.always[i] or (i >= self.cut and not lay.turn_body <= i < self.rounds_to)
+
+
+def _anchor(items: list[dict], cut: int, rounds_to: int) -> bytes:
+    return _digest([items[cut] if cut < len(items) else None, items[rounds_to] if rounds_to else None])
 
 
 def _digest(obj: Any) -> bytes:
@@ -261,6 +304,8 @@ def untouched_stats(
         "dropped_units": 0,
         "dropped_messages": 0,
         "shrunk_messages": 0,
+        "dropped_rounds": 0,
+        "cut_results": 0,
         "plan": None,
         "target": None,
         "budget": budget.tokens if budget else None,
@@ -281,17 +326,24 @@ def trim(
     *,
     plans: PlanCache | None = None,
     notice: bool = False,
+    headroom: bool = True,
 ) -> TrimResult:
     """Bring `body` within `budget` (see the module docstring).
 
     Stats keys: see `untouched_stats`. `reason` says why the body is untouched (None when
     trimmed); `plan` is "new" or "kept" (the conversation's previous cut, reused), and
-    `target` where a new cut aimed (the budget less the room it leaves); tokens are counted
-    even without a budget, so `tokens_after` is the prompt size either way.
+    `target` where a new cut aimed (the budget less the room it leaves; `headroom=False`:
+    the budget itself, for a request the upstream refused, sent again at the limit it
+    named); tokens are counted even without a budget, so `tokens_after` is the prompt size
+    either way. `over_budget`: the pinned head and the newest turn alone were over the
+    budget, so the newest turn's older rounds were dropped (`dropped_rounds`) and, if that
+    was not enough, its newest round's tool results cut (`cut_results`); `tokens_after`
+    may still be over the budget (what is left cannot go). Untouched with reason
+    "over_budget": nothing could go.
     """
     started = time.perf_counter()
     stats = untouched_stats(None, budget, counter.label, getattr(counter, "source", None))
-    new_body = _Trimmer(body, api, budget, counter, plans, notice, stats).run()
+    new_body = _Trimmer(body, api, budget, counter, plans, notice, stats, headroom).run()
     stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
     return TrimResult(new_body, stats)
 
@@ -299,9 +351,9 @@ def trim(
 class _Trimmer:
     """One request's trim: the counts and versions of its items while plans are tried."""
 
-    def __init__(self, body, api, budget, counter, plans, notice, stats) -> None:
+    def __init__(self, body, api, budget, counter, plans, notice, stats, headroom) -> None:
         self.body, self.api, self.budget, self.counter = body, api, budget, counter
-        self.plans, self.notice, self.stats = plans, notice, stats
+        self.plans, self.notice, self.stats, self.headroom = plans, notice, stats, headroom
         self.items: list[dict] = []
         self.versions: list[dict] = []
         """The item list as it would be sent: `items`, some of them shrunk."""
@@ -375,22 +427,24 @@ class _Trimmer:
             if kept_total <= budget.tokens:
                 kept_total, shrunk = self._finish(plan, lay, shape, kept_total)  # the notice may not fit
         if plan is not None and kept_total is not None and kept_total <= budget.tokens:
-            stats["plan"] = "kept"
+            stats.update(plan="kept", over_budget=bool(plan.rounds_to))
             total = kept_total
         else:
-            self._restore()
-            plan, total = self._new_plan(lay, floor, fixed, shape, counted_from)
-            if total <= budget.tokens:
-                total, shrunk = self._finish(plan, lay, shape, total)
-            if total > budget.tokens:
-                stats.update(reason="over_budget", over_budget=True)
+            plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, budget.tokens)
+            if total > budget.tokens and not stats["over_budget"]:
+                # The notice (Anthropic's, always) tipped it over: once more, that much lower.
+                room = 2 * budget.tokens - total
+                plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, room)
+                stats["over_budget"] = stats["over_budget"] or total > budget.tokens
+            if plan.cut == lay.head_end and not plan.rounds_to and not shrunk:
+                stats["reason"] = "over_budget"  # nothing could go: the head and the newest prompt
                 return None
-            stats["plan"] = "new"
-            if key is not None:
+            stats.update(plan="new", cut_results=cut_results)
+            if key is not None and total <= budget.tokens and not cut_results:
                 self.plans.put(key, plan)
 
         dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
-        new_items = [self.versions[i] for i in range(n) if lay.always[i] or i >= plan.cut]
+        new_items = [self.versions[i] for i in range(n) if plan.keeps(lay, i)]
         stats.update(
             trimmed=True,
             messages_after=len(new_items),
@@ -398,18 +452,35 @@ class _Trimmer:
             dropped_units=dropped_units,
             dropped_messages=n - len(new_items),
             shrunk_messages=shrunk,
+            dropped_rounds=sum(1 for r in lay.rounds if r <= plan.rounds_to),
         )
         return {**body, shape.items_key: new_items}
+
+    def _plan_anew(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
+                   room: int) -> tuple[Plan, int, int, int]:
+        """A new plan within `room` tokens (the budget, or less to leave the notice room), into
+        the newest turn if it must be: the plan, its total, how many kept items are shrunk and
+        how many newest results were cut."""
+        self._restore()
+        plan, total = self._new_plan(lay, floor, fixed, shape, counted_from, self.budget.tokens - room)
+        cut_results = 0
+        if total > room:
+            self.stats["over_budget"] = True
+            plan, total, cut_results = self._into_newest_turn(plan, lay, shape, total, room)
+        total, shrunk = self._finish(plan, lay, shape, total)
+        return plan, total, shrunk, cut_results
 
     def _finish(self, plan: Plan, lay: Layout, shape: Shape, total: int) -> tuple[int, int]:
         """After a drop, the notice in front of the first kept prompt (Anthropic's always, as
         the API merges it with the head's user message; others' with relay_trim_notice, if it
         fits). Returns the total with it, and how many kept items are shrunk."""
         n = len(self.items)
-        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not self.items[i])
+        shrunk = sum(1 for i in range(plan.cut, n) if self.versions[i] is not self.items[i] and plan.keeps(lay, i))
         dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
+        rounds = sum(1 for r in lay.rounds if r <= plan.rounds_to)
         if (self.notice or shape.gap_notice) and dropped_units and plan.cut < n:
-            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], NOTICE.format(n=dropped_units)))
+            text = ROUNDS_NOTICE.format(n=dropped_units, rounds=rounds) if rounds else NOTICE.format(n=dropped_units)
+            delta = self.replace(plan.cut, shape.with_notice(self.versions[plan.cut], text))
             if total + delta <= self.budget.tokens or shape.gap_notice:
                 total += delta
             else:
@@ -428,13 +499,15 @@ class _Trimmer:
             return False
         if not lay.head_end <= plan.cut <= lay.newest or plan.shrunk > lay.protect_from:
             return False
-        return plan.cut >= len(self.items) or _digest(self.items[plan.cut]) == plan.anchor
+        if plan.rounds_to and (plan.cut != lay.newest or plan.rounds_to not in lay.rounds):
+            return False
+        return _anchor(self.items, plan.cut, plan.rounds_to) == plan.anchor
 
     def _apply(self, plan: Plan, lay: Layout, fixed: int, shape: Shape) -> int:
         """Tokens of the request with `plan` applied; stops counting once over budget."""
         total = fixed
         for i in range(len(self.versions) - 1, plan.cut - 1, -1):
-            if lay.always[i]:
+            if lay.always[i] or not plan.keeps(lay, i):
                 continue
             if i < plan.shrunk and (new := _shrunk(shape, self.versions[i])) is not None:
                 self.versions[i] = new
@@ -463,14 +536,17 @@ class _Trimmer:
         """Where a new cut brings the request: `REQUESTS_BETWEEN_CUTS` requests' growth below
         the budget, within `LEAST_HEADROOM` and `MOST_HEADROOM` of it."""
         budget = self.budget.tokens
+        if not self.headroom:
+            return budget
         growth = self.growth(lay, shape, counted_from)
         headroom = REQUESTS_BETWEEN_CUTS * growth if growth is not None else 0
         headroom = min(max(headroom, LEAST_HEADROOM * budget), MOST_HEADROOM * budget)
         return math.floor(budget - headroom)
 
-    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int) -> tuple[Plan, int]:
-        """Shrink, then drop, oldest first, until the request fits `target`."""
-        target = self.target(lay, shape, counted_from)
+    def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
+                  lower: int = 0) -> tuple[Plan, int]:
+        """Shrink, then drop, oldest first, until the request fits `target` (`lower` below it)."""
+        target = self.target(lay, shape, counted_from) - lower
         self.stats["target"] = target
         n = len(self.versions)
         cut = floor
@@ -488,7 +564,31 @@ class _Trimmer:
             if cut < c <= lay.newest:
                 total -= sum(self.count(i) for i in range(cut, c) if not lay.always[i])
                 cut = c
-        return Plan(shrunk, cut, _digest(self.items[cut]) if cut < n else b""), total
+        return Plan(shrunk, cut, _anchor(self.items, cut, 0)), total
+
+    def _into_newest_turn(self, plan: Plan, lay: Layout, shape: Shape, total: int,
+                          room: int) -> tuple[Plan, int, int]:
+        """Over budget with every older turn dropped and everything before the newest round
+        shrunk: the newest turn's oldest rounds go too, down to its newest round, until the
+        request fits the target; then, while it is still over `room`, the newest round's
+        own tool results are shrunk (each says what it held). Returns the plan, the total and
+        how many results were cut."""
+        target = self.stats["target"]
+        rounds_to = 0
+        for r in lay.rounds:
+            if total <= target:
+                break
+            total -= sum(self.count(i) for i in range(max(lay.turn_body, rounds_to), r) if not lay.always[i])
+            rounds_to = r
+        plan = Plan(plan.shrunk, plan.cut, _anchor(self.items, plan.cut, rounds_to), rounds_to)
+        cut_results = 0
+        for i in range(max(lay.protect_from, lay.newest), len(self.items)):
+            if total <= room:
+                break
+            if not lay.always[i] and (new := shape.shrink(self.versions[i], RESULTS)) is not None:
+                total += self.replace(i, new)
+                cut_results += 1
+        return plan, total, cut_results
 
 
 def _shrunk(shape: Shape, item: dict) -> dict | None:
@@ -505,7 +605,9 @@ def summary(stats: dict[str, Any]) -> str | None:
     Trimmed:     "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=window:200000"
                  ("+" after tokens before: at least that many, counting stopped early;
                  `by`: whose word the budget rests on, `by_word`)
-    Over budget: "over_budget; tokens=150000+; budget=120000; by=user"
+    Into the newest turn: "...; by=user; over_budget; rounds=12; cut=1" (its older tool
+                 rounds dropped, its newest round's tool results cut: see `trim`)
+    Over budget: "over_budget; tokens=150000+; budget=120000; by=user" (untouched: nothing could go)
     Either, after a refusal as too long: "...; refused=219898>200000; resent"
     """
     before = f"{stats['tokens_before']}{'+' if stats['tokens_before_lower_bound'] else ''}"
@@ -515,6 +617,8 @@ def summary(stats: dict[str, Any]) -> str | None:
             f"messages={stats['messages_before']}->{stats['messages_after']}; "
             f"tokens={before}->{stats['tokens_after']}; budget={stats['budget']}; by={by_word(stats)}"
         )
+        if stats.get("over_budget"):
+            line += f"; over_budget; rounds={stats.get('dropped_rounds', 0)}; cut={stats.get('cut_results', 0)}"
     elif stats.get("over_budget"):
         line = f"over_budget; tokens={before}; budget={stats['budget']}; by={by_word(stats)}"
     elif not stats.get("refused"):

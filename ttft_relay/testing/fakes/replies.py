@@ -104,7 +104,8 @@ def prompt_tokens(body: bytes, cached: int = 0) -> tuple[int, int]:
 class ToolLoop:
     """An agent loop: while a request carries fewer than `rounds` tool results, the answer is a
     call of the tool `name` with the JSON `arguments` (`{n}` in them replaced by the round, 0,
-    1, ...); then the text answer. Each answer has its own ids."""
+    1, ...); then the text answer. Each answer has its own ids, which number the rounds: a
+    request whose older rounds a relay left out is still in the round after its newest call."""
 
     name: str
     arguments: str
@@ -117,6 +118,16 @@ class ToolLoop:
             return None
         name, _, arguments = call.partition(" ")
         return cls(name, arguments or "{}", rounds)
+
+
+_LOOP_CALL_ID = re.compile(rb"(?:toolu|call)_fake(\d{1,9})")
+"""The ids of the loop's calls (`toolu_fake3`, `call_fake3`), numbered by round."""
+
+
+def loop_round(body: bytes, request: dict, api: str = OPENAI_RESPONSES) -> int:
+    """The agent loop's round a request is in: the one after its newest call (a request whose
+    older rounds were left out is still there), else its count of tool results."""
+    return max((int(m) + 1 for m in _LOOP_CALL_ID.findall(body)), default=tool_results(api, request))
 
 
 def tool_results(api: str, request: dict) -> int:
@@ -176,7 +187,7 @@ def build_reply(method: str, target: str, body: bytes, pieces: Sequence[str], st
     model_kw: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
     model_kw |= usage_kw(endpoint.api, *prompt_tokens(body, cached_tokens))
     if loop is not None and not gemini:
-        n = tool_results(endpoint.api, request)
+        n = loop_round(body, request, endpoint.api)
         if endpoint.api != OPENAI_CHAT:  # each answer its own id (Claude Code merges the blocks of one id)
             model_kw["id"] = f"msg_fake{n}" if endpoint.api == ANTHROPIC_MESSAGES else f"resp_fake{n}"
         if n < loop.rounds:

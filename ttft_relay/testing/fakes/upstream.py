@@ -125,9 +125,13 @@ class Behaviour:
     prompt), and left out of `prefill_ms_per_1k_tokens`, as a cached prefix costs next to nothing."""
     window: int | None = None
     """The model's context window in the fake's tokens (request body bytes / 4): a longer
-    request is refused with a 400 in the API's own words (`sse_samples.too_long_body`)."""
+    request is refused with a 400 in the API's own words (`sse_samples.too_long_body`); a
+    longer WebSocket turn with the Responses API's `error` event carrying that error."""
+    window_named: bool = False
+    """WebSocket: the refusal names the window, in Chat Completions' words ("maximum context
+    length is N tokens"), as OpenAI-compatible servers word it for every API."""
     tool_call: str | None = None
-    """An agent loop (`replies.ToolLoop`, HTTP answers only): the tool call to answer with, its
+    """An agent loop (`replies.ToolLoop`, HTTP and WebSocket answers): the tool call to answer with, its
     name, a space and its JSON arguments, `{n}` in them the round (0, 1, ...) ..."""
     tool_rounds: int = 0
     """... while the request carries fewer than this many tool results; then the text answer."""

@@ -17,7 +17,10 @@ The knobs are `Behaviour`'s, read from the upgrade request's `x-fake-*` headers
 - `status` >= 400 rejects the upgrade with that status and a JSON error body;
   `head_delay_ms` delays the `101`; `reset_before_headers` resets instead of answering;
   `close_after_accept` closes the socket with that code right after the `101`;
-- per turn: the prefill before the first text delta (`prefill_ms`, and
+- per turn: `window` refuses a `response.create` over that many tokens (its bytes / 4)
+  with the API's `error` event (`window_named`: naming the window); `tool_call` and
+  `tool_rounds` answer with the agent loop's calls as over HTTP (a turn continuing a
+  response counts the rounds of that response's calls too), the prefill before the first text delta (`prefill_ms`, and
   `prefill_ms_per_1k_tokens` of the message's uncached tokens, which its usage reports with
   `cached_tokens`), `gap_ms` between the other events (and `midstream_pause_ms` more after
   the first text delta), `chunks` text pieces,
@@ -55,7 +58,8 @@ from wsproto.extensions import PerMessageDeflate
 
 from ttft_relay.testing import sse_samples
 from ttft_relay.testing.fakes.http_wire import Inbound, RequestHead, find_header, header_has_token, reset_connection, sleep_ms
-from ttft_relay.testing.fakes.replies import OPENAI_RESPONSES, answer_pieces, prompt_tokens
+from ttft_relay.testing.fakes.replies import (
+    CHARS_PER_TOKEN, OPENAI_CHAT, OPENAI_RESPONSES, ToolLoop, answer_pieces, loop_round, prompt_tokens)
 
 if TYPE_CHECKING:
     from ttft_relay.testing.fakes.upstream import Behaviour
@@ -106,6 +110,8 @@ class SocketSession:
     """The `Sec-WebSocket-Extensions` the fake agreed to (e.g. permessage-deflate), or None."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     """Every text message the client sent, parsed (`{"unparsable": text}` when not JSON)."""
+    texts: list[str] = field(default_factory=list)
+    """... and as it came."""
     turns: list[SocketTurn] = field(default_factory=list)
     close_code: int | None = None
     """The code of the client's close frame, if it sent one."""
@@ -250,6 +256,7 @@ class ResponsesSocket:
             message = {"unparsable": text}
         with self._changed:
             self.session.messages.append(message)
+            self.session.texts.append(text)
             self._changed.notify_all()
         if message.get("type") == "response.create":
             self._creates.put_nowait((message, time.time()))
@@ -268,15 +275,26 @@ class ResponsesSocket:
             self.session.turns.append(turn)
             self._changed.notify_all()
         previous = message.get("previous_response_id")
+        size = len(json.dumps(message).encode()) // CHARS_PER_TOKEN
         if previous is not None and previous not in self._known:
             events = [_previous_response_not_found(previous)]
+            first_token = None
+        elif behaviour.window is not None and size > behaviour.window:
+            words = OPENAI_CHAT if behaviour.window_named else OPENAI_RESPONSES
+            error = sse_samples.too_long_body(words, size, behaviour.window)["error"]
+            events = [json.dumps({"type": "error", "status": 400, "error": error})]
             first_token = None
         else:
             model = message.get("model") if isinstance(message.get("model"), str) else sse_samples.OPENAI_MODEL
             pieces = [] if turn.prewarm else answer_pieces(behaviour.chunks)
             tokens, cached = prompt_tokens(json.dumps(message).encode(), behaviour.cached_tokens)
+            call: dict[str, Any] = {}
+            loop = ToolLoop.parse(behaviour.tool_call, behaviour.tool_rounds)
+            if loop is not None and not turn.prewarm and (n := loop_round(json.dumps(message).encode(), message)) < loop.rounds:
+                pieces = []
+                call = {"tool_call": (loop.name, [loop.arguments.replace("{n}", str(n))]), "tool_id": f"call_fake{n}"}
             events = [_sse_payload(e) for e in sse_samples.responses_stream(
-                pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached)]
+                pieces, model=model, id=turn.response_id, input_tokens=tokens, cached_tokens=cached, **call)]
             first_token = next((i for i, e in enumerate(events) if '"response.output_text.delta"' in e), None)
         try:
             for index in range(len(events) + 1):

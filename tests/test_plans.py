@@ -1,0 +1,88 @@
+"""plans.KeptPlans: conversations' cuts kept in a file, so that after a restart and on
+another worker the same conversation is cut at the same place (its prompt-cache prefix
+kept), and the file bounded."""
+
+from __future__ import annotations
+
+import os
+
+import orjson
+
+from ttft_relay import apis
+from ttft_relay.testing import shaped
+from ttft_relay.trim import plans, trimming
+from ttft_relay.trim.windows import Budget
+
+from tests.test_trimming import FakeCounter
+
+BUDGET = Budget(40_000, "user")
+
+
+def trim(body: dict, api: str, kept: trimming.PlanCache) -> trimming.TrimResult:
+    """As the addon's worker does: the others' plans read, the trim, this one's plan kept."""
+    if isinstance(kept, plans.KeptPlans):
+        kept.refresh()
+    result = trimming.trim(body, apis.get(api), BUDGET, FakeCounter(), plans=kept)
+    if isinstance(kept, plans.KeptPlans):
+        kept.save()
+    return result
+
+
+def first_after_restart(api: str, restarted: trimming.PlanCache, kept: trimming.PlanCache) -> tuple[dict, float]:
+    """A session trimmed with `kept` until some of its requests kept their cut, then (the
+    relay restarted) its next request with `restarted`: that one's stats and prefix share."""
+    requests = list(shaped.Session(api, turns=30).requests())
+    previous, kept_plans = None, 0
+    while kept_plans < 3:
+        body = requests.pop(0)
+        result = trim(body, api, kept)
+        kept_plans += result.stats["plan"] == "kept"
+        previous = result.body if result.body is not None else body
+    after = trim(requests[0], api, restarted)
+    return after.stats, shaped.prefix_share(api, previous, after.body if after.body is not None else requests[0])
+
+
+def test_a_restarted_relay_cuts_the_conversation_where_it_was_cut(tmp_path):
+    path = tmp_path / plans.FILE_NAME
+    for api in (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT):
+        path.unlink(missing_ok=True)
+        stats, share = first_after_restart(api, plans.KeptPlans(path), plans.KeptPlans(path))
+        assert stats["plan"] == "kept" and share >= 0.9, (api, stats, share)
+        # In memory only (as before): the restarted relay makes a cut of its own.
+        stats, share = first_after_restart(api, trimming.PlanCache(), trimming.PlanCache())
+        assert stats["plan"] == "new" and share < 0.5, (api, stats, share)
+
+
+def test_workers_on_one_file_share_their_plans(tmp_path):
+    path = tmp_path / plans.FILE_NAME
+    one, two = plans.KeptPlans(path), plans.KeptPlans(path)
+    requests = [b for b in shaped.Session(shaped.CHAT, turns=30).requests()]
+    results = [trim(body, shaped.CHAT, one if i % 2 else two) for i, body in enumerate(requests)]
+    trimmed = [r for r in results if r.stats["trimmed"]]
+    # A new cut on one worker is the cut of the next request on the other.
+    assert sum(r.stats["plan"] == "new" for r in trimmed) < 0.2 * len(trimmed)
+
+
+def test_the_file_stays_bounded_and_keeps_the_plans_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(plans, "MAX_BYTES", 20_000)
+    path = tmp_path / plans.FILE_NAME
+    kept = plans.KeptPlans(path, maxsize=50)
+    for n in range(2_000):
+        kept.put(n.to_bytes(16, "big"), trimming.Plan(n, n + 1, b"\x01" * 16))
+        if n % 10 == 9:
+            kept.save()
+    assert os.path.getsize(path) <= 20_000 + 10 * 200
+    fresh = plans.KeptPlans(path, maxsize=50)
+    fresh.refresh()
+    assert fresh.get((1999).to_bytes(16, "big")) == trimming.Plan(1999, 2000, b"\x01" * 16)
+    assert len(fresh) == 50
+
+
+def test_lines_it_did_not_write_are_skipped(tmp_path):
+    path = tmp_path / plans.FILE_NAME
+    good = {"key": "00" * 16, "shrunk": 1, "cut": 2, "anchor": "ab" * 16, "rounds_to": 0}
+    lines = [good, {**good, "cut": -1}, {**good, "key": "zz"}, {**good, "shrunk": True}, {"key": "00"}]
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines) + b"not json\n" + b"x" * 10_000 + b"\n")
+    kept = plans.KeptPlans(path)
+    kept.refresh()
+    assert len(kept) == 1 and kept.get(bytes(16)) == trimming.Plan(1, 2, bytes.fromhex("ab" * 16), 0)
