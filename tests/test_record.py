@@ -211,9 +211,8 @@ def test_cut_text_says_how_long_the_text_was_and_cuts_once():
 def test_the_console_line_says_what_trimming_did_and_when_it_went_into_the_newest_turn():
     trim = {"trimmed": True, "tokens_before": 42618, "tokens_after": 15612, "budget": 16000, "budget_source": "user",
             "window": None, "over_budget": False, "dropped_rounds": 0, "cut_results": 0}
-    assert record.summary_line(make() | {"trim": trim}).endswith("; trimmed 42618→15612 tokens (budget 16000 by user)")
+    assert record.summary_line(make() | {"trim": trim}).endswith(" · trimmed 42618→15612")
     over = record.summary_line(make() | {"trim": trim | {"over_budget": True, "dropped_rounds": 31}})
-    assert over.endswith("(budget 16000 by user), over budget: 31 older rounds of the newest turn left out, "
-                         "0 of its newest tool results cut")
+    assert over.endswith(" · trimmed 42618→15612 over budget (rounds -31, results cut 0)")
     untouched = record.summary_line(make() | {"trim": trim | {"trimmed": False, "over_budget": True}})
-    assert untouched.endswith("; over budget 16000 by user")
+    assert untouched.endswith(" · over budget 16000")

@@ -96,7 +96,12 @@ def check_into_newest_turn(items: list, kept: list, lay: trimming.Layout, stats:
     cut only if nothing else could go)."""
     assert stats["trimmed"] and stats["dropped_units"] == len(lay.cuts)
     if lay.cuts:
-        assert items[lay.newest] in [without_notice(k) for k in kept], "the newest prompt is kept"
+        prompts, prompt = [without_notice(k) for k in kept], items[lay.newest]
+        # Before the newest round, its images are shrunk as any item there (alike in every request
+        # of the plan, for the prompt cache), the prompt itself kept.
+        shrinkable = lay.protect_from > lay.newest
+        assert prompt in prompts or (shrinkable and any(shaped._same_skeleton(prompt, k) for k in prompts)), \
+            "the newest prompt is kept"
     newest_round = items[max(lay.protect_from, lay.newest) :]
     tail = kept[len(kept) - len(newest_round) :]
     assert all(shaped._same_skeleton(a, b) for a, b in zip(newest_round, tail)), "the newest round is kept"

@@ -17,7 +17,9 @@ from ttft_relay.testing.fakes.ws_client import WebSocketClient
 
 pytestmark = pytest.mark.shared_fake
 WAIT = 30
-MODEL = "gpt-5.1-codex"
+MODEL = "acme-codex-1"
+"""A model of no family the relay knows: a refusal naming a small window is then the provider's word
+(for gpt-5.1-codex, a 30k window is below its family's smallest and taught nothing: docs/trimming.md)."""
 HEADERS = {"authorization": f"Bearer {FAKE_OPENAI_KEY}", "openai-beta": "responses_websockets=2026-02-06"}
 TERMINAL = ("response.completed", "response.failed", "response.incomplete", "error")
 
