@@ -565,3 +565,33 @@ def test_a_client_tracestate_is_cut_to_the_w3c_limits():
     state = otlp.start(otlp.parse_traceparent(f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", huge)).tracestate
     assert state.startswith("ttft-relay=1,v0=") and len(state) <= otlp.TRACESTATE_MAX and "big=" not in state
     assert state.count(",") < otlp.TRACESTATE_MAX_ENTRIES
+
+
+# --- which upstreams get the trace context -----------------------------------------------------------
+
+
+def test_trace_context_goes_by_default_only_to_upstreams_on_a_private_network():
+    default = traces.Propagation.parse(traces.DEFAULT_PROPAGATE)
+    assert default.to("127.0.0.1", 8080) and default.to("10.0.0.7", 443) and default.to("localhost", 1)
+    assert default.to("::1", 1) and default.to("192.168.1.2", 443) and default.to("fd00::1", 443)
+    assert not default.to("api.openai.com", 443) and not default.to("api.anthropic.com", 443)
+    assert not default.to("8.8.8.8", 443)  # a public address
+    assert not default.to("relay.internal.example.com", 443)  # a name is not resolved: named by the operator
+
+
+@pytest.mark.parametrize("value, to, not_to", [
+    ("true", ["api.openai.com", "127.0.0.1"], []),  # the old boolean: everywhere, as before
+    ("false", [], ["127.0.0.1", "api.openai.com"]),
+    ("all", ["api.openai.com"], []),
+    ("off", [], ["127.0.0.1"]),
+    ("relay-b.example:8080", ["relay-b.example"], ["127.0.0.1", "api.openai.com"]),
+    ("private, relay-b.example", ["relay-b.example", "127.0.0.1"], ["api.openai.com"]),
+])
+def test_the_propagate_option_names_the_hops(value, to, not_to):
+    p = traces.Propagation.parse(value)
+    assert all(p.to(host, 8080) for host in to) and not any(p.to(host, 8080) for host in not_to)
+
+
+def test_the_propagate_option_refuses_all_or_off_in_a_list():
+    with pytest.raises(ValueError):
+        traces.Propagation.parse("all,relay-b.example")

@@ -9,9 +9,12 @@ as it is, or `OTEL_EXPORTER_OTLP_ENDPOINT`, + `/v1/traces`); `OTEL_EXPORTER_OTLP
 API key) come only from the environment, never from an option that /options or mitm.conf shows.
 
 Per in-scope request the addon fixes the trace's ids when the head arrives (`requestheaders`):
-the client's `traceparent` continued, or a new trace, and (`relay_otlp_propagate`) the
-relay's `traceparent` / `tracestate` set on the request it forwards, naming its upstream span
-as the parent, so that a ttft-relay behind it (or any traced upstream) joins the same trace.
+the client's `traceparent` continued, or a new trace, and, to the upstreams
+`relay_otlp_propagate` names (`Propagation`), the relay's `traceparent` / `tracestate` set on
+the request it forwards, naming its upstream span as the parent, so that a ttft-relay behind
+it (or any traced upstream) joins the same trace. By default those are the upstreams on
+loopback or a private network (a chained relay, a collector's agent), never a provider on the
+internet: its trace ids and the client's `tracestate` entries are nothing a third party needs.
 When the record is published (timing's `timing_record` hook) it is queued, nothing more:
 a thread turns the queued records into spans (`otlp.spans`), encodes them and POSTs them in
 batches. The queue is bounded in records (QUEUE_MAX) and in bytes (QUEUE_BYTES_MAX, each
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import ipaddress
 import logging
 import os
 import random
@@ -80,6 +84,52 @@ SHUTDOWN_S = 3.0
 DEFAULT_TIMEOUT_S = 10.0
 SCOPE_NAME = "ttft_relay"
 DROP_QUEUE_FULL, DROP_EXPORT_FAILED, DROP_REJECTED = "queue_full", "export_failed", "rejected"
+
+PROPAGATE_ALL, PROPAGATE_NONE, PROPAGATE_PRIVATE = "all", "off", "private"
+DEFAULT_PROPAGATE = PROPAGATE_PRIVATE
+_YES, _NO = {"true", "on", "yes", "1", PROPAGATE_ALL}, {"false", "off", "no", "0", "none", ""}
+
+
+@dataclass(frozen=True)
+class Propagation:
+    """Which upstreams get the relay's trace context (`relay_otlp_propagate`, sans-IO): `all`,
+    `off`, or a comma-separated list of hosts (`host` or `host:port`) and `private` (every
+    upstream on loopback or a private network: an IP address there, `localhost`). The old
+    boolean is read as `all` (true) and `off` (false)."""
+
+    everywhere: bool = False
+    private: bool = False
+    hosts: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, value: str) -> Propagation:
+        words = [w.strip().lower() for w in value.split(",") if w.strip()]
+        if len(words) <= 1 and (words[0] if words else "") in _YES | _NO:
+            return cls(everywhere=(words[0] if words else "") in _YES)
+        if any(w in _YES | _NO for w in words):
+            raise ValueError(f"relay_otlp_propagate: 'all' and 'off' stand alone, got {value!r}")
+        return cls(private=PROPAGATE_PRIVATE in words, hosts=frozenset(w for w in words if w != PROPAGATE_PRIVATE))
+
+    def to(self, host: str, port: int) -> bool:
+        """Whether the request to `host`:`port` gets the relay's trace context."""
+        host = host.lower().strip("[]")
+        if self.everywhere or host in self.hosts or f"{host}:{port}" in self.hosts:
+            return True
+        return self.private and is_private(host)
+
+
+def is_private(host: str) -> bool:
+    """`host` is on this machine or a private network by its own name: loopback, RFC 1918 /
+    unique-local / link-local addresses, `localhost` (a name is not resolved: what it resolves
+    to can change, and a provider's name never says private)."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private or address.is_link_local
+
 
 _ids = random.Random()
 """Span and trace ids: randomness seeded from os.urandom, without a system call per id."""
@@ -385,7 +435,7 @@ class Traces:
         self.on_dropped = on_dropped
         """Told of every drop (reason, records): the metrics addon's counter."""
         self.exporter: Exporter | None = None
-        self.propagate = True
+        self.propagate = Propagation.parse(DEFAULT_PROPAGATE)
         self.traces: weakref.WeakKeyDictionary[http.HTTPFlow, otlp.Trace] = weakref.WeakKeyDictionary()
 
     def load(self, loader) -> None:
@@ -400,15 +450,21 @@ class Traces:
         )
         loader.add_option(
             "relay_otlp_propagate",
-            bool,
-            True,
-            "While exporting traces: pass the trace upstream in traceparent / tracestate, so that a next hop "
-            "that traces (another ttft-relay) joins it. Off: the request's headers are left as the client sent them.",
+            str,
+            DEFAULT_PROPAGATE,
+            "While exporting traces: the upstreams the trace is passed to in traceparent / tracestate, so that a "
+            "next hop that traces (another ttft-relay) joins it: 'private' (upstreams on loopback or a private "
+            "network, the default), a comma-separated list of hosts (host or host:port, 'private' among them if "
+            "wanted), 'all', or 'off'; true and false mean all and off. Elsewhere the request's headers are left "
+            "as the client sent them.",
         )
 
     def configure(self, updated: set[str]) -> None:
         if "relay_otlp_propagate" in updated:
-            self.propagate = ctx.options.relay_otlp_propagate
+            try:
+                self.propagate = Propagation.parse(ctx.options.relay_otlp_propagate)
+            except ValueError as e:
+                raise exceptions.OptionsError(str(e)) from None
         if "relay_otlp_endpoint" not in updated:
             return
         try:
@@ -441,7 +497,7 @@ class Traces:
         trace = otlp.start(otlp.parse_traceparent(headers.get("traceparent"), headers.get("tracestate")),
                            _ids.randbytes)
         self.traces[flow] = trace
-        if self.propagate:
+        if self.propagate.to(flow.request.host, flow.request.port):
             headers["traceparent"] = otlp.traceparent(trace)
             headers["tracestate"] = trace.tracestate
 
