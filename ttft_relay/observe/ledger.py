@@ -326,7 +326,8 @@ class Ledger:
         self._slot_of, self._recorded, self._full_said, self._failed = {}, deque(), False, False
         # A lost request's slot stays filled until its record is in the log, as any other's:
         # dying again now would leave it for the next start.
-        lost, answered = [], []
+        lost: list[str] = []
+        answered: list[str] = []
         left_filled = list(filled_slots(left))
         written = recorded_ids(_tail(writer.path)) if left_filled else set()
         for offset, entry in left_filled:
