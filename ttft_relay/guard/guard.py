@@ -880,11 +880,22 @@ class SecretRedaction:
     `response` and `error`, or at shutdown for flows still in flight (the flow
     saver writes those too). Script addons come before mitmproxy's console dumper
     (flow_detail >= 2 prints headers), savers (save_stream_file, HAR) and mitmweb's
-    view in the addon chain, so all of them get the redacted flow. mitmweb does show
-    a request's headers while it is in flight."""
+    view in the addon chain, so all of them get the redacted flow. While a request is in
+    flight its flow must keep them (mitmproxy sends the request as the flow holds it):
+    mitmweb's views of it get `shown_flow`'s redacted copy (`WebOptions`)."""
 
     def __init__(self) -> None:
         self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+
+    def shown_flow(self, flow: Any) -> Any:
+        """`flow` as mitmweb may show it: a redacted copy while it is in flight (its own
+        redaction is still to come), else the flow itself."""
+        if flow not in self.in_flight:
+            return flow
+        shown = flow.copy()
+        shown.id, shown.live = flow.id, flow.live
+        redact_flow(shown)
+        return shown
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         self.in_flight.add(flow)
@@ -934,11 +945,16 @@ def shown_option_value(name: str, value: Any) -> Any:
 class WebOptions:
     """mitmweb's option editor (`GET /options`, and its `options/update` messages) shows
     the passwords of `SECRET_OPTIONS` as REDACTED (ttft_relay/patches/fixes/web_options.py); the
-    options keep their values."""
+    options keep their values. Its flow views (the list, its live updates, the dump, the
+    exports) show a flow in flight redacted (`SecretRedaction.shown_flow`)."""
+
+    def __init__(self, redaction: SecretRedaction) -> None:
+        self.redaction = redaction
 
     def load(self, loader) -> None:
         if pins.on(web_options):
             web_options.install(shown_option_value)
+            web_options.install_flows(self.redaction.shown_flow)
 
     def done(self) -> None:
         web_options.uninstall()
@@ -948,5 +964,6 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
+        redaction = SecretRedaction()
         self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), FieldSyntax(), OriginForm(),
-                       RequestFraming(), AccessKeys(), SecretRedaction(), WebOptions()]
+                       RequestFraming(), AccessKeys(), redaction, WebOptions(redaction)]
