@@ -454,6 +454,27 @@ class AccessKeys:
             st.record_error(reason, phase="relay")
 
 
+def _client_transport(side: websocket_limits.MessageLimits) -> Any:
+    """The asyncio transport of the client connection `side` reads (None once it is gone)."""
+    client = side.conn
+    if not isinstance(client, connection.Client):
+        return None
+    transport = getattr(connections.writer(client, client), "transport", None)
+    return transport if transport is not None and not transport.is_closing() else None
+
+
+def _pause_reading(side: websocket_limits.MessageLimits) -> bool:
+    if (transport := _client_transport(side)) is None:
+        return False
+    transport.pause_reading()
+    return True
+
+
+def _resume_reading(side: websocket_limits.MessageLimits) -> None:
+    if (transport := _client_transport(side)) is not None:
+        transport.resume_reading()
+
+
 class WebSocketLimits:
     """WebSocket messages bounded as they are read, from either side
     (`ttft_relay/patches/fixes/websocket_limits.py`): a message's size once inflated
@@ -473,18 +494,34 @@ class WebSocketLimits:
             "Largest WebSocket message, from the client or the upstream, once inflated (e.g. 16m, "
             "64m); a larger one closes the socket (1009). 0: no limit.",
         )
+        loader.add_option(
+            "relay_websocket_inflight_max", str, "64m",
+            "WebSocket message bytes clients may have in flight together (read, not yet complete), across the "
+            "relay; a client whose message passes it is paused (its socket not read) until there is room. "
+            "0: no limit.",
+        )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_websocket_message_max" in updated:
-            try:
-                size = human.parse_size(ctx.options.relay_websocket_message_max) or 0
-            except ValueError as e:
-                raise exceptions.OptionsError(f"relay_websocket_message_max: {e}") from e
+        if updated & {"relay_websocket_message_max", "relay_websocket_inflight_max"}:
+            sizes = {}
+            for name in ("relay_websocket_message_max", "relay_websocket_inflight_max"):
+                try:
+                    sizes[name] = human.parse_size(getattr(ctx.options, name)) or 0
+                except ValueError as e:
+                    raise exceptions.OptionsError(f"{name}: {e}") from e
             if pins.on(websocket_limits):
-                websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
+                websocket_limits.install(websocket_limits.Bounds(message_bytes=sizes["relay_websocket_message_max"],
+                                                                 total_bytes=sizes["relay_websocket_inflight_max"]),
+                                         _pause_reading, _resume_reading)
 
     def done(self) -> None:
         websocket_limits.uninstall()
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        websocket_limits.ended(flow.client_conn)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        websocket_limits.ended(client)
 
     def response(self, flow: http.HTTPFlow) -> None:
         # An upstream's 101 whose permessage-deflate parameters wsproto cannot take crashed the
