@@ -12,6 +12,7 @@ import pytest
 
 from wsproto.frame_protocol import ParseFailed
 
+from ttft_relay.patches.fixes import websocket_limits
 from ttft_relay.patches.fixes.websocket_limits import Bounds, Budget, MessageLimits
 from ttft_relay.testing.fakes.hostile import BINARY, CLOSE, CONTINUATION, HostileUpstream, RawClient, frame
 
@@ -135,3 +136,19 @@ def test_many_clients_messages_wait_in_their_own_buffers_not_the_relays(upstream
         assert grown < 16 * 6 / 2, grown  # about the budget, a message, and each socket's read buffer
         relay.wait_for_output(r"WebSocket messages in flight from clients past 4 MiB")
 
+
+
+def test_a_client_message_over_the_bound_gets_its_close_1009_after_sending_it(upstream, start_relay):
+    """A client that sends its message, then reads (as a synchronous client does): the relay closed
+    the socket at once, with the client's 30 MiB still coming, and the reset that unread bytes
+    cause lost the close frame (the send failed, or the client waited for an answer). The relay
+    now reads and drops the rest, so the send completes and the close 1009 is there to read."""
+    relay = start_relay(f"reverse:{upstream.base_url}@0", relay_websocket_message_max="1m")
+    with RawClient(relay.port, deflate=False, timeout=60) as c:
+        started = time.monotonic()
+        c.send(frame(BINARY, b"a" * (30 * MIB), masked=True))  # raised ConnectionResetError
+        close = c.until_close(30)
+        took = time.monotonic() - started
+    assert close is not None and close.payload[:2] == b"\x03\xf1"  # 1009
+    assert close.payload[2:].decode().startswith("ttft-relay: message over 1 MiB")
+    assert took < websocket_limits.LINGER_S + 5, took

@@ -34,6 +34,14 @@ late by up to 2.5 s for every other stream while 8 of them came in). While insta
 `WebsocketConnection.frame_buf` is a property that keeps the pieces as bytearrays
 (`GrowingFrames`), which `+=` extends in place; `b"".join` and `len` read them as before.
 
+A client refused for its message gets its close frame: the layer writes the close and
+closes the connection at once, while the client is still sending the message (a 30 MiB one
+is not done in a moment); closing a socket with unread bytes sends a reset, and the
+client's kernel drops the close frame it had not read yet. The wrap of
+`ConnectionHandler.close_connection` closes such a client's connection lingering: a FIN
+after the close frame, its further bytes read and dropped (the layer is done with them), and
+the socket closed once the client closes its side, or after `LINGER_S`.
+
 Past a bound it raises wsproto's `ParseFailed`, which wsproto turns into the close event it
 makes for any protocol error; the layer then sends that close to both sides and ends the
 flow (`flow.websocket.close_code`, `close_reason`: where the turn's record finds it):
@@ -47,6 +55,7 @@ version and the code that sets and reads them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -56,6 +65,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mitmproxy import connection
+from mitmproxy.proxy import server
 from mitmproxy.proxy.layers.websocket import WebsocketConnection, WebsocketLayer
 from wsproto import ConnectionType
 from wsproto.connection import Connection
@@ -128,8 +139,15 @@ class Budget:
 
 
 _ORIGINAL_INIT = WebsocketConnection.__init__
-ORIGINALS = {(WebsocketConnection, "__init__"): _ORIGINAL_INIT}
+_ORIGINAL_CLOSE = server.ConnectionHandler.close_connection
+ORIGINALS = {(WebsocketConnection, "__init__"): _ORIGINAL_INIT,
+             (server.ConnectionHandler, "close_connection"): _ORIGINAL_CLOSE}
+LINGER_S = 5.0
+"""How long a refused client may go on sending after its close frame before its socket closes."""
 PINS = {
+    # a full close cancels the connection's task (which closes the socket); a half close writes a FIN
+    # and leaves the task reading
+    "ConnectionHandler.close_connection": (_ORIGINAL_CLOSE, "c0d10cc05dd65b80"),
     # each side's wsproto connection is made here, with the extensions the wrap bounds
     "WebsocketConnection.__init__": (_ORIGINAL_INIT, "f77a8c21ac12e55f"),
     # ... from PerMessageDeflate objects the 101's header negotiated, one per side
@@ -162,14 +180,37 @@ def install(bounds: Bounds, pause: Callable[[Any], bool] | None = None,
     _budget = Budget(bounds.total_bytes, pause, resume) if pause is not None and resume is not None else None
     WebsocketConnection.__init__ = _bounded_init  # type: ignore[method-assign, assignment]  # the patch itself
     WebsocketConnection.frame_buf = _FRAME_BUF  # type: ignore[assignment]  # the patch itself
+    server.ConnectionHandler.close_connection = _lingering_close  # type: ignore[method-assign]  # the patch itself
 
 
 def uninstall() -> None:
     global _bounds, _budget
     _bounds, _budget = Bounds(), None
     WebsocketConnection.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]  # the patch itself
+    server.ConnectionHandler.close_connection = _ORIGINAL_CLOSE  # type: ignore[method-assign]  # the patch itself
     if vars(WebsocketConnection).get("frame_buf") is _FRAME_BUF:
         del WebsocketConnection.frame_buf
+
+
+def _lingering_close(self: server.ConnectionHandler, conn: connection.Connection, half_close: bool = False) -> None:
+    if half_close or _refused.get(conn) != "client" or conn in _lingering:
+        _ORIGINAL_CLOSE(self, conn, half_close)
+        return
+    _lingering.add(conn)
+    _ORIGINAL_CLOSE(self, conn, half_close=True)  # the close frame, then a FIN; the client's bytes still read
+    try:
+        asyncio.get_running_loop().call_later(LINGER_S, _close_if_open, self, conn)
+    except RuntimeError:  # no loop (a layer test): closed now
+        _ORIGINAL_CLOSE(self, conn)
+
+
+def _close_if_open(handler: server.ConnectionHandler, conn: connection.Connection) -> None:
+    if conn.state is not connection.ConnectionState.CLOSED and conn in handler.transports:
+        _ORIGINAL_CLOSE(handler, conn)
+
+
+_lingering: weakref.WeakSet[object] = weakref.WeakSet()
+"""Refused clients' connections closed lingering (a second close closes them for good)."""
 
 
 class GrowingFrames(list):
