@@ -180,7 +180,7 @@ def install(bounds: Bounds, pause: Callable[[Any], bool] | None = None,
     _budget = Budget(bounds.total_bytes, pause, resume) if pause is not None and resume is not None else None
     WebsocketConnection.__init__ = _bounded_init  # type: ignore[method-assign, assignment]  # the patch itself
     WebsocketConnection.frame_buf = _FRAME_BUF  # type: ignore[assignment]  # the patch itself
-    server.ConnectionHandler.close_connection = _lingering_close  # type: ignore[method-assign]  # the patch itself
+    server.ConnectionHandler.close_connection = _lingering_close  # type: ignore[method-assign, assignment]  # the patch itself
 
 
 def uninstall() -> None:
