@@ -595,3 +595,9 @@ def test_the_propagate_option_names_the_hops(value, to, not_to):
 def test_the_propagate_option_refuses_all_or_off_in_a_list():
     with pytest.raises(ValueError):
         traces.Propagation.parse("all,relay-b.example")
+
+
+def test_a_records_model_is_cut():
+    rec = built(model="m" * 200_000)
+    assert len(rec.model or "") <= record.MODEL_MAX and (rec.model or "").endswith("(200000 characters)")
+    assert built().model == "gpt-4o"
