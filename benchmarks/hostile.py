@@ -25,6 +25,20 @@ Scenarios (the figures of issue 26):
     metrics-idle       1000 idle connections to the metrics endpoint: the relay's threads
     sse-gzip-bomb      an event stream, gzip-encoded, that inflates to 1000 MB
 
+Issue 36's cases:
+
+    ws-many-messages   10 sockets each sending a 23 MiB message (each under the per-message
+                       bound) at once: the relay's memory, the victim's stall, all delivered?
+    ws-over-bound      one 30 MiB message (over the 24 MiB bound) from a client that sends it
+                       whole, then reads: does its send complete, does it get its close 1009, when
+    otlp-endless       exporting to a collector that answers 200 with an endless chunked body,
+                       200 requests: the relay's memory over 10 s, and how long its stop takes
+    otlp-hang-names    a collector that never answers, and 2000 requests naming a 200 KB model
+    otlp-forged-line   a collector whose 500 body holds a newline and a fake record line: does
+                       the relay's console show that line as a line of its own
+    metrics-evict      through the proxy listener: gpt-4o 3 times to its upstream, 150 models to an
+                       attacker's upstream that answers 200 to anything, gpt-4o again: its count
+
     scripts/bench hostile [--scenario NAME ...] [--relay-script PATH] [--set NAME=VALUE ...] [--json]
 """
 
@@ -54,13 +68,76 @@ VICTIM_EVENTS = 1500
 SCENARIOS: dict[str, Callable[[Bench], dict]] = {}
 
 
+RELAY_OPTIONS: dict[str, Callable[[HostileCollector], dict[str, str]]] = {}
+"""Options a scenario's relay starts with, given the hostile collector (its mode set)."""
+
+
 def scenario(fn: Callable[[Bench], dict]) -> Callable[[Bench], dict]:
     SCENARIOS[fn.__name__.replace("_", "-")] = fn
     return fn
 
 
+def exporting(mode: str) -> Callable[[Callable[[Bench], dict]], Callable[[Bench], dict]]:
+    """The scenario's relay exports traces to the hostile collector, which behaves as `mode`."""
+    def mark(fn: Callable[[Bench], dict]) -> Callable[[Bench], dict]:
+        def options(collector: HostileCollector) -> dict[str, str]:
+            collector.mode = mode
+            return {"relay_otlp_endpoint": collector.url}
+        RELAY_OPTIONS[fn.__name__.replace("_", "-")] = options
+        return fn
+    return mark
+
+
+class HostileCollector:
+    """An OTLP collector on loopback that misbehaves as `mode` says: `endless` (200, then a
+    chunked body without end), `hang` (reads the POST, never answers), `forge` (500 whose body
+    holds a newline and a line made to look like the relay's own)."""
+
+    FORGED = "2026-01-01 00:00:00 200 gpt-4o ttft 12 ms ok (forged by the collector)"
+
+    def __init__(self) -> None:
+        self.mode = "hang"
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while conn.recv(1 << 20):  # each POST, then the answer its mode gives
+                    if self.mode == "hang":
+                        continue
+                    if self.mode == "forge":
+                        body = f"collector error\n{self.FORGED}".encode()
+                        conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: %d\r\n\r\n%s"
+                                     % (len(body), body))
+                        continue
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
+                    while True:
+                        conn.sendall(chunk)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """VmRSS of `pid` in MB; 0 once it has exited (a scenario may stop the relay itself)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0.0
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
@@ -278,6 +355,145 @@ def sse_gzip_bomb(b: Bench) -> dict:
     return b.attack(run)
 
 
+@scenario
+def ws_many_messages(b: Bench, sockets: int = 10, size: int = 23 * 1024 * 1024) -> dict:
+    clients = [RawClient(b.hostile_port, deflate=False, timeout=300) for _ in range(sockets)]
+    message = frame(BINARY, b"a" * size, masked=True)
+
+    def run() -> dict:
+        started = time.monotonic()
+        senders = [threading.Thread(target=c.send, args=(message,)) for c in clients]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        deadline = time.monotonic() + 120
+        while sum(s.received for s in b.hostile.sessions[-sockets:]) < sockets * size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        delivered = sum(s.received for s in b.hostile.sessions[-sockets:]) // size
+        took = time.monotonic() - started
+        held = rss_mb(b.pid)
+        for c in clients:
+            c.send(frame(hostile.CLOSE, b"\x03\xe8", masked=True))
+            c.sock.close()
+        return {"delivered": f"{delivered}/{sockets}", "all_delivered_s": round(took, 2), "rss_held_mb": round(held)}
+    return b.attack(run)
+
+
+@scenario
+def ws_over_bound(b: Bench) -> dict:
+    with RawClient(b.hostile_port, deflate=False, timeout=120) as c:
+        def run() -> dict:
+            started = time.monotonic()
+            # As a synchronous client does: the whole message, then read.
+            sent = _send_quietly(c, frame(BINARY, b"a" * (30 * 1024 * 1024), masked=True))
+            out = closed_with(c, 70)
+            out["send"] = sent
+            out["close_after_s"] = round(time.monotonic() - started, 2)
+            return out
+        return b.attack(run)
+
+
+def _send_quietly(c: RawClient, data: bytes) -> str:
+    """How sending `data` went: "ok", or the error (the relay closed the socket meanwhile)."""
+    try:
+        c.send(data)
+    except OSError as e:
+        return type(e).__name__
+    return "ok"
+
+
+def _relayed(b: Bench, n: int, model: str, threads_n: int = 8) -> int:
+    """`n` requests through the victim listener naming `model`; how many were answered 200."""
+    body = json.dumps({"model": model, "stream": False, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    ok = 0
+    lock = threading.Lock()
+    todo = iter(range(n))
+
+    def worker() -> None:
+        nonlocal ok
+        while True:
+            with lock:
+                if next(todo, None) is None:
+                    return
+            with socket.create_connection(("127.0.0.1", b.victim_port), 30) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                          b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            with lock:
+                ok += data.startswith(b"HTTP/1.1 200")
+    ts = [threading.Thread(target=worker) for _ in range(threads_n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return ok
+
+
+@scenario
+@exporting("endless")
+def otlp_endless(b: Bench) -> dict:
+    def run() -> dict:
+        answered = _relayed(b, 200, "gpt-4o-mini")
+        time.sleep(10)  # the exporter reads the collector's answer meanwhile: the memory it costs
+        stop = time.monotonic()
+        b.relay.stop()
+        return {"answered": answered, "stop_s": round(time.monotonic() - stop, 1)}
+    return b.attack(run)
+
+
+@scenario
+@exporting("hang")
+def otlp_hang_names(b: Bench) -> dict:
+    def run() -> dict:
+        answered = _relayed(b, 2000, "m" * 200_000, threads_n=16)
+        return {"answered": answered}
+    return b.attack(run)
+
+
+@scenario
+@exporting("forge")
+def otlp_forged_line(b: Bench) -> dict:
+    def run() -> dict:
+        _relayed(b, 3, "gpt-4o-mini")
+        try:
+            b.relay.wait_for_output(r"OTLP export to .* failed", timeout=20)
+        except Exception:  # noqa: BLE001 (reported as not seen)
+            return {"failure_logged": False}
+        try:  # a line of its own, as the relay's console lines are: the line after the failure's
+            b.relay.wait_for_output("^" + re.escape(HostileCollector.FORGED), timeout=3)
+            forged_own_line = True
+        except AssertionError:
+            forged_own_line = False
+        return {"failure_logged": True, "forged_line_on_its_own": forged_own_line}
+    return b.attack(run)
+
+
+@scenario
+def metrics_evict(b: Bench) -> dict:
+    url = b.metrics_url()
+    attacker, attacker_url = start_fake_upstream()
+    try:
+        def run() -> dict:
+            for _ in range(3):
+                proxied(b.proxy_port, b.fake_url + "/v1/chat/completions", "gpt-4o")
+            junk_ok = sum(proxied(b.proxy_port, attacker_url + "/v1/chat/completions", f"junk-{i}") == 200
+                          for i in range(150))
+            proxied(b.proxy_port, b.fake_url + "/v1/chat/completions", "gpt-4o")
+            time.sleep(1)
+            _, _, _, text = scrape(url)
+            counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("gen_ai_client_operation_duration_seconds_count{")
+                      and 'gen_ai_request_model="gpt-4o"' in line]
+            return {"junk_answered_200": junk_ok, "gpt-4o_count": sum(counts) if counts else "evicted"}
+        return b.attack(run)
+    finally:
+        attacker.terminate()
+        attacker.wait(10)
+
+
 def closed_ports(n: int) -> list[int]:
     socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
     ports = [s.getsockname()[1] for s in socks]
@@ -401,10 +617,12 @@ def main() -> None:
     args = ap.parse_args()
     options = dict(item.split("=", 1) for item in args.set)
     results: dict[str, dict] = {}
+    collector = HostileCollector()
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
         for name in args.scenario or sorted(SCENARIOS):
             # A relay per scenario: one attack's leftovers (memory, threads) are not the next one's.
-            b = Bench(args.relay_script, Path(tmp) / name, options)
+            extra = RELAY_OPTIONS[name](collector) if name in RELAY_OPTIONS else {}
+            b = Bench(args.relay_script, Path(tmp) / name, {**options, **extra})
             try:
                 base = b.baseline()
                 result = SCENARIOS[name](b)
@@ -417,6 +635,7 @@ def main() -> None:
             results[name] = result
             if not args.json:
                 print(f"{name:18} " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    collector.close()
     if args.json:
         print(json.dumps(results, indent=2))
 

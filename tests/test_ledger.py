@@ -119,6 +119,50 @@ def test_a_lost_request_keeps_its_slot_until_its_lost_record_is_written(tmp_path
     assert "f1" not in _ids(ledger_file)
 
 
+def _died(book):
+    """As a kill -9 leaves it: the ledger's file as it was, its lock released."""
+    os.close(book._fd)
+    book._fd = None
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_a_request_answered_in_full_before_its_process_died_is_recorded_answered_not_lost(tmp_path, caplog,
+                                                                                           published):
+    """3 requests whose clients had the whole answer were recorded lost after a kill -9 between
+    the last byte and the record: the figures settling (`published` False), or the writer's batch
+    (True). The slot says the answer was complete, and the next process records it so."""
+    writer = _Writer(tmp_path / "timing.jsonl")
+    book = ledger.Ledger(_Timings(writer))
+    book.configure({"relay_timing_log"})
+    answered, cut_off = _flow(), _flow()
+    answered.response = tflow.tresp(status_code=201)
+    for f in (answered, cut_off):
+        book.requestheaders(f)
+        book.request(f)
+    book.response(answered)  # the last byte passed on
+    if published:
+        writer.write({"id": answered.id})
+        book.timing_record(_record_ok(), answered)
+    _died(book)
+
+    after = _Writer(tmp_path / "timing.jsonl")
+    ledger.Ledger(_Timings(after)).configure({"relay_timing_log"})
+    by_id = {r["id"]: r for r in after.records}
+    assert by_id[cut_off.id]["error"] == ledger.LOST_ERROR
+    done = by_id[answered.id]
+    assert done["error"] is None and done["status"] == 201 and done["verdict"] == ledger.ANSWERED_VERDICT
+    assert "1 request(s) were answered in full when the relay process before this one died" in caplog.text
+    (lost_line,) = [r.getMessage() for r in caplog.records if "recorded as lost" in r.getMessage()]
+    assert cut_off.id in lost_line and answered.id not in lost_line
+
+
+def _record_ok():
+    return record.build_record(record.RecordInput(
+        id="x", ts=1.0, api="openai.chat", model="m", stream=True, status=201, upstream="u", marks={},
+        tokens_expected=False, tls_expected=False, reused_connection=None, rtt_ms=None, error=None,
+        error_phase=None, request_id=None))
+
+
 def test_a_ledger_path_that_is_not_a_file_of_its_own_means_no_ledger_and_no_error(tmp_path, caplog):
     (tmp_path / ".timing.jsonl.inflight").symlink_to("/dev/null")
     book = ledger.Ledger(_Timings(_Writer(tmp_path / "timing.jsonl")))

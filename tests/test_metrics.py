@@ -347,3 +347,84 @@ PROMETHEUS_CLIENT_PINNED = {
 def test_the_prometheus_client_code_multiproc_builds_on_is_unchanged():
     assert importlib.metadata.version("prometheus-client") == "0.26.0"
     assert_unchanged(PROMETHEUS_CLIENT_PINNED, multiproc)
+
+
+def gpt_count(reg: CollectorRegistry) -> float | None:
+    return reg.get_sample_value("gen_ai_client_operation_duration_seconds_count",
+                                LABELS | {"gen_ai_request_model": "gpt-4o", "error_type": ""})
+
+
+@pytest.mark.parametrize("hosts", [1, 150])
+def test_junk_an_upstream_answers_200_to_never_pushes_out_a_model_in_use(hosts):
+    """150 model names sent to the attacker's own upstream (answering 200 to anything) evicted
+    gpt-4o, whose counter restarted at 1. Its upstream proves its newest models within its own
+    quota; spread over 150 upstreams, a success each proves less than gpt-4o's upstream has."""
+    reg = CollectorRegistry()
+    m = metrics.RelayMetrics(reg, max_series=100)
+    for _ in range(3):
+        m.observe(a_record(model="gpt-4o"), CHAT_API)
+    for i in range(150):
+        m.observe(a_record(model=f"junk-{i}", upstream=f"evil-{i % hosts}.example:8080"), CHAT_API)
+    m.observe(a_record(model="gpt-4o"), CHAT_API)
+    assert gpt_count(reg) == 4  # never evicted: counted on, not restarted
+    assert len(m.series) <= 100
+    proven_junk = [labels for labels in m.series.proven if labels[series.MODEL].startswith("junk-")]
+    assert len(proven_junk) <= m.series.per_upstream * hosts  # each upstream proves within its quota
+
+
+def test_an_upstream_proves_its_models_only_within_its_quota():
+    evicted: list[series.Labels] = []
+    bound = series.SeriesBound(100, per_upstream=3)
+    for model in ("a", "b", "c", "d"):
+        bound.admit(("chat", "openai", model, "h", "openai.chat", "2xx"), True, evicted.append)
+    assert [bound.is_proven(m, "h") for m in "abcd"] == [False, True, True, True]
+    assert ("chat", "openai", "a", "h", "openai.chat", "2xx") in bound.unproven  # the first junk to go
+
+
+def test_metrics_model_labels_are_cut():
+    reg = CollectorRegistry()
+    m = metrics.RelayMetrics(reg, max_series=10)
+    m.observe(a_record(model="m" * 200_000), CHAT_API)
+    (model,) = {s.labels["gen_ai_request_model"] for f in reg.collect() for s in f.samples
+                if "gen_ai_request_model" in s.labels}
+    assert len(model) <= metrics.LABEL_MAX and model.endswith("(200000 characters)")
+
+
+@pytest.mark.parametrize("listener", ["proxy", "reverse"])
+def test_junk_models_on_an_attackers_upstream_leave_a_real_models_series(start_relay, listener):
+    """The break of issue 36 on real mitmdump, in both shapes: a proxy listener naming the attacker's
+    upstream, and a reverse listener in front of it; either way a second fake, answering 200 to
+    any model, stands for the attacker's upstream."""
+    from ttft_relay.testing.fakes.upstream import FakeUpstream
+
+    with FakeUpstream() as real, FakeUpstream() as attacker:
+        if listener == "proxy":
+            relay = start_relay("regular@0", relay_metrics_listen="127.0.0.1:0", relay_metrics_max_series=20)
+            urls = (f"{real.base_url}/v1/chat/completions", f"{attacker.base_url}/v1/chat/completions")
+            proxy: str | None = relay.url()
+        else:
+            from ttft_relay.workers import free_port
+
+            relay = start_relay(f"reverse:{real.base_url}@{free_port()}", f"reverse:{attacker.base_url}@{free_port()}",
+                                relay_metrics_listen="127.0.0.1:0",
+                                relay_metrics_max_series=20)
+            urls = tuple(f"http://127.0.0.1:{port}/v1/chat/completions" for port in relay.ports)
+            proxy = None
+
+        def call(url: str, model: str) -> None:
+            body = {**CHAT, "model": model, "stream": False}
+            conn, resp = client.request("POST", url, body, {"x-request-id": model}, proxy=proxy)
+            with conn:
+                assert resp.status == 200
+                resp.read()
+
+        for _ in range(3):
+            call(urls[0], "gpt-4o")
+        for i in range(150):
+            call(urls[1], f"junk-{i}")
+        call(urls[0], "gpt-4o")
+        relay.log.wait(154)
+        text = urllib.request.urlopen(metrics_url(relay), timeout=10).read().decode()
+    gpt = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name == "gen_ai_client_operation_duration_seconds_count" and s.labels["gen_ai_request_model"] == "gpt-4o"]
+    assert gpt == [4]  # was: evicted, and back at 1

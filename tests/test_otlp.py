@@ -440,3 +440,164 @@ def test_bench_streams_measures_the_exporter_beside_the_relay():
         assert re.search(r"ms\s+0\s+5\s", rows[name]), rows[name]  # no failures, 5 streams
     exports = re.search(r"collector took exports (\d+)", out.stdout)
     assert exports and int(exports.group(1)) >= 1, out.stdout
+
+
+# --- a hostile collector ---------------------------------------------------------------------------
+
+
+class RawCollector:
+    """A collector on loopback that answers each POST with `answer(sock)`: whatever bytes, at
+    whatever pace, a real socket can send. Counts what it managed to send."""
+
+    def __init__(self, answer) -> None:
+        import socket
+
+        self.answer = answer
+        self.sent = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.stopping = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1/traces"
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn) -> None:
+        with conn:
+            try:
+                conn.recv(1 << 20)  # the POST (small: one record)
+                for data in self.answer(self):
+                    conn.sendall(data)
+                    self.sent += len(data)
+            except OSError:
+                pass  # the exporter cut it
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+
+
+def endless_chunked(collector: RawCollector):
+    yield b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
+    while not collector.stopping.is_set():
+        yield chunk
+
+
+def dripping(collector: RawCollector):
+    yield b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"
+    while not collector.stopping.is_set():
+        time.sleep(0.05)  # the hostile collector's pace: a byte well within any per-read timeout
+        yield b"x"
+
+
+@pytest.mark.parametrize("answer", [endless_chunked, dripping])
+def test_a_collector_reply_is_read_a_few_kib_deep_within_one_deadline(answer):
+    """Today an endless 200 drove the relay to 4.8 GB in 45 s, and a drip held the thread for ever:
+    the POST now ends at its deadline, having read at most REPLY_MAX of the body."""
+    collector = RawCollector(answer)
+    exporter = traces.Exporter(traces.Settings(collector.url, timeout_s=1.0), {})
+    try:
+        started = time.monotonic()
+        status, _ = exporter._post(b"x", {}, 1.0)
+        took = time.monotonic() - started
+    finally:
+        exporter.close()
+        collector.close()
+    assert status == 200  # the head was read: the collector took the spans
+    assert took < 3.0, took  # one deadline (1 s), not one per read
+    assert exporter._conn is None  # its unread rest goes with the connection
+
+
+def test_a_collector_text_is_quoted_on_one_escaped_line(caplog):
+    forged = b'{"id":"x"}\n2026-01-01 00:00:00 200 gpt-4o ttft 10 ms (forged)'
+
+    def refusing(collector: RawCollector):
+        yield (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n" % len(forged)) + forged
+
+    collector = RawCollector(refusing)
+    exporter = traces.Exporter(traces.Settings(collector.url, timeout_s=2.0), {})
+    try:
+        status, problem = exporter._post(b"x", {}, 2.0)
+    finally:
+        exporter.close()
+        collector.close()
+    assert status == 500 and "\n" not in problem and "\\n2026-01-01" in problem
+    exporter._fail(problem, traces.DROP_REJECTED, 1)
+    (line,) = [r.getMessage() for r in caplog.records if "OTLP export" in r.getMessage()]
+    assert "\n" not in line and "(forged)" in line
+
+
+def test_the_queue_is_bounded_in_bytes_and_long_names_are_cut(monkeypatch):
+    """A hanging collector and 200 KB model names: +500 MB in 60 s. The names are cut before
+    they are queued, and the queue's bytes are bounded besides its records."""
+    monkeypatch.setattr(traces, "SCHEDULE_S", 60.0)  # the thread stays asleep: nothing leaves the queue
+    monkeypatch.setattr(traces, "QUEUE_BYTES_MAX", 64 * 1024)
+    drops: list[tuple[str, int]] = []
+    exporter = traces.Exporter(traces.Settings(f"http://127.0.0.1:{free_port()}/v1/traces", timeout_s=0.2),
+                               {}, lambda reason, n: drops.append((reason, n)))
+    name = "m" * 200_000
+    try:
+        for i in range(100):
+            exporter.put(traces.Queued(built(id=f"f{i}", model=name, request_id="r" * 100), otlp.start(None),
+                                       1_700_000_000.0, 443, "POST", ("chat", "openai")))
+        kept = list(exporter.queue)
+        assert 0 < len(kept) < 100 and exporter.queued_bytes <= 64 * 1024
+        assert sum(n for _, n in drops) == 100 - len(kept)
+        assert all(len(item.rec.model or "") <= traces.FIELD_MAX for item in kept)
+        assert kept[0].rec.model.endswith("(200000 characters)")
+        spans_of = otlp.spans(kept[0].rec.as_dict(), kept[0].trace)
+        assert max(len(s.name) for s in spans_of) < 300
+    finally:
+        exporter.close()
+
+
+def test_a_client_tracestate_is_cut_to_the_w3c_limits():
+    huge = ",".join([f"v{i}=" + "x" * 20 for i in range(100)] + ["big=" + "y" * 1000])
+    state = otlp.start(otlp.parse_traceparent(f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", huge)).tracestate
+    assert state.startswith("ttft-relay=1,v0=") and len(state) <= otlp.TRACESTATE_MAX and "big=" not in state
+    assert state.count(",") < otlp.TRACESTATE_MAX_ENTRIES
+
+
+# --- which upstreams get the trace context -----------------------------------------------------------
+
+
+def test_trace_context_goes_by_default_only_to_upstreams_on_a_private_network():
+    default = traces.Propagation.parse(traces.DEFAULT_PROPAGATE)
+    assert default.to("127.0.0.1", 8080) and default.to("10.0.0.7", 443) and default.to("localhost", 1)
+    assert default.to("::1", 1) and default.to("192.168.1.2", 443) and default.to("fd00::1", 443)
+    assert not default.to("api.openai.com", 443) and not default.to("api.anthropic.com", 443)
+    assert not default.to("8.8.8.8", 443)  # a public address
+    assert not default.to("relay.internal.example.com", 443)  # a name is not resolved: named by the operator
+
+
+@pytest.mark.parametrize("value, to, not_to", [
+    ("true", ["api.openai.com", "127.0.0.1"], []),  # the old boolean: everywhere, as before
+    ("false", [], ["127.0.0.1", "api.openai.com"]),
+    ("all", ["api.openai.com"], []),
+    ("off", [], ["127.0.0.1"]),
+    ("relay-b.example:8080", ["relay-b.example"], ["127.0.0.1", "api.openai.com"]),
+    ("private, relay-b.example", ["relay-b.example", "127.0.0.1"], ["api.openai.com"]),
+])
+def test_the_propagate_option_names_the_hops(value, to, not_to):
+    p = traces.Propagation.parse(value)
+    assert all(p.to(host, 8080) for host in to) and not any(p.to(host, 8080) for host in not_to)
+
+
+def test_the_propagate_option_refuses_all_or_off_in_a_list():
+    with pytest.raises(ValueError):
+        traces.Propagation.parse("all,relay-b.example")
+
+
+def test_a_records_model_is_cut():
+    rec = built(model="m" * 200_000)
+    assert len(rec.model or "") <= record.MODEL_MAX and (rec.model or "").endswith("(200000 characters)")
+    assert built().model == "gpt-4o"

@@ -178,3 +178,46 @@ def test_mitmweb_never_shows_the_upstream_key_of_a_flow_in_flight(fake, confdir,
             assert UPSTREAM_KEY not in shown and RELAY_KEY not in shown
             fake.release_stalls()
     assert fake.received[-1].header("authorization") == f"Bearer {UPSTREAM_KEY}"
+
+
+def test_mitmweb_shows_no_client_key_of_a_proxy_mode_flow_in_flight(fake, confdir, tmp_path):
+    """Through a proxy listener the client's own key goes upstream as it sent it, so its flow holds
+    the key until the answer ends; mitmweb showed it all that while (the list, the dump, Export).
+    Every view now gets the flow redacted, and the provider still gets the key."""
+    import json
+    import urllib.request
+
+    web_port = free_port()
+    relay = MitmdumpProcess(["regular@0"], confdir, options={
+        "web_port": web_port, "web_open_browser": "false", "web_password": PASSWORD,
+        "relay_timing_log": tmp_path / "timing.jsonl"})
+    relay.args[0] = str(MITMWEB)
+    fake.behaviour.stall_after_chunks = 2
+
+    def web(path: str, body: dict | None = None) -> bytes:
+        req = urllib.request.Request(f"http://127.0.0.1:{web_port}{path}", method="POST" if body else "GET",
+                                     data=json.dumps(body).encode() if body else None,
+                                     headers={"Authorization": f"Bearer {PASSWORD}", "Content-Type": "application/json",
+                                              # tornado's XSRF check: the cookie and the header agree
+                                              "Cookie": "_mitmproxy_xsrf=0123abcd", "X-XSRFToken": "0123abcd"})
+        with urllib.request.urlopen(req, timeout=WAIT) as resp:
+            return resp.read()
+
+    with relay.start():
+        relay.wait_for_output("Web server listening")
+        conn, resp = client.request("POST", f"{fake.base_url}/v1/chat/completions?api_key={SECRET}",
+                                    {"model": "m", "stream": True, "messages": []},
+                                    {"authorization": f"Bearer {SECRET}", "x-api-key": SECRET},
+                                    proxy=relay.url(), timeout=WAIT)
+        with conn:
+            assert resp.status == 200
+            next(resp.chunks())  # in flight: the head went out, the stream stalls
+            (flow,) = web_get(web_port, "/flows")
+            views = {"list": json.dumps(flow), "dump": web("/flows/dump").decode("latin-1")}
+            for fmt in ("curl", "httpie", "raw_request"):
+                views[fmt] = web("/commands/export", {"arguments": [fmt, f"@{flow['id']}"]}).decode()
+            fake.release_stalls()
+    assert {name: SECRET in shown for name, shown in views.items()} == dict.fromkeys(views, False)
+    assert "Bearer" in views["curl"] and text.REDACTED in views["curl"]  # the header is there, its value not
+    got = fake.received[-1]
+    assert got.header("authorization") == f"Bearer {SECRET}" and got.header("x-api-key") == SECRET

@@ -217,6 +217,37 @@ def test_a_collector_that_is_down_changes_nothing_but_the_drop_count(fake, confd
     assert len([ln for ln in proc.output if "OTLP export" in ln and "failed" in ln]) == 1  # logged once
 
 
+@pytest.mark.parametrize("propagate, passed", [(None, True), ("api.openai.com", False), ("false", False)])
+def test_trace_context_goes_only_to_the_upstreams_named(fake, confdir, tmp_path, rid, propagate, passed):
+    """The provider received the relay's traceparent and a tracestate with the client's own entries
+    whenever exporting was on. Now only the hops the operator names get them (by default those on
+    loopback or a private network, as this fake upstream: a chained relay); elsewhere the
+    request's headers are the client's, untouched."""
+    from tests.test_otlp import Collector
+
+    collector = Collector()
+    options = {} if propagate is None else {"relay_otlp_propagate": propagate}
+    proc = relay([reverse_to(fake)], confdir, tmp_path / "timing.jsonl",
+                 relay_otlp_endpoint=collector.url, **options)
+    client_context = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "vendor=client-secret"}
+    try:
+        conn, response = request("POST", proc.url() + "/v1/chat/completions", CHAT,
+                                 {**AUTH, "x-request-id": rid, **client_context})
+        with conn:
+            assert response.status == 200 and b"[DONE]" in response.read()
+        assert collector.wait(1)  # exported either way
+    finally:
+        proc.stop()
+        collector.close()
+    (got,) = [r for r in fake.received if r.header("x-request-id") == rid]
+    if passed:
+        assert got.header("traceparent").startswith(f"00-{CLIENT_TRACE}-")
+        assert got.header("traceparent") != client_context["traceparent"]
+        assert got.header("tracestate") == "ttft-relay=1,vendor=client-secret"
+    else:
+        assert (got.header("traceparent"), got.header("tracestate")) == tuple(client_context.values())
+
+
 def screenshot(phoenix: Phoenix, trace_id: str, root_name: str) -> None:
     """Phoenix's page of the trace (its waterfall), for docs/telemetry.md."""
     if not browser.available():

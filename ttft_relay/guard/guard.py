@@ -455,6 +455,27 @@ class AccessKeys:
             st.record_error(reason, phase="relay")
 
 
+def _client_transport(side: websocket_limits.MessageLimits) -> Any:
+    """The asyncio transport of the client connection `side` reads (None once it is gone)."""
+    client = side.conn
+    if not isinstance(client, connection.Client):
+        return None
+    transport = getattr(connections.writer(client, client), "transport", None)
+    return transport if transport is not None and not transport.is_closing() else None
+
+
+def _pause_reading(side: websocket_limits.MessageLimits) -> bool:
+    if (transport := _client_transport(side)) is None:
+        return False
+    transport.pause_reading()
+    return True
+
+
+def _resume_reading(side: websocket_limits.MessageLimits) -> None:
+    if (transport := _client_transport(side)) is not None:
+        transport.resume_reading()
+
+
 class WebSocketLimits:
     """WebSocket messages bounded as they are read, from either side
     (`ttft_relay/patches/fixes/websocket_limits.py`): a message's size once inflated
@@ -474,18 +495,34 @@ class WebSocketLimits:
             "Largest WebSocket message, from the client or the upstream, once inflated (e.g. 16m, "
             "64m); a larger one closes the socket (1009). 0: no limit.",
         )
+        loader.add_option(
+            "relay_websocket_inflight_max", str, "64m",
+            "WebSocket message bytes clients may have in flight together (read, not yet complete), across the "
+            "relay; a client whose message passes it is paused (its socket not read) until there is room. "
+            "0: no limit.",
+        )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_websocket_message_max" in updated:
-            try:
-                size = human.parse_size(ctx.options.relay_websocket_message_max) or 0
-            except ValueError as e:
-                raise exceptions.OptionsError(f"relay_websocket_message_max: {e}") from e
+        if updated & {"relay_websocket_message_max", "relay_websocket_inflight_max"}:
+            sizes = {}
+            for name in ("relay_websocket_message_max", "relay_websocket_inflight_max"):
+                try:
+                    sizes[name] = human.parse_size(getattr(ctx.options, name)) or 0
+                except ValueError as e:
+                    raise exceptions.OptionsError(f"{name}: {e}") from e
             if pins.on(websocket_limits):
-                websocket_limits.install(websocket_limits.Bounds(message_bytes=size))
+                websocket_limits.install(websocket_limits.Bounds(message_bytes=sizes["relay_websocket_message_max"],
+                                                                 total_bytes=sizes["relay_websocket_inflight_max"]),
+                                         _pause_reading, _resume_reading)
 
     def done(self) -> None:
         websocket_limits.uninstall()
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        websocket_limits.ended(flow.client_conn)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        websocket_limits.ended(client)
 
     def response(self, flow: http.HTTPFlow) -> None:
         # An upstream's 101 whose permessage-deflate parameters wsproto cannot take crashed the
@@ -881,11 +918,22 @@ class SecretRedaction:
     `response` and `error`, or at shutdown for flows still in flight (the flow
     saver writes those too). Script addons come before mitmproxy's console dumper
     (flow_detail >= 2 prints headers), savers (save_stream_file, HAR) and mitmweb's
-    view in the addon chain, so all of them get the redacted flow. mitmweb does show
-    a request's headers while it is in flight."""
+    view in the addon chain, so all of them get the redacted flow. While a request is in
+    flight its flow must keep them (mitmproxy sends the request as the flow holds it):
+    mitmweb's views of it get `shown_flow`'s redacted copy (`WebOptions`)."""
 
     def __init__(self) -> None:
         self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+
+    def shown_flow(self, flow: Any) -> Any:
+        """`flow` as mitmweb may show it: a redacted copy while it is in flight (its own
+        redaction is still to come), else the flow itself."""
+        if flow not in self.in_flight:
+            return flow
+        shown = flow.copy()
+        shown.id, shown.live = flow.id, flow.live
+        redact_flow(shown)
+        return shown
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         self.in_flight.add(flow)
@@ -935,11 +983,16 @@ def shown_option_value(name: str, value: Any) -> Any:
 class WebOptions:
     """mitmweb's option editor (`GET /options`, and its `options/update` messages) shows
     the passwords of `SECRET_OPTIONS` as REDACTED (ttft_relay/patches/fixes/web_options.py); the
-    options keep their values."""
+    options keep their values. Its flow views (the list, its live updates, the dump, the
+    exports) show a flow in flight redacted (`SecretRedaction.shown_flow`)."""
+
+    def __init__(self, redaction: SecretRedaction) -> None:
+        self.redaction = redaction
 
     def load(self, loader) -> None:
         if pins.on(web_options):
             web_options.install(shown_option_value)
+            web_options.install_flows(self.redaction.shown_flow)
 
     def done(self) -> None:
         web_options.uninstall()
@@ -949,5 +1002,6 @@ class Guard:
     """The guards as one addon, for relay.py's list."""
 
     def __init__(self) -> None:
+        redaction = SecretRedaction()
         self.addons = [LogRedaction(), Exposure(), ClientLimits(), WebSocketLimits(), FieldSyntax(), OriginForm(),
-                       RequestFraming(), AccessKeys(), SecretRedaction(), WebOptions()]
+                       RequestFraming(), AccessKeys(), redaction, WebOptions(redaction)]

@@ -21,7 +21,11 @@ lock; if it gets it, the one that held it is gone, and every slot still filled i
 request that process never recorded. Each becomes a record now, with the error
 `LOST_ERROR` in phase `relay` (verdict "error in relay") and what was known of it: its
 flow id, client request id, time, API, model, upstream. Only its start is known, so a
-lost record has no phases. If the lock is held, another live relay writes the same log:
+lost record has no phases. A slot is marked once its answer is complete (`response`:
+every byte of the body passed on; its status written in): a process that dies between
+that and the record (its figures settling, the writer's batch) leaves a request whose
+client had the whole answer, and it is recorded as such (`answered_record`: its status,
+no error, verdict `ANSWERED_VERDICT`), never as lost. If the lock is held, another live relay writes the same log:
 this one keeps no ledger and says so. A clean stop records everything itself and
 empties the ledger (it stays, locked until the process exits, so that a relay starting
 meanwhile finds it taken rather than a new file beside it).
@@ -72,6 +76,10 @@ _HEADER = 3
 _CUT = ("model", "request_id")
 """The client's strings in an entry: cut to `record.REQUEST_ID_MAX`, dropped if still too long."""
 LOST_ERROR = "relay process exited with the request in flight (no answer was recorded)"
+ANSWERED_VERDICT = "answered; its timing was lost with the relay process"
+"""The verdict of a request whose answer was complete when its process died, before its record."""
+ANSWERED = "answered"
+"""A slot's key once the answer is complete: the response's status."""
 RECENT_BYTES = 1024 * 1024
 """How much of the log's end is read for records already written of slots still filled."""
 
@@ -120,6 +128,22 @@ def lost_record(entry: dict[str, Any]) -> record.Record:
         reused_connection=None, rtt_ms=None, error=LOST_ERROR, error_phase="relay",
         request_id=text("request_id"),
     ))
+
+
+def answered_record(entry: dict[str, Any]) -> record.Record:
+    """The record of a request whose whole answer its client had when its process died
+    (the slot says `answered`): its status and what was known, no error, no phases."""
+    rec = lost_record(entry)
+    status = entry.get(ANSWERED)
+    rec.status = status if isinstance(status, int) and not isinstance(status, bool) else None
+    rec.error = rec.error_phase = None
+    rec.verdict, rec.verdict_detail = ANSWERED_VERDICT, None
+    return rec
+
+
+def left_record(entry: dict[str, Any]) -> record.Record:
+    """What a slot left filled becomes: answered, or lost."""
+    return answered_record(entry) if ANSWERED in entry else lost_record(entry)
 
 
 def recorded_ids(tail: bytes) -> set[str]:
@@ -206,11 +230,23 @@ class Ledger:
     def request(self, flow: http.HTTPFlow) -> None:
         self._fill(flow)  # again: the model is known now
 
+    def response(self, flow: http.HTTPFlow) -> None:
+        # Every byte of the answer passed on; its record may be a while coming (the figures settle).
+        if (offset := self._slot_of.get(flow.id)) is not None:
+            self._mark_answered(flow, offset)
+
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         offset = self._slot_of.pop(flow.id, None)
         if offset is not None and self._writer is not None:
+            if flow.response is not None and flow.error is None and not rec.error and not rec.client_aborted:
+                self._mark_answered(flow, offset)  # its record published first: until written
             self._recorded.append((self._writer.queued, offset))
         self._clear_written()
+
+    def _mark_answered(self, flow: http.HTTPFlow, offset: int) -> None:
+        if self._fd is None or self._failed or (st := state.get(flow)) is None or flow.response is None:
+            return
+        self._pwrite(encode_slot({**entry_of(flow, st), ANSWERED: flow.response.status_code}), offset)
 
     def _fill(self, flow: http.HTTPFlow) -> None:
         if self._fd is None or self._failed or (st := state.get(flow)) is None or st.recorded:
@@ -290,23 +326,27 @@ class Ledger:
         self._slot_of, self._recorded, self._full_said, self._failed = {}, deque(), False, False
         # A lost request's slot stays filled until its record is in the log, as any other's:
         # dying again now would leave it for the next start.
-        lost = []
+        lost: list[str] = []
+        answered: list[str] = []
         left_filled = list(filled_slots(left))
         written = recorded_ids(_tail(writer.path)) if left_filled else set()
         for offset, entry in left_filled:
             if entry["id"] in written:
                 self._recorded.append((0, offset))  # in the log already: cleared at once
                 continue
-            rec = lost_record(entry)
+            rec = left_record(entry)
             writer.write(rec.as_dict())
             self._recorded.append((writer.queued, offset))
-            lost.append(rec.request_id or rec.id)
+            (answered if rec.error is None else lost).append(rec.request_id or rec.id)
         taken = {offset for _, offset in self._recorded}
         self._free = [offset for offset in range((SLOTS - 1) * SLOT_SIZE, -1, -SLOT_SIZE) if offset not in taken]
         self._watch_writer()
         if lost:
             logger.warning("%d request(s) were in flight when the relay process before this one died, "
                            "recorded as lost: %s", len(lost), ", ".join(lost))
+        if answered:
+            logger.warning("%d request(s) were answered in full when the relay process before this one died, "
+                           "before their records: recorded without their timing: %s", len(answered), ", ".join(answered))
 
     def _close(self) -> None:
         """Stop keeping the ledger: at the end every flow was recorded (Timing's `done`), or

@@ -33,9 +33,10 @@ Labels: gen_ai_operation_name, gen_ai_provider_name (from the API shape),
 gen_ai_request_model, server_address (upstream host), api, status_class (2xx, 4xx,
 5xx, or "none" when no response came). At most `relay_metrics_max_series` (100) label
 combinations have series of their own, the least recently used going first, and junk
-(made-up models, closed ports, paths that are no API) never pushing out a model that has
-had a success (`series.SeriesBound`); what has no room is counted with model and host
-"other". Each combination is at most ~230 samples (every instrument, every bucket).
+(made-up models, closed ports, paths that are no API, models an upstream that answers 200
+to anything "proves" beyond its quota) never pushing out a model in real use
+(`series.SeriesBound`); what has no room is counted with model and host "other"; model
+and host labels are cut to LABEL_MAX characters. Each combination is at most ~230 samples (every instrument, every bucket).
 
 The addon takes each record from timing's `timing_record` hook (once per record, HTTP
 flows and WebSocket turns alike). Under `ttft-relay run --workers N` (environment variable
@@ -67,6 +68,7 @@ from prometheus_client.exposition import choose_encoder
 
 from .. import state
 from ..apis.api import Api
+from ..text import cut_text
 from ..timing import record
 from ..trim import windows
 from . import multiproc, series
@@ -83,6 +85,9 @@ DEFAULT_LISTEN = "127.0.0.1:9464"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 OTHER = series.OTHER
 DEFAULT_MAX_SERIES = 100
+LABEL_MAX = 256
+"""A client-given label value (a model name, a host) is cut to this: a 200 KB name would be in
+every sample of its series and every scrape."""
 
 # Explicit bucket boundaries of the semantic conventions.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -183,8 +188,9 @@ class RelayMetrics:
         """Count a record of a request to `api` (the flow's: the record keeps only its name)."""
         operation, provider = api.semconv
         success = rec.status is not None and 200 <= rec.status < 300 and not rec.error
-        labels = self.series.admit((operation, provider, rec.model or OTHER, rec.upstream or OTHER, rec.api,
-                                    status_class(rec.status)), success, self._evict)
+        labels = self.series.admit((operation, provider, cut_text(rec.model or OTHER, LABEL_MAX),
+                                    cut_text(rec.upstream or OTHER, LABEL_MAX), rec.api, status_class(rec.status)),
+                                   success, self._evict)
         phases = rec.phases
         failed = bool(rec.error or rec.client_aborted)
         self._child(self.duration, *labels, rec.error_phase or ("client_aborted" if failed else "")).observe(

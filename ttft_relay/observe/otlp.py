@@ -45,6 +45,11 @@ from ..timing import phases
 TRACESTATE_KEY = "ttft-relay"
 """Our `tracestate` entry: the context came from a ttft-relay, which derives turn traces."""
 TRACESTATE_MAX_ENTRIES = 32
+TRACESTATE_ENTRY_MAX = 128
+TRACESTATE_MAX = 512
+"""W3C trace context's limits for what is passed on: an entry longer than TRACESTATE_ENTRY_MAX
+characters goes first, and the list stops before TRACESTATE_MAX (a client's `tracestate` of
+any size would otherwise be in every span the relay queues and sends)."""
 
 SERVER, CLIENT, INTERNAL = 2, 3, 1
 """Span kinds (opentelemetry.proto.trace.v1.Span.SpanKind)."""
@@ -107,8 +112,13 @@ class Trace:
 
 def _tracestate(incoming: str) -> str:
     entries = [e.strip() for e in incoming.split(",") if e.strip()]
-    kept = [e for e in entries if e.partition("=")[0].strip() != TRACESTATE_KEY]
-    return ",".join([f"{TRACESTATE_KEY}=1", *kept][:TRACESTATE_MAX_ENTRIES])
+    kept = [e for e in entries if e.partition("=")[0].strip() != TRACESTATE_KEY and len(e) <= TRACESTATE_ENTRY_MAX]
+    out = [f"{TRACESTATE_KEY}=1"]
+    for entry in kept[:TRACESTATE_MAX_ENTRIES - 1]:
+        if sum(map(len, out)) + len(out) + len(entry) > TRACESTATE_MAX:
+            break
+        out.append(entry)
+    return ",".join(out)
 
 
 def start(incoming: Incoming | None, random: Any = os.urandom) -> Trace:

@@ -9,24 +9,38 @@ as it is, or `OTEL_EXPORTER_OTLP_ENDPOINT`, + `/v1/traces`); `OTEL_EXPORTER_OTLP
 API key) come only from the environment, never from an option that /options or mitm.conf shows.
 
 Per in-scope request the addon fixes the trace's ids when the head arrives (`requestheaders`):
-the client's `traceparent` continued, or a new trace, and (`relay_otlp_propagate`) the
-relay's `traceparent` / `tracestate` set on the request it forwards, naming its upstream span
-as the parent, so that a ttft-relay behind it (or any traced upstream) joins the same trace.
+the client's `traceparent` continued, or a new trace, and, to the upstreams
+`relay_otlp_propagate` names (`Propagation`), the relay's `traceparent` / `tracestate` set on
+the request it forwards, naming its upstream span as the parent, so that a ttft-relay behind
+it (or any traced upstream) joins the same trace. By default those are the upstreams on
+loopback or a private network (a chained relay, a collector's agent), never a provider on the
+internet: its trace ids and the client's `tracestate` entries are nothing a third party needs.
 When the record is published (timing's `timing_record` hook) it is queued, nothing more:
 a thread turns the queued records into spans (`otlp.spans`), encodes them and POSTs them in
-batches. The queue is bounded (QUEUE_MAX records); what does not fit, and what a collector
-does not take (down, refusing, too slow), is dropped, counted
-(`ttft_relay_otlp_dropped_records_total`, by reason) and logged once per episode. An
-unreachable collector changes nothing else. Each process (a worker of `--workers N`)
-exports its own spans.
+batches. The queue is bounded in records (QUEUE_MAX) and in bytes (QUEUE_BYTES_MAX, each
+record's client-given strings cut to `FIELD_MAX` first: a model name of 200 KB costs what one
+of 256 characters does); what does not fit, and what a collector does not take (down,
+refusing, too slow), is dropped, counted (`ttft_relay_otlp_dropped_records_total`, by reason)
+and logged once per episode. An unreachable collector changes nothing else.
+
+The collector is not trusted either: of its reply the exporter reads the head and at most
+REPLY_MAX bytes of the body, all within the POST's one deadline (a watchdog shuts the socket
+when it passes; a socket timeout alone is per read, and a collector that drips, or answers
+200 with an endless chunked body, would hold the thread or fill memory for ever), and a
+reply it did not read to the end costs the connection. What the log quotes of a reply is
+cut and escaped onto one line (a newline in a 500's body would start a line of its own).
+Each process (a worker of `--workers N`) exports its own spans.
 """
 
 from __future__ import annotations
 
+import copy
 import gzip
+import ipaddress
 import logging
 import os
 import random
+import socket
 import ssl
 import threading
 import time
@@ -42,6 +56,7 @@ from urllib.parse import unquote, urlsplit
 from mitmproxy import ctx, exceptions, http
 
 from .. import state
+from ..text import cut_text, printable
 from ..timing import record
 from . import otlp
 
@@ -49,6 +64,14 @@ logger = logging.getLogger(__name__)
 
 QUEUE_MAX = 4096
 """Records waiting for the exporter thread; beyond, a record's spans are dropped (and counted)."""
+QUEUE_BYTES_MAX = 16 * 1024 * 1024
+"""... and their size (`Queued.size`) together: records of long names fill it before QUEUE_MAX."""
+FIELD_MAX = 256
+"""A record's client-given strings (model, upstream, request ids), cut to this before queueing."""
+REPLY_MAX = 4096
+"""Bytes of a collector's reply body read; the rest is left unread, with its connection."""
+REPLY_QUOTED = 300
+"""Characters of a collector's reply body the log quotes."""
 BATCH_MAX = 256
 """Records per POST; a full batch wakes the thread before its schedule."""
 SCHEDULE_S = 1.0
@@ -61,6 +84,52 @@ SHUTDOWN_S = 3.0
 DEFAULT_TIMEOUT_S = 10.0
 SCOPE_NAME = "ttft_relay"
 DROP_QUEUE_FULL, DROP_EXPORT_FAILED, DROP_REJECTED = "queue_full", "export_failed", "rejected"
+
+PROPAGATE_ALL, PROPAGATE_NONE, PROPAGATE_PRIVATE = "all", "off", "private"
+DEFAULT_PROPAGATE = PROPAGATE_PRIVATE
+_YES, _NO = {"true", "on", "yes", "1", PROPAGATE_ALL}, {"false", "off", "no", "0", "none", ""}
+
+
+@dataclass(frozen=True)
+class Propagation:
+    """Which upstreams get the relay's trace context (`relay_otlp_propagate`, sans-IO): `all`,
+    `off`, or a comma-separated list of hosts (`host` or `host:port`) and `private` (every
+    upstream on loopback or a private network: an IP address there, `localhost`). The old
+    boolean is read as `all` (true) and `off` (false)."""
+
+    everywhere: bool = False
+    private: bool = False
+    hosts: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, value: str) -> Propagation:
+        words = [w.strip().lower() for w in value.split(",") if w.strip()]
+        if len(words) <= 1 and (words[0] if words else "") in _YES | _NO:
+            return cls(everywhere=(words[0] if words else "") in _YES)
+        if any(w in _YES | _NO for w in words):
+            raise ValueError(f"relay_otlp_propagate: 'all' and 'off' stand alone, got {value!r}")
+        return cls(private=PROPAGATE_PRIVATE in words, hosts=frozenset(w for w in words if w != PROPAGATE_PRIVATE))
+
+    def to(self, host: str, port: int) -> bool:
+        """Whether the request to `host`:`port` gets the relay's trace context."""
+        host = host.lower().strip("[]")
+        if self.everywhere or host in self.hosts or f"{host}:{port}" in self.hosts:
+            return True
+        return self.private and is_private(host)
+
+
+def is_private(host: str) -> bool:
+    """`host` is on this machine or a private network by its own name: loopback, RFC 1918 /
+    unique-local / link-local addresses, `localhost` (a name is not resolved: what it resolves
+    to can change, and a provider's name never says private)."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private or address.is_link_local
+
 
 _ids = random.Random()
 """Span and trace ids: randomness seeded from os.urandom, without a system call per id."""
@@ -170,6 +239,29 @@ class Queued:
     semconv: tuple[str, str]
     """The API's (`Api.semconv`): the record keeps only its name."""
 
+    @property
+    def size(self) -> int:
+        """What the record holds in memory and its spans on the wire, roughly: a fixed part for
+        the numbers, the strings by their length."""
+        rec = self.rec
+        return 2048 + sum(len(text) for text in (rec.model, rec.upstream, rec.error, rec.request_id,
+                                                  rec.upstream_request_id, self.trace.tracestate) if text)
+
+
+CUT_FIELDS = ("model", "upstream", "request_id", "upstream_request_id")
+
+
+def with_fields_cut(rec: record.Record) -> record.Record:
+    """`rec`, or a copy of it whose client-given strings are cut to FIELD_MAX (a name of 200 KB
+    in every span of every record would make the queue and each batch that size)."""
+    long = [name for name in CUT_FIELDS if len(getattr(rec, name) or "") > FIELD_MAX]
+    if not long:
+        return rec
+    cut = copy.copy(rec)
+    for name in long:
+        setattr(cut, name, cut_text(getattr(rec, name), FIELD_MAX))
+    return cut
+
 
 class Exporter:
     """The batching thread: `put` (event loop) only appends to a bounded deque."""
@@ -180,6 +272,10 @@ class Exporter:
         self.resource = dict(resource)
         self.on_dropped = on_dropped
         self.queue: deque[Queued] = deque()
+        self.put_bytes = 0
+        """Sizes of the records queued so far (written by `put` only) ..."""
+        self.taken_bytes = 0
+        """... and of those the thread took (written by the thread only): no lock between them."""
         self.exported = 0
         """Records the collector took (for tests and the log)."""
         self.dropped: dict[str, int] = {}
@@ -191,15 +287,22 @@ class Exporter:
         self._thread = threading.Thread(target=self._run, name="ttft-relay-otlp", daemon=True)
         self._thread.start()
 
+    @property
+    def queued_bytes(self) -> int:
+        return self.put_bytes - self.taken_bytes
+
     def put(self, item: Queued) -> None:
-        if len(self.queue) >= QUEUE_MAX:
+        item.rec = with_fields_cut(item.rec)
+        size = item.size
+        if len(self.queue) >= QUEUE_MAX or self.queued_bytes + size > QUEUE_BYTES_MAX:
             if not self._overflowing:
                 self._overflowing = True
-                logger.warning("OTLP export queue full (%d records): dropping traces until the collector at %s "
-                               "catches up (counted in ttft_relay_otlp_dropped_records_total)",
-                               QUEUE_MAX, self.settings.endpoint)
+                logger.warning("OTLP export queue full (%d records, %d KiB): dropping traces until the collector "
+                               "at %s catches up (counted in ttft_relay_otlp_dropped_records_total)",
+                               len(self.queue), self.queued_bytes // 1024, self.settings.endpoint)
             self._drop(DROP_QUEUE_FULL, 1)
             return
+        self.put_bytes += size
         self.queue.append(item)
         if len(self.queue) >= BATCH_MAX:
             self._wake.set()
@@ -222,6 +325,7 @@ class Exporter:
             stopping = self._stopping
             while self.queue:
                 batch = [self.queue.popleft() for _ in range(min(BATCH_MAX, len(self.queue)))]
+                self.taken_bytes += sum(item.size for item in batch)
                 try:
                     body = self.encode(batch)
                 except Exception:  # a bug here must cost spans, never the thread
@@ -230,8 +334,7 @@ class Exporter:
                     continue
                 self._send(body, len(batch), retry=not stopping)
             if stopping:
-                if self._conn is not None:
-                    self._conn.close()
+                self._close_connection()
                 return
 
     def encode(self, batch: list[Queued]) -> bytes:
@@ -274,9 +377,10 @@ class Exporter:
         self._drop(reason, records)
 
     def _post(self, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int | None, str]:
-        """(status, what went wrong) of one POST; status None: no answer."""
+        """(status, what went wrong) of one POST, all of it within `timeout`; status None: no answer."""
         url = urlsplit(self.settings.endpoint)
         host = url.hostname or ""  # `settings` checked there is one
+        watchdog: threading.Timer | None = None
         try:
             if self._conn is None:
                 if url.scheme == "https":
@@ -284,22 +388,44 @@ class Exporter:
                     self._conn = http_client.HTTPSConnection(host, url.port, timeout=timeout, context=context)
                 else:
                     self._conn = http_client.HTTPConnection(host, url.port, timeout=timeout)
-            self._conn.timeout = timeout
-            if self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout)
-            self._conn.request("POST", url.path + (f"?{url.query}" if url.query else ""), body, headers)
-            response = self._conn.getresponse()
-            detail = response.read(300).decode("utf-8", "replace")
-            response.read()
-            if response.will_close:
-                self._conn.close()
-                self._conn = None
-            return response.status, f"HTTP {response.status} {detail}".strip()
+            conn = self._conn
+            conn.timeout = timeout
+            if conn.sock is None:
+                conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(timeout)
+            watchdog = threading.Timer(timeout, _shut, (conn.sock,))
+            watchdog.daemon = True
+            watchdog.start()
+            conn.request("POST", url.path + (f"?{url.query}" if url.query else ""), body, headers)
+            response = conn.getresponse()
+            reply = response.read(REPLY_MAX)
+            if not response.isclosed() or response.will_close or not watchdog.is_alive():
+                # More than REPLY_MAX (a collector may send without end), or cut by the watchdog:
+                # the rest stays unread, and the connection goes with it.
+                self._close_connection()
+            detail = cut_text(reply.decode("utf-8", "replace").strip(), REPLY_QUOTED)
+            return response.status, f"HTTP {response.status}" + (f" {detail!r}" if detail else "")  # one line
         except (OSError, http_client.HTTPException, ValueError) as e:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            return None, f"{type(e).__name__}: {e}"
+            self._close_connection()
+            problem = "no answer within the timeout" if watchdog is not None and not watchdog.is_alive() else str(e)
+            return None, printable(cut_text(f"{type(e).__name__}: {problem}", REPLY_QUOTED))
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _shut(sock: socket.socket) -> None:
+    """The watchdog's: a POST's deadline passed; whatever read or write waits on `sock` ends now."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already: the POST ended on its own
 
 
 class Traces:
@@ -309,7 +435,7 @@ class Traces:
         self.on_dropped = on_dropped
         """Told of every drop (reason, records): the metrics addon's counter."""
         self.exporter: Exporter | None = None
-        self.propagate = True
+        self.propagate = Propagation.parse(DEFAULT_PROPAGATE)
         self.traces: weakref.WeakKeyDictionary[http.HTTPFlow, otlp.Trace] = weakref.WeakKeyDictionary()
 
     def load(self, loader) -> None:
@@ -324,15 +450,21 @@ class Traces:
         )
         loader.add_option(
             "relay_otlp_propagate",
-            bool,
-            True,
-            "While exporting traces: pass the trace upstream in traceparent / tracestate, so that a next hop "
-            "that traces (another ttft-relay) joins it. Off: the request's headers are left as the client sent them.",
+            str,
+            DEFAULT_PROPAGATE,
+            "While exporting traces: the upstreams the trace is passed to in traceparent / tracestate, so that a "
+            "next hop that traces (another ttft-relay) joins it: 'private' (upstreams on loopback or a private "
+            "network, the default), a comma-separated list of hosts (host or host:port, 'private' among them if "
+            "wanted), 'all', or 'off'; true and false mean all and off. Elsewhere the request's headers are left "
+            "as the client sent them.",
         )
 
     def configure(self, updated: set[str]) -> None:
         if "relay_otlp_propagate" in updated:
-            self.propagate = ctx.options.relay_otlp_propagate
+            try:
+                self.propagate = Propagation.parse(ctx.options.relay_otlp_propagate)
+            except ValueError as e:
+                raise exceptions.OptionsError(str(e)) from None
         if "relay_otlp_endpoint" not in updated:
             return
         try:
@@ -365,7 +497,7 @@ class Traces:
         trace = otlp.start(otlp.parse_traceparent(headers.get("traceparent"), headers.get("tracestate")),
                            _ids.randbytes)
         self.traces[flow] = trace
-        if self.propagate:
+        if self.propagate.to(flow.request.host, flow.request.port):
             headers["traceparent"] = otlp.traceparent(trace)
             headers["tracestate"] = trace.tracestate
 

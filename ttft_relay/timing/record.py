@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 SCHEMA = 1
 REQUEST_ID_MAX = 128
 """A client's request id is kept for joining, not as evidence: longer ones are cut."""
+MODEL_MAX = 256
+"""A model name longer than any real one is cut (saying how long it was): a client's 200 KB
+name was in every record, sink and trace of its request."""
 HTTP = "http"
 WEBSOCKET = "websocket"
 WEBSOCKET_HANDSHAKE_FAILED = "websocket handshake failed"
@@ -53,7 +56,7 @@ class Record:
     api: str
     """API shape (`apis.NAMES`)."""
     model: str | None
-    """The model the request named."""
+    """The model the request named (cut to MODEL_MAX)."""
     stream: bool
     """The client asked for a streamed answer."""
     status: int | None
@@ -237,7 +240,7 @@ def build_record(seen: RecordInput) -> Record:
         request_id=seen.request_id[:REQUEST_ID_MAX] if seen.request_id else None,
         ts=round(seen.ts, 3),
         api=seen.api,
-        model=seen.model,
+        model=cut_text(seen.model, MODEL_MAX) if seen.model else seen.model,
         stream=seen.stream,
         status=seen.status,
         upstream=seen.upstream,

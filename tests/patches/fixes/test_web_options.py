@@ -36,3 +36,38 @@ def test_the_wrap_installs_shows_and_uninstalls():
         web_options.uninstall()
     assert optmanager.dump_dicts is web_options._ORIGINAL_DUMP_DICTS
     assert optmanager.dump_dicts(opts, ["listen_host"])["listen_host"]["value"] == "10.1.2.3"
+
+
+def test_the_lines_the_flow_views_depend_on():
+    # Every view of a flow mitmweb sends goes through the module's `flow_to_json` or `io`, looked
+    # up at call time; the exports format through `export.formats`, looked up at call time.
+    assert "flow_to_json(f) for f in self.view" in source(app.Flows.get)
+    assert "flow_json = flow_to_json(f)" in source(app.ClientConnection.broadcast_flow)
+    assert "fw = io.FlowWriter(bio)" in source(app.DumpFlows.get)
+    from mitmproxy.addons import export
+
+    assert "content = formats[format](f)" in source(export.Export.export_str)
+
+
+def test_the_flow_wrap_installs_shows_and_uninstalls():
+    from mitmproxy.addons import export
+    from mitmproxy.test import tflow
+
+    f = tflow.tflow()
+    f.request.headers["authorization"] = "Bearer secret"
+
+    def shown(flow):
+        copy = flow.copy()
+        copy.request.headers["authorization"] = "hidden"
+        return copy
+
+    web_options.install_flows(shown)
+    try:
+        assert app.flow_to_json(f)["request"]["headers"][-1] == ("authorization", "hidden")
+        assert b"hidden" in export.formats["raw_request"](f) and b"secret" not in export.formats["raw_request"](f)
+        assert app.io.FlowWriter is not web_options.io.FlowWriter
+    finally:
+        web_options.uninstall_flows()
+    assert app.flow_to_json(f)["request"]["headers"][-1] == ("authorization", "Bearer secret")
+    assert app.io is web_options.io and b"secret" in export.formats["raw_request"](f)
+    assert f.request.headers["authorization"] == "Bearer secret"

@@ -27,7 +27,8 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   sent once more in its place (`trim.Trim`: a refusal as too long, trimmed to the
   provider's word; WITHOUT: the refusal reaches the client).
 - `web_options`: mitmweb's option dumps show the secrets of `proxyauth`, `upstream_auth`
-  and `web_password` redacted (`guard.WebOptions`).
+  and `web_password` redacted, and its views of a flow in flight (the list, its live
+  updates, the dump, the exports) the flow's credentials redacted (`guard.WebOptions`).
 - `websocket_limits`: a WebSocket message's inflated size, its fragments and the control
   frames around it bounded as wsproto reads them (`guard.WebSocketLimits`).
 - `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
