@@ -67,7 +67,7 @@ def test_every_patched_function_is_pinned_by_its_own_module(module):
 
 def test_the_relay_does_without_only_the_fixes_that_say_what_then_happens():
     without = {name(m) for m in patches.FIXES if getattr(m, "WITHOUT", None) is not None}
-    assert without == {"stream_resets", "resend", "ca_at_start"}
+    assert without == {"stream_resets", "resend", "ca_at_start", "happy_eyeballs"}
     assert not without & set(SECURITY)
     assert not [name(m) for m in (*patches.SPEED, *patches.READS) if hasattr(m, "WITHOUT")]
 
@@ -92,6 +92,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.inherited_listeners.install({})
     patches.hook_plans.install_hook_plans(True)
     patches.interim_answers.install()
+    patches.happy_eyeballs.install(lambda *args, **kwargs: None)
     patches.ca_once.load_ca_once(None)
     patches.client_resets.install(100, 10)
     patches.stream_resets.install()

@@ -24,6 +24,10 @@ from mitmproxy.proxy import server
 PINS = {
     # calls `asyncio.open_connection(*address, local_addr=sockname)` for a TCP upstream
     "ConnectionHandler.open_connection": (server.ConnectionHandler.open_connection, "5e0b3cbaf7a4030a"),
+    # the module whose view it gets (asyncio's package, the same on Python 3.12 and 3.13), and
+    # the call the view answers in its own way (host, port, keywords), which the dial keeps to
+    "asyncio": (asyncio, "61102f2b5f8fb832"),
+    "asyncio.open_connection": (asyncio.open_connection, "ae527dfe10c91d04"),
 }
 ORIGINALS = {(server, "asyncio"): asyncio}
 WITHOUT = ("an upstream name's addresses are tried one after another (mitmproxy's own connect): a "
