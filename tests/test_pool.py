@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from mitmproxy import optmanager
 from mitmproxy.test import tutils
 
@@ -33,6 +35,21 @@ def test_every_option_can_be_set_on_the_command_line():
     options = optmanager.OptManager()
     pool.UpstreamPool().load(options)
     options.set("relay_upstream_pool=true", "relay_upstream_pool_warm=1", "relay_upstream_pool_idle=5",
-                "relay_upstream_pool_max=4")
+                "relay_upstream_pool_max=4", "relay_upstream_pool_silence=12")
     assert (options.relay_upstream_pool, options.relay_upstream_pool_warm, options.relay_upstream_pool_idle,
-            options.relay_upstream_pool_max) == (True, 1, 5, 4)
+            options.relay_upstream_pool_max, options.relay_upstream_pool_silence) == (True, 1, 5, 4, 12)
+
+
+def test_a_pooled_socket_is_given_up_after_its_silence_bound():
+    with socket.socket() as sock:
+        pool.watch_for_silence(sock, 15)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        tcp = socket.IPPROTO_TCP
+        # Probes after 5 s of quiet, every 5 s; unanswered data or probes end it at 15 s.
+        set_to = [sock.getsockopt(tcp, option) for option in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL,
+                                                              socket.TCP_KEEPCNT, socket.TCP_USER_TIMEOUT)]
+        assert set_to == [5, 5, 3, 15000]
+    with socket.socket() as sock:
+        pool.watch_for_silence(sock, 0)  # the system's own limits
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0

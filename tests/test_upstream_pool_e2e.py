@@ -18,8 +18,10 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
+from tests.test_far_links_e2e import relay_in
 from ttft_relay.testing.fakes.client import HttpConnection
 from ttft_relay.testing.fakes.forwarder import DelayingForwarder
+from ttft_relay.testing.fakes.upstream import FakeUpstream
 
 ONE_WAY_MS = 100
 PREFILL_MS = 50
@@ -191,3 +193,49 @@ def test_a_request_its_pooled_connection_dropped_before_any_answer_is_sent_once_
     assert second["upstream_connection"] != first["upstream_connection"], "sent again on a new connection"
     assert len(fake.received) == 2, "the dropped request never reached the fake's answering"
     assert relay.wait_for_output(r"closed before its answer .* sending the request once more")
+
+
+FIRST_TOKEN_TIMEOUT_S = 40
+"""What a request on a dead connection waited for without the pool's silence bound: then a 504."""
+
+
+@pytest.mark.parametrize(("when", "silence_s"), [("idle", 3), ("in flight", 9)])
+def test_a_pooled_connection_whose_path_went_silent_is_given_up_within_the_silence_bound(
+        far_link, certs, confdir, tmp_path, rid, when, silence_s):
+    """A NAT or firewall on the way that forgets a kept connection (its table flushed, an idle
+    timeout shorter than the pool's) black-holes it: no reset, no answer, and the kernel would
+    retransmit for about 15 minutes. The pool's sockets have keepalive and TCP_USER_TIMEOUT
+    (`relay_upstream_pool_silence`): an idle one is dropped from the pool, and a request sent
+    on one before any answer byte fails within the bound and goes once more on a new
+    connection, long before its first-token timeout's 504. The link (`FarLink.forget`) drops
+    every packet of the connections it carried so far; new ones pass. The in-flight case's
+    bound is longer than the time its request takes to arrive (the idle probes start a
+    third of it after the last answer)."""
+    far = far_link(delay_ms=5)
+    with far.far.entered():
+        fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip).start()
+    try:
+        relay = relay_in(far.near, [f"reverse:https://{far.far.ip}:{fake.port}@0"], confdir, tmp_path / "timing.jsonl",
+                         ssl_insecure=True, relay_upstream_pool=True, relay_upstream_pool_warm=0,
+                         relay_upstream_pool_silence=silence_s, relay_first_token_timeout=FIRST_TOKEN_TIMEOUT_S,
+                         termlog_verbosity="debug")
+        with relay, far.near.entered():
+            with HttpConnection(relay.url(), timeout=2 * FIRST_TOKEN_TIMEOUT_S) as conn:
+                first_token_ms(conn, rid)
+            relay.wait_for_output(r"upstream connection \S+ pooled")
+            far.forget()  # the pooled connection's path: silent from now on
+            began = time.monotonic()
+            if when == "idle":
+                relay.wait_for_output(r"left the pool: connection lost", timeout=4 * silence_s)
+            with HttpConnection(relay.url(), timeout=2 * FIRST_TOKEN_TIMEOUT_S) as conn:
+                first_token_ms(conn, rid)
+            answered_s = time.monotonic() - began
+            first, second = relay.log.of(rid, 2)
+    finally:
+        fake.stop()
+    assert second["status"] == 200 and second["error"] is None, second
+    assert second["upstream_connection"] != first["upstream_connection"], "answered on a new connection"
+    assert answered_s < 3 * silence_s < FIRST_TOKEN_TIMEOUT_S, answered_s
+    assert [r.conn_id for r in fake.received] == [1, 2], "the lost request never reached the upstream"
+    if when == "in flight":
+        assert relay.wait_for_output(r"closed before its answer .* sending the request once more")

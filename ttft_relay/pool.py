@@ -33,7 +33,12 @@ Connections wait in the pool at most `relay_upstream_pool_idle` seconds: servers
 idle keep-alive connections, and one closed just as a request is written to it fails
 that request. The pool watches every idle connection (an upstream's close takes it out
 at once, and teaches the pool that upstream's idle limit: 0.8 of the idle time it saw),
-and replaces the warm ones before they would time out. The eager connect of reverse
+and replaces the warm ones before they would time out. A path that goes silent instead (a
+NAT or firewall that forgot the connection, a peer gone: no close, no reset) is found by the
+kernel: the pool's sockets have keepalive and TCP_USER_TIMEOUT (`relay_upstream_pool_silence`,
+`watch_for_silence`), so an idle one ends with an error and leaves the pool, and a request
+written on one ends before any byte of its answer and is sent once more on a new connection
+(`upstream_pool`'s retry) — not a 504 after the first-token timeout. The eager connect of reverse
 listeners (mitmproxy's, at client connect) gives way to the pool: a request takes its
 connection when its head has arrived (`patches.speed.early_connects`), while its body
 uploads, a pooled one at once. A client connection that arrives when the pool holds no
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +96,38 @@ LEARNED_IDLE_FACTOR = 0.8
 MIN_IDLE_S = 1.0
 REWARM_BACKOFF_S = (1.0, 30.0)
 """After a failed warm-up the next waits this long, doubling up to the second."""
+KEEPALIVE_PROBES_PER_SILENCE = 3
+"""Keepalive probes sent within `relay_upstream_pool_silence` on an idle path (the first after a third of it)."""
+
+
+def watch_for_silence(sock: socket.socket, silence_s: int) -> None:
+    """Have the kernel end `sock` with an error once its path stayed silent `silence_s` seconds:
+    data sent and not acknowledged that long (TCP_USER_TIMEOUT), or keepalive probes unanswered
+    (sent after a third of it, every third of it; TCP_USER_TIMEOUT bounds them too). Without,
+    a dead path (a NAT or firewall that forgot the connection, a peer gone) ends a connection
+    only after the kernel's retransmissions (about 15 minutes), and an idle one never. Where
+    the system lacks an option it is left out: the pool's own limits still hold."""
+    if silence_s <= 0:
+        return
+    step = max(1, silence_s // KEEPALIVE_PROBES_PER_SILENCE)
+    for level, name, value in (
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", step),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", step),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", KEEPALIVE_PROBES_PER_SILENCE),
+        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", silence_s * 1000),
+    ):
+        if (option := getattr(socket, name, None)) is None:
+            continue
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError as e:  # a socket type or system that refuses it
+            logger.debug("%s not set on an upstream connection: %s", name, e)
+
+
+def _watch_transport(writer: asyncio.StreamWriter) -> None:
+    if (sock := writer.get_extra_info("socket")) is not None:
+        watch_for_silence(sock, ctx.options.relay_upstream_pool_silence)
 
 
 def drop_close(request: mhttp.Request) -> None:
@@ -174,13 +212,21 @@ class UpstreamPool:
             "an idle connection sooner.",
         )
         loader.add_option(
+            "relay_upstream_pool_silence", int, 15,
+            "Seconds a pooled upstream connection's path may stay silent (data sent and not "
+            "acknowledged, keepalive probes unanswered) before the kernel ends it (TCP_USER_TIMEOUT, "
+            "TCP keepalive): an idle one leaves the pool, one whose request has no byte of answer yet "
+            "has its request sent once more on a new connection. 0: the system's own limits (minutes).",
+        )
+        loader.add_option(
             "relay_upstream_pool_max", int, 32,
             "Idle upstream connections the pool keeps at most, per upstream (more are closed).",
         )
 
     def configure(self, updated: set[str]) -> None:
         names = {"relay_upstream_pool", "relay_upstream_pool_warm", "relay_upstream_pool_idle",
-                 "relay_upstream_pool_max", "mode", "keep_host_header", pins.SPEED_OPTION}
+                 "relay_upstream_pool_max", "relay_upstream_pool_silence", "mode", "keep_host_header",
+                 pins.SPEED_OPTION}
         if not updated & names:
             return
         opts = ctx.options
@@ -188,6 +234,8 @@ class UpstreamPool:
             raise exceptions.OptionsError("relay_upstream_pool_warm and relay_upstream_pool_max must be >= 0")
         if opts.relay_upstream_pool_idle <= 0:
             raise exceptions.OptionsError("relay_upstream_pool_idle must be > 0")
+        if opts.relay_upstream_pool_silence < 0:
+            raise exceptions.OptionsError("relay_upstream_pool_silence must be >= 0")
         self.on = bool(opts.relay_upstream_pool) and pins.on(upstream_pool)
         upstream_pool.install(self if self.on else None)
         eager_connects.defer(pooled_listener if self.on else None, by="pool")
@@ -349,6 +397,7 @@ class UpstreamPool:
             pooled.close()
             return
         pooled.idle_since = time.monotonic()
+        _watch_transport(pooled.writer)  # a parked connection was mitmproxy's, without
         idle.append(pooled)
         pooled.watching = _Watch(pooled, self._ended)
         pooled.transport.set_protocol(pooled.watching)
@@ -454,6 +503,7 @@ async def _open(key: PoolKey) -> Pooled:
     server.timestamp_start = time.time()
     reader, writer = await dial.open_upstream(key.host, key.port)
     server.timestamp_tcp_setup = time.time()
+    _watch_transport(writer)
     tls = None
     try:
         if key.tls:

@@ -45,7 +45,9 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
 
 5. **A retry where reuse lost a race** (through `fixes.error_replies.instead_of_errors`): a
    server may close a kept-alive connection just as the relay writes a request on it (its
-   idle timeout, a restart). A request whose pooled connection closed before any byte of
+   idle timeout, a restart), or its path may go silent (the pool's sockets then end with an
+   error within `relay_upstream_pool_silence`, which mitmproxy reads as a close). A request
+   whose pooled connection closed before any byte of
    its answer came — nothing of it reached the provider's application, which answers
    every request it read — is sent once more, on a connection opened for it (never another
    pooled one), as `fixes.resend` sends a request again; the client sees one answer. Only a

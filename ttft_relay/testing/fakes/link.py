@@ -24,6 +24,9 @@ handshake included) and retransmit what was lost, exactly as over a far network.
 - `jitter_ms` adds up to that much delay to each packet, drawn at random (packets stay in
   order: one held longer holds those behind it, as on a real queue);
 - `set(direction, delay_ms=..., loss=...)` changes a direction while the link runs;
+- `forget()` black-holes every TCP connection the link has carried so far, both ways, from
+  now on (as a NAT or firewall that lost its connection table: no reset, no answer), while
+  new connections pass;
 - `drops()` lists the packets the link dropped (when, which way, TCP ports, flags,
   payload length), so a test can hold each loss against the record it belongs to.
 
@@ -40,8 +43,8 @@ loop over the two TUN descriptors, a FIFO per direction (a constant delay keeps
 packets in order; drops are independent per packet, from a seeded generator per
 direction, so the n-th packet each way is dropped or not whatever the other way
 does; the jitter has generators of its own). Its commands on stdin: `set near|far
-DELAY_MS LOSS` and `stats`, each answered `ok ...`. It writes every drop to a log the
-test reads (`drops()`).
+DELAY_MS LOSS`, `forget` and `stats`, each answered `ok ...`. It writes every drop to a
+log the test reads (`drops()`).
 """
 
 from __future__ import annotations
@@ -211,6 +214,10 @@ class FarLink:
         self.shape[direction] = (old_ms if delay_ms is None else delay_ms, old_loss if loss is None else loss)
         self._command(f"set {direction} {self.shape[direction][0]} {self.shape[direction][1]}")
 
+    def forget(self) -> None:
+        """Drop every packet of the TCP connections seen so far, from now on (new ones pass)."""
+        self._command("forget")
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Packets per direction so far: {NEAR|FAR: {"passed": n, "dropped": n}}."""
         reply = self._command("stats")
@@ -304,6 +311,13 @@ def _open_tun(netns: str) -> int:
         os.close(home)
 
 
+def tcp_ports(packet: bytes) -> frozenset[int] | None:
+    """An IPv4 TCP packet's connection as its two ports (the link joins two addresses only); None otherwise."""
+    if len(packet) < 40 or packet[0] >> 4 != 4 or packet[9] != 6:
+        return None
+    return frozenset(struct.unpack_from("!HH", packet, (packet[0] & 0xF) * 4))
+
+
 def describe(packet: bytes) -> str:
     """An IPv4 TCP packet as a drop log's fields: source and destination port, flags, payload length."""
     if len(packet) < 40 or packet[0] >> 4 != 4 or packet[9] != 6:
@@ -332,6 +346,9 @@ def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int,
     out = {FAR: far_fd, NEAR: near_fd}
     source = {near_fd: FAR, far_fd: NEAR}
     counts = {FAR: [0, 0], NEAR: [0, 0]}
+    seen: set[frozenset[int]] = set()
+    forgotten: set[frozenset[int]] = set()
+    """The connections `forget` black-holed."""
     drops = open(drop_log, "a")
     poller = select.poll()
     for fd in (near_fd, far_fd, sys.stdin.fileno()):
@@ -354,6 +371,9 @@ def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int,
                 if command[0] == "set":
                     shape[command[1]] = [float(command[2]), float(command[3])]
                     print("ok", flush=True)
+                elif command[0] == "forget":
+                    forgotten |= seen
+                    print("ok", flush=True)
                 elif command[0] == "stats":
                     print("ok", *counts[FAR], *counts[NEAR], flush=True)
                 else:
@@ -366,7 +386,10 @@ def forward(near_ns: str, far_ns: str, shape: dict[str, list[float]], seed: int,
                 except BlockingIOError:
                     break
                 delay_ms, loss = shape[direction]
-                if loss and rngs[direction].random() < loss:
+                ports = tcp_ports(packet)
+                if ports is not None:
+                    seen.add(ports)
+                if ports in forgotten or (loss and rngs[direction].random() < loss):
                     counts[direction][1] += 1
                     print(f"{time.time():.6f} {direction} {describe(packet)}", file=drops, flush=True)
                     continue
