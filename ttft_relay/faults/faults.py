@@ -472,7 +472,9 @@ class Shutdown:
     ttft_relay/workers.py) lets go of its listeners (the workers replacing it accept
     from them), goes on serving the requests of its open connections, each answer
     with `Connection: close` (HTTP/1: the client's next request goes to a new worker),
-    and stops once nothing is in flight or the grace is over.
+    and stops once nothing is in flight or the grace is over. A connection it accepted whose
+    first request has not come yet (a CONNECT, a TLS handshake, a head still arriving) is in
+    flight too: its client connected to be served, and a worker that left then would reset it.
     Must come before timing in relay.py's list: timing's `done` closes the log; its
     stop runs from `StopFirst`, before every other addon's `done`.
     """
@@ -482,6 +484,8 @@ class Shutdown:
         self.stopping = False
         self.retiring = False
         self.in_flight: set[http.HTTPFlow] = set()
+        self.unasked: set[str] = set()
+        """Client connections (by id) whose first request the relay has not read yet."""
         self._retire_task: asyncio.Task | None = None
 
     def load(self, loader) -> None:
@@ -499,7 +503,14 @@ class Shutdown:
         if pins.on(answer_on_head):
             answer_on_head.install(by="shutdown")
 
+    def client_connected(self, client: connection.Client) -> None:
+        self.unasked.add(client.id)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.unasked.discard(client.id)
+
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self.unasked.discard(flow.client_conn.id)
         st = state.get(flow)
         if st is None or flow.response is not None:
             return
@@ -533,9 +544,10 @@ class Shutdown:
 
     async def _retire(self) -> None:
         await self._let_go(refuse=False)
-        if waiting := self._live():
-            logger.info("retiring: finishing %d flow(s) in flight", len(waiting))
-            await _until(lambda: not self._live(), self.grace)
+        if (waiting := self._live()) or self.unasked:
+            logger.info("retiring: finishing %d flow(s) in flight and %d connection(s) whose request has not come yet",
+                        len(waiting), len(self.unasked))
+            await _until(lambda: not self._live() and not self.unasked, self.grace)
         ctx.master.shutdown()
 
     async def done(self) -> None:
