@@ -8,7 +8,7 @@ from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import apis, state
+from ttft_relay import apis, scope, state
 from ttft_relay.stream import sse
 from ttft_relay.timing import phases, record, timing
 from ttft_relay.testing import sse_samples
@@ -293,7 +293,7 @@ def test_observers_say_what_they_learned_and_every_sink_gets_one_frozen_record_j
                                      cached_tokens=0, ms_per_1k=10.0, learned_from=9)
     t = timing.Timing(observers=(Observer(record.Learned(expectation=expectation)),
                                  Observer(record.Learned(attempt_group="first", attempt=2))))
-    with taddons.context(t, Sink()) as tctx:
+    with taddons.context(t, scope.Scope(), Sink()) as tctx:
         tctx.configure(t, relay_timing_log="")
         f, st = make_flow(new_connection=False)
         st.request_json = {"model": "gpt-x", "messages": []}
@@ -310,3 +310,5 @@ def test_observers_say_what_they_learned_and_every_sink_gets_one_frozen_record_j
     assert f.metadata[timing.METADATA_KEY] == published.as_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
         published.verdict = "ok"  # type: ignore[misc]
+    # Nothing reads the parsed body after the record: it is not kept with the flow.
+    assert st.request_json is None

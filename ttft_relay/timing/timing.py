@@ -394,7 +394,7 @@ class Timing:
             # The upstream's head was held for its body, which failed: the client got the relay's error.
             status = st.error_status or 502
         w = st.watcher
-        client_aborted = st.client_aborted
+        client_aborted = False
         # What mitmproxy and the stream say, after what the relay recorded (`FlowState.record_error`).
         if flow.error is not None:
             gone = error_texts.client_gone(flow.error.msg)
@@ -402,7 +402,7 @@ class Timing:
             # reading at response.completed, before the body's end): neither an error nor an abort.
             if not (gone and w is not None and w.done):
                 st.record_error(flow.error.msg)
-                client_aborted = client_aborted or gone
+                client_aborted = gone
         if w is not None and w.error:
             st.record_error(w.error)
         if status is not None and status >= 400:
