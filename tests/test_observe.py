@@ -180,10 +180,10 @@ def attempt_record(rid: str, ts: float, *, cut: bool, total_ms: float) -> record
 
 def run(table: dict[int, bytes], rec: record.Record, key: bytes) -> record.Record:
     offset = attempts.slot_offset(key)
-    after = attempts.group(rec, attempts.decode(table.get(offset, bytes(attempts.SLOT_SIZE))), key)
+    placed, after = attempts.group(rec, attempts.decode(table.get(offset, bytes(attempts.SLOT_SIZE))), key)
     if after is not None:
         table[offset] = attempts.encode(after)
-    return rec
+    return record.judged(rec, placed)
 
 
 def test_three_attempts_each_cut_at_60_s_share_a_group():

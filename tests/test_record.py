@@ -146,9 +146,9 @@ def test_summary_line_and_comment():
     assert record.comment(rec, slow=True).splitlines()[0] == "upstream network (round trip) 400 ms · SLOW: ttft 460 ms."
     judged = make(marks={**MARKS, "upstream_tls": 4.0, "response_head": 2300.0, "first_token": 2310.0,
                          "last_token": 3000.0, "end": 3001.0})
-    record.judge(judged_rec := record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"]))),
-                 expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
-                                                uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9))
+    judged_rec = record.build_record(record.RecordInput(**make_kwargs(marks=judged["marks"])), record.Learned(
+        expectation=phases.Expectation(own_ms=300.0, tolerance_ms=250.0, prompt_ms=100.0,
+                                       uncached_tokens=1234, cached_tokens=0, ms_per_1k=81.0, learned_from=9)))
     assert record.summary_line(judged_rec.as_dict()).startswith("upstream queueing 4.6× predicted · ttft 2310 ms [")
     assert record.headline({"verdict": "context length", "verdict_detail": "first token 1.0 s: 9.2k prompt tokens "
                             "(0 cached) at 100 ms per 1k explain 924 ms of it"}) == "context length 9.2k tokens"

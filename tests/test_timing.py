@@ -8,7 +8,7 @@ from mitmproxy import http
 from mitmproxy.proxy import server_hooks
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import apis, state
+from ttft_relay import apis, scope, state
 from ttft_relay.stream import sse
 from ttft_relay.timing import phases, record, timing
 from ttft_relay.testing import sse_samples
@@ -272,3 +272,43 @@ def test_a_record_waits_for_the_self_watchs_final_figures_and_goes_before_the_ne
         assert h.metadata[timing.METADATA_KEY] and not addon.settling
 
     asyncio.run(main())
+
+
+def test_observers_say_what_they_learned_and_every_sink_gets_one_frozen_record_judged_once(tmp_path):
+    seen = []
+
+    class Observer:
+        def __init__(self, learned):
+            self.learned = learned
+
+        def observe(self, rec, flow):
+            seen.append((rec.verdict, state.get(flow).request_json))
+            return self.learned
+
+    class Sink:
+        def timing_record(self, rec, flow):
+            seen.append(rec)
+
+    expectation = phases.Expectation(own_ms=50.0, tolerance_ms=20.0, prompt_ms=10.0, uncached_tokens=1000,
+                                     cached_tokens=0, ms_per_1k=10.0, learned_from=9)
+    t = timing.Timing(observers=(Observer(record.Learned(expectation=expectation)),
+                                 Observer(record.Learned(attempt_group="first", attempt=2))))
+    with taddons.context(t, scope.Scope(), Sink()) as tctx:
+        tctx.configure(t, relay_timing_log="")
+        f, st = make_flow(new_connection=False)
+        st.request_json = {"model": "gpt-x", "messages": []}
+        st.watcher = w = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
+        for i, chunk in enumerate(sse_samples.openai_chat_stream(["Hel", "lo"])):
+            w.feed(chunk, T0 + 0.6 + i * 0.01)
+        t.response(f)
+    # Each observer saw the measured record (not judged yet) while the parsed body was still there.
+    assert seen[:2] == [(phases.UNKNOWN, {"model": "gpt-x", "messages": []})] * 2
+    (published,) = seen[2:]
+    # Judged once with both observers' parts: the prediction (its verdict against it) and the group.
+    assert published.verdict == phases.UPSTREAM_QUEUEING and published.expected_ttft_ms is not None
+    assert (published.attempt_group, published.attempt) == ("first", 2)
+    assert f.metadata[timing.METADATA_KEY] == published.as_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        published.verdict = "ok"  # type: ignore[misc]
+    # Nothing reads the parsed body after the record: it is not kept with the flow.
+    assert st.request_json is None

@@ -18,10 +18,10 @@ file only composes the addons; each concern lives in its own module under `ttft_
     dial       upstream connects race the name's addresses (RFC 8305 Happy Eyeballs)
     faults     bounded waits, and upstream failures answered in the API's format
     selfwatch  the relay's own event-loop lag, accept queues and sockets
-    timing     per-phase marks, one record per flow, verdicts
-    observe    verdicts against the first token each prompt predicts (learned per upstream ·
-               model · prefill traits, shared by the workers; prompt cache misses), attempt
-               groups of retried requests
+    timing     per-phase marks, one record per flow, judged once and frozen
+    observe    what timing's observers learn across records for its verdict: the first token
+               each prompt predicts (learned per upstream · model · prefill traits, shared by
+               the workers; prompt cache misses), attempt groups of retried requests
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
@@ -73,7 +73,10 @@ prometheus = metrics.Metrics()
 self_watch.subscribe(prometheus.load_sample)
 otlp_traces = traces.Traces(on_dropped=prometheus.otlp_dropped)
 
-timings = timing.Timing()
+first_tokens = verdicts.Verdicts()
+attempt_groups = attempts.AttemptGroups()
+# Timing shows each record to these before it judges it (`timing.Observer`).
+timings = timing.Timing(observers=(first_tokens, attempt_groups))
 shutdown = faults.Shutdown()
 addons = [
     patches.Check(),
@@ -92,8 +95,8 @@ addons = [
     self_watch,
     websocket.WebSocketTurns(timings, self_watch),
     timings,
-    verdicts.Verdicts(),
-    attempts.AttemptGroups(),
+    first_tokens,
+    attempt_groups,
     ledger.Ledger(timings),
     faults.ErrorReplies(),
     prometheus,

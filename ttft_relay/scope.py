@@ -37,8 +37,8 @@ def is_websocket_upgrade(headers: http.Headers) -> bool:
 class Scope:
     """Decides which flows are the relay's: attaches a `FlowState` to each request
     whose path matches `relay_scope`, and reads the model and stream flag from its
-    body. Flows out of scope get no state, and every other relay addon leaves them
-    alone."""
+    body (parsed, kept until the flow's record is out). Flows out of scope get no state,
+    and every other relay addon leaves them alone."""
 
     def __init__(self) -> None:
         self.pattern = re.compile(DEFAULT_SCOPE)
@@ -83,6 +83,12 @@ class Scope:
         st.prefill_traits = st.api.prefill_traits(st.request_json)
         if st.model is None and st.transport == record.WEBSOCKET:
             st.model = flow.request.query.get("model")  # the Realtime API's ?model=
+
+    def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+        """The flow's record is judged and out: nothing reads its parsed body any more
+        (`FlowState.request_json`), which a flow kept in mitmweb would keep for its life."""
+        if (st := state.get(flow)) is not None:
+            st.request_json = None
 
 
 MAX_DECODED_BODY = 64 * 1024 * 1024

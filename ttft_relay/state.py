@@ -1,7 +1,7 @@
 """Per-flow state shared by the relay's addons.
 
-One `FlowState` per in-scope flow, created by the scope addon in `requestheaders`
-and read by streaming, timing and trimming. It carries the flow's `Api`, resolved once
+One `FlowState` per in-scope flow, created by the scope addon in `requestheaders`,
+each of its fields written by one owner (named with the field) and read by the others. It carries the flow's `Api`, resolved once
 by scope: the floors below find in it everything they need to know of the API (its
 reader, trim shape, error format, WebSocket turns) and never look an API up by name. It lives in a weak map keyed by the
 flow, not in `flow.metadata`: mitmproxy deep-copies and serialises metadata when
@@ -27,42 +27,57 @@ from .apis.reader import Watcher
 
 @dataclass(slots=True, eq=False)
 class FlowState:
+    """One flow's state. Each field names the addon that writes it (its owner); the others
+    only read it. Marks are everyone's, through `mark` (the first one set counts), and the
+    failure is the error path's, through `record_error` (its precedence rule)."""
+
     api: Api
-    """The API the request speaks (scope's choice, by its path); records keep its `name`."""
+    """The API the request speaks (scope's choice, by its path); records keep its `name`. Scope."""
     model: str | None = None
+    """The model the request names. Scope."""
     stream: bool = False
-    """The client asked for a streamed response (`"stream": true` or a streaming path)."""
+    """The client asked for a streamed response (`"stream": true` or a streaming path). Scope."""
     transport: str = "http"
-    """`record.HTTP`, or `record.WEBSOCKET` for an upgrade request: the flow is the handshake."""
+    """`record.HTTP`, or `record.WEBSOCKET` for an upgrade request: the flow is the handshake. Scope."""
     marks: dict[str, float] = field(default_factory=dict)
-    """Phase marks as absolute `time.time()` seconds, the clock of mitmproxy's timestamps."""
+    """Phase marks as absolute `time.time()` seconds, the clock of mitmproxy's timestamps.
+    Set through `mark` by timing, the self-watch and faults; trim takes back a refused
+    answer's `head_arrived` when it sends the request once more."""
     request_json: Any = None
-    """The parsed request body while request hooks run; dropped once forwarded."""
+    """The parsed request body (None: it did not parse). Scope sets it in `request` and drops
+    it once the flow's record is published: trim works on it (and again on a refusal), the
+    verdicts read the conversation in it as the record is judged, and nothing after; a flow
+    kept in mitmweb does not keep its parsed body."""
     prompt_tokens: int | None = None
+    """The prompt's tokens as sent, as trim counted them. Trim."""
     prefill_traits: str = ""
     """What of the request changes its prefill beyond its tokens (`Api.prefill_traits`, read
-    by scope); a WebSocket's, its current turn's: the key of its first-token line."""
+    by scope); a WebSocket's, its current turn's (websocket): the key of its first-token line."""
     trim: dict[str, Any] | None = None
+    """What trimming did to the request (its stats). Trim."""
     turn_trim: dict[str, Any] | None = None
     """A WebSocket's: what trimming did to the turn whose message is being passed on (the
-    trim addon's stats), taken by that turn's record (updated in place after a refusal)."""
+    trim addon's stats), taken by that turn's record (updated in place after a refusal). Trim
+    writes it, websocket takes it."""
     watcher: Watcher | None = None
-    """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable."""
+    """The watcher of a streamed response (`sse.StreamWatcher`), fed by the stream callable.
+    Streaming; trim takes it away from an answer it holds to read whole (a refusal)."""
     error: str | None = None
-    """Why the flow failed; written only through `record_error`."""
+    """Why the flow failed; written only through `record_error` (the error path)."""
     error_phase: str | None = None
-    """The phase it failed in; None: the record derives it from the marks."""
+    """The phase it failed in; None: the record derives it from the marks. `record_error`."""
     error_status: int | None = None
-    """Status of the relay's own error reply to the client (504 for its timeouts); None: 502."""
-    client_aborted: bool = False
+    """Status of the relay's own error reply to the client (504 for its timeouts); None: 502.
+    `record_error`."""
     links: dict[str, Any] | None = None
-    """What the self-watch learned of the request's event loop and sockets (`record.LINK_KEYS`)."""
+    """What the self-watch learned of the request's event loop and sockets (`record.LINK_KEYS`).
+    The self-watch."""
     settle: Callable[[], float | None] | None = None
     """Set by the self-watch when `links` may still change (the client has not acknowledged
     the answer yet): timing calls it until it returns None, waiting the seconds it returns
-    in between, before it makes the record."""
+    in between, before it makes the record (and clears it then)."""
     recorded: bool = False
-    """The timing record has been written: each flow gets exactly one."""
+    """The timing record has been written: each flow gets exactly one. Timing."""
 
     def record_error(self, error: str | None, *, phase: str | None = None, status: int | None = None) -> None:
         """Record why the flow failed (`error`), the phase it failed in and the status of

@@ -136,20 +136,22 @@ def retried(before: Attempt | None, key: bytes, started: float) -> tuple[str, in
     return before.group, before.attempt + 1
 
 
-def group(rec: record.Record, before: Attempt | None, key: bytes) -> Attempt | None:
-    """Set the record's attempt group from the slot's attempt; what the slot holds next
+def group(rec: record.Record, before: Attempt | None, key: bytes) -> tuple[record.Learned, Attempt | None]:
+    """The record's attempt group, from the slot's attempt, and what the slot holds next
     (None: leave it as it is)."""
     failed = bool(rec.error or rec.client_aborted)
     continued = retried(before, key, rec.ts)
     if continued is not None:
-        rec.attempt_group, rec.attempt = continued
+        placed = record.Learned(attempt_group=continued[0], attempt=continued[1])
     elif failed:
-        rec.attempt_group, rec.attempt = rec.id, 1
+        placed = record.Learned(attempt_group=rec.id, attempt=1)
+    else:
+        placed = record.NOTHING_LEARNED
     if not failed and continued is None and (before is None or before.key != key):
-        return None  # an ordinary request: nothing to remember
+        return placed, None  # an ordinary request: nothing to remember
     end = rec.marks.get("end")
     ended = rec.ts + (end / 1000 if end is not None else 0.0)
-    return Attempt(key, rec.attempt_group or rec.id, rec.attempt or 1, rec.ts, ended, failed)
+    return placed, Attempt(key, placed.attempt_group or rec.id, placed.attempt or 1, rec.ts, ended, failed)
 
 
 # --- the table and the addon --------------------------------------------------------------
@@ -192,8 +194,9 @@ def table_path(log: Path) -> Path:
 
 
 class AttemptGroups:
-    """Puts each record of a request a client retried after a failure into its attempt group
-    (`Record.attempt_group`, `attempt`), before the record is published."""
+    """Says which attempt group each record of a request a client retried after a failure
+    belongs to (`Record.attempt_group`, `attempt`), before the record is judged and published
+    (one of `Timing`'s observers)."""
 
     def __init__(self) -> None:
         self.table = Table()
@@ -212,19 +215,21 @@ class AttemptGroups:
     def done(self) -> None:
         self.table.close()
 
-    def timing_observe(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+    def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
         if rec.turn:  # a WebSocket turn: the flow's request is the socket's upgrade
-            return
+            return record.NOTHING_LEARNED
         peer = flow.client_conn.peername
         who = sender(client_key(flow), str(peer[0]) if peer else "")
         key = request_key(who, conversation(flow.request.headers), flow.request.method, flow.request.path,
                           flow.request.raw_content)
         offset = slot_offset(key)
+        placed = record.NOTHING_LEARNED
         try:
-            after = group(rec, decode(self.table.read(offset)), key)
+            placed, after = group(rec, decode(self.table.read(offset)), key)
             if after is not None:
                 self.table.write(offset, encode(after))
         except OSError as e:
             logger.warning("attempt groups: %s %s; kept in memory from now on", self.table.path, e)
             self.table.close()
             self.table = Table()
+        return placed

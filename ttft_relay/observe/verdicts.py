@@ -1,7 +1,7 @@
 """Verdicts against what the relay learned: the first token a prompt predicts, and prompt cache misses.
 
-Every record is judged (`record.judge`) with what this addon learned from the records
-before it: per first-token line (upstream · model · the request's prefill traits, as its
+Every record is judged (`record.judged`, once, by `Timing`) with what this addon learned from
+the records before it (its `observe` says it): per first-token line (upstream · model · the request's prefill traits, as its
 API reads them: `prefill.model_key`), the upstream's own wait as a function of the
 prompt's uncached and cached tokens (`prefill.PrefillRates`), and per conversation whether
 the provider had cached its prefix (`conversations.Conversations`). So a long wait reads
@@ -160,7 +160,8 @@ def _fetch(shared: SharedLines, mine: list[prefill.Row],
 
 
 class Verdicts:
-    """Judges each record against the first token its prompt predicts, and learns from it."""
+    """Says what first token each record's prompt predicts and whether it missed the prompt
+    cache (one of `Timing`'s observers: its verdict is judged against them), and learns from it."""
 
     def __init__(self) -> None:
         self.rates = prefill.PrefillRates()
@@ -224,9 +225,9 @@ class Verdicts:
         for row in theirs:
             self.rates.add(*row)
 
-    def timing_observe(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+    def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
         if rec.error or rec.client_aborted:
-            return  # its verdict is where it failed, whatever was learned
+            return record.NOTHING_LEARNED  # its verdict is where it failed, whatever was learned
         st = state.get(flow)
         key = prefill.model_key(rec.upstream, rec.model, st.prefill_traits if st is not None else "")
         prompt = prefill.prompt_of(rec.usage, rec.prompt_tokens)
@@ -236,13 +237,14 @@ class Verdicts:
             prediction = prefill.Prediction(None, "an answer not streamed: the upstream's wait holds all of it", False)
         else:
             prediction = self.rates.expect(key, prompt)
-        record.judge(rec, expectation=prediction.expectation, unlearned=prediction.unlearned,
-                     learning=prediction.learning, cache_miss=self._cache_miss(rec, flow))
+        learned = record.Learned(expectation=prediction.expectation, unlearned=prediction.unlearned,
+                                 learning=prediction.learning, cache_miss=self._cache_miss(rec, flow))
         if (sample := prefill.sample_of(rec.as_dict(), state.source_of(flow))) is not None:
             row = prefill.Row(key, rec.upstream or "?", sample)
             if self.rates.add(*row) and self.shared is not None:
                 self.pending.append(row)
                 del self.pending[:-PENDING_MAX]
+        return learned
 
     def _cache_miss(self, rec: record.Record, flow: http.HTTPFlow) -> str | None:
         st = state.get(flow)

@@ -379,7 +379,7 @@ class WebSocketTurns:
         marks = turn_marks(turn.started, turn.forwarded, w, end)
         upstream = upstream_name(flow)
         st = state.get(flow)
-        rec = record.build_record(record.RecordInput(
+        rec = record.measure(record.RecordInput(
             id=f"{flow.id}#{turn.number}",
             ts=turn.started,
             api=session.api.name,

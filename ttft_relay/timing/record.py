@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,12 @@ WEBSOCKET = "websocket"
 WEBSOCKET_HANDSHAKE_FAILED = "websocket handshake failed"
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Record:
-    """One flow's (or WebSocket turn's) timing record; its JSON form is `as_dict()`."""
+    """One flow's (or WebSocket turn's) timing record; its JSON form is `as_dict()`.
+
+    Frozen: `measure` makes it of what was seen, `judged` a copy with its verdict and
+    what the observers learned (`Learned`), and that copy is what every sink gets."""
 
     schema: int = SCHEMA
     """This schema's version."""
@@ -98,7 +101,8 @@ class Record:
     usage: dict[str, Any] | None
     """{input_tokens, output_tokens, cached_tokens, reasoning_tokens, ...} as the upstream reported them."""
     verdict: str
-    """`ok`, or the phase most out of line, in words (`phases.judge`)."""
+    """`ok`, or the phase most out of line, in words (`phases.judge`); `phases.UNKNOWN` until
+    `judged`."""
     verdict_detail: str | None = None
     """The verdict's numbers in a sentence: how far out of line, or what the wait was in line with."""
     expected_ttft_ms: float | None = None
@@ -218,8 +222,42 @@ class RecordInput:
     links: Mapping[str, float | int | None] | None = None
 
 
-def build_record(seen: RecordInput) -> Record:
-    """The record of one flow (or WebSocket turn): its phases and verdict from what was seen."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Learned:
+    """What the observers (`ttft_relay/observe/`) learned across records that a record's
+    verdict or fields take: each observer says its part (`Timing`'s observers), `judged`
+    takes them all at once. Empty: nothing learned."""
+
+    expectation: phases.Expectation | None = None
+    """The first token this prompt predicts (`phases.judge`'s `expectation`)."""
+    unlearned: str | None = None
+    """Why there is no expectation yet, in words."""
+    learning: bool = False
+    """The record's first-token line is still being learned."""
+    cache_miss: str | None = None
+    """A prompt cache miss, as a clause for the verdict's detail."""
+    attempt_group: str | None = None
+    """`Record.attempt_group`."""
+    attempt: int | None = None
+    """`Record.attempt`."""
+
+    def merged(self, other: Learned) -> Learned:
+        """This with what `other` learned (its parts that are not empty)."""
+        said = {f.name: value for f in fields(other) if (value := getattr(other, f.name)) != f.default}
+        return replace(self, **said) if said else self
+
+
+NOTHING_LEARNED = Learned()
+
+
+def build_record(seen: RecordInput, learned: Learned = NOTHING_LEARNED) -> Record:
+    """The record of one flow (or WebSocket turn), judged with what was `learned`."""
+    return judged(measure(seen), learned)
+
+
+def measure(seen: RecordInput) -> Record:
+    """The record of what was seen of one flow (or WebSocket turn): its phases and numbers,
+    not yet judged (`judged` gives its verdict)."""
     handshake = is_handshake(seen.transport, seen.turn)
     error_phase = seen.error_phase
     if (seen.error or seen.client_aborted) and error_phase is None:
@@ -232,10 +270,11 @@ def build_record(seen: RecordInput) -> Record:
     if handshake or seen.prewarm:
         # Neither is an answer: their time is in the phases, never a (slow) first token.
         p.pop("ttft", None)
-    links = {key: (seen.links or {}).get(key) for key in LINK_KEYS}
+    # The self-watch's numbers (`LINK_KEYS`) by name (Any: a type checker cannot match a dict's keys to fields).
+    links: dict[str, Any] = {key: (seen.links or {}).get(key) for key in LINK_KEYS}
     output_tokens = (seen.usage or {}).get("output_tokens") or seen.token_events
     stream_s = p.get("stream", 0.0) / 1000
-    rec = Record(
+    return Record(
         id=seen.id,
         request_id=seen.request_id[:REQUEST_ID_MAX] if seen.request_id else None,
         ts=round(seen.ts, 3),
@@ -268,12 +307,8 @@ def build_record(seen: RecordInput) -> Record:
         prewarm=seen.prewarm,
         upstream_request_id=seen.upstream_request_id[:REQUEST_ID_MAX] if seen.upstream_request_id else None,
         upstream_processing_ms=seen.upstream_processing_ms,
+        **links,
     )
-    # The self-watch's numbers (`LINK_KEYS`) by name: a type checker cannot match `**links`' keys to fields.
-    for key, value in links.items():
-        setattr(rec, key, value)
-    judge(rec)
-    return rec
 
 
 def is_handshake(transport: str | None, turn: int | None) -> bool:
@@ -281,12 +316,10 @@ def is_handshake(transport: str | None, turn: int | None) -> bool:
     return transport == WEBSOCKET and turn == 0
 
 
-def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearned: str | None = None,
-          learning: bool = False, cache_miss: str | None = None) -> None:
-    """Set the record's verdict, its detail and expected first token from its own numbers
-    and what the relay learned across records (`phases.judge`): `build_record` judges
-    with nothing learned, the observe floor again with its expectation before the record
-    is published."""
+def judged(rec: Record, learned: Learned = NOTHING_LEARNED) -> Record:
+    """The record with its verdict, its detail and expected first token, from its own numbers
+    and what the relay `learned` across records (`phases.judge`), and its attempt group:
+    the one judgement a record gets."""
     handshake = is_handshake(rec.transport, rec.turn)
     error = rec.error
     client_link = client_link_ms(rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_retransmit_ms)
@@ -307,15 +340,17 @@ def judge(rec: Record, *, expectation: phases.Expectation | None = None, unlearn
         setup=connection_setup(rec.marks, rec.client_min_rtt_ms, rec.client_rtt_ms, rec.client_setup_round_trips,
                                rec.loop_lag_ms),
         no_prefill=handshake or rec.prewarm,
-        expectation=expectation,
-        unlearned=unlearned,
-        learning=learning,
-        cache_miss=cache_miss,
+        expectation=learned.expectation,
+        unlearned=learned.unlearned,
+        learning=learned.learning,
+        cache_miss=learned.cache_miss,
     )
-    rec.verdict, rec.verdict_detail, rec.expected_ttft_ms = v.words, v.detail, v.expected_ttft_ms
+    verdict = v.words
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
-        rec.verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+        verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+    return replace(rec, verdict=verdict, verdict_detail=v.detail, expected_ttft_ms=v.expected_ttft_ms,
+                   attempt_group=learned.attempt_group, attempt=learned.attempt)
 
 
 def connection_setup(marks: Mapping[str, float], client_min_rtt_ms: float | None, client_rtt_ms: float | None,

@@ -3,16 +3,19 @@
 The addon collects marks on the flow's timeline from mitmproxy's timestamps, its
 own `request` hook and the stream watcher, and when the flow ends (`response`,
 or `error` for failures and client aborts) turns them into one record
-(a `record.Record`, from `record.build_record`), shown as the flow's comment in
+(a frozen `record.Record`, judged once: see `Timing.publish`), shown as the flow's comment in
 mitmweb (slow flows marked) and kept as plain data (`Record.as_dict()`) in
 `flow.metadata["ttft_relay"]`, which survives saving flows. A `Server-Timing` header tells the client the phases known when
 the head leaves.
 
 Every record — an HTTP flow's, a WebSocket handshake's, each WebSocket turn's
-(`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: completed by the
-addons that implement `timing_observe(record, flow)` (`ttft_relay/observe/`), appended to
-`relay_timing_log`, logged as a console line, and handed to every addon that
-implements the `timing_record(record, flow)` hook (metrics), which gets the `Record`.
+(`ttft_relay/stream/websocket.py`) — leaves through `Timing.publish`: measured
+(`record.measure`), shown to the observers Timing was made with (`Observer`,
+`ttft_relay/observe/`: the verdicts, the attempt groups), each of which says what it
+learned across records (`record.Learned`), judged once with all of it (`record.judged`),
+and the frozen record is appended to `relay_timing_log`, logged as a console line, and
+handed to every addon that implements the `timing_record(record, flow)` hook (metrics,
+traces, the ledger).
 
 Ordering: the `request` hook marks `forwarded`, the moment the request leaves
 the relay's hands, so this addon must come after every addon that works on the
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
@@ -46,14 +49,13 @@ from . import logrotation, phases, record
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class TimingObserveHook(hooks.Hook):
-    """A timing record is complete but not yet published: the addons that watch many
-    records (`ttft_relay/observe/`) add what they learned across them (the expected first
-    token and the verdict against it, the attempt group). Before any sink sees it."""
+class Observer(Protocol):
+    """An addon that watches many records (`ttft_relay/observe/`) and says what it learned
+    across them that a record's verdict or fields take: the expected first token, a prompt
+    cache miss, the attempt group. Shown each record before it is judged; what it returns
+    is judged with what the others returned (their parts do not overlap)."""
 
-    record: record.Record
-    flow: http.HTTPFlow
+    def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned: ...
 
 
 @dataclass
@@ -79,7 +81,9 @@ RTT_SAMPLES = 16
 
 
 class Timing:
-    def __init__(self) -> None:
+    def __init__(self, observers: Sequence[Observer] = ()) -> None:
+        self.observers = tuple(observers)
+        """Shown every record before it is judged (`Observer`)."""
         self.writer: record.RecordWriter | None = None
         self.slow_ms = 0
         self.console = True
@@ -342,17 +346,18 @@ class Timing:
                     self.settling_on[flow.client_conn.id] = flow
                     return
         st.settle = None
-        rec = self._build(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
+        rec = self._measure(flow, st, phases.relative_marks(marks, flow.request.timestamp_start))
         data = flow.metadata[METADATA_KEY] = self.publish(rec, flow)
         slow = self.is_slow(rec)
         flow.comment = record.comment(data, slow=slow)
         if slow:
             flow.marked = SLOW_MARKER
 
-    def publish(self, rec: record.Record, flow: http.HTTPFlow) -> dict[str, Any]:
-        """Send a finished record to every sink: the log, the console, the `timing_record`
-        hook. Returns its plain-data form (the JSON line's), for the flow's comment."""
-        ctx.master.addons.trigger(TimingObserveHook(rec, flow))
+    def publish(self, measured: record.Record, flow: http.HTTPFlow) -> dict[str, Any]:
+        """Judge a measured record (`record.measure`) once with what the observers learned,
+        and send it to every sink: the log, the console, the `timing_record` hook. Returns
+        its plain-data form (the JSON line's), for the flow's comment."""
+        rec = record.judged(measured, self.learned(measured, flow))
         data = rec.as_dict()  # once: a dict serialises faster than the dataclass
         if self.writer is not None:
             self.writer.write(data)
@@ -360,6 +365,16 @@ class Timing:
             self.console_lines.add(record.summary_line(data))
         ctx.master.addons.trigger(TimingRecordHook(rec, flow))
         return data
+
+    def learned(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
+        """What the observers say they learned of the record, all of it."""
+        learned = record.NOTHING_LEARNED
+        for observer in self.observers:
+            try:
+                learned = learned.merged(observer.observe(rec, flow))
+            except Exception:  # as mitmproxy treats a failing hook: said, and the record still goes out
+                logger.exception("%s failed to observe record %s", type(observer).__name__, rec.id)
+        return learned
 
     def upstream_rtt_ms(self, upstream: str) -> float | None:
         """The round-trip estimate for an upstream ("host[:port]"), or None before any handshake."""
@@ -370,7 +385,7 @@ class Timing:
         """A first token at least `relay_slow_ms` late; a prewarm turn asks for no token."""
         return bool(self.slow_ms) and not rec.prewarm and (rec.ttft_ms or 0) >= self.slow_ms
 
-    def _build(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> record.Record:
+    def _measure(self, flow: http.HTTPFlow, st: state.FlowState, marks: dict[str, float]) -> record.Record:
         # A CONNECT's response is the proxy's own, never the upstream's.
         response = flow.response if flow.request.method != "CONNECT" else None
         status = response.status_code if response is not None else None
@@ -379,7 +394,7 @@ class Timing:
             # The upstream's head was held for its body, which failed: the client got the relay's error.
             status = st.error_status or 502
         w = st.watcher
-        client_aborted = st.client_aborted
+        client_aborted = False
         # What mitmproxy and the stream say, after what the relay recorded (`FlowState.record_error`).
         if flow.error is not None:
             gone = error_texts.client_gone(flow.error.msg)
@@ -387,7 +402,7 @@ class Timing:
             # reading at response.completed, before the body's end): neither an error nor an abort.
             if not (gone and w is not None and w.done):
                 st.record_error(flow.error.msg)
-                client_aborted = client_aborted or gone
+                client_aborted = gone
         if w is not None and w.error:
             st.record_error(w.error)
         if status is not None and status >= 400:
@@ -396,7 +411,7 @@ class Timing:
         upstream = upstream_name(flow)
         websocket = st.transport == record.WEBSOCKET
         head = upstream_headers(flow.response)
-        return record.build_record(record.RecordInput(
+        return record.measure(record.RecordInput(
             id=flow.id,
             ts=flow.request.timestamp_start,
             api=st.api.name,
