@@ -44,6 +44,8 @@ are not in the ledger: the upgrade's flow is, until its handshake's record.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import errno
 import fcntl
@@ -133,12 +135,9 @@ def lost_record(entry: dict[str, Any]) -> record.Record:
 def answered_record(entry: dict[str, Any]) -> record.Record:
     """The record of a request whose whole answer its client had when its process died
     (the slot says `answered`): its status and what was known, no error, no phases."""
-    rec = lost_record(entry)
     status = entry.get(ANSWERED)
-    rec.status = status if isinstance(status, int) and not isinstance(status, bool) else None
-    rec.error = rec.error_phase = None
-    rec.verdict, rec.verdict_detail = ANSWERED_VERDICT, None
-    return rec
+    return dataclasses.replace(lost_record(entry), status=status if isinstance(status, int) and not isinstance(status, bool)
+                               else None, error=None, error_phase=None, verdict=ANSWERED_VERDICT, verdict_detail=None)
 
 
 def left_record(entry: dict[str, Any]) -> record.Record:
