@@ -70,7 +70,10 @@ def queued(fd: int) -> int:
 
 
 def tcp_servers(proxyserver) -> list[asyncio.Server]:
-    """The asyncio servers behind mitmproxy's listeners (its `proxyserver` addon's)."""
+    """The asyncio servers behind mitmproxy's listeners (its `proxyserver` addon's; none
+    without one: the relay's addons loaded without mitmproxy's, as in tests)."""
+    if proxyserver is None:
+        return []
     return [s for instance in proxyserver.servers for s in getattr(instance, "_servers", [])
             if isinstance(s, asyncio.Server)]
 

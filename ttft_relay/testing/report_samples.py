@@ -23,6 +23,12 @@ GROUPS = (
 )
 
 
+LEARNING = 8
+"""A relay's first requests to each upstream · model, judged while it learns their line (`ok`
+unless far out of line); the day's later ones against nothing learned (these samples carry no
+learned line), the model's wait then named as such."""
+
+
 def one(rng: random.Random, i: int, ts: float, *, peak: float) -> dict[str, Any]:
     upstream, model, base, per_token = GROUPS[i % len(GROUPS)]
     prompt = int(rng.lognormvariate(7.5, 1.2))
@@ -58,12 +64,13 @@ def one(rng: random.Random, i: int, ts: float, *, peak: float) -> dict[str, Any]
         extra = {"transport": "websocket", "turn": 1 + i % 7, "prewarm": rng.random() < 0.1}
     flow_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))  # as long as mitmproxy's flow ids
     return build(flow_id, ts, upstream, model, m, prompt=prompt, rtt=rtt, max_gap=max_gap,
-                 new_connection=new_connection, error=error, client_aborted=bool(client_aborted)) | extra
+                 new_connection=new_connection, error=error, client_aborted=bool(client_aborted),
+                 learning=i < LEARNING * len(GROUPS)) | extra
 
 
 def build(id: str, ts: float, upstream: str, model: str | None, marks: dict[str, float], *, prompt: int | None = None,
           rtt: float | None = None, max_gap: float | None = None, new_connection: bool = False,
-          error: str | None = None, client_aborted: bool = False) -> dict[str, Any]:
+          error: str | None = None, client_aborted: bool = False, learning: bool = False) -> dict[str, Any]:
     tokens = "first_token" in marks or not error
     return record.build_record(record.RecordInput(
         id=id, ts=ts, api="openai.chat", model=model, stream=True, status=None if error else 200,
@@ -72,7 +79,7 @@ def build(id: str, ts: float, upstream: str, model: str | None, marks: dict[str,
         chunks=120 if "last_token" in marks else None, bytes=9000, token_events=100, prompt_tokens=prompt,
         usage={"input_tokens": prompt, "output_tokens": 100} if prompt else None,
         error=error, client_aborted=client_aborted,
-    )).as_dict()
+    ), record.Learned(learning=learning)).as_dict()
 
 
 def handshake(id: str, ts: float, *, failed: bool) -> dict[str, Any]:
