@@ -10,12 +10,13 @@ tests/test_agents_e2e.py (installed from npm on first use, skipped without npm).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
-from ttft_relay import apis
 from ttft_relay.workers import free_port
 from tests.agent_clis import AgentSandbox, claude_print, claude_result, codex_answer, codex_exec
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream, RefusingProxy
@@ -92,7 +93,8 @@ def test_codex_http_over_tls_takes_http1_and_the_direct_reads(http2, clis, agent
     assert relay.wait_for_lines(r"POST \S+/responses" + (r" HTTP/2\.0$" if http2 else "$"), len(asked))
     # The requests' console lines come after any take-over by the direct reads (where each
     # body's direct reads end differs: Codex may close before the body's last chunk).
-    relay.wait_for_lines(rf"{apis.OPENAI_RESPONSES} .* ttft", len(asked))
+    models = "|".join(sorted({re.escape(str(orjson.loads(r.body).get("model"))) for r in asked}))
+    relay.wait_for_lines(rf"· ttft .* · (?:{models}) \d+ → ", len(asked))
     direct = relay.wait_for_lines(r"direct reads of .*\)$", 0)
     assert bool(direct) == (not http2), relay.text()
 

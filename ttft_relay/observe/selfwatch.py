@@ -77,6 +77,11 @@ ACCEPT_QUEUE_EVERY = 5
 HOLD_MIN_MS = 10.0
 """Bytes held for less than this are taken as read at once: the kernel's receive times
 are in jiffies, up to 10 ms."""
+FIRST_FLIGHT_BYTES = 10 * 1448
+"""What a new TCP connection sends before its first acknowledgement (RFC 6928: an initial window
+of 10 segments of 1448 bytes, with timestamps). A request this small leaves in its first flight:
+no upload round trips, whatever the time between the relay's `forwarded` mark and its kernel's
+last send (on a loaded machine, the relay's own lateness in writing it, not the link)."""
 SETTLE_POLL_S = 0.02
 """How often a finished request's client socket is asked whether the client acknowledged it all."""
 SETTLE_MAX_S = 2.0
@@ -455,9 +460,9 @@ class SelfWatch:
             st.settle = None
 
     def _mark_sent(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
-        """Mark `upstream_sent` if the relay's kernel sent the request's last byte at least
-        HOLD_MIN_MS after the relay wrote it (the request's upload took more round trips than
-        its first flight, or a segment was resent). Read as the head arrives, or as the request
+        """Mark `upstream_sent` if the relay's kernel sent the last byte of a request larger than
+        its first flight (FIRST_FLIGHT_BYTES) at least HOLD_MIN_MS after the relay wrote it (the
+        request's upload took more round trips than its first flight, or a segment was resent). Read as the head arrives, or as the request
         fails without one: until then the relay sends an HTTP/1 upstream nothing but the
         request. On HTTP/2 other streams' frames are sent meanwhile: nothing is marked."""
         conn = flow.server_conn
@@ -465,6 +470,8 @@ class SelfWatch:
             return
         st = state.get(flow)
         if st is None or (forwarded := st.marks.get("forwarded")) is None:
+            return
+        if len(flow.request.raw_content or b"") + len(bytes(flow.request.headers)) <= FIRST_FLIGHT_BYTES:
             return
         written = max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
         last_sent = time.time() - info.last_data_sent_ms / 1000
