@@ -27,7 +27,7 @@ there, on the README's own ports (8080, 8001, 8002, 8081), under `flock /tmp/ttf
      8080: the stream ends whole and is recorded; then `scripts/relay` again at once: it
      starts and streams; then a reload as `systemctl reload` sends it (the unit's ExecReload,
      `kill -HUP` to the relay) after an edit of mitm.conf (8001 to the https upstream), while
-     a 10 s stream runs over TLS through 8080 and a client arrives every 100 ms on a
+     a 15 s stream runs over TLS through 8080 and a client arrives every 100 ms on a
      connection of its own (CONNECT, TLS, a stream): the relay says the new workers took over
      while the stream was in flight, the stream ends whole and is recorded, every client is
      answered whole (none refused, none reset) and recorded, the old workers exit 0 once
@@ -94,10 +94,11 @@ FAKE_KEY = "sk-quickstart-not-a-real-key"
 FAKE_PREFILL_MS = 150
 IN_FLIGHT = {"x-fake-chunks": "30", "x-fake-gap-ms": "100"}
 """The stream a stop meets: 30 chunks 100 ms apart (3 s), the stop sent after its first one."""
-RELOAD_IN_FLIGHT = {"x-fake-chunks": "100", "x-fake-gap-ms": "100"}
-"""The stream a reload meets: 100 chunks 100 ms apart (10 s), the reload sent after its first
-one. A reload starts its new workers one at a time (4.5-6.3 s for 2 on 2 busy cores): a 3 s
-stream would end before the old workers retire, and the check would see nothing in flight."""
+RELOAD_IN_FLIGHT = {"x-fake-chunks": "150", "x-fake-gap-ms": "100"}
+"""The stream a reload meets: 150 chunks 100 ms apart (15 s), the reload sent after its first
+one. A reload starts its new workers one at a time (4.5-7.7 s for 2 on 2 busy cores, clients
+arriving): a 3 s stream would end before the old workers retire, and nothing would be in
+flight when they do."""
 ARRIVAL_S = 0.1
 """A new client, on a connection of its own, every 100 ms through a reload."""
 RELOADED = r"^\[ttft-relay\] reloaded: (\d+) workers ready; the (\d+) before them finish their turns in flight$"
@@ -629,7 +630,8 @@ class QuickStart:
             for t in threads:
                 t.start()
             url, body, headers, proxy, ca = proxied
-            streamed = post_stream(url, body, {**headers, **RELOAD_IN_FLIGHT}, proxy=proxy, ca=ca, on_first_bytes=reload)
+            streamed = post_stream(url, body, {**headers, **RELOAD_IN_FLIGHT}, proxy=proxy, ca=ca,
+                                   on_first_bytes=reload)
             ended = time.monotonic()
             reloaded = wait_for_line(output, RELOADED, relay, START_TIMEOUT, after=mark)
             retiring = int(reloaded.group(2))
@@ -665,12 +667,12 @@ class QuickStart:
               f"{len(outcomes)} clients answered whole ({during} during the reload)", flush=True)
         mark = len(output.read_text(errors="replace"))
         assert_openai_stream(run(CURL, self.clone, self.env, timeout=60).stdout.encode(), "curl after the reload")
-        https_port = self.fake_https.rsplit(":", 1)[1]
+        upstream = self.fake_https.split("://", 1)[1]
         try:
-            wait_for_line(output, rf"gpt-4o-mini 200 → 127\.0\.0\.1:{https_port}$", relay, 30, after=mark)
+            wait_for_line(output, rf"gpt-4o-mini 200 → {re.escape(upstream)}$", relay, 30, after=mark)
         except StepFailed:
             raise StepFailed(f"after the reload, 8001 does not forward to the upstream the edited mitm.conf names "
-                             f"(127.0.0.1:{https_port}):\n{tail(output.read_text(errors='replace')[mark:])}") from None
+                             f"({upstream}):\n{tail(output.read_text(errors='replace')[mark:])}") from None
         expected = 1 + len(outcomes) + 1  # the stream, the clients, the curl
         deadline = time.monotonic() + 30
         while len(finished := chat_records(log, before)) < expected and time.monotonic() < deadline:
@@ -678,7 +680,8 @@ class QuickStart:
         if len(finished) != expected:
             raise StepFailed(f"{len(finished)} new records, not {expected} (the stream, {len(outcomes)} clients, "
                              "the curl)")
-        if not any(r.get("status") == 200 and not r.get("error") and r.get("chunks", 0) >= 100 for r in finished):
+        chunks = int(RELOAD_IN_FLIGHT["x-fake-chunks"])
+        if not any(r.get("status") == 200 and not r.get("error") and r.get("chunks", 0) >= chunks for r in finished):
             raise StepFailed(f"no whole record of the stream in flight: {[r.get('error') for r in finished]}")
 
     def stop_again(self) -> None:
