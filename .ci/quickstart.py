@@ -646,43 +646,47 @@ class QuickStart:
             for t in threads:
                 t.join(60)
             conf.write_text(as_it_was)  # the steps below start from the README's mitm.conf
+        # Every check below is made, and what fails is said together: one run tells all.
+        took_over_at = took_over[0] if took_over else time.monotonic()  # seen after the stream, if not by then
         said = output.read_text(errors="replace")[mark:]
+        problems = []
         if b"[DONE]" not in streamed or b"shutting down" in streamed:
-            raise StepFailed(f"the reload cut the stream in flight: ...{streamed[-300:]!r}\n{tail(said)}")
-        if not took_over or took_over[0] > ended:
-            when = f"{took_over[0] - hup[0]:.1f} s after the reload" if took_over else "only after the stream"
-            raise StepFailed(f"the new workers took over {when}, after the stream ended ({ended - hup[0]:.1f} s): "
-                             f"nothing was in flight when the old workers retired\n{tail(said)}")
+            problems.append(f"the reload cut the stream in flight: ...{streamed[-300:]!r}")
+        if took_over_at > ended:
+            problems.append(f"the new workers took over {took_over_at - hup[0]:.1f} s after the reload, after the "
+                            f"stream ended ({ended - hup[0]:.1f} s): nothing was in flight when the old workers retired")
         if any(code != "0" for code in exits):
-            raise StepFailed(f"the workers before the reload exited {exits}, not 0\n{tail(said)}")
-        missed = [outcome for _, outcome in outcomes if outcome != "whole"]
-        during = sum(hup[0] <= began < took_over[0] for began, _ in outcomes)
-        after = sum(began >= took_over[0] for began, _ in outcomes)
-        if missed or not during or not after:
-            kinds = {kind: missed.count(kind) for kind in dict.fromkeys(missed)}
-            raise StepFailed(f"of {len(outcomes)} clients arriving every {ARRIVAL_S * 1000:.0f} ms ({during} during "
-                             f"the reload, {after} after it), {len(missed)} were not answered whole: {kinds}"
-                             f"\n{tail(said)}")
-        print(f"    reloaded {took_over[0] - hup[0]:.1f} s after the SIGHUP, {ended - hup[0]:.1f} s into the stream; "
-              f"{len(outcomes)} clients answered whole ({during} during the reload)", flush=True)
-        mark = len(output.read_text(errors="replace"))
+            problems.append(f"the workers before the reload exited {exits}, not 0")
+        whole = sum(outcome == "whole" for _, outcome in outcomes)
+        during = sum(hup[0] <= began < took_over_at for began, _ in outcomes)
+        after = sum(began >= took_over_at for began, _ in outcomes)
+        if whole < len(outcomes) or not during or not after:
+            missed = "; ".join(f"{outcome} (began {began - took_over_at:+.2f} s from the take-over)"
+                               for began, outcome in outcomes if outcome != "whole")
+            problems.append(f"of {len(outcomes)} clients arriving every {ARRIVAL_S * 1000:.0f} ms ({during} during the "
+                            f"reload, {after} after it), {len(outcomes) - whole} were not answered whole: {missed}")
+        print(f"    reloaded {took_over_at - hup[0]:.1f} s after the SIGHUP, {ended - hup[0]:.1f} s into the stream; "
+              f"{whole} of {len(outcomes)} clients answered whole ({during} arrived during the reload)", flush=True)
+        curl_mark = len(output.read_text(errors="replace"))
         assert_openai_stream(run(CURL, self.clone, self.env, timeout=60).stdout.encode(), "curl after the reload")
         upstream = self.fake_https.split("://", 1)[1]
         try:
-            wait_for_line(output, rf"gpt-4o-mini 200 → {re.escape(upstream)}$", relay, 30, after=mark)
+            wait_for_line(output, rf"gpt-4o-mini 200 → {re.escape(upstream)}$", relay, 30, after=curl_mark)
         except StepFailed:
-            raise StepFailed(f"after the reload, 8001 does not forward to the upstream the edited mitm.conf names "
-                             f"({upstream}):\n{tail(output.read_text(errors='replace')[mark:])}") from None
-        expected = 1 + len(outcomes) + 1  # the stream, the clients, the curl
+            problems.append(f"after the reload, 8001 does not forward to the upstream the edited mitm.conf names "
+                            f"({upstream}):\n{tail(output.read_text(errors='replace')[curl_mark:])}")
+        expected = 1 + whole + 1  # the stream, the clients answered, the curl
         deadline = time.monotonic() + 30
         while len(finished := chat_records(log, before)) < expected and time.monotonic() < deadline:
             time.sleep(0.2)
         if len(finished) != expected:
-            raise StepFailed(f"{len(finished)} new records, not {expected} (the stream, {len(outcomes)} clients, "
-                             "the curl)")
+            problems.append(f"{len(finished)} new records, not {expected} (the stream, {whole} clients answered, "
+                            "the curl)")
         chunks = int(RELOAD_IN_FLIGHT["x-fake-chunks"])
         if not any(r.get("status") == 200 and not r.get("error") and r.get("chunks", 0) >= chunks for r in finished):
-            raise StepFailed(f"no whole record of the stream in flight: {[r.get('error') for r in finished]}")
+            problems.append(f"no whole record of the stream in flight: {[r.get('error') for r in finished]}")
+        if problems:
+            raise StepFailed("\n  ".join(problems) + f"\n  the relay's output from the reload on:\n{tail(said)}")
 
     def stop_again(self) -> None:
         assert self.relay is not None
