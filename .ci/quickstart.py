@@ -25,7 +25,14 @@ there, on the README's own ports (8080, 8001, 8002, 8081), under `flock /tmp/ttf
      followed the long probe's size; only `--long-tokens 2000` was ever run here);
   5. a stop (SIGTERM, as systemd and Docker stop it) while a 3 s stream runs over TLS through
      8080: the stream ends whole and is recorded; then `scripts/relay` again at once: it
-     starts and streams (a reload with a stream in flight goes after this), and stops;
+     starts and streams; then a reload as `systemctl reload` sends it (the unit's ExecReload,
+     `kill -HUP` to the relay) after an edit of mitm.conf (8001 to the https upstream), while
+     a 15 s stream runs over TLS through 8080 and a client arrives every 100 ms on a
+     connection of its own (CONNECT, TLS, a stream): the relay says the new workers took over
+     while the stream was in flight, the stream ends whole and is recorded, every client is
+     answered whole (none refused, none reset) and recorded, the old workers exit 0 once
+     their turns are done, and the README's curl through 8001 reaches the edited upstream;
+     then it stops;
   6. `.venv/bin/python -m ttft_relay web` (with `--set web_open_browser=false`: a headless
      machine): the URL it prints opens the UI (a real HTTP request with its token);
   7. `.venv/bin/mitmdump -s addons/relay.py --listen-host 127.0.0.1`: streams through its
@@ -87,6 +94,15 @@ FAKE_KEY = "sk-quickstart-not-a-real-key"
 FAKE_PREFILL_MS = 150
 IN_FLIGHT = {"x-fake-chunks": "30", "x-fake-gap-ms": "100"}
 """The stream a stop meets: 30 chunks 100 ms apart (3 s), the stop sent after its first one."""
+RELOAD_IN_FLIGHT = {"x-fake-chunks": "150", "x-fake-gap-ms": "100"}
+"""The stream a reload meets: 150 chunks 100 ms apart (15 s), the reload sent after its first
+one. A reload starts its new workers one at a time (4.5-7.7 s for 2 on 2 busy cores, clients
+arriving): a 3 s stream would end before the old workers retire, and nothing would be in
+flight when they do."""
+ARRIVAL_S = 0.1
+"""A new client, on a connection of its own, every 100 ms through a reload."""
+RELOADED = r"^\[ttft-relay\] reloaded: (\d+) workers ready; the (\d+) before them finish their turns in flight$"
+RETIRED = r"^\[ttft-relay\] worker \d+ \(before the reload\) finished its turns and exited \((-?\d+)\)$"
 HEALTHY_VERDICT = "upstream wait (prefill/queue)"
 """What a healthy request's console line leads with while the relay learns an upstream · model
 (ttft_relay/timing/phases.py UPSTREAM_WAIT): the fake's prefill, its own wait, is the wait;
@@ -255,11 +271,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match[str]:
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float, after: int = 0) -> re.Match[str]:
+    """The first line of `proc`'s output (from its `after`th character on) that matches `pattern`."""
     rx = re.compile(pattern, re.M)
     deadline = time.monotonic() + timeout
     while True:
-        if m := rx.search(path.read_text(errors="replace")):
+        if m := rx.search(path.read_text(errors="replace"), after):
             return m
         if proc.poll() is not None or time.monotonic() > deadline:
             raise StepFailed(f"no output line matches {pattern!r}")
@@ -294,6 +311,11 @@ def records(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
+def chat_records(log: Path, after: int) -> list[dict]:
+    """The records of the requests `CHAT` sends (a CONNECT has no model), from the `after`th on."""
+    return [r for r in records(log)[after:] if r.get("model") == CHAT["model"]]
+
+
 # --- HTTP -------------------------------------------------------------------------------
 
 
@@ -302,14 +324,8 @@ def post_stream(url: str, body: dict, headers: dict[str, str], proxy: str | None
     """POSTs `body`, returns the whole answer. An https `url` through `proxy` goes over CONNECT and
     TLS with the relay's certificate, trusted through `ca` (the client settings' HTTPS_PROXY row).
     `on_first_bytes()` runs once the first bytes of the answer are in (to stop the relay mid-stream)."""
-    scheme = url.split(":", 1)[0]
-    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({scheme: proxy} if proxy else {})]
-    if ca is not None:
-        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=str(ca))))
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", **headers})
     try:
-        with urllib.request.build_opener(*handlers).open(request, timeout=60) as resp:
+        with client_opener(url, proxy, ca).open(post_request(url, body, headers), timeout=60) as resp:
             if on_first_bytes is None:
                 return resp.read()
             first = resp.read1()
@@ -319,6 +335,37 @@ def post_stream(url: str, body: dict, headers: dict[str, str], proxy: str | None
         raise StepFailed(f"{url}: {e.code} {e.read()[:500]!r}") from None
     except OSError as e:
         raise StepFailed(f"{url}: {e}") from None
+
+
+def client_opener(url: str, proxy: str | None, ca: Path | None) -> urllib.request.OpenerDirector:
+    scheme = url.split(":", 1)[0]
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({scheme: proxy} if proxy else {})]
+    if ca is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=str(ca))))
+    return urllib.request.build_opener(*handlers)
+
+
+def post_request(url: str, body: dict, headers: dict[str, str]) -> urllib.request.Request:
+    return urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                  headers={"content-type": "application/json", **headers})
+
+
+def client_outcome(url: str, body: dict, headers: dict[str, str], proxy: str, ca: Path) -> str:
+    """What one client met, on a connection of its own: `whole` (a stream to its [DONE]), or
+    `refused`, `reset`, `cut: ...`, the HTTP status, or the error."""
+    try:
+        with client_opener(url, proxy, ca).open(post_request(url, body, headers), timeout=30) as resp:
+            answer = resp.read()
+    except urllib.error.HTTPError as e:
+        return f"{e.code} {e.read()[:200]!r}"
+    except (urllib.error.URLError, OSError) as e:
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        if isinstance(reason, ConnectionRefusedError):
+            return "refused"
+        if isinstance(reason, ConnectionResetError):  # http.client.RemoteDisconnected too
+            return "reset"
+        return repr(reason)
+    return "whole" if b"[DONE]" in answer else f"cut: ...{answer[-200:]!r}"
 
 
 CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -394,7 +441,9 @@ class QuickStart:
             ("a stop (SIGTERM) with a stream in flight over TLS through 8080: it ends whole and is recorded",
              self.stop_in_flight, False),
             (f"{RUN} again at once: it starts and streams", self.restart, False),
-            # the reload check (a stream in flight over TLS, systemctl reload) goes here
+            ("a reload (systemctl reload: the unit's ExecReload) of an edited mitm.conf with a stream in flight over "
+             "TLS through 8080 and a client arriving every 100 ms: none cut, none refused, the edit served",
+             self.reload_in_flight, False),
             ("and stops", self.stop_again, False),
             (f"{WEB}: the printed URL opens the UI", self.web, False),
             (f"{ADDONS}: streams and records", self.addons_entry, False),
@@ -533,8 +582,111 @@ class QuickStart:
         self.start_relay("relay-restarted", START_TIMEOUT)
         self.readme_curl()
 
-    # A reload with a stream in flight (systemctl reload: new workers on the same sockets) goes
-    # here, between the restart and the stop below, when the supervisor's reload lands.
+    def reload_in_flight(self) -> None:
+        """systemctl reload (the unit's ExecReload: SIGHUP to the main process) after an edit of
+        mitm.conf (8001 to the https upstream), while a stream runs over TLS through the proxy
+        listener and a client arrives every 100 ms on a connection of its own: the relay says the
+        new workers took over while the stream was in flight, the stream ends whole and is
+        recorded, every client is answered whole (none refused, none reset), the old workers exit
+        once their turns are done, and 8001 forwards where the edit says."""
+        assert self.relay is not None
+        relay, output = self.relay, self.relay.log_path  # type: ignore[attr-defined]
+        log = self.clone / "logs" / "timing.jsonl"
+        before = len(records(log))
+        mark = len(output.read_text(errors="replace"))
+        exec_reload = unit_setting(self.clone / "deploy" / "ttft-relay.service", "ExecReload")
+        conf = self.clone / "mitm.conf"
+        as_it_was = conf.read_text()
+        edited = as_it_was.replace(f"reverse:{self.fake_url}@8001", f"reverse:{self.fake_https}@8001")
+        if edited == as_it_was:
+            raise StepFailed(f"mitm.conf has no reverse:{self.fake_url}@8001 to edit")
+        proxied = (f"{self.fake_https}/v1/chat/completions", CHAT, {"authorization": f"Bearer {FAKE_KEY}"},
+                   "http://127.0.0.1:8080", self.relay_ca)
+        outcomes: list[tuple[float, str]] = []
+        took_over: list[float] = []
+        done = threading.Event()
+
+        def arrive() -> None:
+            while not done.is_set():
+                began = time.monotonic()
+                outcomes.append((began, client_outcome(*proxied)))
+                done.wait(max(0.0, ARRIVAL_S - (time.monotonic() - began)))
+
+        def watch() -> None:  # when the relay says the new workers took over
+            while not done.is_set() and not took_over:
+                if re.search(RELOADED, output.read_text(errors="replace")[mark:], re.M):
+                    took_over.append(time.monotonic())
+                done.wait(0.05)
+
+        hup: list[float] = []
+
+        def reload() -> None:
+            hup.append(time.monotonic())
+            run(exec_reload, self.clone, {**self.env, "MAINPID": str(relay.pid)}, timeout=30)
+
+        threads = [threading.Thread(target=arrive, daemon=True), threading.Thread(target=watch, daemon=True)]
+        conf.write_text(edited)
+        try:
+            for t in threads:
+                t.start()
+            url, body, headers, proxy, ca = proxied
+            streamed = post_stream(url, body, {**headers, **RELOAD_IN_FLIGHT}, proxy=proxy, ca=ca,
+                                   on_first_bytes=reload)
+            ended = time.monotonic()
+            reloaded = wait_for_line(output, RELOADED, relay, START_TIMEOUT, after=mark)
+            retiring = int(reloaded.group(2))
+            deadline = time.monotonic() + STOP_TIMEOUT
+            while len(exits := re.findall(RETIRED, output.read_text(errors="replace")[mark:], re.M)) < retiring:
+                if time.monotonic() > deadline:
+                    raise StepFailed(f"{len(exits)} of the {retiring} workers before the reload exited within "
+                                     f"{STOP_TIMEOUT} s of the stream's end")
+                time.sleep(0.1)
+        finally:
+            done.set()
+            for t in threads:
+                t.join(60)
+            conf.write_text(as_it_was)  # the steps below start from the README's mitm.conf
+        # Every check below is made, and what fails is said together: one run tells all.
+        took_over_at = took_over[0] if took_over else time.monotonic()  # seen after the stream, if not by then
+        said = output.read_text(errors="replace")[mark:]
+        problems = []
+        if b"[DONE]" not in streamed or b"shutting down" in streamed:
+            problems.append(f"the reload cut the stream in flight: ...{streamed[-300:]!r}")
+        if took_over_at > ended:
+            problems.append(f"the new workers took over {took_over_at - hup[0]:.1f} s after the reload, after the "
+                            f"stream ended ({ended - hup[0]:.1f} s): nothing was in flight when the old workers retired")
+        if any(code != "0" for code in exits):
+            problems.append(f"the workers before the reload exited {exits}, not 0")
+        whole = sum(outcome == "whole" for _, outcome in outcomes)
+        during = sum(hup[0] <= began < took_over_at for began, _ in outcomes)
+        after = sum(began >= took_over_at for began, _ in outcomes)
+        if whole < len(outcomes) or not during or not after:
+            missed = "; ".join(f"{outcome} (began {began - took_over_at:+.2f} s from the take-over)"
+                               for began, outcome in outcomes if outcome != "whole")
+            problems.append(f"of {len(outcomes)} clients arriving every {ARRIVAL_S * 1000:.0f} ms ({during} during the "
+                            f"reload, {after} after it), {len(outcomes) - whole} were not answered whole: {missed}")
+        print(f"    reloaded {took_over_at - hup[0]:.1f} s after the SIGHUP, {ended - hup[0]:.1f} s into the stream; "
+              f"{whole} of {len(outcomes)} clients answered whole ({during} arrived during the reload)", flush=True)
+        curl_mark = len(output.read_text(errors="replace"))
+        assert_openai_stream(run(CURL, self.clone, self.env, timeout=60).stdout.encode(), "curl after the reload")
+        upstream = self.fake_https.split("://", 1)[1]
+        try:
+            wait_for_line(output, rf"gpt-4o-mini 200 → {re.escape(upstream)}$", relay, 30, after=curl_mark)
+        except StepFailed:
+            problems.append(f"after the reload, 8001 does not forward to the upstream the edited mitm.conf names "
+                            f"({upstream}):\n{tail(output.read_text(errors='replace')[curl_mark:])}")
+        expected = 1 + whole + 1  # the stream, the clients answered, the curl
+        deadline = time.monotonic() + 30
+        while len(finished := chat_records(log, before)) < expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if len(finished) != expected:
+            problems.append(f"{len(finished)} new records, not {expected} (the stream, {whole} clients answered, "
+                            "the curl)")
+        chunks = int(RELOAD_IN_FLIGHT["x-fake-chunks"])
+        if not any(r.get("status") == 200 and not r.get("error") and r.get("chunks", 0) >= chunks for r in finished):
+            problems.append(f"no whole record of the stream in flight: {[r.get('error') for r in finished]}")
+        if problems:
+            raise StepFailed("\n  ".join(problems) + f"\n  the relay's output from the reload on:\n{tail(said)}")
 
     def stop_again(self) -> None:
         assert self.relay is not None
@@ -652,6 +804,14 @@ class QuickStart:
         if mounted.get(conf) != edited:
             raise StepFailed(f"the container reads {conf} from {mounted.get(conf)}, not {edited} (the file the "
                              "README has the user edit)")
+
+
+def unit_setting(unit: Path, name: str) -> str:
+    """A setting of the systemd unit (`ExecReload`: what `systemctl reload` runs, $MAINPID the relay)."""
+    for line in unit.read_text().splitlines():
+        if line.startswith(f"{name}="):
+            return line.split("=", 1)[1]
+    raise StepFailed(f"{unit} has no {name}")
 
 
 def docker_build_by_hand(dockerfile: Path, context: Path, image: Path) -> tuple[str, list[str]]:
