@@ -112,13 +112,17 @@ def test_open_connection_resolves_and_keeps_its_dial_in_the_task():
     live.listen(4)
     port = live.getsockname()[1]
     try:
+        nodelay: list[int] = []
+
         async def go() -> dial.Dial | None:
             reader, writer = await dial.open_connection("127.0.0.1", port)
+            nodelay.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             writer.close()
             return dial.last_dial.get()
 
         d = asyncio.run(go())
         assert d is not None and d.as_record() == {"address": f"127.0.0.1:{port}", "family": "ipv4", "failed": []}
+        assert nodelay == [1], "Nagle off, as on asyncio's own connections"
     finally:
         live.close()
 
