@@ -78,6 +78,19 @@ def codex_failure(run: CliRun) -> str | None:
     return next((e["error"]["message"] for _, e in run.events() if e.get("type") == "turn.failed"), None)
 
 
+def agent_loop(cli: str, clis: Clis, refusing: RefusingProxy, root: Path, fake: FakeUpstream, relay_url: str,
+               rounds: int) -> None:
+    """The real CLI (`claude` or `codex`) through the relay in a loop of `rounds` tool rounds of 40-line
+    files, on to its answer."""
+    if cli == "claude":
+        run = claude_loop(clis, refusing, root, fake, relay_url, rounds=rounds, lines=40)
+        assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
+    else:
+        sandbox = codex_sandbox(refusing, root, fake, relay_url, rounds=rounds, lines=40, model="gpt-test")
+        run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+        assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+
+
 def posts(fake: FakeUpstream) -> list[tuple[bytes, int]]:
     """Each model request the fake read (Claude Code also counts big tool results' tokens at
     /v1/messages/count_tokens), its body and the status it answered."""
@@ -192,15 +205,8 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
     budget = 40_000
     with FakeUpstream(behaviour=Behaviour()) as fake:
         relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
-        if cli == "claude":
-            api = shaped.ANTHROPIC
-            run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=80, lines=40)
-            assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
-        else:
-            api = shaped.RESPONSES
-            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=80, lines=40, model="gpt-test")
-            run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
-            assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        api = shaped.ANTHROPIC if cli == "claude" else shaped.RESPONSES
+        agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=80)
         sent = [orjson.loads(body) for body, status in posts(fake)]
     recs = records(relay)
     assert len(recs) == len(sent) == 81
@@ -225,13 +231,7 @@ def test_a_real_agent_loop_over_budget_is_still_trimmed(clis, refusing, start_re
     budget = OVER_BUDGET[cli]
     with FakeUpstream(behaviour=Behaviour()) as fake:
         relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
-        if cli == "claude":
-            run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=40, lines=40)
-            assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
-        else:
-            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=40, lines=40, model="gpt-test")
-            run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
-            assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+        agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=40)
         sent = [orjson.loads(body) for body, status in posts(fake)]
     recs = records(relay)
     assert len(recs) == len(sent) == 41
