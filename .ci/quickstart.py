@@ -311,9 +311,11 @@ def records(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-def chat_records(log: Path, after: int) -> list[dict]:
-    """The records of the requests `CHAT` sends (a CONNECT has no model), from the `after`th on."""
-    return [r for r in records(log)[after:] if r.get("model") == CHAT["model"]]
+def chat_records(log: Path, after: int, since: float) -> list[dict]:
+    """The records of the requests `CHAT` sends (a CONNECT has no model), from the `after`th on,
+    of requests made from `since` on (wall clock): a request of the step before may be recorded
+    a moment after it ended, as the relay's writer thread writes its batch."""
+    return [r for r in records(log)[after:] if r.get("model") == CHAT["model"] and r.get("ts", 0) >= since]
 
 
 # --- HTTP -------------------------------------------------------------------------------
@@ -593,6 +595,7 @@ class QuickStart:
         relay, output = self.relay, self.relay.log_path  # type: ignore[attr-defined]
         log = self.clone / "logs" / "timing.jsonl"
         before = len(records(log))
+        began_at = time.time()
         mark = len(output.read_text(errors="replace"))
         exec_reload = unit_setting(self.clone / "deploy" / "ttft-relay.service", "ExecReload")
         conf = self.clone / "mitm.conf"
@@ -677,7 +680,7 @@ class QuickStart:
                             f"({upstream}):\n{tail(output.read_text(errors='replace')[curl_mark:])}")
         expected = 1 + whole + 1  # the stream, the clients answered, the curl
         deadline = time.monotonic() + 30
-        while len(finished := chat_records(log, before)) < expected and time.monotonic() < deadline:
+        while len(finished := chat_records(log, before, began_at)) < expected and time.monotonic() < deadline:
             time.sleep(0.2)
         if len(finished) != expected:
             problems.append(f"{len(finished)} new records, not {expected} (the stream, {whole} clients answered, "
