@@ -556,7 +556,7 @@ def _arrive(port: int, outcomes: list, stop: threading.Event, *, tls: ssl.SSLCon
                     conn.close()
         except ConnectionRefusedError:
             outcomes.append("refused")
-        except OSError as e:  # reset, closed without an answer, timed out
+        except (OSError, http.client.HTTPException) as e:  # reset, closed without an answer, timed out
             outcomes.append(repr(e))
         if every_s:
             stop.wait(max(0.0, every_s - (time.monotonic() - began)))

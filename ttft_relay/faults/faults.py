@@ -442,6 +442,10 @@ SHUTDOWN_GRACE_S = 30
 minutes, and one cut is sent again (paid twice). deploy/ttft-relay.service gives the stop
 TimeoutStopSec=45: the grace, the cut flows' answers (CUT_WAIT_S) and exiting."""
 CUT_WAIT_S = 5.0
+FIRST_REQUEST_WAIT_S = 5.0
+"""How long a stop waits for the first request of a connection it accepted (a head still
+arriving, a TLS handshake): a client that connected sends it within a few round trips; one
+that has not by then is idle (a preconnect) and is closed with the rest."""
 POLL_S = 0.01
 """How long a stop waits for the flows it cut to be answered and recorded (they take
 milliseconds); what is left then is recorded by timing's `done` all the same."""
@@ -464,7 +468,10 @@ class Shutdown:
     First the listeners close (`listeners.let_go`): new connections are refused, the
     ones the kernel had queued are served. `relay_shutdown_grace` (default
     SHUTDOWN_GRACE_S, within the systemd unit's TimeoutStopSec) lets flows in flight
-    finish on their own; requests arriving meanwhile on open connections get the 503.
+    finish on their own; requests arriving meanwhile on open connections get the 503, and a
+    connection accepted just before the stop is waited for (FIRST_REQUEST_WAIT_S) until its
+    request has come and had its 503: a worker with nothing in flight that exited at once
+    would close it under a client sending its POST.
     Flows still uploading their request (nothing forwarded, nothing to end cleanly) are
     recorded by timing's `done` and cut.
 
@@ -510,15 +517,15 @@ class Shutdown:
         self.unasked.discard(client.id)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        self.unasked.discard(flow.client_conn.id)
         st = state.get(flow)
-        if st is None or flow.response is not None:
-            return
-        if self.stopping:
+        if st is not None and flow.response is None and self.stopping:
+            # Stays unasked until the 503 is written and the connection closed (client_disconnected).
             st.record_error(timing.SHUTDOWN_ERROR, phase="relay", status=SHUTDOWN_STATUS)
             answer_on_head.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
             return
-        self.in_flight.add(flow)
+        self.unasked.discard(flow.client_conn.id)
+        if st is not None and flow.response is None:
+            self.in_flight.add(flow)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if self.retiring and flow.response is not None and flow.request.http_version.startswith("HTTP/1"):
@@ -564,9 +571,14 @@ class Shutdown:
             pass
         if not self.retiring:
             await self._let_go(refuse=True)
-        if self.grace and (waiting := self._live()):
-            logger.info("stopping: waiting up to %d s for %d flow(s) in flight", self.grace, len(waiting))
-            await _until(lambda: not self._live(), self.grace)
+        if self.grace and ((waiting := self._live()) or self.unasked):
+            # A connection the relay accepted is answered (served before the stop, the 503
+            # after it), never closed under a client that is sending its request.
+            logger.info("stopping: waiting up to %d s for %d flow(s) in flight and %d connection(s) whose request "
+                        "has not come yet", self.grace, len(waiting), len(self.unasked))
+            unasked_until = time.monotonic() + FIRST_REQUEST_WAIT_S
+            await _until(lambda: not self._live() and (not self.unasked or time.monotonic() > unasked_until),
+                         self.grace)
         for flow in self._live():
             st = state.get(flow)
             if st is None or "forwarded" not in st.marks:
