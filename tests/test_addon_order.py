@@ -6,7 +6,7 @@ import pytest
 
 from ttft_relay import config, relay, scope
 from ttft_relay.faults import faults
-from ttft_relay.guard import guard, tls
+from ttft_relay.guard import keys, tls
 from ttft_relay.observe import attempts, traces, verdicts
 from ttft_relay.stream import streaming, websocket
 from ttft_relay.observe import ledger, selfwatch
@@ -16,7 +16,7 @@ from ttft_relay.trim import trim
 ORDER = [type(addon) for addon in relay.addons]
 
 BEFORE = [
-    (tls.ClientTLS, guard.Guard, "tls refuses plain HTTP before guard looks at a key"),
+    (tls.ClientTLS, keys.AccessKeys, "tls refuses plain HTTP before guard looks at a key"),
     *((scope.Scope, later, "scope attaches the per-flow state the others read")
       for later in (streaming.Streaming, trim.Trim, faults.Shutdown, faults.FailedConnects, faults.Deadlines,
                     selfwatch.SelfWatch, websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies,
@@ -26,7 +26,7 @@ BEFORE = [
     (websocket.WebSocketTurns, timing.Timing, "timing's done closes the log; the turns in flight are recorded"),
     (faults.FailedConnects, timing.Timing, "a failed connect's marks are on the flow when timing writes its record"),
     (faults.Deadlines, timing.Timing, "a deadline's status is recorded when timing writes the record"),
-    (guard.Guard, timing.Timing, "a refused key is the flow's error when timing writes the record"),
+    (keys.AccessKeys, timing.Timing, "a refused key is the flow's error when timing writes the record"),
     (streaming.Streaming, selfwatch.SelfWatch, "selfwatch hooks the stream tap"),
     (selfwatch.SelfWatch, timing.Timing, "timing reads what selfwatch learned"),
     (timing.Timing, ledger.Ledger, "the ledger opens beside the log timing configured, and closes after timing's done"),

@@ -123,7 +123,7 @@ def test_typed_events_are_recognised_before_chat_chunks():
 
 
 def test_the_places_of_api_keys_come_from_every_api():
-    # Where the guard looks for a relay key and swaps in the upstream's (guard.presented_credentials).
+    # Where the guard looks for a relay key and swaps in the upstream's (keys.presented_credentials).
     assert set(apis.KEY_HEADERS) == {"authorization", "x-api-key", "api-key", "x-goog-api-key"}
     assert apis.KEY_PARAMS == ("key",)  # Gemini's ?key=
     assert apis.get(apis.ANTHROPIC_MESSAGES).key_headers == ("x-api-key", "authorization")

@@ -17,7 +17,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from ttft_relay.faults import faults
-from ttft_relay.guard import guard, tls
+from ttft_relay.guard import exposure, keys, tls
 from deploy.grafana import dashboard
 from ttft_relay import config, launch, workers
 from ttft_relay.testing.harness import REPO
@@ -67,14 +67,14 @@ def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
 def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
     monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
     # every option name and value as mitmdump would read them
-    opts = config.started_options(launch.relay_args([]), [guard.Exposure(), guard.AccessKeys(), tls.ClientTLS(),
+    opts = config.started_options(launch.relay_args([]), [exposure.Exposure(), keys.AccessKeys(), tls.ClientTLS(),
                                                           *(addon() for addon in workers.SUPERVISOR_READS)])
     assert opts.deferred == {}  # every name an option these addons (or mitmproxy) declare, every value parsed
     assert opts.listen_host == "0.0.0.0" and opts.certs and opts.relay_access_keys
-    assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
+    assert exposure.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, bool(opts.relay_access_keys),
                                        opts.relay_client_tls, bool(opts.certs)) == []
     # The same file without its certificate would be refused: TLS is what makes it safe.
-    assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, True, opts.relay_client_tls,
+    assert exposure.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, True, opts.relay_client_tls,
                                        False)
 
 

@@ -20,7 +20,8 @@ GROUND = ("apis", "text", "flows", "chunked", "config", "listeners")
 
 ASKS_THE_REGISTRY = {
     "ttft_relay.scope",  # resolves each request's Api, once
-    "ttft_relay.guard.guard",  # a refusal's error format before scope ran; where keys travel
+    "ttft_relay.guard.refusals",  # a refusal's error format before scope ran
+    "ttft_relay.guard.keys",  # where keys travel
     "ttft_relay.stream.sseview",  # flows scope never saw (out of scope, loaded from a file)
     "ttft_relay.patches.speed.upstream_pool",  # where keys travel: connections are not shared across keys
     "ttft_relay.diagnose.diagnose", "ttft_relay.diagnose.probe", "ttft_relay.diagnose.probe_requests",

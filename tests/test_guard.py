@@ -22,7 +22,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
-from ttft_relay.guard import guard, tls
+from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, refusals, tls
 from ttft_relay.patches.fixes import upstream_copy
 from ttft_relay.workers import free_port
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
@@ -47,49 +47,49 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
     ("", False), ("0.0.0.0", False), ("::", False), ("192.168.1.5", False), ("relay.example", False),
 ])
 def test_is_loopback(host, loopback):
-    assert guard.is_loopback(host) is loopback
+    assert exposure.is_loopback(host) is loopback
 
 
 def test_loopback_listeners_need_no_protection():
     modes = ["regular@8080", "reverse:https://api.openai.com@8001", "regular@[::1]:8081"]
-    assert guard.unprotected_listeners(modes, "127.0.0.1", None, False) == []
+    assert exposure.unprotected_listeners(modes, "127.0.0.1", None, False) == []
     # A mode's own host wins over listen_host, in both directions.
-    assert guard.unprotected_listeners(["regular@127.0.0.1:8080"], "", None, False) == []
-    assert guard.unprotected_listeners(["regular@0.0.0.0:8080"], "127.0.0.1", None, False, certs=True) == [
+    assert exposure.unprotected_listeners(["regular@127.0.0.1:8080"], "", None, False) == []
+    assert exposure.unprotected_listeners(["regular@0.0.0.0:8080"], "127.0.0.1", None, False, certs=True) == [
         "regular@0.0.0.0:8080 on 0.0.0.0 (set proxyauth)"]
 
 
 def test_each_exposed_listener_names_its_protection():
     modes = ["regular@8080", "reverse:https://api.openai.com@8001", "transparent@8082", "local"]
-    assert guard.unprotected_listeners(modes, "", None, False, certs=True) == [
+    assert exposure.unprotected_listeners(modes, "", None, False, certs=True) == [
         "regular@8080 on all interfaces (set proxyauth)",
         "reverse:https://api.openai.com@8001 on all interfaces (set relay_access_keys)",
         "transparent@8082 on all interfaces (the relay cannot protect this kind of listener)",
     ]  # local mode has no network listener
-    assert guard.unprotected_listeners(modes[:2], "", "u:p", True, certs=True) == []
+    assert exposure.unprotected_listeners(modes[:2], "", "u:p", True, certs=True) == []
     # proxyauth does not stand in for access keys (it breaks Bearer keys), nor the reverse.
-    assert len(guard.unprotected_listeners(modes[:2], "", "u:p", False, certs=True)) == 1
-    assert len(guard.unprotected_listeners(modes[:2], "", None, True, certs=True)) == 1
+    assert len(exposure.unprotected_listeners(modes[:2], "", "u:p", False, certs=True)) == 1
+    assert len(exposure.unprotected_listeners(modes[:2], "", None, True, certs=True)) == 1
     # "any" accepts every password: no protection.
-    assert len(guard.unprotected_listeners(["socks5@1080"], "0.0.0.0", "any", False, "optional")) == 1
+    assert len(exposure.unprotected_listeners(["socks5@1080"], "0.0.0.0", "any", False, "optional")) == 1
 
 
 def test_off_loopback_authentication_needs_tls_too_unless_opted_out():
     modes = ["regular@8080", "reverse:https://api.openai.com@8001", "socks5@1080"]
-    assert guard.unprotected_listeners(modes, "0.0.0.0", "u:p", True) == [
+    assert exposure.unprotected_listeners(modes, "0.0.0.0", "u:p", True) == [
         "regular@8080 on 0.0.0.0 without TLS (set certs)",
         "reverse:https://api.openai.com@8001 on 0.0.0.0 without TLS (set certs)",
         "socks5@1080 on 0.0.0.0 without TLS (this kind cannot have it: set relay_client_tls=optional)",
     ]
-    assert guard.unprotected_listeners(modes[:2], "0.0.0.0", "u:p", True, "all", certs=True) == []
-    assert guard.unprotected_listeners(modes, "0.0.0.0", "u:p", True, "optional") == []
-    assert guard.unprotected_listeners(modes[1:2], "0.0.0.0", None, False) == [
+    assert exposure.unprotected_listeners(modes[:2], "0.0.0.0", "u:p", True, "all", certs=True) == []
+    assert exposure.unprotected_listeners(modes, "0.0.0.0", "u:p", True, "optional") == []
+    assert exposure.unprotected_listeners(modes[1:2], "0.0.0.0", None, False) == [
         "reverse:https://api.openai.com@8001 on 0.0.0.0 (set relay_access_keys) without TLS (set certs)"]
     # Loopback needs neither, whatever the policy.
-    assert guard.unprotected_listeners(modes, "127.0.0.1", None, False, "all") == []
-    assert guard.plain_http_listeners(modes, "0.0.0.0", "optional") == modes
-    assert guard.plain_http_listeners(modes, "0.0.0.0", "off-loopback") == []
-    assert guard.plain_http_listeners(["regular@127.0.0.1:8080"], "", "optional") == []
+    assert exposure.unprotected_listeners(modes, "127.0.0.1", None, False, "all") == []
+    assert exposure.plain_http_listeners(modes, "0.0.0.0", "optional") == modes
+    assert exposure.plain_http_listeners(modes, "0.0.0.0", "off-loopback") == []
+    assert exposure.plain_http_listeners(["regular@127.0.0.1:8080"], "", "optional") == []
 
 
 @pytest.mark.parametrize(("policy", "loopback", "required"), [
@@ -97,25 +97,29 @@ def test_off_loopback_authentication_needs_tls_too_unless_opted_out():
     ("optional", True, False), ("optional", False, False),
 ])
 def test_which_listeners_accept_only_tls(policy, loopback, required):
-    assert guard.requires_tls(policy, loopback) is required
+    assert exposure.requires_tls(policy, loopback) is required
 
 
 def test_web_ui_needs_a_password_off_loopback():
-    assert guard.web_ui_problem("127.0.0.1", "") is None
-    assert guard.web_ui_problem("0.0.0.0", "$argon2id$v=19$...") is None
-    assert "web_password" in guard.web_ui_problem("0.0.0.0", "")
-    assert "all interfaces" in guard.web_ui_problem("", "")
+    assert exposure.web_ui_problem("127.0.0.1", "") is None
+    assert exposure.web_ui_problem("0.0.0.0", "$argon2id$v=19$...") is None
+    assert "web_password" in exposure.web_ui_problem("0.0.0.0", "")
+    assert "all interfaces" in exposure.web_ui_problem("", "")
 
 
 # --- exposure (addon) ---------------------------------------------------------------
 
 
-def _guarded(tctx: taddons.context) -> guard.Guard:
-    g = guard.Guard()
-    # The relay reads proxyauth's option and relay_client_tls.
-    tctx.master.addons.add(proxyauth.ProxyAuth(), tls.ClientTLS(), g)
+def _guarded(tctx: taddons.context) -> list[object]:
+    """The guard's addons, as relay.py lists them, added to `tctx`."""
+    secrets = redaction.SecretRedaction()
+    guards = [redaction.LogRedaction(), exposure.Exposure(), limits.ClientLimits(), limits.WebSocketLimits(),
+              hygiene.FieldSyntax(), hygiene.OriginForm(), hygiene.RequestFraming(), keys.AccessKeys(), secrets,
+              redaction.WebOptions(secrets)]
     tctx.options.update(listen_host="127.0.0.1")  # taddons' default is every interface
-    return g
+    # The relay reads proxyauth's option and relay_client_tls.
+    tctx.master.addons.add(proxyauth.ProxyAuth(), tls.ClientTLS(), *guards)
+    return guards
 
 
 def test_exposure_rejects_an_open_listener_and_takes_the_override(caplog):
@@ -143,16 +147,16 @@ def test_exposure_warns_that_proxyauth_breaks_reverse_listeners(caplog):
 
 def test_parse_keys_takes_lines_commas_and_comments():
     text = "# team keys\nkey-one-0123456789abc  # alice\n\nkey-two-0123456789abc, key-three-0123456789ab\n"
-    assert guard.parse_keys(text) == ["key-one-0123456789abc", "key-two-0123456789abc", "key-three-0123456789ab"]
+    assert keys.parse_keys(text) == ["key-one-0123456789abc", "key-two-0123456789abc", "key-three-0123456789ab"]
 
 
 def test_key_sources_are_env_or_file_never_literals(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_KEYS_TEST", f"{RELAY_KEY} {OTHER_RELAY_KEY}")
     keys_file = tmp_path / "keys"
     keys_file.write_text("relay-key-from-file-0123\n")
-    assert guard.load_access_keys(["env:RELAY_KEYS_TEST", f"file:{keys_file}"]) == [
+    assert keys.load_access_keys(["env:RELAY_KEYS_TEST", f"file:{keys_file}"]) == [
         RELAY_KEY, OTHER_RELAY_KEY, "relay-key-from-file-0123"]
-    assert guard.load_access_keys([]) == []
+    assert keys.load_access_keys([]) == []
     monkeypatch.setenv("RELAY_KEYS_SHORT", "short")
     monkeypatch.setenv("RELAY_KEYS_EMPTY", " # none yet")
     for sources, message in [
@@ -163,20 +167,20 @@ def test_key_sources_are_env_or_file_never_literals(tmp_path, monkeypatch):
         ([RELAY_KEY], "env:NAME or file:PATH"),
     ]:
         with pytest.raises(exceptions.OptionsError, match=message) as e:
-            guard.load_access_keys(sources)
+            keys.load_access_keys(sources)
         assert RELAY_KEY not in str(e.value)  # a pasted key is never echoed
 
 
 def test_upstream_keys_are_required_for_each_reverse_host(monkeypatch):
     monkeypatch.setenv("UPSTREAM_KEY_TEST", f" {UPSTREAM_KEY}\n")
-    hosts = guard.reverse_upstream_hosts(
+    hosts = keys.reverse_upstream_hosts(
         ["regular@8080", "reverse:https://API.openai.com@8001", "reverse:tcp://db.internal:5432@9000"])
     assert hosts == {"api.openai.com"}  # raw TCP reverse listeners carry no API keys
-    assert guard.load_upstream_keys(hosts, ["api.openai.com=env:UPSTREAM_KEY_TEST"]) == {"api.openai.com": UPSTREAM_KEY}
+    assert keys.load_upstream_keys(hosts, ["api.openai.com=env:UPSTREAM_KEY_TEST"]) == {"api.openai.com": UPSTREAM_KEY}
     with pytest.raises(exceptions.OptionsError, match="no key for api.openai.com"):
-        guard.load_upstream_keys(hosts, ["api.anthropic.com=env:UPSTREAM_KEY_TEST"])
+        keys.load_upstream_keys(hosts, ["api.anthropic.com=env:UPSTREAM_KEY_TEST"])
     with pytest.raises(exceptions.OptionsError, match="HOST=env:NAME"):
-        guard.load_upstream_keys(hosts, [UPSTREAM_KEY])
+        keys.load_upstream_keys(hosts, [UPSTREAM_KEY])
 
 
 def _request(headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"):
@@ -189,28 +193,28 @@ def _request(headers: dict[str, str] | None = None, path: str = "/v1/chat/comple
 def test_presented_credentials_in_every_slot():
     req = _request({"Authorization": f"Bearer {RELAY_KEY}", "x-api-key": "a", "api-key": "b",
                     "x-goog-api-key": "c"}, path="/v1beta/models/g:generateContent?alt=sse&key=d")
-    assert guard.presented_credentials(req) == {
+    assert keys.presented_credentials(req) == {
         "authorization": RELAY_KEY, "x-api-key": "a", "api-key": "b", "x-goog-api-key": "c", "?key": "d"}
     # Other auth schemes count whole, so they never match a relay key.
-    assert guard.presented_credentials(_request({"authorization": "Basic dXNlcjpwYXNz"})) == {
+    assert keys.presented_credentials(_request({"authorization": "Basic dXNlcjpwYXNz"})) == {
         "authorization": "Basic dXNlcjpwYXNz"}
-    assert guard.presented_credentials(_request()) == {}
+    assert keys.presented_credentials(_request()) == {}
 
 
 def test_rejection_needs_every_credential_to_be_a_relay_key():
-    digests = [guard.key_digest(RELAY_KEY), guard.key_digest(OTHER_RELAY_KEY)]
-    assert guard.rejection({"authorization": OTHER_RELAY_KEY}, digests) is None
-    assert guard.rejection({"authorization": RELAY_KEY, "x-api-key": RELAY_KEY}, digests) is None
-    assert "missing" in guard.rejection({}, digests)
-    assert "not accepted" in guard.rejection({"x-api-key": RELAY_KEY[:-1]}, digests)
-    assert "not accepted" in guard.rejection({"authorization": RELAY_KEY, "x-api-key": FAKE_OPENAI_KEY}, digests)
-    assert "not accepted" in guard.rejection({"x-api-key": "ключ\udcff\ud800"}, digests)  # any characters
+    digests = [keys.key_digest(RELAY_KEY), keys.key_digest(OTHER_RELAY_KEY)]
+    assert keys.rejection({"authorization": OTHER_RELAY_KEY}, digests) is None
+    assert keys.rejection({"authorization": RELAY_KEY, "x-api-key": RELAY_KEY}, digests) is None
+    assert "missing" in keys.rejection({}, digests)
+    assert "not accepted" in keys.rejection({"x-api-key": RELAY_KEY[:-1]}, digests)
+    assert "not accepted" in keys.rejection({"authorization": RELAY_KEY, "x-api-key": FAKE_OPENAI_KEY}, digests)
+    assert "not accepted" in keys.rejection({"x-api-key": "ключ\udcff\ud800"}, digests)  # any characters
 
 
 def test_swap_puts_the_upstream_key_where_the_relay_key_was():
     req = _request({"authorization": f"Bearer {RELAY_KEY}", "x-api-key": RELAY_KEY, "anthropic-version": "1"},
                    path="/v1beta/models/g:streamGenerateContent?alt=sse&key=" + RELAY_KEY)
-    guard.swap_credentials(req, guard.presented_credentials(req), UPSTREAM_KEY)
+    keys.swap_credentials(req, keys.presented_credentials(req), UPSTREAM_KEY)
     assert req.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert req.headers["x-api-key"] == UPSTREAM_KEY
     assert req.query["key"] == UPSTREAM_KEY and req.query["alt"] == "sse"
@@ -227,20 +231,20 @@ def test_swap_puts_the_upstream_key_where_the_relay_key_was():
     ({}, "/anything", apis.OPENAI_CHAT),
 ])
 def test_api_shape_for_errors(headers, path, api):
-    assert guard.api_shape(_request(headers, path)).name == api
+    assert refusals.api_shape(_request(headers, path)).name == api
 
 
 def test_refusals_in_each_api_format():
-    openai_body = json.loads(guard.refusal(apis.get(apis.OPENAI_CHAT), 401, "m").content)
+    openai_body = json.loads(refusals.refusal(apis.get(apis.OPENAI_CHAT), 401, "m").content)
     assert openai_body == {"error": {"message": "m", "type": "invalid_request_error", "param": None,
                                      "code": "invalid_api_key"}}
-    anthropic_resp = guard.refusal(apis.get(apis.ANTHROPIC_MESSAGES), 401, "m")
+    anthropic_resp = refusals.refusal(apis.get(apis.ANTHROPIC_MESSAGES), 401, "m")
     assert json.loads(anthropic_resp.content) == {"type": "error", "error": {"type": "authentication_error", "message": "m"}}
     assert anthropic_resp.headers["content-type"] == "application/json"
     assert anthropic_resp.headers["www-authenticate"].startswith("Bearer")
-    gemini_body = json.loads(guard.refusal(apis.get(apis.GEMINI), 401, "m").content)
+    gemini_body = json.loads(refusals.refusal(apis.get(apis.GEMINI), 401, "m").content)
     assert gemini_body == {"error": {"code": 401, "message": "m", "status": "UNAUTHENTICATED"}}
-    assert json.loads(guard.refusal(apis.get(apis.OPENAI_CHAT), 502, "m").content)["error"]["type"] == "server_error"
+    assert json.loads(refusals.refusal(apis.get(apis.OPENAI_CHAT), 502, "m").content)["error"]["type"] == "server_error"
 
 
 # --- access keys (addon) ---------------------------------------------------------------
@@ -257,8 +261,7 @@ def test_access_keys_hooks(monkeypatch):
     monkeypatch.setenv("RELAY_KEYS_TEST", RELAY_KEY)
     monkeypatch.setenv("OPENAI_API_KEY", UPSTREAM_KEY)
     with taddons.context() as tctx:
-        g = _guarded(tctx)
-        access = next(a for a in g.addons if isinstance(a, guard.AccessKeys))
+        access = next(a for a in _guarded(tctx) if isinstance(a, keys.AccessKeys))
         tctx.options.update(mode=["reverse:https://api.openai.com@8001"], relay_access_keys=["env:RELAY_KEYS_TEST"])
 
         ok = _reverse_flow({"authorization": f"Bearer {RELAY_KEY}"})
@@ -303,7 +306,7 @@ def test_redact_flow_replaces_every_credential():
         "content-type": "application/json"}, path=f"/v1beta/models/g:generateContent?key={FAKE_GEMINI_KEY}&alt=sse")
     f.request.headers.add("cookie", "second=FAKEKEY")
     f.metadata["proxyauth"] = ("user", FAKE_PROXY_PASSWORD)
-    guard.redact_flow(f)
+    redaction.redact_flow(f)
     h = f.request.headers
     assert h["authorization"] == "Bearer REDACTED" and h["proxy-authorization"] == "Basic REDACTED"
     assert h["x-api-key"] == h["api-key"] == h["x-goog-api-key"] == "REDACTED"
@@ -316,16 +319,16 @@ def test_redact_flow_replaces_every_credential():
 
 def test_redaction_waits_for_the_request_to_leave_and_covers_flows_in_flight():
     with taddons.context() as tctx:
-        redaction = next(a for a in _guarded(tctx).addons if isinstance(a, guard.SecretRedaction))
+        secrets = next(a for a in _guarded(tctx) if isinstance(a, redaction.SecretRedaction))
         done, in_flight = tflow.tflow(resp=True), tflow.tflow()
         for f in (done, in_flight):
             f.request.headers["authorization"] = f"Bearer {FAKE_OPENAI_KEY}"
-            redaction.requestheaders(f)
+            secrets.requestheaders(f)
         assert done.request.headers["authorization"] == f"Bearer {FAKE_OPENAI_KEY}"  # still to be sent
-        redaction.response(done)
+        secrets.response(done)
         assert done.request.headers["authorization"] == "Bearer REDACTED"
         assert in_flight.request.headers["authorization"] == f"Bearer {FAKE_OPENAI_KEY}"
-        redaction.done()  # shutdown: the flow saver writes flows still in flight
+        secrets.done()  # shutdown: the flow saver writes flows still in flight
         assert in_flight.request.headers["authorization"] == "Bearer REDACTED"
 
 

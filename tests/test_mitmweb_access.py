@@ -15,7 +15,7 @@ import urllib.request
 import orjson
 import pytest
 
-from ttft_relay.guard import guard
+from ttft_relay.guard import redaction
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes.client import WebSocketClient
@@ -32,30 +32,30 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 
 def test_mitmwebs_own_lines_keep_its_access_url_and_nothing_else():
     line = f"Web server listening at http://127.0.0.1:8081/?token={TOKEN}"
-    assert guard.web_log_text(line) == line
-    assert guard.web_log_text(f"No web browser found. Please open a browser and point it to http://[::1]:8081/?token={TOKEN}") \
+    assert redaction.web_log_text(line) == line
+    assert redaction.web_log_text(f"No web browser found. Please open a browser and point it to http://[::1]:8081/?token={TOKEN}") \
         .endswith(f"/?token={TOKEN}")
     # Only its own URL: other credentials in its lines are redacted, and so is the same URL
     # in any other logger's line (a client's request with ?token= is not mitmweb's).
-    assert guard.web_log_text("x?token=abc&key=sk-1 Authorization: Bearer sk-2") == \
+    assert redaction.web_log_text("x?token=abc&key=sk-1 Authorization: Bearer sk-2") == \
         "x?token=REDACTED&key=REDACTED Authorization: Bearer REDACTED"
-    assert guard.web_log_text(f"http://127.0.0.1:8081/?token={TOKEN}x") == "http://127.0.0.1:8081/?token=REDACTED"
-    assert guard.safe_log_text(line).endswith("?token=REDACTED")
+    assert redaction.web_log_text(f"http://127.0.0.1:8081/?token={TOKEN}x") == "http://127.0.0.1:8081/?token=REDACTED"
+    assert redaction.safe_log_text(line).endswith("?token=REDACTED")
 
 
 def test_log_redaction_leaves_the_url_to_mitmwebs_loggers_only():
-    redaction = guard.LogRedaction()
-    redaction.load(None)
+    log_redaction = redaction.LogRedaction()
+    log_redaction.load(None)
     try:
         import logging
 
         line = f"Web server listening at http://127.0.0.1:8081/?token={TOKEN}"
-        for name in guard.MITMWEB_LOGGERS:
+        for name in redaction.MITMWEB_LOGGERS:
             assert logging.getLogger(name).makeRecord(name, 20, "f", 1, line, None, None).getMessage() == line
         other = logging.getLogger("mitmproxy.proxy.server").makeRecord("x", 20, "f", 1, line, None, None)
         assert other.getMessage().endswith("?token=REDACTED")
     finally:
-        redaction.done()
+        log_redaction.done()
 
 
 @pytest.mark.parametrize("name, value, shown", [
@@ -75,7 +75,7 @@ def test_log_redaction_leaves_the_url_to_mitmwebs_loggers_only():
     ("listen_port", 8080, 8080),
 ])
 def test_the_option_editor_shows_no_password(name, value, shown):
-    assert guard.shown_option_value(name, value) == shown
+    assert redaction.shown_option_value(name, value) == shown
 
 
 def _mitmweb(fake, confdir, tmp_path, **options) -> MitmdumpProcess:

@@ -22,7 +22,7 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import capacity, dial, patches, scope
 from ttft_relay.faults import faults
-from ttft_relay.guard import guard, tls
+from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
 from ttft_relay.stream import streaming
 from ttft_relay.trim import trim
@@ -48,8 +48,11 @@ def _pins_found_again(monkeypatch) -> Iterator[None]:
 def patch_owners() -> list[object]:
     """Every addon of relay.py's list that installs a patch, in that list's order (after the
     mitmproxy addons whose options they read)."""
-    shutdown = faults.Shutdown()
-    return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown), *capacity.addons(), tls.ClientTLS(), guard.Guard(),
+    shutdown, secrets = faults.Shutdown(), redaction.SecretRedaction()
+    return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown), *capacity.addons(), tls.ClientTLS(),
+            redaction.LogRedaction(), exposure.Exposure(), limits.ClientLimits(), limits.WebSocketLimits(),
+            hygiene.FieldSyntax(), hygiene.OriginForm(), hygiene.RequestFraming(), keys.AccessKeys(), secrets,
+            redaction.WebOptions(secrets),
             scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(), faults.ErrorReplies()]
 
 
@@ -71,8 +74,10 @@ def lifecycle(*, while_running: Callable[[taddons.context], None] | None = None,
     seen = Seen()
 
     async def run() -> None:
-        with taddons.context(*patch_owners()) as tctx:
-            tctx.options.update(mode=[REVERSE], listen_host="127.0.0.1",
+        with taddons.context() as tctx:
+            tctx.options.update(listen_host="127.0.0.1")  # taddons' default is every interface: an open proxy
+            tctx.master.addons.add(*patch_owners())
+            tctx.options.update(mode=[REVERSE],
                                 relay_access_keys=["env:TTFT_TEST_RELAY_KEYS"],
                                 relay_upstream_keys=["127.0.0.1=env:TTFT_TEST_UPSTREAM_KEY"],
                                 relay_upstream_pool=True, relay_upstream_pool_warm=0, **options)

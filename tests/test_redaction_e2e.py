@@ -12,7 +12,7 @@ from mitmproxy import io
 from mitmproxy.test import tflow
 
 from ttft_relay import text
-from ttft_relay.guard import guard
+from ttft_relay.guard import redaction
 
 from ttft_relay.workers import free_port
 from tests.conftest import reverse_to
@@ -73,7 +73,7 @@ def test_redact_flow_covers_every_spelling():
     f.request.path = f"/v1/x?KEY={SECRET}&Api_Key={SECRET}&access_token={SECRET}&alt=sse"
     for name in ("openai-api-key", "anthropic-api-key", "X-Auth-Token", "x-goog-api-key"):
         f.request.headers[name] = SECRET
-    guard.redact_flow(f)
+    redaction.redact_flow(f)
     assert SECRET not in repr(f.get_state())
     assert f.request.query["alt"] == "sse"
 

@@ -62,7 +62,7 @@ if _REPO_ROOT not in sys.path:
 
 from ttft_relay import capacity, config, dial, patches, reload, scope
 from ttft_relay.faults import faults
-from ttft_relay.guard import guard, tls
+from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
 from ttft_relay.stream import sseview, streaming, websocket
 from ttft_relay.timing import timing
@@ -78,12 +78,22 @@ attempt_groups = attempts.AttemptGroups()
 # Timing shows each record to these before it judges it (`timing.Observer`).
 timings = timing.Timing(observers=(first_tokens, attempt_groups))
 shutdown = faults.Shutdown()
+secret_redaction = redaction.SecretRedaction()
 addons = [
     patches.Check(),
     faults.StopFirst(shutdown),
     *capacity.addons(),
     tls.ClientTLS(),
-    guard.Guard(),
+    redaction.LogRedaction(),
+    exposure.Exposure(),
+    limits.ClientLimits(),
+    limits.WebSocketLimits(),
+    hygiene.FieldSyntax(),
+    hygiene.OriginForm(),
+    hygiene.RequestFraming(),
+    keys.AccessKeys(),
+    secret_redaction,
+    redaction.WebOptions(secret_redaction),
     reload.Reload(),
     scope.Scope(),
     streaming.Streaming(),

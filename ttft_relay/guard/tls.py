@@ -23,7 +23,7 @@ is looked at:
                                                ends in front of the relay (a load
                                                balancer), the explicit opt-out
 
-The open-proxy guard (`guard.unprotected_listeners`) counts a listener off loopback
+The open-proxy guard (`exposure.unprotected_listeners`) counts a listener off loopback
 as protected only with its authentication *and* TLS with a certificate from
 `certs`, unless `relay_client_tls` is optional.
 """
@@ -41,7 +41,8 @@ from cryptography.hazmat.primitives import serialization
 from mitmproxy import ctx, exceptions, http
 
 from .. import state
-from .guard import CLIENT_TLS_ALL, CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_OPTIONAL, TLS_CAPABLE, api_shape, is_loopback, refusal, requires_tls
+from .exposure import CLIENT_TLS_ALL, CLIENT_TLS_OFF_LOOPBACK, CLIENT_TLS_OPTIONAL, TLS_CAPABLE, is_loopback, requires_tls
+from .refusals import api_shape, refusal
 
 logger = logging.getLogger(__name__)
 

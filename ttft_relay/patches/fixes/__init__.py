@@ -9,18 +9,18 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   mitmproxy's HTML page or a bare close; error texts cut to a bound (`faults.ErrorReplies`).
 - `eager_connects`: a reverse proxy's failed eager connect is answered, not a bare close
   (with `error_replies`); no upstream connection before a relay key is checked
-  (`guard.AccessKeys`; the upstream pool defers them too).
+  (`keys.AccessKeys`; the upstream pool defers them too).
 - `answer_on_head`: a request refused on its head is answered without reading its body
-  (`guard.AccessKeys`, `guard.FieldSyntax`, `faults.Shutdown`).
-- `head_limit`: an HTTP/1 request head that never ends gets a 431 (`guard.ClientLimits`).
+  (`keys.AccessKeys`, `hygiene.FieldSyntax`, `faults.Shutdown`).
+- `head_limit`: an HTTP/1 request head that never ends gets a 431 (`limits.ClientLimits`).
 - `upstream_copy`: the upstream key goes out in a copy of the request, never into the flow
-  (`guard.AccessKeys`, `pool.UpstreamPool`).
+  (`keys.AccessKeys`, `pool.UpstreamPool`).
 - `trailers`: HTTP/1 trailers, endless chunk lines and malformed chunked bodies end their
   flow with an answer instead of a crash or unbounded memory (`faults.ErrorReplies`).
 - `interim_answers`: an upstream's 1xx interim head is dropped before its real answer,
   which it would otherwise replace (`stream.Streaming`).
 - `client_resets`: an HTTP/2 client's stream reset always reaches its flow, and a client
-  resetting streams in a loop gets GOAWAY (rapid reset) (`guard.ClientLimits`).
+  resetting streams in a loop gets GOAWAY (rapid reset) (`limits.ClientLimits`).
 - `stream_resets`: a deadline resets its flow's HTTP/2 upstream stream, not the connection
   its siblings share (`faults.Deadlines`; WITHOUT: the connection is closed).
 - `resend`: an answer held for a look before the client gets any of it, and the request
@@ -28,9 +28,9 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   provider's word; WITHOUT: the refusal reaches the client).
 - `web_options`: mitmweb's option dumps show the secrets of `proxyauth`, `upstream_auth`
   and `web_password` redacted, and its views of a flow in flight (the list, its live
-  updates, the dump, the exports) the flow's credentials redacted (`guard.WebOptions`).
+  updates, the dump, the exports) the flow's credentials redacted (`redaction.WebOptions`).
 - `websocket_limits`: a WebSocket message's inflated size, its fragments and the control
-  frames around it bounded as wsproto reads them (`guard.WebSocketLimits`).
+  frames around it bounded as wsproto reads them (`limits.WebSocketLimits`).
 - `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
   sockets its supervisor bound (installed by `workers.worker_main` before mitmproxy starts,
   removed by `capacity.WorkerListeners`; the supervisor checks its pins before it starts

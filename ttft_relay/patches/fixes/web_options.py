@@ -6,11 +6,11 @@ change, an `options/update` message on its WebSocket, both made by `optmanager.d
 password), `upstream_auth` (`user:password`) and `web_password` (plain text or an argon2
 hash) in the clear. No hook reaches these handlers, and the master binds its option
 signal at start, before the relay loads: the wrap of `dump_dicts` passes each dumped
-value through `install`'s function (`guard.WebOptions`). The options themselves keep their
+value through `install`'s function (`redaction.WebOptions`). The options themselves keep their
 values.
 
 Flows: the relay redacts a flow's credentials once its request has gone upstream
-(`guard.SecretRedaction`); until then the flow must hold them, as mitmproxy sends the request
+(`redaction.SecretRedaction`); until then the flow must hold them, as mitmproxy sends the request
 as the flow has it. mitmweb shows a flow from its head on: `app.flow_to_json` makes the flow
 list (`GET /flows`) and every `flows/add` / `flows/update` message of its WebSocket,
 `GET /flows/dump` writes the flows with `io.FlowWriter`, and its Export menu (the `export`

@@ -18,7 +18,7 @@ says so. With the addon that installs each (in `configure`/`running`, removed in
 - `upstream_tls_warmup`: the upstream TLS context built at start, not in the first
   handshake (no patch; `capacity.WarmStart`).
 - `early_connects`: a request's upstream connect starts once its head is accepted, while
-  its body uploads (`guard.AccessKeys`, `pool.UpstreamPool`).
+  its body uploads (`keys.AccessKeys`, `pool.UpstreamPool`).
 - `upstream_pool`: a reverse listener's upstream connections outlive their client
   connection and are adopted by later ones, TLS included (`pool.UpstreamPool`, itself off
   by default).
