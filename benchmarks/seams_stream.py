@@ -15,9 +15,20 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)  # as ttft_relay/relay.
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, patches
+from ttft_relay import capacity, patches, pool
 from ttft_relay.stream import streaming
 
 # Without the relay's scope no flow has its state: Streaming streams every stream and
 # watches none (a plain `stream = True`), exactly as for an API the relay does not know.
-addons = [patches.Check(), *capacity.addons(), streaming.Streaming()]
+addons = [
+    patches.Check(),
+    # relay.py's capacity addons, in its order
+    capacity.ListenBacklog(),
+    capacity.WorkerListeners(),
+    capacity.HookPlans(),
+    capacity.MessageChecks(),
+    capacity.ConnectionLog(),
+    capacity.WarmStart(),
+    pool.UpstreamPool(),
+    streaming.Streaming(),
+]

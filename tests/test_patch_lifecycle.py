@@ -20,7 +20,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import capacity, dial, patches, scope
+from ttft_relay import capacity, dial, patches, pool, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
@@ -49,7 +49,9 @@ def patch_owners() -> list[object]:
     """Every addon of relay.py's list that installs a patch, in that list's order (after the
     mitmproxy addons whose options they read)."""
     shutdown, secrets = faults.Shutdown(), redaction.SecretRedaction()
-    return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown), *capacity.addons(), tls.ClientTLS(),
+    return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown),
+            capacity.ListenBacklog(), capacity.WorkerListeners(), capacity.HookPlans(), capacity.MessageChecks(),
+            capacity.ConnectionLog(), capacity.WarmStart(), pool.UpstreamPool(), tls.ClientTLS(),
             redaction.LogRedaction(), exposure.Exposure(), limits.ClientLimits(), limits.WebSocketLimits(),
             hygiene.FieldSyntax(), hygiene.OriginForm(), hygiene.RequestFraming(), keys.AccessKeys(), secrets,
             redaction.WebOptions(secrets),

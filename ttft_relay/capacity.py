@@ -48,7 +48,6 @@ from typing import Any
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from . import pool
 from .patches import pins
 from .patches.fixes import ca_at_start, inherited_listeners
 from .patches.speed import ca_once, hook_plans, listen_backlog, message_checks, upstream_tls_warmup
@@ -242,9 +241,3 @@ class MessageChecks:
     def done(self) -> None:
         message_checks.install_message_checks(False)
 
-
-def addons() -> list[Any]:
-    """The capacity addons, first in the relay's chain (relay.py); benchmarks/seams_stream.py
-    loads the same, to measure mitmproxy with the relay's seams and none of its work."""
-    return [ListenBacklog(), WorkerListeners(), HookPlans(), MessageChecks(), ConnectionLog(), WarmStart(),
-            pool.UpstreamPool()]

@@ -60,7 +60,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, config, dial, patches, reload, scope
+from ttft_relay import capacity, config, dial, patches, pool, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
@@ -82,7 +82,13 @@ secret_redaction = redaction.SecretRedaction()
 addons = [
     patches.Check(),
     faults.StopFirst(shutdown),
-    *capacity.addons(),
+    capacity.ListenBacklog(),
+    capacity.WorkerListeners(),
+    capacity.HookPlans(),
+    capacity.MessageChecks(),
+    capacity.ConnectionLog(),
+    capacity.WarmStart(),
+    pool.UpstreamPool(),
     tls.ClientTLS(),
     redaction.LogRedaction(),
     exposure.Exposure(),
