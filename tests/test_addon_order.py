@@ -1,45 +1,70 @@
-"""relay.py's addon order, as its docstring states it, checked on the real list the relay loads."""
+"""relay.py's addon order: each rule its docstring states, read from there and checked on the real
+list the relay loads (`relay.addons`), so that the rules and the list cannot drift apart."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from ttft_relay import config, relay, scope
-from ttft_relay.faults import faults
-from ttft_relay.guard import keys, tls
-from ttft_relay.observe import attempts, traces, verdicts
-from ttft_relay.stream import streaming, websocket
-from ttft_relay.observe import ledger, selfwatch
-from ttft_relay.timing import timing
-from ttft_relay.trim import trim
+from ttft_relay import relay
 
 ORDER = [type(addon) for addon in relay.addons]
 
-BEFORE = [
-    (tls.ClientTLS, keys.AccessKeys, "tls refuses plain HTTP before guard looks at a key"),
-    *((scope.Scope, later, "scope attaches the per-flow state the others read")
-      for later in (streaming.Streaming, trim.Trim, faults.Shutdown, faults.FailedConnects, faults.Deadlines,
-                    selfwatch.SelfWatch, websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies,
-                    traces.Traces)),
-    (trim.Trim, timing.Timing, "timing's request hook marks the moment the request leaves"),
-    (faults.Shutdown, timing.Timing, "timing's done closes the log; Shutdown records what is in flight"),
-    (websocket.WebSocketTurns, timing.Timing, "timing's done closes the log; the turns in flight are recorded"),
-    (faults.FailedConnects, timing.Timing, "a failed connect's marks are on the flow when timing writes its record"),
-    (faults.Deadlines, timing.Timing, "a deadline's status is recorded when timing writes the record"),
-    (keys.AccessKeys, timing.Timing, "a refused key is the flow's error when timing writes the record"),
-    (streaming.Streaming, selfwatch.SelfWatch, "selfwatch hooks the stream tap"),
-    (selfwatch.SelfWatch, timing.Timing, "timing reads what selfwatch learned"),
-    (timing.Timing, ledger.Ledger, "the ledger opens beside the log timing configured, and closes after timing's done"),
-    *((timing.Timing, observer, "it reads timing's log option; its done comes after timing's last records")
-      for observer in (verdicts.Verdicts, attempts.AttemptGroups)),
-]
+RULE = re.compile(r"(?P<left>.+?) (?P<relation>first|last|right after|before)(?: (?P<right>.+?))?: (?P<why>.+)")
 
 
-@pytest.mark.parametrize("first, then, why", BEFORE, ids=[f"{a.__name__}<{b.__name__}" for a, b, _ in BEFORE])
-def test_each_addon_comes_before_those_that_need_it(first, then, why):
-    assert ORDER.index(first) < ORDER.index(then), why
+def rules(doc: str) -> list[tuple[str, str, str, str]]:
+    """(addons, relation, other addons, why) for each rule of the docstring: a line indented by four
+    spaces starts one, lines indented further go on with it."""
+    found: list[str] = []
+    for line in doc.splitlines():
+        if line.startswith("        ") and found:
+            found[-1] += " " + line.strip()
+        elif line.startswith("    ") and line.strip():
+            found.append(line.strip())
+    parsed = []
+    for text in found:
+        match = RULE.fullmatch(text)
+        assert match, f"relay.py states a rule this test cannot read: {text}"
+        parsed.append((match["left"], match["relation"], match["right"] or "", match["why"]))
+    return parsed
 
 
-def test_the_options_check_comes_last_and_each_addon_once():
-    assert ORDER[-1] is config.OptionsCheck  # a relay whose options do not parse does not start
+def addon_types(names: str) -> list[type]:
+    """`module.Class` names as relay.py imports them (`a, b and c`), each an addon of its list."""
+    found = []
+    for name in re.split(r", | and ", names):
+        module, _, cls = name.partition(".")
+        addon_type = getattr(getattr(relay, module), cls)
+        assert addon_type in ORDER, f"relay.py's rules name {name}, which its list does not hold"
+        found.append(addon_type)
+    return found
+
+
+RULES = rules(relay.__doc__ or "")
+
+
+def test_the_rules_are_read():
+    assert len(RULES) >= 15  # relay.py states them; fewer read means this test lost some
+    assert {relation for _, relation, _, _ in RULES} == {"first", "last", "right after", "before"}
+
+
+@pytest.mark.parametrize("left, relation, right, why", RULES, ids=[f"{a} {r} {b}".strip() for a, r, b, _ in RULES])
+def test_each_rule_holds_on_the_real_list(left, relation, right, why):
+    for addon in addon_types(left):
+        at = ORDER.index(addon)
+        if relation == "first":
+            assert at == 0, why
+        elif relation == "last":
+            assert at == len(ORDER) - 1, why
+        elif relation == "right after":
+            (previous,) = addon_types(right)
+            assert at == ORDER.index(previous) + 1, why
+        else:
+            for later in addon_types(right):
+                assert at < ORDER.index(later), why
+
+
+def test_each_addon_comes_once():
     assert len(set(ORDER)) == len(ORDER)

@@ -2,51 +2,45 @@
 
 `ttft-relay run` loads it into mitmdump with mitm.conf merged into the command line
 (ttft_relay/config.py); `mitmdump -s ttft_relay/relay.py` loads the addons alone. This
-file only composes the addons; each concern lives in its own module under `ttft_relay/`:
+file only composes them: `addons` below is every addon of the relay, one a line, in the
+order mitmproxy runs their hooks, each with what it is for (as mitmproxy's own
+`default_addons()`); each concern lives in its own module under `ttft_relay/`.
 
-    patches    the installed mitmproxy checked against the pins of the relay's patches into it
-               (patches/fixes/, patches/speed/): a fix that cannot hold stops the start, the
-               speed patches stay off on any mitmproxy but the one they were written against
-    faults.StopFirst  a clean stop ends the flows in flight before any other addon's `done`
-    capacity   a burst of streams: connections queued, cheaper hook dispatch
-    tls        listeners that accept only TLS (the user's certificate), plain HTTP refused
-    guard      no open proxy, relay access keys, credentials redacted
-    reload     SIGHUP: timing log reopened, certificates and key files re-read
-    scope      which flows are LLM API calls, and which API shape
-    streaming  every response chunk to the client as it arrives
-    trim       oversized message histories cut to a token budget
-    dial       upstream connects race the name's addresses (RFC 8305 Happy Eyeballs)
-    faults     bounded waits, and upstream failures answered in the API's format
-    selfwatch  the relay's own event-loop lag, accept queues and sockets
-    timing     per-phase marks, one record per flow, judged once and frozen
-    observe    what timing's observers learn across records for its verdict: the first token
-               each prompt predicts (learned per upstream · model · prefill traits, shared by
-               the workers; prompt cache misses), attempt groups of retried requests
-    ledger     the requests in flight, so that those a dead process took are recorded by the next
-    websocket  one record per turn of a Responses / Realtime WebSocket
-    metrics    the records as Prometheus metrics (from timing's timing_record hook)
-    traces     the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
-    sseview    an event-stream view for mitmweb
-    webcolumns the timing comment as a column of mitmweb's flow list
-    config.OptionsCheck  a relay whose options do not parse does not start (last)
+The order matters. tests/test_addon_order.py reads each rule below from here and checks it
+on `addons`; test_hooks_fuzz runs the hooks in this order.
 
-The order matters (tests/test_addon_order.py checks it on `addons`, and test_hooks_fuzz
-runs its hooks in it): patches.Check comes first, before any addon installs a patch (each
-addon installs the patches it uses in `load`, `configure` or `running`, and removes them
-in its `done`); faults.StopFirst's `done` comes before every other, so the flows in flight
-end while every addon still runs; tls refuses plain HTTP before guard looks at a key; scope attaches
-the per-flow state the others read, and timing comes after trim so its `request` hook
-marks the moment the request leaves.
-faults.Shutdown and websocket come before timing too: timing's `done` closes the log,
-and theirs record what is still in flight.
-The faults addons that touch a failed flow's marks and state (FailedConnects,
-Deadlines) come before timing, which writes the record in the same `error` hook.
-selfwatch comes after streaming (it hooks the stream tap) and before timing (which
-reads what it learned); its samples feed the metrics addon. The observe addons come after
-timing: they read its log option, and their `done` keeps what the records timing's `done`
-publishes taught them. ledger comes after timing:
-it opens timing's log's ledger once timing has configured the log, and closes it
-after timing's `done` has recorded what was in flight.
+    patches.Check first: it checks the installed mitmproxy against the pins before any
+        addon installs a patch (each installs those it uses in `load`, `configure` or
+        `running`, and removes them in its `done`), and declares `relay_speed_patches`,
+        which the others read
+    faults.StopFirst right after patches.Check: its `done` comes before every other
+        addon's, so the flows in flight end while every addon still runs
+    tls.ClientTLS before keys.AccessKeys: plain HTTP is refused before a key is looked at
+    hygiene.FieldSyntax before keys.AccessKeys: a head refused for its fields is answered
+        before its key is checked (AccessKeys leaves an answered flow alone)
+    hygiene.FieldSyntax and keys.AccessKeys before timing.Timing: a refused head is the
+        flow's error when timing writes the record
+    redaction.SecretRedaction before timing.Timing: in the `error` hook they share, the
+        flow's error message is redacted before the record takes it
+    scope.Scope before streaming.Streaming, trim.Trim, faults.Shutdown,
+        faults.FailedConnects, faults.Deadlines, selfwatch.SelfWatch,
+        websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies and traces.Traces:
+        scope attaches the per-flow state the others read
+    trim.Trim before timing.Timing: timing's `request` hook marks the moment the request
+        leaves
+    faults.Shutdown and websocket.WebSocketTurns before timing.Timing: timing's `done`
+        closes the log, theirs record what is still in flight
+    faults.FailedConnects and faults.Deadlines before timing.Timing: they touch a failed
+        flow's marks and state, and timing writes the record in the same `error` hook
+    streaming.Streaming before selfwatch.SelfWatch: selfwatch hooks the stream tap
+    selfwatch.SelfWatch before timing.Timing: timing reads what it learned (its samples
+        feed the metrics addon)
+    timing.Timing before verdicts.Verdicts and attempts.AttemptGroups: they read its log
+        option, and their `done` keeps what the records timing's `done` publishes taught
+        them
+    timing.Timing before ledger.Ledger: the ledger opens beside timing's log once timing
+        has configured it, and closes after timing's `done` has recorded what was in flight
+    config.OptionsCheck last: a relay whose options do not parse does not start
 """
 
 import sys
@@ -80,44 +74,48 @@ timings = timing.Timing(observers=(first_tokens, attempt_groups))
 shutdown = faults.Shutdown()
 secret_redaction = redaction.SecretRedaction()
 addons = [
-    patches.Check(),
-    faults.StopFirst(shutdown),
-    capacity.ListenBacklog(),
-    capacity.WorkerListeners(),
-    capacity.HookPlans(),
-    capacity.MessageChecks(),
-    capacity.ConnectionLog(),
-    capacity.WarmStart(),
-    pool.UpstreamPool(),
-    tls.ClientTLS(),
-    redaction.LogRedaction(),
-    exposure.Exposure(),
-    limits.ClientLimits(),
-    limits.WebSocketLimits(),
-    hygiene.FieldSyntax(),
-    hygiene.OriginForm(),
-    hygiene.RequestFraming(),
-    keys.AccessKeys(),
-    secret_redaction,
-    redaction.WebOptions(secret_redaction),
-    reload.Reload(),
-    scope.Scope(),
-    streaming.Streaming(),
-    trim.Trim(),
-    shutdown,
-    dial.HappyEyeballs(),
-    faults.FailedConnects(),
-    faults.Deadlines(),
-    self_watch,
-    websocket.WebSocketTurns(timings, self_watch),
-    timings,
-    first_tokens,
-    attempt_groups,
-    ledger.Ledger(timings),
-    faults.ErrorReplies(),
-    prometheus,
-    otlp_traces,
-    sseview.SSEView(),
-    webcolumns.CommentColumn(),
-    config.OptionsCheck(),
+    patches.Check(),  # mitmproxy checked against the patches' pins: a fix that cannot hold stops the start
+    faults.StopFirst(shutdown),  # a clean stop ends the flows in flight before any other addon's `done`
+    # capacity: what a burst of streams costs mitmproxy
+    capacity.ListenBacklog(),  # each listener queues relay_listen_backlog new connections (mitmproxy's: 100)
+    capacity.WorkerListeners(),  # a worker accepts on its supervisor's sockets once the relay runs
+    capacity.HookPlans(),  # events dispatched from a plan per hook name, not a walk of every addon
+    capacity.MessageChecks(),  # each message's field types checked as mitmproxy checks them, for less
+    capacity.ConnectionLog(),  # mitmproxy's per-connection INFO lines only with relay_connection_log
+    capacity.WarmStart(),  # the upstream TLS context, name lookups and the CA ready before the first request
+    pool.UpstreamPool(),  # upstream connections kept across client connections (relay_upstream_pool)
+    # guard: who may use the relay, and where its secrets may go
+    tls.ClientTLS(),  # listeners that accept only TLS (the user's certificate), plain HTTP refused
+    redaction.LogRedaction(),  # every log line redacted, escaped and capped, mitmproxy's own included
+    exposure.Exposure(),  # no start as an open proxy: authentication and TLS off loopback
+    limits.ClientLimits(),  # before authentication: a head deadline, bounded connections and HTTP/2 resets
+    limits.WebSocketLimits(),  # WebSocket messages of bounded size, fragments and control frames
+    hygiene.FieldSyntax(),  # no CR, LF or NUL in a header value, no unknown HTTP version
+    hygiene.OriginForm(),  # reverse listeners send the upstream's origin-form target
+    hygiene.RequestFraming(),  # an HTTP/2 request body goes to an HTTP/1 upstream with its length
+    keys.AccessKeys(),  # relay access keys checked on the head, the upstream key swapped into what is sent
+    secret_redaction,  # credentials redacted in each flow once its request has gone upstream
+    redaction.WebOptions(secret_redaction),  # mitmweb shows the options' secrets and flows in flight redacted
+    reload.Reload(),  # SIGHUP: timing log reopened, certificates and key files re-read
+    # each flow: what it is, passed on as it arrives, trimmed, bounded
+    scope.Scope(),  # which flows are LLM API calls: their API, model and stream flag, on the flow's state
+    streaming.Streaming(),  # every response chunk to the client as it arrives
+    trim.Trim(),  # oversized message histories cut to a token budget
+    shutdown,  # a clean stop: the flows in flight finished, or answered and recorded
+    dial.HappyEyeballs(),  # upstream connects race the name's addresses (RFC 8305)
+    faults.FailedConnects(),  # a failed upstream connect's marks on the flow that waited for it
+    faults.Deadlines(),  # bounded waits: connect, response head, first token, idle
+    # what the relay saw: marks, records and what they teach
+    self_watch,  # the relay's own event-loop lag, accept queues and sockets
+    websocket.WebSocketTurns(timings, self_watch),  # one record per turn of a Responses / Realtime WebSocket
+    timings,  # per-phase marks, one record per flow, judged once and frozen
+    first_tokens,  # timing's observer: the first token each prompt predicts, prompt cache misses
+    attempt_groups,  # timing's observer: a retried request grouped with its first attempt
+    ledger.Ledger(timings),  # the requests in flight: those a dead process took are recorded by the next
+    faults.ErrorReplies(),  # upstream failures answered in the API's error format
+    prometheus,  # the records as Prometheus metrics (timing's timing_record hook)
+    otlp_traces,  # the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
+    sseview.SSEView(),  # an event-stream view for mitmweb
+    webcolumns.CommentColumn(),  # the timing comment as a column of mitmweb's flow list
+    config.OptionsCheck(),  # a relay whose options do not parse does not start
 ]
