@@ -8,10 +8,11 @@ import random
 
 import h11
 import pytest
-from h11._readers import ChunkedReader
 from h11._receivebuffer import ReceiveBuffer
 
 from ttft_relay.chunked import ChunkedData
+from ttft_relay.patches import chunk_reader
+from ttft_relay.patches.chunk_reader import ChunkedReader
 
 
 def h11_reads(reads: list[bytes], reader: ChunkedReader | None = None) -> list[object]:
@@ -42,7 +43,7 @@ def decoded_then_h11(reads: list[bytes]) -> list[object]:
         out += [p for p in pieces if p]
         if used < len(data):
             reader = ChunkedReader()
-            reader._bytes_in_chunk, reader._bytes_to_discard = decoder.in_chunk, decoder.discard
+            chunk_reader.go_on_from(reader, decoder.in_chunk, decoder.discard)  # as the splice hands back
             return out + h11_reads([data[used:], *reads[i + 1:]], reader)
     return out
 

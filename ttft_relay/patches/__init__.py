@@ -27,6 +27,8 @@ Shared by both kinds, in this package:
   a patch: `observe.selfwatch`, faults, guard, the splice, the pool);
 - `error_texts`: mitmproxy's error texts the relay matches (private, read without a patch;
   `timing.Timing`, `faults`);
+- `chunk_reader`: where h11's reader is in a chunked body (h11's private state, read and set
+  without a patch: `fixes.trailers`, the splice's direct reads), the one module that touches it;
 - `rewrite`: not mitmproxy's; the command rewriting the layer wraps share.
 - `users`: not mitmproxy's; who asked for a patch that several addons share.
 """
@@ -37,7 +39,7 @@ import logging
 from collections.abc import Callable
 from types import ModuleType
 
-from . import connections, error_texts, layer_events, pins
+from . import chunk_reader, connections, error_texts, layer_events, pins
 from .fixes import (
     answer_on_head,
     ca_at_start,
@@ -95,7 +97,7 @@ SPEED: tuple[ModuleType, ...] = (
     upstream_pool,
     early_connects,
 )
-READS: tuple[ModuleType, ...] = (connections, error_texts)
+READS: tuple[ModuleType, ...] = (connections, error_texts, chunk_reader)
 """mitmproxy's private code the relay reads without a patch: pinned, required as a fix is."""
 MODULES: tuple[ModuleType, ...] = (*FIXES, *SPEED, layer_events, *READS)
 """Every pinned module; those with `ORIGINALS` replace mitmproxy functions."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from h11._readers import ChunkedReader
 from h11._receivebuffer import ReceiveBuffer
 
+from ttft_relay.patches.chunk_reader import ChunkedReader
 from ttft_relay.patches.fixes import error_replies, trailers
 from tests.patches.pins import assert_unchanged, source
 

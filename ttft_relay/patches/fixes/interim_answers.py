@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy import events, layer
-from mitmproxy.proxy.layers.http._http1 import Http1Client
+from mitmproxy.proxy.layers.http._http1 import Http1Client, ReceiveBuffer  # h11's, as mitmproxy reads into it
 
 logger = logging.getLogger(__name__)
 

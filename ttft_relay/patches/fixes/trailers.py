@@ -17,21 +17,21 @@ malformed body. Each becomes a protocol error of its flow, answered.
   without an answer; it gets a 400 with mitmproxy's error text, as a malformed request head
   does.
 
-h11's `ChunkedReader` keeps where it is in private attributes (`_bytes_in_chunk`,
-`_bytes_to_discard`, `_reading_trailer`): the pin test pins h11's version and that code.
+Where h11's reader is in a chunked body is h11's private state, read in `chunk_reader` (whose
+pins are this module's too).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from h11._readers import ChunkedReader
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import HttpStream
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestProtocolError, ResponseProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server, make_error_response
 
+from .. import chunk_reader
 from ..rewrite import replacing
 
 _ORIGINAL_READ_BODY = Http1Connection.read_body
@@ -39,10 +39,8 @@ ORIGINALS = {(Http1Connection, "read_body"): _ORIGINAL_READ_BODY}
 PINS = {
     "Http1Connection.read_body": (_ORIGINAL_READ_BODY, "aece271029af36e4"),
     "HttpStream.handle_protocol_error": (HttpStream.handle_protocol_error, "59fc3b2eeeabf63a"),
-    # where h11's reader is in a chunked body (_bytes_in_chunk, _bytes_to_discard, _reading_trailer)
-    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
-    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
 }
+USES = (chunk_reader,)  # where h11's reader is in a chunked body
 
 REQUEST_TRAILERS = "HTTP/1 request trailers are not supported by the relay (send the request without them)"
 RESPONSE_TRAILERS = "the upstream sent HTTP/1 trailers, which the relay cannot pass on"
@@ -93,12 +91,12 @@ def _fail(self: Http1Connection, status: int, request_error: str, response_error
 def _line_too_long(reader: object, buf: Any) -> bool:
     """Whether a chunked body's reader waits for a chunk header (or its trailers) that has
     passed CHUNK_LINE_MAX bytes in `buf` without ending."""
-    if not isinstance(reader, ChunkedReader) or len(buf) <= CHUNK_LINE_MAX:
+    if len(buf) <= CHUNK_LINE_MAX or (at := chunk_reader.position(reader)) is None:
         return False
-    if reader._bytes_to_discard or (reader._bytes_in_chunk and not reader._reading_trailer):
+    if at.discard or (at.in_chunk and not at.trailer):
         return False  # in a chunk's data or its CRLF: no line pending
     window = bytes(buf)[:CHUNK_LINE_MAX + 4]  # h11's ReceiveBuffer: at most the bound and a read
-    return b"\n\r\n" not in window and b"\n\n" not in window if reader._reading_trailer else b"\n" not in window
+    return b"\n\r\n" not in window and b"\n\n" not in window if at.trailer else b"\n" not in window
 
 
 class _AnsweredRequestErrors:

@@ -63,7 +63,6 @@ import logging
 import socket
 from typing import Any, Literal
 
-from h11._readers import ChunkedReader
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, context, events, layer, server, tunnel
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, ResponseData
@@ -73,11 +72,11 @@ from mitmproxy.proxy.layers.tls import TLSLayer
 from OpenSSL import SSL
 
 from ...chunked import ChunkedData
-from .. import connections
+from .. import chunk_reader, connections
 
 assert "read_body" not in vars(Http1Client)  # it inherits Http1Connection's (which `trailers` wraps)
 ORIGINALS = {(Http1Client, "read_body"): Http1Connection.read_body}
-USES = (connections,)
+USES = (connections, chunk_reader)
 PINS = {
     # what the splice does for each chunk instead, and the states it checks
     "HttpStream.state_stream_response_body": (HttpStream.state_stream_response_body, "3fb6320300d3ddd5"),
@@ -88,11 +87,9 @@ PINS = {
     "Http1Connection.read_body": (Http1Connection.read_body, "aece271029af36e4"),
     "Http1Connection._handle_event": (Http1Connection._handle_event, "2ac8db3e43ae743f"),
     "Layer.handle_event": (layer.Layer.handle_event, "fd88b0fb09ceddbb"),
-    # direct reads: h11's state they take over and hand back, what a read does in mitmproxy
-    # (handle_connection: server_event with the data, then drain_writers; EOF and errors
-    # through the reader), and the watchdog they tell
-    "ChunkedReader.__init__": (ChunkedReader.__init__, "232ef6fe23fd20ab"),
-    "ChunkedReader.__call__": (ChunkedReader.__call__, "2618d847a89a1505"),
+    # direct reads (h11's state they take over and hand back: `chunk_reader`): what a read
+    # does in mitmproxy (handle_connection: server_event with the data, then drain_writers;
+    # EOF and errors through the reader), and the watchdog they tell
     "ConnectionHandler.handle_connection": (server.ConnectionHandler.handle_connection, "95c3f93e9824e527"),
     "ConnectionHandler.drain_writers": (server.ConnectionHandler.drain_writers, "6b57434604561e3e"),
     "TimeoutWatchdog.register_activity": (server.TimeoutWatchdog.register_activity, "41e033f7debf79d3"),
@@ -237,7 +234,8 @@ def _hand_over(upstream: Http1Client, route: _Route) -> None:
     """Let `_DirectReads` read `upstream`'s body from now on, if it can (see the module's
     docstring); runs inside `server_event`, after everything read so far was parsed."""
     reader = upstream.body_reader
-    if type(reader) is not ChunkedReader or reader._reading_trailer or len(upstream.buf):
+    at = chunk_reader.position(reader)
+    if at is None or at.trailer or len(upstream.buf):
         return
     upstream_tls = _tls_of(upstream.context.layers, upstream.conn)
     client_tls = _tls_of(route.http.context.layers, route.client)
@@ -263,7 +261,7 @@ class _DirectReads(asyncio.Protocol):
     """The upstream transport's protocol while its chunked body is spliced: each read
     goes from the socket to the client's transport here, without mitmproxy."""
 
-    def __init__(self, route: _Route, upstream: Http1Client, reader: ChunkedReader, handler: Any,
+    def __init__(self, route: _Route, upstream: Http1Client, reader: object, handler: Any,
                  transport: Any, client: asyncio.StreamWriter, *,
                  upstream_tls: SSL.Connection | None = None, client_tls: SSL.Connection | None = None) -> None:
         self.route = route
@@ -276,7 +274,9 @@ class _DirectReads(asyncio.Protocol):
         self.upstream_tls = upstream_tls
         self.client_tls = client_tls
         self.high_water = self.client_transport.get_write_buffer_limits()[1]
-        self.decoder = ChunkedData(reader._bytes_in_chunk, reader._bytes_to_discard)
+        at = chunk_reader.position(reader)
+        assert at is not None  # `_hand_over` checked it
+        self.decoder = ChunkedData(at.in_chunk, at.discard)
         self.original: Any = transport.get_protocol()
         self.tasks: set[asyncio.Task] = set()
         transport.set_protocol(self)
@@ -380,7 +380,7 @@ class _DirectReads(asyncio.Protocol):
         logger.debug("direct reads of %s end: %s", self.upstream.conn, why)
         if self.transport.get_protocol() is self:
             self.transport.set_protocol(self.original)
-        self.reader._bytes_in_chunk, self.reader._bytes_to_discard = self.decoder.in_chunk, self.decoder.discard
+        chunk_reader.go_on_from(self.reader, self.decoder.in_chunk, self.decoder.discard)
         self.route.direct = None
 
     def _hand_back(self, rest: bytes, why: str) -> None:
