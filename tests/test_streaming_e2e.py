@@ -310,3 +310,20 @@ def test_direct_reads_carry_long_streams_exactly(client_tls, upstream_tls, reque
     # each body taken over (at least once), its end handed back
     relay.wait_for_lines(taken, before[0] + 2)
     relay.wait_for_lines(ended, before[1] + 2)
+
+
+@pytest.mark.parametrize("options, path", [
+    ({"relay_stream_splice": False}, "mitmproxy"),
+    ({"relay_stream_direct_reads": False}, "splice"),
+    ({}, "direct"),
+], ids=["mitmproxy", "splice", "direct"])
+def test_each_record_names_the_path_that_carried_its_body(options, path, fake, shared_relay, rid):
+    """`body_path` (docs/records.md): the same long chunked stream through mitmproxy's layers
+    (the splice off), the splice (its direct reads off), and the direct reads (the default)."""
+    relay = shared_relay(reverse_to(fake), **options)
+    route, body = REQUESTS[apis.OPENAI_CHAT]
+    knobs = {"x-fake-chunks": "100", "x-fake-gap-ms": "1", "x-request-id": rid}
+    streamed = b"".join(chunk.data for chunk in client.stream_post(relay.url() + route, body, knobs))
+    assert streamed.endswith(b"data: [DONE]\n\n")
+    (rec,) = relay.log.of(rid)
+    assert rec["body_path"] == path

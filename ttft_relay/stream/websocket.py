@@ -60,6 +60,7 @@ from ..apis.api import Api, Turns
 from ..faults import apierrors, faults
 from ..patches import connections, error_texts
 from ..patches.fixes import websocket_limits
+from ..patches.speed import splice
 from . import sse
 from ..observe import selfwatch
 from ..timing import phases, record
@@ -406,6 +407,7 @@ class WebSocketTurns:
             transport=record.WEBSOCKET,
             turn=turn.number,
             prewarm=turn.prewarm,
+            body_path=splice.MITMPROXY,  # a WebSocket's messages go through mitmproxy's layers
             links=self.watch.turn_links(flow, turn.started) if self.watch is not None else None,
         ))
         data = self.timing.publish(rec, flow)

@@ -124,6 +124,10 @@ class Record:
     prewarm: bool
     """A turn that only prepares a response (Responses `"generate": false`): no output is
     expected, so its first token is not a slow one."""
+    body_path: str | None
+    """Which path carried the response body to the client (`patches.speed.splice`): mitmproxy's
+    layers, the splice, or its direct reads; None with no response, or unknown (a request a
+    dead process took)."""
     upstream_request_id: str | None
     """The upstream's own request id (`x-request-id`, `request-id`): what providers ask for
     in support tickets."""
@@ -217,6 +221,7 @@ class RecordInput:
     transport: str = HTTP
     turn: int | None = None
     prewarm: bool = False
+    body_path: str | None = None
     upstream_request_id: str | None = None
     upstream_processing_ms: float | None = None
     links: Mapping[str, float | int | None] | None = None
@@ -305,6 +310,7 @@ def measure(seen: RecordInput) -> Record:
         transport=seen.transport,
         turn=seen.turn,
         prewarm=seen.prewarm,
+        body_path=seen.body_path,
         upstream_request_id=seen.upstream_request_id[:REQUEST_ID_MAX] if seen.upstream_request_id else None,
         upstream_processing_ms=seen.upstream_processing_ms,
         **links,

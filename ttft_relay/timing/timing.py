@@ -43,7 +43,7 @@ from .. import dial, state
 from ..apis.api import Api
 from ..flows import carries_body, upstream_name
 from ..patches import error_texts
-from ..patches.speed import upstream_pool
+from ..patches.speed import splice, upstream_pool
 from . import logrotation, phases, record
 
 logger = logging.getLogger(__name__)
@@ -440,6 +440,7 @@ class Timing:
             request_id=flow.request.headers.get("x-request-id"),
             transport=st.transport,
             turn=0 if websocket else None,
+            body_path=splice.body_path(flow) if flow.response is not None else None,
             upstream_request_id=upstream_request_id(head),
             upstream_processing_ms=upstream_processing_ms(head),
             links=st.links,

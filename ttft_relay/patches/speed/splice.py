@@ -61,9 +61,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import weakref
 from typing import Any, Literal
 
 from mitmproxy.connection import ConnectionState
+from mitmproxy.http import HTTPFlow
 from mitmproxy.proxy import commands, context, events, layer, server, tunnel
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, ResponseData
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
@@ -107,6 +109,20 @@ PINS = {
 logger = logging.getLogger(__name__)
 _ROUTE = "_ttft_relay_splice"
 
+MITMPROXY, SPLICE, DIRECT = "mitmproxy", "splice", "direct"
+"""The paths a response body takes to the client (a record's `body_path`): mitmproxy's layers,
+the splice (each chunk from the upstream's reader to the client's framing in one step), and
+its direct reads (socket to socket, below mitmproxy's layers)."""
+_carried: weakref.WeakKeyDictionary[HTTPFlow, str] = weakref.WeakKeyDictionary()
+"""The path each flow's response body took, where it was not mitmproxy's alone."""
+
+
+def body_path(flow: HTTPFlow) -> str:
+    """The path `flow`'s response body took: DIRECT once any of it was read directly, else
+    SPLICE once any chunk of it was spliced, else MITMPROXY (all of it through mitmproxy's
+    layers: HTTP/2 on either side, a body not streamed, a flow paused, the splice off)."""
+    return _carried.get(flow, MITMPROXY)
+
 
 _direct = True
 
@@ -134,7 +150,7 @@ class _Route:
     and the client's HTTP/1 layer, found once per response."""
 
     __slots__ = ("stream_id", "upstream", "http", "stream", "server", "client", "chunked", "response", "store",
-                 "direct")
+                 "direct", "path")
 
     def __init__(self, upstream: Http1Client, http_layer: HttpLayer) -> None:
         # Routes are made for a body being read, which has a stream (mitmproxy's read_body asserts it).
@@ -150,6 +166,8 @@ class _Route:
         # mitmproxy reads it for every chunk; an option access deep-copies its default.
         self.store = bool(http_layer.context.options.store_streamed_bodies)
         self.direct: _DirectReads | None = None
+        self.path = MITMPROXY
+        """The path this body took so far (`body_path`)."""
 
     def open(self) -> bool:
         """Whether mitmproxy would now pass a chunk straight from the stream callable to
@@ -179,6 +197,8 @@ class _Route:
     def forward(self, data: bytes, out: list[bytes]) -> None:
         """What `state_stream_response_body` and `Http1Server.send` make of one chunk."""
         assert self.stream is not None and self.stream.flow.response is not None
+        if self.path == MITMPROXY:
+            self.carried(SPLICE)
         tap = self.stream.flow.response.stream
         chunks = tap(data) if callable(tap) else [data]
         if isinstance(chunks, bytes):
@@ -190,6 +210,11 @@ class _Route:
                 out.append(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             elif chunk:
                 out.append(chunk)
+
+    def carried(self, path: str) -> None:
+        """This body went `path` (from here on: DIRECT after SPLICE)."""
+        assert self.stream is not None
+        self.path = _carried[self.stream.flow] = path
 
 
 def _http_layer(upstream: Http1Client) -> HttpLayer | None:
@@ -244,6 +269,7 @@ def _hand_over(upstream: Http1Client, route: _Route) -> None:
     found = connections.plain_streams(route.client, upstream.conn)
     if found is not None:
         route.direct = _DirectReads(route, upstream, reader, *found, upstream_tls=upstream_tls, client_tls=client_tls)
+        route.carried(DIRECT)
 
 
 def _tls_of(layers: list[layer.Layer], conn: Any) -> SSL.Connection | None | Literal[False]:
