@@ -25,6 +25,7 @@ from .refusals import api_shape
 
 logger = logging.getLogger(__name__)
 
+
 class OriginForm:
     """A reverse listener sends every request to its configured upstream, so the
     target it sends is that upstream's origin-form path. mitmproxy connects to the
