@@ -11,7 +11,7 @@ and each request's verdict is held to the hop that took the time:
     far client fresh/kept  client → relay 150 ms each way, small prompts               client network
     far provider ...       relay → provider 100 ms RTT over TLS, 16 kB requests, on a
                            connection each (fresh) or one kept; steady, 0-20 ms
-                           jitter, and the relay as --workers 2                       upstream connect/TLS/network
+                           jitter, the relay as --workers 2, HTTP/2 on both sides     upstream connect/TLS/network
     slow provider queue    the provider holds its head 1.5 s, line learned            upstream queueing
     long context           36-56 kB prompts, line learned                             context length
     TLS listener (re)start 8 clients connecting while `--workers 2` starts, TLS       relay starting
@@ -31,6 +31,7 @@ import argparse
 import glob
 import json
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,31 @@ def requests(origin: str, n: int, label: str, *, fresh: bool, side: link.Side | 
     return ids
 
 
+def h2_requests(port: int, n: int, label: str, *, fresh: bool, side: link.Side, payload: dict) -> list[str]:
+    """As `requests`, over HTTP/2 to the relay's port on `side`'s loopback, TLS (its certificate
+    unchecked: it names the far side's address, as the relay leaves the provider's unchecked)."""
+    import httpx2  # the SDKs' HTTP client, a test dependency
+
+    unchecked = ssl.create_default_context()
+    unchecked.check_hostname, unchecked.verify_mode = False, ssl.CERT_NONE
+    ids = [f"{label}-{i}-{uuid.uuid4().hex[:8]}" for i in range(n)]
+    h2c: httpx2.Client | None = None
+    with side.entered():  # connections are made lazily, by the request: in the namespace
+        try:
+            for rid in ids:
+                if h2c is None or fresh:
+                    if h2c is not None:
+                        h2c.close()
+                    h2c = httpx2.Client(http2=True, verify=unchecked, timeout=60)
+                response = h2c.post(f"https://127.0.0.1:{port}{CHAT}", json=payload, headers=AUTH | {"x-request-id": rid})
+                if response.http_version != "HTTP/2":
+                    raise RuntimeError(f"the relay answered over {response.http_version}, not HTTP/2")
+        finally:
+            if h2c is not None:
+                h2c.close()
+    return ids
+
+
 @contextmanager
 def entered(side: link.Side | None) -> Iterator[None]:
     if side is None:
@@ -272,10 +298,12 @@ def diagnose(side: link.Side, origin: str) -> str:
     return line.removeprefix("verdict: ").split(" — ")[0]
 
 
-def far_provider_cases(n: int, tmp: Path, *, jitter_ms: float = 0, n_workers: int = 1) -> list[Row]:
+def far_provider_cases(n: int, tmp: Path, *, jitter_ms: float = 0, n_workers: int = 1, h2: bool = False) -> list[Row]:
     """Relay → provider 100 ms RTT over TLS (client and relay together in `near`), 16 kB
-    requests each on a connection of its own, then on one kept connection."""
-    how = (f", 0-{jitter_ms:g} ms jitter" if jitter_ms else "") + (f", --workers {n_workers}" if n_workers > 1 else "")
+    requests each on a connection of its own, then on one kept connection; with `h2`, HTTP/2
+    on both sides (a client over TLS that speaks it, `http2: true`, a provider that picks it)."""
+    how = (f", 0-{jitter_ms:g} ms jitter" if jitter_ms else "") + (f", --workers {n_workers}" if n_workers > 1 else "") \
+        + (", HTTP/2" if h2 else "")
     fresh = Row(f"far provider {2 * PROVIDER_ONE_WAY_MS} ms RTT TLS 16 kB{how}, fresh", UPSTREAM_LINK)
     kept = Row(f"far provider {2 * PROVIDER_ONE_WAY_MS} ms RTT TLS 16 kB{how}, kept", UPSTREAM_LINK)
     sixteen_kb = {"model": "gpt-4o-mini", "stream": True,
@@ -286,14 +314,14 @@ def far_provider_cases(n: int, tmp: Path, *, jitter_ms: float = 0, n_workers: in
 
     with FarLink(delay_ms=PROVIDER_ONE_WAY_MS, jitter_ms=jitter_ms, seed=13) as far:
         with far.far.entered():  # the fake's loop thread stays in `far`
-            fake = FakeUpstream(tls=True, certs=TestCerts.create(tmp / "upstream-ca"), host=far.far.ip).start()
+            fake = FakeUpstream(tls=True, certs=TestCerts.create(tmp / "upstream-ca"), host=far.far.ip, h2=h2).start()
         fake.behaviour.prefill_ms = 30
         upstream = f"https://{far.far.ip}:{fake.port}"
         origin = f"http://127.0.0.1:{RELAY_PORT}"
         # The test CA names localhost, not the far side's address: TLS is real, its name unchecked.
         try:
             if n_workers == 1:
-                relay = relay_in(far.near, upstream, tmp, ssl_insecure=True)
+                relay = relay_in(far.near, upstream, tmp, ssl_insecure=True, http2=h2)
                 stop = relay.stop
             else:
                 many = Workers(far.near, n_workers, upstream, tmp, listen_host="0.0.0.0", ssl_insecure=True)
@@ -301,8 +329,12 @@ def far_provider_cases(n: int, tmp: Path, *, jitter_ms: float = 0, n_workers: in
             try:
                 if n_workers > 1:
                     many.wait_ready()
-                fresh.add(verdicts(tmp, requests(origin, n, "fresh", fresh=True, side=far.near, make=same)))
-                kept.add(verdicts(tmp, requests(origin, n, "kept", fresh=False, side=far.near, make=same)))
+                if h2:
+                    fresh.add(verdicts(tmp, h2_requests(RELAY_PORT, n, "fresh", fresh=True, side=far.near, payload=sixteen_kb)))
+                    kept.add(verdicts(tmp, h2_requests(RELAY_PORT, n, "kept", fresh=False, side=far.near, payload=sixteen_kb)))
+                else:
+                    fresh.add(verdicts(tmp, requests(origin, n, "fresh", fresh=True, side=far.near, make=same)))
+                    kept.add(verdicts(tmp, requests(origin, n, "kept", fresh=False, side=far.near, make=same)))
             finally:
                 stop()
         finally:
@@ -409,6 +441,7 @@ def main() -> None:
         rows += far_provider_cases(n, part("provider"))
         rows += far_provider_cases(n, part("provider-jitter"), jitter_ms=JITTER_MS)
         rows += far_provider_cases(n, part("provider-workers"), n_workers=2)
+        rows += far_provider_cases(n, part("provider-h2"), h2=True)
     if "restart" in only:
         rows += restart_case(1 if args.quick else 3, 8, part("restart"))
     if "learning" in only:
