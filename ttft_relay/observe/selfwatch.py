@@ -294,7 +294,7 @@ class SelfWatch:
         self.uploads_reordered: dict[str, int] = {}
         """Per client id, its out-of-order packets already counted in a request."""
         self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
-        """Flows from their request hook (before any byte goes upstream) to their end."""
+        """Every flow from its request hook (before any byte of it goes upstream) to its end."""
         self.h2_ended: dict[str, float] = {}
         """Per HTTP/2 upstream connection id, when its last stream ended: until then the relay
         may have sent that stream's frames on it (its request, its window updates)."""
@@ -383,9 +383,9 @@ class SelfWatch:
             state.mark(flow, "relay_serving", since)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.add(flow)  # timed or not: its frames share an HTTP/2 connection all the same
         if state.get(flow) is None:
             return
-        self.in_flight.add(flow)
         sock = self._socket(flow, flow.client_conn)
         end = flow.request.timestamp_end
         if end is not None and end - flow.request.timestamp_start > HOLD_MIN_MS / 1000:
