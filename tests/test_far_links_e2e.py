@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx2
 import orjson
 import pytest
 
@@ -443,6 +445,42 @@ def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_it
     # ... and kept out of the upstream's own wait, which the prefill line is learned from.
     own = [prefill.own_wait(records[rid]) for rid in fresh + kept]
     assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)
+
+
+def test_a_far_http2_providers_upload_round_trips_are_its_link_too(far_link, certs, confdir, tmp_path):
+    """The far provider over HTTP/2 (a client that speaks it, `http2: true`, an upstream that
+    picks it): one stream on each upstream connection, the kernel's last send is the request's,
+    so its upload beyond the first flight is measured as on HTTP/1 and kept out of the upstream's
+    own wait (it was left in it: `upstream_sent` was never marked on HTTP/2)."""
+    far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, seed=13)
+    with far.far.entered():
+        fake = FakeUpstream(tls=True, certs=certs, host=far.far.ip, h2=True).start()
+    # The relay's certificate names the far side's address: TLS is real, its name unchecked (as upstream).
+    unchecked = ssl.create_default_context()
+    unchecked.check_hostname, unchecked.verify_mode = False, ssl.CERT_NONE
+    ids = [f"h2-{i}-{uuid.uuid4().hex[:8]}" for i in range(8)]
+    try:
+        fake.behaviour.prefill_ms = 30
+        relay = relay_in(far.near, [f"reverse:https://{far.far.ip}:{fake.port}@{RELAY_PORT}"], confdir,
+                         tmp_path / "timing.jsonl", ssl_insecure=True, http2=True)
+        with relay, far.near.entered():
+            for rid in ids:  # each on a client connection of its own: each opens an upstream connection
+                with httpx2.Client(http2=True, verify=unchecked, timeout=30) as h2c:
+                    response = h2c.post(f"https://127.0.0.1:{RELAY_PORT}/v1/chat/completions", json=LONG_BODY,
+                                        headers={"x-request-id": rid})
+                    assert response.status_code == 200 and response.http_version == "HTTP/2", response.text[:300]
+            records = {r["request_id"]: r for r in relay.log.wait(len(ids))}
+    finally:
+        fake.stop()
+    assert "Addon error" not in relay.text()
+    assert len(fake.received) == len(ids) and all(r.h2 for r in fake.received)
+    assert len({r.conn_id for r in fake.received}) == len(ids)
+    table = {rid[:10]: (records[rid]["verdict"], {k: round(v) for k, v in records[rid]["phases"].items()}) for rid in ids}
+    uploads = [records[rid]["phases"].get("upstream_upload", 0.0) for rid in ids]
+    assert statistics.median(uploads) >= 0.5 * 2 * UPSTREAM_ONE_WAY_MS, table
+    own = [prefill.own_wait(records[rid]) for rid in ids]
+    assert statistics.median(o for o in own if o is not None) < 0.5 * 2 * UPSTREAM_ONE_WAY_MS, (own, table)
+    assert all(records[rid]["verdict"] in UPSTREAM_LINK for rid in ids), table
 
 
 def far_provider_requests(origin: str) -> tuple[list[str], list[str]]:

@@ -65,6 +65,21 @@ def test_a_successful_stream_feeds_every_instrument():
     assert get("ttft_relay_trimmed_tokens_total", LABELS) == 500
 
 
+def test_the_requests_upload_over_the_upstream_link_is_its_own_phase_not_the_upstreams_wait():
+    # The relay wrote the request at 2 ms; its kernel sent the last byte at 30 ms (a congestion
+    # window the request did not fit in): 28 ms of the link's, then 22 ms of the upstream's own.
+    reg = CollectorRegistry()
+    m = metrics.RelayMetrics(reg, max_series=10)
+    marks = {"request_body": 1.0, "forwarded": 2.0, "upstream_sent": 30.0, "response_head": 52.0,
+             "first_byte": 52.0, "first_token": 60.0, "last_token": 160.0, "end": 161.0}
+    m.observe(a_record(marks=marks), CHAT_API)
+    assert reg.get_sample_value("ttft_relay_upstream_upload_seconds_sum", LABELS) == pytest.approx(0.028)
+    assert reg.get_sample_value("ttft_relay_upstream_wait_seconds_sum", LABELS) == pytest.approx(0.022)
+    # A request whose upload fit its first flight has no such phase, and no sample.
+    m.observe(a_record(), CHAT_API)
+    assert reg.get_sample_value("ttft_relay_upstream_upload_seconds_count", LABELS) == 1
+
+
 def test_failures_count_as_operations_but_not_as_first_tokens():
     reg = CollectorRegistry()
     m = metrics.RelayMetrics(reg, max_series=10)

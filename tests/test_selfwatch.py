@@ -139,3 +139,17 @@ def test_forgets_a_connections_retransmit_count_when_it_closes():
     watch.client_disconnected(client)
     watch.server_disconnected(server_hooks.ServerConnectionHookData(server=server, client=client))
     assert watch.counted == {} and watch.handshakes == {}
+
+
+def test_an_http2_request_is_alone_on_its_connection_only_with_no_other_stream_since_it_was_written():
+    from mitmproxy.test import tflow
+
+    flow, sibling, elsewhere = tflow.tflow(), tflow.tflow(), tflow.tflow()
+    sibling.server_conn = flow.server_conn
+    written = 100.0
+    assert selfwatch.alone_on(flow, written, [flow, elsewhere], None)  # another connection's stream is not its
+    assert selfwatch.alone_on(flow, written, [flow], 99.0)  # the last other stream ended before it was written
+    # Another stream in flight on the connection, or one that ended after it was written: its frames
+    # (a request, window updates) may be the connection's last send.
+    assert not selfwatch.alone_on(flow, written, [flow, sibling], None)
+    assert not selfwatch.alone_on(flow, written, [flow], 100.5)

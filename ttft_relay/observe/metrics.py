@@ -8,8 +8,10 @@ LLM call (each timing record):
     gen_ai_client_operation_duration_seconds     every call: request head → end (error_type label)
     gen_ai_client_token_usage                    tokens the upstream reported, gen_ai_token_type=input|output
     ttft_relay_<phase>_seconds                   the relay's phases: upstream_connect, upstream_tls,
-                                                 upstream_wait, head_to_first_token (the prefill of an
-                                                 upstream that sends its head at once), client_upload, relay
+                                                 upstream_upload (the request's upload beyond its first
+                                                 flight: the link's), upstream_wait, head_to_first_token
+                                                 (the prefill of an upstream that sends its head at once),
+                                                 client_upload, relay, relay_queue
     ttft_relay_expected_time_to_first_token_seconds  successful calls whose prompt's first token the relay
                                                  has learned to predict: that prediction (observe/prefill.py)
     ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
@@ -95,8 +97,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
-RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_wait", "head_to_first_token", "client_upload", "relay",
-                "relay_queue")
+RELAY_PHASES = ("upstream_connect", "upstream_tls", "upstream_upload", "upstream_wait", "head_to_first_token",
+                "client_upload", "relay", "relay_queue")
 ALWAYS_OBSERVED = ("relay_queue",)
 """Phases observed as 0 for the calls that did not have them: relay_queue exists only for
 requests whose bytes the kernel held, and a series born with its first queued call would

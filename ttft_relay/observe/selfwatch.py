@@ -55,7 +55,7 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from mitmproxy import connection, http
@@ -261,6 +261,18 @@ class LoopLag:
         return worst
 
 
+def alone_on(flow: http.HTTPFlow, since: float, in_flight: Iterable[http.HTTPFlow], last_ended: float | None) -> bool:
+    """Whether `flow` was the only stream on its HTTP/2 upstream connection from `since` on, so
+    that the connection's last send is its own: no other stream on it in flight now, none ended
+    since (`last_ended`: when the connection's last other stream ended). The connection's own
+    frames (its SETTINGS acknowledgement) go with its first round trip, as the request's first
+    flight does."""
+    if last_ended is not None and last_ended > since:
+        return False
+    conn_id = flow.server_conn.id
+    return not any(other is not flow and other.server_conn.id == conn_id for other in in_flight)
+
+
 class SelfWatch:
     """Measures the relay's own event loop and sockets; marks what the kernel held."""
 
@@ -281,6 +293,11 @@ class SelfWatch:
         """Per flow, packets of its request that came out of order (the client's losses)."""
         self.uploads_reordered: dict[str, int] = {}
         """Per client id, its out-of-order packets already counted in a request."""
+        self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
+        """Every flow from its request hook (before any byte of it goes upstream) to its end."""
+        self.h2_ended: dict[str, float] = {}
+        """Per HTTP/2 upstream connection id, when its last stream ended: until then the relay
+        may have sent that stream's frames on it (its request, its window updates)."""
         self.serving_since: float | None = None
         """When this process began to serve (`running`): a worker's listeners exist before it,
         and what the kernel queued for them meanwhile waited for the start, not on a busy relay."""
@@ -341,6 +358,7 @@ class SelfWatch:
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self.counted.pop(data.server.id, None)
+        self.h2_ended.pop(data.server.id, None)
 
     # --- per flow ---------------------------------------------------------------------
 
@@ -365,6 +383,7 @@ class SelfWatch:
             state.mark(flow, "relay_serving", since)
 
     def request(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.add(flow)  # timed or not: its frames share an HTTP/2 connection all the same
         if state.get(flow) is None:
             return
         sock = self._socket(flow, flow.client_conn)
@@ -409,9 +428,16 @@ class SelfWatch:
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._links(flow)
+        self._ended(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._links(flow)
+        self._ended(flow)
+
+    def _ended(self, flow: http.HTTPFlow) -> None:
+        self.in_flight.discard(flow)
+        if flow.server_conn.alpn == b"h2":
+            self.h2_ended[flow.server_conn.id] = time.time()
 
     def _links(self, flow: http.HTTPFlow) -> None:
         """The request's `record.LINK_KEYS`, for timing's record (which comes next); for
@@ -462,11 +488,13 @@ class SelfWatch:
     def _mark_sent(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
         """Mark `upstream_sent` if the relay's kernel sent the last byte of a request larger than
         its first flight (FIRST_FLIGHT_BYTES) at least HOLD_MIN_MS after the relay wrote it (the
-        request's upload took more round trips than its first flight, or a segment was resent). Read as the head arrives, or as the request
-        fails without one: until then the relay sends an HTTP/1 upstream nothing but the
-        request. On HTTP/2 other streams' frames are sent meanwhile: nothing is marked."""
+        request's upload took more round trips than its first flight, or a segment was resent).
+        Read as the head arrives, or as the request fails without one: until then the relay
+        sends an HTTP/1 upstream nothing but the request. On HTTP/2 another stream's frames may
+        be the last sent: marked only where no other stream was in flight on the connection
+        since the request was written (`alone_on`)."""
         conn = flow.server_conn
-        if conn.alpn == b"h2" or (info := tcp_info(sock)) is None or info.last_data_sent_ms is None:
+        if (info := tcp_info(sock)) is None or info.last_data_sent_ms is None:
             return
         st = state.get(flow)
         if st is None or (forwarded := st.marks.get("forwarded")) is None:
@@ -474,6 +502,8 @@ class SelfWatch:
         if len(flow.request.raw_content or b"") + len(bytes(flow.request.headers)) <= FIRST_FLIGHT_BYTES:
             return
         written = max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
+        if conn.alpn == b"h2" and not alone_on(flow, written, self.in_flight, self.h2_ended.get(conn.id)):
+            return
         last_sent = time.time() - info.last_data_sent_ms / 1000
         if (last_sent - written) * 1000 >= HOLD_MIN_MS:
             state.mark(flow, "upstream_sent", last_sent)

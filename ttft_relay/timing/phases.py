@@ -26,7 +26,8 @@ only once that connection is ready.
     upstream_sent           the relay's kernel sent the request's last byte: only when that was
                             later than the relay wrote it (the connection's congestion window
                             was too small for the request: the upload's extra round trips; a
-                            segment retransmitted), on an HTTP/1 connection (selfwatch)
+                            segment retransmitted), on an HTTP/1 connection or an HTTP/2 one
+                            that carried no other stream meanwhile (selfwatch)
     upstream_resent         the relay's kernel last sent the request again: only when it was
                             retransmitted on the way (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)

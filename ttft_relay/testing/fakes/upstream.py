@@ -222,6 +222,8 @@ class Received:
     """The body came with chunked transfer coding."""
     at: float
     """`time.time()` when the request was fully read."""
+    h2: bool = False
+    """It came over HTTP/2."""
 
     def header(self, name: str) -> str | None:
         return find_header(self.headers, name)
@@ -649,7 +651,8 @@ class FakeUpstream:
         (`H2_KNOBS`); a knob it has not is answered with 400, never ignored."""
         headers = tuple((name, value) for name, value in stream.headers.items() if not name.startswith(":"))
         body = bytes(stream.body)
-        received = Received(stream.headers[":method"], stream.headers[":path"], headers, body, conn_id, False, time.time())
+        received = Received(stream.headers[":method"], stream.headers[":path"], headers, body, conn_id, False, time.time(),
+                            h2=True)
         sent = self._arrived(received)
         try:
             behaviour = self.behaviour.overridden_by(headers)
