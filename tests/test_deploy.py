@@ -122,6 +122,14 @@ def test_compose_file_parses_and_names_existing_files():
             assert port.startswith("127.0.0.1:") or name == "relay", f"{name} publishes {port}"
 
 
+def test_a_container_stop_lets_the_turns_in_flight_finish_before_docker_kills_it():
+    # docker sends SIGKILL stop_grace_period after SIGTERM (10 s by default): it must come after the
+    # relay's grace for the turns in flight, the answers to what is left and its exit, as the unit's
+    # TimeoutStopSec does.
+    grace = _compose()["services"]["relay"]["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > workers.stop_timeout(faults.SHUTDOWN_GRACE_S)
+
+
 def test_dockerfile_copies_files_that_exist_and_runs_the_relay_alone():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     sources = []
