@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from mitmproxy.proxy import mode_specs
 from ruamel.yaml import YAML
 
 from ttft_relay.faults import faults
@@ -24,6 +25,7 @@ from ttft_relay.testing.harness import REPO
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "ttft-relay.service"
+SOCKET_UNIT = DEPLOY / "ttft-relay.socket"
 INSTALL_DIR = "/opt/ttft-relay"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 EXPOSURE_THRESHOLD = 25
@@ -34,13 +36,15 @@ def _installed_unit(tmp_path):
     """The unit as if the repo were installed where it is: systemd checks that ExecStart exists."""
     unit = tmp_path / UNIT.name
     unit.write_text(UNIT.read_text().replace(INSTALL_DIR, str(REPO)))
+    (tmp_path / SOCKET_UNIT.name).write_text(SOCKET_UNIT.read_text())  # the service requires it
     return unit
 
 
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is missing (Debian/Ubuntu: apt-get install systemd)")
 def test_systemd_unit_verifies_and_stays_hardened(tmp_path):
     unit = _installed_unit(tmp_path)
-    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit), str(unit.parent / SOCKET_UNIT.name)],
+                            capture_output=True, text=True, timeout=60)
     # Unknown or misspelt directives are only warned about: any output fails the test.
     assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stdout + verify.stderr
     security = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", f"--threshold={EXPOSURE_THRESHOLD}",
@@ -76,6 +80,20 @@ def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
     # The same file without its certificate would be refused: TLS is what makes it safe.
     assert guard.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, True, opts.relay_client_tls,
                                        False)
+
+
+def test_the_socket_unit_holds_every_listener_of_the_vps_config(monkeypatch):
+    # A restart keeps the ports open only if systemd holds each one the relay listens on: the relay
+    # takes systemd's socket on a listener's port, and binds (and closes on a stop) any other.
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
+    opts = config.started_options(launch.relay_args([]), [addon() for addon in workers.SUPERVISOR_READS])
+    listeners = [mode_specs.ProxyMode.parse(spec) for spec in opts.mode]
+    wanted = [f"{mode.listen_host(opts.listen_host)}:{mode.listen_port(opts.listen_port)}" for mode in listeners]
+    socket_unit = [line.split("=", 1) for line in SOCKET_UNIT.read_text().splitlines() if "=" in line and line[0] != "#"]
+    assert [value for key, value in socket_unit if key == "ListenStream"] == wanted
+    assert dict(socket_unit)["Backlog"] == str(opts.relay_listen_backlog)
+    service = dict(line.split("=", 1) for line in UNIT.read_text().splitlines() if "=" in line and line[0] != "#")
+    assert service["Requires"] == SOCKET_UNIT.name and SOCKET_UNIT.name in service["After"]
 
 
 def test_certbot_hook_writes_what_the_certs_option_reads_and_reloads(tmp_path, certs):
