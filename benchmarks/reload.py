@@ -1,20 +1,25 @@
-"""Reload benchmark: what a `systemctl reload` adds to the first token of the clients arriving meanwhile.
+"""Reload benchmark: what a `systemctl reload` and a `systemctl restart` add to the first token of the clients arriving meanwhile.
 
-The relay under its supervisor (`ttft-relay run --workers N`, as scripts/relay runs it),
-one TLS listener in front of a fake OpenAI upstream (in this process), a stream held in
-flight across every reload, and a client arriving every 100 ms on a new TLS connection.
-Windows of the same length take turns, round after round, so that drift on a shared
-machine hits both alike:
+The relay under its supervisor (`ttft-relay run --workers N`, as scripts/relay runs it)
+on a listening socket this process holds and passes as systemd's socket unit does
+(deploy/ttft-relay.socket; `ttft_relay/testing/socket_activation.py`), one TLS listener
+in front of a fake OpenAI upstream (in this process), a stream held in flight across
+every reload and restart, and a client arriving every 100 ms on a new TLS connection.
+Windows take turns, round after round, so that drift on a shared machine hits all alike:
 
     steady   no reload
     reload   a SIGHUP at the window's start (relay.conf read again, new workers
              started on the same socket, the old ones finishing their turns); the
              window lasts until the new workers have taken over
+    restart  SIGTERM at the window's start; the held stream ends on its own once the
+             relay stops (a turn finishing within the grace), then systemd's restart:
+             the relay exits, the next one starts on the same socket; the window lasts
+             until it serves
 
 Per window kind: clients, first token p50/p90/max (from the connect to the first
-answer text, TLS handshake included), refused or failed clients, and the ratios of the
-reload windows' figures to the steady ones'. The streams held across reloads must end
-whole ("cut" counts those that did not).
+answer text, TLS handshake included), refused or failed clients, and the ratios to the
+steady windows' figures. The streams held across reloads and restarts must end whole
+("cut" counts those that did not).
 
     scripts/bench reload [--rounds 4] [--window 4] [--workers 2]
 """
@@ -26,6 +31,7 @@ import http.client
 import os
 import re
 import signal
+import socket
 import ssl
 import statistics
 import subprocess
@@ -33,12 +39,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
 
-from ttft_relay import workers
+from ttft_relay.testing import socket_activation
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.certs import TestCerts
 from ttft_relay.testing.fakes.upstream import FakeUpstream
@@ -49,10 +55,11 @@ EVERY_S = 0.1
 
 
 class Relay:
-    """`ttft-relay run --workers N` with relay.conf at `conf`, its output watched."""
+    """`ttft-relay run --workers N` with relay.conf at `conf`, on systemd's socket `unit`, its output watched."""
 
-    def __init__(self, conf: Path, args: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "ttft_relay", "run", *args], cwd=REPO,
+    def __init__(self, conf: Path, args: list[str], unit: socket.socket) -> None:
+        command, fds = socket_activation.command([unit], [sys.executable, "-m", "ttft_relay", "run", *args])
+        self.proc = subprocess.Popen(command, cwd=REPO, pass_fds=fds,
                                      env={**os.environ, "TTFT_RELAY_CONF": str(conf)}, process_group=0,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -123,57 +130,98 @@ def summary(results: list[float | str]) -> dict[str, float | int]:
             "max": times[-1] if times else float("nan")}
 
 
+def held_stream(port: int, ca: Path) -> tuple[client.HttpConnection, client.RawResponse, Iterator[client.TimedChunk], bytes]:
+    """A stream that stalls after its first chunk until the upstream's `release_stalls`."""
+    held = client.HttpConnection(f"https://localhost:{port}", ca=ca, timeout=60)
+    resp = held.request("POST", "/v1/chat/completions", CHAT, {"x-fake-stall-after-chunks": "1"})
+    chunks = resp.chunks()
+    return held, resp, chunks, next(chunks).data
+
+
+def restart(stopping: Relay, mark: int, upstream: FakeUpstream, start: Callable[[], Relay],
+            arriving: Callable[[Callable[[], bool]], list[float | str]]) -> tuple[Relay, list[float | str]]:
+    """systemctl restart on the socket unit, clients `arriving` until the next relay serves: SIGTERM;
+    once the relay stops, the turn held in flight ends (within the grace); once it exited, systemd
+    `start`s the next one on the same socket. (The next relay, the clients' results.)"""
+    stopping.proc.send_signal(signal.SIGTERM)
+    started: list[Relay] = []
+
+    def stop_then_start() -> None:
+        stopping.wait_for(r"stopping: waiting up to", mark)
+        upstream.release_stalls()
+        stopping.proc.wait(120)
+        started.append(start())
+
+    thread = threading.Thread(target=stop_then_start)
+    thread.start()
+    results = arriving(lambda: bool(started) and started[0].said(r"\d+ workers ready"))
+    thread.join()
+    return started[0], results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench reload", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--window", type=float, default=4.0, help="seconds per window (default 4)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-reload-") as tmp, FakeUpstream() as upstream:
+    kinds = ("steady", "reload", "restart")
+    with (tempfile.TemporaryDirectory(prefix="bench-reload-") as tmp, FakeUpstream() as upstream,
+          socket.create_server(("127.0.0.1", 0)) as unit):
         work = Path(tmp)
         certs = TestCerts.create(work / "certs")
-        port = workers.free_port()
+        port = unit.getsockname()[1]
         conf = work / "relay.conf"
         conf.write_text(f"listen_host: 127.0.0.1\nmode:\n  - reverse:{upstream.base_url}@{port}\n"
                         f"certs:\n  - '*={certs.cert_and_key_pem}'\nrelay_metrics_listen: ''\n"
                         f"relay_trim: false\nconfdir: {work / 'confdir'}\n")
-        relay = Relay(conf, ["--workers", str(args.workers)])
+        relay_args = ["--workers", str(args.workers)]
+        relay = Relay(conf, relay_args, unit)
         tls = ssl.create_default_context(cafile=str(certs.ca_pem))
         tls.check_hostname = False
-        results: dict[str, list[float | str]] = {"steady": [], "reload": []}
+        results: dict[str, list[float | str]] = {kind: [] for kind in kinds}
         cut = held_total = 0
         try:
             relay.wait_for(r"\d+ workers ready")
             window(port, tls, 1.0)  # warm: the TLS session cache, the upstream connections
             for n in range(args.rounds):
-                for kind in ("steady", "reload") if n % 2 == 0 else ("reload", "steady"):
-                    if kind == "reload":
-                        held = client.HttpConnection(f"https://localhost:{port}", ca=certs.ca_pem, timeout=60)
-                        resp = held.request("POST", "/v1/chat/completions", CHAT, {"x-fake-stall-after-chunks": "1"})
-                        chunks = resp.chunks()
-                        first = next(chunks).data
-                        mark = len(relay.lines)
-                        relay.proc.send_signal(signal.SIGHUP)
-                        results[kind] += window(port, tls, args.window, lambda mark=mark: relay.said(r"reloaded: ", mark))
-                        upstream.release_stalls()
-                        with held:
-                            body = first + b"".join(c.data for c in chunks)
-                        held_total += 1
-                        cut += not (resp.complete and b"[DONE]" in body)
-                    else:
+                for kind in kinds[n % 3:] + kinds[:n % 3]:
+                    if kind == "steady":
                         results[kind] += window(port, tls, args.window)
+                        continue
+                    held, resp, chunks, first = held_stream(port, certs.ca_pem)
+                    mark = len(relay.lines)
+                    if kind == "reload":
+                        relay.proc.send_signal(signal.SIGHUP)
+                        results[kind] += window(port, tls, args.window,
+                                                lambda mark=mark, relay=relay: relay.said(r"reloaded: ", mark))
+                        upstream.release_stalls()
+                    else:
+                        relay, arrived = restart(relay, mark, upstream,
+                                                 lambda: Relay(conf, relay_args, unit),
+                                                 lambda over: window(port, tls, args.window, over))
+                        results[kind] += arrived
+                    with held:
+                        body = first + b"".join(c.data for c in chunks)
+                    held_total += 1
+                    cut += not (resp.complete and b"[DONE]" in body)
         finally:
             relay.proc.send_signal(signal.SIGINT)
             relay.proc.wait(120)
-    steady, reload = summary(results["steady"]), summary(results["reload"])
+    summaries = {kind: summary(results[kind]) for kind in kinds}
+    steady = summaries["steady"]
     print(f"{args.rounds} rounds of {args.window:.0f} s windows, a TLS client every {EVERY_S * 1000:.0f} ms, "
-          f"--workers {args.workers}")
+          f"--workers {args.workers}, on a socket held as systemd's socket unit holds it")
     print(f"{'':8} {'clients':>8} {'failed':>7} {'p50 ms':>8} {'p90 ms':>8} {'max ms':>8}")
-    for name, s in (("steady", steady), ("reload", reload)):
+    for name, s in summaries.items():
         print(f"{name:8} {s['clients']:>8} {s['failed']:>7} {s['p50']:>8.0f} {s['p90']:>8.0f} {s['max']:>8.0f}")
-    print(f"reload/steady: p50 {reload['p50'] / steady['p50']:.2f}x, p90 {reload['p90'] / steady['p90']:.2f}x, "
-          f"max {reload['max'] / steady['max']:.2f}x; streams held across a reload: {held_total}, cut: {cut}")
-    failures = [r for r in results["steady"] + results["reload"] if not isinstance(r, float)]
+    for name in kinds[1:]:
+        s = summaries[name]
+        print(f"{name}/steady: p50 {s['p50'] / steady['p50']:.2f}x, p90 {s['p90'] / steady['p90']:.2f}x, "
+              f"max {s['max'] / steady['max']:.2f}x, added p50 {s['p50'] - steady['p50']:.0f} ms, "
+              f"max {s['max'] - steady['max']:.0f} ms")
+    print(f"streams held across a reload or restart: {held_total}, cut: {cut}")
+    failures = [r for kind in kinds for r in results[kind] if not isinstance(r, float)]
     if failures:
         print("failures:", sorted(set(map(str, failures))))
     return 1 if failures or cut else 0

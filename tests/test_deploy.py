@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from mitmproxy.proxy import mode_specs
 from ruamel.yaml import YAML
 
 from ttft_relay.faults import faults
@@ -24,6 +25,7 @@ from ttft_relay.testing.harness import REPO
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "ttft-relay.service"
+SOCKET_UNIT = DEPLOY / "ttft-relay.socket"
 INSTALL_DIR = "/opt/ttft-relay"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 EXPOSURE_THRESHOLD = 25
@@ -34,13 +36,15 @@ def _installed_unit(tmp_path):
     """The unit as if the repo were installed where it is: systemd checks that ExecStart exists."""
     unit = tmp_path / UNIT.name
     unit.write_text(UNIT.read_text().replace(INSTALL_DIR, str(REPO)))
+    (tmp_path / SOCKET_UNIT.name).write_text(SOCKET_UNIT.read_text())  # the service requires it
     return unit
 
 
 @pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is missing (Debian/Ubuntu: apt-get install systemd)")
 def test_systemd_unit_verifies_and_stays_hardened(tmp_path):
     unit = _installed_unit(tmp_path)
-    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(unit), str(unit.parent / SOCKET_UNIT.name)],
+                            capture_output=True, text=True, timeout=60)
     # Unknown or misspelt directives are only warned about: any output fails the test.
     assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stdout + verify.stderr
     security = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", f"--threshold={EXPOSURE_THRESHOLD}",
@@ -76,6 +80,20 @@ def test_the_vps_config_is_valid_and_passes_the_open_proxy_guard(monkeypatch):
     # The same file without its certificate would be refused: TLS is what makes it safe.
     assert exposure.unprotected_listeners(opts.mode, opts.listen_host, opts.proxyauth, True, opts.relay_client_tls,
                                        False)
+
+
+def test_the_socket_unit_holds_every_listener_of_the_vps_config(monkeypatch):
+    # A restart keeps the ports open only if systemd holds each one the relay listens on: the relay
+    # takes systemd's socket on a listener's port, and binds (and closes on a stop) any other.
+    monkeypatch.setenv("TTFT_RELAY_CONF", str(DEPLOY / "relay.conf"))
+    opts = config.started_options(launch.relay_args([]), [addon() for addon in workers.SUPERVISOR_READS])
+    listeners = [mode_specs.ProxyMode.parse(spec) for spec in opts.mode]
+    wanted = [f"{mode.listen_host(opts.listen_host)}:{mode.listen_port(opts.listen_port)}" for mode in listeners]
+    socket_unit = [line.split("=", 1) for line in SOCKET_UNIT.read_text().splitlines() if "=" in line and line[0] != "#"]
+    assert [value for key, value in socket_unit if key == "ListenStream"] == wanted
+    assert dict(socket_unit)["Backlog"] == str(opts.relay_listen_backlog)
+    service = dict(line.split("=", 1) for line in UNIT.read_text().splitlines() if "=" in line and line[0] != "#")
+    assert service["Requires"] == SOCKET_UNIT.name and SOCKET_UNIT.name in service["After"]
 
 
 def test_certbot_hook_writes_what_the_certs_option_reads_and_reloads(tmp_path, certs):
@@ -120,6 +138,14 @@ def test_compose_file_parses_and_names_existing_files():
         for port in service.get("ports", []):
             # Only the relay's TLS listeners face the internet; the dashboards stay on loopback.
             assert port.startswith("127.0.0.1:") or name == "relay", f"{name} publishes {port}"
+
+
+def test_a_container_stop_lets_the_turns_in_flight_finish_before_docker_kills_it():
+    # docker sends SIGKILL stop_grace_period after SIGTERM (10 s by default): it must come after the
+    # relay's grace for the turns in flight, the answers to what is left and its exit, as the unit's
+    # TimeoutStopSec does.
+    grace = _compose()["services"]["relay"]["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) > workers.stop_timeout(faults.SHUTDOWN_GRACE_S)
 
 
 def test_dockerfile_copies_files_that_exist_and_runs_the_relay_alone():

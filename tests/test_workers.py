@@ -27,6 +27,7 @@ from ttft_relay import workers
 from ttft_relay.observe import ledger, metrics
 from ttft_relay.timing import phases
 from tests.conftest import reverse_to
+from ttft_relay.testing import socket_activation
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.upstream import FakeUpstream
 
@@ -130,9 +131,11 @@ def test_workers_flag():
 class Supervised:
     """`ttft-relay run` as a subprocess, its stderr and stdout collected."""
 
-    def __init__(self, args: list[str], conf: Path | None = None) -> None:
+    def __init__(self, args: list[str], conf: Path | None = None, activated: list[socket.socket] = ()) -> None:
+        """`activated`: listening sockets passed as systemd's socket unit passes them."""
+        command, fds = socket_activation.command(activated, [sys.executable, "-m", "ttft_relay", "run", *args])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ttft_relay", "run", *args],
+            command if activated else command[command.index("--") + 1:], pass_fds=fds,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
             env={**os.environ, "TTFT_RELAY_CONF": str(conf or "")}, process_group=0,
         )
@@ -706,12 +709,15 @@ def test_ttft_relay_reload_finds_the_relay_run_with_the_same_options(fake, tmp_p
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_saturated(fake, tmp_path, confdir,
                                                                                         certs, tls):
-    # The supervisor listens before its first worker serves: a client that connects then waits in
-    # the kernel's queue for the start. That is no load to "run more workers" against. Over TLS
-    # (the VPS's listener) the wait is inside the client's handshake, before its request.
-    port = workers.free_port()
+    # systemd's socket listens before the relay's first worker serves (socket activation, a
+    # restart): a client that connects then waits in the kernel's queue for the start. That is
+    # no load to "run more workers" against. Over TLS (the VPS's listener) the wait is inside
+    # the client's handshake, before its request.
+    socket_unit = socket.create_server(("127.0.0.1", 0))
+    port = socket_unit.getsockname()[1]
     more = ["--set", f"certs=localhost={certs.cert_and_key_pem}", "--set", "relay_client_tls=all"] if tls else []
-    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=", *more))
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=", *more),
+                     activated=[socket_unit])
 
     def post(headers: dict) -> int:
         if not tls:
@@ -723,19 +729,13 @@ def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_sa
         return resp.status
 
     try:
-        deadline = time.monotonic() + 60
-        while True:  # polling for the supervisor's listener: the first connection it takes is queued
-            try:
-                status = post({"x-request-id": "at-start"})
-                break
-            except ConnectionRefusedError:
-                assert time.monotonic() < deadline and sup.proc.poll() is None, sup.tail()
-                time.sleep(0.005)
+        status = post({"x-request-id": "at-start"})  # queued at once: the port listens already
         assert status == 200
         sup.wait_for(READY)
         assert post({"x-request-id": "served"}) == 200
     finally:
         assert sup.stop() == 0, sup.tail()
+        socket_unit.close()
     recs = {r["request_id"]: r for r in _records(tmp_path / "timing.jsonl")}
     started = recs["at-start"]
     assert "relay_serving" in started["marks"], started
@@ -746,6 +746,72 @@ def test_a_request_queued_while_the_relay_started_is_named_relay_starting_not_sa
     # Once the workers serve, what a request waits is its own (a worker that began to serve a few
     # ms after another may still mark when it did: its queue then is noise, never a verdict).
     assert recs["served"]["verdict"] != "relay starting", recs["served"]
+
+
+def test_the_port_opens_when_a_worker_serves(fake, tmp_path, confdir):
+    # Bound by the supervisor, the port listens once the first worker serves (issue 40.4: it
+    # accepted 2 s before, and the first client waited in the queue for the start): a client
+    # connecting as early as it can is served at once, and nothing it waited is the relay's start.
+    port = workers.free_port()
+    sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # polling for the listener: the first connection it takes
+            try:
+                assert _post(port, {"x-request-id": "first"}) == 200
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and sup.proc.poll() is None, sup.tail()
+                time.sleep(0.005)
+    finally:
+        assert sup.stop() == 0, sup.tail()
+    (first,) = _records(tmp_path / "timing.jsonl")
+    assert first["verdict"] != "relay starting" and "relay_serving" not in first["marks"], first
+
+
+def test_a_restart_on_systemds_sockets_refuses_no_client_and_cuts_no_turn(tmp_path, confdir, certs, fake):
+    # systemctl restart with the socket unit (deploy/ttft-relay.socket): a stop, then a start on the
+    # same sockets, systemd's, which stay open. A stream in flight and a client arriving every 100 ms
+    # over TLS: the stream finishes, no client is refused, cut or answered with an error; those
+    # arriving between the two processes wait in the socket's queue for the new one.
+    socket_unit = socket.create_server(("127.0.0.1", 0))
+    port = socket_unit.getsockname()[1]
+    args = _args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen=",
+                 "--set", f"certs=localhost={certs.cert_and_key_pem}", "--set", "relay_client_tls=all")
+    tls = ssl.create_default_context(cafile=str(certs.ca_pem))
+    outcomes: list = []
+    stop = threading.Event()
+    arriving = threading.Thread(target=_arrive, args=(port, outcomes, stop), kwargs={"tls": tls, "every_s": 0.1})
+    sup = Supervised(args, activated=[socket_unit])
+    again = None
+    try:
+        sup.wait_for(READY)
+        held = client.HttpConnection(f"https://localhost:{port}", ca=certs.ca_pem, timeout=60)
+        resp = held.request("POST", "/v1/chat/completions", CHAT, {"x-fake-stall-after-chunks": "1"})
+        chunks = resp.chunks()
+        first = next(chunks).data
+        arriving.start()
+        _wait_until(lambda: len(outcomes) >= 5, what=str(outcomes))
+        sup.proc.send_signal(signal.SIGTERM)
+        sup.wait_for(r"stopping: waiting up to 30 s for \d+ flow")
+        fake.release_stalls()  # the turn in flight ends on its own, within the grace
+        with held:
+            body = first + b"".join(chunk.data for chunk in chunks)
+        assert sup.proc.wait(60) == 0, sup.tail()
+        before = len(outcomes)
+        again = Supervised(args, activated=[socket_unit])  # systemd starts it on the same sockets
+        again.wait_for(READY)
+        _wait_until(lambda: len(outcomes) >= before + 10, what=str(outcomes))
+    finally:
+        stop.set()
+        if arriving.is_alive():
+            arriving.join(60)
+        for relay in (sup, again):
+            if relay is not None and relay.proc.poll() is None:
+                assert relay.stop() == 0, relay.tail()
+        socket_unit.close()
+    assert resp.complete and b"[DONE]" in body, body[-300:]
+    assert set(outcomes) == {200}, outcomes
 
 
 def test_a_metrics_port_taken_is_a_warning_with_the_fix_and_the_relay_serves(fake, tmp_path, confdir):

@@ -86,7 +86,8 @@ from .observe import ledger, metrics
 from .timing import timing
 
 LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
-"""In a worker: {mode spec: [descriptors of its listening sockets]}, as JSON."""
+"""In a worker: its listening sockets, as JSON: {"listeners": {mode spec: [descriptors]},
+"kept_open": [the specs whose sockets systemd holds], "backlog": the listen backlog}."""
 READY_FD_ENV = "TTFT_RELAY_READY_FD"
 """In a worker: the pipe on which it says it is ready (accepting)."""
 EXIT_START_FAILED = launch.EXIT_CONFIG
@@ -161,10 +162,14 @@ class StartFailed(Exception):
 
 @dataclass
 class Listener:
-    """One of the relay's TCP listeners, bound by the supervisor, served by every worker."""
+    """One of the relay's TCP listeners, bound by the supervisor (or passed by systemd),
+    served by every worker."""
 
     mode: mode_specs.ProxyMode
     sockets: list[socket.socket]
+    kept_open: bool = False
+    """systemd holds the socket (socket activation): it stays open across a stop, and the
+    connections it queues meanwhile wait for the next start instead of being refused."""
 
     @property
     def where(self) -> str:
@@ -172,8 +177,12 @@ class Listener:
         return " and ".join(dict.fromkeys(human.format_address(s.getsockname()) for s in self.sockets))
 
 
-def bind_listeners(opts: optmanager.OptManager, specs: list[str] | None = None) -> list[Listener]:
-    """Every listener of `opts.mode` (or of `specs`, some of them), bound and listening."""
+def bind_listeners(opts: optmanager.OptManager, specs: list[str] | None = None,
+                   activated: list[socket.socket] | None = None) -> list[Listener]:
+    """Every listener of `opts.mode` (or of `specs`, some of them): on the sockets of
+    `activated` (systemd's, taken out of that list) on its port, else bound here, not
+    listening yet: the first worker that serves listens (`inherited_listeners`), so that
+    a client connects once it is served, not into a queue while the relay starts."""
     out: list[Listener] = []
     try:
         for spec in opts.mode if specs is None else specs:
@@ -185,21 +194,30 @@ def bind_listeners(opts: optmanager.OptManager, specs: list[str] | None = None) 
             if mode.transport_protocol == "udp" or port is None:
                 raise StartFailed(f"listener {spec!r} cannot be shared by workers (UDP, or no address of its "
                                   f"own); run it with --workers 1")
-            host = mode.listen_host(opts.listen_host)
-            out.append(Listener(mode, bind_tcp(host, port, opts.relay_listen_backlog
-                                               or listen_backlog.ASYNCIO_DEFAULT_BACKLOG)))
+            # The socket unit says where a port listens (ListenStream=8443: every interface).
+            passed = [sock for sock in activated or [] if sock.getsockname()[1] == port]
+            if passed:
+                for sock in passed:
+                    assert activated is not None
+                    activated.remove(sock)
+                out.append(Listener(mode, passed, kept_open=True))
+                continue
+            out.append(Listener(mode, bind_tcp(mode.listen_host(opts.listen_host), port)))
     except BaseException:
         for lst in out:
-            for sock in lst.sockets:
-                sock.close()
+            if not lst.kept_open:
+                for sock in lst.sockets:
+                    sock.close()
         raise
     return out
 
 
-def bind_tcp(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets for `host`:`port` as asyncio's `start_server` binds them (and so
-    mitmproxy): one per address of `host`, "" meaning every interface, IPv4 and IPv6;
-    SO_REUSEADDR; IPv6 sockets IPv6-only. Port 0: one free port for all of them."""
+def bind_tcp(host: str, port: int, backlog: int | None = None) -> list[socket.socket]:
+    """Sockets for `host`:`port` as asyncio's `start_server` binds them (and so mitmproxy):
+    one per address of `host`, "" meaning every interface, IPv4 and IPv6; SO_REUSEADDR;
+    IPv6 sockets IPv6-only. Port 0: one free port for all of them. Listening with
+    `backlog` if given; else bound only (a port another listener holds is refused all the
+    same: SO_REUSEADDR binds over connections in TIME-WAIT, not over a listener)."""
     where = f"{host or '*'}:{port}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -224,7 +242,8 @@ def bind_tcp(host: str, port: int, backlog: int) -> list[socket.socket]:
                 if e.errno == errno.EADDRINUSE:
                     raise StartFailed(f"refusing to start: {where} is taken (another relay running?)") from None
                 raise StartFailed(f"cannot listen on {where}: {e.strerror or e}") from None
-            sock.listen(backlog)
+            if backlog is not None:
+                sock.listen(backlog)
         if not sockets:
             raise StartFailed(f"cannot listen on {where}: no address to bind")
     except BaseException:
@@ -234,14 +253,38 @@ def bind_tcp(host: str, port: int, backlog: int) -> list[socket.socket]:
     return sockets
 
 
+SYSTEMD_FIRST_FD = 3
+"""sd_listen_fds(3): the first socket systemd passes; the others follow it."""
+
+
+def systemd_sockets() -> list[socket.socket]:
+    """The listening sockets systemd passed this process (socket activation:
+    deploy/ttft-relay.socket), none if it passed none. As sd_listen_fds(3) reads them:
+    LISTEN_FDS sockets from descriptor 3 on, if LISTEN_PID is this process; the variables
+    leave the environment, so that no child takes them for its own."""
+    pid, count = os.environ.pop("LISTEN_PID", ""), os.environ.pop("LISTEN_FDS", "")
+    os.environ.pop("LISTEN_FDNAMES", None)
+    if pid != str(os.getpid()) or not count.isdigit():
+        return []
+    out = []
+    for fd in range(SYSTEMD_FIRST_FD, SYSTEMD_FIRST_FD + int(count)):
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise StartFailed(f"systemd passed descriptor {fd}, which is not a listening TCP socket: the socket "
+                              "unit's ListenStream= lines must be the relay's listener ports")
+        out.append(sock)
+    return out
+
+
 # --- workers ----------------------------------------------------------------------
 
 
 def worker_main(args: list[str]) -> None:
     """A worker: the relay as `ttft-relay run --workers 1` runs it, on the listening sockets
     its supervisor bound (named in the environment)."""
-    listeners = json.loads(os.environ.pop(LISTEN_FDS_ENV))
-    inherited_listeners.install(listeners, int(os.environ.pop(READY_FD_ENV)))
+    listening = json.loads(os.environ.pop(LISTEN_FDS_ENV))
+    inherited_listeners.install(listening["listeners"], int(os.environ.pop(READY_FD_ENV)),
+                                kept_open=listening["kept_open"], backlog=listening["backlog"])
     # The supervisor says where the relay listens, once; N workers would say it N times.
     logging.getLogger("mitmproxy.proxy.mode_servers").setLevel(logging.WARNING)
     try:
@@ -253,10 +296,14 @@ def worker_main(args: list[str]) -> None:
 class Worker:
     """One worker process, started again when it dies."""
 
-    def __init__(self, index: int, args: list[str], env: dict[str, str], listen_fds: dict[str, list[int]]) -> None:
+    def __init__(self, index: int, args: list[str], env: dict[str, str], listening: list[Listener],
+                 backlog: int) -> None:
         self.index = index
         self.args = args
-        self.env = {**env, metrics.WORKER_ENV: str(index), LISTEN_FDS_ENV: json.dumps(listen_fds)}
+        listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in listening}
+        kept_open = [lst.mode.full_spec for lst in listening if lst.kept_open]
+        self.env = {**env, metrics.WORKER_ENV: str(index),
+                    LISTEN_FDS_ENV: json.dumps({"listeners": listen_fds, "kept_open": kept_open, "backlog": backlog})}
         self.pass_fds = tuple(fd for fds in listen_fds.values() for fd in fds)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -334,7 +381,12 @@ class Supervisor:
         self.user_args = user_args
         self.count = workers
         _, self.opts = worker_options(user_args)
-        self.listeners = bind_listeners(self.opts)
+        self.activated = systemd_sockets()
+        """systemd's sockets no listener took (yet: a reload may name their port)."""
+        self.listeners = bind_listeners(self.opts, activated=self.activated)
+        for sock in self.activated:
+            log(f"systemd passed a socket at {human.format_address(sock.getsockname())}, a port no listener of "
+                "the relay names: nothing serves it")
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="ttft-relay-metrics-"))
         self.env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         self.args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
@@ -359,8 +411,8 @@ class Supervisor:
         index names its in-flight ledger, which its process holds locked)."""
         taken = {w.index for w in [*self.workers, *self.retiring]}
         indices = [i for i in range(self.count + len(taken)) if i not in taken][: self.count]
-        listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in listening}
-        return [Worker(i, self.args, self.env, listen_fds) for i in indices]
+        backlog = self.opts.relay_listen_backlog or listen_backlog.ASYNCIO_DEFAULT_BACKLOG
+        return [Worker(i, self.args, self.env, listening, backlog) for i in indices]
 
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._stop)
@@ -468,7 +520,7 @@ class Supervisor:
         still = {id(lst.sockets) for lst in listening}
         dropped = [lst for lst in self.listeners if id(lst.sockets) not in still]
         for lst in dropped:  # nobody accepts there any more: no new connection waits in vain
-            for sock in lst.sockets:
+            for sock in lst.sockets if not lst.kept_open else ():  # systemd's: queued for the next start
                 listeners.refuse_handshakes(sock.fileno())
         self.unused += dropped
         self.listeners = listening
@@ -484,9 +536,13 @@ class Supervisor:
         if self.reloaded is not None:
             current = {id(lst.sockets) for lst in self.listeners}
             for lst in self.reloaded[0]:
-                if id(lst.sockets) not in current:
-                    for sock in lst.sockets:
-                        sock.close()
+                if id(lst.sockets) in current:
+                    continue
+                if lst.kept_open:  # systemd's: a later reload may name its port again
+                    self.activated += lst.sockets
+                    continue
+                for sock in lst.sockets:
+                    sock.close()
             self.reloaded = None
         log(f"reload failed: {why}; the workers keep serving as they were")
 
@@ -498,10 +554,10 @@ class Supervisor:
         for spec in opts.mode:
             mode = mode_specs.ProxyMode.parse(spec)
             if (lst := bound.get(self._address(mode, opts))) is not None:
-                kept.append(Listener(mode, lst.sockets))
+                kept.append(Listener(mode, lst.sockets, lst.kept_open))
             else:
                 specs.append(spec)
-        return kept, bind_listeners(opts, specs)
+        return kept, bind_listeners(opts, specs, self.activated)
 
     @staticmethod
     def _address(mode: mode_specs.ProxyMode, opts: optmanager.OptManager) -> tuple[str, int | None]:
@@ -595,10 +651,11 @@ class Supervisor:
     def _shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        # No new connection from here on; what the kernel queued is served (listeners.py).
-        for lst in self._all_listeners():
-            for sock in lst.sockets:
-                listeners.refuse_handshakes(sock.fileno())
+        # No new connection from here on; what the kernel queued is served (listeners.py). On
+        # systemd's sockets the connections queue for the next start (a restart): none refused.
+        refusing = [sock for lst in self._all_listeners() if not lst.kept_open for sock in lst.sockets]
+        for sock in refusing:
+            listeners.refuse_handshakes(sock.fileno())
         self._record_what_the_dead_left()
         everyone = [*self.workers, *self.incoming, *self.retiring]
         # Each worker answers its flows in flight ("relay shutting down") and records them.
@@ -606,7 +663,7 @@ class Supervisor:
             w.signal(signal.SIGINT)  # as Ctrl-C: done hooks run, logs are flushed
         # The workers accept what the kernel queued, then let go: the supervisor's copies too,
         # so that the sockets close (connections refused, not left waiting) while they finish.
-        fds = [sock.fileno() for lst in self._all_listeners() for sock in lst.sockets if sock.fileno() >= 0]
+        fds = [sock.fileno() for sock in refusing if sock.fileno() >= 0]
         deadline = time.monotonic() + listeners.DRAIN_S
         while any(listeners.queued(fd) for fd in fds) and time.monotonic() < deadline:
             time.sleep(listeners.POLL_S)

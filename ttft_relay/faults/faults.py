@@ -466,12 +466,15 @@ class Shutdown:
     cancel the connections, cutting each client off without a word or a record.
 
     First the listeners close (`listeners.let_go`): new connections are refused, the
-    ones the kernel had queued are served. `relay_shutdown_grace` (default
+    ones the kernel had queued are served (on sockets systemd holds, socket activation,
+    nothing is refused: new connections wait there for the relay's next start). `relay_shutdown_grace` (default
     SHUTDOWN_GRACE_S, within the systemd unit's TimeoutStopSec) lets flows in flight
-    finish on their own; requests arriving meanwhile on open connections get the 503, and a
-    connection accepted just before the stop is waited for (FIRST_REQUEST_WAIT_S) until its
-    request has come and had its 503: a worker with nothing in flight that exited at once
-    would close it under a client sending its POST.
+    finish on their own; a connection accepted just before the stop is waited for
+    (FIRST_REQUEST_WAIT_S) and its first request served like those in flight (its client
+    connected before the stop: on a restart it would otherwise get an error for a turn
+    the relay took), its answer closing the connection; requests arriving meanwhile on
+    connections that had one already get the 503. A worker with nothing in flight that
+    exited at once would close such a connection under a client sending its POST.
     Flows still uploading their request (nothing forwarded, nothing to end cleanly) are
     recorded by timing's `done` and cut.
 
@@ -518,8 +521,9 @@ class Shutdown:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
-        if st is not None and flow.response is None and self.stopping:
-            # Stays unasked until the 503 is written and the connection closed (client_disconnected).
+        # A connection's first request is served within the grace (its client came before the stop).
+        first = flow.client_conn.id in self.unasked and self.grace > 0
+        if st is not None and flow.response is None and self.stopping and not first:
             st.record_error(timing.SHUTDOWN_ERROR, phase="relay", status=SHUTDOWN_STATUS)
             answer_on_head.answer_now(flow, error_reply(st.api, SHUTDOWN_STATUS, MESSAGE_PREFIX + timing.SHUTDOWN_ERROR))
             return
@@ -528,7 +532,7 @@ class Shutdown:
             self.in_flight.add(flow)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if self.retiring and flow.response is not None and flow.request.http_version.startswith("HTTP/1"):
+        if (self.retiring or self.stopping) and flow.response is not None and flow.request.http_version.startswith("HTTP/1"):
             flow.response.headers["connection"] = "close"
 
     def response(self, flow: http.HTTPFlow) -> None:
@@ -595,7 +599,11 @@ class Shutdown:
 
     @staticmethod
     async def _let_go(refuse: bool) -> None:
-        await listeners.let_go(listeners.tcp_servers(ctx.master.addons.get("proxyserver")), refuse=refuse)
+        servers = listeners.tcp_servers(ctx.master.addons.get("proxyserver"))
+        # On systemd's sockets a stop refuses nothing: what they queue waits for the next start.
+        kept = [server for server in servers if inherited_listeners.kept_open(server)]
+        await listeners.let_go([server for server in servers if server not in kept], refuse=refuse)
+        await listeners.let_go(kept, refuse=False)
         inherited_listeners.release()
 
     def _live(self) -> list[http.HTTPFlow]:

@@ -13,6 +13,13 @@ a connection waits in the one queue until some worker is free to accept it.
   (`serve_after_startup`, from the relay's `running`): a worker whose start fails (a bad
   option, a key file missing) exits without taking a connection off the shared queue.
   Then it tells the supervisor that it is ready (a byte on `ready_fd`).
+- The supervisor binds a socket without listening on it: the first worker to serve
+  listens (with the supervisor's backlog), so the port opens when a worker serves, and a
+  client of a relay still starting is refused (and retries) instead of waiting for it in
+  the queue. A socket systemd passed listens already (socket activation): a client that
+  connects while the relay starts waits, and its record names the wait `relay starting`.
+- A stop leaves the connections queued on systemd's sockets (`kept_open`) for the
+  relay's next start (a restart), instead of refusing new ones as it does on its own.
 - asyncio's accept loop takes up to `backlog` connections per readiness event (100 by
   default); on a shared queue that lets the first worker to wake drain a burst, however
   busy it is. Servers here accept up to ACCEPT_BATCH (8) per turn of their event loop:
@@ -37,7 +44,8 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Collection, Mapping, Sequence
 
 from mitmproxy import ctx, master
 from mitmproxy.addons import errorcheck
@@ -58,6 +66,11 @@ ACCEPT_BATCH = 8
 
 _inherited: dict[str, tuple[int, ...]] = {}
 """Mode spec (as configured) → the inherited listening sockets' descriptors."""
+_kept_open: set[str] = set()
+"""Mode specs whose sockets systemd holds open across a stop."""
+_kept_servers: weakref.WeakSet[asyncio.Server] = weakref.WeakSet()
+_backlog = 0
+"""The listen backlog of a socket the supervisor bound without listening."""
 _ready_fd: int | None = None
 _serving = False
 _waiting: list[asyncio.Server] = []
@@ -73,12 +86,17 @@ class _SharedListener(socket.socket):
         pass
 
 
-def install(listeners: Mapping[str, Sequence[int]], ready_fd: int | None = None) -> None:
-    """Serve each mode of `listeners` (spec → descriptors of its listening sockets) from
-    those sockets; write a byte to `ready_fd` once accepting."""
-    global _ready_fd, _serving
+def install(listeners: Mapping[str, Sequence[int]], ready_fd: int | None = None, *,
+            kept_open: Collection[str] = (), backlog: int = socket.SOMAXCONN) -> None:
+    """Serve each mode of `listeners` (spec → descriptors of its sockets) from those
+    sockets, listening with `backlog` where they do not listen yet; write a byte to
+    `ready_fd` once accepting. `kept_open`: the specs whose sockets systemd holds."""
+    global _ready_fd, _serving, _backlog
     _inherited.clear()
     _inherited.update({spec: tuple(fds) for spec, fds in listeners.items()})
+    _kept_open.clear()
+    _kept_open.update(kept_open)
+    _backlog = backlog
     _ready_fd, _serving = ready_fd, False
     _waiting.clear()
     mode_servers.AsyncioServerInstance._start = _start  # type: ignore[method-assign]
@@ -88,6 +106,7 @@ def uninstall() -> None:
     global _ready_fd, _serving
     mode_servers.AsyncioServerInstance._start = _ORIGINAL_START  # type: ignore[method-assign]
     _inherited.clear()
+    _kept_open.clear()
     _waiting.clear()
     if _ready_fd is not None:
         os.close(_ready_fd)
@@ -105,9 +124,16 @@ async def _start(self: mode_servers.AsyncioServerInstance) -> None:
         server = await asyncio.start_server(self.handle_stream, sock=sock, backlog=ACCEPT_BATCH,
                                             start_serving=_serving)
         servers.append(server)
+        if self.mode.full_spec in _kept_open:
+            _kept_servers.add(server)
         if not _serving:
             _waiting.append(server)
     self._servers = servers
+
+
+def kept_open(server: asyncio.Server) -> bool:
+    """Whether systemd holds `server`'s socket open across a stop (its queue waits for the next start)."""
+    return server in _kept_servers
 
 
 def release() -> None:
@@ -149,6 +175,11 @@ def _serve() -> None:
 
 async def _start_serving(servers: list[asyncio.Server]) -> None:
     global _ready_fd
+    for fds in _inherited.values():
+        for fd in fds:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # the first to serve opens it
+                    sock.listen(_backlog)
     for server in servers:
         await server.start_serving()
     if _ready_fd is not None:

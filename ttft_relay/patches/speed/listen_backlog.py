@@ -71,6 +71,8 @@ def _relisten(servers: Iterable[Any], backlog: int) -> None:
             try:
                 # a duplicate descriptor of the same socket: listen() applies to both
                 with socket.socket(fileno=os.dup(listening.fileno())) as same:
-                    same.listen(backlog)
+                    # One not listening yet (a worker's, before it serves) opens when it serves.
+                    if same.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        same.listen(backlog)
             except OSError as e:  # the patch must never cost a listener
                 logger.warning("cannot set the listen backlog of %s to %d: %s", listening.getsockname(), backlog, e)
