@@ -5,6 +5,8 @@ from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
 from ttft_relay import config
+from ttft_relay.faults import faults
+from ttft_relay.guard import limits
 
 
 def test_command_line_options_sees_every_spelling():
@@ -149,7 +151,7 @@ def test_mitm_conf_documents_every_relay_option_with_the_codes_default(tmp_path)
                           "-s", str(RELAY_SCRIPT), "--options"],
                          env={**os.environ, "TTFT_RELAY_CONF": ""}, capture_output=True, text=True, timeout=60,
                          stdin=subprocess.DEVNULL, check=True).stdout
-    code = {k: v for k, v in optmanager.parse(out).items() if k.startswith("relay_")}
+    code = {k: v for k, v in optmanager.parse(out).items() if k.startswith("relay_") and k not in config.RENAMED}
     conf = config.DEFAULT_CONF.read_text()
     documented = {m.group(1): optmanager.parse(f"v: {m.group(2)}")["v"]
                   for m in re.finditer(r"^# (relay_\w+):(.*)$", conf, re.M)}
@@ -181,3 +183,15 @@ def test_the_listeners_of_mitm_conf_are_the_first_ones_bound(tmp_path, confdir):
         proc.terminate()
         proc.wait(30)
     assert "reverse proxy to http://127.0.0.1:9 listening at 127.0.0.1:" in first, first
+
+
+@pytest.mark.parametrize("old, new", sorted(config.RENAMED.items()))
+def test_an_old_option_name_still_sets_the_new_one_with_a_warning(old, new, caplog):
+    # relay_header_timeout / relay_head_timeout said which side's head only in one letter.
+    limits_and_deadlines = [limits.ClientLimits(), faults.Deadlines(), config.RenamedOptions()]
+    with taddons.context(*limits_and_deadlines) as tctx:
+        tctx.configure(limits_and_deadlines[-1], **{old: 7})
+        assert getattr(tctx.options, new) == 7
+        assert f"{old} is now {new}" in caplog.text
+        tctx.configure(limits_and_deadlines[-1], **{new: 9, old: 8})  # both set: the new name wins
+        assert getattr(tctx.options, new) == 9

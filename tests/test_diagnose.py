@@ -20,8 +20,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ttft_relay.diagnose import diagnose, diagnosis, probe, probe_requests
-from ttft_relay.diagnose.diagnosis import ProbeResult
+from ttft_relay.diagnose import cli, findings, probe, probe_requests
+from ttft_relay.diagnose.findings import ProbeResult
 from ttft_relay.workers import free_port as closed_port
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import DelayingForwarder, link
@@ -96,17 +96,17 @@ def test_probe_phases_run_between_consecutive_marks():
 def test_context_length_is_a_rate_until_weighed_at_the_users_own_prompts():
     probes = [probe_result("direct", "tiny", 100 + i, tokens=10) for i in range(3)]
     probes += [probe_result("direct", "long", 900 + i, tokens=8010) for i in range(3)]
-    unweighed = diagnosis.diagnose(diagnosis.Evidence(probes))
-    context = finding(unweighed, diagnosis.CONTEXT_LENGTH)
+    unweighed = findings.diagnose(findings.Evidence(probes))
+    context = finding(unweighed, findings.CONTEXT_LENGTH)
     assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
     assert not context.weighed and not context.significant and unweighed.verdict is None  # diagnose's size, not yours
-    text = diagnosis.render(diagnosis.Evidence(probes), unweighed)
+    text = findings.render(findings.Evidence(probes), unweighed)
     assert "not weighed: every 8.0k tokens of history add 800 ms — pass --prompt-tokens N" in text
-    weighed = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(30_010, "--prompt-tokens")))
-    assert weighed.verdict.cause == diagnosis.CONTEXT_LENGTH and weighed.verdict.weighed
+    weighed = findings.diagnose(findings.Evidence(probes, prompt_size=findings.PromptSize(30_010, "--prompt-tokens")))
+    assert weighed.verdict.cause == findings.CONTEXT_LENGTH and weighed.verdict.weighed
     assert weighed.verdict.ms == pytest.approx(3000, abs=5)
     assert weighed.verdict.detail.startswith("your prompts (30.0k tokens: --prompt-tokens) wait ≈ 3000 ms longer")
-    assert "not weighed" not in diagnosis.render(diagnosis.Evidence(probes), weighed)
+    assert "not weighed" not in findings.render(findings.Evidence(probes), weighed)
 
 
 def linked_probe(prompt: str, rtt: float, ttft: float, tokens: int, i: int = 0) -> ProbeResult:
@@ -129,28 +129,28 @@ def test_a_far_link_is_the_verdict_whatever_the_size_of_diagnoses_own_long_probe
     # Issue 34: 150 ms each way, prefill 150 ms + 100 ms per 1k tokens. The long probe's extra
     # 800 ms read `context length (804 ms) — trim history` while the tiny probe showed the link.
     probes = probes_over(rtt=300, prefill_ms=150, per_1k_ms=100)
-    result = diagnosis.diagnose(diagnosis.Evidence(probes))
-    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    result = findings.diagnose(findings.Evidence(probes))
+    assert result.verdict.cause == findings.NETWORK_TO_RELAY
     assert result.verdict.ms == pytest.approx(300, abs=1)
-    assert finding(result, diagnosis.CONTEXT_LENGTH).numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
-    text = diagnosis.render(diagnosis.Evidence(probes), result)
+    assert finding(result, findings.CONTEXT_LENGTH).numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)
+    text = findings.render(findings.Evidence(probes), result)
     assert "verdict: network to the relay (300 ms)" in text
     assert "not weighed: every 8.0k tokens of history add 800 ms" in text
     # At prompts of the user's that cost less than the link, the link stays the verdict.
-    short = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=diagnosis.PromptSize(2000, "--prompt-tokens")))
-    assert short.verdict.cause == diagnosis.NETWORK_TO_RELAY
-    assert finding(short, diagnosis.CONTEXT_LENGTH).ms == pytest.approx(199, abs=1)
+    short = findings.diagnose(findings.Evidence(probes, prompt_size=findings.PromptSize(2000, "--prompt-tokens")))
+    assert short.verdict.cause == findings.NETWORK_TO_RELAY
+    assert finding(short, findings.CONTEXT_LENGTH).ms == pytest.approx(199, abs=1)
 
 
 def test_a_long_history_on_a_near_link_is_context_length_from_the_relays_log():
     probes = probes_over(rtt=1, prefill_ms=150, per_1k_ms=100)
     records = [{"upstream": "api.openai.com", "prompt_tokens": 41_000,
                 "usage": {"input_tokens": 40_000 + i, "cached_tokens": 10_000}} for i in range(5)]
-    size = diagnosis.prompt_size_of_traffic(records, ["api.openai.com"])
+    size = findings.prompt_size_of_traffic(records, ["api.openai.com"])
     assert size.tokens == 30_002  # uncached, as the upstream reported: the cache's share costs next to nothing
-    result = diagnosis.diagnose(diagnosis.Evidence(probes, prompt_size=size))
+    result = findings.diagnose(findings.Evidence(probes, prompt_size=size))
     v = result.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH and v.ms == pytest.approx(3000, abs=5)
+    assert v.cause == findings.CONTEXT_LENGTH and v.ms == pytest.approx(3000, abs=5)
     assert "the median of your 5 requests in the relay's log; 10.0k more read from the provider's cache" in v.detail
 
 
@@ -163,12 +163,12 @@ def test_with_the_relays_records_the_rate_is_the_upstreams_own_not_the_long_body
             probe = linked_probe(prompt, 300, 300 + upload + 300 + prefill_ms + 2 + i, tokens, i)
             probes.append(probe)
             records[probe.request_id] = {"phases": {"relay": 1.0, "upstream_wait": prefill_ms + 1.0}, "rtt_ms": 1.0}
-    result = diagnosis.diagnose(diagnosis.Evidence(probes, records))
-    context = finding(result, diagnosis.CONTEXT_LENGTH)
+    result = findings.diagnose(findings.Evidence(probes, records))
+    context = finding(result, findings.CONTEXT_LENGTH)
     assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, abs=1)  # the probes' waits say 175
     assert context.numbers["link_extra_ms"] == pytest.approx(600, abs=1)
     assert "its way to the relay took 600 ms more (the link's, not counted here)" in context.detail
-    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    assert result.verdict.cause == findings.NETWORK_TO_RELAY
 
 
 def test_the_users_prompt_size_comes_from_their_own_first_token_requests_to_the_probed_upstream():
@@ -180,23 +180,23 @@ def test_the_users_prompt_size_comes_from_their_own_first_token_requests_to_the_
         {"upstream": "other", "prompt_tokens": 5000},  # another upstream's model
         {"upstream": "up"},  # size unknown
     ]
-    assert diagnosis.prompt_size_of_traffic(records, ["up"]) == diagnosis.PromptSize(
+    assert findings.prompt_size_of_traffic(records, ["up"]) == findings.PromptSize(
         1000, "the median of your 2 requests in the relay's log")
-    assert diagnosis.prompt_size_of_traffic(records).tokens == 1100  # no probe record: every upstream
-    assert diagnosis.prompt_size_of_traffic(records[2:4]) is None
+    assert findings.prompt_size_of_traffic(records).tokens == 1100  # no probe record: every upstream
+    assert findings.prompt_size_of_traffic(records[2:4]) is None
 
 
 def test_network_to_relay_is_what_the_relay_record_does_not_account_for():
     probes = [probe_result("relayed", "tiny", 350 + i) for i in range(3)]
     records = {p.request_id: {"phases": {"relay": 1.0, "upstream_wait": 48.0}, "rtt_ms": 2.0} for p in probes}
-    result = diagnosis.diagnose(diagnosis.Evidence(probes, records))
-    assert result.verdict.cause == diagnosis.NETWORK_TO_RELAY
+    result = findings.diagnose(findings.Evidence(probes, records))
+    assert result.verdict.cause == findings.NETWORK_TO_RELAY
     assert result.verdict.ms == pytest.approx(301, abs=1)
 
 
 def test_instability_needs_a_spread_large_against_the_median_and_more_than_one_outlier():
-    def spread_of(*ttfts: float) -> diagnosis.Finding | None:
-        return diagnosis.upstream_instability(diagnosis.Evidence([probe_result("direct", "tiny", t) for t in ttfts]))
+    def spread_of(*ttfts: float) -> findings.Finding | None:
+        return findings.upstream_instability(findings.Evidence([probe_result("direct", "tiny", t) for t in ttfts]))
 
     assert not spread_of(2000, 2100, 2200, 2300, 2400).significant  # 200 ms on 2.2 s (the middle three)
     assert spread_of(100, 110, 300, 500, 600).significant  # 390 ms on 300 ms
@@ -207,14 +207,14 @@ def test_instability_needs_a_spread_large_against_the_median_and_more_than_one_o
 
 def test_a_mid_stream_stall_of_seconds_is_a_finding():
     probes = [probe_result("direct", "tiny", 100 + i) for i in range(3)]
-    assert diagnosis.mid_stream_stall(diagnosis.Evidence(probes)) is None  # no chunk after the first token
+    assert findings.mid_stream_stall(findings.Evidence(probes)) is None  # no chunk after the first token
     for i, p in enumerate(probes):
         p.stall_ms = 20.0 + i
-    assert not diagnosis.mid_stream_stall(diagnosis.Evidence(probes)).significant
+    assert not findings.mid_stream_stall(findings.Evidence(probes)).significant
     stalled = probe_result("relayed", "tiny", 110)
     stalled.stall_ms = 3000.0
-    result = diagnosis.diagnose(diagnosis.Evidence(probes + [stalled]))
-    assert result.verdict.cause == diagnosis.MID_STREAM_STALL and result.verdict.ms == 3000.0
+    result = findings.diagnose(findings.Evidence(probes + [stalled]))
+    assert result.verdict.cause == findings.MID_STREAM_STALL and result.verdict.ms == 3000.0
     assert result.verdict.detail == ("relayed tiny: 3000 ms of silence after the first token (direct probes at most "
                                      "22 ms; relayed probes at most 3000 ms)")
 
@@ -224,11 +224,11 @@ def test_every_probe_failing_is_the_verdict():
                           error_phase="tcp")
     gateway = ProbeResult("relayed", "tiny", "r2", 2, 8, {"dns": 0.1, "end": 3.0}, status=502,
                           error="HTTP 502: bad gateway", error_phase="wait")
-    result = diagnosis.diagnose(diagnosis.Evidence([refused, gateway]))
-    assert result.failed and result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    result = findings.diagnose(findings.Evidence([refused, gateway]))
+    assert result.failed and result.verdict.cause == findings.UPSTREAM_UNREACHABLE
     assert "Connection refused (in tcp) 1/1" in result.verdict.detail
-    only_relay = diagnosis.diagnose(diagnosis.Evidence([gateway]))
-    assert only_relay.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    only_relay = findings.diagnose(findings.Evidence([gateway]))
+    assert only_relay.verdict.cause == findings.UPSTREAM_UNREACHABLE
 
 
 def test_the_users_records_are_the_newest_before_the_probes_and_any_since_without_diagnoses_own(tmp_path,
@@ -239,29 +239,29 @@ def test_the_users_records_are_the_newest_before_the_probes_and_any_since_withou
         return orjson.dumps({"request_id": rid, "prompt_tokens": 100}) + b"\n"
 
     log.write_bytes(line("too-old") + line("recent") + line("ttft-diag-earlier-run"))
-    monkeypatch.setattr(diagnose, "USERS_RECORDS_BYTES", len(line("recent") + line("ttft-diag-earlier-run")) + 3)
-    relay_log = diagnose.RelayLog(log)
+    monkeypatch.setattr(cli, "USERS_RECORDS_BYTES", len(line("recent") + line("ttft-diag-earlier-run")) + 3)
+    relay_log = cli.RelayLog(log)
     with open(log, "ab") as f:
         f.write(line("ttft-diag-this-run") + line("while-probing") + b'{"request_id": "half-writ')
     assert [r["request_id"] for r in relay_log.users_records()] == ["recent", "while-probing"]
 
 
 def test_redactor_hides_the_key_in_text_and_log_lines():
-    redact = diagnose.Redactor(["sk-secret"])
+    redact = cli.Redactor(["sk-secret"])
     assert redact("Incorrect API key provided: sk-secret.") == "Incorrect API key provided: [redacted]."
 
 
 # --- end to end ---------------------------------------------------------------------------
 
 
-def run_diagnosis(*argv: str, key: str | None = FAKE_OPENAI_KEY) -> tuple[diagnosis.Evidence, diagnosis.Diagnosis]:
+def run_diagnosis(*argv: str, key: str | None = FAKE_OPENAI_KEY) -> tuple[findings.Evidence, findings.Diagnosis]:
     """The CLI's own collect step in-process; the findings from the pure functions."""
-    args = diagnose.parse_args(list(argv))
-    evidence = diagnose.collect(args, probe_requests.API_SHAPES[args.api], key)
-    return evidence, diagnosis.diagnose(evidence)
+    args = cli.parse_args(list(argv))
+    evidence = cli.collect(args, probe_requests.API_SHAPES[args.api], key)
+    return evidence, findings.diagnose(evidence)
 
 
-def finding(result: diagnosis.Diagnosis, cause: str) -> diagnosis.Finding:
+def finding(result: findings.Diagnosis, cause: str) -> findings.Finding:
     return next(f for f in result.findings if f.cause == cause)
 
 
@@ -293,15 +293,15 @@ def test_far_upstream_behind_the_relay_is_named_with_its_tls_and_round_trip(star
             "--upstream", fake_tls.base_url, "--ca", str(certs.ca_pem), "--relay", relay.url(),
             "--relay-log", str(tmp_path / "timing.jsonl"), "--repeat", "3", "--long-tokens", "1000",
         )
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     assert len(evidence.records) == 6
     v = result.verdict
     round_trip = 2 * ONE_WAY_MS
-    assert v.cause == diagnosis.RELAY_UPSTREAM_NETWORK
+    assert v.cause == findings.RELAY_UPSTREAM_NETWORK
     assert round_trip <= v.numbers["tls_ms"] < round_trip + SLACK_MS
     assert round_trip <= v.numbers["rtt_ms"] < round_trip + SLACK_MS
     assert 2 * round_trip <= v.ms < 2 * round_trip + SLACK_MS
-    overhead = finding(result, diagnosis.RELAY_OVERHEAD)
+    overhead = finding(result, findings.RELAY_OVERHEAD)
     assert abs(overhead.ms) < SLACK_MS  # the network difference explains the relayed-minus-direct gap
 
 
@@ -313,11 +313,11 @@ def test_prefill_growing_with_the_prompt_is_named_in_ms_per_1k_tokens(shared_rel
         "--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(relay.log.path),
         "--repeat", "3", "--long-tokens", "8000", "--prompt-tokens", "16000",
     )
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     tiny, long = evidence.ok("direct tiny")[0], evidence.ok("direct long")[0]
     expected = per_1k_fake_tokens * ((long.body_bytes - tiny.body_bytes) / 4) / (long.prompt_tokens - tiny.prompt_tokens)
     v = result.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH and v.numbers["prompt_tokens"] == 16000
+    assert v.cause == findings.CONTEXT_LENGTH and v.numbers["prompt_tokens"] == 16000
     assert v.numbers["ms_per_1k_tokens"] == pytest.approx(expected, rel=0.15)  # ±15 %: ≈ ±60 ms on 400 ms
     assert v.ms == pytest.approx(v.numbers["ms_per_1k_tokens"] * (16000 - tiny.prompt_tokens) / 1000, abs=1)
 
@@ -340,16 +340,16 @@ def test_the_context_is_weighed_at_the_users_own_requests_in_the_relays_log(star
     argv = ("--upstream", fake.base_url, "--relay", relay.url(), "--relay-log", str(log), "--repeat", "2",
             "--long-tokens", "2000")
     _, before = run_diagnosis(*argv)  # only the probes in the log: the context is said as a rate
-    assert finding(before, diagnosis.CONTEXT_LENGTH).weighed is False
-    assert before.verdict is None or before.verdict.cause != diagnosis.CONTEXT_LENGTH
+    assert finding(before, findings.CONTEXT_LENGTH).weighed is False
+    assert before.verdict is None or before.verdict.cause != findings.CONTEXT_LENGTH
     users_requests(relay, 16_000)  # 80 kB each: 20k tokens as the fake counts them
     evidence, result = run_diagnosis(*argv)
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     v = result.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.cause == findings.CONTEXT_LENGTH
     assert v.numbers["prompt_tokens"] == pytest.approx(20_000, rel=0.01)  # as the upstream counted them (the body)
     assert "the median of your 3 requests in the relay's log" in v.detail  # the probes of both runs left out
-    assert v.ms > 5 * finding(result, diagnosis.CONTEXT_LENGTH).numbers["probe_extra_ms"]
+    assert v.ms > 5 * finding(result, findings.CONTEXT_LENGTH).numbers["probe_extra_ms"]
 
 
 def test_slow_hop_to_the_relay_is_named_with_its_round_trip(shared_relay, fake):
@@ -359,9 +359,9 @@ def test_slow_hop_to_the_relay_is_named_with_its_round_trip(shared_relay, fake):
             "--upstream", fake.base_url, "--relay", f"http://127.0.0.1:{slow_hop.port}",
             "--relay-log", str(relay.log.path), "--repeat", "3", "--long-tokens", "1000",
         )
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     v = result.verdict
-    assert v.cause == diagnosis.NETWORK_TO_RELAY
+    assert v.cause == findings.NETWORK_TO_RELAY
     assert 2 * ONE_WAY_MS <= v.ms < 2 * ONE_WAY_MS + SLACK_MS
 
 
@@ -372,7 +372,7 @@ def test_through_the_relay_as_https_proxy(start_relay, fake_tls, certs, tmp_path
         "--relay", relay.url(), "--relay-mode", "proxy", "--relay-log", str(tmp_path / "timing.jsonl"),
         "--repeat", "2", "--long-tokens", "500",
     )
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     assert len(evidence.ok("relayed tiny")) == 2 and len(evidence.records) == 4
     assert all("tunnel" in p.marks and p.tls_version for p in evidence.ok("relayed tiny"))
     assert not result.failed
@@ -401,9 +401,9 @@ def test_a_stream_that_stops_for_seconds_stands_out(fake):
     # "nothing stands out" for a 3 s mid-stream stall, before.
     fake.behaviour.midstream_pause_ms = 1500
     evidence, result = run_diagnosis("--upstream", fake.base_url, "--repeat", "2", "--long-tokens", "200")
-    print(diagnosis.render(evidence, result))
+    print(findings.render(evidence, result))
     assert all(p.stall_ms >= 1500 * 0.9 for p in evidence.ok("direct tiny"))
-    assert result.verdict.cause == diagnosis.MID_STREAM_STALL and result.verdict.significant
+    assert result.verdict.cause == findings.MID_STREAM_STALL and result.verdict.significant
 
 
 def test_silent_upstream_times_out_in_the_wait(fake):
@@ -411,7 +411,7 @@ def test_silent_upstream_times_out_in_the_wait(fake):
     evidence, result = run_diagnosis("--upstream", fake.base_url, "--timeout", "0.5", "--repeat", "2")
     (timed_out,) = evidence.probes  # the warm-up, and no more
     assert (timed_out.error, timed_out.error_phase) == ("timed out after 0.5 s", "wait")
-    assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    assert result.verdict.cause == findings.UPSTREAM_UNREACHABLE
 
 
 def test_the_key_never_appears_in_the_output(shared_relay, fake):
@@ -425,14 +425,14 @@ def test_the_key_never_appears_in_the_output(shared_relay, fake):
         assert FAKE_OPENAI_KEY not in done.stdout + done.stderr
     assert all(r.header("authorization") == f"Bearer {FAKE_OPENAI_KEY}" for r in fake.received)  # it was sent
     report = orjson.loads(done.stdout)
-    assert report["verdict"]["cause"] == diagnosis.UPSTREAM_ERRORS
+    assert report["verdict"]["cause"] == findings.UPSTREAM_ERRORS
 
 
 # --- waterfalls and the WebSocket transport -------------------------------------------------
 
 
 def test_httpstat_waterfall_puts_each_running_total_under_its_column_end():
-    lines = diagnosis.httpstat([("dns", 5.0), ("tcp", 10.0), ("wait", 100.0), ("head_to_first_token", 50.0)])
+    lines = findings.httpstat([("dns", 5.0), ("tcp", 10.0), ("wait", 100.0), ("head_to_first_token", 50.0)])
     assert lines[0].split() == ["DNS", "Lookup", "TCP", "Connection", "Server", "Wait", "First", "Token"]
     assert lines[1].startswith("[") and lines[1].endswith("]") and lines[1].count("|") == 3
     assert [c.strip() for c in lines[1][1:-1].split("|")] == ["5 ms", "10 ms", "100 ms", "50 ms"]
@@ -442,14 +442,14 @@ def test_httpstat_waterfall_puts_each_running_total_under_its_column_end():
         "namelookup:5 ms", "connect:15 ms", "starttransfer:115 ms", "first token:165 ms"]
     for line, bar in zip(totals, bars):  # each total ends at its column's separator
         assert line.rstrip("| ").endswith(" ms") and len(line.split("|")[0].rstrip()) == bar + 1
-    ws = diagnosis.httpstat([("send", 1.0), ("wait", 40.0)], websocket=True)
+    ws = findings.httpstat([("send", 1.0), ("wait", 40.0)], websocket=True)
     assert "Upgrade Sent" in ws[0] and "Wait for 101" in ws[0] and "upgraded:41 ms" in ws[-1]
 
 
 def test_the_text_report_draws_every_kind_on_one_axis():
     probes = [probe_result("direct", "tiny", 100 + i) for i in range(3)] + [
         probe_result("relayed", "tiny", 400 + i) for i in range(3)]
-    text = diagnosis.render(diagnosis.Evidence(probes), diagnosis.diagnose(diagnosis.Evidence(probes)))
+    text = findings.render(findings.Evidence(probes), findings.diagnose(findings.Evidence(probes)))
     assert "direct tiny: median of 3 probes" in text and "starttransfer:" in text
     direct, relayed = (line for line in text.splitlines() if line.startswith(("  direct tiny ", "  relayed tiny ")))
     assert relayed.count("w") > 3 * direct.count("w") and relayed.endswith("| 401 ms")
@@ -463,12 +463,12 @@ def ws_probe(path: str, handshake_ms: float, ttft: float = 500.0, **kw) -> Probe
 
 def test_a_slow_websocket_handshake_is_its_own_finding_beside_the_direct_one():
     probes = [ws_probe("direct", 40.0 + i) for i in range(3)] + [ws_probe("relayed", 700.0 + i, ttft=1200.0) for i in range(3)]
-    f = finding(diagnosis.diagnose(diagnosis.Evidence(probes)), diagnosis.WEBSOCKET_HANDSHAKE)
+    f = finding(findings.diagnose(findings.Evidence(probes)), findings.WEBSOCKET_HANDSHAKE)
     assert f.significant and f.ms == pytest.approx(701) and f.numbers["direct_ms"] == pytest.approx(41)
     assert "(direct: 41 ms)" in f.detail
     assert probes[3].wait_ms == pytest.approx(1200.0 - 701.2)  # a turn's wait starts at its message
     fast = [ws_probe("direct", 40.0)]
-    assert not finding(diagnosis.diagnose(diagnosis.Evidence(fast)), diagnosis.WEBSOCKET_HANDSHAKE).significant
+    assert not finding(findings.diagnose(findings.Evidence(fast)), findings.WEBSOCKET_HANDSHAKE).significant
 
 
 def test_websockets_failing_past_the_connect_are_the_verdict_and_refused_connects_are_not():
@@ -477,12 +477,12 @@ def test_websockets_failing_past_the_connect_are_the_verdict_and_refused_connect
                           error="WebSocket protocol error: Reserved bit set unexpectedly", error_phase="first_token")
               for i in range(2)]
     ok_direct = [ws_probe("direct", 40.0)]
-    result = diagnosis.diagnose(diagnosis.Evidence(ok_direct + broken))
-    assert result.failed and result.verdict.cause == diagnosis.WEBSOCKET_FAILING
+    result = findings.diagnose(findings.Evidence(ok_direct + broken))
+    assert result.failed and result.verdict.cause == findings.WEBSOCKET_FAILING
     assert "relayed: every WebSocket failed in the handshake or turn, after 14 ms" in result.verdict.detail
     refused = [ProbeResult("relayed", "tiny", "r", 2, 8, {"dns": 0.1, "end": 0.3}, transport="websocket",
                            error="Connection refused", error_phase="tcp")]
-    assert diagnosis.diagnose(diagnosis.Evidence(refused)).verdict.cause == diagnosis.RELAY_UNREACHABLE
+    assert findings.diagnose(findings.Evidence(refused)).verdict.cause == findings.RELAY_UNREACHABLE
 
 
 def test_websocket_probe_sends_one_response_create_per_new_socket(fake):
@@ -500,7 +500,7 @@ def test_websocket_probe_sends_one_response_create_per_new_socket(fake):
     for p in evidence.probes:
         assert p.transport == "websocket" and p.marks["sent"] < p.marks["head"] < p.marks["message"]
         assert p.wait_ms >= 80  # the prefill, after the turn was sent
-    assert finding(result, diagnosis.WEBSOCKET_HANDSHAKE).ms < p.wait_ms
+    assert finding(result, findings.WEBSOCKET_HANDSHAKE).ms < p.wait_ms
 
 
 def test_a_refused_websocket_upgrade_is_the_verdict_with_the_time_it_cost(fake):
@@ -515,7 +515,7 @@ def test_a_slow_websocket_handshake_is_named(fake):
     fake.behaviour.head_delay_ms = 400  # the fake holds the 101
     evidence, result = run_diagnosis("--transport", "websocket", "--upstream", fake.base_url, "--repeat", "1",
                                      "--long-tokens", "100")
-    f = finding(result, diagnosis.WEBSOCKET_HANDSHAKE)
+    f = finding(result, findings.WEBSOCKET_HANDSHAKE)
     # The fake starts holding the 101 when the head arrives, which on a loaded machine can be
     # a little before the probe, back from its write, takes its "sent" mark (seen: 399.7 ms).
     assert f.significant and 0.98 * 400 <= f.ms < 400 + SLACK_MS
@@ -523,9 +523,9 @@ def test_a_slow_websocket_handshake_is_named(fake):
 
 def test_websocket_needs_the_responses_api():
     with pytest.raises(SystemExit):
-        diagnose.parse_args(["--transport", "websocket", "--api", "openai.chat"])
-    assert diagnose.parse_args(["--transport", "websocket"]).api == "openai.responses"
-    assert diagnose.parse_args([]).api == "openai.chat"
+        cli.parse_args(["--transport", "websocket", "--api", "openai.chat"])
+    assert cli.parse_args(["--transport", "websocket"]).api == "openai.responses"
+    assert cli.parse_args([]).api == "openai.chat"
 
 
 def test_websocket_through_the_relay_is_joined_with_its_turn_records_and_reported_apart(start_relay, fake, tmp_path):
@@ -538,9 +538,9 @@ def test_websocket_through_the_relay_is_joined_with_its_turn_records_and_reporte
     assert len(evidence.ok("relayed tiny")) == len(evidence.ok("relayed long")) == 2
     joined = [evidence.records[p.request_id] for p in evidence.ok("relayed tiny") + evidence.ok("relayed long")]
     assert all(rec["transport"] == "websocket" and rec["turn"] == 1 for rec in joined)  # the turn, not the handshake
-    f = finding(result, diagnosis.WEBSOCKET_HANDSHAKE)
+    f = finding(result, findings.WEBSOCKET_HANDSHAKE)
     assert f.numbers["relayed_ms"] is not None and f.numbers["direct_ms"] is not None
-    to_relay = finding(result, diagnosis.NETWORK_TO_RELAY)
+    to_relay = finding(result, findings.NETWORK_TO_RELAY)
     assert to_relay.ms < 100  # loopback: the turn's records account for its first token, handshake aside
     sockets = 2 * 4 + 2  # four probes and a warm-up per path; the relayed ones reach the fake through the relay
     assert len(fake.sockets) == sockets
@@ -554,8 +554,8 @@ def test_a_failed_record_without_a_verdict_is_left_out_of_the_relays_word():
     # Records are read from a log that may not be the relay's: without the guard, joining a None failed.
     gateway = ProbeResult("relayed", "tiny", "r2", 2, 8, {"dns": 0.1, "end": 3.0}, status=502,
                           error="HTTP 502: bad gateway", error_phase="wait")
-    result = diagnosis.diagnose(diagnosis.Evidence([gateway], {"r2": {"error": "HTTP 502"}}))
-    assert result.verdict.cause == diagnosis.UPSTREAM_UNREACHABLE
+    result = findings.diagnose(findings.Evidence([gateway], {"r2": {"error": "HTTP 502"}}))
+    assert result.verdict.cause == findings.UPSTREAM_UNREACHABLE
     assert "the relay's records say" not in result.verdict.detail
 
 
@@ -576,25 +576,25 @@ def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_n
     with relay:
         with far.near.entered():  # diagnose's sockets cross the link
             evidence, at_far = run_diagnosis(*argv)
-            print(diagnosis.render(evidence, at_far))
+            print(findings.render(evidence, at_far))
             evidence, with_records = run_diagnosis(*argv, "--relay-log", str(relay.log.path))
-        print(diagnosis.render(evidence, with_records))
+        print(findings.render(evidence, with_records))
         far.set(link.NEAR, delay_ms=1)
         far.set(link.FAR, delay_ms=1)
         with far.near.entered():
             evidence, long_history = run_diagnosis(*argv, "--prompt-tokens", "30000")
-        print(diagnosis.render(evidence, long_history))
+        print(findings.render(evidence, long_history))
     # Was `context length (804 ms) — trim history`: the default 8k-token probe's extra wait.
     v = at_far.verdict
-    assert v.cause == diagnosis.NETWORK_TO_RELAY  # the tiny probe's connect: one round trip
+    assert v.cause == findings.NETWORK_TO_RELAY  # the tiny probe's connect: one round trip
     assert 2 * FAR_ONE_WAY_MS <= v.ms < 2 * FAR_ONE_WAY_MS + SLACK_MS
-    context = finding(at_far, diagnosis.CONTEXT_LENGTH)
+    context = finding(at_far, findings.CONTEXT_LENGTH)
     assert not context.weighed and context.numbers["probe_extra_ms"] > v.ms  # larger, and still not the verdict
     # The relay's records split the long body's upload over the link (slow start) from the upstream's prefill.
-    assert with_records.verdict.cause == diagnosis.NETWORK_TO_RELAY
-    context = finding(with_records, diagnosis.CONTEXT_LENGTH)
+    assert with_records.verdict.cause == findings.NETWORK_TO_RELAY
+    context = finding(with_records, findings.CONTEXT_LENGTH)
     assert context.numbers["ms_per_1k_tokens"] == pytest.approx(100, rel=0.15)
     assert context.numbers["link_extra_ms"] >= 2 * FAR_ONE_WAY_MS
     v = long_history.verdict
-    assert v.cause == diagnosis.CONTEXT_LENGTH
+    assert v.cause == findings.CONTEXT_LENGTH
     assert v.ms == pytest.approx(100 * 30, rel=0.25)  # 100 ms per 1k tokens (the fake's are bytes / 4), at 30k

@@ -99,7 +99,7 @@ def test_deadline_timers_end_with_their_flow():
     async def run():
         addon = faults.Deadlines()
         with taddons.context(addon) as tctx:
-            tctx.configure(addon, relay_head_timeout=5, relay_first_token_timeout=5, relay_idle_timeout=5)
+            tctx.configure(addon, relay_upstream_head_timeout=5, relay_first_token_timeout=5, relay_idle_timeout=5)
             flows = [in_scope_flow() for _ in range(3)]
             for f in flows:
                 addon.request(f)

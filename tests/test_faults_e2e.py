@@ -45,7 +45,7 @@ REQUESTS = {
                                                 "messages": [{"role": "user", "content": "hi"}]}),
 }
 APIS = list(REQUESTS)
-TIMEOUTS_1S = {"relay_head_timeout": 1, "relay_first_token_timeout": 1, "relay_idle_timeout": 1}
+TIMEOUTS_1S = {"relay_upstream_head_timeout": 1, "relay_first_token_timeout": 1, "relay_idle_timeout": 1}
 
 
 def body_for(api: str, stream: bool) -> tuple[str, dict]:

@@ -24,7 +24,7 @@ ASKS_THE_REGISTRY = {
     "ttft_relay.guard.keys",  # where keys travel
     "ttft_relay.stream.sseview",  # flows scope never saw (out of scope, loaded from a file)
     "ttft_relay.patches.speed.upstream_pool",  # where keys travel: connections are not shared across keys
-    "ttft_relay.diagnose.diagnose", "ttft_relay.diagnose.probe", "ttft_relay.diagnose.probe_requests",
+    "ttft_relay.diagnose.cli", "ttft_relay.diagnose.probe", "ttft_relay.diagnose.probe_requests",
 }
 """The modules outside apis/ that import the registry (`ttft_relay.apis` itself, not one of its
 modules): everyone else takes the flow's Api from its state."""

@@ -135,7 +135,7 @@ def read_until_done(s: socket.socket) -> bytes:
 
 
 def test_a_head_that_never_ends_is_cut_after_the_header_timeout(fake, shared_relay, keys_file):
-    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_client_head_timeout=1)
     with raw(relay) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
         # slowloris: one more byte now and then, each well inside mitmproxy's idle timeout
@@ -197,7 +197,7 @@ def test_a_refused_request_without_a_body_keeps_its_connection(fake, shared_rela
 
 
 def test_the_header_timeout_covers_the_next_head_after_a_refusal(fake, shared_relay, keys_file):
-    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_header_timeout=1)
+    relay = keyed(shared_relay, reverse_to(fake), keys_file, relay_client_head_timeout=1)
     with client.HttpConnection(relay.url(), timeout=WAIT) as conn:
         refused = conn.request("POST", "/v1/chat/completions", b"")
         assert refused.status == 401 and refused.read()

@@ -102,7 +102,7 @@ def known_flags() -> set[str]:
     import argparse
 
     from ttft_relay import config
-    from ttft_relay.diagnose import diagnose
+    from ttft_relay.diagnose import cli as diagnose_cli
     from ttft_relay.report import report
 
     flags = {"--workers", "--version", "--help"}
@@ -118,7 +118,7 @@ def known_flags() -> set[str]:
 
     argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
     try:
-        for main in (diagnose.parse_args, report.main):
+        for main in (diagnose_cli.parse_args, report.main):
             with pytest.raises(SystemExit):
                 main([])
     finally:

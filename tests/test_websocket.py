@@ -43,7 +43,7 @@ def relay():
     with taddons.context(t, deadlines, turns, sink) as tctx:
         tctx.configure(t, relay_timing_log="", relay_timing_console=False)
         # No event loop here for the deadlines' timers: their bounds are tested end to end.
-        tctx.configure(deadlines, relay_head_timeout=0, relay_first_token_timeout=0, relay_idle_timeout=0)
+        tctx.configure(deadlines, relay_upstream_head_timeout=0, relay_first_token_timeout=0, relay_idle_timeout=0)
         yield turns, sink
 
 

@@ -100,7 +100,7 @@ def keyed_fuzz_relay(fake, start_relay, tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", UPSTREAM_KEY)
     return start_relay(reverse_to(fake), relay_access_keys=f"file:{keys}",
                        relay_upstream_keys="127.0.0.1=env:RELAY_TEST_UPSTREAM_KEY",
-                       relay_header_timeout=2, flow_detail=3, **{"relay_idle_timeout": 2, "relay_head_timeout": 5})
+                       relay_client_head_timeout=2, flow_detail=3, **{"relay_idle_timeout": 2, "relay_upstream_head_timeout": 5})
 
 
 def test_hostile_bytes_never_crash_hang_or_leak(keyed_fuzz_relay):

@@ -197,9 +197,9 @@ def _main(args: list[str]) -> int:
 
         return report.main(rest)
     if command == "diagnose":
-        from .diagnose import diagnose
+        from .diagnose import cli as diagnose_cli
 
-        return diagnose.main(rest)
+        return diagnose_cli.main(rest)
     if command == "bench":
         return bench(rest)
     print(f"ttft-relay: unknown command {command!r}\n\n{__doc__.strip()}", file=sys.stderr)

@@ -194,6 +194,37 @@ def started_options(args: list[str], declaring: Iterable = (), tool: str = "mitm
     return opts
 
 
+RENAMED = {
+    "relay_header_timeout": "relay_client_head_timeout",
+    "relay_head_timeout": "relay_upstream_head_timeout",
+}
+"""Old option name → its name now. Each said which side's head it bounds only in one letter
+(the client's request head, 30 s, beside the upstream's response head, 600 s); the old
+names are still accepted, with a warning, for one release."""
+
+
+class RenamedOptions:
+    """Accepts the options of `RENAMED` under their old names (relay.conf, `--set`,
+    mitm.conf copies from before the rename): each is declared, and a value set for it
+    is set on the new name, with a warning that says the new one. Where both are set,
+    the new name wins. Must come before OptionsCheck, which applies the deferred values."""
+
+    def load(self, loader) -> None:
+        for old, new in RENAMED.items():
+            loader.add_option(old, int | None, None, f"Old name of {new} (accepted for one release).")
+
+    def configure(self, updated: set[str]) -> None:
+        for old, new in RENAMED.items():
+            value = getattr(ctx.options, old)
+            if old not in updated or value is None:
+                continue
+            if ctx.options.has_changed(new):
+                logger.warning("%s is now %s, which is set: %s=%s ignored", old, new, old, value)
+                continue
+            logger.warning("%s is now %s: set that instead (the old name goes in the next release)", old, new)
+            ctx.options.update(**{new: value})
+
+
 class OptionsCheck:
     """Refuses to start a relay whose options cannot be applied. Must come last in
     the addon list.

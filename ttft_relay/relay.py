@@ -40,6 +40,8 @@ on `addons`; test_hooks_fuzz runs the hooks in this order.
         them
     timing.Timing before ledger.Ledger: the ledger opens beside timing's log once timing
         has configured it, and closes after timing's `done` has recorded what was in flight
+    config.RenamedOptions before config.OptionsCheck: the old names must be declared
+        when OptionsCheck applies the deferred values
     config.OptionsCheck last: a relay whose options do not parse does not start
 """
 
@@ -117,5 +119,6 @@ addons = [
     otlp_traces,  # the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
     sseview.SSEView(),  # an event-stream view for mitmweb
     webcolumns.CommentColumn(),  # the timing comment as a column of mitmweb's flow list
+    config.RenamedOptions(),  # options renamed since the last release accepted under their old names
     config.OptionsCheck(),  # a relay whose options do not parse does not start
 ]

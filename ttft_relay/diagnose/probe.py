@@ -36,7 +36,7 @@ from wsproto.utilities import RemoteProtocolError
 
 from .. import apis
 from ..stream.sse import StreamWatcher
-from .diagnosis import ProbeResult
+from .findings import ProbeResult
 from .probe_requests import ProbeRequest, websocket_headers
 
 logger = logging.getLogger(__name__)

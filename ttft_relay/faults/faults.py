@@ -170,12 +170,12 @@ class Limits:
     first_token: float = 0
     idle: float = 0
 
-    OPTIONS = frozenset({"relay_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"})
+    OPTIONS = frozenset({"relay_upstream_head_timeout", "relay_first_token_timeout", "relay_idle_timeout"})
     """The options they come from (declared by `Deadlines`; WebSocket turns read them too)."""
 
     @classmethod
     def from_options(cls, o: Any) -> Limits:
-        return cls(max(o.relay_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0))
+        return cls(max(o.relay_upstream_head_timeout, 0), max(o.relay_first_token_timeout, 0), max(o.relay_idle_timeout, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +279,7 @@ class Deadlines:
             "Seconds an upstream connect (DNS and TCP) may take; 0: the operating system's limit.",
         )
         loader.add_option(
-            "relay_head_timeout", int, 600,
+            "relay_upstream_head_timeout", int, 600,
             "Seconds from forwarding a request to the upstream's response head (a "
             "non-streamed answer sends its head when it is complete); 0: no limit.",
         )

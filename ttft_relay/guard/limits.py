@@ -105,7 +105,7 @@ class ClientLimits:
     """What a client gets before any authentication: bounded time for each request
     head, and a bounded number of connections.
 
-    - `relay_header_timeout`: a client connection must deliver each request head
+    - `relay_client_head_timeout`: a client connection must deliver each request head
       within this many seconds of connecting (or of its previous answer ending);
       otherwise it is closed. mitmproxy's own `tcp_timeout` only bounds silence,
       so a head dribbled one byte at a time (slowloris) held a connection forever.
@@ -123,7 +123,7 @@ class ClientLimits:
     """
 
     def __init__(self) -> None:
-        self.header_timeout = 0
+        self.client_head_timeout = 0
         self.max_connections = 0
         self.timers: dict[str, asyncio.TimerHandle] = {}
         """Per client connection id waiting for a request head: its deadline."""
@@ -136,7 +136,7 @@ class ClientLimits:
         if pins.on(head_limit):
             head_limit.limit_request_heads(MAX_HEAD_BYTES)
         loader.add_option(
-            "relay_header_timeout", int, 30,
+            "relay_client_head_timeout", int, 30,
             "Seconds a client connection has for each request head, from connecting or "
             "from its previous answer; 0: no limit.",
         )
@@ -152,8 +152,8 @@ class ClientLimits:
         )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_header_timeout" in updated:
-            self.header_timeout = max(ctx.options.relay_header_timeout, 0)
+        if "relay_client_head_timeout" in updated:
+            self.client_head_timeout = max(ctx.options.relay_client_head_timeout, 0)
         if "relay_h2_max_resets" in updated and pins.on(client_resets):
             client_resets.install(max(ctx.options.relay_h2_max_resets, 0), RESET_WINDOW_S)
         if "relay_max_connections" in updated:
@@ -209,9 +209,9 @@ class ClientLimits:
     def _arm(self, client: connection.Client) -> None:
         self._disarm(client)
         mode = client.proxy_mode
-        if self.header_timeout and (is_http_reverse(mode) or isinstance(mode, mode_specs.RegularMode)):
+        if self.client_head_timeout and (is_http_reverse(mode) or isinstance(mode, mode_specs.RegularMode)):
             loop = asyncio.get_running_loop()
-            self.timers[client.id] = loop.call_later(self.header_timeout, self._timed_out, client)
+            self.timers[client.id] = loop.call_later(self.client_head_timeout, self._timed_out, client)
 
     def _disarm(self, client: connection.Client) -> None:
         if timer := self.timers.pop(client.id, None):
@@ -221,7 +221,7 @@ class ClientLimits:
         self.timers.pop(client.id, None)
         if client in connections.open_on(client):
             logger.info("%s: no request head within %d s, closing", human.format_address(client.peername),
-                        self.header_timeout)
+                        self.client_head_timeout)
             connections.close(client, client)
 
 

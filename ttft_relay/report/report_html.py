@@ -9,7 +9,7 @@ Nothing is fetched when the page opens: no network, no CDN.
 Per-request data travels as columns (one list per field), not one object per
 request, which keeps a 100k-request page small and fast to parse. `page()` takes
 any such data, so `ttft-relay diagnose --html` draws its probes with the same code
-(`diagnose/diagnosis_html.py`).
+(`diagnose/findings_html.py`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..report.report_html import TICK_MARKS, columns
 from ..timing import phases
-from . import diagnosis as diagnosis_module
+from . import findings as findings_module
 
 
 def probe_rows(evidence, probe_phases: Sequence[str]) -> list[dict[str, Any]]:
@@ -44,7 +44,7 @@ def probe_rows(evidence, probe_phases: Sequence[str]) -> list[dict[str, Any]]:
 
 def diagnose_data(evidence, diagnosis) -> dict[str, Any]:
     """What `ttft-relay diagnose --html` shows: its findings and every probe's waterfall."""
-    probe_phases = [name for name, _ in diagnosis_module.PROBE_STEPS]
+    probe_phases = [name for name, _ in findings_module.PROBE_STEPS]
     # One order that keeps both kinds of row in timeline order: the probe's steps up to its
     # first token run where the relay's record has its upstream wait; both end alike.
     crit, wait = list(phases.CRITICAL_PHASES), phases.CRITICAL_PHASES.index("upstream_wait")

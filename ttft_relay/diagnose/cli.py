@@ -5,14 +5,14 @@
                      [--api openai.chat|openai.responses|anthropic.messages] [--model M]
                      [--repeat 5] [--long-tokens 8000 | --body-file request.json] [--prompt-tokens N]
                      [--transport http|websocket] [--timeout 30] [--ca mitmproxy-ca-cert.pem]
-                     [--json] [--html diagnosis.html]
+                     [--json] [--html findings.html]
 
 A warm-up probe per path comes first and is dropped if it succeeds (one-time costs
 would skew medians). Probes then run in rounds, one of each kind per round, so drift
 over time touches every kind alike; a kind stops repeating after its first failure. The API key comes
 from OPENAI_API_KEY / ANTHROPIC_API_KEY and never appears in the output. Exit
 status: 0 with a verdict, 2 when the upstream or the relay cannot be reached, 1
-on bad arguments. See diagnosis.py for the findings and their thresholds.
+on bad arguments. See findings.py for the findings and their thresholds.
 
 The verdict answers for your requests, not for the probes: the long probe says what
 every 8k tokens of history add to the first token, and that cost is weighed at your own
@@ -45,7 +45,7 @@ import orjson
 from .. import apis
 from ..apis.api import Probe
 from ..report import report
-from . import diagnosis, probe, probe_requests
+from . import findings, probe, probe_requests
 
 logger = logging.getLogger("diagnose")
 
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens to ask for (default 16)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per probe, all phases (default 30)")
     parser.add_argument("--ca", action="append", default=[], help="extra CA file to trust (repeatable)")
-    parser.add_argument("--transport", choices=diagnosis.TRANSPORTS, default="http",
+    parser.add_argument("--transport", choices=findings.TRANSPORTS, default="http",
                         help="http: streamed requests; websocket: one turn per new Responses WebSocket, as Codex "
                              "(needs --api openai.responses, the default with it)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -211,14 +211,14 @@ class Prober:
             return self.factory.from_user_body(self.user_body, self.args.model)
         return self.factory.long(self.args.long_tokens)
 
-    def probe(self, path: str, prompt: str) -> diagnosis.ProbeResult:
+    def probe(self, path: str, prompt: str) -> findings.ProbeResult:
         run = probe.run_websocket_probe if self.args.transport == "websocket" else probe.run_probe
         return run(
             self.routes[path], self.request(prompt), path=path, prompt=prompt,
             api=self.shape.name, timeout=self.args.timeout, tls_context=self.tls,
         )
 
-    def warm_up(self) -> list[diagnosis.ProbeResult]:
+    def warm_up(self) -> list[findings.ProbeResult]:
         """One tiny probe per path, dropped if it succeeds: one-time costs (DNS cache, the
         relay's certificate for a host, its tokenizer) would skew medians and spreads.
         A failure is kept, and its path is not probed further."""
@@ -230,10 +230,10 @@ class Prober:
                 failures.append(result)
         return failures
 
-    def run(self) -> list[diagnosis.ProbeResult]:
+    def run(self) -> list[findings.ProbeResult]:
         results = self.warm_up()
         dead_paths = {r.path for r in results}
-        kinds = [(path, prompt) for path in self.routes if path not in dead_paths for prompt in diagnosis.PROMPTS]
+        kinds = [(path, prompt) for path in self.routes if path not in dead_paths for prompt in findings.PROMPTS]
         stopped: set[tuple[str, str]] = set()
         for round_ in range(1, self.args.repeat + 1):
             for path, prompt in kinds:
@@ -251,28 +251,28 @@ class Prober:
         return results
 
 
-def collect(args: argparse.Namespace, shape: Probe, key: str | None) -> diagnosis.Evidence:
+def collect(args: argparse.Namespace, shape: Probe, key: str | None) -> findings.Evidence:
     """Runs the probes, joins the relay's records to them, and finds the user's prompt size."""
     prober = Prober(args, shape, key)
     relay_log = RelayLog(args.relay_log) if args.relay_log and args.relay else None
     probes = prober.run()
     records = relay_log.records({p.request_id for p in probes if p.path == "relayed"}) if relay_log else {}
-    return diagnosis.Evidence(probes, records, users_prompt_size(args, probes, relay_log, records))
+    return findings.Evidence(probes, records, users_prompt_size(args, probes, relay_log, records))
 
 
-def users_prompt_size(args: argparse.Namespace, probes: list[diagnosis.ProbeResult], relay_log: RelayLog | None,
-                      probe_records: dict[str, dict[str, Any]]) -> diagnosis.PromptSize | None:
+def users_prompt_size(args: argparse.Namespace, probes: list[findings.ProbeResult], relay_log: RelayLog | None,
+                      probe_records: dict[str, dict[str, Any]]) -> findings.PromptSize | None:
     """The size the context's cost is weighed at: --prompt-tokens, else the --body-file request
     (the long probe), else the user's requests in the relay's log to the upstream the probes
     reached (every upstream when no probe's record says which)."""
     if args.prompt_tokens:
-        return diagnosis.PromptSize(args.prompt_tokens, "--prompt-tokens")
+        return findings.PromptSize(args.prompt_tokens, "--prompt-tokens")
     if args.body_file and (sizes := [p.prompt_tokens for p in probes if p.prompt == "long"]):
-        return diagnosis.PromptSize(statistics.median(sizes), "your --body-file request")
+        return findings.PromptSize(statistics.median(sizes), "your --body-file request")
     if relay_log is None:
         return None
     upstreams = {u for rec in probe_records.values() if isinstance(u := rec.get("upstream"), str)}
-    return diagnosis.prompt_size_of_traffic(relay_log.users_records(), upstreams)
+    return findings.prompt_size_of_traffic(relay_log.users_records(), upstreams)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,21 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 1
-    result = diagnosis.diagnose(evidence)
+    result = findings.diagnose(evidence)
     if args.html:
         from ..report import report_html  # the page's code is loaded only when asked for
-        from . import diagnosis_html
+        from . import findings_html
 
         try:
-            args.html.write_text(redact(report_html.page(diagnosis_html.diagnose_data(evidence, result))),
+            args.html.write_text(redact(report_html.page(findings_html.diagnose_data(evidence, result))),
                                  encoding="utf8")
         except OSError as e:
             logger.error("%s", e)
             return 1
         logger.info("wrote %s", args.html)
     if args.json:
-        text = orjson.dumps(diagnosis.as_json(evidence, result), option=orjson.OPT_INDENT_2).decode()
+        text = orjson.dumps(findings.as_json(evidence, result), option=orjson.OPT_INDENT_2).decode()
     else:
-        text = diagnosis.render(evidence, result)
+        text = findings.render(evidence, result)
     print(redact(text))
     return 2 if result.failed else 0
