@@ -85,7 +85,7 @@ from . import dial
 from .patches import connections, pins
 from .patches.fixes import eager_connects, upstream_copy
 from .patches.speed import early_connects, upstream_pool
-from .patches.speed.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
+from .patches.speed.upstream_pool import HTTP1_ALPN, Opening, PoolKey, Pooled
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ class UpstreamPool:
         self.tasks: set[asyncio.Task] = set()
         self.counting_on_idle: dict[PoolKey, set[str]] = {}
         """Per upstream, the clients that connected while an idle connection was there for them."""
-        self.opening_for: dict[str, tuple[PoolKey, asyncio.Future[Pooled | None]]] = {}
-        """Per client, the connection being opened for it since it connected (None if that failed)."""
+        self.opening_for: dict[str, Opening] = {}
+        """Per client, the connection being opened for it since it connected."""
         self.on = False
         self.started = False
 
@@ -305,13 +305,14 @@ class UpstreamPool:
             counting.add(client.id)
             return
         opening: asyncio.Future[Pooled | None] = asyncio.get_running_loop().create_future()
-        self.opening_for[client.id] = (key, opening)
-        self._spawn(self._open_ahead(key, opening))
+        ahead = self.opening_for[client.id] = Opening(key, time.time(), opening)
+        self._spawn(self._open_ahead(ahead))
 
-    async def _open_ahead(self, key: PoolKey, opening: asyncio.Future[Pooled | None]) -> None:
+    async def _open_ahead(self, ahead: Opening) -> None:
+        key, opening = ahead.key, ahead.done
         pooled = None
         try:
-            pooled = await asyncio.wait_for(_open(key), CONNECT_TIMEOUT_S)
+            pooled = await asyncio.wait_for(_open(key, ahead), CONNECT_TIMEOUT_S)
             logger.debug("upstream connection %s opened ahead of a request", pooled.id)
         except asyncio.CancelledError:
             raise
@@ -328,7 +329,7 @@ class UpstreamPool:
         for counting in self.counting_on_idle.values():
             counting.discard(client_id)
         if (ahead := self.opening_for.pop(client_id, None)) is not None:
-            self.let_go(ahead[1])
+            self.let_go(ahead.done)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._forget_client(client.id)
@@ -365,17 +366,17 @@ class UpstreamPool:
         self._unschedule(found)
         found.credential = credential
         self._rewarm(key)
-        if (ahead := self.opening_for.get(client.id)) is not None and ahead[0] == key:
+        if (ahead := self.opening_for.get(client.id)) is not None and ahead.key == key:
             self._forget_client(client.id)  # the one opened for it goes to the pool
         return found
 
-    def opened_ahead(self, key: PoolKey, client: connection.Client) -> asyncio.Future[Pooled | None] | None:
+    def opened_ahead(self, key: PoolKey, client: connection.Client) -> Opening | None:
         """The connection being opened for `client` since it connected, if it is `key`'s (once)."""
         ahead = self.opening_for.get(client.id)
-        if ahead is None or ahead[0] != key:
+        if ahead is None or ahead.key != key:
             return None
         del self.opening_for[client.id]
-        return ahead[1]
+        return ahead
 
     def put_back(self, pooled: Pooled) -> None:
         self._receive(pooled)
@@ -494,15 +495,18 @@ class UpstreamPool:
         self.idle.clear()
 
 
-async def _open(key: PoolKey) -> Pooled:
+async def _open(key: PoolKey, ahead: Opening | None = None) -> Pooled:
     """A new upstream connection for `key`, its TLS made by mitmproxy's `tls_start_server`
-    hook (as for a connection mitmproxy opens) offering HTTP/1.1."""
+    hook (as for a connection mitmproxy opens) offering HTTP/1.1; opened `ahead` for a
+    client: told when its TCP connect is done."""
     server = connection.Server(address=(key.host, key.port), sni=key.sni, tls=key.tls)
     if key.tls:
         server.alpn_offers = (HTTP1_ALPN,)
     server.timestamp_start = time.time()
     reader, writer = await dial.open_upstream(key.host, key.port)
     server.timestamp_tcp_setup = time.time()
+    if ahead is not None:
+        ahead.tcp_setup = server.timestamp_tcp_setup
     _watch_transport(writer)
     tls = None
     try:
