@@ -52,8 +52,11 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
    its answer came — nothing of it reached the provider's application, which answers
    every request it read — is sent once more, on a connection opened for it (never another
    pooled one), as `fixes.resend` sends a request again; the client sees one answer. Only a
-   request whose body the relay holds whole, once per flow. Without the pool the same race
-   needs a kept-alive client connection and is the client's to retry, as with any proxy.
+   request whose body the relay holds whole, once per flow; not where the relay closed the
+   connection itself (`connections.close`: a deadline, a stop), which mitmproxy's layers read
+   as the server's close too (a stop's cut request went again, and its client had no answer).
+   Without the pool the same race needs a kept-alive client connection and is the client's to
+   retry, as with any proxy.
 
 Anything else — a connection that is not idle, half-closed, upgraded, errored, HTTP/2,
 behind an upstream proxy, on another listener or address — is mitmproxy's as before.
@@ -415,12 +418,14 @@ def _retry_a_lost_reuse_race(stream: HttpStream, event: object) -> layer.Command
 
 def _lost_a_reuse_race(stream: HttpStream, event: object) -> bool:
     """The stream's pooled connection closed with no byte of its answer (`Http1Client`: "server
-    closed connection", nothing buffered), after its whole request went (held whole), once."""
+    closed connection", nothing buffered), after its whole request went (held whole), once;
+    closed by the upstream or its path, not by the relay (a deadline, a stop: no retry)."""
     flow = stream.flow
     return (
         isinstance(event, ResponseProtocolError)
         and event.message == "server closed connection"
         and stream.context.server in _adopted
+        and not connections.closed_here(stream.context.server)
         and flow not in _retried
         and flow.response is None
         and flow.error is None
