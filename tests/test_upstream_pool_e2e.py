@@ -118,7 +118,8 @@ def test_a_client_connection_the_pool_cannot_serve_gets_its_connection_opened_as
 
 
 def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, start_relay, rid):
-    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false")  # the default
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="false")
     for _ in range(2):
         new_connection_request(relay.url(), rid)
     records = relay.log.of(rid, 2)

@@ -54,10 +54,13 @@ docs/benchmarks-notebook.md). Where a request finds nothing (an open listener wh
 several credentials), it connects as before, and its connection joins the pool when its
 client goes.
 
-Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
-new client connection, but under load over TLS the benchmark still shows more stalled streams
-with it (docs/benchmarks-notebook.md, *The pool under load over TLS* and *looked into again*): the
-misses' late connects were one cause (fixed above), what remains has no mechanism found yet.
+On by default (`relay_upstream_pool`): on a far link it takes the handshake off every new
+client connection. Under load over TLS the benchmark once showed more stalled streams with it
+(docs/benchmarks-notebook.md, *The pool under load over TLS* and *looked into again*); the
+misses' late connects were one cause (fixed above), and in later runs the stalls with and
+without it are within each other's noise (docs/benchmarks.md, *The pool's silent paths and
+stalls, again*). `relay_upstream_pool=false` gives every client connection its own upstream
+connections again (mitmproxy's own behaviour).
 
 Records say whether a request paid a connect (`reused_connection`: false only for a
 connection opened for it, with its `upstream_connect` / `upstream_tls` phases) and which
@@ -194,12 +197,11 @@ class UpstreamPool:
 
     def load(self, loader) -> None:
         loader.add_option(
-            "relay_upstream_pool", bool, False,
+            "relay_upstream_pool", bool, True,
             "Keep reverse listeners' upstream connections when their client connection ends and give "
             "them to the next client connections (one credential per connection, HTTP/1.1), so that a "
-            "new client connection does not wait for an upstream connect and TLS handshake. Off (the "
-            "default until the stalls it showed under load over TLS are understood, docs/benchmarks.md): "
-            "every client connection connects upstream itself (mitmproxy's own behaviour).",
+            "new client connection does not wait for an upstream connect and TLS handshake. Off: every "
+            "client connection connects upstream itself (mitmproxy's own behaviour).",
         )
         loader.add_option(
             "relay_upstream_pool_warm", int, 2,
