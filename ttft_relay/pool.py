@@ -128,9 +128,30 @@ def watch_for_silence(sock: socket.socket, silence_s: int) -> None:
             logger.debug("%s not set on an upstream connection: %s", name, e)
 
 
+def set_congestion_control(sock: socket.socket, name: str) -> bool:
+    """Have `sock` use the kernel's congestion control `name` (TCP_CONGESTION; '': leave the
+    system's); False where the system lacks it or does not allow it to this process (an
+    unprivileged one may choose only from net.ipv4.tcp_allowed_congestion_control)."""
+    if not name or (option := getattr(socket, "TCP_CONGESTION", None)) is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+    except OSError as e:
+        if name not in _refused_congestion:
+            _refused_congestion.add(name)
+            logger.info("the upstream pool's connections keep the system's congestion control (%s: %s)", name, e)
+        return False
+    return True
+
+
+_refused_congestion: set[str] = set()
+"""The congestion controls the kernel refused (said once each)."""
+
+
 def _watch_transport(writer: asyncio.StreamWriter) -> None:
     if (sock := writer.get_extra_info("socket")) is not None:
         watch_for_silence(sock, ctx.options.relay_upstream_pool_silence)
+        set_congestion_control(sock, ctx.options.relay_upstream_pool_congestion)
 
 
 def drop_close(request: mhttp.Request) -> None:
@@ -219,6 +240,11 @@ class UpstreamPool:
             "acknowledged, keepalive probes unanswered) before the kernel ends it (TCP_USER_TIMEOUT, "
             "TCP keepalive): an idle one leaves the pool, one whose request has no byte of answer yet "
             "has its request sent once more on a new connection. 0: the system's own limits (minutes).",
+        )
+        loader.add_option(
+            "relay_upstream_pool_congestion", str, "",
+            "The TCP congestion control of the pool's upstream connections (TCP_CONGESTION: cubic, bbr, "
+            "...), where the kernel has it and allows it to the relay; '': the system's.",
         )
         loader.add_option(
             "relay_upstream_pool_max", int, 32,
