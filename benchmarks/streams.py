@@ -16,7 +16,8 @@ within each rate, round after round, so that drift on a shared machine hits all 
     seams         client → mitmdump -s benchmarks/seams_stream.py: streaming through the relay's
                   seams into mitmproxy (splice, direct reads, hook plans, ...) and no relay work:
                   the least a relay on mitmproxy costs, under the relay's own work
-    relay-1       client → the relay as one process (console off, trimming on)
+    relay-1       client → the relay as one process (console off, trimming on, the upstream
+                  pool on as by default: `--variant nopool:relay_upstream_pool=false` is its A/B)
     relay-N       client → scripts/relay --workers N (N workers sharing the listener)
     NAME          client → the relay as one process with other options (--variant NAME:OPTION=VALUE):
                   an option's A/B in the same run, e.g. --variant nosplice:relay_stream_splice=false
@@ -50,7 +51,8 @@ relay setups start with the relay's defaults for mitmproxy's options
 (`config.MITMPROXY_DEFAULTS`: HTTP/1.1), as its command starts it.
 
 The load generator, the fake upstream and the relay share the machine's cores: the
-load average is printed with the figures. Run benchmarks under
+load average is printed with the figures (the run's range, and per row the highest at
+the start of its windows: arms compare only at a like load). Run benchmarks under
 `flock /tmp/ttft-cpu.lock` on a shared machine.
 
     scripts/bench streams [--quick] [--rates 5,15,25,40] [--seconds 10] [--rounds 2] [--workers N] [--tls | --h2] [--keep-alive] [--otlp]
@@ -400,7 +402,7 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
           f"{args.seconds:g} s of arrivals x {args.rounds} round(s) per setup and rate; {os.cpu_count()} cores; "
           f"load average (1 min) during the run {min(loads):.1f}-{max(loads):.1f}")
     print(f"{'rate/s':>6} {'setup':<9} {'first token p50':>15} {'p99':>7} {'added p50':>9} {'worst gap p50':>13} "
-          f"{'p99':>7} {'fail':>5} {'streams':>7} {'stalls':>6}  CPU µs per event")
+          f"{'p99':>7} {'fail':>5} {'streams':>7} {'stalls':>6} {'load':>4}  CPU µs per event")
     sustained = {name: None for name in setups}
     broken = set()
     stall_ms = STALL_FACTOR * args.gap_ms
@@ -423,7 +425,8 @@ def report(args, rates: list[float], setups: dict, results: dict[tuple[str, floa
             stalls = sum(1 for gap in w.worst_gap_ms if gap > stall_ms)
             added = median(w.first_ms) - median(direct.first_ms) if direct is not None else float("nan")
             print(f"{rate:>6g} {name:<9} {median(w.first_ms):>12.1f} ms {ft99:>4.0f} ms {added:>+6.1f} ms "
-                  f"{median(w.worst_gap_ms):>10.0f} ms {gap99:>4.0f} ms {w.failures:>5} {w.streams:>7} {stalls:>6}  {cpu}")
+                  f"{median(w.worst_gap_ms):>10.0f} ms {gap99:>4.0f} ms {w.failures:>5} {w.streams:>7} {stalls:>6} "
+                  f"{max(w.load, default=float('nan')):>4.1f}  {cpu}")
             if name not in stalled_once:
                 if w.first_ms and stalls == 0 and w.failures <= STALL_ERROR_BUDGET * w.streams:
                     stall_free[name] = rate

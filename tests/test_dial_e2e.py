@@ -44,7 +44,9 @@ def relay_seeing(hosts: Path, port: int, confdir: Path, log: Path, **options: ob
 
     relay = MitmdumpProcess([f"reverse:http://{NAME}:{port}@0"], confdir, options={
         **config.MITMPROXY_DEFAULTS, "relay_timing_log": log, "relay_metrics_listen": "", "relay_timing_console": False,
-        **options})
+        # Each client connection's own connect, whose record tells it: the pool's connects race
+        # the addresses too, but a request on a pooled connection opened none of its own.
+        "relay_upstream_pool": False, **options})
     relay.args = with_hosts(hosts, relay.args)
     return relay.start()
 

@@ -396,6 +396,10 @@ def test_websocket_turns_of_a_far_client_are_named_client_network(far_link, fake
 LONG_BODY = {**BODY, "messages": [{"role": "user", "content": "Say hello. " + "context " * 2000}]}
 """A 16 kB request: more than a fresh connection's first flight (ten segments) carries."""
 NAMED_SHARE = 0.95
+EACH_ITS_OWN_UPSTREAM_CONNECTION = {"relay_upstream_pool": False}
+"""What a fresh upstream connection costs is measured here (its connect, TLS and the upload's
+second flight on a new congestion window): with the pool (the default) a new client connection
+takes one already open, whose far-link cost `tests/test_upstream_pool_e2e.py` measures."""
 
 
 @pytest.mark.parametrize("jitter_ms, n_workers", [(0, 1), (20, 1), (0, 2)], ids=["steady", "jitter", "workers"])
@@ -414,13 +418,15 @@ def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_it
         fake.behaviour.prefill_ms = 30
         if n_workers == 1:
             # The test CA names localhost, not the far side's address: TLS is real, its name unchecked.
-            relay = relay_in(far.near, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, log, ssl_insecure=True)
+            relay = relay_in(far.near, [f"reverse:{upstream}@{RELAY_PORT}"], confdir, log, ssl_insecure=True,
+                             **EACH_ITS_OWN_UPSTREAM_CONNECTION)
             with relay, far.near.entered():
                 fresh, kept = far_provider_requests(f"http://127.0.0.1:{RELAY_PORT}")
                 records = {r["request_id"]: r for r in relay.log.wait(len(fresh) + len(kept))}
             output = relay.text()
         else:
-            workers = Workers(far.near, n_workers, upstream, confdir, log, ssl_insecure=True)
+            workers = Workers(far.near, n_workers, upstream, confdir, log, ssl_insecure=True,
+                              **EACH_ITS_OWN_UPSTREAM_CONNECTION)
             try:
                 wait_until_serving(far.near, ("127.0.0.1", RELAY_PORT), workers.proc)
                 with far.near.entered():
@@ -484,8 +490,8 @@ def test_a_far_http2_providers_upload_round_trips_are_its_link_too(far_link, cer
 
 
 def far_provider_requests(origin: str) -> tuple[list[str], list[str]]:
-    """20 requests of 16 kB each on a connection of its own (each opens an upstream connection),
-    then 10 on one kept-alive connection."""
+    """20 requests of 16 kB each on a connection of its own (each opens an upstream connection
+    without the pool), then 10 on one kept-alive connection."""
     return (upstream_requests(origin, 20, "fresh", fresh=True, body=LONG_BODY),
             upstream_requests(origin, 10, "kept", fresh=False, body=LONG_BODY))
 

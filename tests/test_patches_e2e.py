@@ -46,11 +46,16 @@ def what_was_recorded(records: list[dict]) -> list[dict]:
             for r in sorted(records, key=lambda r: (r["turn"] or 0, r["ts"]))]
 
 
+WITHOUT_THE_POOL = {"relay_upstream_pool": False}
+"""In both relays: the pool (a speed patch too) is meant to change which requests connect, and so
+their records' connect phases; what it changes is tests/test_upstream_pool_e2e.py's."""
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls-both-hops"])
 def test_speed_off_the_client_gets_the_same_bytes_and_the_log_the_same_records(tls, request, certs, shared_relay,
                                                                                  rid):
     fake = request.getfixturevalue("fake_tls" if tls else "fake")
-    options: dict[str, object] = {"termlog_verbosity": "debug"}
+    options: dict[str, object] = {"termlog_verbosity": "debug", **WITHOUT_THE_POOL}
     if tls:
         options.update(relay_client_tls="all", certs=f"localhost={certs.cert_and_key_pem}")
     fast = shared_relay(reverse_to(fake), **options)
@@ -105,8 +110,8 @@ def test_speed_off_a_websockets_turns_pass_the_same_and_are_recorded_the_same(fa
                 turns.append(events)
         return turns
 
-    fast = shared_relay(reverse_to(fake))
-    plain = shared_relay(reverse_to(fake), relay_speed_patches=False)
+    fast = shared_relay(reverse_to(fake), **WITHOUT_THE_POOL)
+    plain = shared_relay(reverse_to(fake), relay_speed_patches=False, **WITHOUT_THE_POOL)
     got = session(fast)
     assert got[0][-1][0] == "response.completed" and len(got) == 2
     assert session(plain) == got

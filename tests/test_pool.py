@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 from mitmproxy import optmanager
 from mitmproxy.test import tutils
 
@@ -35,9 +36,10 @@ def test_every_option_can_be_set_on_the_command_line():
     options = optmanager.OptManager()
     pool.UpstreamPool().load(options)
     options.set("relay_upstream_pool=true", "relay_upstream_pool_warm=1", "relay_upstream_pool_idle=5",
-                "relay_upstream_pool_max=4", "relay_upstream_pool_silence=12")
+                "relay_upstream_pool_max=4", "relay_upstream_pool_silence=12", "relay_upstream_pool_congestion=reno")
     assert (options.relay_upstream_pool, options.relay_upstream_pool_warm, options.relay_upstream_pool_idle,
-            options.relay_upstream_pool_max, options.relay_upstream_pool_silence) == (True, 1, 5, 4, 12)
+            options.relay_upstream_pool_max, options.relay_upstream_pool_silence,
+            options.relay_upstream_pool_congestion) == (True, 1, 5, 4, 12, "reno")
 
 
 def test_a_pooled_socket_is_given_up_after_its_silence_bound():
@@ -53,3 +55,17 @@ def test_a_pooled_socket_is_given_up_after_its_silence_bound():
         pool.watch_for_silence(sock, 0)  # the system's own limits
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="no TCP_CONGESTION on this system")
+def test_a_pooled_socket_takes_the_congestion_control_asked_for_where_the_kernel_has_it():
+    def congestion(sock: socket.socket) -> bytes:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+
+    with socket.socket() as sock:
+        system = congestion(sock)
+        assert not pool.set_congestion_control(sock, "")  # the system's
+        assert not pool.set_congestion_control(sock, "no-such-control")  # refused: the system's kept
+        assert congestion(sock) == system
+        assert pool.set_congestion_control(sock, "reno")  # every Linux has it, and allows it to anyone
+        assert congestion(sock) == b"reno"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -118,7 +119,8 @@ def test_a_client_connection_the_pool_cannot_serve_gets_its_connection_opened_as
 
 
 def test_without_the_pool_each_new_client_connection_connects(far_fake_tls, start_relay, rid):
-    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false")  # the default
+    relay = start_relay(f"reverse:https://localhost:{far_fake_tls.port}@0", relay_trim="false",
+                        relay_upstream_pool="false")
     for _ in range(2):
         new_connection_request(relay.url(), rid)
     records = relay.log.of(rid, 2)
@@ -239,3 +241,15 @@ def test_a_pooled_connection_whose_path_went_silent_is_given_up_within_the_silen
     assert [r.conn_id for r in fake.received] == [1, 2], "the lost request never reached the upstream"
     if when == "in flight":
         assert relay.wait_for_output(r"closed before its answer .* sending the request once more")
+
+
+def test_the_pools_connections_take_the_congestion_control_asked_for(fake, start_relay, rid):
+    # reno: every Linux has it and allows it to anyone (the default, BBR, needs the kernel's leave).
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool_warm="0",
+                        relay_upstream_pool_congestion="reno", termlog_verbosity="debug")
+    new_connection_request(relay.url(), rid)
+    relay.wait_for_output(r"upstream connection \S+ pooled")
+    sockets = subprocess.run(["ss", "-tin", "dst", f"127.0.0.1:{fake.port}"], capture_output=True, text=True,
+                             check=True).stdout
+    controls = [line.split()[0] for line in sockets.splitlines() if line[:1].isspace() and line.strip()]
+    assert controls == ["reno"], sockets  # the relay's one connection to the fake, the pool's

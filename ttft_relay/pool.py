@@ -54,10 +54,19 @@ docs/benchmarks-notebook.md). Where a request finds nothing (an open listener wh
 several credentials), it connects as before, and its connection joins the pool when its
 client goes.
 
-Off by default for now (`relay_upstream_pool`): on a far link it takes the handshake off every
-new client connection, but under load over TLS the benchmark still shows more stalled streams
-with it (docs/benchmarks-notebook.md, *The pool under load over TLS* and *looked into again*): the
-misses' late connects were one cause (fixed above), what remains has no mechanism found yet.
+On by default (`relay_upstream_pool`): on a far link it takes the handshake off every new
+client connection. Under load over TLS the benchmark once showed more stalled streams with it
+(docs/benchmarks-notebook.md, *The pool under load over TLS* and *looked into again*); the
+misses' late connects were one cause (fixed above), and in later runs the stalls with and
+without it are within each other's noise (docs/benchmarks.md, *The pool's silent paths and
+stalls, again*). `relay_upstream_pool=false` gives every client connection its own upstream
+connections again (mitmproxy's own behaviour).
+
+The pool's sockets use BBR where the kernel has it and allows it (`relay_upstream_pool_congestion`,
+`set_congestion_control`): a pooled connection waits idle between its requests, and after an
+idle spell longer than its retransmission timeout cubic sends from the initial window again
+(ten segments, ~14 kB), so a longer request body waits a round trip per doubling; BBR keeps its
+rate (docs/benchmarks.md, *BBR or cubic on the pool's connections*).
 
 Records say whether a request paid a connect (`reused_connection`: false only for a
 connection opened for it, with its `upstream_connect` / `upstream_tls` phases) and which
@@ -85,7 +94,7 @@ from . import dial
 from .patches import connections, pins
 from .patches.fixes import eager_connects, upstream_copy
 from .patches.speed import early_connects, upstream_pool
-from .patches.speed.upstream_pool import HTTP1_ALPN, PoolKey, Pooled
+from .patches.speed.upstream_pool import HTTP1_ALPN, Opening, PoolKey, Pooled
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +134,32 @@ def watch_for_silence(sock: socket.socket, silence_s: int) -> None:
             logger.debug("%s not set on an upstream connection: %s", name, e)
 
 
+def set_congestion_control(sock: socket.socket, name: str) -> bool:
+    """Have `sock` use the kernel's congestion control `name` (TCP_CONGESTION; '': leave the
+    system's); False where the system lacks it or does not allow it to this process (an
+    unprivileged one may choose only from net.ipv4.tcp_allowed_congestion_control)."""
+    if not name or (option := getattr(socket, "TCP_CONGESTION", None)) is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+    except OSError as e:
+        if name not in _refused_congestion:
+            _refused_congestion.add(name)
+            logger.info("the upstream pool's connections keep the system's congestion control: %s refused (%s; "
+                        "as root: modprobe tcp_%s, and add it to net.ipv4.tcp_allowed_congestion_control)",
+                        name, e, name)
+        return False
+    return True
+
+
+_refused_congestion: set[str] = set()
+"""The congestion controls the kernel refused (said once each)."""
+
+
 def _watch_transport(writer: asyncio.StreamWriter) -> None:
     if (sock := writer.get_extra_info("socket")) is not None:
         watch_for_silence(sock, ctx.options.relay_upstream_pool_silence)
+        set_congestion_control(sock, ctx.options.relay_upstream_pool_congestion)
 
 
 def drop_close(request: mhttp.Request) -> None:
@@ -187,19 +219,18 @@ class UpstreamPool:
         self.tasks: set[asyncio.Task] = set()
         self.counting_on_idle: dict[PoolKey, set[str]] = {}
         """Per upstream, the clients that connected while an idle connection was there for them."""
-        self.opening_for: dict[str, tuple[PoolKey, asyncio.Future[Pooled | None]]] = {}
-        """Per client, the connection being opened for it since it connected (None if that failed)."""
+        self.opening_for: dict[str, Opening] = {}
+        """Per client, the connection being opened for it since it connected."""
         self.on = False
         self.started = False
 
     def load(self, loader) -> None:
         loader.add_option(
-            "relay_upstream_pool", bool, False,
+            "relay_upstream_pool", bool, True,
             "Keep reverse listeners' upstream connections when their client connection ends and give "
             "them to the next client connections (one credential per connection, HTTP/1.1), so that a "
-            "new client connection does not wait for an upstream connect and TLS handshake. Off (the "
-            "default until the stalls it showed under load over TLS are understood, docs/benchmarks.md): "
-            "every client connection connects upstream itself (mitmproxy's own behaviour).",
+            "new client connection does not wait for an upstream connect and TLS handshake. Off: every "
+            "client connection connects upstream itself (mitmproxy's own behaviour).",
         )
         loader.add_option(
             "relay_upstream_pool_warm", int, 2,
@@ -217,6 +248,14 @@ class UpstreamPool:
             "acknowledged, keepalive probes unanswered) before the kernel ends it (TCP_USER_TIMEOUT, "
             "TCP keepalive): an idle one leaves the pool, one whose request has no byte of answer yet "
             "has its request sent once more on a new connection. 0: the system's own limits (minutes).",
+        )
+        loader.add_option(
+            "relay_upstream_pool_congestion", str, "bbr",
+            "The TCP congestion control of the pool's upstream connections (TCP_CONGESTION), where the "
+            "kernel has it and allows it to the relay, else the system's ('': the system's). BBR keeps "
+            "its sending rate across a pooled connection's idle spells, where cubic starts over from "
+            "ten segments: a 64 kB request to a far upstream left in one round trip instead of three "
+            "(docs/benchmarks.md).",
         )
         loader.add_option(
             "relay_upstream_pool_max", int, 32,
@@ -305,13 +344,14 @@ class UpstreamPool:
             counting.add(client.id)
             return
         opening: asyncio.Future[Pooled | None] = asyncio.get_running_loop().create_future()
-        self.opening_for[client.id] = (key, opening)
-        self._spawn(self._open_ahead(key, opening))
+        ahead = self.opening_for[client.id] = Opening(key, time.time(), opening)
+        self._spawn(self._open_ahead(ahead))
 
-    async def _open_ahead(self, key: PoolKey, opening: asyncio.Future[Pooled | None]) -> None:
+    async def _open_ahead(self, ahead: Opening) -> None:
+        key, opening = ahead.key, ahead.done
         pooled = None
         try:
-            pooled = await asyncio.wait_for(_open(key), CONNECT_TIMEOUT_S)
+            pooled = await asyncio.wait_for(_open(key, ahead), CONNECT_TIMEOUT_S)
             logger.debug("upstream connection %s opened ahead of a request", pooled.id)
         except asyncio.CancelledError:
             raise
@@ -328,7 +368,7 @@ class UpstreamPool:
         for counting in self.counting_on_idle.values():
             counting.discard(client_id)
         if (ahead := self.opening_for.pop(client_id, None)) is not None:
-            self.let_go(ahead[1])
+            self.let_go(ahead.done)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._forget_client(client.id)
@@ -365,17 +405,17 @@ class UpstreamPool:
         self._unschedule(found)
         found.credential = credential
         self._rewarm(key)
-        if (ahead := self.opening_for.get(client.id)) is not None and ahead[0] == key:
+        if (ahead := self.opening_for.get(client.id)) is not None and ahead.key == key:
             self._forget_client(client.id)  # the one opened for it goes to the pool
         return found
 
-    def opened_ahead(self, key: PoolKey, client: connection.Client) -> asyncio.Future[Pooled | None] | None:
+    def opened_ahead(self, key: PoolKey, client: connection.Client) -> Opening | None:
         """The connection being opened for `client` since it connected, if it is `key`'s (once)."""
         ahead = self.opening_for.get(client.id)
-        if ahead is None or ahead[0] != key:
+        if ahead is None or ahead.key != key:
             return None
         del self.opening_for[client.id]
-        return ahead[1]
+        return ahead
 
     def put_back(self, pooled: Pooled) -> None:
         self._receive(pooled)
@@ -494,15 +534,18 @@ class UpstreamPool:
         self.idle.clear()
 
 
-async def _open(key: PoolKey) -> Pooled:
+async def _open(key: PoolKey, ahead: Opening | None = None) -> Pooled:
     """A new upstream connection for `key`, its TLS made by mitmproxy's `tls_start_server`
-    hook (as for a connection mitmproxy opens) offering HTTP/1.1."""
+    hook (as for a connection mitmproxy opens) offering HTTP/1.1; opened `ahead` for a
+    client: told when its TCP connect is done."""
     server = connection.Server(address=(key.host, key.port), sni=key.sni, tls=key.tls)
     if key.tls:
         server.alpn_offers = (HTTP1_ALPN,)
     server.timestamp_start = time.time()
     reader, writer = await dial.open_upstream(key.host, key.port)
     server.timestamp_tcp_setup = time.time()
+    if ahead is not None:
+        ahead.tcp_setup = server.timestamp_tcp_setup
     _watch_transport(writer)
     tls = None
     try:

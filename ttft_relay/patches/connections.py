@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -127,14 +128,24 @@ def plain_streams(client: connection.Client, server: connection.Connection) -> t
     return handler, transport, down.writer
 
 
+_closed_here: weakref.WeakSet[connection.Connection] = weakref.WeakSet()
+
+
 def close(client: connection.Client, conn: connection.Connection) -> bool:
     """Close `conn`, one of `client`'s connections, as a layer's CloseConnection would;
     False if it is not open there."""
     handler = handler_of(client)
     if handler is None or conn not in handler.transports:
         return False
+    _closed_here.add(conn)
     handler.close_connection(conn)
     return True
+
+
+def closed_here(conn: connection.Connection) -> bool:
+    """Whether the relay closed `conn` itself (`close`: a deadline, a stop): mitmproxy's
+    layers read that close as the peer's ("server closed connection")."""
+    return conn in _closed_here
 
 
 def cancel_connect(client: connection.Client, server: connection.Server, message: str) -> bool:

@@ -20,6 +20,6 @@ says so. With the addon that installs each (in `configure`/`running`, removed in
 - `early_connects`: a request's upstream connect starts once its head is accepted, while
   its body uploads (`keys.AccessKeys`, `pool.UpstreamPool`).
 - `upstream_pool`: a reverse listener's upstream connections outlive their client
-  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`, itself off
-  by default).
+  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`, on by
+  default; `relay_upstream_pool=false` turns it off alone).
 """

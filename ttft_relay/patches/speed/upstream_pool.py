@@ -18,7 +18,8 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
 2. **Adoption** (the wrap of `ConnectionHandler.open_connection`): such a `Server`, when the
    pool holds a connection for it (`take`: same address, TLS and SNI, the same credential or
    a fresh one that carried none) or is opening one for its client since it connected
-   (`opened_ahead`: waited for as for a connect, after `server_connect`), takes that
+   (`opened_ahead`: waited for as for a connect, after `server_connect`, from that connect's
+   start: a connect timeout's record names the phase it was in), takes that
    connection instead of connecting: the same
    hooks and events in the same order as mitmproxy's connect (`server_connect`; in place
    of the TCP connect the pooled socket, its reader and writer, with the timestamps of its
@@ -51,8 +52,11 @@ the seams below are all it takes from mitmproxy (pinned, `tests/patches/speed/te
    its answer came — nothing of it reached the provider's application, which answers
    every request it read — is sent once more, on a connection opened for it (never another
    pooled one), as `fixes.resend` sends a request again; the client sees one answer. Only a
-   request whose body the relay holds whole, once per flow. Without the pool the same race
-   needs a kept-alive client connection and is the client's to retry, as with any proxy.
+   request whose body the relay holds whole, once per flow; not where the relay closed the
+   connection itself (`connections.close`: a deadline, a stop), which mitmproxy's layers read
+   as the server's close too (a stop's cut request went again, and its client had no answer).
+   Without the pool the same race needs a kept-alive client connection and is the client's to
+   retry, as with any proxy.
 
 Anything else — a connection that is not idle, half-closed, upgraded, errored, HTTP/2,
 behind an upstream proxy, on another listener or address — is mitmproxy's as before.
@@ -206,10 +210,23 @@ class Pooled:
         self.writer.close()
 
 
+@dataclass(eq=False)
+class Opening:
+    """A connection the pool began to open for a client when it connected (mitmproxy's eager connect would have)."""
+
+    key: PoolKey
+    started: float
+    """When its connect began (`time.time()`): a request that waits for it waits for that connect."""
+    done: asyncio.Future[Pooled | None]
+    """The connection once open; None if that failed."""
+    tcp_setup: float | None = None
+    """When its TCP connect completed (its TLS handshake follows)."""
+
+
 class Pool(Protocol):
     def take(self, key: PoolKey, credential: bytes, client: connection.Client) -> Pooled | None: ...
 
-    def opened_ahead(self, key: PoolKey, client: connection.Client) -> asyncio.Future[Pooled | None] | None: ...
+    def opened_ahead(self, key: PoolKey, client: connection.Client) -> Opening | None: ...
 
     def put_back(self, pooled: Pooled) -> None: ...
 
@@ -319,8 +336,8 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
     assert isinstance(conn, Server)
     key = key_of(conn)
     pooled = _pool.take(key, ask.credential, self.client)
-    opening = _pool.opened_ahead(key, self.client) if pooled is None else None
-    if pooled is None and opening is None:
+    ahead = _pool.opened_ahead(key, self.client) if pooled is None else None
+    if pooled is None and ahead is None:
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
     if pooled is not None:
         pooled.unwatch()
@@ -331,8 +348,8 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
     await self.handle_hook(server_hooks.ServerConnectHook(hook_data))
     if conn.error or not conn.address or key_of(conn) != key:
         # An addon killed it, or sent it elsewhere: not this connection's to take.
-        if opening is not None:
-            _pool.let_go(opening)
+        if ahead is not None:
+            _pool.let_go(ahead.done)
         elif pooled is not None:
             _pool.put_back(pooled)
         if err := conn.error:
@@ -342,13 +359,16 @@ async def _open_connection(self: server.ConnectionHandler, command: commands.Ope
             return None
         # (that addon's server_connect then runs again, for the connect mitmproxy makes)
         return await _ORIGINAL_OPEN_CONNECTION(self, command)
-    if opening is not None:
+    if ahead is not None:
         # The connection the pool began to open when this client connected (mitmproxy's
-        # eager connect would have): waited for as mitmproxy waits for its connect.
+        # eager connect would have): waited for as mitmproxy waits for its connect, whose
+        # start it is (a failed wait's record names the phase it failed in by it).
+        conn.timestamp_start = ahead.started
         try:
-            pooled = await asyncio.shield(opening)
+            pooled = await asyncio.shield(ahead.done)
         except asyncio.CancelledError as e:  # the client left, or a connect timeout (`faults`)
-            _pool.let_go(opening)
+            _pool.let_go(ahead.done)
+            conn.timestamp_tcp_setup = ahead.tcp_setup
             err = str(e) or "connection cancelled"
             self.log(f"error establishing server connection: {err}")
             conn.error = err
@@ -398,12 +418,14 @@ def _retry_a_lost_reuse_race(stream: HttpStream, event: object) -> layer.Command
 
 def _lost_a_reuse_race(stream: HttpStream, event: object) -> bool:
     """The stream's pooled connection closed with no byte of its answer (`Http1Client`: "server
-    closed connection", nothing buffered), after its whole request went (held whole), once."""
+    closed connection", nothing buffered), after its whole request went (held whole), once;
+    closed by the upstream or its path, not by the relay (a deadline, a stop: no retry)."""
     flow = stream.flow
     return (
         isinstance(event, ResponseProtocolError)
         and event.message == "server closed connection"
         and stream.context.server in _adopted
+        and not connections.closed_here(stream.context.server)
         and flow not in _retried
         and flow.response is None
         and flow.error is None
