@@ -8,7 +8,7 @@ from ttft_relay import config, relay, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, traces, verdicts
-from ttft_relay.stream import streaming, websocket
+from ttft_relay.stream import frames, streaming, websocket
 from ttft_relay.observe import ledger, selfwatch
 from ttft_relay.timing import timing
 from ttft_relay.trim import trim
@@ -38,6 +38,12 @@ BEFORE = [
 @pytest.mark.parametrize("first, then, why", BEFORE, ids=[f"{a.__name__}<{b.__name__}" for a, b, _ in BEFORE])
 def test_each_addon_comes_before_those_that_need_it(first, then, why):
     assert ORDER.index(first) < ORDER.index(then), why
+
+
+def test_big_websocket_messages_are_framed_by_the_last_hook_they_pass():
+    # It frames the message as it goes on: after every addon that may change it (trim among them).
+    hooked = [type(addon) for addon in relay.addons if hasattr(addon, "websocket_message")]
+    assert hooked[-1] is frames.WebSocketFrames and trim.Trim in hooked
 
 
 def test_the_options_check_comes_last_and_each_addon_once():

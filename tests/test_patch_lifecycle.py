@@ -24,7 +24,7 @@ from ttft_relay import capacity, dial, patches, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.patches import pins
-from ttft_relay.stream import streaming
+from ttft_relay.stream import frames, streaming
 from ttft_relay.trim import trim
 
 RELAY_KEY = "relay-key-0123456789-alice"
@@ -50,7 +50,8 @@ def patch_owners() -> list[object]:
     mitmproxy addons whose options they read)."""
     shutdown = faults.Shutdown()
     return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown), *capacity.addons(), tls.ClientTLS(), guard.Guard(),
-            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(), faults.ErrorReplies()]
+            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(),
+            frames.WebSocketFrames(), faults.ErrorReplies()]
 
 
 @dataclass

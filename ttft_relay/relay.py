@@ -24,6 +24,8 @@ file only composes the addons; each concern lives in its own module under `ttft_
                the workers; prompt cache misses), attempt groups of retried requests
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
+    frames     a big WebSocket message framed in a worker thread for its way on (the last
+               websocket_message hook: after trim, the content as it goes)
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
     traces     the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
     sseview    an event-stream view for mitmweb
@@ -64,7 +66,7 @@ from ttft_relay import capacity, config, dial, patches, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
-from ttft_relay.stream import sseview, streaming, websocket
+from ttft_relay.stream import frames, sseview, streaming, websocket
 from ttft_relay.timing import timing
 from ttft_relay.trim import trim
 
@@ -94,6 +96,7 @@ addons = [
     faults.Deadlines(),
     self_watch,
     websocket.WebSocketTurns(timings, self_watch),
+    frames.WebSocketFrames(),  # the last websocket_message hook: it frames the message as it goes on
     timings,
     first_tokens,
     attempt_groups,
