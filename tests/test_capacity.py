@@ -85,7 +85,7 @@ def test_a_backlog_out_of_range_is_refused(backlog):
 
 
 def test_the_start_up_heap_is_frozen_once_the_relay_runs():
-    addon = capacity.GcFreeze()
+    addon = capacity.GcTuning()
     try:
         with taddons.context(addon) as tctx:
             addon.configure({"relay_gc_freeze"})
@@ -97,8 +97,12 @@ def test_the_start_up_heap_is_frozen_once_the_relay_runs():
             assert gc.get_freeze_count() == 0
             tctx.configure(addon, relay_gc_freeze=True)
             assert gc.get_freeze_count() >= frozen
+            tctx.configure(addon, relay_gc_threshold=50_000)
+            assert gc.get_threshold()[0] == 50_000 and gc.get_freeze_count() >= frozen
+            with pytest.raises(exceptions.OptionsError, match="relay_gc_threshold"):
+                tctx.configure(addon, relay_gc_threshold=-1)
             addon.done()
-            assert gc.get_freeze_count() == 0
+            assert gc.get_freeze_count() == 0 and gc.get_threshold() == addon.python_threshold
     finally:
         gc.unfreeze()
 

@@ -32,15 +32,16 @@ other, `relay_speed_patches`):
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
-- `GcFreeze`: Python's collector scans a generation's every object each time it collects
+- `GcTuning`: Python's collector scans a generation's every object each time it collects
   it, and its oldest generation holds the whole start-up heap (mitmproxy, the tokenizers'
   tables, the relay's modules: hundreds of thousands of objects). A heap grown by many
   live flows triggers such a full collection now and then, a pause of the whole process
   in which every live stream stalls at once (90-175 ms seen at ~100-125 live streams).
   Once the relay runs, the start-up heap is moved to the collector's permanent
   generation (`gc.freeze`), which it never scans: a full collection scans what the
-  live flows hold. The pauses are in the records (`gc_pause_ms`) and the metrics
-  (`selfwatch.GcPauses`).
+  live flows hold (`relay_gc_freeze`); `relay_gc_threshold` sets how often the youngest
+  generation is collected. The pauses are in the records (`gc_pause_ms`) and the
+  metrics (`selfwatch.GcPauses`).
 - `pool.UpstreamPool`: mitmproxy opens upstream connections per client connection;
   the relay keeps them across client connections, so a new client connection takes an
   open one instead of a connect and a TLS handshake (first token: one or two round
@@ -253,11 +254,13 @@ class MessageChecks:
         message_checks.install_message_checks(False)
 
 
-class GcFreeze:
-    """Once the relay runs, the collector no longer scans the start-up heap (`relay_gc_freeze`)."""
+class GcTuning:
+    """Once the relay runs, the collector no longer scans the start-up heap (`relay_gc_freeze`);
+    its youngest generation is collected every `relay_gc_threshold` allocations."""
 
     def __init__(self) -> None:
         self.started = False
+        self.python_threshold = gc.get_threshold()
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -268,9 +271,22 @@ class GcFreeze:
             "the garbage collector's reach (gc.freeze): its full collections, a pause of every live stream, "
             "scan only what the live flows hold.",
         )
+        loader.add_option(
+            "relay_gc_threshold",
+            int,
+            0,
+            "Collect the garbage collector's youngest generation every this many allocations (the "
+            "older ones follow from it): fewer collections, fewer short-lived objects kept into the older "
+            "generations whose collections pause every live stream. 0 keeps Python's.",
+        )
 
     def configure(self, updated: set[str]) -> None:
-        if "relay_gc_freeze" in updated and self.started:
+        if "relay_gc_threshold" in updated:
+            if ctx.options.relay_gc_threshold < 0:
+                raise exceptions.OptionsError("relay_gc_threshold must be 0 (Python's) or more")
+            if self.started:
+                self._apply()
+        elif "relay_gc_freeze" in updated and self.started:
             self._apply()
 
     def running(self) -> None:
@@ -279,8 +295,11 @@ class GcFreeze:
 
     def done(self) -> None:
         gc.unfreeze()
+        gc.set_threshold(*self.python_threshold)
 
     def _apply(self) -> None:
+        threshold = ctx.options.relay_gc_threshold or self.python_threshold[0]
+        gc.set_threshold(threshold, *self.python_threshold[1:])
         if ctx.options.relay_gc_freeze:
             gc.freeze()
             logger.debug("the collector leaves the %d objects of the start-up heap alone", gc.get_freeze_count())
@@ -292,4 +311,4 @@ def addons() -> list[Any]:
     """The capacity addons, first in the relay's chain (relay.py); benchmarks/seams_stream.py
     loads the same, to measure mitmproxy with the relay's seams and none of its work."""
     return [ListenBacklog(), WorkerListeners(), HookPlans(), MessageChecks(), ConnectionLog(), WarmStart(),
-            GcFreeze(), pool.UpstreamPool()]
+            GcTuning(), pool.UpstreamPool()]
