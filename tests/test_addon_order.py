@@ -40,10 +40,11 @@ def test_each_addon_comes_before_those_that_need_it(first, then, why):
     assert ORDER.index(first) < ORDER.index(then), why
 
 
-def test_big_websocket_messages_are_framed_by_the_last_hook_they_pass():
-    # It frames the message as it goes on: after every addon that may change it (trim among them).
+def test_big_websocket_messages_are_framed_as_they_go_on():
+    # After trim, which may change a message or drop it; before the turns' addon, which may drop the
+    # messages kept (the newest too, with relay_websocket_messages=0), and changes none.
     hooked = [type(addon) for addon in relay.addons if hasattr(addon, "websocket_message")]
-    assert hooked[-1] is frames.WebSocketFrames and trim.Trim in hooked
+    assert hooked == [trim.Trim, frames.WebSocketFrames, websocket.WebSocketTurns]
 
 
 def test_the_options_check_comes_last_and_each_addon_once():

@@ -24,8 +24,8 @@ file only composes the addons; each concern lives in its own module under `ttft_
                the workers; prompt cache misses), attempt groups of retried requests
     ledger     the requests in flight, so that those a dead process took are recorded by the next
     websocket  one record per turn of a Responses / Realtime WebSocket
-    frames     a big WebSocket message framed in a worker thread for its way on (the last
-               websocket_message hook: after trim, the content as it goes)
+    frames     a big WebSocket message framed in a worker thread for its way on (after trim,
+               which may change or drop it; before websocket, which may drop the kept messages)
     metrics    the records as Prometheus metrics (from timing's timing_record hook)
     traces     the records as OpenTelemetry traces over OTLP, trace context passed upstream (off by default)
     sseview    an event-stream view for mitmweb
@@ -95,8 +95,8 @@ addons = [
     faults.FailedConnects(),
     faults.Deadlines(),
     self_watch,
+    frames.WebSocketFrames(),  # frames a big message as it goes on: after trim, before the turns drop kept ones
     websocket.WebSocketTurns(timings, self_watch),
-    frames.WebSocketFrames(),  # the last websocket_message hook: it frames the message as it goes on
     timings,
     first_tokens,
     attempt_groups,

@@ -3,8 +3,8 @@
 Framing a message of megabytes is pure work on bytes (a text's UTF-8 checked, a client's
 frame masked), and on the event loop it stalled every other stream for its length (issue 36:
 ~100-250 ms per 23 MiB message). From `OFF_LOOP_BYTES` on, this addon's `websocket_message`
-hook, the last one a message passes (mitmproxy awaits it before passing the message on),
-frames it in a thread, a `websocket_frames.PIECE` at a time so the loop gets the GIL between
+hook (after trim's, which may change the message; mitmproxy awaits every hook before it passes
+the message on) frames it in a thread, a `websocket_frames.PIECE` at a time so the loop gets the GIL between
 pieces, and hands the frame to the speed patch that sends it (`patches/speed/websocket_frames.py`
 says which messages take that way; the others are framed by wsproto as before).
 """
