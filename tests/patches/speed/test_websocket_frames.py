@@ -130,6 +130,7 @@ def test_the_hook_frames_a_big_message_in_a_worker_thread(installed, monkeypatch
         return threading.get_ident()
 
     loop_thread = asyncio.run(hook())
+    addon.done()
     assert len(threads) == 1 and threads[0] != loop_thread
     message = big.websocket.messages[-1]
     framed = addon.kept[message]

@@ -29,7 +29,7 @@ import codecs
 import os
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import wsproto.events
@@ -65,10 +65,10 @@ class Framed(wsproto.events.Event):
         self.content, self.text, self.masked, self.wire = content, text, masked, wire
 
 
-def frame(content: bytes, text: bool, mask: bool) -> bytes:
+def frame(content: bytes, text: bool, mask: bool, between: Callable[[], None] = lambda: None) -> bytes:
     """`content` as one final frame (TEXT or BINARY), masked with a fresh random key if `mask`
     (the frame a client sends): what wsproto's `FrameProtocol.send_data` makes of it without
-    extensions, built a `PIECE` at a time. Raises UnicodeDecodeError for a text that is not
+    extensions, built a `PIECE` at a time, calling `between()` after each. Raises UnicodeDecodeError for a text that is not
     UTF-8 (mitmproxy would pass it on with its bad bytes replaced)."""
     n = len(content)
     view = memoryview(content)
@@ -76,6 +76,7 @@ def frame(content: bytes, text: bool, mask: bool) -> bytes:
         decoder = codecs.getincrementaldecoder("utf-8")()
         for at in range(0, n, PIECE):
             decoder.decode(view[at:at + PIECE])
+            between()
         decoder.decode(b"", final=True)
     head = bytearray([0x80 | (Opcode.TEXT if text else Opcode.BINARY)])
     mask_bit = 0x80 if mask else 0
@@ -94,6 +95,7 @@ def frame(content: bytes, text: bool, mask: bool) -> bytes:
     masker = XorMaskerSimple(key)
     for at in range(0, n, PIECE):  # pieces of a multiple of 4 bytes: each starts at the key's first byte
         out[len(head) + at:len(head) + at + PIECE] = masker.process(view[at:at + PIECE])  # type: ignore[arg-type]  # wsproto copies it into a bytearray
+        between()
     return bytes(out)
 
 
