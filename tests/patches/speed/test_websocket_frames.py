@@ -130,7 +130,6 @@ def test_the_hook_frames_a_big_message_in_a_worker_thread(installed, monkeypatch
         return threading.get_ident()
 
     loop_thread = asyncio.run(hook())
-    addon.done()
     assert len(threads) == 1 and threads[0] != loop_thread
     message = big.websocket.messages[-1]
     framed = addon.kept[message]
@@ -138,6 +137,8 @@ def test_the_hook_frames_a_big_message_in_a_worker_thread(installed, monkeypatch
     upstream = Connection(ConnectionType.SERVER)
     upstream.receive_data(framed.wire)
     assert b"".join(e.data for e in upstream.events()) == message.content
+    addon.done()  # its thread ends; the patch is out
+    assert not websocket_frames.installed()
 
 
 # --- end to end ---------------------------------------------------------------------------------
