@@ -29,6 +29,7 @@ Issue 36's cases:
 
     ws-many-messages   10 sockets each sending a 23 MiB message (each under the per-message
                        bound) at once: the relay's memory, the victim's stall, all delivered?
+    ws-many-messages-20  the same with 20 sockets
     ws-over-bound      one 30 MiB message (over the 24 MiB bound) from a client that sends it
                        whole, then reads: does its send complete, does it get its close 1009, when
     otlp-endless       exporting to a collector that answers 200 with an endless chunked body,
@@ -50,6 +51,8 @@ import os
 import re
 import selectors
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -63,8 +66,8 @@ from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake
 
 GIB = 1 << 30
 EVENT_GAP_MS = 10
-VICTIM_EVENTS = 1500
-"""15 s of events: longer than any attack here."""
+VICTIM_EVENTS = 6000
+"""60 s of events: longer than any attack here (the victim is stopped when its attack is over)."""
 SCENARIOS: dict[str, Callable[[Bench], dict]] = {}
 
 
@@ -176,34 +179,30 @@ class RssPeak:
 
 
 class Victim:
-    """An event stream through the relay, read in a thread; `arrivals` are read times."""
+    """An event stream through the relay, read in a process of its own (`--victim PORT`), which
+    prints each read's time (`time.monotonic`, the same clock in every process); `arrivals` are
+    those times. Not a thread here: this process's hostile fakes hold its GIL for a big frame's
+    unmasking (~130 ms per 23 MiB), and a reader here measured them as the relay's stall."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.arrivals: list[float] = []
-        self.done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.first = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
 
-    def _run(self) -> None:
-        body = json.dumps({"model": "gpt-4o-mini", "stream": True,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                f"x-fake-chunks: {VICTIM_EVENTS}\r\nx-fake-gap-ms: {EVENT_GAP_MS}\r\nx-request-id: victim\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), 60) as s:
-                s.sendall(head + body)
-                while data := s.recv(65536):
-                    self.arrivals.append(time.monotonic())
-                    if b"[DONE]" in data:
-                        break
-        finally:
-            self.done.set()
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.arrivals.append(float(line))
+            self.first.set()
+        self.first.set()
 
     def start(self) -> Victim:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.hostile", "--victim", str(self.port)],
+                                     cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
         self._thread.start()
-        while not self.arrivals and not self.done.wait(0.01):
-            pass
+        self.first.wait(30)
         return self
 
     def max_gap_ms(self, start: float, end: float) -> float:
@@ -211,7 +210,25 @@ class Victim:
         return max((b - a for a, b in zip(ts, ts[1:])), default=0.0) * 1000
 
     def stop(self) -> None:
-        self._thread.join(60)
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._thread.join(10)
+
+
+def victim_stream(port: int) -> None:
+    """The victim's process: the stream read as it comes, each read's time printed."""
+    body = json.dumps({"model": "gpt-4o-mini", "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"x-fake-chunks: {VICTIM_EVENTS}\r\nx-fake-gap-ms: {EVENT_GAP_MS}\r\nx-request-id: victim\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), 60) as s:
+        s.sendall(head + body)
+        while data := s.recv(65536):
+            print(time.monotonic(), flush=True)
+            if b"[DONE]" in data:
+                break
 
 
 class Bench:
@@ -247,6 +264,7 @@ class Bench:
             start = time.monotonic()
             outcome = run()
             end = time.monotonic()
+        time.sleep(0.3)  # the victim's reads up to `end + 0.2`
         victim.stop()
         return {"rss_before_mb": round(rss.before), "rss_peak_mb": round(rss.peak),
                 "victim_max_gap_ms": round(victim.max_gap_ms(start, end + 0.2), 1),
@@ -378,6 +396,12 @@ def ws_many_messages(b: Bench, sockets: int = 10, size: int = 23 * 1024 * 1024) 
             c.sock.close()
         return {"delivered": f"{delivered}/{sockets}", "all_delivered_s": round(took, 2), "rss_held_mb": round(held)}
     return b.attack(run)
+
+
+@scenario
+def ws_many_messages_20(b: Bench) -> dict:
+    """Issue 36's 20 sockets x 23 MiB: the victim's stall with the budget pausing most of them."""
+    return ws_many_messages(b, sockets=20)
 
 
 @scenario
@@ -614,7 +638,11 @@ def main() -> None:
                     help="the relay to attack (another checkout's ttft_relay/relay.py: before a change)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a relay option")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--victim", type=int, metavar="PORT", help=argparse.SUPPRESS)  # Victim's own process
     args = ap.parse_args()
+    if args.victim:
+        victim_stream(args.victim)
+        return
     options = dict(item.split("=", 1) for item in args.set)
     results: dict[str, dict] = {}
     collector = HostileCollector()

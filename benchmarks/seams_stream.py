@@ -29,6 +29,7 @@ addons = [
     capacity.MessageChecks(),
     capacity.ConnectionLog(),
     capacity.WarmStart(),
+    capacity.GcTuning(),
     pool.UpstreamPool(),
     streaming.Streaming(),
 ]

@@ -380,8 +380,10 @@ def read_records(folder: Path) -> dict[str, dict]:
 def records_against_clients(rates: list[float], setups: dict, results: dict[tuple[str, float], Window],
                             records: dict[str, dict]) -> None:
     """What the relays' own records say of the same streams: their first token against the
-    client's (the relay must see its own queueing), and their verdicts."""
-    print("the relays' records of the same streams: first token p50 / p99 (the client's), verdicts")
+    client's (the relay must see its own queueing), their verdicts, and the relay's own
+    pauses (the worst loop lag and the longest garbage collection a record saw)."""
+    print("the relays' records of the same streams: first token p50 / p99 (the client's), verdicts; "
+          "the relay's own pauses: loop lag, longest GC (max over the records)")
     for rate in rates:
         for name in setups:
             w = results[name, rate]
@@ -391,9 +393,12 @@ def records_against_clients(rates: list[float], setups: dict, results: dict[tupl
             ours = [rec["ttft_ms"] for rec, _ in joined if rec["ttft_ms"] is not None]
             theirs = [ms for _, ms in joined]
             verdicts = Counter(rec["verdict"] for rec, _ in joined).most_common(3)
+            lag = max((rec.get("loop_lag_ms") or 0.0 for rec, _ in joined), default=0.0)
+            gc_pause = max((rec.get("gc_pause_ms") or 0.0 for rec, _ in joined), default=0.0)
             print(f"{rate:>6g} {name:<9} {median(ours):>6.0f} / {percentile(ours, 99):.0f} ms "
                   f"({median(theirs):.0f} / {percentile(theirs, 99):.0f} ms); "
-                  + ", ".join(f"{v} {n}" for v, n in verdicts) + f" of {len(joined)}")
+                  + ", ".join(f"{v} {n}" for v, n in verdicts) + f" of {len(joined)}; "
+                  f"loop lag {lag:.0f} ms, GC {gc_pause:.0f} ms")
 
 
 def report(args, rates: list[float], setups: dict, results: dict[tuple[str, float], Window]) -> None:

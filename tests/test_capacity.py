@@ -8,6 +8,7 @@ leaves the rest to SYN retransmits.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -81,6 +82,29 @@ def test_a_backlog_out_of_range_is_refused(backlog):
                 tctx.configure(tctx.master.addons.get("listenbacklog"), relay_listen_backlog=backlog)
     finally:
         listen_backlog.set_listen_backlog(0)  # the rollback re-applied the default
+
+
+def test_the_start_up_heap_is_frozen_once_the_relay_runs():
+    addon = capacity.GcTuning()
+    try:
+        with taddons.context(addon) as tctx:
+            addon.configure({"relay_gc_freeze"})
+            assert gc.get_freeze_count() == 0  # not before it runs: start-up is still allocating
+            addon.running()
+            frozen = gc.get_freeze_count()
+            assert frozen > 10_000  # the test process's modules, mitmproxy's among them
+            tctx.configure(addon, relay_gc_freeze=False)
+            assert gc.get_freeze_count() == 0
+            tctx.configure(addon, relay_gc_freeze=True)
+            assert gc.get_freeze_count() >= frozen
+            tctx.configure(addon, relay_gc_threshold=50_000)
+            assert gc.get_threshold()[0] == 50_000 and gc.get_freeze_count() >= frozen
+            with pytest.raises(exceptions.OptionsError, match="relay_gc_threshold"):
+                tctx.configure(addon, relay_gc_threshold=-1)
+            addon.done()
+            assert gc.get_freeze_count() == 0 and gc.get_threshold() == addon.python_threshold
+    finally:
+        gc.unfreeze()
 
 
 def test_connection_lines_only_when_asked(caplog):

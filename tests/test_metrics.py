@@ -125,13 +125,16 @@ def test_without_room_for_a_proven_model_junk_is_counted_as_other():
     assert set(durations(reg)) == {("gpt-4.1", "2xx"), ("gpt-5", "2xx"), ("other", "4xx")}
 
 
-def test_the_self_watch_samples_feed_the_lag_and_the_accept_queues():
+def test_the_self_watch_samples_feed_the_lag_the_accept_queues_and_the_gc_pauses():
     registry = CollectorRegistry()
     m = metrics.RelayMetrics(registry, 5)
     m.observe_load(0.002, None)
     m.observe_load(0.3, {"127.0.0.1:8001": 4})
-    m.observe_load(0.004, {"127.0.0.1:8001": 0, "127.0.0.1:8002": 2})
+    m.observe_load(0.004, {"127.0.0.1:8001": 0, "127.0.0.1:8002": 2}, [(0, 0.0002), (2, 0.12)])
     value = registry.get_sample_value
+    assert value("ttft_relay_gc_pause_seconds_count", {"generation": "2"}) == 1
+    assert value("ttft_relay_gc_pause_seconds_bucket", {"generation": "2", "le": "0.1"}) == 0
+    assert value("ttft_relay_gc_pause_seconds_count", {"generation": "0"}) == 1
     assert value("ttft_relay_event_loop_lag_seconds_count") == 3
     assert value("ttft_relay_event_loop_lag_seconds_bucket", {"le": "0.25"}) == 2
     assert value("ttft_relay_accept_queue_connections", {"listener": "127.0.0.1:8001"}) == 0

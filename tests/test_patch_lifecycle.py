@@ -24,7 +24,7 @@ from ttft_relay import capacity, dial, patches, pool, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
-from ttft_relay.stream import streaming
+from ttft_relay.stream import frames, streaming
 from ttft_relay.trim import trim
 
 RELAY_KEY = "relay-key-0123456789-alice"
@@ -55,7 +55,8 @@ def patch_owners() -> list[object]:
             redaction.LogRedaction(), exposure.Exposure(), limits.ClientLimits(), limits.WebSocketLimits(),
             hygiene.FieldSyntax(), hygiene.OriginForm(), hygiene.RequestFraming(), keys.AccessKeys(), secrets,
             redaction.WebOptions(secrets),
-            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(), faults.ErrorReplies()]
+            scope.Scope(), streaming.Streaming(), trim.Trim(), shutdown, dial.HappyEyeballs(), faults.Deadlines(),
+            frames.WebSocketFrames(), faults.ErrorReplies()]
 
 
 @dataclass

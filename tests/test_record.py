@@ -81,7 +81,7 @@ def test_a_json_line_is_the_records_fields_in_order():
     line = orjson.dumps(rec.as_dict())  # what RecordWriter writes
     assert line == orjson.dumps(rec)  # the dataclass itself serialises the same
     assert list(orjson.loads(line)) == list(record.FIELDS)
-    assert record.LINK_KEYS == ("loop_lag_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms",
+    assert record.LINK_KEYS == ("loop_lag_ms", "gc_pause_ms", "client_rtt_ms", "client_retransmits", "upstream_tcp_rtt_ms",
                                 "upstream_retransmits", "client_min_rtt_ms", "client_retransmit_ms",
                                 "client_out_of_order", "upstream_retransmit_ms", "upstream_out_of_order")
 

@@ -103,6 +103,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.web_options.install(lambda name, value: value)
     patches.upstream_pool.install(object())  # type: ignore[arg-type]
     patches.websocket_limits.install(patches.websocket_limits.Bounds())
+    patches.websocket_frames.install()
     patches.answer_on_head.answer_now(tflow.tflow(), http.Response.make(503))
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())

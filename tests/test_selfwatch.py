@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import struct
 import sys
@@ -123,6 +124,29 @@ def test_loop_lag_is_how_late_the_timer_fires():
     assert max(samples) >= 0.2
     assert lag.worst(before) == max(samples)
     assert lag.worst(time.time() + 1) == 0.0
+
+
+def test_gc_pauses_are_each_collection_timed_and_the_long_ones_kept(monkeypatch):
+    monkeypatch.setattr(selfwatch, "GC_PAUSE_KEPT_MS", 0.0)  # every one kept: the test's own are short
+    pauses = selfwatch.GcPauses()
+    before = time.time()
+    pauses.install()
+    try:
+        assert gc.callbacks.count(pauses._callback) == 1
+        pauses.install()  # once only
+        assert gc.callbacks.count(pauses._callback) == 1
+        gc.collect()
+        gc.collect(0)
+    finally:
+        pauses.uninstall()
+    assert pauses._callback not in gc.callbacks
+    drained = pauses.drain()
+    assert [g for g, _ in drained][-2:] == [2, 0] and all(p >= 0 for _, p in drained)
+    assert pauses.drain() == []  # handed over once
+    assert pauses.worst(before) == max(p for _, p in drained) > 0
+    assert pauses.worst(time.time() + 1) == 0.0
+    gc.collect()  # after uninstall: not seen
+    assert pauses.drain() == []
 
 
 def test_forgets_a_connections_retransmit_count_when_it_closes():

@@ -96,6 +96,9 @@ def test_a_saturated_relay_says_so_and_its_first_token_is_the_clients(fake, tmp_
     late = count - total(samples, "ttft_relay_event_loop_lag_seconds_bucket", le="0.1")
     assert count > 0 and late > 0, (count, late)
     assert any(k.startswith("ttft_relay_accept_queue_connections[") for k in samples)
+    # The collector's pauses: in every record (the longest of 1 ms or more, 0.0 if none) and as a metric.
+    assert all(isinstance(r["gc_pause_ms"], float) for r in records.values())
+    assert total(samples, "ttft_relay_gc_pause_seconds_count") > 0
     assert total(samples, "ttft_relay_relay_queue_seconds_count") == REQUESTS
 
 

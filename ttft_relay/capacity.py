@@ -32,6 +32,16 @@ other, `relay_speed_patches`):
 - `HookPlans`: mitmproxy walks its whole addon tree for every event of every flow,
   whether or not any addon implements the hook; the relay dispatches from a plan
   per hook name instead, which cuts the CPU each streamed flow costs.
+- `GcTuning`: Python's collector scans a generation's every object each time it collects
+  it, and its oldest generation holds the whole start-up heap (mitmproxy, the tokenizers'
+  tables, the relay's modules: hundreds of thousands of objects). A heap grown by many
+  live flows triggers such a full collection now and then, a pause of the whole process
+  in which every live stream stalls at once (90-175 ms seen at ~100-125 live streams).
+  Once the relay runs, the start-up heap is moved to the collector's permanent
+  generation (`gc.freeze`), which it never scans: a full collection scans what the
+  live flows hold (`relay_gc_freeze`); `relay_gc_threshold` sets how often the youngest
+  generation is collected. The pauses are in the records (`gc_pause_ms`) and the
+  metrics (`selfwatch.GcPauses`).
 - `pool.UpstreamPool`: mitmproxy opens upstream connections per client connection;
   the relay keeps them across client connections, so a new client connection takes an
   open one instead of a connect and a TLS handshake (first token: one or two round
@@ -40,6 +50,7 @@ other, `relay_speed_patches`):
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -240,4 +251,57 @@ class MessageChecks:
 
     def done(self) -> None:
         message_checks.install_message_checks(False)
+
+
+class GcTuning:
+    """Once the relay runs, the collector no longer scans the start-up heap (`relay_gc_freeze`);
+    its youngest generation is collected every `relay_gc_threshold` allocations."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.python_threshold = gc.get_threshold()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "relay_gc_freeze",
+            bool,
+            True,
+            "Once the relay runs, move the start-up heap (mitmproxy, the tokenizers, the relay) out of "
+            "the garbage collector's reach (gc.freeze): its full collections, a pause of every live stream, "
+            "scan only what the live flows hold.",
+        )
+        loader.add_option(
+            "relay_gc_threshold",
+            int,
+            0,
+            "Collect the garbage collector's youngest generation every this many allocations (the "
+            "older ones follow from it): fewer collections, fewer short-lived objects kept into the older "
+            "generations whose collections pause every live stream. 0 keeps Python's.",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        if "relay_gc_threshold" in updated:
+            if ctx.options.relay_gc_threshold < 0:
+                raise exceptions.OptionsError("relay_gc_threshold must be 0 (Python's) or more")
+            if self.started:
+                self._apply()
+        elif "relay_gc_freeze" in updated and self.started:
+            self._apply()
+
+    def running(self) -> None:
+        self.started = True
+        self._apply()
+
+    def done(self) -> None:
+        gc.unfreeze()
+        gc.set_threshold(*self.python_threshold)
+
+    def _apply(self) -> None:
+        threshold = ctx.options.relay_gc_threshold or self.python_threshold[0]
+        gc.set_threshold(threshold, *self.python_threshold[1:])
+        if ctx.options.relay_gc_freeze:
+            gc.freeze()
+            logger.debug("the collector leaves the %d objects of the start-up heap alone", gc.get_freeze_count())
+        else:
+            gc.unfreeze()
 

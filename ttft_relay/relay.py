@@ -28,6 +28,10 @@ on `addons`; test_hooks_fuzz runs the hooks in this order.
         scope attaches the per-flow state the others read
     trim.Trim before timing.Timing: timing's `request` hook marks the moment the request
         leaves
+    trim.Trim before frames.WebSocketFrames: trim may change a WebSocket message or drop it
+        before it is framed for its way on
+    frames.WebSocketFrames before websocket.WebSocketTurns: the turns' addon may drop the
+        messages kept (the newest too, with relay_websocket_messages=0), and changes none
     faults.Shutdown and websocket.WebSocketTurns before timing.Timing: timing's `done`
         closes the log, theirs record what is still in flight
     faults.FailedConnects and faults.Deadlines before timing.Timing: they touch a failed
@@ -60,7 +64,7 @@ from ttft_relay import capacity, config, dial, patches, pool, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
-from ttft_relay.stream import sseview, streaming, websocket
+from ttft_relay.stream import frames, sseview, streaming, websocket
 from ttft_relay.timing import timing
 from ttft_relay.trim import trim
 
@@ -85,6 +89,7 @@ addons = [
     capacity.MessageChecks(),  # each message's field types checked as mitmproxy checks them, for less
     capacity.ConnectionLog(),  # mitmproxy's per-connection INFO lines only with relay_connection_log
     capacity.WarmStart(),  # the upstream TLS context, name lookups and the CA ready before the first request
+    capacity.GcTuning(),  # the start-up heap out of the collector's reach once the relay runs (gc.freeze)
     pool.UpstreamPool(),  # upstream connections kept across client connections (relay_upstream_pool)
     # guard: who may use the relay, and where its secrets may go
     tls.ClientTLS(),  # listeners that accept only TLS (the user's certificate), plain HTTP refused
@@ -109,6 +114,7 @@ addons = [
     faults.Deadlines(),  # bounded waits: connect, response head, first token, idle
     # what the relay saw: marks, records and what they teach
     self_watch,  # the relay's own event-loop lag, accept queues and sockets
+    frames.WebSocketFrames(),  # a big WebSocket message framed in a thread of its own for its way on
     websocket.WebSocketTurns(timings, self_watch),  # one record per turn of a Responses / Realtime WebSocket
     timings,  # per-phase marks, one record per flow, judged once and frozen
     first_tokens,  # timing's observer: the first token each prompt predicts, prompt cache misses

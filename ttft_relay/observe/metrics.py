@@ -17,6 +17,8 @@ LLM call (each timing record):
     ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
+    ttft_relay_gc_pause_seconds                  each garbage collection of the relay's process, by
+                                                 generation (0-2): a pause every live stream waits for
     ttft_relay_accept_queue_connections          connections waiting to be accepted, per listener
     ttft_relay_requests_in_flight                requests begun and not yet recorded (what a worker
                                                  killed now would take with it, unrecorded)
@@ -59,7 +61,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,7 @@ ALWAYS_OBSERVED = ("relay_queue",)
 """Phases observed as 0 for the calls that did not have them: relay_queue exists only for
 requests whose bytes the kernel held, and a series born with its first queued call would
 have that call missed by rate() (which counts increases after a series' first sample)."""
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LABELS = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "server_address", "api",
           "status_class")
@@ -149,6 +152,10 @@ class RelayMetrics:
         self.loop_lag = Histogram("ttft_relay_event_loop_lag_seconds",
                                   "How late the relay's event loop ran a timer due every 50 ms: work waiting "
                                   "for the relay itself.", registry=registry, buckets=LAG_BUCKETS)
+        self.gc_pause = Histogram("ttft_relay_gc_pause_seconds",
+                                  "Each garbage collection of the relay's process, by generation: a pause "
+                                  "every thread and every live stream waits for.", ("generation",),
+                                  registry=registry, buckets=GC_BUCKETS)
         self._children: dict[tuple, Any] = {}
         """Each instrument's child per label values, as `labels()` gives it (which checks
         and converts its arguments and takes a lock on every call)."""
@@ -164,9 +171,13 @@ class RelayMetrics:
                                     "exported: queue_full, export_failed (no answer), rejected.", ("reason",),
                                     registry=registry)
 
-    def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
-        """One sample of the self-watch: the loop's lag, and now and then the accept queues."""
+    def observe_load(self, lag_s: float, accept_queues: Mapping[str, int] | None,
+                     gc_pauses: Sequence[tuple[int, float]] = ()) -> None:
+        """One sample of the self-watch: the loop's lag, now and then the accept queues, and
+        the garbage collections since the last sample."""
         self.loop_lag.observe(lag_s)
+        for generation, pause in gc_pauses:
+            self._child(self.gc_pause, str(generation)).observe(pause)
         for listener, waiting in (accept_queues or {}).items():
             self.accept_queue.labels(listener).set(waiting)
 
@@ -490,7 +501,8 @@ class Metrics:
         if self.listen and self.metrics is not None:
             self.metrics.otlp_dropped.labels(reason).inc(records)
 
-    def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None) -> None:
+    def load_sample(self, lag_s: float, accept_queues: Mapping[str, int] | None,
+                    gc_pauses: Sequence[tuple[int, float]]) -> None:
         """`selfwatch.SelfWatch.subscribe`'s callback."""
         if self.listen and self.metrics is not None:
-            self.metrics.observe_load(lag_s, accept_queues)
+            self.metrics.observe_load(lag_s, accept_queues, gc_pauses)

@@ -200,7 +200,7 @@ USAGE_ATTRIBUTES = {
 RECORD_ATTRIBUTES = ("id", "request_id", "api", "transport", "turn", "prewarm", "verdict", "ttft_ms",
                      "expected_ttft_ms", "rtt_ms", "max_gap_ms", "chunks", "bytes", "output_tokens_per_s",
                      "prompt_tokens", "reused_connection", "upstream_request_id", "upstream_processing_ms",
-                     "error", "error_phase", "client_aborted", "loop_lag_ms", "client_rtt_ms",
+                     "error", "error_phase", "client_aborted", "loop_lag_ms", "gc_pause_ms", "client_rtt_ms",
                      "client_retransmits", "upstream_tcp_rtt_ms", "upstream_retransmits")
 """Record keys exported as `ttft_relay.<key>` on the root span, when known (an absent key, as
 `expected_ttft_ms` in a record written before the relay learned it, is left out)."""

@@ -9,6 +9,10 @@ wait or a stream stall: the network is blamed exactly when the relay is the caus
 
 - `LoopLag`: a timer every `LAG_INTERVAL_S`; how late it fires is the event loop's
   lag, sampled continuously (one callback per interval, nothing per flow).
+- `GcPauses`: every garbage collection of the process, timed through `gc.callbacks`
+  (a collection stops every thread: each live stream stalls for it at once); the
+  record's `gc_pause_ms` is the longest one while the request ran, so a stall the loop's
+  lag shows is told apart as the collector's or other work's.
 - The accept queue of every listener: TCP_INFO of a listening socket gives the
   number of connections waiting to be accepted (`tcpi_unacked`).
 - Per flow, TCP_INFO of its sockets (`tcpi_last_data_recv`: how long ago the kernel
@@ -42,13 +46,14 @@ loopback they are microseconds and zero; through a TCP forwarder (or any proxy) 
 kernel sees the link to that next hop only. ttft_relay/testing/fakes/link.py builds real far and
 lossy links in network namespaces for the tests that need one.
 
-The metrics addon draws the lag and the accept queues (`subscribe`).
+The metrics addon draws the lag, the accept queues and the collections' pauses (`subscribe`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import socket
 import struct
@@ -273,12 +278,70 @@ def alone_on(flow: http.HTTPFlow, since: float, in_flight: Iterable[http.HTTPFlo
     return not any(other is not flow and other.server_conn.id == conn_id for other in in_flight)
 
 
+GC_PAUSE_KEPT_MS = 1.0
+"""Collections shorter than this are drawn in the metrics but not kept for the records (the
+youngest generation's, hundreds a second under load, cost microseconds each)."""
+
+
+class GcPauses:
+    """Times the process's garbage collections (`gc.callbacks`, in whichever thread collects).
+
+    The callback only appends to deques (atomic under the GIL, no lock: a collection can
+    start inside any allocation, a lock's holder's included); `drain()` hands the pauses
+    since the last call to the event loop's side. `worst(since)` is the longest pause of at
+    least GC_PAUSE_KEPT_MS since a `time.time()` moment.
+    """
+
+    def __init__(self) -> None:
+        self.kept: deque[tuple[float, float]] = deque(maxlen=4096)
+        """(wall time at its end, pause in s) of the collections of GC_PAUSE_KEPT_MS or more, oldest first."""
+        self.fresh: deque[tuple[int, float]] = deque(maxlen=65536)
+        """(generation, pause in s) of every collection not drained yet."""
+        self._started: float | None = None
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def uninstall(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:  # installed in the middle of a collection
+            return
+        pause, self._started = time.perf_counter() - self._started, None
+        self.fresh.append((info.get("generation", 0), pause))
+        if pause * 1000 >= GC_PAUSE_KEPT_MS:
+            self.kept.append((time.time(), pause))
+
+    def drain(self) -> list[tuple[int, float]]:
+        """The (generation, pause in s) of the collections since the last call."""
+        out = []
+        while self.fresh:
+            out.append(self.fresh.popleft())
+        return out
+
+    def worst(self, since: float) -> float:
+        """The longest pause (s) that ended after `since` (0.0: none of GC_PAUSE_KEPT_MS)."""
+        worst = 0.0
+        for at, pause in reversed(self.kept):
+            if at < since:
+                break
+            worst = max(worst, pause)
+        return worst
+
+
 class SelfWatch:
     """Measures the relay's own event loop and sockets; marks what the kernel held."""
 
     def __init__(self) -> None:
         self.lag = LoopLag(self._sample)
-        self.subscribers: list[Callable[[float, dict[str, int] | None], None]] = []
+        self.gc = GcPauses()
+        self.subscribers: list[Callable[[float, dict[str, int] | None, list[tuple[int, float]]], None]] = []
         self.counted: dict[str, Counters] = {}
         """Per connection id, its totals already counted in an earlier record (for a client
         at its accept, the handshake's time in retransmission timeouts: connection set-up)."""
@@ -302,22 +365,26 @@ class SelfWatch:
         """When this process began to serve (`running`): a worker's listeners exist before it,
         and what the kernel queued for them meanwhile waited for the start, not on a busy relay."""
 
-    def subscribe(self, fn: Callable[[float, dict[str, int] | None], None]) -> None:
-        """`fn(lag_s, accept_queues)` for every lag sample; `accept_queues` ({listen
-        address: connections waiting}) every ACCEPT_QUEUE_EVERY samples, else None."""
+    def subscribe(self, fn: Callable[[float, dict[str, int] | None, list[tuple[int, float]]], None]) -> None:
+        """`fn(lag_s, accept_queues, gc_pauses)` for every lag sample; `accept_queues` ({listen
+        address: connections waiting}) every ACCEPT_QUEUE_EVERY samples, else None;
+        `gc_pauses` the (generation, pause in s) of the collections since the last sample."""
         self.subscribers.append(fn)
 
     def running(self) -> None:
         self.serving_since = time.time()
+        self.gc.install()
         self.lag.start(asyncio.get_running_loop())
 
     def done(self) -> None:
         self.lag.stop()
+        self.gc.uninstall()
 
     def _sample(self, lag: float, tick: int) -> None:
         queues = self.accept_queues() if tick % ACCEPT_QUEUE_EVERY == 0 else None
+        pauses = self.gc.drain()
         for fn in self.subscribers:
-            fn(lag, queues)
+            fn(lag, queues, pauses)
 
     def accept_queues(self) -> dict[str, int]:
         """Connections waiting to be accepted, per listen address."""
@@ -453,7 +520,7 @@ class SelfWatch:
         if flow.response is None and flow.server_conn.timestamp_start is not None:
             self._mark_sent(flow, self._socket(flow, flow.server_conn))
         self._mark_resent(flow, st)
-        st.links = {"loop_lag_ms": round(self.lag.worst(start) * 1000, 3),
+        st.links = {**self.pauses(start),
                     **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
         if "upstream_retransmit_ms" in st.links:
             st.links["upstream_retransmit_ms"] = self._upstream_lost_ms(flow, st)
@@ -541,8 +608,12 @@ class SelfWatch:
     def turn_links(self, flow: http.HTTPFlow, since: float) -> dict[str, float | int | None]:
         """The `record.LINK_KEYS` of a WebSocket turn that began at `since`: what the socket's
         two connections added since the previous turn's record (read as the turn ends)."""
+        return {**self.pauses(since), **self.side_links(flow, "upstream"), **self.side_links(flow, "client")}
+
+    def pauses(self, since: float) -> dict[str, float]:
+        """The relay's own pauses since `since`: the loop's worst lag, the longest collection."""
         return {"loop_lag_ms": round(self.lag.worst(since) * 1000, 3),
-                **self.side_links(flow, "upstream"), **self.side_links(flow, "client")}
+                "gc_pause_ms": round(self.gc.worst(since) * 1000, 3)}
 
     def side_links(self, flow: http.HTTPFlow, side: str, *, final: bool = True) -> dict[str, float | int | None]:
         """The `record.LINK_KEYS` of one side of `flow` ("client", "upstream"): its round

@@ -66,6 +66,7 @@ from .speed import (
     splice,
     upstream_pool,
     upstream_tls_warmup,
+    websocket_frames,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ SPEED: tuple[ModuleType, ...] = (
     upstream_tls_warmup,
     upstream_pool,
     early_connects,
+    websocket_frames,
 )
 READS: tuple[ModuleType, ...] = (connections, error_texts, chunk_reader)
 """mitmproxy's private code the relay reads without a patch: pinned, required as a fix is."""

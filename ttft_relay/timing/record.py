@@ -142,6 +142,9 @@ class Record:
     loop_lag_ms: float | None = None
     """The relay's event loop: its worst lag while the request ran (selfwatch); on a
     connection's first request from the client's SYN."""
+    gc_pause_ms: float | None = None
+    """The relay's process: its longest garbage collection while the request ran (one of at
+    least 1 ms; 0.0 if none), a pause every thread and every live stream waited for."""
     client_rtt_ms: float | None = None
     """The client connection's smoothed round trip (Linux TCP_INFO)."""
     client_retransmits: int | None = None

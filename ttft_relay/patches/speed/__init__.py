@@ -22,4 +22,7 @@ says so. With the addon that installs each (in `configure`/`running`, removed in
 - `upstream_pool`: a reverse listener's upstream connections outlive their client
   connection and are adopted by later ones, TLS included (`pool.UpstreamPool`, on by
   default; `relay_upstream_pool=false` turns it off alone).
+- `websocket_frames`: a big WebSocket message (1 MiB and more, one frame, no extension) framed
+  for its way on in a worker thread and sent as framed, not by wsproto on the event loop
+  (`frames.WebSocketFrames`).
 """

@@ -18,8 +18,9 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 TEXT, BINARY, CONTINUATION, CLOSE, PING, PONG = 0x1, 0x2, 0x0, 0x8, 0x9, 0xA
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -217,6 +218,8 @@ class UpstreamSession:
     """WebSocket: the close frame the relay sent this upstream, if any."""
     received: int = 0
     """WebSocket: payload bytes of the relay's data frames; HTTP: bytes after the request."""
+    digest: Any = field(default_factory=hashlib.sha256)
+    """WebSocket: the SHA-256 of those payloads, unmasked, in order (what the relay passed on)."""
     ended: bool = False
 
 
@@ -338,6 +341,7 @@ class HostileUpstream:
                     conn.sendall(frame(CLOSE, f.payload[:2], masked=False))
                     return
                 session.received += len(f.payload)
+                session.digest.update(f.payload)
             data = conn.recv(1 << 20)
             if not data:
                 return
