@@ -124,11 +124,12 @@ def test_the_self_watch_samples_feed_the_lag_and_the_accept_queues():
 
 
 def test_the_learned_windows_are_read_from_their_file_at_each_scrape(tmp_path):
+    from ttft_relay import store as learned_store
     from ttft_relay.trim import windows
 
     registry = CollectorRegistry()
     metrics.watch_learned_windows(registry, tmp_path / "timing.jsonl")
-    store = windows.LearnedWindows(tmp_path / windows.FILE_NAME)
+    store = windows.LearnedWindows(tmp_path / learned_store.FILE_NAME)
 
     def learned() -> dict[str, tuple[dict[str, str], float]]:
         return {s.labels["gen_ai_request_model"]: (s.labels, s.value)

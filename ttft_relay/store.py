@@ -278,12 +278,14 @@ class SharedStore:
     """`Entries` kept in `path` (None: in memory only) and shared with every process on it.
     `refresh`, `sync` block on the file: call them off the event loop."""
 
-    def __init__(self, path: Path | None, kinds: Iterable[Kind]) -> None:
+    def __init__(self, path: Path | None, kinds: Iterable[Kind], *, read_only: bool = False) -> None:
         self.path = path
         self.entries = Entries(kinds)
+        self.read_only = read_only
+        """Only read the file, never write it (the report, the metrics' scrape)."""
         self._seen: tuple[int, int, int] | None = None
         """(inode, size, mtime_ns) of the file as last read or written."""
-        self._legacy_tried = path is None or all(kind.legacy is None for kind in self.entries.kinds.values())
+        self._legacy_tried = read_only or path is None or all(k.legacy is None for k in self.entries.kinds.values())
         self._failed: str | None = None
 
     def refresh(self) -> set[tuple[str, str]]:
@@ -306,7 +308,7 @@ class SharedStore:
     def sync(self) -> set[tuple[str, str]]:
         """Write this process's changes (with what the others wrote since: read, changed,
         renamed over the file under its lock), or only `refresh` when there are none."""
-        if self.path is None or (self._legacy_tried and not self.entries.pending):
+        if self.path is None or self.read_only or (self._legacy_tried and not self.entries.pending):
             return self.refresh()
         try:
             with _Locked(self.path):
@@ -349,7 +351,8 @@ class SharedStore:
 
     def _import_legacy(self) -> set[tuple[str, str]]:
         """The previous version's files of the kinds the store does not say were read: read
-        now, once (under the lock, so by one process), and marked read (IMPORTED)."""
+        now (under the lock, so by one process), and marked read (IMPORTED) when they held
+        anything: read once."""
         assert self.path is not None
         changed = set()
         for kind in self.entries.kinds.values():
@@ -364,8 +367,8 @@ class SharedStore:
             for entry in taken:
                 self.entries.put(entry)
             changed |= {(entry.kind, entry.key) for entry in taken}
-            self.entries.put(Entry(IMPORTED.name, kind.name, len(taken), time.time()))
             if found:
+                self.entries.put(Entry(IMPORTED.name, kind.name, len(taken), time.time()))
                 logger.info("%d %s entries read once from the previous version's file in %s; it is no longer "
                             "read or written", len(taken), kind.name, self.path.parent)
         return changed

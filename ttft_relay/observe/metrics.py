@@ -66,7 +66,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from .. import state
+from .. import state, store
 from ..apis.api import Api
 from ..text import cut_text
 from ..timing import record
@@ -225,7 +225,8 @@ class LearnedWindowsCollector:
     file), as a gauge read at each scrape: in the scrape server's thread, never the event loop."""
 
     def __init__(self, timing_log: str | Path) -> None:
-        self.store = windows.LearnedWindows(Path(timing_log).with_name(windows.FILE_NAME))
+        self.store = windows.LearnedWindows(store.SharedStore(Path(timing_log).with_name(store.FILE_NAME),
+                                                              [windows.KIND], read_only=True))
 
     def _family(self) -> GaugeMetricFamily:
         return GaugeMetricFamily(LEARNED_WINDOWS, "A context window learned from a provider's refusal, in the "

@@ -39,6 +39,7 @@ from typing import Any
 
 import orjson
 
+from .. import store
 from ..observe import prefill
 from ..text import printable
 from ..timing import phases, record
@@ -333,10 +334,8 @@ def format_attempts(groups: Sequence[Mapping[str, Any]], shown: int = 10) -> lis
 def learned_windows(logs: Iterable[str]) -> list[dict[str, Any]]:
     """The windows learned by the relays writing `logs` (the file beside each log's directory)."""
     found: dict[tuple[str, str], windows.Learned] = {}
-    for path in sorted({Path(log).with_name(windows.FILE_NAME) for log in logs}):
-        store = windows.LearnedWindows(path)
-        store.refresh()
-        found |= {(e.upstream, e.model): e for e in store.entries()}
+    for path in sorted({Path(log).with_name(store.FILE_NAME) for log in logs}):
+        found |= {(e.upstream, e.model): e for e in windows.learned_in(path)}
     return [dataclasses.asdict(e) for e in found.values()]
 
 

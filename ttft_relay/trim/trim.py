@@ -47,7 +47,7 @@ import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 from mitmproxy.websocket import WebSocketMessage
 
-from .. import state
+from .. import state, store
 from ..patches import pins
 from ..patches.fixes import resend
 from ..apis.api import Api, TooLong, Windows
@@ -102,8 +102,10 @@ class Trim:
         """Conversations' cuts, kept beside the timing log for the next relay and the other workers."""
         self.configured: dict[str, int] = {}
         """relay_context_windows: the user's windows by model prefix."""
-        self.learned = windows.LearnedWindows()
-        """Windows the providers' refusals named, shared through a file beside the timing log."""
+        self.store = store.SharedStore(None, [windows.KIND])
+        """What trimming learns (windows), shared through a file beside the timing log."""
+        self.learned = windows.LearnedWindows(self.store)
+        """Windows the providers' refusals named."""
         self._refusable: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
         """Flows whose refusal as too long the relay can act on (trimmed shape, known error format)."""
         # One thread: the caches are only touched there (or, for a small request, on the
@@ -174,7 +176,8 @@ class Trim:
                 raise exceptions.OptionsError(f"relay_context_windows: {e}") from e
         if "relay_timing_log" in updated:
             log = getattr(ctx.options, "relay_timing_log", "")
-            self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
+            self.store = store.SharedStore(Path(log).with_name(store.FILE_NAME) if log else None, [windows.KIND])
+            self.learned = windows.LearnedWindows(self.store)
             self.plans = plans.KeptPlans(Path(log).with_name(plans.FILE_NAME) if log else None)
             # Both read in the worker thread, not on the event loop, before the first trim.
             self.worker.submit(self.learned.refresh)
