@@ -154,8 +154,8 @@ def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
     command = [sys.executable, "-m", "ttft_relay", "report"]
     text = subprocess.run([*command, log], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert "What the relay learned (learned.jsonl beside the log):" in text
-    assert "   1 context windows, the newest learned 2023-11-14T" in text and "from 1 access key(s)" in text
-    assert "   3 trim plans (conversations' cuts), the newest learned " in text and "from 2 access key(s)" in text
+    assert "   context windows: 1, the newest learned 2023-11-14T" in text and "from 1 access key(s)" in text
+    assert "   trim plans (conversations' cuts): 3, the newest learned " in text and "from 2 access key(s)" in text
     assert "     api.example.com · gpt-x: 3 samples from 2 source(s), the newest 2023-11-14T" in text
     assert "from a 400 invalid_request_error to key ab12" in text
     held = orjson.loads(subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout)

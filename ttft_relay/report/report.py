@@ -372,7 +372,7 @@ def format_store(held: Mapping[str, Any]) -> list[str]:
     out = [f"What the relay learned ({store.FILE_NAME} beside the log):"]
     for kind, what in held.items():
         keys = f", from {what['access_keys']} access key(s)" if what["access_keys"] else ""
-        out.append(f"   {what['entries']} {STORED_KINDS[kind]}, the newest learned {_when(what['newest'])}{keys}")
+        out.append(f"   {STORED_KINDS[kind]}: {what['entries']}, the newest learned {_when(what['newest'])}{keys}")
         for line in what.get("lines", ()):
             out.append(f"     {printable(line['line'])}: {line['samples']} samples from {line['sources']} "
                        f"source(s), the newest {_when(line['newest'])}")
