@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import orjson
 
@@ -212,3 +213,23 @@ def test_of_a_huge_file_only_the_bound_is_read(tmp_path, monkeypatch):
     shared = SharedStore(path, [Kind("window", 1000)])
     shared.refresh()
     assert 0 < len(shared.entries.entries("window")) < 50
+
+
+def test_a_file_of_many_entries_is_bounded_as_fast_as_it_is_read():
+    data = b"".join(Entry("plan", f"{i:06}", i, 1.0).encode() + b"\n" for i in range(20_000))
+    started = time.perf_counter()
+    Entries([Kind("plan", 20_000)]).load(data)  # the baseline: read, nothing evicted
+    baseline = time.perf_counter() - started
+    bounded = Entries([Kind("plan", 10, rank=lambda e: e.value % 2)])
+    started = time.perf_counter()
+    bounded.load(data)
+    assert time.perf_counter() - started < 3 * baseline + 0.05
+    assert [e.value for e in bounded.entries("plan")] == list(range(19_981, 20_000, 2))  # the odd ones ranked higher
+
+
+def test_a_change_of_one_kind_leaves_the_others_views_current():
+    held = Entries([WINDOW, PLAN])
+    windows_seen = held.generation("window")
+    held.put(entry(PLAN, "p"))
+    held.load(entry(PLAN, "q").encode() + b"\n")
+    assert held.generation("window") == windows_seen and held.generation("plan") > 0

@@ -146,11 +146,15 @@ class Entries:
         self._foreign: list[bytes] = []
         """The file's lines of kinds this process does not own, kept as they came."""
         self._lock = threading.RLock()
-        self.generation = 0
-        """Counts the changes to what is held: an owner's view built from it is current while it is the same."""
+        self._generations = dict.fromkeys(self.kinds, 0)
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._by_kind.values())
+
+    def generation(self, kind: str) -> int:
+        """Counts the changes to the kind's entries: an owner's view built from them is current
+        while it is the same."""
+        return self._generations[kind]
 
     @property
     def pending(self) -> bool:
@@ -180,13 +184,13 @@ class Entries:
         with self._lock:
             self._apply(entry.kind, entry.key, entry)
             self._pending[(entry.kind, entry.key)] = entry
-            self.generation += 1
+            self._generations[entry.kind] += 1
 
     def remove(self, kind: str, key: str) -> None:
         with self._lock:
             self._apply(kind, key, _REMOVED)
             self._pending[(kind, key)] = _REMOVED
-            self.generation += 1
+            self._generations[kind] += 1
 
     def _apply(self, kind: str, key: str, change: Entry | object) -> None:
         held = self._by_kind[kind]
@@ -200,9 +204,18 @@ class Entries:
 
     @staticmethod
     def _bound(kind: Kind, held: OrderedDict[str, Entry]) -> None:
-        while len(held) > kind.max_entries:
+        """Past the kind's bound, the least recently used of the lowest rank go (in one pass:
+        a file of many entries is bounded as fast as one over by one)."""
+        excess = len(held) - kind.max_entries
+        if excess <= 0:
+            return
+        if excess == 1:
             lowest = min(kind.rank(entry) for entry in held.values())
             del held[next(key for key, entry in held.items() if kind.rank(entry) == lowest)]
+            return
+        ranked = sorted((kind.rank(entry), i, key) for i, (key, entry) in enumerate(held.items()))
+        for _, _, key in ranked[:excess]:
+            del held[key]
 
     def load(self, data: bytes) -> set[tuple[str, str]]:
         """Take the file's bytes as what every process learned, this process's changes not yet
@@ -245,12 +258,14 @@ class Entries:
                         held[key] = change
                         held.move_to_end(key)
                 self._bound(self.kinds[name], held)
-                changed |= {(name, key) for key in held.keys() | before.keys() if held.get(key) != before.get(key)}
+                kind_changed = {key for key in held.keys() | before.keys()
+                                if (new := held.get(key)) is not (old := before.get(key)) and new != old}
+                changed |= {(name, key) for key in kind_changed}
+                if kind_changed:
+                    self._generations[name] += 1
                 self._by_kind[name] = held
             self._lines, self._foreign = decoded, foreign
             self._touched.clear()
-            if changed:
-                self.generation += 1
             return changed
 
     def dump(self) -> bytes:

@@ -357,8 +357,8 @@ class LearnedWindows:
     def _view(self) -> dict[Slot, Learned]:
         """The store's windows by slot (read again only when the store changed)."""
         entries = self.shared.entries
-        if self._generation != entries.generation:
-            generation = entries.generation
+        if self._generation != entries.generation(KIND_NAME):
+            generation = entries.generation(KIND_NAME)
             by_slot = {}
             for entry in entries.entries(KIND_NAME):
                 if (learned := _learned(entry)) is not None:
