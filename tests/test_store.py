@@ -233,3 +233,17 @@ def test_a_change_of_one_kind_leaves_the_others_views_current():
     held.put(entry(PLAN, "p"))
     held.load(entry(PLAN, "q").encode() + b"\n")
     assert held.generation("window") == windows_seen and held.generation("plan") > 0
+
+
+def test_lines_of_a_kind_the_relay_does_not_keep_are_not_carried_along():
+    held = Entries([WINDOW])
+    held.load(b'["plan","p",1.0,"","",1]\n["junk","j",1.0,"","",1]\n')
+    assert held.dump() == b'["plan","p",1.0,"","",1]\n'
+
+
+def test_every_kind_the_relay_keeps_is_one_the_store_carries():
+    from ttft_relay.observe import verdicts
+    from ttft_relay.trim import plans, windows
+
+    kinds = {windows.KIND.name, plans.KIND.name, verdicts.KIND.name, store.IMPORTED.name}
+    assert {kind.encode() for kind in kinds} == store.RELAY_KINDS

@@ -12,7 +12,7 @@ place with one set of rules (each kind's owner adds its own guards before it kee
 - `Entries` is all of that in memory, without IO (sans-IO: unit-tested alone): it holds the
   entries of the kinds it owns, the changes not yet written, and turns the file's bytes into
   entries (`load`) and back (`dump`), one JSON array per line
-  (`[kind, key, ts, by, reply, value]`), the lines it does not own kept as they came.
+  (`[kind, key, ts, by, reply, value]`), the lines of the relay's other kinds kept as they came.
 
 `SharedStore` is the thin IO part: one file beside the timing log (FILE_NAME), rewritten
 whole (a temporary file renamed over it, under an exclusive lock beside it) when a process
@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "learned.jsonl"
 """Beside the timing log: what the relay processes on that log learned."""
 
+RELAY_KINDS = frozenset({b"window", b"plan", b"first-token", b"imported"})
+"""The kinds the relay's owners keep (`trim/windows.py`, `trim/plans.py`, `observe/verdicts.py`
+and the store's own): a line of another kind (a hand edit, another version) is dropped, not
+carried along by every process's rewrite."""
 MAX_LINE = 64 * 1024
 """A longer line is not one the relay wrote: dropped (the longest, a first-token line of 256
 samples, takes about 16 KiB)."""
@@ -229,7 +233,8 @@ class Entries:
             if named is None:
                 continue
             if named not in self._owned:
-                foreign.append(line)
+                if named in RELAY_KINDS:
+                    foreign.append(line)  # another owner's (the trim addon's, the verdicts')
                 continue
             entry = decoded.get(line) or self._lines.get(line) or decode(line)
             if entry is None or entry.kind not in loaded or not self.kinds[entry.kind].valid(entry):
