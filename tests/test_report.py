@@ -101,8 +101,9 @@ def test_read_filters_and_skips_broken_lines(tmp_path):
     log = write_log(tmp_path / "a.jsonl", [rec(0, ts=100), rec(1, ts=200, model="other")])
     with open(log, "ab") as f:
         f.write(b'{"cut short\n')
+        f.write(b'["window","k",1.0,"","",1]\n')  # a line of the store beside the log ('logs/*.jsonl')
     records, bad = report.read_records([log])
-    assert len(records) == 2 and bad == 1
+    assert len(records) == 2 and bad == 2
     assert [r["id"] for r in report.read_records([log], since=150)[0]] == ["f1"]
     assert [r["id"] for r in report.read_records([log], model="gpt-x")[0]] == ["f0"]
 

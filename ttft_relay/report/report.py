@@ -89,6 +89,9 @@ def read_records(
                 except orjson.JSONDecodeError:
                     bad += 1  # e.g. a line cut short by a crash
                     continue
+                if not isinstance(rec, dict):
+                    bad += 1  # not a record: e.g. the store of what the relay learned, matched by 'logs/*.jsonl'
+                    continue
                 if since is not None and (rec.get("ts") or 0) < since:
                     continue
                 if model is not None and rec.get("model") != model:
