@@ -143,6 +143,8 @@ class Entries:
         """Changes made here since the last write: the entry put, or _REMOVED."""
         self._dumped: dict[tuple[str, str], Entry | object] = {}
         """The pending changes as the last `dump` wrote them."""
+        self._dumped_lines: dict[bytes, Entry] = {}
+        """The owned lines the last `dump` wrote."""
         self._touched: dict[tuple[str, str], None] = {}
         """Keys used here since the last load: they count as recently used in the next."""
         self._lines: dict[bytes, Entry] = {}
@@ -236,9 +238,11 @@ class Entries:
                 if named in RELAY_KINDS:
                     foreign.append(line)  # another owner's (the trim addon's, the verdicts')
                 continue
-            entry = decoded.get(line) or self._lines.get(line) or decode(line)
-            if entry is None or entry.kind not in loaded or not self.kinds[entry.kind].valid(entry):
-                continue
+            entry = decoded.get(line) or self._lines.get(line)  # a line seen before was checked then
+            if entry is None:
+                entry = decode(line)
+                if entry is None or entry.kind not in loaded or not self.kinds[entry.kind].valid(entry):
+                    continue
             decoded[line] = entry
             loaded[entry.kind].append(entry)
         with self._lock:
@@ -278,20 +282,24 @@ class Entries:
         with self._lock:
             lines = list(self._foreign)
             by_entry = {id(entry): line for line, entry in self._lines.items()}
+            owned = {}
             for held in self._by_kind.values():
-                lines += [by_entry.get(id(entry)) or entry.encode() for entry in held.values()]
+                for entry in held.values():
+                    line = by_entry.get(id(entry)) or entry.encode()
+                    owned[line] = entry
+                    lines.append(line)
             self._dumped = dict(self._pending)
+            self._dumped_lines = owned
         return b"".join(line + b"\n" for line in lines)
 
-    def written(self, data: bytes) -> None:
-        """`data` (what the last `dump` gave) is now the file: the changes in it are no longer
-        pending (those made since stay)."""
+    def written(self) -> None:
+        """What the last `dump` gave is now the file: the changes in it are no longer pending
+        (those made since stay), and its lines are known as the file's."""
         with self._lock:
             for key, change in self._dumped.items():
                 if self._pending.get(key) is change:
                     del self._pending[key]
-            self._dumped = {}
-            self.load(data)
+            self._lines, self._dumped, self._dumped_lines = self._dumped_lines, {}, {}
 
 
 class SharedStore:
@@ -343,7 +351,7 @@ class SharedStore:
                 data = self.entries.dump()
                 _write(self.path, data)
                 st = os.stat(self.path)
-            self.entries.written(data)
+            self.entries.written()
             self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
             self._failed = None
             return changed
