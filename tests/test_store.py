@@ -247,3 +247,19 @@ def test_every_kind_the_relay_keeps_is_one_the_store_carries():
 
     kinds = {windows.KIND.name, plans.KIND.name, verdicts.KIND.name, store.IMPORTED.name}
     assert {kind.encode() for kind in kinds} == store.RELAY_KINDS
+
+
+def test_another_owners_change_leaves_what_is_held_as_it_is(tmp_path, monkeypatch):
+    path = tmp_path / store.FILE_NAME
+    plans_owner, lines_owner = SharedStore(path, [PLAN]), SharedStore(path, [Kind("first-token", 4)])
+    plans_owner.entries.put(entry(PLAN, "p", [1]))
+    plans_owner.sync()
+    held = plans_owner.entries.get("plan", "p")
+    decoded = []
+    monkeypatch.setattr(store, "decode", lambda line: decoded.append(line))
+    for n in range(3):
+        lines_owner.entries.put(Entry("first-token", "l", n, 1.0))
+        lines_owner.sync()
+        assert plans_owner.refresh() == set()
+    assert decoded == [] and plans_owner.entries.get("plan", "p") is held
+    assert path.read_bytes().count(b"\n") == 2

@@ -145,6 +145,9 @@ class Entries:
         """The pending changes as the last `dump` wrote them."""
         self._dumped_lines: dict[bytes, Entry] = {}
         """The owned lines the last `dump` wrote."""
+        self._owned_lines: list[bytes] = []
+        """The file's lines of the owned kinds, in order, as last loaded or written: the same
+        again (another owner changed only its own) leaves what is held as it is."""
         self._touched: dict[tuple[str, str], None] = {}
         """Keys used here since the last load: they count as recently used in the next."""
         self._lines: dict[bytes, Entry] = {}
@@ -227,17 +230,23 @@ class Entries:
         """Take the file's bytes as what every process learned, this process's changes not yet
         written put back on top (a kind's `merge` deciding where both changed a key); returns
         the (kind, key)s whose entry changed."""
-        decoded: dict[bytes, Entry] = {}
         foreign: list[bytes] = []
-        loaded: dict[str, list[Entry]] = {name: [] for name in self.kinds}
+        owned: list[bytes] = []
         for line in data.split(b"\n"):
             named = _kind_of(line)
             if named is None:
                 continue
-            if named not in self._owned:
-                if named in RELAY_KINDS:
-                    foreign.append(line)  # another owner's (the trim addon's, the verdicts')
-                continue
+            if named in self._owned:
+                owned.append(line)
+            elif named in RELAY_KINDS:
+                foreign.append(line)  # another owner's (the trim addon's, the verdicts')
+        with self._lock:
+            if owned == self._owned_lines and not self._pending:
+                self._foreign = foreign  # only other owners' kinds changed: what is held stands
+                return set()
+        decoded: dict[bytes, Entry] = {}
+        loaded: dict[str, list[Entry]] = {name: [] for name in self.kinds}
+        for line in owned:
             entry = decoded.get(line) or self._lines.get(line)  # a line seen before was checked then
             if entry is None:
                 entry = decode(line)
@@ -273,7 +282,7 @@ class Entries:
                 if kind_changed:
                     self._generations[name] += 1
                 self._by_kind[name] = held
-            self._lines, self._foreign = decoded, foreign
+            self._lines, self._foreign, self._owned_lines = decoded, foreign, owned
             self._touched.clear()
             return changed
 
@@ -287,7 +296,7 @@ class Entries:
                 for entry in held.values():
                     line = by_entry.get(id(entry)) or entry.encode()
                     owned[line] = entry
-                    lines.append(line)
+            lines += owned
             self._dumped = dict(self._pending)
             self._dumped_lines = owned
         return b"".join(line + b"\n" for line in lines)
@@ -300,6 +309,7 @@ class Entries:
                 if self._pending.get(key) is change:
                     del self._pending[key]
             self._lines, self._dumped, self._dumped_lines = self._dumped_lines, {}, {}
+            self._owned_lines = list(self._lines)
 
 
 class SharedStore:
