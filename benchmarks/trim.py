@@ -56,7 +56,7 @@ from typing import Any
 
 import orjson
 
-from ttft_relay import apis
+from ttft_relay import apis, store
 from ttft_relay.trim import plans, tokens, trimming
 from ttft_relay.testing import shaped
 
@@ -373,7 +373,7 @@ def restart_table(trimmer: Trimmer, budget: int, seeds: int, trimmed: int) -> No
             groups.setdefault(shaped.PROFILES[seed % len(shaped.PROFILES)], []).append(
                 shaped.generated(api, seed, turns=100_000))
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / plans.FILE_NAME
+        path = Path(tmp) / store.FILE_NAME
         for name, sessions in groups.items():
             rows: dict[str, list[tuple[float, bool]]] = {"kept": [], "memory": []}
             for session in sessions:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import reverse_to
-from ttft_relay.observe import prefill
+from ttft_relay import store
+from ttft_relay.observe import prefill, verdicts
 from ttft_relay.testing.fakes.client import HttpConnection
 from ttft_relay.testing.fakes.ws_client import WebSocketClient
 from ttft_relay.testing.harness import RECORD_WAIT_S, RelayWorkers, TimingLog
@@ -58,6 +59,11 @@ def worker_of(conn: HttpConnection, workers: RelayWorkers) -> str:
     raise AssertionError(f"no worker holds the connection from port {client_port}")
 
 
+def samples_in(path: Path) -> int:
+    """The first-token samples the store at `path` holds, on every line."""
+    return sum(len(line.value["samples"]) for line in verdicts.learned_lines(path))
+
+
 def wait_until(done, what: str, timeout: float = RECORD_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -94,9 +100,8 @@ def test_two_workers_blame_no_one_while_learning_and_use_each_others_samples_at_
             post(conns[a], "sk-team-0123456789abcdef", rid)
             served[a] += 1
             sent.append((rid, a))
-        shared = log.with_name(".ttft-relay.first-token")
-        wait_until(lambda: shared.exists() and len(prefill.decode_rows(shared.read_bytes())) >= prefill.MIN_SAMPLES,
-                   "worker a's samples in the shared file")
+        shared = log.with_name(store.FILE_NAME)
+        wait_until(lambda: samples_in(shared) >= prefill.MIN_SAMPLES, "worker a's samples in the store")
         # Worker b, which served at most a few itself, judges against the line a learned.
         assert served[b] + 4 < prefill.MIN_SAMPLES, served
         b_ids = []
@@ -175,8 +180,9 @@ def test_codex_turns_over_websocket_learn_the_line_of_their_reasoning_effort(fak
                     "response.completed", "response.failed", "error"):
                 pass
     relay.log.of("ws", 3)  # the handshake and two turns
-    shared = tmp_path / ".ttft-relay.first-token"
-    wait_until(lambda: shared.exists() and len(prefill.decode_rows(shared.read_bytes())) >= 2, "the turns' samples")
-    keys = {row.key for _, row in prefill.decode_rows(shared.read_bytes())}
-    assert keys == {f"{row_upstream} · gpt-5.1-codex · effort {e}" for e in ("high", "low")
-                    for row_upstream in {row.upstream for _, row in prefill.decode_rows(shared.read_bytes())}}, keys
+    shared = tmp_path / store.FILE_NAME
+    wait_until(lambda: samples_in(shared) >= 2, "the turns' samples")
+    lines = verdicts.learned_lines(shared)
+    keys = {line.key for line in lines}
+    assert keys == {f"{line_upstream} · gpt-5.1-codex · effort {e}" for e in ("high", "low")
+                    for line_upstream in {line.value["upstream"] for line in lines}}, keys

@@ -141,12 +141,13 @@ def test_the_self_watch_samples_feed_the_lag_the_accept_queues_and_the_gc_pauses
     assert value("ttft_relay_accept_queue_connections", {"listener": "127.0.0.1:8002"}) == 2
 
 
-def test_the_learned_windows_are_read_from_their_file_at_each_scrape(tmp_path):
-    from ttft_relay.trim import windows
+def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
+    from ttft_relay import store as learned_store
+    from ttft_relay.trim import plans, trimming, windows
 
     registry = CollectorRegistry()
-    metrics.watch_learned_windows(registry, tmp_path / "timing.jsonl")
-    store = windows.LearnedWindows(tmp_path / windows.FILE_NAME)
+    metrics.watch_learned(registry, tmp_path / "timing.jsonl")
+    store = windows.LearnedWindows(tmp_path / learned_store.FILE_NAME)
 
     def learned() -> dict[str, tuple[dict[str, str], float]]:
         return {s.labels["gen_ai_request_model"]: (s.labels, s.value)
@@ -164,6 +165,18 @@ def test_the_learned_windows_are_read_from_their_file_at_each_scrape(tmp_path):
         "gpt-4-fork": ({"server_address": "api.openai.com", "gen_ai_request_model": "gpt-4-fork",
                         "limit": "window", "confirmed": "yes", "learned_from": "k1"}, 40_000),
     }
+    # And how much of each kind the store holds, and when the newest was learned.
+    kept = plans.KeptPlans(tmp_path / learned_store.FILE_NAME)
+    kept.put(bytes(16), trimming.Plan(1, 2, bytes(16)))
+    kept.save()
+    scraped = {(s.name, s.labels["kind"]): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples if s.name in (metrics.LEARNED_ENTRIES, metrics.LEARNED_NEWEST)}
+    assert {k: v for k, v in scraped.items() if k[0] == metrics.LEARNED_ENTRIES} == {
+        (metrics.LEARNED_ENTRIES, "window"): 2, (metrics.LEARNED_ENTRIES, "plan"): 1,
+        (metrics.LEARNED_ENTRIES, "first-token"): 0}
+    assert scraped[(metrics.LEARNED_NEWEST, "window")] == 1.0
+    assert scraped[(metrics.LEARNED_NEWEST, "plan")] > 1.7e9 and (metrics.LEARNED_NEWEST, "first-token") not in scraped
 
 
 def test_listen_addresses():

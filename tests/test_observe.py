@@ -8,6 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import orjson
+
 from ttft_relay import apis
 from ttft_relay.observe import attempts, conversations, prefill
 from ttft_relay.timing import phases, record
@@ -94,15 +96,27 @@ def test_prompt_tokens_come_from_the_providers_usage_first():
     assert prefill.prompt_of({"input_tokens": True}, None) is None
 
 
-def test_samples_survive_the_shared_file_and_garbage_is_skipped():
+def test_the_previous_versions_samples_are_read_and_garbage_is_skipped():
     rows = [prefill.Row("up · m", "up", s) for s in traffic(20)]
-    assert [row for _, row in prefill.decode_rows(prefill.encode_rows("w1", rows))] == rows
-    assert {writer for writer, _ in prefill.decode_rows(prefill.encode_rows("w1", rows))} == {"w1"}
-    good = prefill.encode_rows("w", rows[:1])
+    data = b"".join(orjson.dumps(["w1", r.key, r.upstream, *r.sample]) + b"\n" for r in rows)
+    assert [row for _, row in prefill.decode_rows(data)] == rows
+    assert {writer for writer, _ in prefill.decode_rows(data)} == {"w1"}
+    good = data.splitlines(keepends=True)[0]
     for garbage in (b"", b"{", b'["w", "k", "u", 1, -2, 0, 3, "s"]', b'["w", "k", "u", "x", 1, 0, 3, "s"]', b"[]",
                     b'{"version": 1, "samples": {}}', good[:-5]):
         assert prefill.decode_rows(garbage + b"\n") == []
     assert len(prefill.decode_rows(b"{torn\n" + good)) == 1
+
+
+def test_a_line_in_the_store_round_trips_and_garbage_is_not_a_line():
+    line = prefill.Line("up")
+    for s in traffic(20):
+        line.add(s)
+    assert prefill.line_of(orjson.loads(orjson.dumps(prefill.line_value(line)))) == ("up", 0.0, list(line.samples))
+    value = prefill.line_value(line)
+    for garbage in ([], {**value, "since": "x"}, {**value, "samples": [[1, 2, 3]]}, {**value, "upstream": 1},
+                    {**value, "samples": [[1, -2, 0, 3, "s"]]}, {**value, "samples": [[1, 2, 0, 3, "s"]] * 300}):
+        assert prefill.line_of(garbage) is None
 
 
 def test_the_lines_learned_are_bounded_whatever_clients_name():

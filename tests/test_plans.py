@@ -4,11 +4,11 @@ kept), and the file bounded."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import orjson
 
-from ttft_relay import apis
+from ttft_relay import apis, store
 from ttft_relay.testing import shaped
 from ttft_relay.trim import plans, trimming
 from ttft_relay.trim.windows import Budget
@@ -43,7 +43,7 @@ def first_after_restart(api: str, restarted: trimming.PlanCache, kept: trimming.
 
 
 def test_a_restarted_relay_cuts_the_conversation_where_it_was_cut(tmp_path):
-    path = tmp_path / plans.FILE_NAME
+    path = tmp_path / store.FILE_NAME
     for api in (shaped.ANTHROPIC, shaped.RESPONSES, shaped.CHAT):
         path.unlink(missing_ok=True)
         stats, share = first_after_restart(api, plans.KeptPlans(path), plans.KeptPlans(path))
@@ -54,7 +54,7 @@ def test_a_restarted_relay_cuts_the_conversation_where_it_was_cut(tmp_path):
 
 
 def test_workers_on_one_file_share_their_plans(tmp_path):
-    path = tmp_path / plans.FILE_NAME
+    path = tmp_path / store.FILE_NAME
     one, two = plans.KeptPlans(path), plans.KeptPlans(path)
     requests = [b for b in shaped.Session(shaped.CHAT, turns=30).requests()]
     results = [trim(body, shaped.CHAT, one if i % 2 else two) for i, body in enumerate(requests)]
@@ -63,26 +63,38 @@ def test_workers_on_one_file_share_their_plans(tmp_path):
     assert sum(r.stats["plan"] == "new" for r in trimmed) < 0.2 * len(trimmed)
 
 
-def test_the_file_stays_bounded_and_keeps_the_plans_held(tmp_path, monkeypatch):
-    monkeypatch.setattr(plans, "MAX_BYTES", 20_000)
-    path = tmp_path / plans.FILE_NAME
+def test_the_store_stays_bounded_and_keeps_the_plans_used_last(tmp_path):
+    path = tmp_path / store.FILE_NAME
     kept = plans.KeptPlans(path, maxsize=50)
     for n in range(2_000):
         kept.put(n.to_bytes(16, "big"), trimming.Plan(n, n + 1, b"\x01" * 16))
         if n % 10 == 9:
+            kept.get((0).to_bytes(16, "big"))  # a conversation still going on
             kept.save()
-    assert os.path.getsize(path) <= 20_000 + 10 * 200
+    assert len(path.read_bytes().splitlines()) == 50
     fresh = plans.KeptPlans(path, maxsize=50)
     fresh.refresh()
     assert fresh.get((1999).to_bytes(16, "big")) == trimming.Plan(1999, 2000, b"\x01" * 16)
+    assert fresh.get((0).to_bytes(16, "big")) == trimming.Plan(0, 1, b"\x01" * 16)
     assert len(fresh) == 50
 
 
-def test_lines_it_did_not_write_are_skipped(tmp_path):
-    path = tmp_path / plans.FILE_NAME
-    good = {"key": "00" * 16, "shrunk": 1, "cut": 2, "anchor": "ab" * 16, "rounds_to": 0}
-    lines = [good, {**good, "cut": -1}, {**good, "key": "zz"}, {**good, "shrunk": True}, {"key": "00"}]
-    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines) + b"not json\n" + b"x" * 10_000 + b"\n")
+def test_entries_it_did_not_write_are_skipped(tmp_path):
+    path = tmp_path / store.FILE_NAME
+    good = store.Entry("plan", "00" * 16, [1, 2, "ab" * 16, 0], 1.0)
+    bad = [dataclasses.replace(good, value=value) for value in ([1, -2, "ab", 0], [True, 2, "ab", 0], [1, 2, "zz", 0],
+                                                                   [1, 2, "ab"], {"cut": 1})]
+    bad.append(dataclasses.replace(good, key="zz"))
+    path.write_bytes(b"".join(e.encode() + b"\n" for e in [*bad, good]) + b"not json\n" + b"x" * 10_000 + b"\n")
     kept = plans.KeptPlans(path)
     kept.refresh()
     assert len(kept) == 1 and kept.get(bytes(16)) == trimming.Plan(1, 2, bytes.fromhex("ab" * 16), 0)
+
+
+def test_the_previous_versions_file_is_read_once(tmp_path):
+    old = {"key": "00" * 16, "shrunk": 1, "cut": 2, "anchor": "ab" * 16, "rounds_to": 0}
+    lines = [old, {**old, "cut": 3}, {**old, "cut": -1}, {**old, "key": "11" * 16}]
+    (tmp_path / plans.LEGACY_FILE).write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines) + b"torn")
+    kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
+    kept.refresh()
+    assert len(kept) == 2 and kept.get(bytes(16)) == trimming.Plan(1, 3, bytes.fromhex("ab" * 16), 0)

@@ -11,9 +11,11 @@ import asyncio
 import os
 import random
 
+import orjson
+
 import pytest
 
-from ttft_relay import apis
+from ttft_relay import apis, store
 from ttft_relay.observe import prefill, verdicts
 from ttft_relay.timing import phases
 
@@ -196,51 +198,91 @@ def test_80_junk_models_do_not_send_a_proven_model_back_to_learning():
 # --- shared by every process logging into one directory --------------------------------------
 
 
+def process(path) -> verdicts.Verdicts:
+    """A relay process's Verdicts on the store at `path`."""
+    v = verdicts.Verdicts()
+    v.shared = store.SharedStore(path, [verdicts.KIND])
+    return v
+
+
+def learn(v: verdicts.Verdicts, s: prefill.Sample) -> None:
+    """As `observe` does with a record's sample."""
+    assert v.rates.add(KEY, UP, s)
+    v.changed.add(KEY)
+
+
 def test_what_one_process_learns_the_other_uses_at_its_next_sync(tmp_path):
-    a, b = verdicts.Verdicts(), verdicts.Verdicts()
-    path = verdicts.store_path(tmp_path / "timing.jsonl")
-    a.shared, b.shared = verdicts.SharedLines(path, "a"), verdicts.SharedLines(path, "b")
+    path = tmp_path / store.FILE_NAME
+    a, b = process(path), process(path)
     for t in range(prefill.MIN_SAMPLES):
-        row = prefill.Row(KEY, UP, sample(t, 300))
-        a.rates.add(*row)
-        a.pending.append(row)
+        learn(a, sample(t, 300))
     asyncio.run(b.sync())
     assert b.rates.expect(KEY, (1000, 0)).expectation is None
     asyncio.run(a.sync())
     asyncio.run(b.sync())
     assert b.rates.expect(KEY, (1000, 0)).expectation.learned_from == prefill.MIN_SAMPLES
-    asyncio.run(a.sync())  # a reads its own rows back, and does not learn them twice
+    asyncio.run(a.sync())  # a reads its own line back, and does not learn it twice
     assert len(a.rates.lines[KEY].samples) == prefill.MIN_SAMPLES
-    # A new process (a restart) starts from the file.
-    c = verdicts.Verdicts()
-    c.shared = verdicts.SharedLines(path, "c")
+    # A new process (a restart) starts from the store.
+    c = process(path)
     asyncio.run(c.sync())
     assert len(c.rates.lines[KEY].samples) == prefill.MIN_SAMPLES
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert len(path.read_bytes().splitlines()) == 1  # one entry per line
 
 
-def test_the_shared_file_is_rewritten_compact_past_its_bound_and_nothing_is_lost(tmp_path, monkeypatch):
-    monkeypatch.setattr(verdicts, "FILE_MAX", 4000)
-    path = verdicts.store_path(tmp_path / "timing.jsonl")
-    a, b = verdicts.Verdicts(), verdicts.Verdicts()
-    a.shared, b.shared = verdicts.SharedLines(path, "a"), verdicts.SharedLines(path, "b")
+def test_two_processes_learning_one_line_at_once_lose_nothing_and_no_source_owns_it(tmp_path):
+    path = tmp_path / store.FILE_NAME
+    a, b = process(path), process(path)
     t = 0
     for _ in range(30):
-        for v in (a, b):
+        for name, v in (("a", a), ("b", b)):
             for _ in range(10):
                 t += 1
-                row = prefill.Row(KEY, UP, sample(t, 300, source=f"{v.shared.writer}{t % 3}"))
-                v.rates.add(*row)
-                v.pending.append(row)
+                learn(v, sample(t, 300, source=f"{name}{t % 3}"))
             asyncio.run(v.sync())
-        assert path.stat().st_size <= 4000 + 2 * verdicts.READ_MAX  # bounded
     asyncio.run(a.sync())
     asyncio.run(b.sync())
-    assert path.stat().st_size < 60_000  # rewritten: a window's worth, not 600 rows appended
+    (value,) = [e.value for e in verdicts.learned_lines(path)]
+    assert len(value["samples"]) == prefill.WINDOW and value["samples"][-1][0] == t  # the newest of both
     for v in (a, b):
         assert len(v.rates.lines[KEY].samples) == prefill.WINDOW
-        assert v.rates.lines[KEY].samples[-1][0] == t  # the newest of both
+        assert v.rates.lines[KEY].samples[-1][0] == t
+    # 300 samples of one source on the line in the store push none of the others' out.
+    flood = process(path)
+    asyncio.run(flood.sync())
+    for n in range(300):
+        learn(flood, sample(t + 1 + n, 300, source="flood"))
+    asyncio.run(flood.sync())
+    (value,) = [e.value for e in verdicts.learned_lines(path)]
+    sources = {s[4] for s in value["samples"]}
+    assert "flood" in sources and len(sources) == 7
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_new_speed_learned_in_one_process_is_the_lines_in_the_store(tmp_path):
+    path = tmp_path / store.FILE_NAME
+    a, b = process(path), process(path)
+    for t in range(prefill.MIN_SAMPLES):
+        learn(a, sample(t, 300))
+    asyncio.run(a.sync())
+    asyncio.run(b.sync())
+    line = a.rates.lines[KEY]
+    line.since = 100.0  # as a new speed from a run starting at t=100 does
+    line.samples = type(line.samples)(s for s in line.samples if s[0] >= 100.0)
+    learn(a, sample(100, 900))
+    asyncio.run(a.sync())
+    asyncio.run(b.sync())
+    assert [s[0] for s in b.rates.lines[KEY].samples] == [100]
+    assert [s[0] for s in verdicts.learned_lines(path)[0].value["samples"]] == [100]
+
+
+def test_the_previous_versions_file_is_read_once(tmp_path):
+    old = tmp_path / verdicts.LEGACY_FILE
+    old.write_bytes(b"".join(orjson.dumps(["w", KEY, UP, *sample(t, 300)]) + b"\n" for t in range(5)) + b"torn")
+    v = process(tmp_path / store.FILE_NAME)
+    asyncio.run(v.sync())
+    assert len(v.rates.lines[KEY].samples) == 5
 
 
 def test_a_server_that_holds_every_request_far_longer_stays_queueing_until_it_lasts():

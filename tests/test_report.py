@@ -8,7 +8,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from ttft_relay import store
+from ttft_relay.observe import prefill, verdicts
 from ttft_relay.timing import record
+from ttft_relay.trim import plans, trimming, windows
 from ttft_relay.report import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,8 +101,9 @@ def test_read_filters_and_skips_broken_lines(tmp_path):
     log = write_log(tmp_path / "a.jsonl", [rec(0, ts=100), rec(1, ts=200, model="other")])
     with open(log, "ab") as f:
         f.write(b'{"cut short\n')
+        f.write(b'["window","k",1.0,"","",1]\n')  # a line of the store beside the log ('logs/*.jsonl')
     records, bad = report.read_records([log])
-    assert len(records) == 2 and bad == 1
+    assert len(records) == 2 and bad == 2
     assert [r["id"] for r in report.read_records([log], since=150)[0]] == ["f1"]
     assert [r["id"] for r in report.read_records([log], model="gpt-x")[0]] == ["f0"]
 
@@ -130,6 +134,34 @@ def test_cli_text_and_json(tmp_path):
     assert "first token learned: 100 ms + 500.0 ms per 1k uncached tokens (median fit of 10 requests" in text
     js = subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout
     assert orjson.loads(js)["api.example.com · gpt-x"]["requests"] == 10
+
+
+def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
+    log = write_log(tmp_path / "t.jsonl", [rec(i, prompt=500 * (i + 1)) for i in range(10)])
+    windows.LearnedWindows(tmp_path / store.FILE_NAME).keep(windows.Learned(
+        "api.anthropic.com", "acme-coder-2", 60_000, None, 1.0, 1_700_000_000.0, 400, "invalid_request_error", "ab12"))
+    kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
+    for n, by in enumerate(("ab12", "cd34", "cd34")):
+        kept.by = by
+        kept.put(bytes([n]) * 16, trimming.Plan(1, 2, bytes(16)))
+    kept.save()
+    line = prefill.Line("api.example.com")
+    for t in range(3):
+        line.add((1_700_000_000.0 + t, 1000, 0, 300.0, f"source-{t % 2}"))
+    shared = store.SharedStore(tmp_path / store.FILE_NAME, [verdicts.KIND])
+    shared.entries.put(store.Entry(verdicts.KIND_NAME, "api.example.com · gpt-x", prefill.line_value(line),
+                                   1_700_000_002.0))
+    shared.sync()
+    command = [sys.executable, "-m", "ttft_relay", "report"]
+    text = subprocess.run([*command, log], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "What the relay learned (learned.jsonl beside the log):" in text
+    assert "   context windows: 1, the newest learned 2023-11-14T" in text and "from 1 access key(s)" in text
+    assert "   trim plans (conversations' cuts): 3, the newest learned " in text and "from 2 access key(s)" in text
+    assert "     api.example.com · gpt-x: 3 samples from 2 source(s), the newest 2023-11-14T" in text
+    assert "from a 400 invalid_request_error to key ab12" in text
+    held = orjson.loads(subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout)
+    assert {kind: what["entries"] for kind, what in held["learned"].items()} == {
+        "window": 1, "plan": 3, "first-token": 1}
 
 
 def test_websocket_turns_and_failed_handshakes_are_counted_apart():

@@ -22,6 +22,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from ttft_relay import store
 from ttft_relay.trim import windows
 from ttft_relay.testing import shaped
 from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec
@@ -144,7 +145,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_once_on_the_providers_word(c
         run = claude_loop(clis, refusing, tmp_path, fake, relay.url(), rounds=9, lines=600, model=OTHER_MODEL)
         assert run.returncode == 0 and claude_result(run)["result"] == answer_text(5), run.describe()
         sent = posts(fake)
-        learned_file = relay.log.path.parent / windows.FILE_NAME
+        learned_file = relay.log.path.parent / store.FILE_NAME
     statuses = [status for _, status in sent]
     assert statuses.count(400) == 1 and set(statuses) == {200, 400}, statuses
     refused_at = statuses.index(400)
@@ -165,8 +166,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_once_on_the_providers_word(c
     assert all("refused" not in r["trim"] for r in after)
     # Only requests the provider would refuse are trimmed: none smaller than the refused one.
     assert min(r["trim"]["tokens_before"] for r in [refusal_rec, *after]) >= refusal["relay_tokens"]
-    lessons = [orjson.loads(line) for line in learned_file.read_bytes().splitlines()]
-    assert [(w["model"], w["max_input"]) for w in lessons] == [(OTHER_MODEL, window)]
+    assert [(w.model, w.max_input) for w in windows.learned_in(learned_file)] == [(OTHER_MODEL, window)]
 
 
 def test_codex_gets_a_refusal_that_names_no_limit_as_it_came(clis, refusing, start_relay, tmp_path):
@@ -193,7 +193,7 @@ def test_codex_gets_a_refusal_that_names_no_limit_as_it_came(clis, refusing, sta
     assert all(r["trim"]["trimmed"] is False and r["trim"]["budget"] is None for r in recs)
     for rec in recs[-2:]:
         assert rec["trim"]["refused"]["resent"] is False and rec["trim"]["refused"]["window"] is None
-    assert not (relay.log.path.parent / windows.FILE_NAME).exists()
+    assert windows.learned_in(relay.log.path.parent / store.FILE_NAME) == []
 
 
 # --- a budget set: prefix sharing on the real sessions -------------------------------------------

@@ -9,6 +9,7 @@ refuses longer requests in each API's own words (`sse_samples.too_long_body`).""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -18,7 +19,9 @@ import openai
 import orjson
 import pytest
 
+from ttft_relay import store
 from ttft_relay.testing import shaped
+from ttft_relay.trim import windows
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream
 from ttft_relay.testing.fakes.replies import answer_text
@@ -122,8 +125,7 @@ def test_claude_code_refused_as_too_long_is_trimmed_to_the_providers_word_and_an
     assert recs[1]["trim"]["budget_source"] == "learned" and "refused" not in recs[1]["trim"]
     if streamed:
         assert recs[0]["ttft_ms"] is not None and recs[0]["chunks"] > 5  # the second answer was streamed
-    learned = [orjson.loads(line) for line in (relay.log.path.parent / "learned-windows.jsonl").read_bytes().splitlines()]
-    assert [(w["model"], w["max_input"]) for w in learned] == [(NEW_CLAUDE, window)]
+    assert [(w["model"], w["max_input"]) for w in learned_file(relay)] == [(NEW_CLAUDE, window)]
 
 
 def test_a_learned_window_is_used_by_the_next_relay_on_the_same_log(start_relay):
@@ -191,7 +193,7 @@ def test_a_refusal_that_names_no_limit_reaches_the_client_as_it_came(start_relay
         (rec,) = records(relay)
     assert rec["status"] == 400 and rec["trim"]["refused"]["resent"] is False
     assert rec["trim"]["refused"]["max_input"] is None and rec["trim"]["refused"]["window"] is None
-    assert not (relay.log.path.parent / "learned-windows.jsonl").exists()
+    assert learned_file(relay) == []
 
 
 # --- what one client's refusals may not teach the relay for everyone -------------------------
@@ -224,8 +226,8 @@ def trim_of(rec: dict) -> dict:
 
 
 def learned_file(relay) -> list[dict]:
-    path = relay.log.path.parent / "learned-windows.jsonl"
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+    """The windows in the relay's store (the file beside its log)."""
+    return [dataclasses.asdict(w) for w in windows.learned_in(relay.log.path.parent / store.FILE_NAME)]
 
 
 @pytest.mark.parametrize("hostile_model, message, model, operator", [
@@ -330,7 +332,7 @@ def test_endless_refusals_leave_the_file_empty_and_a_huge_file_does_not_slow_a_s
     started = time.monotonic()
     start_relay(reverse_to(fake)).stop()
     baseline = time.monotonic() - started
-    path = tmp_path / "learned-windows.jsonl"
+    path = tmp_path / store.FILE_NAME
     with open(path, "wb") as f:  # one endless line (a sparse file: no disk spent)
         f.truncate(300 * 1024 * 1024)
     started = time.monotonic()

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ttft_relay.observe import prefill
+from ttft_relay import store
+from ttft_relay.observe import verdicts
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes.client import HttpConnection
@@ -82,8 +83,8 @@ def test_context_length_is_told_from_upstream_queueing_learned_by_workers_and_ke
         phases.CONTEXT_LENGTH, phases.UPSTREAM_QUEUEING, phases.PROMPT_CACHE_MISS, phases.UPSTREAM_WAIT), first
     if first["verdict"] == phases.OK:
         assert "learning this upstream · model: " in first["verdict_detail"]
-    learned = prefill.decode_rows((tmp_path / ".ttft-relay.first-token").read_bytes())
-    assert len(learned) == len(sizes) and len({row.key for _, row in learned}) == 1  # every worker's, one line
+    (learned,) = verdicts.learned_lines(tmp_path / store.FILE_NAME)  # one line
+    assert len(learned.value["samples"]) == len(sizes)  # every worker's samples
 
     # A new relay logging there starts from what the workers learned.
     relay = start_relay(reverse_to(fake), relay_trim="false")

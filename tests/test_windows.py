@@ -8,7 +8,7 @@ import dataclasses
 import orjson
 import pytest
 
-from ttft_relay import apis
+from ttft_relay import apis, store
 from ttft_relay.apis.api import TooLong
 from ttft_relay.trim import windows
 from ttft_relay.trim.windows import Budget, Learned, LearnedWindows, budget_for
@@ -264,7 +264,7 @@ def test_a_family_is_the_longest_prefix_a_known_id_shares():
 
 
 def test_what_one_process_learns_the_others_read(tmp_path):
-    path = tmp_path / windows.FILE_NAME
+    path = tmp_path / store.FILE_NAME
     worker1, worker2 = LearnedWindows(path), LearnedWindows(path)
     assert worker2.get("api.anthropic.com", "claude-opus-5-5", "k1") is None
     worker1.keep(entry("claude-opus-5-5", max_input=200_000))
@@ -295,57 +295,69 @@ def test_what_one_process_learns_the_others_read(tmp_path):
     assert len(worker2) == 0
 
 
-def test_bad_lines_long_lines_and_a_replaced_file(tmp_path):
-    path = tmp_path / windows.FILE_NAME
-    line = orjson.dumps(dataclasses.asdict(entry("a", max_input=100_000)))
-    huge = b'{"upstream": "' + b"x" * (4 * windows.MAX_LINE) + b'"}'
-    path.write_bytes(b"garbage\n" + b'{"upstream": "h"}\n' + line.replace(b"100000", b"-1") + b"\n" + huge + b"\n"
-                     + line.replace(b"100000", b"50") + b"\n" + line + b"\n")
-    store = LearnedWindows(path)
-    store.refresh()
-    assert len(store) == 1 and store.get("api.anthropic.com", "a", "k1").max_input == 100_000
+def test_bad_entries_and_a_replaced_file(tmp_path):
+    path = tmp_path / store.FILE_NAME
+    good = windows._entry(entry("a", max_input=100_000))
+    bad = [dataclasses.replace(good, value={**good.value, "max_input": value}) for value in (-1, 50, "x", None)]
+    bad += [dataclasses.replace(good, key='["api.anthropic.com", "a", "k9"]'),  # not the slot its window says
+            dataclasses.replace(good, value={**good.value, "ratio": 1e8}),
+            dataclasses.replace(good, value=[1]), dataclasses.replace(good, key="not json")]
+    path.write_bytes(b"".join(e.encode() + b"\n" for e in [*bad, good]))
+    learned = LearnedWindows(path)
+    learned.refresh()
+    assert len(learned) == 1 and learned.get("api.anthropic.com", "a", "k1").max_input == 100_000
     path.unlink()
-    path.write_bytes(line.replace(b'"a"', b'"c"') + b"\n")  # replaced (rotated away, written anew)
-    store.refresh()
-    assert store.get("api.anthropic.com", "c", "k1").max_input == 100_000 and len(store) == 1
+    path.write_bytes(windows._entry(entry("c", max_input=100_000)).encode() + b"\n")  # replaced (written anew)
+    learned.refresh()
+    assert learned.get("api.anthropic.com", "c", "k1").max_input == 100_000 and len(learned) == 1
 
 
-def test_the_file_stays_bounded_and_a_huge_one_is_read_fast(tmp_path, monkeypatch):
-    monkeypatch.setattr(windows, "MAX_ENTRIES", 20)
-    path = tmp_path / windows.FILE_NAME
-    store = LearnedWindows(path)
-    store.keep(entry("confirmed", max_input=100_000, confirmed="k2"))
+def test_the_file_stays_bounded_and_the_unconfirmed_go_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(windows, "KIND", dataclasses.replace(windows.KIND, max_entries=20))
+    path = tmp_path / store.FILE_NAME
+    learned = LearnedWindows(path)
+    learned.keep(entry("confirmed", max_input=100_000, confirmed="k2"))
     for i in range(50):
-        store.keep(entry(f"m{i}", max_input=100_000))
-    assert len(store) == 20 and len(path.read_bytes().splitlines()) == 20
-    assert store.held("api.anthropic.com", "m0") == []  # the oldest unconfirmed went first
-    assert store.held("api.anthropic.com", "confirmed") != []
-    path.write_bytes(b'{"upstream": "' + b"x" * (64 * windows.MAX_FILE))  # one endless line
-    store.refresh()
-    assert len(store) == 0
+        learned.keep(entry(f"m{i}", max_input=100_000))
+    assert len(learned) == 20 and len(path.read_bytes().splitlines()) == 20
+    assert learned.held("api.anthropic.com", "m0") == []  # the least recently used unconfirmed went first
+    assert learned.held("api.anthropic.com", "confirmed") != []
+
+
+def test_the_previous_versions_file_is_read_once(tmp_path):
+    old = tmp_path / windows.LEGACY_FILE
+    kept = [entry("a", max_input=100_000), entry("b", window=64_000, confirmed="k2")]
+    old.write_bytes(b"garbage\n" + b"".join(orjson.dumps(dataclasses.asdict(w)) + b"\n" for w in kept))
+    learned = LearnedWindows(tmp_path / store.FILE_NAME)
+    learned.refresh()
+    assert sorted(learned.entries(), key=lambda w: w.model) == kept
+    learned.forget(kept[0])
+    restarted = LearnedWindows(tmp_path / store.FILE_NAME)
+    restarted.refresh()
+    assert restarted.entries() == [kept[1]]  # read once: what was forgotten since stays forgotten
 
 
 def test_without_a_file_it_learns_in_memory(tmp_path):
-    store = LearnedWindows(None)
-    store.keep(entry("x", max_input=5_000))
-    assert store.get("api.anthropic.com", "x", "k1").max_input == 5_000
+    learned = LearnedWindows(None)
+    learned.keep(entry("x", max_input=5_000))
+    assert learned.get("api.anthropic.com", "x", "k1").max_input == 5_000
 
 
 def test_a_file_it_cannot_write_is_said_once_and_the_window_kept(tmp_path, caplog):
-    store = LearnedWindows(tmp_path / "missing-dir" / windows.FILE_NAME)
-    store.keep(entry("x", max_input=5_000))
-    store.keep(entry("y", max_input=5_000))
-    assert store.get("api.anthropic.com", "x", "k1").max_input == 5_000
-    assert caplog.text.count("cannot keep the learned window") == 1
+    learned = LearnedWindows(tmp_path / "missing-dir" / store.FILE_NAME)
+    learned.keep(entry("x", max_input=5_000))
+    learned.keep(entry("y", max_input=5_000))
+    assert learned.get("api.anthropic.com", "x", "k1").max_input == 5_000
+    assert caplog.text.count("this process alone knows it") == 1
 
 
 def test_get_and_held_read_memory_only(tmp_path):
     # What the event loop calls never touches the file: only refresh/keep/forget do (off the loop).
-    path = tmp_path / windows.FILE_NAME
-    store = LearnedWindows(path)
-    store.keep(entry("a", max_input=100_000))
+    path = tmp_path / store.FILE_NAME
+    learned = LearnedWindows(path)
+    learned.keep(entry("a", max_input=100_000))
     path.unlink()
-    assert store.get("api.anthropic.com", "a", "k1").max_input == 100_000
-    assert [w.max_input for w in store.held("api.anthropic.com", "a")] == [100_000]
-    store.refresh()
-    assert store.get("api.anthropic.com", "a", "k1") is None
+    assert learned.get("api.anthropic.com", "a", "k1").max_input == 100_000
+    assert [w.max_input for w in learned.held("api.anthropic.com", "a")] == [100_000]
+    learned.refresh()
+    assert learned.get("api.anthropic.com", "a", "k1") is None

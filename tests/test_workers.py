@@ -271,7 +271,9 @@ def test_workers_share_the_queue_and_the_log_and_one_replaces_a_killed_one(fake,
         assert scraped == 20 == len(records) - 1  # all but the lost one
         report = subprocess.run([sys.executable, "-m", "ttft_relay", "report", str(log), "--json"],
                                 cwd=REPO, capture_output=True, check=True)
-        (group,) = orjson.loads(report.stdout).values()
+        summary = orjson.loads(report.stdout)
+        assert summary.pop("learned")["first-token"]["entries"] == 1  # the one line both workers learned on
+        (group,) = summary.values()
         assert group["requests"] == len(records)
     finally:
         children = sup.children()

@@ -445,7 +445,7 @@ class Supervisor:
             return
         try:
             registry = metrics.multiprocess_registry(self.metrics_dir)
-            metrics.watch_learned_windows(registry, self.opts.relay_timing_log)
+            metrics.watch_learned(registry, self.opts.relay_timing_log)
             (host, port), _server = metrics.serve(listen, registry)
         except (OSError, ValueError) as e:
             # asyncio words a bind error at length: the system's words are enough.

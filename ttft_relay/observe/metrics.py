@@ -25,11 +25,14 @@ LLM call (each timing record):
     ttft_relay_otlp_dropped_records_total        records whose trace was not exported (observe/traces.py),
                                                  by reason: queue_full, export_failed, rejected
     ttft_relay_learned_context_window_tokens     each window learned from a provider's refusal
-                                                 (trim/windows.py), read from its file at each scrape:
+                                                 (trim/windows.py), read from the store at each scrape:
                                                  server_address, gen_ai_request_model, limit (max_input
                                                  or window), confirmed (yes, or no: for the key with
                                                  digest learned_from only), learned_from;
                                                  at most windows.MAX_ENTRIES series
+    ttft_relay_learned_entries                   what the store beside the timing log holds (store.py),
+    ttft_relay_learned_newest_timestamp_seconds  per kind (window, plan, first-token): how many, and
+                                                 when the newest was learned
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -70,12 +73,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from .. import state
+from .. import state, store
 from ..apis.api import Api
 from ..text import cut_text
 from ..timing import record
-from ..trim import windows
-from . import multiproc, series
+from ..trim import plans, windows
+from . import multiproc, series, verdicts
 
 logger = logging.getLogger(__name__)
 
@@ -231,38 +234,55 @@ class RelayMetrics:
 
 
 LEARNED_WINDOWS = "ttft_relay_learned_context_window_tokens"
+LEARNED_ENTRIES = "ttft_relay_learned_entries"
+LEARNED_NEWEST = "ttft_relay_learned_newest_timestamp_seconds"
 
 
-class LearnedWindowsCollector:
-    """The windows the relay processes on one timing log learned (`windows.LearnedWindows`'
-    file), as a gauge read at each scrape: in the scrape server's thread, never the event loop."""
+class LearnedCollector:
+    """What the relay processes on one timing log learned (the store beside it: `ttft_relay.store`),
+    as gauges read at each scrape: in the scrape server's thread, never the event loop."""
 
     def __init__(self, timing_log: str | Path) -> None:
-        self.store = windows.LearnedWindows(Path(timing_log).with_name(windows.FILE_NAME))
+        self.store = store.SharedStore(Path(timing_log).with_name(store.FILE_NAME),
+                                       [windows.KIND, plans.KIND, verdicts.KIND], read_only=True)
+        self.windows = windows.LearnedWindows(self.store)
 
-    def _family(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(LEARNED_WINDOWS, "A context window learned from a provider's refusal, in the "
-                                 "provider's tokens (the operator's relay_context_windows wins over it).",
-                                 labels=("server_address", "gen_ai_request_model", "limit", "confirmed",
-                                         "learned_from"))
+    def _families(self) -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(LEARNED_WINDOWS, "A context window learned from a provider's refusal, in the "
+                              "provider's tokens (the operator's relay_context_windows wins over it).",
+                              labels=("server_address", "gen_ai_request_model", "limit", "confirmed",
+                                      "learned_from")),
+            GaugeMetricFamily(LEARNED_ENTRIES, "What the relay learned and keeps, per kind: window (context "
+                              "windows), plan (conversations' cuts), first-token (first-token lines).",
+                              labels=("kind",)),
+            GaugeMetricFamily(LEARNED_NEWEST, "When the newest entry of a kind was learned (Unix time).",
+                              labels=("kind",)),
+        ]
 
     def describe(self) -> list[GaugeMetricFamily]:
-        return [self._family()]
+        return self._families()
 
     def collect(self) -> list[GaugeMetricFamily]:
         self.store.refresh()
-        family = self._family()
-        for learned in self.store.entries():
-            family.add_metric([learned.upstream, learned.model, "max_input" if learned.max_input else "window",
-                               "yes" if learned.confirmed else "no", learned.key], learned.limit)
-        return [family]
+        learned_windows, entries, newest = self._families()
+        for learned in self.windows.entries():
+            learned_windows.add_metric([learned.upstream, learned.model,
+                                        "max_input" if learned.max_input else "window",
+                                        "yes" if learned.confirmed else "no", learned.key], learned.limit)
+        for kind in (windows.KIND_NAME, plans.KIND_NAME, verdicts.KIND_NAME):
+            held = self.store.entries.entries(kind)
+            entries.add_metric([kind], len(held))
+            if held:
+                newest.add_metric([kind], max(entry.ts for entry in held))
+        return [learned_windows, entries, newest]
 
 
-def watch_learned_windows(registry: CollectorRegistry, timing_log: str | Path | None) -> LearnedWindowsCollector | None:
-    """Serve the learned windows of the processes logging to `timing_log` from `registry`."""
+def watch_learned(registry: CollectorRegistry, timing_log: str | Path | None) -> LearnedCollector | None:
+    """Serve what the processes logging to `timing_log` learned from `registry`."""
     if not timing_log:
         return None
-    collector = LearnedWindowsCollector(timing_log)
+    collector = LearnedCollector(timing_log)
     registry.register(collector)
     return collector
 
@@ -421,7 +441,7 @@ class Metrics:
         self.metrics: RelayMetrics | None = None
         self.server: ScrapeServer | None = None
         self.listen = ""
-        self.learned: LearnedWindowsCollector | None = None
+        self.learned: LearnedCollector | None = None
         self.counted: weakref.WeakKeyDictionary[http.HTTPFlow, Gauge] = weakref.WeakKeyDictionary()
         """The flows in the in-flight gauge, each with the gauge it went into (the registry
         may be new by the time it is recorded)."""
@@ -459,7 +479,7 @@ class Metrics:
         if "relay_timing_log" in updated or self.learned is None:
             if self.learned is not None:
                 self.metrics.registry.unregister(self.learned)
-            self.learned = watch_learned_windows(self.metrics.registry, getattr(ctx.options, "relay_timing_log", ""))
+            self.learned = watch_learned(self.metrics.registry, getattr(ctx.options, "relay_timing_log", ""))
         if listen != self.listen or "relay_metrics_max_series" in updated:
             self._stop_server()
             self.listen = listen

@@ -40,15 +40,16 @@ starts the line again from those requests: re-learned in a few requests, not aft
 window's worth.
 
 What one relay process learns every process logging into the same directory uses within
-moments: each appends its samples to a shared file and reads the others' (`encode_lines`,
-`decode_lines`; the file work is `ttft_relay/observe/verdicts.py`'s).
+moments: each line is one entry of the relay's store (`line_value`, `line_of`; two
+processes' words on a line are merged as one line keeps samples, `merged_line`; the file
+work is `ttft_relay/observe/verdicts.py`'s and `ttft_relay/store.py`'s).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import mul, sub
 from typing import Any, NamedTuple
@@ -376,6 +377,9 @@ class Line:
     fitted: Fit | None = None
     added: int = -1
     """Samples added since the last fit; -1: never fitted."""
+    since: float = 0.0
+    """The time of the first sample of the provider's speed now (a new speed starts the line
+    again from its run): older samples, wherever they are kept, are not the line's."""
 
     def add(self, sample: Sample) -> None:
         if len(self.samples) >= WINDOW:
@@ -388,6 +392,19 @@ class Line:
             self.samples = deque(self.samples[i] for i in range(len(self.samples) - run, len(self.samples)))
             self.sources = Counter(s[4] for s in self.samples)
             self.added = -1
+            self.since = self.samples[0][0]
+
+    def replace(self, samples: Sequence[Sample], since: float) -> None:
+        """The line's samples (time order) as the store holds them; a later `since` than the
+        line's (a new speed found elsewhere) starts its fit again."""
+        fresh = len(set(samples) - set(self.samples))
+        self.samples = deque(samples)
+        self.sources = Counter(s[4] for s in self.samples)
+        while len(self.samples) > WINDOW:
+            self._drop_oldest_of(max(self.sources, key=self.sources.__getitem__))
+        self.proven = self.proven or len(self.samples) >= MIN_SAMPLES
+        self.added = -1 if since > self.since or self.added < 0 else self.added + fresh
+        self.since = max(self.since, since)
 
     def _drop_oldest_of(self, source: str) -> None:
         for i, s in enumerate(self.samples):
@@ -491,33 +508,73 @@ class PrefillRates:
     def fits(self) -> dict[str, Fit]:
         return {key: f for key, line in self.lines.items() if (f := line.fit()) is not None}
 
-    def snapshot(self) -> list[tuple[str, str, tuple[Sample, ...]]]:
-        """(key, upstream, samples) of every line, cheaply: `rows_of` makes them rows elsewhere."""
-        return [(key, line.upstream, tuple(line.samples)) for key, line in self.lines.items()]
+    def take(self, key: str, upstream: str, since: float, samples: Sequence[Sample]) -> None:
+        """What the store holds of the line `key` (`line_of`: the words of every process on
+        it, this one's included) becomes the line here, with the samples learned here since it
+        was put there; a line this process does not hold is admitted as a new one is."""
+        key = key[:KEY_MAX]
+        line = self.lines.get(key)
+        kept = sorted(s for s in samples if s[0] >= since)
+        if line is None:
+            for sample in kept:
+                if not self.add(key, upstream, sample):
+                    return
+            if (line := self.lines.get(key)) is not None:
+                line.since = since
+            return
+        theirs = set(kept)
+        newest = kept[-1][0] if kept else since
+        mine = [s for s in line.samples if s not in theirs and s[0] > newest]  # learned here meanwhile
+        line.replace(kept + mine, since)
+
+def line_value(line: Line) -> dict[str, Any]:
+    """A line as the store keeps it (JSON): its upstream, since when its samples count, its samples."""
+    return {"upstream": line.upstream, "since": line.since, "samples": [list(s) for s in line.samples]}
 
 
-def rows_of(snapshot: Iterable[tuple[str, str, Sequence[Sample]]]) -> list[Row]:
-    """Every line's samples as rows, oldest first: what a compacted shared file holds."""
-    return sorted((Row(key, upstream, s) for key, upstream, samples in snapshot for s in samples),
-                  key=lambda row: row.sample[0])
+def line_of(value: Any) -> tuple[str, float, list[Sample]] | None:
+    """(upstream, since, samples) of a line the store holds, or None if it is not one the relay wrote."""
+    if not isinstance(value, dict) or not isinstance(value.get("upstream"), str) or not _finite(value.get("since")):
+        return None
+    raw = value.get("samples")
+    if not isinstance(raw, list) or len(raw) > WINDOW:
+        return None
+    samples = []
+    for s in raw:
+        if not (isinstance(s, list) and len(s) == 5 and isinstance(s[4], str) and all(_finite(v) and v >= 0 for v in s[:4])):
+            return None
+        samples.append((float(s[0]), int(s[1]), int(s[2]), float(s[3]), s[4][:SOURCE_MAX]))
+    return value["upstream"][:KEY_MAX], float(value["since"]), samples
+
+
+def merged_line(theirs: Any, mine: Any) -> dict[str, Any]:
+    """Two processes' words on one line (`line_value`s) as one: the samples of both since the
+    later `since`, kept as one line keeps them (each source a bounded share of WINDOW)."""
+    a, b = line_of(theirs), line_of(mine)
+    if a is None or b is None:
+        return mine
+    since = max(a[1], b[1])
+    line = Line(b[0], since=since)
+    for sample in sorted(set(a[2]) | set(b[2])):
+        if sample[0] >= since:
+            line.add(sample)
+    line.since = since  # a replay never starts a new speed (no fit yet), so `since` stands
+    return line_value(line)
 
 
 class Row(NamedTuple):
-    """One line of the shared file: a sample learned on `key` of `upstream`."""
+    """One line of the previous version's shared file: a sample learned on `key` of `upstream`."""
 
     key: str
     upstream: str
     sample: Sample
 
 
-def encode_rows(writer: str, rows: Iterable[Row]) -> bytes:
-    """JSON lines, one a sample: [writer, key, upstream, time, uncached, cached, own wait, source]."""
-    return b"".join(orjson.dumps([writer, r.key, r.upstream, *r.sample]) + b"\n" for r in rows)
-
-
 def decode_rows(data: bytes) -> list[tuple[str, Row]]:
-    """(writer, row) for each whole line of `data` that is one; anything else (a torn line, a
-    hand edit, an older format) is skipped: what it held is learned again from the traffic."""
+    """(writer, row) for each whole line of the previous version's shared file (JSON lines,
+    one a sample: [writer, key, upstream, time, uncached, cached, own wait, source]) that is
+    one; anything else (a torn line, a hand edit) is skipped: what it held is learned again
+    from the traffic."""
     rows = []
     for text in data.split(b"\n"):
         try:

@@ -12,151 +12,81 @@ sample is learned (with its source: `state.source_of`), unless it failed or is a
 or prewarm.
 
 Every relay process logging into one directory (each worker of `ttft-relay run --workers
-N`, a restarted relay) shares one file of samples there (`.ttft-relay.first-token`, JSON
-lines, `SharedLines`): each appends what it learns and reads what the others appended,
-every SYNC_EVERY_S in a thread (never on the event loop), so what one worker learns every
-worker uses within moments, and a restart starts from what was learned. Past FILE_MAX
-bytes a process rewrites it (atomically: a new file renamed over it) with the samples it
-holds now. Seeded by nothing but the traffic: while a line is being learned a request is
-`ok` unless its wait is out of line with what the line's first requests took
-(`phases.judge`'s `learning`).
+N`, a restarted relay) shares the lines through the relay's store (`ttft_relay.store`, the
+file beside the timing log; kind "first-token", one entry per line: its samples, as
+`prefill.line_value`): every SYNC_EVERY_S, in a thread (never on the event loop), a
+process puts the lines it learned on into the store and takes in the samples the others
+learned (two processes' words on one line are merged as one line keeps samples: each
+source a bounded share), so what one worker learns every worker uses within moments, and
+a restart starts from what was learned. The previous version's `.ttft-relay.first-token`
+is read into the store once. Seeded by nothing but the traffic: while a line is being
+learned a request is `ok` unless its wait is out of line with what the line's first
+requests took (`phases.judge`'s `learning`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import os
-import stat
-import uuid
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import ctx, http
 
-from .. import state
+from .. import state, store
 from ..timing import record
 from . import conversations, prefill
 
 logger = logging.getLogger(__name__)
 
 SYNC_EVERY_S = 0.2
-"""How often a process appends its new samples to the shared file and reads the others'."""
-FILE_MAX = 4 << 20
-"""Bytes of the shared file before it is rewritten with the samples held now (WINDOW samples
-of MAX_MODELS lines take about 1.5 MiB)."""
-READ_MAX = 2 * FILE_MAX
-"""Bytes of it read at once at most: of a longer file (written by something else), its end."""
-PENDING_MAX = 4096
-"""Samples kept for the file while it cannot be written."""
+"""How often a process puts what it learned into the store and takes in the others' words."""
+KIND_NAME = "first-token"
+"""The lines' kind in the store."""
+LEGACY_FILE = ".ttft-relay.first-token"
+"""Where the previous version kept the samples, beside the timing log: read once into the store."""
+LEGACY_READ_MAX = 8 << 20
+"""Of the previous version's file only its last this many bytes are read (it rewrote it past 4 MiB)."""
 
 
-def store_path(log: Path) -> Path:
-    """The samples every relay process logging into `log`'s directory shares."""
-    return log.with_name(".ttft-relay.first-token")
+def _entry(key: str, line: prefill.Line) -> store.Entry:
+    """A line as the store keeps it: learned when its newest sample was."""
+    return store.Entry(KIND_NAME, key, prefill.line_value(line), line.samples[-1][0] if line.samples else 0.0)
 
 
-class SharedLines:
-    """The shared file of samples as one process sees it (blocking IO: run in a thread).
-
-    Appends take a shared lock, a rewrite an exclusive one: an append never lands in a
-    file that a rewrite has just replaced (it checks, under the lock, that its file is
-    still the one at the path)."""
-
-    def __init__(self, path: Path, writer: str) -> None:
-        self.path, self.writer = path, writer
-        self.inode: int | None = None
-        self.offset = 0
-        """Where the rows not read yet begin (the file at `inode`)."""
-        self.size = 0
-
-    def _open(self, lock: int) -> int:
-        for _ in range(8):
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(f"{self.path} is not a regular file")
-                fcntl.flock(fd, lock)
-                if os.stat(self.path).st_ino == st.st_ino:
-                    return fd
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # replaced by a rewrite meanwhile: the new one
-        raise OSError(f"{self.path} keeps being replaced")
-
-    def _read_new(self, fd: int) -> tuple[bool, bytes]:
-        """(whole, rows' bytes): the rows appended since the last read, or, for a file not
-        read before (a start, a rewrite), all of them."""
-        st = os.fstat(fd)
-        whole = st.st_ino != self.inode
-        start = 0 if whole else min(self.offset, st.st_size)
-        skip_partial = st.st_size - start > READ_MAX
-        start = max(start, st.st_size - READ_MAX)
-        data = os.pread(fd, st.st_size - start, start)
-        if skip_partial:
-            cut = data.find(b"\n") + 1
-            data, start = data[cut:], start + cut
-        data = data[:data.rfind(b"\n") + 1]  # a row still being written is read next time
-        self.inode, self.offset, self.size = st.st_ino, start + len(data), st.st_size
-        return whole, data
-
-    def sync(self, mine: list[prefill.Row], snapshot: list[prefill.Row] | None = None
-             ) -> tuple[bool, list[tuple[str, prefill.Row]]]:
-        """Read what was appended since the last sync, then append `mine`; with `snapshot`
-        (what this process holds now), rewrite the file with it instead when it is still
-        over FILE_MAX. Returns (whole, rows): whole: the rows are the whole file but `mine`
-        (start from them, then `mine`), else only the ones appended since."""
-        if snapshot is not None and (done := self._rewrite(mine, snapshot)) is not None:
-            return done
-        fd = self._open(fcntl.LOCK_SH)
-        try:
-            whole, data = self._read_new(fd)
-            if mine:
-                os.write(fd, prefill.encode_rows(self.writer, mine))  # O_APPEND: one write, whole rows
-                self.size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)  # and with it the lock
-        return whole, prefill.decode_rows(data)
-
-    def _rewrite(self, mine: list[prefill.Row], snapshot: list[prefill.Row]
-                 ) -> tuple[bool, list[tuple[str, prefill.Row]]] | None:
-        fd = self._open(fcntl.LOCK_EX)
-        try:
-            if os.fstat(fd).st_size <= FILE_MAX:
-                return None  # another process rewrote it first
-            whole, data = self._read_new(fd)
-            theirs = prefill.decode_rows(data)
-            rows = [row for _, row in theirs] + snapshot if whole else \
-                snapshot + [row for writer, row in theirs if writer != self.writer]
-            rows = sorted(dict.fromkeys(rows), key=lambda row: row.sample[0])[-prefill.MAX_MODELS * prefill.WINDOW:]
-            encoded = prefill.encode_rows(self.writer, rows + mine)
-            temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            with open(temporary, "wb") as out:
-                out.write(encoded)
-            os.chmod(temporary, 0o600)
-            os.replace(temporary, self.path)
-            st = os.stat(self.path)
-            self.inode, self.offset, self.size = st.st_ino, len(encoded), len(encoded)
-            return True, [(self.writer, row) for row in rows]
-        finally:
-            os.close(fd)
+def _merge(theirs: store.Entry, mine: store.Entry) -> store.Entry:
+    return store.Entry(KIND_NAME, mine.key, prefill.merged_line(theirs.value, mine.value), max(theirs.ts, mine.ts))
 
 
-def _fetch(shared: SharedLines, mine: list[prefill.Row],
-           snapshot: list[tuple[str, str, tuple[prefill.Sample, ...]]] | None
-           ) -> tuple[prefill.PrefillRates | None, list[prefill.Row]]:
-    """`shared.sync` (in a thread; `snapshot`: the lines held, `PrefillRates.snapshot`): (the
-    lines learned from the whole file, []) when it was read whole, else (None, the rows the
-    other processes appended since)."""
-    whole, rows = shared.sync(mine, None if snapshot is None else prefill.rows_of(snapshot))
-    if not whole:
-        return None, [row for writer, row in rows if writer != shared.writer]
+def _legacy(directory: Path) -> list[store.Entry]:
+    """The lines the previous version's processes shared through `.ttft-relay.first-token`."""
+    path = directory / LEGACY_FILE
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - LEGACY_READ_MAX))
+        data = f.read(LEGACY_READ_MAX)
     rates = prefill.PrefillRates()
-    for _, row in rows:
+    for _, row in prefill.decode_rows(data):
         rates.add(*row)
-    return rates, []
+    return [_entry(key, line) for key, line in rates.lines.items()]
+
+
+def _valid(entry: store.Entry) -> bool:
+    return len(entry.key) <= prefill.KEY_MAX and prefill.line_of(entry.value) is not None
+
+
+KIND = store.Kind(KIND_NAME, prefill.MAX_MODELS, valid=_valid,
+                  rank=lambda entry: len(entry.value["samples"]) >= prefill.MIN_SAMPLES,
+                  merge=_merge, legacy=_legacy)
+"""First-token lines in the store: lines still learning evicted before proven ones."""
+
+
+def learned_lines(path: Path) -> list[store.Entry]:
+    """The first-token lines the store at `path` holds, read only (the report, the metrics)."""
+    shared = store.SharedStore(path, [KIND], read_only=True)
+    shared.refresh()
+    return shared.entries.entries(KIND_NAME)
 
 
 class Verdicts:
@@ -166,20 +96,20 @@ class Verdicts:
     def __init__(self) -> None:
         self.rates = prefill.PrefillRates()
         self.conversations = conversations.Conversations()
-        self.shared: SharedLines | None = None
-        self.pending: list[prefill.Row] = []
-        """Samples learned here, not yet in the shared file."""
+        self.shared: store.SharedStore | None = None
+        self.changed: set[str] = set()
+        """The lines learned on here since they were last put into the store."""
         self.syncer: asyncio.Task | None = None
-        self.failing: str | None = None
 
     def configure(self, updated: set[str]) -> None:
         if "relay_timing_log" not in updated:
             return
         log = ctx.options.relay_timing_log
-        path = store_path(Path(log)) if log else None
+        path = Path(log).with_name(store.FILE_NAME) if log else None
         if path == (self.shared.path if self.shared else None):
             return
-        self.shared = SharedLines(path, f"{os.getpid()}-{uuid.uuid4().hex[:8]}") if path else None
+        self.shared = store.SharedStore(path, [KIND]) if path else None
+        self.changed = set(self.rates.lines) if path else set()
 
     async def running(self) -> None:
         if self.syncer is None:
@@ -189,41 +119,37 @@ class Verdicts:
         if self.syncer is not None:
             self.syncer.cancel()
             self.syncer = None
-        if self.shared is not None and self.pending:
-            try:  # the relay is stopping: nothing else waits on the loop
-                self.shared.sync(self.pending)
-                self.pending = []
-            except OSError as e:
-                logger.warning("learned first-token lines not kept in %s: %s", self.shared.path, e)
+        if self.shared is not None:
+            self._put_changed(self.shared)
+            self.shared.sync()  # the relay is stopping: nothing else waits on the loop
 
     async def _keep_syncing(self) -> None:
         while True:
             await self.sync()
             await asyncio.sleep(SYNC_EVERY_S)
 
+    def _put_changed(self, shared: store.SharedStore) -> None:
+        for key in self.changed:
+            if (line := self.rates.lines.get(key)) is not None:
+                shared.entries.put(_entry(key, line))
+        self.changed = set()
+
     async def sync(self) -> None:
-        """Append the samples learned here to the shared file, take in the others' (in a thread)."""
+        """Put the lines learned on here into the store and take in the others' (the file work in a thread)."""
         shared = self.shared
         if shared is None:
             return
-        mine, self.pending = self.pending, []
-        snapshot = self.rates.snapshot() if shared.size > FILE_MAX else None
-        try:
-            rebuilt, theirs = await asyncio.to_thread(_fetch, shared, mine, snapshot)
-        except OSError as e:
-            self.pending = (mine + self.pending)[-PENDING_MAX:]
-            if str(e) != self.failing:
-                logger.warning("learned first-token lines not shared through %s: %s", shared.path, e)
-            self.failing = str(e)
-            return
-        self.failing = None
+        self._put_changed(shared)
+        changed = await asyncio.to_thread(shared.sync)
         if shared is not self.shared:
             return  # the log moved meanwhile
-        if rebuilt is not None:  # a start, or the file was rewritten: start from it, then what was learned since
-            self.rates = rebuilt
-            theirs = mine + self.pending
-        for row in theirs:
-            self.rates.add(*row)
+        for kind, key in changed:
+            if kind == KIND_NAME and (entry := shared.entries.peek(KIND_NAME, key)) is not None:
+                self._take(key, entry.value)
+
+    def _take(self, key: str, value: Any) -> None:
+        if (line := prefill.line_of(value)) is not None:
+            self.rates.take(key, *line)
 
     def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
         if rec.error or rec.client_aborted:
@@ -240,10 +166,8 @@ class Verdicts:
         learned = record.Learned(expectation=prediction.expectation, unlearned=prediction.unlearned,
                                  learning=prediction.learning, cache_miss=self._cache_miss(rec, flow))
         if (sample := prefill.sample_of(rec.as_dict(), state.source_of(flow))) is not None:
-            row = prefill.Row(key, rec.upstream or "?", sample)
-            if self.rates.add(*row) and self.shared is not None:
-                self.pending.append(row)
-                del self.pending[:-PENDING_MAX]
+            if self.rates.add(key, rec.upstream or "?", sample) and self.shared is not None:
+                self.changed.add(key[:prefill.KEY_MAX])
         return learned
 
     def _cache_miss(self, rec: record.Record, flow: http.HTTPFlow) -> str | None:

@@ -6,10 +6,11 @@ learns it (a median fit of the upstream's own wait against uncached and cached p
 tokens, `ttft_relay/observe/prefill.py`: ms per 1k tokens plus a base), and the
 requests that waited beyond what their prompt predicts (upstream queueing). Above the
 groups, the requests clients sent again after a failure or a cut (`attempt_group`):
-how long the user waited over how many attempts, and why each one ended; and the
-context windows the relay learned from providers' refusals (`learned-windows.jsonl`
-beside the logs): when, from which reply, which access key's digest, and whether
-another key or an accepted request confirmed it.
+how long the user waited over how many attempts, and why each one ended; what the
+relay learned and keeps in its store beside the logs (`learned.jsonl`: context windows,
+trim plans, first-token lines: how many, the newest when, from how many access keys);
+and each context window learned from a provider's refusal: when, from which reply,
+which access key's digest, and whether another key or an accepted request confirmed it.
 WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
@@ -39,10 +40,11 @@ from typing import Any
 
 import orjson
 
-from ..observe import prefill
+from .. import store
+from ..observe import prefill, verdicts
 from ..text import printable
 from ..timing import phases, record
-from ..trim import windows
+from ..trim import plans, windows
 
 QUANTILES = (50, 90, 99)
 METRICS = phases.PHASES
@@ -86,6 +88,9 @@ def read_records(
                     rec = orjson.loads(line)
                 except orjson.JSONDecodeError:
                     bad += 1  # e.g. a line cut short by a crash
+                    continue
+                if not isinstance(rec, dict):
+                    bad += 1  # not a record: e.g. the store of what the relay learned, matched by 'logs/*.jsonl'
                     continue
                 if since is not None and (rec.get("ts") or 0) < since:
                     continue
@@ -333,11 +338,48 @@ def format_attempts(groups: Sequence[Mapping[str, Any]], shown: int = 10) -> lis
 def learned_windows(logs: Iterable[str]) -> list[dict[str, Any]]:
     """The windows learned by the relays writing `logs` (the file beside each log's directory)."""
     found: dict[tuple[str, str], windows.Learned] = {}
-    for path in sorted({Path(log).with_name(windows.FILE_NAME) for log in logs}):
-        store = windows.LearnedWindows(path)
-        store.refresh()
-        found |= {(e.upstream, e.model): e for e in store.entries()}
+    for path in sorted({Path(log).with_name(store.FILE_NAME) for log in logs}):
+        found |= {(e.upstream, e.model): e for e in windows.learned_in(path)}
     return [dataclasses.asdict(e) for e in found.values()]
+
+
+STORED_KINDS = {windows.KIND_NAME: "context windows", plans.KIND_NAME: "trim plans (conversations' cuts)",
+                verdicts.KIND_NAME: "first-token lines"}
+
+
+def learned_store(logs: Iterable[str]) -> dict[str, Any]:
+    """What the store beside the logs holds (`ttft_relay.store`), per kind: how many entries,
+    when the newest was learned, from how many access keys; and each first-token line."""
+    held: dict[str, dict[str, store.Entry]] = {kind: {} for kind in STORED_KINDS}
+    for path in sorted({Path(log).with_name(store.FILE_NAME) for log in logs}):
+        shared = store.SharedStore(path, [windows.KIND, plans.KIND, verdicts.KIND], read_only=True)
+        shared.refresh()
+        for kind in STORED_KINDS:
+            held[kind] |= {entry.key: entry for entry in shared.entries.entries(kind)}
+    out: dict[str, Any] = {}
+    for kind, entries in held.items():
+        if not entries:
+            continue
+        out[kind] = {"entries": len(entries), "newest": max(e.ts for e in entries.values()),
+                     "access_keys": len({e.by for e in entries.values() if e.by})}
+    if lines := held[verdicts.KIND_NAME]:
+        out[verdicts.KIND_NAME]["lines"] = [
+            {"line": e.key, "samples": len(e.value["samples"]), "sources": len({s[4] for s in e.value["samples"]}),
+             "newest": e.ts} for e in sorted(lines.values(), key=lambda e: e.key)]
+    return out
+
+
+def format_store(held: Mapping[str, Any]) -> list[str]:
+    if not held:
+        return []
+    out = [f"What the relay learned ({store.FILE_NAME} beside the log):"]
+    for kind, what in held.items():
+        keys = f", from {what['access_keys']} access key(s)" if what["access_keys"] else ""
+        out.append(f"   {STORED_KINDS[kind]}: {what['entries']}, the newest learned {_when(what['newest'])}{keys}")
+        for line in what.get("lines", ()):
+            out.append(f"     {printable(line['line'])}: {line['samples']} samples from {line['sources']} "
+                       f"source(s), the newest {_when(line['newest'])}")
+    return [*out, ""]
 
 
 def format_learned(learned: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -391,11 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"report: wrote {args.html} ({len(records)} records)", file=sys.stderr)
     retried = attempt_groups(records)
     learned = learned_windows(expand_globs(args.logs))
+    held = learned_store(expand_globs(args.logs))
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report | ({"attempt_groups": retried} if retried else {})
-                                             | ({"learned_windows": learned} if learned else {}),
+                                             | ({"learned_windows": learned} if learned else {})
+                                             | ({"learned": held} if held else {}),
                                              option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        print("\n".join(format_learned(learned) + format_attempts(retried))
+        print("\n".join(format_store(held) + format_learned(learned) + format_attempts(retried))
               + format_text(report, websocket_counts(records)) if report else "no records")
     return 0

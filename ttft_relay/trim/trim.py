@@ -26,7 +26,8 @@ sent once more on its socket, the refusal kept from the client.
 
 Counting and trimming run in one worker thread, never on the event loop: a request of
 many megabytes is counted while every other flow keeps streaming (the hook awaits the
-worker). The learned windows' file is read and written there too. The tokenizers are
+worker). The store of what trimming learns (`ttft_relay.store`: windows, plans) is read
+and written there too. The tokenizers are
 loaded when the script is configured, before mitmproxy's listeners accept the first
 connection.
 """
@@ -47,7 +48,7 @@ import orjson
 from mitmproxy import addonmanager, ctx, exceptions, http
 from mitmproxy.websocket import WebSocketMessage
 
-from .. import state
+from .. import state, store
 from ..patches import pins
 from ..patches.fixes import resend
 from ..apis.api import Api, TooLong, Windows
@@ -98,12 +99,14 @@ class Trim:
     def __init__(self) -> None:
         self.tokenizers = tokens.TokenizerLoader()
         self.counts = tokens.CountCache()
-        self.plans = plans.KeptPlans()
-        """Conversations' cuts, kept beside the timing log for the next relay and the other workers."""
+        self.store = store.SharedStore(None, [windows.KIND, plans.KIND])
+        """What trimming learns, shared through a file beside the timing log."""
+        self.plans = plans.KeptPlans(self.store)
+        """Conversations' cuts, kept for the next relay and the other workers."""
         self.configured: dict[str, int] = {}
         """relay_context_windows: the user's windows by model prefix."""
-        self.learned = windows.LearnedWindows()
-        """Windows the providers' refusals named, shared through a file beside the timing log."""
+        self.learned = windows.LearnedWindows(self.store)
+        """Windows the providers' refusals named."""
         self._refusable: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
         """Flows whose refusal as too long the relay can act on (trimmed shape, known error format)."""
         # One thread: the caches are only touched there (or, for a small request, on the
@@ -174,11 +177,12 @@ class Trim:
                 raise exceptions.OptionsError(f"relay_context_windows: {e}") from e
         if "relay_timing_log" in updated:
             log = getattr(ctx.options, "relay_timing_log", "")
-            self.learned = windows.LearnedWindows(Path(log).with_name(windows.FILE_NAME) if log else None)
-            self.plans = plans.KeptPlans(Path(log).with_name(plans.FILE_NAME) if log else None)
-            # Both read in the worker thread, not on the event loop, before the first trim.
-            self.worker.submit(self.learned.refresh)
-            self._handed = self.worker.submit(self.plans.refresh)
+            self.store = store.SharedStore(Path(log).with_name(store.FILE_NAME) if log else None,
+                                           [windows.KIND, plans.KIND])
+            self.learned = windows.LearnedWindows(self.store)
+            self.plans = plans.KeptPlans(self.store)
+            # Read in the worker thread, not on the event loop, before the first trim.
+            self._handed = self.worker.submit(self.store.refresh)
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
             self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
@@ -268,8 +272,8 @@ class Trim:
         if counter is None or budget is None:
             return
         # At the limit the refusal named, no deeper: no room left for the next requests.
-        result, content = await self._in_worker(self._work, st.request_json, st.api, budget, counter,
-                                                ctx.options.relay_trim_notice, False)
+        result, content = await self._in_worker(functools.partial(self._work, by=client_key(flow)), st.request_json,
+                                                st.api, budget, counter, ctx.options.relay_trim_notice, False)
         logger.info(
             "%s: %s takes at most %s tokens (its refusal, %s): learned%s; %s", upstream, st.model, learned.limit,
             learned.error, "" if learned.confirmed else " for this access key until confirmed",
@@ -367,7 +371,7 @@ class Trim:
             # the plans' file waits for the worker).
             work = (st.request_json, st.api, budget(learned=self.learned.get(upstream, st.model, key)), counter,
                     ctx.options.relay_trim_notice)
-            result, content = self._work(*work, files=False)
+            result, content = self._work(*work, files=False, by=key)
             if self.plans.unsaved:
                 self._handed = self.worker.submit(self.plans.save)
         else:
@@ -382,11 +386,13 @@ class Trim:
             self._refusable.add(flow)
 
     def _work(self, body, api, budget, counter, notice, headroom=True, encode: Callable[[dict], bytes] = orjson.dumps,
-              files: bool = True) -> tuple[trimming.TrimResult, bytes | None]:
+              files: bool = True, by: str = "") -> tuple[trimming.TrimResult, bytes | None]:
         """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one;
-        the other processes' plans read before, this one's new plan kept after (`files`)."""
+        the other processes' plans read before, this one's new plan kept after (`files`); `by`:
+        the digest of the access key whose request it is (who made a new plan)."""
         if files:
             self.plans.refresh()
+        self.plans.by = by
         result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
         if files:
             self.plans.save()
@@ -398,7 +404,7 @@ class Trim:
         them, then the trim (`_work`) within the budget they give (`budget(learned=...)`)."""
         self.learned.refresh()
         return self._work(body, api, budget(learned=self.learned.get(upstream, model, key)), counter, notice,
-                          headroom, encode)
+                          headroom, encode, by=key)
 
     async def _in_worker(self, work: Callable[..., tuple[trimming.TrimResult, bytes | None]],
                          *args: Any) -> tuple[trimming.TrimResult, bytes | None]:
@@ -488,8 +494,9 @@ class Trim:
         if counter is None or budget is None or not flow.live:
             return
         # At the limit the refusal named, no deeper, as for HTTP.
-        result, content = await self._in_worker(self._work, turn.request, st.api, budget, counter,
-                                                ctx.options.relay_trim_notice, False, conversation.protocol.start)
+        result, content = await self._in_worker(functools.partial(self._work, by=client_key(flow)), turn.request,
+                                                st.api, budget, counter, ctx.options.relay_trim_notice, False,
+                                                conversation.protocol.start)
         logger.info(
             "%s: %s takes at most %s tokens (its refusal of a WebSocket turn, %s): learned%s; %s", upstream,
             turn.model, learned.limit, learned.error, "" if learned.confirmed else " for this access key until confirmed",

@@ -26,32 +26,34 @@ the same limit, or by an accepted request the window before it would have cut
 (`judge_accepted`); an accepted request longer than an unconfirmed window refutes it. Every
 refusal that teaches nothing is logged in one line (no key) and ignored.
 
-`LearnedWindows` is shared by every relay process on one timing log through a small file
-beside it (`learned-windows.jsonl`): one JSON line per upstream·model's confirmed window and
-per key's unconfirmed one, at most MAX_ENTRIES, rewritten whole (a temporary file renamed
-over it, under a lock) when a process learns, and read again when it changed. Its file is
-only touched off the event loop (the trim worker thread): on the loop the relay reads the
-view in memory.
+`LearnedWindows` keeps them in the relay's store (`ttft_relay.store`, the file beside the
+timing log that every relay process on it shares): one entry per upstream·model's confirmed
+window and per key's unconfirmed one (kind "window"), with when it was learned, from which
+refusal (its status and error) and the access key's digest; at most MAX_ENTRIES, the least
+recently used unconfirmed ones evicted first. The file is only touched off the event loop
+(the trim worker thread): on the loop the relay reads the view in memory. The previous
+version's `learned-windows.jsonl` is read into the store once.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import math
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import orjson
 
+from .. import store
 from ..apis.api import TooLong, Windows, model_id
 
 logger = logging.getLogger(__name__)
 
-FILE_NAME = "learned-windows.jsonl"
-"""Beside the timing log: what the relay processes on that log learned."""
+KIND_NAME = "window"
+"""The windows' kind in the store (`ttft_relay.store`)."""
+LEGACY_FILE = "learned-windows.jsonl"
+"""Where the previous version kept them, beside the timing log: read once into the store."""
 
 DEFAULT_RESERVE_TOKENS = 4096
 """Output tokens kept free when the request does not say how many it wants."""
@@ -74,11 +76,8 @@ tokens, by the window's ratio) shows the window wrong."""
 MAX_MODEL = 256
 """A model named longer is not kept (no provider's is)."""
 MAX_ENTRIES = 256
-"""Upstream·models kept in the file; beyond, the oldest unconfirmed go first, then the oldest."""
-MAX_LINE = 4096
-"""A longer line in the file is not one the relay wrote: skipped."""
-MAX_FILE = MAX_ENTRIES * 1024
-"""Of a longer file only this much is read: the relay never writes one."""
+"""Windows kept (upstream·model, and a key's unconfirmed one); beyond, the least recently used
+unconfirmed go first, then the least recently used."""
 
 KNOWN, CONFIGURED, LEARNED, USER = "window", "configured", "learned", "user"
 """`Budget.source`: the known window, relay_context_windows, the provider's refusal, relay_trim_max_tokens."""
@@ -284,166 +283,129 @@ def _slot(learned: Learned) -> Slot:
     return learned.upstream, learned.model, None if learned.confirmed is not None else learned.key
 
 
-class LearnedWindows:
-    """Windows learned from providers' refusals, kept in `path` (None: in memory only) and
-    shared with every process on it: per upstream·model the confirmed window, and each access
-    key's unconfirmed one (a key's unconfirmed window never displaces the confirmed one for
-    the others). `get` and `held` read memory only; `refresh`, `keep` and `forget` touch the
-    file and block: call them off the event loop."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path
-        self._by_slot: dict[Slot, Learned] = {}
-        self._by_model: dict[tuple[str, str], list[Learned]] = {}
-        self._seen: tuple[int, int, int] | None = None
-        """(inode, size, mtime_ns) of the file as last read."""
-        self._write_failed = False
-
-    def __len__(self) -> int:
-        return len(self._by_slot)
-
-    def entries(self) -> list[Learned]:
-        return list(self._by_slot.values())
-
-    def held(self, upstream: str, model: str | None) -> list[Learned]:
-        """What the relay holds for this upstream·model (the exact name): the confirmed window
-        and each key's unconfirmed one."""
-        return self._by_model.get((upstream, model or ""), [])
-
-    def get(self, upstream: str, model: str | None, key: str) -> Learned | None:
-        """The window the access key `key` uses for this upstream·model: its own unconfirmed
-        one, else the confirmed one."""
-        name = model or ""
-        return self._by_slot.get((upstream, name, key)) or self._by_slot.get((upstream, name, None))
-
-    def _set(self, entries: dict[Slot, Learned]) -> None:
-        by_model: dict[tuple[str, str], list[Learned]] = {}
-        for learned in entries.values():
-            by_model.setdefault((learned.upstream, learned.model), []).append(learned)
-        self._by_slot, self._by_model = entries, by_model
-
-    def refresh(self) -> None:
-        """Read the file again if it changed since the last read (a stat when it did not)."""
-        if self.path is None:
-            return
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            self._seen = None
-            self._set({})
-            return
-        except OSError as e:
-            logger.debug("cannot stat %s: %s", self.path, e)
-            return
-        seen = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if seen == self._seen:
-            return
-        try:
-            entries = _read(self.path)
-        except OSError as e:
-            logger.warning("cannot read the learned windows in %s: %s", self.path, e)
-            return
-        self._set(entries)
-        self._seen = seen
-
-    def keep(self, learned: Learned) -> None:
-        """Keep `learned` in its slot, here and in the file; a window confirmed leaves its key's slot."""
-
-        def change(entries: dict[Slot, Learned]) -> None:
-            entries[_slot(learned)] = learned
-            if learned.confirmed is not None:
-                entries.pop((learned.upstream, learned.model, learned.key), None)
-
-        self._update(change)
-
-    def forget(self, learned: Learned) -> None:
-        self._update(lambda entries: entries.pop(_slot(learned), None))
-
-    def _update(self, change: Callable[[dict[Slot, Learned]], object]) -> None:
-        if self.path is None:
-            entries = dict(self._by_slot)
-            change(entries)
-            self._set(_bounded(entries))
-            return
-        try:
-            with _locked(self.path):
-                entries = _read(self.path) if self.path.exists() else {}
-                change(entries)
-                entries = _bounded(entries)
-                _write(self.path, entries)
-                st = os.stat(self.path)
-            self._set(entries)
-            self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError as e:
-            entries = dict(self._by_slot)
-            change(entries)
-            self._set(_bounded(entries))
-            if not self._write_failed:
-                self._write_failed = True
-                logger.warning("cannot keep the learned window in %s (%s): this process alone knows it", self.path, e)
+def _entry(learned: Learned) -> store.Entry:
+    """A window as the store keeps it: keyed by its slot, learned when and from whose refusal."""
+    value = {"max_input": learned.max_input, "window": learned.window, "ratio": learned.ratio,
+             "status": learned.status, "error": learned.error, "confirmed": learned.confirmed,
+             "confirmed_ts": learned.confirmed_ts}
+    return store.Entry(KIND_NAME, orjson.dumps(_slot(learned)).decode(), value, learned.ts, learned.key,
+                       f"{learned.status} {learned.error}")
 
 
-def _bounded(entries: dict[Slot, Learned]) -> dict[Slot, Learned]:
-    if len(entries) <= MAX_ENTRIES:
-        return entries
-    kept = sorted(entries.items(), key=lambda item: (item[1].confirmed is not None, item[1].ts))[-MAX_ENTRIES:]
-    return dict(kept)
-
-
-class _locked:
-    """The file's lock (beside it), held while a process reads, changes and rewrites it."""
-
-    def __init__(self, path: Path) -> None:
-        self.lock = path.with_name(path.name + ".lock")
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)  # releases the lock
-
-
-def _read(path: Path) -> dict[Slot, Learned]:
-    with open(path, "rb") as f:
-        data = f.read(MAX_FILE + 1)
-    if len(data) > MAX_FILE:
-        logger.warning("%s is longer than the relay writes it: only its first %d bytes are read", path, MAX_FILE)
-        data = data[:MAX_FILE]
-    entries = {}
-    for line in data.split(b"\n"):
-        if (learned := _parse(line)) is not None:
-            entries[_slot(learned)] = learned
-    return entries
-
-
-def _write(path: Path, entries: dict[Slot, Learned]) -> None:
-    """The whole file anew, renamed over the old one: a reader sees the old or the new, whole."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = b"".join(orjson.dumps(asdict(learned)) + b"\n" for learned in entries.values())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def _learned(entry: store.Entry) -> Learned | None:
+    """The window an entry of the store holds, or None if it is not one the relay could have learned."""
     try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        upstream, model, _ = orjson.loads(entry.key)
+        learned = Learned(upstream=upstream, model=model, ts=entry.ts, key=entry.by, **entry.value)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None
+    return learned if _valid(learned) and _slot(learned) == tuple(orjson.loads(entry.key)) else None
 
 
-def _parse(line: bytes) -> Learned | None:
-    if not line or len(line) > MAX_LINE:
-        return None
-    try:
-        obj = orjson.loads(line)
-        learned = Learned(**obj)
-    except (orjson.JSONDecodeError, TypeError):
-        return None
-    ok = (
-        isinstance(learned.upstream, str) and isinstance(learned.model, str)
+def _valid(learned: Learned) -> bool:
+    return (
+        isinstance(learned.upstream, str) and isinstance(learned.model, str) and len(learned.model) <= MAX_MODEL
         and all(v is None or (isinstance(v, int) and LIMIT_BOUNDS[0] <= v <= LIMIT_BOUNDS[1])
                 for v in (learned.max_input, learned.window))
         and (learned.max_input is None) != (learned.window is None)
         and isinstance(learned.ratio, (int, float)) and RATIO_BOUNDS[0] <= learned.ratio <= RATIO_BOUNDS[1]
-        and isinstance(learned.key, str) and isinstance(learned.ts, (int, float))
+        and isinstance(learned.status, int) and isinstance(learned.error, str)
         and (learned.confirmed is None or isinstance(learned.confirmed, str))
     )  # fmt: skip
-    return learned if ok else None
+
+
+def _legacy(directory: Path) -> list[store.Entry]:
+    """The windows the previous version kept in `learned-windows.jsonl` (its lines as it wrote them)."""
+    path = directory / LEGACY_FILE
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        data = f.read(MAX_ENTRIES * 1024)
+    found = []
+    for line in data.split(b"\n"):
+        try:
+            learned = Learned(**orjson.loads(line)) if line else None
+        except (orjson.JSONDecodeError, TypeError):
+            continue
+        if learned is not None and _valid(learned):
+            found.append(_entry(learned))
+    return found
+
+
+KIND = store.Kind(KIND_NAME, MAX_ENTRIES, valid=lambda entry: _learned(entry) is not None,
+                  rank=lambda entry: entry.value.get("confirmed") is not None, legacy=_legacy)
+"""Windows in the store: the unconfirmed ones evicted first, a confirmed one only for another confirmed one."""
+
+
+class LearnedWindows:
+    """Windows learned from providers' refusals, kept in the store (`shared`: the trim addon's,
+    or a file of its own, or None: in memory only) and shared with every process on it: per
+    upstream·model the confirmed window, and each access key's unconfirmed one (a key's
+    unconfirmed window never displaces the confirmed one for the others). `get` and `held`
+    read memory only; `refresh`, `keep` and `forget` touch the file and block: call them off
+    the event loop."""
+
+    def __init__(self, shared: store.SharedStore | Path | None = None) -> None:
+        self.shared = shared if isinstance(shared, store.SharedStore) else store.SharedStore(shared, [KIND])
+        self._generation = -1
+        self._by_slot: dict[Slot, Learned] = {}
+        self._by_model: dict[tuple[str, str], list[Learned]] = {}
+
+    def __len__(self) -> int:
+        return len(self._view())
+
+    def _view(self) -> dict[Slot, Learned]:
+        """The store's windows by slot (read again only when the store changed)."""
+        entries = self.shared.entries
+        if self._generation != entries.generation(KIND_NAME):
+            generation = entries.generation(KIND_NAME)
+            by_slot = {}
+            for entry in entries.entries(KIND_NAME):
+                if (learned := _learned(entry)) is not None:
+                    by_slot[_slot(learned)] = learned
+            by_model: dict[tuple[str, str], list[Learned]] = {}
+            for learned in by_slot.values():
+                by_model.setdefault((learned.upstream, learned.model), []).append(learned)
+            self._by_slot, self._by_model, self._generation = by_slot, by_model, generation
+        return self._by_slot
+
+    def entries(self) -> list[Learned]:
+        return list(self._view().values())
+
+    def held(self, upstream: str, model: str | None) -> list[Learned]:
+        """What the relay holds for this upstream·model (the exact name): the confirmed window
+        and each key's unconfirmed one."""
+        self._view()
+        return self._by_model.get((upstream, model or ""), [])
+
+    def get(self, upstream: str, model: str | None, key: str) -> Learned | None:
+        """The window the access key `key` uses for this upstream·model: its own unconfirmed
+        one, else the confirmed one (counted as used)."""
+        name = model or ""
+        view = self._view()
+        learned = view.get((upstream, name, key)) or view.get((upstream, name, None))
+        if learned is not None:
+            self.shared.entries.get(KIND_NAME, orjson.dumps(_slot(learned)).decode())
+        return learned
+
+    def refresh(self) -> None:
+        """Read the store again if another process changed it (a stat when none did)."""
+        self.shared.refresh()
+
+    def keep(self, learned: Learned) -> None:
+        """Keep `learned` in its slot, here and in the file; a window confirmed leaves its key's slot."""
+        if learned.confirmed is not None:
+            self.shared.entries.remove(KIND_NAME, orjson.dumps((learned.upstream, learned.model, learned.key)).decode())
+        self.shared.entries.put(_entry(learned))
+        self.shared.sync()
+
+    def forget(self, learned: Learned) -> None:
+        self.shared.entries.remove(KIND_NAME, orjson.dumps(_slot(learned)).decode())
+        self.shared.sync()
+
+
+def learned_in(path: Path) -> list[Learned]:
+    """The windows the store at `path` holds, read only (the report, the metrics)."""
+    learned = LearnedWindows(store.SharedStore(path, [KIND], read_only=True))
+    learned.refresh()
+    return learned.entries()
