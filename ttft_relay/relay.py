@@ -15,6 +15,8 @@ file only composes the addons; each concern lives in its own module under `ttft_
     scope      which flows are LLM API calls, and which API shape
     streaming  every response chunk to the client as it arrives
     trim       oversized message histories cut to a token budget
+    groups     a listener's upstream group: the member expected to give the first token soonest
+               (cache-aware), failover to the next before the answer's head
     dial       upstream connects race the name's addresses (RFC 8305 Happy Eyeballs)
     faults     bounded waits, and upstream failures answered in the API's format
     selfwatch  the relay's own event-loop lag, accept queues and sockets
@@ -64,6 +66,7 @@ from ttft_relay import capacity, config, dial, patches, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import guard, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
+from ttft_relay.route import groups
 from ttft_relay.stream import sseview, streaming, websocket
 from ttft_relay.timing import timing
 from ttft_relay.trim import trim
@@ -88,6 +91,7 @@ addons = [
     scope.Scope(),
     streaming.Streaming(),
     trim.Trim(),
+    groups.UpstreamGroups(first_tokens),
     shutdown,
     dial.HappyEyeballs(),
     faults.FailedConnects(),

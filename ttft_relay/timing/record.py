@@ -116,6 +116,10 @@ class Record:
     """The client went away before the answer was complete."""
     trim: dict[str, Any] | None
     """What trimming did (owned by the trim addon)."""
+    route: dict[str, Any] | None = None
+    """On a listener with an upstream group (`ttft_relay/route/`): the member chosen
+    (`upstream`), `why`, each member's expected first token in ms (`expected_ms`, null:
+    not known), and `failed_over`: the members left before the answer's head, and why."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None
@@ -213,6 +217,7 @@ class RecordInput:
     error_phase: str | None = None
     client_aborted: bool = False
     trim: Mapping[str, Any] | None = None
+    route: Mapping[str, Any] | None = None
     request_id: str | None = None
     transport: str = HTTP
     turn: int | None = None
@@ -302,6 +307,7 @@ def measure(seen: RecordInput) -> Record:
         error_phase=error_phase,
         client_aborted=seen.client_aborted,
         trim=dict(seen.trim) if seen.trim else None,
+        route=dict(seen.route) if seen.route else None,
         transport=seen.transport,
         turn=seen.turn,
         prewarm=seen.prewarm,
