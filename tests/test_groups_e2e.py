@@ -97,7 +97,8 @@ def test_a_member_refusing_connections_fails_over_unseen_with_the_members_own_ke
         assert rec["error"] is None and rec["status"] == 200 and rec["upstream"] == f"127.0.0.1:{b.port}"
         assert rec["route"]["upstream"] == "b"
         (failed,) = rec["route"]["failed_over"]
-        assert failed["upstream"] == "127.0.0.1" and failed["error"]
+        assert failed["upstream"] == "127.0.0.1" and "onnect" in failed["error"] and failed["after_ms"] >= 0
+        assert rec["verdict"] == "upstream failed over" and rec["verdict_detail"].startswith("127.0.0.1: "), rec
         assert b.received[-1].header("authorization") == "Bearer sk-member-b-FAKEKEY-0123456789"
         # The member that failed is tried last for a while: the next request goes to b at once.
         rec = send(relay, f"{rid}-2", body("hello again"), key=RELAY_KEY)
@@ -110,5 +111,7 @@ def test_a_503_fails_over_before_the_client_sees_it(start_relay, rid):
         relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}")
         rec = send(relay, rid, body("hello"))
         assert rec["status"] == 200 and rec["error"] is None and rec["upstream"] == f"127.0.0.1:{b.port}"
-        assert rec["route"]["failed_over"] == [{"upstream": "127.0.0.1", "error": "503"}]
+        assert [(f["upstream"], f["error"]) for f in rec["route"]["failed_over"]] == [("127.0.0.1", "503")]
+        assert rec["verdict"] == "upstream failed over"
+        assert "127.0.0.1: 503 after" in rec["verdict_detail"] and "b gave the first token" in rec["verdict_detail"]
         assert len(a.received) == 1 and len(b.received) == 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from mitmproxy import exceptions
 
+from ttft_relay.observe import prefill
 from ttft_relay.route import choice, members
 from ttft_relay.route.choice import Estimate
+from ttft_relay.timing import phases, record
 
 OWN = members.listener_member("https", "api.openai.com", 443)
 
@@ -82,3 +84,17 @@ def test_a_member_that_failed_moments_ago_is_tried_last():
     assert got == ("b", "c", "a")
     got, why = order([Estimate("a", 100.0, down=True), Estimate("b", 400.0, down=True)])
     assert got == ("a", "b") and "every member failed" in why
+
+
+def test_a_failover_is_the_verdict_and_teaches_no_first_token_line():
+    failed = [{"upstream": "a", "error": "503", "after_ms": 1200.0}]
+    rec = record.judged(record.measure(record.RecordInput(
+        id="1", ts=0.0, api="openai.chat", model="m", stream=True, status=200, upstream="b.example.com",
+        marks={"client_arrived": 0.0, "request_body": 0.5, "forwarded": 1.0, "head_arrived": 1290.0,
+               "response_head": 1300.0, "first_token": 1500.0, "last_token": 1600.0},
+        tokens_expected=True, tls_expected=True, reused_connection=True, rtt_ms=None, prompt_tokens=100,
+        usage={"input_tokens": 100}, route={"upstream": "b", "why": "…", "expected_ms": {}, "failed_over": failed})))
+    assert rec.verdict == phases.UPSTREAM_FAILED_OVER
+    assert rec.verdict_detail == "a: 503 after 1.2 s; b gave the first token 0.3 s later (first token 1.5 s)"
+    assert prefill.sample_of(rec.as_dict()) is None
+    assert prefill.sample_of({**rec.as_dict(), "route": None}) is not None

@@ -200,7 +200,8 @@ class UpstreamGroups:
         self.orders.pop(flow.id, None)
         self.held.discard(flow.id)
         found = self.by_upstream.get(rec.upstream)
-        if found is None or rec.error or rec.client_aborted or found not in self.members:
+        if (found is None or rec.error or rec.client_aborted or found not in self.members
+                or (rec.route or {}).get("failed_over")):  # its wait holds the failed attempt's
             return
         learned = self.members[found]
         if rec.rtt_ms is not None:
@@ -222,12 +223,16 @@ class UpstreamGroups:
         self.members[(host, failed)].down_until = time.time() + DOWN_S
         following = next(m for m in group if m.name == rest[0])
         self.orders[flow.id] = rest[1:]
+        after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
         st.route = {**st.route, "upstream": following.name,
-                    "failed_over": [*st.route.get("failed_over", ()), {"upstream": failed, "error": why}]}
+                    "failed_over": [*st.route.get("failed_over", ()),
+                                    {"upstream": failed, "error": why, "after_ms": after_ms}]}
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
-        for mark in ("head_arrived", "upstream_connect_start", "upstream_connected", "upstream_tls_done"):
+        # The next member's connection and answer are the record's (the first mark set counts).
+        for mark in ("upstream_connect_start", "upstream_tcp", "upstream_tls", "upstream_sent", "upstream_resent",
+                     "head_arrived"):
             st.marks.pop(mark, None)
         return following
 
