@@ -50,7 +50,12 @@ FAILOVER_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
 DOWN_S = 30.0
 """A member that failed is tried last this long."""
 SMOOTHING = 0.3
-"""Weight of a record's round trip and queue in its member's running figures."""
+"""Weight of a record's round trip in its member's running figure."""
+QUEUE_WEIGHT = 0.5
+"""Weight of a record's queue (its first token beyond its line's prediction) in its member's."""
+QUEUE_HALF_LIFE_S = 10.0
+"""A member's queue, as last seen, halves every this long: a provider's queue comes and goes,
+and a member left for its queue is tried again once the queue would be gone."""
 CONVERSATIONS = 4096
 """Conversations whose last member is remembered, the least recently seen forgotten first."""
 TOKENS_PER_BYTE = 0.25
@@ -63,8 +68,14 @@ class MemberState:
 
     rtt_ms: float | None = None
     queue_ms: float = 0.0
-    """How much its first tokens came later than their lines predicted, lately (not below 0)."""
+    """How much its first tokens came later than their lines predicted, lately (not below 0) ..."""
+    queue_at: float = 0.0
+    """... as of then (`queue`)."""
     down_until: float = 0.0
+
+    def queue(self, now: float) -> float:
+        """Its queue now: as last seen, halved every QUEUE_HALF_LIFE_S since."""
+        return self.queue_ms * 0.5 ** (max(0.0, now - self.queue_at) / QUEUE_HALF_LIFE_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +202,7 @@ class UpstreamGroups:
             prediction = self.verdicts.rates.expect(key, (tokens, 0))
         expected = None
         if prediction.expectation is not None:
-            expected = prediction.expectation.own_ms + (learned.rtt_ms or 0.0) + learned.queue_ms
+            expected = prediction.expectation.own_ms + (learned.rtt_ms or 0.0) + learned.queue(now)
         return choice.Estimate(member.name, expected, cold=expected is None and prediction.learning,
                                holds_cache=holds_cache, down=learned.down_until > now)
 
@@ -207,7 +218,10 @@ class UpstreamGroups:
         if rec.rtt_ms is not None:
             learned.rtt_ms = smoothed(learned.rtt_ms, rec.rtt_ms)
         if rec.ttft_ms is not None and rec.expected_ttft_ms is not None:
-            learned.queue_ms = max(0.0, smoothed(learned.queue_ms, rec.ttft_ms - rec.expected_ttft_ms))
+            now = time.time()
+            beyond = rec.ttft_ms - rec.expected_ttft_ms
+            learned.queue_ms = max(0.0, learned.queue(now) + QUEUE_WEIGHT * (beyond - learned.queue(now)))
+            learned.queue_at = now
 
     # --- failover before the head
 
