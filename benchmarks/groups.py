@@ -14,7 +14,8 @@ and three ways to use them, each through the relay:
     latency    LiteLLM's latency-based routing, done by the client over two relays (one to a,
                one to b): each request to the route whose last LATENCY_WINDOW first tokens
                averaged lowest (each route tried once first)
-    groups     one listener with the group a + b (`relay_upstream_groups`): the relay's choice
+    groups     one listener with the group a + b (`relay_upstream_groups`): the relay's choice,
+               a slow head sent on to b for at most `--slow-head` percent of the requests
 
 Each setup runs the same `--conversations` conversations of `--turns` turns (a system prompt
 of `--system-tokens`, each turn adding about `--turn-tokens`), round-robin over the
@@ -108,6 +109,7 @@ def main() -> None:
     ap.add_argument("--spike-every-s", type=float, default=15.0)
     ap.add_argument("--one-way-ms", type=float, default=60.0)
     ap.add_argument("--explore", type=int, default=30, help="the group's relay_upstream_explore (default 30)")
+    ap.add_argument("--slow-head", type=int, default=10, help="the group's relay_upstream_slow_head (default 10)")
     ap.add_argument("--quick", action="store_true", help="3 conversations of 6 turns, 8 warm-up requests")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -135,7 +137,7 @@ def main() -> None:
             "latency-a": relay("latency-a", url_a),
             "latency-b": relay("latency-b", url_far_b),
             "groups": relay("groups", url_a, relay_upstream_groups=f"127.0.0.1 b={url_far_b}",
-                            relay_upstream_explore=args.explore),
+                            relay_upstream_explore=args.explore, relay_upstream_slow_head=args.slow_head),
         }
         routing = LatencyRouting(["latency-a", "latency-b"])
         first_tokens: dict[str, list[float]] = {s: [] for s in SETUPS}

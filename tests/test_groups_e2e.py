@@ -115,3 +115,22 @@ def test_a_503_fails_over_before_the_client_sees_it(start_relay, rid):
         assert rec["verdict"] == "upstream failed over"
         assert "127.0.0.1: 503 after" in rec["verdict_detail"] and "b gave the first token" in rec["verdict_detail"]
         assert len(a.received) == 1 and len(b.received) == 1
+
+
+def test_a_head_later_than_its_bound_goes_to_the_next_member(two_fakes, start_relay, rid):
+    a, b = two_fakes
+    relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                        relay_upstream_explore=100, relay_upstream_slow_head=100)
+    for n in range(6):  # three to a (nothing learned), three exploring b: both predict
+        send(relay, f"{rid}-{n}", body(f"single {n}"))
+    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=10_000)  # a's queue, from now on
+    rec = send(relay, f"{rid}-slow", body("single 6"))
+    assert rec["route"]["upstream"] == "b" and rec["status"] == 200 and rec["error"] is None
+    (gave_up,) = rec["route"]["failed_over"]
+    assert gave_up["upstream"] == "127.0.0.1" and gave_up["error"].startswith("no head after"), gave_up
+    assert rec["ttft_ms"] < 10_000 and rec["verdict"] == "upstream failed over"
+    assert len(a.received) == 4 and len(b.received) == 4
+    # Not down, only slow: a's queue, at least the wait beyond its expectation, makes b the quicker now.
+    route = send(relay, f"{rid}-next", body("single 7"))["route"]
+    assert route["upstream"] == "b" and route["why"] == "lowest expected first token", route
+    assert route["expected_ms"]["127.0.0.1"] > route["expected_ms"]["b"], route

@@ -19,10 +19,19 @@ holds a refusal, then sent to the next member instead). Each member is tried onc
 request; the last one's failure reaches the client as any failure does. A member that
 failed is tried last for DOWN_S. Only a request whose body the relay holds whole is sent
 again; a WebSocket's turns stay on the member its handshake went to.
+
+A slow head, opt-in (`relay_upstream_slow_head`, a budget: at most that percent of the
+group's requests): when the chosen member's response head has not come by its bound (the
+first token its line expects for this prompt, with the line's tolerance, `Expectation.
+tolerance_ms`), its connection is closed and the request goes to the next member as after
+a failure; the member's queue is taken to be at least that wait. The abandoned attempt's
+prompt is paid for all the same. This is failover at a deadline, not a hedge: the two
+attempts never race.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -38,7 +47,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from .. import state
 from ..observe import conversations, prefill
 from ..observe.verdicts import Verdicts
-from ..patches import pins
+from ..patches import connections, pins
 from ..patches.fixes import error_replies, resend
 from ..timing import record
 from . import choice, members
@@ -60,6 +69,8 @@ CONVERSATIONS = 4096
 """Conversations whose last member is remembered, the least recently seen forgotten first."""
 TOKENS_PER_BYTE = 0.25
 """A prompt's tokens from its body's size, where trimming did not count them."""
+SLOW_HEAD_MIN_MS = 250.0
+"""A head is never given up on sooner than this after the request went."""
 
 
 @dataclass(slots=True)
@@ -106,6 +117,12 @@ class UpstreamGroups:
         """Per flow id in flight: the members still to try, in order."""
         self.held: set[str] = set()
         self.draw = random.random
+        self.slow: dict[str, asyncio.TimerHandle] = {}
+        """Per flow id in flight: its slow-head bound's timer."""
+        self.giving_up: dict[str, str] = {}
+        """Flows whose connection the slow-head bound closed, and why."""
+        self.routed = 0
+        self.given_up = 0
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -116,14 +133,21 @@ class UpstreamGroups:
             "http(s)://HOST[:PORT], and the member's key (with relay_access_keys; else relay_upstream_keys by its host).",
         )
         loader.add_option(
+            "relay_upstream_slow_head", int, 0,
+            "Percent of a group's requests, at most, sent on to the next member when the chosen one's response "
+            "head is later than its learned bound (the first token its line expects, with the line's tolerance); "
+            "the first attempt is abandoned, its prompt paid all the same. 0: off.",
+        )
+        loader.add_option(
             "relay_upstream_explore", int, round(choice.EXPLORE_SHARE * 100),
             "Percent of a group's requests sent to a member whose first-token line is still being learned, "
             "while others predict (so it is learned; 0: only by failover).",
         )
 
     def configure(self, updated: set[str]) -> None:
-        if not 0 <= ctx.options.relay_upstream_explore <= 100:
-            raise exceptions.OptionsError("relay_upstream_explore is a percentage, 0 to 100")
+        for share in ("relay_upstream_explore", "relay_upstream_slow_head"):
+            if not 0 <= getattr(ctx.options, share) <= 100:
+                raise exceptions.OptionsError(f"{share} is a percentage, 0 to 100")
         if not updated & {members.OPTION, "mode"}:
             return
         groups = members.parse_groups(ctx.options.relay_upstream_groups, members.listener_members(ctx.options.mode))
@@ -142,6 +166,9 @@ class UpstreamGroups:
             error_replies.instead_of_errors("upstream groups", None)
 
     def done(self) -> None:
+        for timer in self.slow.values():
+            timer.cancel()
+        self.slow.clear()
         resend.uninstall(by="groups")
         error_replies.instead_of_errors("upstream groups", None)
 
@@ -170,7 +197,8 @@ class UpstreamGroups:
         if served is not None and (now - served.ts > conversations.CACHE_TTL_S
                                    or served.tokens < conversations.CACHE_MIN_TOKENS):
             served = None
-        estimates = [self.estimate(host, m, st, tokens, served, now) for m in group]
+        estimated = [self.estimate(host, m, st, tokens, served, now) for m in group]
+        estimates = [estimate for estimate, _ in estimated]
         picked = choice.choose(estimates, explore_draw=self.draw(),
                                explore_share=ctx.options.relay_upstream_explore / 100)
         st.route = {
@@ -181,6 +209,12 @@ class UpstreamGroups:
         }
         self.orders[flow.id] = picked.order[1:]
         aim(flow.request, next(m for m in group if m.name == picked.order[0]))
+        self.routed += 1
+        chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
+        if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
+                and ctx.options.relay_upstream_slow_head:
+            self.slow[flow.id] = asyncio.get_running_loop().call_later(
+                bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
         if conversation is not None:
             self.served.pop(conversation, None)
             self.served[conversation] = Served(picked.order[0], tokens, now)
@@ -188,9 +222,10 @@ class UpstreamGroups:
                 self.served.popitem(last=False)
 
     def estimate(self, host: str, member: members.Member, st: state.FlowState, tokens: int, served: Served | None,
-                 now: float) -> choice.Estimate:
+                 now: float) -> tuple[choice.Estimate, float | None]:
         """`member`'s expected first token for this prompt: its line's own wait (with the prefix
-        cached if it served the conversation's last request), its round trip and recent queue."""
+        cached if it served the conversation's last request), its round trip and recent queue;
+        and the bound of its head (that and the line's tolerance; None: not known)."""
         learned = self.members[(host, member.name)]
         holds_cache = served is not None and served.member == member.name
         cached = min(served.tokens, tokens) if served is not None and holds_cache else 0
@@ -200,16 +235,19 @@ class UpstreamGroups:
         if prediction.expectation is None and cached:
             # A line not learned with cached prompts this long: the prompt read in full bounds it.
             prediction = self.verdicts.rates.expect(key, (tokens, 0))
-        expected = None
-        if prediction.expectation is not None:
-            expected = prediction.expectation.own_ms + (learned.rtt_ms or 0.0) + learned.queue(now)
+        expected = bound = None
+        if (e := prediction.expectation) is not None:
+            expected = e.own_ms + (learned.rtt_ms or 0.0) + learned.queue(now)
+            bound = max(SLOW_HEAD_MIN_MS, expected + e.tolerance_ms)
         return choice.Estimate(member.name, expected, cold=expected is None and prediction.learning,
-                               holds_cache=holds_cache, down=learned.down_until > now)
+                               holds_cache=holds_cache, down=learned.down_until > now), bound
 
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         """Learn the member's round trip and queue from its record; forget the flow's order."""
         self.orders.pop(flow.id, None)
         self.held.discard(flow.id)
+        self._no_slow_head(flow)
+        self.giving_up.pop(flow.id, None)
         found = self.by_upstream.get(rec.upstream)
         if (found is None or rec.error or rec.client_aborted or found not in self.members
                 or (rec.route or {}).get("failed_over")):  # its wait holds the failed attempt's
@@ -225,8 +263,32 @@ class UpstreamGroups:
 
     # --- failover before the head
 
-    def _next_member(self, flow: http.HTTPFlow, why: str) -> members.Member | None:
-        """Mark the flow's member down and aim the flow at the next one; None when none is left."""
+    def _no_slow_head(self, flow: http.HTTPFlow) -> None:
+        if (timer := self.slow.pop(flow.id, None)) is not None:
+            timer.cancel()
+
+    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
+        """No head by the member's bound: close its connection (within the budget); the close
+        fails the request over (`_fail_over_before_head`)."""
+        self.slow.pop(flow.id, None)
+        if (not flow.live or flow.response is not None or not self.orders.get(flow.id)
+                or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
+                or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
+            return
+        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
+        if not connections.close(flow.client_conn, flow.server_conn):
+            del self.giving_up[flow.id]
+            return
+        self.given_up += 1
+        # Its queue is at least the wait beyond what was expected of it.
+        learned, now = self.members[(host, chosen.name)], time.time()
+        learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
+        learned.queue_at = now
+
+    def _next_member(self, flow: http.HTTPFlow, why: str, down: bool = True) -> members.Member | None:
+        """Aim the flow at its next member (the one it leaves marked down unless not `down`);
+        None when none is left."""
         st = state.get(flow)
         found = self.group_of(flow)
         rest = self.orders.get(flow.id)
@@ -234,7 +296,8 @@ class UpstreamGroups:
             return None
         host, group = found
         failed = st.route["upstream"]
-        self.members[(host, failed)].down_until = time.time() + DOWN_S
+        if down:
+            self.members[(host, failed)].down_until = time.time() + DOWN_S
         following = next(m for m in group if m.name == rest[0])
         self.orders[flow.id] = rest[1:]
         after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
@@ -264,11 +327,13 @@ class UpstreamGroups:
             and flow.request.raw_content is not None
         ):
             return None
-        if self._next_member(flow, event.message) is None:
+        slow = self.giving_up.pop(flow.id, None)
+        if self._next_member(flow, slow or event.message, down=slow is None) is None:
             return None
         return resend.send_again(stream)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._no_slow_head(flow)
         response = flow.response
         if (response is None or response.status_code not in FAILOVER_STATUSES or not self.orders.get(flow.id)
                 or flow.request.stream or flow.request.raw_content is None or not resend.installed()):
