@@ -117,10 +117,12 @@ def test_a_503_fails_over_before_the_client_sees_it(start_relay, rid):
         assert len(a.received) == 1 and len(b.received) == 1
 
 
-def test_a_head_later_than_its_bound_goes_to_the_next_member(two_fakes, start_relay, rid):
+@pytest.mark.parametrize("pool", [False, True], ids=["own connections", "pooled"])
+def test_a_head_later_than_its_bound_goes_to_the_next_member(two_fakes, start_relay, rid, pool):
+    # Pooled, the closed connection's error is the group's, not the pool's to send on the same member.
     a, b = two_fakes
     relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
-                        relay_upstream_explore=100, relay_upstream_slow_head=100)
+                        relay_upstream_explore=100, relay_upstream_slow_head=100, relay_upstream_pool=pool)
     for n in range(6):  # three to a (nothing learned), three exploring b: both predict
         send(relay, f"{rid}-{n}", body(f"single {n}"))
     a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=10_000)  # a's queue, from now on

@@ -161,9 +161,13 @@ class UpstreamGroups:
         if groups:
             resend.install(by="groups")
             error_replies.instead_of_errors("upstream groups", self._fail_over_before_head)
+            # A connection the slow-head bound closed is this addon's to fail over, before anyone
+            # else takes its error (the upstream pool would send the request on the same member).
+            error_replies.instead_of_errors("upstream groups' slow heads", self._fail_over_slow_head, first=True)
         else:
             resend.uninstall(by="groups")
             error_replies.instead_of_errors("upstream groups", None)
+            error_replies.instead_of_errors("upstream groups' slow heads", None)
 
     def done(self) -> None:
         for timer in self.slow.values():
@@ -171,6 +175,7 @@ class UpstreamGroups:
         self.slow.clear()
         resend.uninstall(by="groups")
         error_replies.instead_of_errors("upstream groups", None)
+        error_replies.instead_of_errors("upstream groups' slow heads", None)
 
     def group_of(self, flow: http.HTTPFlow) -> tuple[str, tuple[members.Member, ...]] | None:
         mode = flow.client_conn.proxy_mode
@@ -331,6 +336,9 @@ class UpstreamGroups:
         if self._next_member(flow, slow or event.message, down=slow is None) is None:
             return None
         return resend.send_again(stream)
+
+    def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
+        return self._fail_over_before_head(stream, event) if stream.flow.id in self.giving_up else None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._no_slow_head(flow)
