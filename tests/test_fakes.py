@@ -26,6 +26,7 @@ from ttft_relay.testing.fakes import Behaviour, DelayingForwarder, FakeUpstream,
 from ttft_relay.testing.fakes.client import HttpConnection, request, slow_upload, stream_post
 from ttft_relay.testing.fakes.h2_wire import H2Client
 from ttft_relay.testing.fakes.replies import prompt_tokens, usage_kw
+from ttft_relay.testing.fakes.upstream import PromptCache
 from ttft_relay.testing.fakes.upstream import main as upstream_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -507,3 +508,21 @@ def test_cli_serves_with_knobs_until_terminated(tmp_path: Path) -> None:
 def test_cli_rejects_a_bad_knob_value() -> None:
     with pytest.raises(ValueError):
         upstream_main(["--chunks", "many"])
+
+
+def test_a_fake_with_a_prompt_cache_reads_a_continued_conversation_from_it():
+    cache = PromptCache()
+    first = b'{"messages": [{"content": "' + b"x" * 8000 + b'"}'
+    assert cache.read(first + b"]}") == 0  # nothing seen before
+    # The next turn repeats the first whole but its end: 2,000 tokens cached, in steps of 128.
+    assert cache.read(first + b', {"content": "more"}]}') == 1920
+    assert cache.read(b'{"messages": [{"content": "other"}]}') == 0  # shorter than the providers' 1,024
+
+
+def test_a_fake_queue_spike_holds_the_heads_of_requests_in_its_window():
+    with FakeUpstream(behaviour=Behaviour(queue_spike_ms=300, queue_spike_s=3600, queue_spike_every_s=7200)) as fake:
+        conn, response = request("POST", fake.base_url + "/v1/chat/completions",
+                                        {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        with conn:
+            response.read()
+        assert response.head_at - response.request_sent_at >= 0.3

@@ -99,7 +99,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.early_connects.install(by="test")
     patches.splice.install()
     patches.message_checks.install_message_checks(True)
-    patches.resend.install()
+    patches.resend.install(by="test")
     patches.web_options.install(lambda name, value: value)
     patches.upstream_pool.install(object())  # type: ignore[arg-type]
     patches.websocket_limits.install(patches.websocket_limits.Bounds())

@@ -22,12 +22,14 @@ on `addons`; test_hooks_fuzz runs the hooks in this order.
         flow's error when timing writes the record
     redaction.SecretRedaction before timing.Timing: in the `error` hook they share, the
         flow's error message is redacted before the record takes it
-    scope.Scope before streaming.Streaming, trim.Trim, faults.Shutdown,
+    scope.Scope before streaming.Streaming, trim.Trim, groups.UpstreamGroups, faults.Shutdown,
         faults.FailedConnects, faults.Deadlines, selfwatch.SelfWatch,
         websocket.WebSocketTurns, timing.Timing, faults.ErrorReplies and traces.Traces:
         scope attaches the per-flow state the others read
     trim.Trim before timing.Timing: timing's `request` hook marks the moment the request
         leaves
+    trim.Trim before groups.UpstreamGroups: the member is chosen for the prompt trim sends
+        (its tokens counted then)
     trim.Trim before frames.WebSocketFrames: trim may change a WebSocket message or drop it
         before it is framed for its way on
     frames.WebSocketFrames before websocket.WebSocketTurns: the turns' addon may drop the
@@ -64,6 +66,7 @@ from ttft_relay import capacity, config, dial, patches, pool, reload, scope
 from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
+from ttft_relay.route import groups
 from ttft_relay.stream import frames, sseview, streaming, websocket
 from ttft_relay.timing import timing
 from ttft_relay.trim import trim
@@ -108,6 +111,7 @@ addons = [
     scope.Scope(),  # which flows are LLM API calls: their API, model and stream flag, on the flow's state
     streaming.Streaming(),  # every response chunk to the client as it arrives
     trim.Trim(),  # oversized message histories cut to a token budget
+    groups.UpstreamGroups(first_tokens),  # a listener's upstream group: the member expected soonest, failover before the head
     shutdown,  # a clean stop: the flows in flight finished, or answered and recorded
     dial.HappyEyeballs(),  # upstream connects race the name's addresses (RFC 8305)
     faults.FailedConnects(),  # a failed upstream connect's marks on the flow that waited for it

@@ -29,7 +29,7 @@ from .guard import tls
 
 logger = logging.getLogger(__name__)
 
-RELOADED = (("relay_timing_log",), ("certs",), ("relay_access_keys", "relay_upstream_keys"))
+RELOADED = (("relay_timing_log",), ("certs",), ("relay_access_keys", "relay_upstream_keys", "relay_upstream_groups"))
 """Options set again on SIGHUP, each group in one update."""
 
 

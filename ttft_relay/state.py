@@ -55,6 +55,9 @@ class FlowState:
     by scope); a WebSocket's, its current turn's (websocket): the key of its first-token line."""
     trim: dict[str, Any] | None = None
     """What trimming did to the request (its stats). Trim."""
+    route: dict[str, Any] | None = None
+    """The upstream group's choice for the request: the member it went to, why, the others'
+    expected first tokens, the members it failed over from (the record's `route`). Groups."""
     turn_trim: dict[str, Any] | None = None
     """A WebSocket's: what trimming did to the turn whose message is being passed on (the
     trim addon's stats), taken by that turn's record (updated in place after a refusal). Trim

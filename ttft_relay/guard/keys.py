@@ -23,6 +23,7 @@ from mitmproxy.proxy import mode_specs
 
 from .. import apis, flows, state
 from ..patches import connections, pins
+from ..route import members
 from ..patches.fixes import answer_on_head, eager_connects, upstream_copy
 from ..patches.speed import early_connects
 from ..text import MIN_ACCESS_KEY_LENGTH, REDACTED, key_digest, know_secrets
@@ -88,6 +89,20 @@ def load_upstream_keys(hosts: Iterable[str], entries: Sequence[str]) -> dict[str
         if not keys[host]:
             raise exceptions.OptionsError(f"relay_upstream_keys: the key for {host} ({sources[host]}) is empty")
     return keys
+
+
+def load_member_keys(groups: dict[str, tuple[members.Member, ...]], keys: dict[str, str]) -> dict[tuple[str, str], str]:
+    """{(group, member): its upstream key} for each member of an upstream group: its own key
+    source's, else the key `keys` holds for its host (`load_upstream_keys`)."""
+    found = {}
+    for group, listed in groups.items():
+        for member in listed:
+            key = keys[member.host] if member.key_source is None else \
+                read_secret(member.key_source, members.OPTION).strip()
+            if not key:
+                raise exceptions.OptionsError(f"{members.OPTION}: the key for {member.name} ({member.key_source}) is empty")
+            found[(group, member.name)] = key
+    return found
 
 
 def reverse_upstream_hosts(modes: Sequence[str]) -> set[str]:
@@ -157,6 +172,8 @@ class AccessKeys:
     def __init__(self) -> None:
         self.digests: list[bytes] = []
         self.upstream_keys: dict[str, str] = {}
+        self.member_keys: dict[tuple[str, str], str] = {}
+        """Upstream groups' members' keys (`route.members`), by (group, member)."""
         self.refused: weakref.WeakKeyDictionary[http.HTTPFlow, str] = weakref.WeakKeyDictionary()
         """Why the relay answered a flow itself, for its timing record."""
 
@@ -180,15 +197,21 @@ class AccessKeys:
             answer_on_head.install(by="keys")
 
     def configure(self, updated: set[str]) -> None:
-        if not updated & {"relay_access_keys", "relay_upstream_keys", "mode", pins.SPEED_OPTION}:
+        if not updated & {"relay_access_keys", "relay_upstream_keys", members.OPTION, "mode", pins.SPEED_OPTION}:
             return
         keys = load_access_keys(ctx.options.relay_access_keys)
-        upstream_keys = {}
+        upstream_keys, member_keys = {}, {}
         if keys:
-            upstream_keys = load_upstream_keys(reverse_upstream_hosts(ctx.options.mode), ctx.options.relay_upstream_keys)
+            groups = members.parse_groups(getattr(ctx.options, members.OPTION, ()),
+                                          members.listener_members(ctx.options.mode))
+            hosts = reverse_upstream_hosts(ctx.options.mode) | {
+                m.host for group in groups.values() for m in group if m.key_source is None}
+            upstream_keys = load_upstream_keys(hosts, ctx.options.relay_upstream_keys)
+            member_keys = load_member_keys(groups, upstream_keys)
         self.digests = [key_digest(key) for key in keys]
         self.upstream_keys = upstream_keys
-        know_secrets([*self.digests, *(key_digest(key) for key in upstream_keys.values())])
+        self.member_keys = member_keys
+        know_secrets([*self.digests, *(key_digest(key) for key in [*upstream_keys.values(), *member_keys.values()])])
         # Keyed listeners open no upstream connection before a request's key is checked.
         if pins.on(eager_connects):
             eager_connects.defer(is_http_reverse if keys else None)
@@ -226,9 +249,18 @@ class AccessKeys:
         assert upstream_key is not None  # without one, `reason` says so and the flow was refused above
         # The upstream key goes only into what is sent: mitmweb shows flows in flight.
         swap_credentials(flow.request, credentials, REDACTED)
-        upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(request, credentials, upstream_key))
+        upstream_copy.send_upstream_with(flow, lambda request: swap_credentials(
+            request, credentials, self.key_for(flow, mode.address[0].lower(), upstream_key)))
         if (handler := connections.handler_of(flow.client_conn)) is not None:
             early_connects.connect_early(handler, flow)
+
+    def key_for(self, flow: http.HTTPFlow, group: str, listener_key: str) -> str:
+        """The upstream key for where `flow` goes as it is sent: its upstream group's member's
+        (`FlowState.route`, the member it goes to now), else its listener's."""
+        st = state.get(flow)
+        if st is None or st.route is None:
+            return listener_key
+        return self.member_keys.get((group, st.route["upstream"]), listener_key)
 
     def error(self, flow: http.HTTPFlow) -> None:
         # A refused flow ends here (answered, then killed). The scope addon has

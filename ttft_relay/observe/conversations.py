@@ -81,6 +81,13 @@ def _items_and_key(api: Api, body: Any, client: str, model: str | None) -> tuple
     return items, key
 
 
+def conversation_key(api: Api, body: Any, client: str, model: str | None) -> bytes | None:
+    """The digest a conversation is known by (every request of it has the same), or None for a
+    body that is not one (no items in the API's trim shape)."""
+    found = _items_and_key(api, body, client, model)
+    return found[1] if found is not None else None
+
+
 class Conversations:
     """The latest request of each conversation seen; says when a continuation missed the cache."""
 

@@ -173,6 +173,9 @@ RELAY_SHUTTING_DOWN = "relay shutting down"
 """A request the relay ended (or refused) because it stops: the error it records, and the verdict."""
 UPSTREAM_REFUSED = "upstream refused"
 UPSTREAM_FAILED = "upstream failed"
+UPSTREAM_FAILED_OVER = "upstream failed over"
+"""An upstream group's member failed before its answer's head and the next one answered
+(`record.failover_detail`): what the client waited for is mostly the failure's."""
 REFUSED_BY_RELAY = "refused by relay"
 
 STATUS_REASONS = {

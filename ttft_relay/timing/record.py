@@ -17,7 +17,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,10 @@ class Record:
     """The client went away before the answer was complete."""
     trim: dict[str, Any] | None
     """What trimming did (owned by the trim addon)."""
+    route: dict[str, Any] | None = None
+    """On a listener with an upstream group (`ttft_relay/route/`): the member chosen
+    (`upstream`), `why`, each member's expected first token in ms (`expected_ms`, null:
+    not known), and `failed_over`: the members left before the answer's head, and why."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None
@@ -220,6 +224,7 @@ class RecordInput:
     error_phase: str | None = None
     client_aborted: bool = False
     trim: Mapping[str, Any] | None = None
+    route: Mapping[str, Any] | None = None
     request_id: str | None = None
     transport: str = HTTP
     turn: int | None = None
@@ -310,6 +315,7 @@ def measure(seen: RecordInput) -> Record:
         error_phase=error_phase,
         client_aborted=seen.client_aborted,
         trim=dict(seen.trim) if seen.trim else None,
+        route=dict(seen.route) if seen.route else None,
         transport=seen.transport,
         turn=seen.turn,
         prewarm=seen.prewarm,
@@ -354,12 +360,28 @@ def judged(rec: Record, learned: Learned = NOTHING_LEARNED) -> Record:
         learning=learned.learning,
         cache_miss=learned.cache_miss,
     )
-    verdict = v.words
+    verdict, detail = v.words, v.detail
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
-    return replace(rec, verdict=verdict, verdict_detail=v.detail, expected_ttft_ms=v.expected_ttft_ms,
+    elif not error and not rec.client_aborted and (failed := (rec.route or {}).get("failed_over")):
+        verdict, detail = phases.UPSTREAM_FAILED_OVER, failover_detail(failed, rec.route, rec.ttft_ms)
+    return replace(rec, verdict=verdict, verdict_detail=detail, expected_ttft_ms=v.expected_ttft_ms,
                    attempt_group=learned.attempt_group, attempt=learned.attempt)
+
+
+def failover_detail(failed: Sequence[Mapping[str, Any]], route: Mapping[str, Any] | None,
+                    ttft_ms: float | None) -> str:
+    """The members an upstream group left before the head, and the one that answered, in a sentence:
+    "a: 503 after 1.2 s; b gave the first token 0.3 s later (first token 1.5 s)"."""
+    said = "; ".join(f"{f.get('upstream')}: {f.get('error')}"
+                     + (f" after {f['after_ms'] / 1000:.1f} s" if isinstance(f.get("after_ms"), (int, float)) else "")
+                     for f in failed)
+    last = failed[-1].get("after_ms")
+    answered = (route or {}).get("upstream")
+    if ttft_ms is None or not isinstance(last, (int, float)):
+        return f"{said}; {answered} answered"
+    return f"{said}; {answered} gave the first token {(ttft_ms - last) / 1000:.1f} s later (first token {ttft_ms / 1000:.1f} s)"
 
 
 def connection_setup(marks: Mapping[str, float], client_min_rtt_ms: float | None, client_rtt_ms: float | None,

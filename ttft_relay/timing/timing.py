@@ -437,6 +437,7 @@ class Timing:
             error_phase=st.error_phase,
             client_aborted=client_aborted,
             trim=st.trim,
+            route=st.route,
             request_id=flow.request.headers.get("x-request-id"),
             transport=st.transport,
             turn=0 if websocket else None,

@@ -191,12 +191,12 @@ class Trim:
             # on, a new file) it costs the event loop that long once.
             self.tokenizers.load()
             if pins.on(resend):
-                resend.install()
+                resend.install(by="trim")
         else:
-            resend.uninstall()
+            resend.uninstall(by="trim")
 
     def done(self) -> None:
-        resend.uninstall()
+        resend.uninstall(by="trim")
         self.worker.shutdown(wait=False, cancel_futures=True)
 
     async def request(self, flow: http.HTTPFlow) -> None:

@@ -33,3 +33,22 @@ def test_install_and_uninstall_restore_mitmproxys_code():
     assert HttpStream.handle_protocol_error is original_error
     assert modes.DestinationKnown.finish_start is original_start
     assert not error_replies.installed()
+
+
+def test_handlers_instead_of_errors_are_asked_in_order_a_first_one_before_the_others():
+    asked = []
+
+    def handler(name):
+        return lambda stream, event: asked.append(name)  # returns None: the next is asked
+
+    try:
+        error_replies.instead_of_errors("pool", handler("pool"))
+        error_replies.instead_of_errors("groups", handler("groups"))
+        error_replies.instead_of_errors("groups' own", handler("groups' own"), first=True)
+        for ask in error_replies._instead.values():
+            ask(None, None)
+        assert asked == ["groups' own", "pool", "groups"]
+    finally:
+        for by in ("pool", "groups", "groups' own"):
+            error_replies.instead_of_errors(by, None)
+    assert not error_replies._instead

@@ -26,7 +26,7 @@ def test_the_lines_it_depends_on():
 
 
 def test_installed_and_removed():
-    resend.install()
+    resend.install(by="test")
     assert resend.installed()
     resend.uninstall()
     assert not resend.installed() and HttpStream.send_response is resend._ORIGINAL_SEND_RESPONSE

@@ -17,7 +17,8 @@ but not its flow.)
 
 Before any of that, a stream's error may be taken over instead (`instead_of_errors`): the
 upstream pool sends a request once more when its reused connection closed before any byte
-of the answer (`speed.upstream_pool`); one wrap of the function, whoever asks.
+of the answer (`speed.upstream_pool`), an upstream group sends it to its next member
+(`route.groups`); one wrap of the function, whoever asks.
 
 Installing it also lets a failed eager connect reach the HTTP layer
 (`eager_connects`), so that failure gets a rendered reply too. The error text is cut to
@@ -89,12 +90,14 @@ def installed() -> bool:
     return HttpStream.handle_protocol_error is _handle_protocol_error
 
 
-def instead_of_errors(by: str, handler: Instead | None) -> None:
-    """`handler` (None: none) may take a stream's protocol error over before it is one (`by`: who asks)."""
-    if handler is None:
-        _instead.pop(by, None)
-    else:
-        _instead[by] = handler
+def instead_of_errors(by: str, handler: Instead | None, *, first: bool = False) -> None:
+    """`handler` (None: none) may take a stream's protocol error over before it is one (`by`: who
+    asks); the handlers are asked in the order they came, a `first` one before the others (for
+    the errors its asker caused itself: a connection it closed)."""
+    global _instead
+    _instead.pop(by, None)
+    if handler is not None:
+        _instead = {by: handler, **_instead} if first else {**_instead, by: handler}
 
 
 def _handle_protocol_error(self: HttpStream, event: Any) -> layer.CommandGenerator[None]:

@@ -42,6 +42,7 @@ from mitmproxy.proxy.layers.http import (
 )
 
 from . import upstream_copy
+from ..users import Users
 
 _ORIGINAL_SEND_RESPONSE = HttpStream.send_response
 ORIGINALS = {(HttpStream, "send_response"): _ORIGINAL_SEND_RESPONSE}
@@ -56,6 +57,7 @@ PINS = {
 }
 WITHOUT = ("an upstream's refusal of a request as too long reaches the client as the upstream sent it, "
            "not trimmed and sent again, and no window is learned from it (it is never read)")
+_users = Users()
 _held: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 _again: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
 
@@ -77,11 +79,16 @@ class ResentHook(commands.StartHook):
     flow: http.HTTPFlow
 
 
-def install() -> None:
+def install(by: str) -> None:
+    """Answers may be held for `by` (trim's refusals, the upstream groups' failover): on while anyone asks."""
+    _users.add(by)
     HttpStream.send_response = _send_response  # type: ignore[method-assign]
 
 
-def uninstall() -> None:
+def uninstall(by: str | None = None) -> None:
+    """`by` no longer holds answers (None: no one does); out once no one does."""
+    if not _users.release(by):
+        return
     HttpStream.send_response = _ORIGINAL_SEND_RESPONSE  # type: ignore[method-assign]
     _held.clear()
     _again.clear()

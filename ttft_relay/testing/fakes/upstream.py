@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import http
 import itertools
+import os
 import signal
 import tempfile
 import threading
@@ -123,6 +124,17 @@ class Behaviour:
     cached_tokens: int = 0
     """Prompt tokens read from the provider's cache: reported in the usage (at most the whole
     prompt), and left out of `prefill_ms_per_1k_tokens`, as a cached prefix costs next to nothing."""
+    prompt_cache: bool = False
+    """Be a provider that caches prompt prefixes (HTTP/1): a request's `cached_tokens` are the
+    longest prefix of its body that an earlier request's body (of the last PROMPT_CACHE_BODIES)
+    began with, in whole PROMPT_CACHE_STEP tokens from PROMPT_CACHE_MIN on: a conversation
+    continued here reads its history from the cache, one moved here from elsewhere pays it all."""
+    queue_spike_ms: float = 0
+    """HTTP/1: a provider queue that comes and goes: this much more before the head, for
+    requests arriving in the first `queue_spike_s` of every `queue_spike_every_s` seconds since
+    the fake started."""
+    queue_spike_s: float = 0
+    queue_spike_every_s: float = 0
     window: int | None = None
     """The model's context window in the fake's tokens (request body bytes / 4): a longer
     request is refused with a 400 in the API's own words (`sse_samples.too_long_body`); a
@@ -178,6 +190,24 @@ H2_KNOBS = frozenset({"head_delay_ms", "prefill_ms", "prefill_ms_per_1k_tokens",
                       "error_body", "stall_after_chunks", "hold_until_reset", "cached_tokens", "midstream_pause_ms",
                       "window", "tool_call", "tool_rounds"})
 """The knobs the fake's HTTP/2 answers have; the others are HTTP/1's (and hold_until_reset is HTTP/2's)."""
+PROMPT_CACHE_BODIES = 512
+PROMPT_CACHE_MIN = 1024
+PROMPT_CACHE_STEP = 128
+"""A cached prefix counts from 1024 tokens on, in steps of 128 (OpenAI's)."""
+
+
+class PromptCache:
+    """The prefixes a provider with `prompt_cache` holds: the bodies it read lately."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    def read(self, body: bytes) -> int:
+        """The cached tokens of `body` (then remembered for the next)."""
+        longest = max((len(os.path.commonprefix([body, seen])) for seen in self.bodies), default=0)
+        self.bodies = [*self.bodies, body][-PROMPT_CACHE_BODIES:]
+        tokens = prompt_tokens(body[:longest])[0] if longest else 0
+        return tokens // PROMPT_CACHE_STEP * PROMPT_CACHE_STEP if tokens >= PROMPT_CACHE_MIN else 0
 KEEPALIVE = b": keep-alive\n\n"
 """An SSE comment: what a held stream sends meanwhile, so it is never idle."""
 KEEPALIVE_EVERY_S = 0.2
@@ -384,6 +414,8 @@ class FakeUpstream:
         self._sockets: list[SocketSession] = []
         self._known_responses: set[str] = set()
         self._response_ids = itertools.count(1)
+        self._prompt_cache = PromptCache()
+        self._started_at = time.monotonic()
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -596,7 +628,8 @@ class FakeUpstream:
             await self._serve_socket(conn_id, head, behaviour, sent, inbound, writer)
             return False
         try:
-            behaviour = self.behaviour.overridden_by(head.headers)
+            behaviour = self._as_provider(self.behaviour.overridden_by(head.headers),
+                                          decode_request_body(head.headers, body))
             if behaviour.hold_until_reset is not None:
                 raise ValueError("HTTP/2 only: hold_until_reset")
             reply = build_reply(head.method, head.target, decode_request_body(head.headers, body),
@@ -712,6 +745,17 @@ class FakeUpstream:
                 sent.status = session.status
                 sent.outcome = outcome
                 self._changed.notify_all()
+
+    def _as_provider(self, behaviour: Behaviour, body: bytes) -> Behaviour:
+        """`behaviour` with what a provider's state adds to this request: its cached prefix
+        (`prompt_cache`), a queue spike (`queue_spike_ms`)."""
+        changes: dict[str, Any] = {}
+        if behaviour.prompt_cache:
+            changes["cached_tokens"] = self._prompt_cache.read(body)
+        if behaviour.queue_spike_ms and behaviour.queue_spike_every_s > 0 and \
+                (time.monotonic() - self._started_at) % behaviour.queue_spike_every_s < behaviour.queue_spike_s:
+            changes["head_delay_ms"] = behaviour.head_delay_ms + behaviour.queue_spike_ms
+        return dataclasses.replace(behaviour, **changes) if changes else behaviour
 
     def _new_response_id(self) -> str:
         return f"resp_fake{next(self._response_ids)}"

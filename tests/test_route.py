@@ -1,0 +1,100 @@
+"""Upstream groups' pure parts: the option's entries (`route.members`) and the choice of a member (`route.choice`)."""
+
+from __future__ import annotations
+
+import pytest
+from mitmproxy import exceptions
+
+from ttft_relay.observe import prefill
+from ttft_relay.route import choice, members
+from ttft_relay.route.choice import Estimate
+from ttft_relay.timing import phases, record
+
+OWN = members.listener_member("https", "api.openai.com", 443)
+
+
+def test_a_group_is_the_listeners_own_upstream_then_its_entries_in_order():
+    groups = members.parse_groups(["api.openai.com second=https://b.example.com env:B_KEY",
+                                   "API.openai.com third=http://10.0.0.7:8080"], [OWN])
+    own, second, third = groups["api.openai.com"]
+    assert own == OWN and own.name == "api.openai.com" and own.authority == "api.openai.com"
+    assert (second.name, second.scheme, second.host, second.port, second.key_source) == (
+        "second", "https", "b.example.com", 443, "env:B_KEY")
+    assert third.authority == "10.0.0.7:8080" and third.key_source is None
+
+
+def test_the_listeners_of_the_mode_are_its_reverse_http_ones():
+    found = members.listener_members(["regular@8080", "reverse:https://api.openai.com@8001",
+                                      "reverse:http://127.0.0.1:9000@8002", "reverse:tcp://example.com:22@2222"])
+    assert [(m.host, m.scheme, m.port) for m in found] == [("api.openai.com", "https", 443), ("127.0.0.1", "http", 9000)]
+
+
+@pytest.mark.parametrize("entry, says", [
+    ("api.openai.com", "entries are"),
+    ("api.openai.com second", "entries are"),
+    ("api.anthropic.com second=https://b.example.com", "no reverse listener's upstream is api.anthropic.com"),
+    ("api.openai.com se/cond=https://b.example.com", "a member's name"),
+    ("api.openai.com second=ftp://b.example.com", "http(s)://HOST[:PORT]"),
+    ("api.openai.com second=https://b.example.com/v1", "no path"),
+    ("api.openai.com second=https://b.example.com B_KEY", "env:VAR or file:PATH"),
+    ("api.openai.com api.openai.com=https://b.example.com", "already has a member api.openai.com"),
+])
+def test_a_bad_entry_says_what_is_wrong(entry, says):
+    with pytest.raises(exceptions.OptionsError, match="relay_upstream_groups") as e:
+        members.parse_groups([entry], [OWN])
+    assert says in str(e.value)
+
+
+def order(estimates, draw=0.99, share=choice.EXPLORE_SHARE) -> tuple[tuple[str, ...], str]:
+    picked = choice.choose(estimates, explore_draw=draw, explore_share=share)
+    return picked.order, picked.why
+
+
+def test_the_lowest_expected_first_token_wins_and_the_rest_is_the_failover_order():
+    got, why = order([Estimate("a", 900.0), Estimate("b", 400.0), Estimate("c", 600.0)])
+    assert got == ("b", "c", "a") and why == "lowest expected first token"
+
+
+def test_nothing_learned_keeps_the_groups_order_or_the_cache():
+    assert order([Estimate("a", None, cold=True), Estimate("b", None, cold=True)], draw=0.0)[0] == ("a", "b")
+    got, why = order([Estimate("a", None, cold=True), Estimate("b", None, cold=True, holds_cache=True)])
+    assert got == ("b", "a") and "cache" in why
+
+
+def test_a_conversation_stays_where_its_cache_is_unless_the_gain_beats_the_margin():
+    # b holds the cache and is a little slower than a: it stays.
+    got, why = order([Estimate("a", 500.0), Estimate("b", 560.0, holds_cache=True)])
+    assert got == ("b", "a") and why.startswith("sticky")
+    # a is quicker by more than the larger of 100 ms and a fifth of b's: it goes.
+    got, why = order([Estimate("a", 500.0), Estimate("b", 1200.0, holds_cache=True)])
+    assert got == ("a", "b") and "faster than b with this conversation's cache" in why
+
+
+def test_a_cold_member_explores_a_share_of_the_requests_with_no_cache_at_stake():
+    estimates = [Estimate("a", 500.0), Estimate("b", None, cold=True)]
+    assert order(estimates, draw=0.01)[0] == ("b", "a")
+    assert order(estimates, draw=0.5)[0] == ("a", "b")
+    assert order(estimates, draw=0.5, share=1.0)[0] == ("b", "a")
+    # Never a conversation whose cache is somewhere.
+    assert order([Estimate("a", 500.0, holds_cache=True), Estimate("b", None, cold=True)], draw=0.0)[0] == ("a", "b")
+
+
+def test_a_member_that_failed_moments_ago_is_tried_last():
+    got, _ = order([Estimate("a", 100.0, down=True), Estimate("b", 400.0), Estimate("c", None)])
+    assert got == ("b", "c", "a")
+    got, why = order([Estimate("a", 100.0, down=True), Estimate("b", 400.0, down=True)])
+    assert got == ("a", "b") and "every member failed" in why
+
+
+def test_a_failover_is_the_verdict_and_teaches_no_first_token_line():
+    failed = [{"upstream": "a", "error": "503", "after_ms": 1200.0}]
+    rec = record.judged(record.measure(record.RecordInput(
+        id="1", ts=0.0, api="openai.chat", model="m", stream=True, status=200, upstream="b.example.com",
+        marks={"client_arrived": 0.0, "request_body": 0.5, "forwarded": 1.0, "head_arrived": 1290.0,
+               "response_head": 1300.0, "first_token": 1500.0, "last_token": 1600.0},
+        tokens_expected=True, tls_expected=True, reused_connection=True, rtt_ms=None, prompt_tokens=100,
+        usage={"input_tokens": 100}, route={"upstream": "b", "why": "…", "expected_ms": {}, "failed_over": failed})))
+    assert rec.verdict == phases.UPSTREAM_FAILED_OVER
+    assert rec.verdict_detail == "a: 503 after 1.2 s; b gave the first token 0.3 s later (first token 1.5 s)"
+    assert prefill.sample_of(rec.as_dict()) is None
+    assert prefill.sample_of({**rec.as_dict(), "route": None}) is not None

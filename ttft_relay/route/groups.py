@@ -1,0 +1,370 @@
+"""Upstream groups: each request of a grouped listener goes to the member expected to give its
+first token soonest, and fails over to the next before any byte of an answer reached the client.
+
+A reverse listener whose upstream `relay_upstream_groups` extends (`members.py`) has several
+upstreams for its API. For each request in scope, after trimming (its prompt's tokens are
+counted then), the addon estimates each member's first token (`estimate`: the member's
+first-token line at this prompt, with this conversation's prefix cached where its last
+request went, plus the member's recent round trip and queue as its records showed them),
+lets `choice.choose` pick one, and aims the request at it: scheme, host, port and Host
+header; the upstream key is the member's (`guard.AccessKeys` reads the choice from the
+flow's state). The record's `route` says which member, why, and what the others were
+expected to take.
+
+Failover, before the answer's head reached the client, to the next member in the choice's
+order, at once: a connect, DNS or TLS failure or a connection closed with no answer
+(through `fixes.error_replies.instead_of_errors`, the seam the upstream pool retries its lost
+reuse races through), and a 5xx or 429 answer (read whole and held by `fixes.resend`, as trim
+holds a refusal, then sent to the next member instead). Each member is tried once per
+request; the last one's failure reaches the client as any failure does. A member that
+failed is tried last for DOWN_S. Only a request whose body the relay holds whole is sent
+again; a WebSocket's turns stay on the member its handshake went to.
+
+A slow head, opt-in (`relay_upstream_slow_head`, a budget: at most that percent of the
+group's requests): when the chosen member's response head has not come by its bound (the
+first token its line expects for this prompt, with the line's tolerance, `Expectation.
+tolerance_ms`), its connection is closed and the request goes to the next member as after
+a failure; the member's queue is taken to be at least that wait. The abandoned attempt's
+prompt is paid for all the same. This is failover at a deadline, not a hedge: the two
+attempts never race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy import layer
+from mitmproxy.proxy.layers.http import HttpStream, ResponseProtocolError
+from mitmproxy.proxy.mode_specs import ReverseMode
+
+from .. import state
+from ..observe import conversations, prefill
+from ..observe.verdicts import Verdicts
+from ..patches import connections, pins
+from ..patches.fixes import error_replies, resend
+from ..timing import record
+from . import choice, members
+
+logger = logging.getLogger(__name__)
+
+FAILOVER_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
+"""Answers another member may not give: overload, rate limits, the provider's or a gateway's failure."""
+DOWN_S = 30.0
+"""A member that failed is tried last this long."""
+SMOOTHING = 0.3
+"""Weight of a record's round trip in its member's running figure."""
+QUEUE_WEIGHT = 0.5
+"""Weight of a record's queue (its first token beyond its line's prediction) in its member's."""
+QUEUE_HALF_LIFE_S = 10.0
+"""A member's queue, as last seen, halves every this long: a provider's queue comes and goes,
+and a member left for its queue is tried again once the queue would be gone."""
+CONVERSATIONS = 4096
+"""Conversations whose last member is remembered, the least recently seen forgotten first."""
+TOKENS_PER_BYTE = 0.25
+"""A prompt's tokens from its body's size, where trimming did not count them."""
+SLOW_HEAD_MIN_MS = 250.0
+"""A head is never given up on sooner than this after the request went."""
+
+
+@dataclass(slots=True)
+class MemberState:
+    """What the records taught of one member beyond its first-token line."""
+
+    rtt_ms: float | None = None
+    queue_ms: float = 0.0
+    """How much its first tokens came later than their lines predicted, lately (not below 0) ..."""
+    queue_at: float = 0.0
+    """... as of then (`queue`)."""
+    down_until: float = 0.0
+
+    def queue(self, now: float) -> float:
+        """Its queue now: as last seen, halved every QUEUE_HALF_LIFE_S since."""
+        return self.queue_ms * 0.5 ** (max(0.0, now - self.queue_at) / QUEUE_HALF_LIFE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Where a conversation's latest request went, and how long its prompt was."""
+
+    member: str
+    tokens: int
+    ts: float
+
+
+def smoothed(before: float | None, value: float) -> float:
+    return value if before is None else before + SMOOTHING * (value - before)
+
+
+class UpstreamGroups:
+    """Chooses a member of the listener's upstream group per request, and fails over before the head."""
+
+    def __init__(self, verdicts: Verdicts) -> None:
+        self.verdicts = verdicts
+        """The learned first-token lines (`Verdicts.rates`): each member's line at a prompt."""
+        self.groups: dict[str, tuple[members.Member, ...]] = {}
+        self.by_upstream: dict[str, tuple[str, str]] = {}
+        """A member's upstream name in records (host[:port]) → (its group, its name)."""
+        self.members: dict[tuple[str, str], MemberState] = {}
+        self.served: OrderedDict[bytes, Served] = OrderedDict()
+        self.orders: dict[str, tuple[str, ...]] = {}
+        """Per flow id in flight: the members still to try, in order."""
+        self.held: set[str] = set()
+        self.draw = random.random
+        self.slow: dict[str, asyncio.TimerHandle] = {}
+        """Per flow id in flight: its slow-head bound's timer."""
+        self.giving_up: dict[str, str] = {}
+        """Flows whose connection the slow-head bound closed, and why."""
+        self.routed = 0
+        self.given_up = 0
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            members.OPTION, Sequence[str], [],
+            "More upstreams for a reverse listener's API, one chosen per request by its expected first token "
+            "(cache-aware), failing over before the answer's head: entries 'HOST NAME=URL [env:VAR|file:PATH]', "
+            "HOST the listener's upstream host (its own upstream is the group's first member), URL "
+            "http(s)://HOST[:PORT], and the member's key (with relay_access_keys; else relay_upstream_keys by its host).",
+        )
+        loader.add_option(
+            "relay_upstream_slow_head", int, 0,
+            "Percent of a group's requests, at most, sent on to the next member when the chosen one's response "
+            "head is later than its learned bound (the first token its line expects, with the line's tolerance); "
+            "the first attempt is abandoned, its prompt paid all the same. 0: off.",
+        )
+        loader.add_option(
+            "relay_upstream_explore", int, round(choice.EXPLORE_SHARE * 100),
+            "Percent of a group's requests sent to a member whose first-token line is still being learned, "
+            "while others predict (so it is learned; 0: only by failover).",
+        )
+
+    def configure(self, updated: set[str]) -> None:
+        for share in ("relay_upstream_explore", "relay_upstream_slow_head"):
+            if not 0 <= getattr(ctx.options, share) <= 100:
+                raise exceptions.OptionsError(f"{share} is a percentage, 0 to 100")
+        if not updated & {members.OPTION, "mode"}:
+            return
+        groups = members.parse_groups(ctx.options.relay_upstream_groups, members.listener_members(ctx.options.mode))
+        if groups and not (pins.on(resend) and pins.on(error_replies)):
+            raise exceptions.OptionsError(f"{members.OPTION}: failover needs the relay's patches resend and "
+                                          "error_replies, which this mitmproxy does not take")
+        self.groups = groups
+        self.by_upstream = {m.authority: (host, m.name) for host, group in groups.items() for m in group}
+        self.members = {key: self.members.get(key, MemberState())
+                        for key in ((host, m.name) for host, group in groups.items() for m in group)}
+        if groups:
+            resend.install(by="groups")
+            error_replies.instead_of_errors("upstream groups", self._fail_over_before_head)
+            # A connection the slow-head bound closed is this addon's to fail over, before anyone
+            # else takes its error (the upstream pool would send the request on the same member).
+            error_replies.instead_of_errors("upstream groups' slow heads", self._fail_over_slow_head, first=True)
+        else:
+            resend.uninstall(by="groups")
+            error_replies.instead_of_errors("upstream groups", None)
+            error_replies.instead_of_errors("upstream groups' slow heads", None)
+
+    def done(self) -> None:
+        for timer in self.slow.values():
+            timer.cancel()
+        self.slow.clear()
+        resend.uninstall(by="groups")
+        error_replies.instead_of_errors("upstream groups", None)
+        error_replies.instead_of_errors("upstream groups' slow heads", None)
+
+    def group_of(self, flow: http.HTTPFlow) -> tuple[str, tuple[members.Member, ...]] | None:
+        mode = flow.client_conn.proxy_mode
+        if not isinstance(mode, ReverseMode):
+            return None
+        host = mode.address[0].lower()
+        group = self.groups.get(host)
+        return (host, group) if group else None
+
+    # --- the choice
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        st = state.get(flow)
+        found = self.group_of(flow)
+        if st is None or found is None or flow.response is not None:
+            return
+        host, group = found
+        now = time.time()
+        tokens = st.prompt_tokens if st.prompt_tokens is not None else \
+            int(len(flow.request.raw_content or b"") * TOKENS_PER_BYTE)
+        peer = flow.client_conn.peername
+        conversation = conversations.conversation_key(st.api, st.request_json, str(peer[0]) if peer else "", st.model)
+        served = self.served.get(conversation) if conversation is not None else None
+        if served is not None and (now - served.ts > conversations.CACHE_TTL_S
+                                   or served.tokens < conversations.CACHE_MIN_TOKENS):
+            served = None
+        estimated = [self.estimate(host, m, st, tokens, served, now) for m in group]
+        estimates = [estimate for estimate, _ in estimated]
+        picked = choice.choose(estimates, explore_draw=self.draw(),
+                               explore_share=ctx.options.relay_upstream_explore / 100)
+        st.route = {
+            "upstream": picked.order[0],
+            "why": picked.why,
+            "expected_ms": {e.name: None if e.first_token_ms is None else round(e.first_token_ms, 1)
+                            for e in estimates},
+        }
+        self.orders[flow.id] = picked.order[1:]
+        aim(flow.request, next(m for m in group if m.name == picked.order[0]))
+        self.routed += 1
+        chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
+        if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
+                and ctx.options.relay_upstream_slow_head:
+            self.slow[flow.id] = asyncio.get_running_loop().call_later(
+                bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
+        if conversation is not None:
+            self.served.pop(conversation, None)
+            self.served[conversation] = Served(picked.order[0], tokens, now)
+            if len(self.served) > CONVERSATIONS:
+                self.served.popitem(last=False)
+
+    def estimate(self, host: str, member: members.Member, st: state.FlowState, tokens: int, served: Served | None,
+                 now: float) -> tuple[choice.Estimate, float | None]:
+        """`member`'s expected first token for this prompt: its line's own wait (with the prefix
+        cached if it served the conversation's last request), its round trip and recent queue;
+        and the bound of its head (that and the line's tolerance; None: not known)."""
+        learned = self.members[(host, member.name)]
+        holds_cache = served is not None and served.member == member.name
+        cached = min(served.tokens, tokens) if served is not None and holds_cache else 0
+        key = prefill.model_key(member.authority, st.model, st.prefill_traits)
+        prompt = (tokens - cached, cached) if tokens > 0 else None
+        prediction = self.verdicts.rates.expect(key, prompt)
+        if prediction.expectation is None and cached:
+            # A line not learned with cached prompts this long: the prompt read in full bounds it.
+            prediction = self.verdicts.rates.expect(key, (tokens, 0))
+        expected = bound = None
+        if (e := prediction.expectation) is not None:
+            expected = e.own_ms + (learned.rtt_ms or 0.0) + learned.queue(now)
+            bound = max(SLOW_HEAD_MIN_MS, expected + e.tolerance_ms)
+        return choice.Estimate(member.name, expected, cold=expected is None and prediction.learning,
+                               holds_cache=holds_cache, down=learned.down_until > now), bound
+
+    def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
+        """Learn the member's round trip and queue from its record; forget the flow's order."""
+        self.orders.pop(flow.id, None)
+        self.held.discard(flow.id)
+        self._no_slow_head(flow)
+        self.giving_up.pop(flow.id, None)
+        found = self.by_upstream.get(rec.upstream)
+        if (found is None or rec.error or rec.client_aborted or found not in self.members
+                or (rec.route or {}).get("failed_over")):  # its wait holds the failed attempt's
+            return
+        learned = self.members[found]
+        if rec.rtt_ms is not None:
+            learned.rtt_ms = smoothed(learned.rtt_ms, rec.rtt_ms)
+        if rec.ttft_ms is not None and rec.expected_ttft_ms is not None:
+            now = time.time()
+            beyond = rec.ttft_ms - rec.expected_ttft_ms
+            learned.queue_ms = max(0.0, learned.queue(now) + QUEUE_WEIGHT * (beyond - learned.queue(now)))
+            learned.queue_at = now
+
+    # --- failover before the head
+
+    def _no_slow_head(self, flow: http.HTTPFlow) -> None:
+        if (timer := self.slow.pop(flow.id, None)) is not None:
+            timer.cancel()
+
+    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
+        """No head by the member's bound: close its connection (within the budget); the close
+        fails the request over (`_fail_over_before_head`)."""
+        self.slow.pop(flow.id, None)
+        if (not flow.live or flow.response is not None or not self.orders.get(flow.id)
+                or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
+                or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
+            return
+        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
+        if not connections.close(flow.client_conn, flow.server_conn):
+            del self.giving_up[flow.id]
+            return
+        self.given_up += 1
+        # Its queue is at least the wait beyond what was expected of it.
+        learned, now = self.members[(host, chosen.name)], time.time()
+        learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
+        learned.queue_at = now
+
+    def _next_member(self, flow: http.HTTPFlow, why: str, down: bool = True) -> members.Member | None:
+        """Aim the flow at its next member (the one it leaves marked down unless not `down`);
+        None when none is left."""
+        st = state.get(flow)
+        found = self.group_of(flow)
+        rest = self.orders.get(flow.id)
+        if st is None or st.route is None or found is None or not rest:
+            return None
+        host, group = found
+        failed = st.route["upstream"]
+        if down:
+            self.members[(host, failed)].down_until = time.time() + DOWN_S
+        following = next(m for m in group if m.name == rest[0])
+        self.orders[flow.id] = rest[1:]
+        after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
+        st.route = {**st.route, "upstream": following.name,
+                    "failed_over": [*st.route.get("failed_over", ()),
+                                    {"upstream": failed, "error": why, "after_ms": after_ms}]}
+        logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
+                    host, failed, why, following.name)
+        aim(flow.request, following)
+        # The next member's connection and answer are the record's (the first mark set counts).
+        for mark in ("upstream_connect_start", "upstream_tcp", "upstream_tls", "upstream_sent", "upstream_resent",
+                     "head_arrived"):
+            st.marks.pop(mark, None)
+        return following
+
+    def _fail_over_before_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
+        flow = stream.flow
+        if not (
+            isinstance(event, ResponseProtocolError)
+            and flow.id in self.orders
+            and flow.response is None
+            and flow.error is None
+            and flow.live
+            and stream.client_state == stream.state_done
+            and stream.server_state == stream.state_wait_for_response_headers
+            and not flow.request.stream
+            and flow.request.raw_content is not None
+        ):
+            return None
+        slow = self.giving_up.pop(flow.id, None)
+        if self._next_member(flow, slow or event.message, down=slow is None) is None:
+            return None
+        return resend.send_again(stream)
+
+    def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
+        return self._fail_over_before_head(stream, event) if stream.flow.id in self.giving_up else None
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._no_slow_head(flow)
+        response = flow.response
+        if (response is None or response.status_code not in FAILOVER_STATUSES or not self.orders.get(flow.id)
+                or flow.request.stream or flow.request.raw_content is None or not resend.installed()):
+            return
+        # Read it whole, and send the request to the next member before the client sees any of it.
+        response.stream = False
+        if (st := state.get(flow)) is not None:
+            st.watcher = None
+        self.held.add(flow.id)
+        resend.hold(flow)
+
+    def relay_held_answer(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        if flow.id not in self.held or response is None:
+            return
+        self.held.discard(flow.id)
+        retry_after = response.headers.get("retry-after")
+        why = f"{response.status_code}" + (f", retry-after {retry_after}" if retry_after else "")
+        if self._next_member(flow, why) is not None:
+            resend.again(flow)
+
+
+def aim(request: http.Request, member: members.Member) -> None:
+    """Send `request` to `member`: its scheme, host and port, and its name in the Host header."""
+    request.scheme, request.host, request.port = member.scheme, member.host, member.port
+    request.host_header = member.authority
