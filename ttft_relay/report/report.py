@@ -440,6 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              | ({"learned": held} if held else {}),
                                              option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        print("\n".join(format_store(held) + format_learned(learned) + format_attempts(retried))
-              + format_text(report, websocket_counts(records)) if report else "no records")
+        # The requests first; what the relay learned and the retries after them (each part
+        # ends with a blank line: the last one's is dropped).
+        extras = format_store(held) + format_learned(learned) + format_attempts(retried)
+        text = "\n".join([format_text(report, websocket_counts(records)), "", *extras[:-1]]) if extras else \
+            format_text(report, websocket_counts(records))
+        print(text if report else "no records")
     return 0
