@@ -180,8 +180,8 @@ class RelayMetrics:
                                  "answer's head, by cause (" + ", ".join(record.FAILOVER_CAUSES) + ").",
                                  ("group", "from_member", "cause"), registry=registry)
         self.duplicated = Counter("ttft_relay_upstream_duplicated_prompt_tokens", "Prompt tokens of the attempts "
-                                  "an upstream group abandoned and sent again to the next member (a slow head's "
-                                  "were processed and paid; a refused connection's never left).",
+                                  "an upstream group abandoned and sent again to the next member, by cause: a slow "
+                                  "head's were sent and processed, a refused connect's never left the relay.",
                                   ("group", "from_member", "cause"), registry=registry)
         self.gc_pause = Histogram("ttft_relay_gc_pause_seconds",
                                   "Each garbage collection of the relay's process, by generation: a pause "
