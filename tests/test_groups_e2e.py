@@ -14,6 +14,7 @@ from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.test_guard import RELAY_KEY, UPSTREAM_KEY
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.upstream import Behaviour, FakeUpstream
+from ttft_relay.testing.harness import metrics_url, scrape, total
 
 PATH = "/v1/chat/completions"
 SYSTEM = "You are a careful assistant. " * 200
@@ -106,15 +107,28 @@ def test_a_member_refusing_connections_fails_over_unseen_with_the_members_own_ke
         assert len(b.received) == 2
 
 
-def test_a_503_fails_over_before_the_client_sees_it(start_relay, rid):
+def test_a_503_fails_over_before_the_client_sees_it_and_the_metrics_count_it(start_relay, rid):
     with FakeUpstream(behaviour=Behaviour(status=503)) as a, FakeUpstream() as b:
-        relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}")
+        relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                            relay_metrics_listen="127.0.0.1:0")
         rec = send(relay, rid, body("hello"))
         assert rec["status"] == 200 and rec["error"] is None and rec["upstream"] == f"127.0.0.1:{b.port}"
-        assert [(f["upstream"], f["error"]) for f in rec["route"]["failed_over"]] == [("127.0.0.1", "503")]
+        assert [(f["upstream"], f["error"], f["cause"]) for f in rec["route"]["failed_over"]] == [
+            ("127.0.0.1", "503", "5xx")]
+        assert rec["route"]["group"] == "127.0.0.1" and rec["route"]["reason"] == "order"
         assert rec["verdict"] == "upstream failed over"
         assert "127.0.0.1: 503 after" in rec["verdict_detail"] and "b gave the first token" in rec["verdict_detail"]
         assert len(a.received) == 1 and len(b.received) == 1
+
+        samples = scrape(metrics_url(relay))
+        group = {"group": "127.0.0.1"}
+        assert total(samples, "ttft_relay_upstream_choices_total", **group, member="127.0.0.1", reason="order") == 1
+        assert total(samples, "ttft_relay_upstream_choices_total", **group, member="b") == 0
+        left = group | {"from_member": "127.0.0.1", "cause": "5xx"}
+        assert total(samples, "ttft_relay_upstream_failovers_total", **left) == 1
+        assert total(samples, "ttft_relay_upstream_duplicated_prompt_tokens_total", **left) == rec["prompt_tokens"] > 0
+        # b answered after a's 503: its first token holds a's wait, not b's own.
+        assert total(samples, "ttft_relay_upstream_member_time_to_first_token_seconds_count") == 0
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["own connections", "pooled"])

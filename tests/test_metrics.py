@@ -459,3 +459,47 @@ def test_junk_models_on_an_attackers_upstream_leave_a_real_models_series(start_r
     gpt = [s.value for f in text_string_to_metric_families(text) for s in f.samples
            if s.name == "gen_ai_client_operation_duration_seconds_count" and s.labels["gen_ai_request_model"] == "gpt-4o"]
     assert gpt == [4]  # was: evicted, and back at 1
+
+
+def a_routed_record(**overrides):
+    route = {"group": "api.openai.com", "upstream": "b", "why": "…", "reason": "lowest",
+             "expected_ms": {"api.openai.com": 900.0, "b": 400.0}}
+    return a_record(prompt_tokens=1200, route=route | overrides.pop("route", {}), **overrides)
+
+
+def test_an_upstream_groups_choices_failovers_their_prompt_tokens_and_each_members_first_tokens():
+    reg = CollectorRegistry()
+    m = metrics.RelayMetrics(reg, max_series=10)
+    get = reg.get_sample_value
+    group = {"group": "api.openai.com"}
+    m.observe_route(a_routed_record())
+    # Every member's counters exist from the group's first record, at 0 where nothing happened yet.
+    assert get("ttft_relay_upstream_choices_total", group | {"member": "b", "reason": "lowest"}) == 1
+    assert get("ttft_relay_upstream_choices_total", group | {"member": "api.openai.com", "reason": "sticky"}) == 0
+    assert get("ttft_relay_upstream_failovers_total", group | {"from_member": "api.openai.com", "cause": "5xx"}) == 0
+    assert get("ttft_relay_upstream_member_time_to_first_token_seconds_sum", group | {"member": "b"}) == \
+        pytest.approx(0.060)
+
+    # Chosen first, left on a 503 and then on a slow head: each failover costs the prompt once more.
+    failed = [{"upstream": "api.openai.com", "error": "503", "cause": "5xx", "after_ms": 30.0},
+              {"upstream": "c", "error": "no head after 0.3 s", "cause": "slow_head", "after_ms": 400.0}]
+    m.observe_route(a_routed_record(route={"reason": "sticky", "failed_over": failed,
+                                           "expected_ms": {"api.openai.com": 300.0, "b": 400.0, "c": 350.0}}))
+    assert get("ttft_relay_upstream_choices_total", group | {"member": "api.openai.com", "reason": "sticky"}) == 1
+    assert get("ttft_relay_upstream_choices_total", group | {"member": "b", "reason": "sticky"}) == 0
+    assert get("ttft_relay_upstream_failovers_total", group | {"from_member": "api.openai.com", "cause": "5xx"}) == 1
+    assert get("ttft_relay_upstream_failovers_total", group | {"from_member": "c", "cause": "slow_head"}) == 1
+    assert get("ttft_relay_upstream_duplicated_prompt_tokens_total",
+               group | {"from_member": "api.openai.com", "cause": "5xx"}) == 1200
+    assert get("ttft_relay_upstream_duplicated_prompt_tokens_total",
+               group | {"from_member": "c", "cause": "slow_head"}) == 1200
+    # A failed-over first token holds the abandoned attempt's wait: not b's own.
+    assert get("ttft_relay_upstream_member_time_to_first_token_seconds_count", group | {"member": "b"}) == 1
+    # A failure is a choice, and no first token.
+    m.observe_route(a_routed_record(status=500, error="HTTP 500", error_phase="upstream_wait"))
+    assert get("ttft_relay_upstream_choices_total", group | {"member": "b", "reason": "lowest"}) == 2
+    assert get("ttft_relay_upstream_member_time_to_first_token_seconds_count", group | {"member": "b"}) == 1
+    # Records without a group (every other listener) count nothing here.
+    before = sum(len(family.samples) for family in reg.collect())
+    m.observe_route(a_record())
+    assert sum(len(family.samples) for family in reg.collect()) == before

@@ -17,7 +17,8 @@ from ttft_relay.report import report
 REPO = Path(__file__).resolve().parent.parent
 
 
-def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=None, error=None, ts=1000.0):
+def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=None, error=None, ts=1000.0,
+        route=None):
     wait = 100 + 0.5 * prompt if wait is None else wait  # 100 ms base + 500 ms per 1k tokens
     marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 2.0 + wait, "first_byte": 2.0 + wait,
              "first_token": 2.0 + wait, "last_token": 50.0 + wait, "end": 51.0 + wait}
@@ -26,7 +27,7 @@ def rec(i: int, *, model="gpt-x", upstream="api.example.com", prompt=1000, wait=
     return record.build_record(record.RecordInput(
         id=f"f{i}", ts=ts + i, api="openai.chat", model=model, stream=True, status=None if error else 200,
         upstream=upstream, marks=marks, tokens_expected=True, tls_expected=True, reused_connection=True,
-        rtt_ms=None, prompt_tokens=prompt, error=error,
+        rtt_ms=None, prompt_tokens=prompt, error=error, route=route,
     )).as_dict()
 
 
@@ -183,3 +184,39 @@ def test_websocket_turns_and_failed_handshakes_are_counted_apart():
     everything = turns + [prewarm] + handshakes + http_requests
     assert report.format_text({}, report.websocket_counts(everything)).startswith(
         "WebSocket, all upstreams: 5 turns (1 prewarm), 2 handshakes (1 failed)")
+
+
+def routed(i: int, member: str, reason: str, *failed: tuple[str, str], **kw):
+    """A record of group api.example.com (members api.example.com, b), served by `member`
+    after the failovers `failed` ((member, cause) each)."""
+    route = {"group": "api.example.com", "upstream": member, "why": "…", "reason": reason,
+             "expected_ms": {"api.example.com": 300.0, "b": None}}
+    if failed:
+        route["failed_over"] = [{"upstream": m, "error": "…", "cause": cause, "after_ms": 50.0} for m, cause in failed]
+    upstream = "api.example.com" if member == "api.example.com" else "b.example"
+    return rec(i, upstream=upstream, route=route, **kw)
+
+
+def test_upstream_groups_say_per_member_what_was_chosen_why_its_first_tokens_and_its_failovers_cost(capsys,
+                                                                                                   tmp_path):
+    records = [routed(i, "api.example.com", "lowest", prompt=1000 * (i + 1)) for i in range(3)]  # ttft 602, 1102, 1602
+    records += [routed(3, "b", "exploring", prompt=1000),
+                routed(4, "b", "sticky", ("api.example.com", "5xx"), prompt=2000),
+                routed(5, "b", "lowest", error="connection refused"),
+                rec(6)]  # another listener's: no group
+    (name, group), = report.upstream_groups(records).items()
+    assert name == "api.example.com"
+    assert (group["requests"], group["failed_over"], group["duplicated_prompt_tokens"]) == (6, 1, 2000)
+    own, b = group["members"]["api.example.com"], group["members"]["b"]
+    assert list(group["members"]) == ["api.example.com", "b"]
+    assert (own["chosen"], own["served"], own["reasons"]) == (4, 3, {"lowest": 3, "sticky": 1})
+    assert own["failovers"] == {"5xx": 1} and own["duplicated_prompt_tokens"] == 2000
+    assert own["ttft"] == {"p50": 1102.0, "p90": 1502.0, "p99": 1592.0, "n": 3}
+    # b's own first tokens: not the failed-over one (it holds the 503's wait), not the failure.
+    assert (b["chosen"], b["served"], b["reasons"]) == (2, 3, {"exploring": 1, "lowest": 1})
+    assert b["ttft"] == {"p50": 602.0, "p90": 602.0, "p99": 602.0, "n": 1} and b["failovers"] == {}
+
+    assert report.main([str(write_log(tmp_path / "t.jsonl", records))]) == 0
+    text = capsys.readouterr().out
+    assert "Upstream group api.example.com: 6 requests, 1 failed over before the head (2000 prompt tokens sent again)" in text
+    assert "5xx 1; lowest 3, sticky 1" in text and "none; exploring 1, lowest 1" in text

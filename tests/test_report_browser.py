@@ -43,10 +43,23 @@ def prefill_gap_record() -> dict:
                                 marks, prompt=3000, rtt=35.0, max_gap=2000.0)
 
 
+def routed_records() -> list[dict]:
+    """Two requests of an upstream group (api.openai.com and its member b): one chosen and
+    served by b, one that left api.openai.com on a 503 for b."""
+    marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 300.0, "first_byte": 301.0,
+             "first_token": 320.0, "last_token": 900.0, "end": 901.0}
+    route = {"group": "api.openai.com", "upstream": "b", "why": "lowest expected first token", "reason": "lowest",
+             "expected_ms": {"api.openai.com": 900.0, "b": 300.0}}
+    failed = [{"upstream": "api.openai.com", "error": "503", "cause": "5xx", "after_ms": 80.0}]
+    return [report_samples.build(f"routed-{i}", report_samples.DAY_START + 30000 + i, "b.example.com", "gpt-4o-mini",
+                                 marks, prompt=4000) | {"route": route | extra}
+            for i, extra in enumerate([{}, {"reason": "sticky", "failed_over": failed}])]
+
+
 @pytest.fixture(scope="module")
 def report_page(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
-    records = report_samples.day(400) + [known_record(), prefill_gap_record()]
+    records = report_samples.day(400) + [known_record(), prefill_gap_record(), *routed_records()]
     log = tmp / "timing.jsonl"
     log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     out = tmp / "report.html"
@@ -126,6 +139,16 @@ def test_plots_draw_every_request_and_every_group(report_page):
     legend = page.evaluate("[...document.querySelectorAll('section .legend')].map((l) => l.textContent).join(' | ')")
     assert "ms per 1k uncached tokens" in legend and "websocket handshake failed (1)" in legend
     assert page.evaluate("document.querySelectorAll('svg.buckets g.bucket').length") > 10
+
+
+def test_an_upstream_group_gets_a_row_per_member(report_page):
+    page, _ = report_page
+    rows = page.evaluate("[...document.querySelectorAll('table.members tbody tr')].map((tr) => "
+                         "[...tr.cells].map((td) => td.textContent))")
+    assert [row[:3] for row in rows] == [["api.openai.com", "1", "0"], ["b", "1", "2"]]
+    assert rows[0][-2:] == ["5xx 1", "4000"] and rows[1][3] == "320 ms" and rows[1][7] == "lowest 1"
+    heading = page.evaluate("document.querySelector('table.members').previousElementSibling.textContent")
+    assert heading == "api.openai.com: 2 requests, 1 failed over before the head, 4000 prompt tokens sent again"
 
 
 def test_a_request_picked_from_the_table_gets_its_own_waterfall(report_page):

@@ -86,6 +86,21 @@ def test_a_member_that_failed_moments_ago_is_tried_last():
     assert got == ("a", "b") and "every member failed" in why
 
 
+def test_each_choice_says_its_reason_in_a_word_of_the_records():
+    cases = [
+        ([Estimate("a", None, cold=True), Estimate("b", None, cold=True)], 0.99, "order"),
+        ([Estimate("a", None, cold=True), Estimate("b", None, cold=True, holds_cache=True)], 0.99, "sticky"),
+        ([Estimate("a", 500.0), Estimate("b", None, cold=True)], 0.0, "exploring"),
+        ([Estimate("a", 900.0), Estimate("b", 400.0)], 0.99, "lowest"),
+        ([Estimate("a", 500.0), Estimate("b", 560.0, holds_cache=True)], 0.99, "sticky"),
+        ([Estimate("a", 500.0), Estimate("b", 1200.0, holds_cache=True)], 0.99, "left_cache"),
+        ([Estimate("a", 100.0, down=True), Estimate("b", 400.0, down=True)], 0.99, "all_down"),
+    ]
+    reasons = [choice.choose(estimates, explore_draw=draw).reason for estimates, draw, _ in cases]
+    assert reasons == [reason for *_, reason in cases]
+    assert set(reasons) == set(record.ROUTE_REASONS)  # the metrics' and the report's words, every one
+
+
 def test_a_failover_is_the_verdict_and_teaches_no_first_token_line():
     failed = [{"upstream": "a", "error": "503", "after_ms": 1200.0}]
     rec = record.judged(record.measure(record.RecordInput(

@@ -15,6 +15,15 @@ LLM call (each timing record):
     ttft_relay_expected_time_to_first_token_seconds  successful calls whose prompt's first token the relay
                                                  has learned to predict: that prediction (observe/prefill.py)
     ttft_relay_trimmed_tokens_total              prompt tokens the trimmer removed
+    ttft_relay_upstream_member_time_to_first_token_seconds  an upstream group's member's own first
+                                                 tokens (`ttft_relay/route/`): successful calls it
+                                                 answered without a failover before it; by group, member
+    ttft_relay_upstream_choices_total            requests a group sent to a member first, by group,
+                                                 member and reason (record.ROUTE_REASONS)
+    ttft_relay_upstream_failovers_total          members left before the answer's head, by group,
+                                                 from_member and cause (record.FAILOVER_CAUSES)
+    ttft_relay_upstream_duplicated_prompt_tokens_total  the prompt tokens of those abandoned attempts
+                                                 (sent again to the next member), same labels
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
     ttft_relay_gc_pause_seconds                  each garbage collection of the relay's process, by
@@ -44,6 +53,11 @@ combinations have series of their own, the least recently used going first, and 
 to anything "proves" beyond its quota) never pushing out a model in real use
 (`series.SeriesBound`); what has no room is counted with model and host "other"; model
 and host labels are cut to LABEL_MAX characters. Each combination is at most ~230 samples (every instrument, every bucket).
+The upstream groups' instruments are outside that bound and need none: their group and
+member labels are the operator's (`relay_upstream_groups`), never a client's, their reason
+and cause a handful of words each, and they have no model label (a member's first tokens
+by model are the GenAI histogram's, server_address its host[:port]): 14 counter series and
+one histogram per member.
 
 The addon takes each record from timing's `timing_record` hook (once per record, HTTP
 flows and WebSocket turns alike). Under `ttft-relay run --workers N` (environment variable
@@ -155,6 +169,20 @@ class RelayMetrics:
         self.loop_lag = Histogram("ttft_relay_event_loop_lag_seconds",
                                   "How late the relay's event loop ran a timer due every 50 ms: work waiting "
                                   "for the relay itself.", registry=registry, buckets=LAG_BUCKETS)
+        self.member_ttft = Histogram("ttft_relay_upstream_member_time_to_first_token_seconds",
+                                     "Time to first token of an upstream group's member: successful calls it "
+                                     "answered with no failover before it.", ("group", "member"),
+                                     registry=registry, buckets=TTFT_BUCKETS)
+        self.choices = Counter("ttft_relay_upstream_choices", "Requests an upstream group sent to a member first, "
+                               "by why (" + ", ".join(record.ROUTE_REASONS) + ").",
+                               ("group", "member", "reason"), registry=registry)
+        self.failovers = Counter("ttft_relay_upstream_failovers", "Members an upstream group left before the "
+                                 "answer's head, by cause (" + ", ".join(record.FAILOVER_CAUSES) + ").",
+                                 ("group", "from_member", "cause"), registry=registry)
+        self.duplicated = Counter("ttft_relay_upstream_duplicated_prompt_tokens", "Prompt tokens of the attempts "
+                                  "an upstream group abandoned and sent again to the next member, by cause: a slow "
+                                  "head's were sent and processed, a refused connect's never left the relay.",
+                                  ("group", "from_member", "cause"), registry=registry)
         self.gc_pause = Histogram("ttft_relay_gc_pause_seconds",
                                   "Each garbage collection of the relay's process, by generation: a pause "
                                   "every thread and every live stream waits for.", ("generation",),
@@ -162,6 +190,8 @@ class RelayMetrics:
         self._children: dict[tuple, Any] = {}
         """Each instrument's child per label values, as `labels()` gives it (which checks
         and converts its arguments and takes a lock on every call)."""
+        self._route_members: set[tuple[str, str]] = set()
+        """The (group, member) pairs whose route counters exist."""
         self._of_series: dict[series.Labels, list[tuple[Any, tuple[str, ...]]]] = {}
         """The (instrument, label values) children of each label combination: what goes with it."""
         self.accept_queue = Gauge("ttft_relay_accept_queue_connections",
@@ -231,6 +261,39 @@ class RelayMetrics:
         out = usage.get("output_tokens")
         if out and out > 1 and (total := phases.get("total")) is not None:
             self._child(self.tpot, *labels).observe((total - ttft) / 1000 / (out - 1))
+
+    def _route_series(self, group: str, member: str) -> None:
+        """A group's member's counters, each at 0 from the group's first record (as `trimmed`:
+        rate() sees the first failover)."""
+        if (group, member) in self._route_members:
+            return
+        self._route_members.add((group, member))
+        for reason in record.ROUTE_REASONS:
+            self._child(self.choices, group, member, reason)
+        for cause in record.FAILOVER_CAUSES:
+            self._child(self.failovers, group, member, cause)
+            self._child(self.duplicated, group, member, cause)
+
+    def observe_route(self, rec: record.Record) -> None:
+        """Count an upstream group's choice, failovers and their prompt tokens, and its member's
+        first token (a record with `route`: one per request, a WebSocket's turns have none)."""
+        route = rec.route
+        if not route:
+            return
+        group = cut_text(str(route.get("group") or OTHER), LABEL_MAX)
+        for member in route.get("expected_ms") or ():
+            self._route_series(group, str(member))
+        failed = route.get("failed_over") or ()
+        chosen = failed[0].get("upstream") if failed else route.get("upstream")
+        self._child(self.choices, group, str(chosen), str(route.get("reason") or OTHER)).inc()
+        prompt = rec.prompt_tokens or (rec.usage or {}).get("input_tokens") or 0
+        for attempt in failed:
+            left = (group, str(attempt.get("upstream")), str(attempt.get("cause") or OTHER))
+            self._child(self.failovers, *left).inc()
+            self._child(self.duplicated, *left).inc(prompt)
+        if (not failed and rec.ttft_ms is not None and rec.status is not None and 200 <= rec.status < 300
+                and not rec.error and not rec.client_aborted):
+            self._child(self.member_ttft, group, str(route.get("upstream"))).observe(rec.ttft_ms / 1000)
 
 
 LEARNED_WINDOWS = "ttft_relay_learned_context_window_tokens"
@@ -515,6 +578,7 @@ class Metrics:
             gauge.dec()
         if self.listen and self.metrics is not None and (st := state.get(flow)) is not None:
             self.metrics.observe(rec, st.api)
+            self.metrics.observe_route(rec)
 
     def otlp_dropped(self, reason: str, records: int) -> None:
         """`observe.traces.Traces`' callback (from its exporter thread too: counters take a lock)."""

@@ -9,8 +9,11 @@ groups, the requests clients sent again after a failure or a cut (`attempt_group
 how long the user waited over how many attempts, and why each one ended; what the
 relay learned and keeps in its store beside the logs (`learned.jsonl`: context windows,
 trim plans, first-token lines: how many, the newest when, from how many access keys);
-and each context window learned from a provider's refusal: when, from which reply,
-which access key's digest, and whether another key or an accepted request confirmed it.
+each context window learned from a provider's refusal: when, from which reply,
+which access key's digest, and whether another key or an accepted request confirmed it;
+and each upstream group (`relay_upstream_groups`): per member, how often it was chosen and
+why, its own first tokens' percentiles, the failovers from it and the prompt tokens they
+sent again.
 WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
@@ -276,6 +279,76 @@ def model_text(fit: Mapping[str, Any]) -> str:
     return f"{' + '.join(parts)} (median fit of {fit['n']} requests, spread {fit['spread_ms']:.0f} ms{alike})"
 
 
+# --- upstream groups -----------------------------------------------------------------------
+
+
+def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per upstream group (the records with `route`, `ttft_relay/route/`), its requests, those
+    failed over and the prompt tokens their abandoned attempts cost (sent again: duplicated);
+    per member, in the group's order: the requests sent to it first (`chosen`) and why
+    (`reasons`), those that ended on it (`served`), its own first tokens' percentiles
+    (successful answers with no failover before them: a failed-over wait holds the abandoned
+    attempt's), and the failovers from it by cause with their prompt tokens."""
+    groups: dict[str, dict[str, Any]] = {}
+
+    def member(group: dict[str, Any], name: Any) -> dict[str, Any]:
+        return group["members"].setdefault(str(name), {
+            "chosen": 0, "reasons": Counter(), "served": 0, "ttft": [], "failovers": Counter(),
+            "duplicated_prompt_tokens": 0})
+
+    for rec in records:
+        if not isinstance(route := rec.get("route"), dict):
+            continue
+        group = groups.setdefault(printable(str(route.get("group") or "?")), {
+            "requests": 0, "failed_over": 0, "duplicated_prompt_tokens": 0, "members": {}})
+        for name in route.get("expected_ms") or ():  # every member, in the group's order
+            member(group, name)
+        failed = route.get("failed_over") or []
+        first = member(group, failed[0].get("upstream") if failed else route.get("upstream"))
+        first["chosen"] += 1
+        first["reasons"][route.get("reason") or "?"] += 1
+        served = member(group, route.get("upstream"))
+        served["served"] += 1
+        group["requests"] += 1
+        prompt = prompt_tokens(rec) or 0
+        for attempt in failed:
+            left = member(group, attempt.get("upstream"))
+            left["failovers"][attempt.get("cause") or "?"] += 1
+            left["duplicated_prompt_tokens"] += prompt
+            group["duplicated_prompt_tokens"] += prompt
+        group["failed_over"] += bool(failed)
+        if (not failed and counts_as_first_token(rec) and (ttft := rec.get("ttft_ms")) is not None
+                and not rec.get("error") and not rec.get("client_aborted")):
+            served["ttft"].append(ttft)
+    for group in groups.values():
+        for m in group["members"].values():
+            ttfts = m.pop("ttft")
+            m["ttft"] = ({f"p{q}": round(x, 1) for q in QUANTILES if (x := percentile(ttfts, q)) is not None}
+                         | {"n": len(ttfts)}) if ttfts else None
+            m["reasons"] = dict(m["reasons"].most_common())
+            m["failovers"] = dict(m["failovers"].most_common())
+    return groups
+
+
+def format_upstream_groups(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    out = []
+    for name, g in groups.items():
+        out += [f"Upstream group {name}: {g['requests']} requests, {g['failed_over']} failed over before the head "
+                f"({g['duplicated_prompt_tokens']} prompt tokens sent again)",
+                f"   {'member':<24}{'chosen':>8}{'served':>8}{'ttft p50':>10}{'p90':>8}{'p99':>8}{'n':>6}"
+                f"{'tokens again':>14}  failed over, chosen why"]
+        for member, m in g["members"].items():
+            ttft = m["ttft"] or {}
+            quantiles = "".join(f"{ttft[q]:>{w}.0f}" if q in ttft else f"{'–':>{w}}"
+                                for q, w in (("p50", 10), ("p90", 8), ("p99", 8)))
+            failovers = ", ".join(f"{cause} {n}" for cause, n in m["failovers"].items()) or "none"
+            reasons = ", ".join(f"{reason} {n}" for reason, n in m["reasons"].items()) or "–"
+            out.append(f"   {printable(member):<24}{m['chosen']:>8}{m['served']:>8}{quantiles}{ttft.get('n', 0):>6}"
+                       f"{m['duplicated_prompt_tokens']:>14}  {failovers}; {reasons}")
+        out.append("")
+    return out
+
+
 # --- attempt groups ------------------------------------------------------------------------
 
 
@@ -432,18 +505,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"report: wrote {args.html} ({len(records)} records)", file=sys.stderr)
     retried = attempt_groups(records)
+    routed = upstream_groups(records)
     learned = learned_windows(expand_globs(args.logs))
     held = learned_store(expand_globs(args.logs))
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report | ({"attempt_groups": retried} if retried else {})
+                                             | ({"upstream_groups": routed} if routed else {})
                                              | ({"learned_windows": learned} if learned else {})
                                              | ({"learned": held} if held else {}),
                                              option=orjson.OPT_INDENT_2) + b"\n")
     else:
-        # The requests first; what the relay learned and the retries after them (each part
-        # ends with a blank line: the last one's is dropped).
-        extras = format_store(held) + format_learned(learned) + format_attempts(retried)
-        text = "\n".join([format_text(report, websocket_counts(records)), "", *extras[:-1]]) if extras else \
-            format_text(report, websocket_counts(records))
-        print(text if report else "no records")
+        # The requests first (an upstream group's members, then each upstream · model); what
+        # the relay learned and the retries after them. Each part ends with a blank line.
+        parts = format_upstream_groups(routed) + [format_text(report, websocket_counts(records)), ""]
+        parts += format_store(held) + format_learned(learned) + format_attempts(retried)
+        print("\n".join(parts[:-1]) if report else "no records")
     return 0

@@ -26,7 +26,8 @@ import orjson
 
 from ..observe import prefill
 from ..timing import phases
-from .report import counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_own_wait
+from .report import (counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_groups,
+                     upstream_own_wait)
 
 HERE = Path(__file__).resolve().parent
 BAR_PHASES = phases.CRITICAL_PHASES + ("stream",)
@@ -140,6 +141,7 @@ def report_data(records: Sequence[Mapping[str, Any]], summary: Mapping[str, Mapp
             for key, g in summary.items()
         },
         "counts": {key: {k: g.get(k) for k in ("requests", "errors", "websocket")} for key, g in summary.items()},
+        "upstream_groups": upstream_groups(records),
     }
     return data
 

@@ -46,6 +46,8 @@ class Choice:
     order: tuple[str, ...]
     """The chosen member first, then where a failure before the answer's head goes next."""
     why: str
+    reason: str
+    """`why` in a word, one of the record's `record.ROUTE_REASONS`."""
 
 
 def choose(estimates: Sequence[Estimate], *, explore_draw: float, explore_share: float = EXPLORE_SHARE) -> Choice:
@@ -58,28 +60,31 @@ def choose(estimates: Sequence[Estimate], *, explore_draw: float, explore_share:
     cold = [e for e in unknown if e.cold]
     holder = next((e for e in up if e.holds_cache), None)
 
-    def done(first: Estimate, why: str) -> Choice:
+    def done(first: Estimate, reason: str, why: str) -> Choice:
         rest = [e.name for e in (*known, *unknown, *down) if e is not first]
-        return Choice((first.name, *rest), why)
+        return Choice((first.name, *rest), why, reason)
 
     if not up:
-        return Choice(tuple(e.name for e in estimates), "every member failed moments ago: trying them in order")
+        return Choice(tuple(e.name for e in estimates), "every member failed moments ago: trying them in order",
+                      "all_down")
     if not known:
         first = holder or up[0]
-        return done(first, "this conversation's cache is there (nothing learned yet)" if holder
+        return done(first, "sticky" if holder else "order",
+                    "this conversation's cache is there (nothing learned yet)" if holder
                     else "nothing learned yet: the group's order")
     if cold and holder is None and explore_draw < explore_share:
         # Never a conversation whose cache is somewhere: exploring it would cost its cache.
-        return done(cold[0], f"exploring: {cold[0].name}'s first-token line is still being learned")
+        return done(cold[0], "exploring", f"exploring: {cold[0].name}'s first-token line is still being learned")
     best = known[0]
     if holder is None or holder is best:
-        return done(best, "lowest expected first token" + (" (this conversation's cache is there)" if holder else ""))
+        return done(best, "lowest",
+                    "lowest expected first token" + (" (this conversation's cache is there)" if holder else ""))
     assert best.first_token_ms is not None
     if holder.first_token_ms is None:
-        return done(holder, "sticky: this conversation's cache is there")
+        return done(holder, "sticky", "sticky: this conversation's cache is there")
     gain = holder.first_token_ms - best.first_token_ms
     if gain <= max(STICKY_MIN_MS, STICKY_SHARE * holder.first_token_ms):
-        return done(holder, f"sticky: this conversation's cache is there ({best.name} would be {gain:.0f} ms faster, "
-                            "too little to leave it)")
-    return done(best, f"lowest expected first token, {gain:.0f} ms faster than {holder.name} "
-                      "with this conversation's cache")
+        return done(holder, "sticky", f"sticky: this conversation's cache is there ({best.name} would be "
+                                      f"{gain:.0f} ms faster, too little to leave it)")
+    return done(best, "left_cache", f"lowest expected first token, {gain:.0f} ms faster than {holder.name} "
+                                    "with this conversation's cache")

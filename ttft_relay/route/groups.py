@@ -207,8 +207,10 @@ class UpstreamGroups:
         picked = choice.choose(estimates, explore_draw=self.draw(),
                                explore_share=ctx.options.relay_upstream_explore / 100)
         st.route = {
+            "group": host,
             "upstream": picked.order[0],
             "why": picked.why,
+            "reason": picked.reason,
             "expected_ms": {e.name: None if e.first_token_ms is None else round(e.first_token_ms, 1)
                             for e in estimates},
         }
@@ -291,9 +293,9 @@ class UpstreamGroups:
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
         learned.queue_at = now
 
-    def _next_member(self, flow: http.HTTPFlow, why: str, down: bool = True) -> members.Member | None:
-        """Aim the flow at its next member (the one it leaves marked down unless not `down`);
-        None when none is left."""
+    def _next_member(self, flow: http.HTTPFlow, why: str, cause: str) -> members.Member | None:
+        """Aim the flow at its next member (the one it leaves marked down, unless only slow:
+        `cause` one of `record.FAILOVER_CAUSES`); None when none is left."""
         st = state.get(flow)
         found = self.group_of(flow)
         rest = self.orders.get(flow.id)
@@ -301,14 +303,14 @@ class UpstreamGroups:
             return None
         host, group = found
         failed = st.route["upstream"]
-        if down:
+        if cause != "slow_head":
             self.members[(host, failed)].down_until = time.time() + DOWN_S
         following = next(m for m in group if m.name == rest[0])
         self.orders[flow.id] = rest[1:]
         after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
         st.route = {**st.route, "upstream": following.name,
                     "failed_over": [*st.route.get("failed_over", ()),
-                                    {"upstream": failed, "error": why, "after_ms": after_ms}]}
+                                    {"upstream": failed, "error": why, "cause": cause, "after_ms": after_ms}]}
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
@@ -333,7 +335,7 @@ class UpstreamGroups:
         ):
             return None
         slow = self.giving_up.pop(flow.id, None)
-        if self._next_member(flow, slow or event.message, down=slow is None) is None:
+        if self._next_member(flow, slow or event.message, "connection" if slow is None else "slow_head") is None:
             return None
         return resend.send_again(stream)
 
@@ -360,7 +362,7 @@ class UpstreamGroups:
         self.held.discard(flow.id)
         retry_after = response.headers.get("retry-after")
         why = f"{response.status_code}" + (f", retry-after {retry_after}" if retry_after else "")
-        if self._next_member(flow, why) is not None:
+        if self._next_member(flow, why, "429" if response.status_code == 429 else "5xx") is not None:
             resend.again(flow)
 
 

@@ -38,6 +38,16 @@ name was in every record, sink and trace of its request."""
 HTTP = "http"
 WEBSOCKET = "websocket"
 WEBSOCKET_HANDSHAKE_FAILED = "websocket handshake failed"
+ROUTE_REASONS = ("order", "exploring", "lowest", "sticky", "left_cache", "all_down")
+"""Why an upstream group chose its member, in a word (`route.reason`, `ttft_relay/route/choice.py`;
+the metrics' label and the report's): nothing learned yet, the group's order; a member whose
+line is still learned, explored; the lowest expected first token; the member holding the
+conversation's cache, kept; that member left for one quicker by more than the miss; every
+member failed moments ago, tried in order."""
+FAILOVER_CAUSES = ("connection", "slow_head", "429", "5xx")
+"""Why an upstream group left a member before the answer's head, in a word (`route.failed_over`'s
+`cause`, `ttft_relay/route/groups.py`): a connect, DNS or TLS failure or a connection closed
+with no answer; no head by its bound; a 429; a 5xx."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,9 +127,11 @@ class Record:
     trim: dict[str, Any] | None
     """What trimming did (owned by the trim addon)."""
     route: dict[str, Any] | None = None
-    """On a listener with an upstream group (`ttft_relay/route/`): the member chosen
-    (`upstream`), `why`, each member's expected first token in ms (`expected_ms`, null:
-    not known), and `failed_over`: the members left before the answer's head, and why."""
+    """On a listener with an upstream group (`ttft_relay/route/`): the `group` (the listener's
+    upstream host), the member that served it (`upstream`), `why` it was chosen and the
+    `reason` in a word (ROUTE_REASONS), each member's expected first token in ms
+    (`expected_ms`, null: not known), and `failed_over`: the members left before the
+    answer's head, why, and its `cause` in a word (FAILOVER_CAUSES)."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None
