@@ -1,6 +1,6 @@
 """Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Four parts, each beside baselines measured in the same run:
+Four parts, each beside baselines measured in the same run (`--only` runs some of them):
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
@@ -418,6 +418,10 @@ def counting_speed(repeat: int, messages: int) -> None:
     print(f"o200k_base: tiktoken and bpe-openai give the same tokens: {same}")
 
 
+PARTS = ("cost", "sharing", "generated", "restart", "counting")
+"""The bench's parts, in the order of the module docstring (sharing: its 30-turn sessions, generated: the rest)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1000)
@@ -429,6 +433,8 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=2, help="generated sessions per profile and API (0: none)")
     parser.add_argument("--generated-budgets", type=int, nargs="+", default=[40_000, 80_000])
     parser.add_argument("--generated-trimmed", type=int, default=60, help="trimmed requests per generated session")
+    parser.add_argument("--only", choices=PARTS, nargs="+", default=list(PARTS),
+                        help="run only these parts (e.g. --only restart: the cuts across a restart)")
     args = parser.parse_args()
 
     loader = tokens.TokenizerLoader(args.tiktoken_file)
@@ -436,15 +442,19 @@ def main() -> None:
     encoding = loader.get(tokens.encoding_for(MODEL).name)
     plain = tokens.Counter(encoding.encoding, encoding.label)  # no cache: for totals and the naive trimmer
     trimmers = [Trimmer(trimming, encoding.encoding, encoding.label, new=True)]
-    if (before := load_baseline(args.baseline_commit)) is not None:
+    if {"cost", "sharing"} & set(args.only) and (before := load_baseline(args.baseline_commit)) is not None:
         trimmers.append(Trimmer(before, encoding.encoding, encoding.label, new=False))
     print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")
-    cost_table(trimmers, args, plain)
-    sharing_table(trimmers, args.share_budget)
-    if args.generated:
+    if "cost" in args.only:
+        cost_table(trimmers, args, plain)
+    if "sharing" in args.only:
+        sharing_table(trimmers, args.share_budget)
+    if "generated" in args.only and args.generated:
         sharing_generated(trimmers, args.generated_budgets, args.generated, args.generated_trimmed)
-    restart_table(trimmers[0], args.generated_budgets[0], args.generated, args.generated_trimmed)
-    counting_speed(args.repeat, args.messages)
+    if "restart" in args.only:
+        restart_table(trimmers[0], args.generated_budgets[0], args.generated, args.generated_trimmed)
+    if "counting" in args.only:
+        counting_speed(args.repeat, args.messages)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ the CLI sends one request per round, each the previous history plus the call and
 as in a real session; then the text answer. With a `window`, the fake refuses a longer request
 (its tokens: body bytes / 4) in its API's own words: Anthropic names the limit ("prompt is too
 long: N tokens > M maximum"), the Responses API does not. Codex talks HTTP SSE
-(`supports_websockets = false`): the fake's agent loop answers HTTP only (the relay's
-trimming of WebSocket turns is tested against the fake's socket,
-tests/test_websocket_trim_e2e.py).
+(`supports_websockets = false`) or, where a test says so, its default WebSocket, which the
+fake answers with the same agent loop.
 
 What each CLI did is what docs/trimming.md reports.
 """
@@ -199,25 +198,65 @@ def test_codex_gets_a_refusal_that_names_no_limit_as_it_came(clis, refusing, sta
 # --- a budget set: prefix sharing on the real sessions -------------------------------------------
 
 
-@pytest.mark.parametrize("cli", ["claude", "codex"])
+def socket_prompts(socket) -> list[tuple[dict, int]]:
+    """Each model turn of a Responses WebSocket as the provider reads it (a turn continuing a
+    response: that response's whole prompt, its output, then the turn's own input), with its
+    index among the socket's turns (the prewarm, which generates nothing, left out)."""
+    whole: dict[str, dict] = {}
+    prompts = []
+    for n, turn in enumerate(socket.turns):
+        create = {k: v for k, v in turn.request.items() if k != "previous_response_id"}
+        if (previous := turn.request.get("previous_response_id")) is not None:
+            before = whole[previous]
+            create["input"] = before["input"] + before["output"] + create["input"]
+        whole[turn.response_id] = {**create, "output": turn.output}
+        if not turn.prewarm:
+            prompts.append((create, n))
+    return prompts
+
+
+@pytest.mark.parametrize("cli", ["claude", "codex", "codex-ws"])
 def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli):
     # 80 tool rounds of ~700 tokens each over a 40k budget: about half the session is trimmed.
+    # Each request, as the provider reads it, shares its whole prompt (system, tools, then the
+    # items) with the one before it: what the provider's prompt cache hits.
     budget = 40_000
+    api = shaped.ANTHROPIC if cli == "claude" else shaped.RESPONSES
     with FakeUpstream(behaviour=Behaviour()) as fake:
         relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
-        api = shaped.ANTHROPIC if cli == "claude" else shaped.RESPONSES
-        agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=80)
-        sent = [orjson.loads(body) for body, status in posts(fake)]
+        if cli == "codex-ws":
+            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=80, lines=40, model="gpt-test",
+                                    websockets=True)
+            run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
+            assert run.returncode == 0 and codex_failure(run) is None, run.describe()
+            assert posts(fake) == []  # no fallback to HTTP
+            (socket,) = fake.sockets
+            prompts = socket_prompts(socket)
+        else:
+            agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=80)
+            prompts = [(orjson.loads(body), n) for n, (body, status) in enumerate(posts(fake))]
     recs = records(relay)
-    assert len(recs) == len(sent) == 81
+    if cli == "codex-ws":
+        recs = sorted(recs, key=lambda r: r["turn"])
+    sent = [body for body, _ in prompts]
+    trims = [recs[n]["trim"] for _, n in prompts]
+    assert len(sent) == 81 and len(recs) == (81 if cli != "codex-ws" else len(socket.turns))
     shares = [shaped.prefix_share(api, previous, body)
-              for previous, body, rec in zip(sent, sent[1:], recs[1:]) if rec["trim"]["trimmed"]]
-    new_cuts = sum(rec["trim"]["plan"] == "new" for rec in recs)
-    summary = (f"{cli}: {len(shares)} of {len(sent)} requests trimmed, {new_cuts} new cuts, prefix share mean "
-               f"{statistics.mean(shares):.3f}, min {min(shares):.3f}")
+              for previous, body, trim in zip(sent, sent[1:], trims[1:]) if trim["trimmed"]]
+    whole = [shaped.whole_prompt_share(api, previous, body) for previous, body in zip(sent, sent[1:])]
+    kept = [share for share, trim in zip(whole, trims[1:]) if trim["plan"] == "kept"]
+    cuts = sorted(share for share, trim in zip(whole, trims[1:]) if trim["plan"] == "new")
+    summary = (f"{cli}: {len(shares)} of {len(sent)} requests trimmed, items' prefix share of the trimmed mean "
+               f"{statistics.mean(shares):.3f}, min {min(shares):.3f}; whole prompt, every request after the first: "
+               f"median {statistics.median(whole):.3f}, min {min(whole):.3f}; with the cut kept: min {min(kept, default=0.0):.3f}; "
+               f"at the {len(cuts)} new cuts: {', '.join(f'{c:.3f}' for c in cuts)}")
     print(summary)
     assert len(shares) > 30 and all(r["trim"]["tokens_after"] <= budget for r in recs), summary
     assert statistics.mean(shares) >= SHARE_GOAL, summary
+    # Only a new cut (here where shrinking reaches further) misses the prompt cache: it changes
+    # the oldest result still whole, and every one after it.
+    assert statistics.median(whole) >= SHARE_GOAL and min(kept, default=0.0) >= SHARE_GOAL, summary
+    assert len(cuts) <= len(shares) / 10, summary
 
 
 # --- over budget: the newest turn alone is too long ------------------------------------------------

@@ -492,3 +492,17 @@ def prefix_share(api: str, previous: dict, body: dict) -> float:
             break
         common += len(a)
     return common / max(sum(map(len, before)), 1)
+
+
+def whole_prompt_share(api: str, previous: dict, body: dict) -> float:
+    """As `prefix_share`, over the whole prompt a provider caches: the request-level parts
+    (`system`, `tools`, `instructions`: its trim shape's `fixed_keys`) first, then the items.
+    Changed request-level parts share nothing."""
+    shape = apis.get(api).trim_shape
+    assert shape is not None, api
+    fixed_keys = shape.fixed_keys
+    fixed = [len(orjson.dumps(_without_cache_control(previous.get(k)))) for k in fixed_keys]
+    same = all(_without_cache_control(previous.get(k)) == _without_cache_control(body.get(k)) for k in fixed_keys)
+    items = sum(len(orjson.dumps(_without_cache_control(i))) for i in items_of(api, previous))
+    kept_items = prefix_share(api, previous, body) * items
+    return (sum(fixed) + kept_items) / max(sum(fixed) + items, 1) if same else 0.0

@@ -94,6 +94,9 @@ class SocketTurn:
     """`time.time()` right after the first text delta was written."""
     outcome: str | None = None
     """None while in progress, then "complete", "error" (an error event), "reset" or "client_closed"."""
+    output: list[dict[str, Any]] = field(default_factory=list)
+    """The output items of the `response.completed` it sent (what a turn continuing this
+    response has before its own input)."""
 
 
 @dataclass
@@ -313,7 +316,10 @@ class ResponsesSocket:
                 writer.write(self._ws.send(TextMessage(data=events[index])))
                 await writer.drain()
                 with self._changed:
-                    turn.events.append(json.loads(events[index])["type"])
+                    event = json.loads(events[index])
+                    turn.events.append(event["type"])
+                    if event["type"] == "response.completed":
+                        turn.output = event["response"].get("output") or []
                     if index == first_token:
                         turn.first_token_at = time.time()
                     self._changed.notify_all()
