@@ -335,14 +335,15 @@ class Trim:
     def _accepted(self, held: windows.Learned, sent: int, before: windows.Budget | None) -> None:
         """In the worker thread: what an accepted request says of an unconfirmed window."""
         judged = windows.judge_accepted(held, sent, before, time.time())
+        # Said once done (the store written): the line is when other workers see it too.
         if judged is None:
+            self.learned.forget(held)
             logger.info("%s accepted %s tokens of %s, more than the %s tokens learned from one key's refusal: "
                         "forgotten", held.upstream, sent, held.model, held.limit)
-            self.learned.forget(held)
         elif isinstance(judged, windows.Learned):
+            self.learned.keep(judged)
             logger.info("%s accepted %s tokens of %s, more than the window before allowed: the %s tokens learned "
                         "confirmed", held.upstream, sent, held.model, held.limit)
-            self.learned.keep(judged)
 
     def _budget(self, model: str | None, api: Api, body: Any, anthropic_beta: str | None,
                 user_max: int | None = None) -> Callable[..., windows.Budget | None]:
