@@ -57,7 +57,7 @@ from typing import Any
 import orjson
 
 from ttft_relay import apis, store
-from ttft_relay.trim import plans, tokens, trimming
+from ttft_relay.trim import plans, policy, tokens
 from ttft_relay.testing import shaped
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ class Trimmer:
     def fresh(self) -> tuple[Any, Any]:
         """A counter with an empty count cache, and an empty plan cache (new only)."""
         counter = self.tokens.Counter(self.encoding, self.label, cache=self.tokens.CountCache())
-        return counter, trimming.PlanCache() if self.new else None
+        return counter, policy.PlanCache() if self.new else None
 
     def trim(self, body: dict, api: str, budget: int, state: tuple[Any, Any]):
         counter, plans = state
@@ -240,7 +240,7 @@ def sharing(trimmer: Trimmer | None, api: str, budget: int) -> tuple[list[float]
         n += 1
         result = trimmer.trim(body, api, budget, state) if trimmer else None
         sent = result.body if result and result.body is not None else body
-        items = [orjson.dumps(trimming._without_cache_control(i)) for i in shaped.items_of(api, sent)]
+        items = [orjson.dumps(policy._without_cache_control(i)) for i in shaped.items_of(api, sent)]
         if previous is not None and (trimmer is None or result.stats["trimmed"]):
             common = 0
             for a, b in zip(previous, items):
@@ -272,10 +272,10 @@ def sharing_table(trimmers: list[Trimmer], budget: int) -> None:
 
 
 CUT_POLICIES = {
-    "fixed 40 %": (trimming.REQUESTS_BETWEEN_CUTS, 0.4, 0.4),
-    "8 requests": (8, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
-    "16 requests": (16, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
-    "24 requests": (24, trimming.LEAST_HEADROOM, trimming.MOST_HEADROOM),
+    "fixed 40 %": (policy.REQUESTS_BETWEEN_CUTS, 0.4, 0.4),
+    "8 requests": (8, policy.LEAST_HEADROOM, policy.MOST_HEADROOM),
+    "16 requests": (16, policy.LEAST_HEADROOM, policy.MOST_HEADROOM),
+    "24 requests": (24, policy.LEAST_HEADROOM, policy.MOST_HEADROOM),
 }
 """How deep a new cut goes: (REQUESTS_BETWEEN_CUTS, LEAST_HEADROOM, MOST_HEADROOM). "fixed 40 %":
 every cut to 60 % of the budget, as before issue 25; the others leave room for that many
@@ -285,14 +285,14 @@ requests at the conversation's growth (16: the relay's)."""
 @contextlib.contextmanager
 def cut_policy(name: str) -> Iterator[None]:
     names = ("REQUESTS_BETWEEN_CUTS", "LEAST_HEADROOM", "MOST_HEADROOM")
-    saved = [getattr(trimming, n) for n in names]
+    saved = [getattr(policy, n) for n in names]
     for n, value in zip(names, CUT_POLICIES[name]):
-        setattr(trimming, n, value)
+        setattr(policy, n, value)
     try:
         yield
     finally:
         for n, value in zip(names, saved):
-            setattr(trimming, n, value)
+            setattr(policy, n, value)
 
 
 def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, trimmed: int) -> None:
@@ -308,9 +308,9 @@ def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, t
     print("-" * len(header))
     new = next(t for t in trimmers if t.new)
     for budget in budgets:
-        for policy in CUT_POLICIES:
+        for cut_name in CUT_POLICIES:
             rows: dict[str, list[tuple[list[float], list[dict]]]] = {}
-            with cut_policy(policy):
+            with cut_policy(cut_name):
                 for api in apis_:
                     for seed in range(seeds * len(shaped.PROFILES)):
                         state = new.fresh()
@@ -322,7 +322,7 @@ def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, t
                 means = [statistics.mean(shares) for shares, _ in sessions]
                 stats = [st for _, sts in sessions for st in sts]
                 cuts = [st for st in stats if st["plan"] == "new"]
-                print(f"{budget:>7,} {policy:<12} {profile:<17} {len(sessions):>8} {min(means):>7.1%} "
+                print(f"{budget:>7,} {cut_name:<12} {profile:<17} {len(sessions):>8} {min(means):>7.1%} "
                       f"{statistics.mean(means):>7.1%} {min(min(sh) for sh, _ in sessions):>6.1%} "
                       f"{len(cuts) / len(stats):>8.1%} {statistics.mean(st['tokens_after'] for st in stats) / budget:>8.0%} "
                       f"{statistics.mean(st['tokens_after'] for st in cuts) / budget:>7.0%}")
@@ -340,7 +340,7 @@ def restart_shares(trimmer: Trimmer, api: str, session: shaped.Session, budget: 
     previous, cut_seen = None, False
     for body in session.requests():
         if cut_seen and previous is not None:
-            for label, restarted in (("kept", plans.KeptPlans(path)), ("memory", trimming.PlanCache())):
+            for label, restarted in (("kept", plans.KeptPlans(path)), ("memory", policy.PlanCache())):
                 if isinstance(restarted, plans.KeptPlans):
                     restarted.refresh()
                 fresh, _ = trimmer.fresh()
@@ -441,7 +441,7 @@ def main() -> None:
     loader.load()
     encoding = loader.get(tokens.encoding_for(MODEL).name)
     plain = tokens.Counter(encoding.encoding, encoding.label)  # no cache: for totals and the naive trimmer
-    trimmers = [Trimmer(trimming, encoding.encoding, encoding.label, new=True)]
+    trimmers = [Trimmer(policy, encoding.encoding, encoding.label, new=True)]
     if {"cost", "sharing"} & set(args.only) and (before := load_baseline(args.baseline_commit)) is not None:
         trimmers.append(Trimmer(before, encoding.encoding, encoding.label, new=False))
     print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")

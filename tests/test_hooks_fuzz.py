@@ -22,7 +22,8 @@ from ttft_relay import relay, scope, state
 from ttft_relay.faults import faults
 from ttft_relay.stream import streaming
 from ttft_relay.timing import timing
-from ttft_relay.trim import tokens, trim
+from ttft_relay.trim import addon as trim
+from ttft_relay.trim import tokens
 
 PATHS = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
          "/v1beta/models/gemini-2.0-flash:streamGenerateContent?alt=sse", "/v1beta/models/x:generateContent",

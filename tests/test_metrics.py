@@ -143,7 +143,7 @@ def test_the_self_watch_samples_feed_the_lag_the_accept_queues_and_the_gc_pauses
 
 def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
     from ttft_relay import store as learned_store
-    from ttft_relay.trim import plans, trimming, windows
+    from ttft_relay.trim import plans, policy, windows
 
     registry = CollectorRegistry()
     metrics.watch_learned(registry, tmp_path / "timing.jsonl")
@@ -167,7 +167,7 @@ def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
     }
     # And how much of each kind the store holds, and when the newest was learned.
     kept = plans.KeptPlans(tmp_path / learned_store.FILE_NAME)
-    kept.put(bytes(16), trimming.Plan(1, 2, bytes(16)))
+    kept.put(bytes(16), policy.Plan(1, 2, bytes(16)))
     kept.save()
     scraped = {(s.name, s.labels["kind"]): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode())

@@ -25,7 +25,7 @@ from ttft_relay.faults import faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
 from ttft_relay.stream import frames, streaming
-from ttft_relay.trim import trim
+from ttft_relay.trim import addon as trim
 
 RELAY_KEY = "relay-key-0123456789-alice"
 REVERSE = "reverse:http://127.0.0.1:9@0"

@@ -10,7 +10,7 @@ import orjson
 
 from ttft_relay import apis, store
 from ttft_relay.testing import shaped
-from ttft_relay.trim import plans, trimming
+from ttft_relay.trim import plans, policy
 from ttft_relay.trim.windows import Budget
 
 from tests.test_trimming import FakeCounter
@@ -18,17 +18,17 @@ from tests.test_trimming import FakeCounter
 BUDGET = Budget(40_000, "user")
 
 
-def trim(body: dict, api: str, kept: trimming.PlanCache) -> trimming.TrimResult:
+def trim(body: dict, api: str, kept: policy.PlanCache) -> policy.TrimResult:
     """As the addon's worker does: the others' plans read, the trim, this one's plan kept."""
     if isinstance(kept, plans.KeptPlans):
         kept.refresh()
-    result = trimming.trim(body, apis.get(api), BUDGET, FakeCounter(), plans=kept)
+    result = policy.trim(body, apis.get(api), BUDGET, FakeCounter(), plans=kept)
     if isinstance(kept, plans.KeptPlans):
         kept.save()
     return result
 
 
-def first_after_restart(api: str, restarted: trimming.PlanCache, kept: trimming.PlanCache) -> tuple[dict, float]:
+def first_after_restart(api: str, restarted: policy.PlanCache, kept: policy.PlanCache) -> tuple[dict, float]:
     """A session trimmed with `kept` until some of its requests kept their cut, then (the
     relay restarted) its next request with `restarted`: that one's stats and prefix share."""
     requests = list(shaped.Session(api, turns=30).requests())
@@ -49,7 +49,7 @@ def test_a_restarted_relay_cuts_the_conversation_where_it_was_cut(tmp_path):
         stats, share = first_after_restart(api, plans.KeptPlans(path), plans.KeptPlans(path))
         assert stats["plan"] == "kept" and share >= 0.9, (api, stats, share)
         # In memory only (as before): the restarted relay makes a cut of its own.
-        stats, share = first_after_restart(api, trimming.PlanCache(), trimming.PlanCache())
+        stats, share = first_after_restart(api, policy.PlanCache(), policy.PlanCache())
         assert stats["plan"] == "new" and share < 0.5, (api, stats, share)
 
 
@@ -67,15 +67,15 @@ def test_the_store_stays_bounded_and_keeps_the_plans_used_last(tmp_path):
     path = tmp_path / store.FILE_NAME
     kept = plans.KeptPlans(path, maxsize=50)
     for n in range(2_000):
-        kept.put(n.to_bytes(16, "big"), trimming.Plan(n, n + 1, b"\x01" * 16))
+        kept.put(n.to_bytes(16, "big"), policy.Plan(n, n + 1, b"\x01" * 16))
         if n % 10 == 9:
             kept.get((0).to_bytes(16, "big"))  # a conversation still going on
             kept.save()
     assert len(path.read_bytes().splitlines()) == 50
     fresh = plans.KeptPlans(path, maxsize=50)
     fresh.refresh()
-    assert fresh.get((1999).to_bytes(16, "big")) == trimming.Plan(1999, 2000, b"\x01" * 16)
-    assert fresh.get((0).to_bytes(16, "big")) == trimming.Plan(0, 1, b"\x01" * 16)
+    assert fresh.get((1999).to_bytes(16, "big")) == policy.Plan(1999, 2000, b"\x01" * 16)
+    assert fresh.get((0).to_bytes(16, "big")) == policy.Plan(0, 1, b"\x01" * 16)
     assert len(fresh) == 50
 
 
@@ -88,7 +88,7 @@ def test_entries_it_did_not_write_are_skipped(tmp_path):
     path.write_bytes(b"".join(e.encode() + b"\n" for e in [*bad, good]) + b"not json\n" + b"x" * 10_000 + b"\n")
     kept = plans.KeptPlans(path)
     kept.refresh()
-    assert len(kept) == 1 and kept.get(bytes(16)) == trimming.Plan(1, 2, bytes.fromhex("ab" * 16), 0)
+    assert len(kept) == 1 and kept.get(bytes(16)) == policy.Plan(1, 2, bytes.fromhex("ab" * 16), 0)
 
 
 def test_the_previous_versions_file_is_read_once(tmp_path):
@@ -97,4 +97,4 @@ def test_the_previous_versions_file_is_read_once(tmp_path):
     (tmp_path / plans.LEGACY_FILE).write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines) + b"torn")
     kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
     kept.refresh()
-    assert len(kept) == 2 and kept.get(bytes(16)) == trimming.Plan(1, 3, bytes.fromhex("ab" * 16), 0)
+    assert len(kept) == 2 and kept.get(bytes(16)) == policy.Plan(1, 3, bytes.fromhex("ab" * 16), 0)

@@ -11,7 +11,7 @@ import pytest
 from ttft_relay import store
 from ttft_relay.observe import prefill, verdicts
 from ttft_relay.timing import record
-from ttft_relay.trim import plans, trimming, windows
+from ttft_relay.trim import plans, policy, windows
 from ttft_relay.report import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
     kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
     for n, by in enumerate(("ab12", "cd34", "cd34")):
         kept.by = by
-        kept.put(bytes([n]) * 16, trimming.Plan(1, 2, bytes(16)))
+        kept.put(bytes([n]) * 16, policy.Plan(1, 2, bytes(16)))
     kept.save()
     line = prefill.Line("api.example.com")
     for t in range(3):

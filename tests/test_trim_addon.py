@@ -14,9 +14,9 @@ from mitmproxy.net import encoding
 from mitmproxy.test import taddons, tflow, tutils
 
 from ttft_relay import apis, state
-from ttft_relay.trim import tokens, trimming
-from ttft_relay.trim import trim as trim_module
-from ttft_relay.trim.trim import HEADER, Trim
+from ttft_relay.trim import policy, tokens
+from ttft_relay.trim import addon as trim_addon
+from ttft_relay.trim.addon import HEADER, Trim
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_trims_and_says_so(addon):
     assert st.trim["encoding"] == tokens.O200K and st.trim["count_source"] == tokens.EXACT  # from bpe-openai
     assert st.prompt_tokens == st.trim["tokens_after"] <= 2000
     addon.responseheaders(flow)
-    assert flow.response.headers[HEADER] == trimming.summary(st.trim)
+    assert flow.response.headers[HEADER] == policy.summary(st.trim)
     assert flow.response.headers[HEADER].startswith(f"dropped={st.trim['dropped_units']}; shrunk=")
 
 
@@ -178,14 +178,14 @@ def test_failure_forwards_the_original_bytes_and_logs_once(addon, monkeypatch, c
     def broken(*args, **kwargs):
         raise RuntimeError("policy bug")
 
-    monkeypatch.setattr(trimming, "trim", broken)
+    monkeypatch.setattr(policy, "trim", broken)
     caplog.set_level(logging.WARNING)
     for _ in range(3):
         flow, st = make_flow(orjson.dumps(conversation()))
         raw = flow.request.raw_content
         run(addon.request(flow))
         assert flow.request.raw_content is raw
-        assert st.trim == trimming.untouched_stats("error: RuntimeError: policy bug")
+        assert st.trim == policy.untouched_stats("error: RuntimeError: policy bug")
         addon.responseheaders(flow)
         assert HEADER not in flow.response.headers
     assert len([r for r in caplog.records if "Trimming failed" in r.getMessage()]) == 1
@@ -253,13 +253,13 @@ def test_unknown_model_is_still_counted(addon, tctx):
 
 def test_counting_runs_in_the_worker_thread(addon, monkeypatch):
     threads = []
-    real = trimming.trim
+    real = policy.trim
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trimming, "trim", spy)
+    monkeypatch.setattr(policy, "trim", spy)
     flow, st = make_flow(orjson.dumps(conversation()))
     run(addon.request(flow))
     assert st.trim["trimmed"] and threads and threads[0].startswith("relay-trim")
@@ -268,7 +268,7 @@ def test_counting_runs_in_the_worker_thread(addon, monkeypatch):
 def test_a_small_request_is_counted_on_the_event_loop_while_the_worker_is_idle(addon, monkeypatch):
     counted = []  # (messages, thread)
     entered, release = threading.Event(), threading.Event()
-    real = trimming.trim
+    real = policy.trim
 
     def spy(body, *args, **kwargs):
         counted.append((len(body["messages"]), threading.current_thread().name))
@@ -277,9 +277,9 @@ def test_a_small_request_is_counted_on_the_event_loop_while_the_worker_is_idle(a
             assert release.wait(10)
         return real(body, *args, **kwargs)
 
-    monkeypatch.setattr(trimming, "trim", spy)
+    monkeypatch.setattr(policy, "trim", spy)
     small = orjson.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
-    assert len(small) <= trim_module.INLINE_MAX_BYTES
+    assert len(small) <= trim_addon.INLINE_MAX_BYTES
 
     async def scenario() -> list[state.FlowState]:
         flow, first = make_flow(small)

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ttft_relay import apis
-from ttft_relay.trim import tokens, trimming, turns
-from ttft_relay.trim.trimming import Budget
+from ttft_relay.trim import policy, tokens, turns
+from ttft_relay.trim.policy import Budget
 from ttft_relay.testing import shaped
 
 CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
@@ -57,13 +57,13 @@ def without_notice(item: dict) -> dict:
 
 def head(api: str, body: dict) -> list:
     items = shaped.items_of(api, body)
-    return items[: trimming.layout(items, apis.get(api).trim_shape).head_end]
+    return items[: policy.layout(items, apis.get(api).trim_shape).head_end]
 
 
-def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming.TrimResult:
+def check(api: str, body: dict, budget: Budget, counter, plans=None) -> policy.TrimResult:
     """Trim `body` and check every promise the policy makes."""
     before = orjson.dumps(body)
-    result = trimming.trim(body, apis.get(api), budget, counter, plans=plans)
+    result = policy.trim(body, apis.get(api), budget, counter, plans=plans)
     assert orjson.dumps(body) == before, "the input must not be modified"
     stats = result.stats
     if result.body is None:
@@ -78,7 +78,7 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming
     assert kept[: len(head(api, body))] == head(api, body), "the pinned head is sent byte for byte"
     pinned = [i for i in items if apis.get(api).trim_shape.pinned(i)]
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
-    lay = trimming.layout(items, apis.get(api).trim_shape)
+    lay = policy.layout(items, apis.get(api).trim_shape)
     if stats["over_budget"]:
         check_into_newest_turn(items, kept, lay, stats, budget)
         return result
@@ -90,7 +90,7 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None) -> trimming
     return result
 
 
-def check_into_newest_turn(items: list, kept: list, lay: trimming.Layout, stats: dict, budget: Budget) -> None:
+def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: dict, budget: Budget) -> None:
     """The promises of a trim that had to go into the newest turn: every older turn gone,
     its prompt kept, its oldest rounds dropped, the newest round's calls kept (their results
     cut only if nothing else could go)."""
@@ -162,7 +162,7 @@ def test_agent_loop_of_8_rounds_fits_40k_by_shrinking_old_tool_results(claude_co
 
 @pytest.mark.parametrize("api", APIS)
 def test_consecutive_requests_keep_the_cut_and_share_their_prefix(api):
-    plans = trimming.PlanCache()
+    plans = policy.PlanCache()
     counter = FakeCounter()
     requests = list(shaped.Session(api, turns=30).requests())
     sent = []
@@ -174,15 +174,15 @@ def test_consecutive_requests_keep_the_cut_and_share_their_prefix(api):
     assert sum(r.stats["plan"] == "kept" for r in trimmed) > 0.8 * len(trimmed)
     for prev, cur in zip(sent, sent[1:]):
         if cur.stats["plan"] == "kept" and prev.body is not None:
-            a = [trimming._without_cache_control(i) for i in shaped.items_of(api, prev.body)]
-            b = [trimming._without_cache_control(i) for i in shaped.items_of(api, cur.body)]
+            a = [policy._without_cache_control(i) for i in shaped.items_of(api, prev.body)]
+            b = [policy._without_cache_control(i) for i in shaped.items_of(api, cur.body)]
             assert b[: len(a) - 1] == a[:-1]  # the previous request's items, then the new ones
     assert len(plans) == 1
 
 
 def recent_growth(api: str, requests: list[dict], counter) -> float:
     """Tokens per request over the session's last GROWTH_WINDOW requests, from their sizes."""
-    window = trimming.GROWTH_WINDOW
+    window = policy.GROWTH_WINDOW
     return (full_tokens(requests[-1], api, counter) - full_tokens(requests[-1 - window], api, counter)) / window
 
 
@@ -194,9 +194,9 @@ def test_a_new_cut_leaves_room_for_the_next_requests_at_the_conversations_growth
     counter = FakeCounter()
     requests = list(shaped.Session(api, turns=30, result_words=result_words).requests())
     growth = recent_growth(api, requests, counter)
-    result = check(api, requests[-1], Budget(budget, "user"), counter, trimming.PlanCache())
-    room = trimming.REQUESTS_BETWEEN_CUTS * growth
-    assert trimming.LEAST_HEADROOM * budget < room < trimming.MOST_HEADROOM * budget  # neither limit applies
+    result = check(api, requests[-1], Budget(budget, "user"), counter, policy.PlanCache())
+    room = policy.REQUESTS_BETWEEN_CUTS * growth
+    assert policy.LEAST_HEADROOM * budget < room < policy.MOST_HEADROOM * budget  # neither limit applies
     # (Claude Code moves its cache_control marker to the newest message: a few tokens apart.)
     assert result.stats["plan"] == "new" and result.stats["target"] == pytest.approx(budget - room, abs=20)
     assert result.stats["target"] - 2 * growth <= result.stats["tokens_after"] <= result.stats["target"]
@@ -208,8 +208,8 @@ def test_a_new_cut_is_within_its_limits(turns, result_words, budget, limit):
     # However fast a conversation grows, one cut throws away at most MOST_HEADROOM of the
     # budget; however slowly, it leaves at least LEAST_HEADROOM free.
     body = shaped.Session(CHAT, turns=turns, result_words=result_words, args_words=5).last()
-    result = check(CHAT, body, Budget(budget, "user"), FakeCounter(), trimming.PlanCache())
-    share = trimming.MOST_HEADROOM if limit == "most" else trimming.LEAST_HEADROOM
+    result = check(CHAT, body, Budget(budget, "user"), FakeCounter(), policy.PlanCache())
+    share = policy.MOST_HEADROOM if limit == "most" else policy.LEAST_HEADROOM
     assert result.stats["plan"] == "new" and result.stats["target"] == math.floor(budget * (1 - share))
 
 
@@ -225,15 +225,15 @@ def test_the_growth_per_request_counts_each_answer_once():
     assert shape.from_model({"type": "web_search_call", "id": "ws_1"})
     counter = FakeCounter()
     requests = list(shaped.Session(RESPONSES, turns=30).requests())
-    result = check(RESPONSES, requests[-1], Budget(40_000, "user"), counter, trimming.PlanCache())
+    result = check(RESPONSES, requests[-1], Budget(40_000, "user"), counter, policy.PlanCache())
     growth = recent_growth(RESPONSES, requests, counter)
-    assert result.stats["target"] == pytest.approx(40_000 - trimming.REQUESTS_BETWEEN_CUTS * growth, abs=1)
+    assert result.stats["target"] == pytest.approx(40_000 - policy.REQUESTS_BETWEEN_CUTS * growth, abs=1)
 
 
 def test_plan_is_not_reused_for_another_history():
-    plans = trimming.PlanCache()
+    plans = policy.PlanCache()
     a = shaped.Session(CHAT, turns=20).last()
-    first = trimming.trim(a, apis.get(CHAT), Budget(15_000, "user"), FakeCounter(), plans=plans)
+    first = policy.trim(a, apis.get(CHAT), Budget(15_000, "user"), FakeCounter(), plans=plans)
     assert first.stats["dropped_units"] > 0
     (cut,) = {plan.cut for plan in plans._plans.values()}
     b = {**a, "messages": [*a["messages"][:cut], {"role": "user", "content": "another question"}, *a["messages"][cut + 1 :]]}
@@ -252,7 +252,7 @@ def test_counting_stops_at_the_count_limit():
 
 def test_newest_turn_alone_over_budget_is_untouched():
     body = {"model": "gpt-4o", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "huge " * 4000}]}
-    result = trimming.trim(body, apis.get(CHAT), Budget(1000, "user"), FakeCounter())
+    result = policy.trim(body, apis.get(CHAT), Budget(1000, "user"), FakeCounter())
     assert result.body is None and result.stats["over_budget"] and result.stats["reason"] == "over_budget"
 
 
@@ -267,7 +267,7 @@ def test_an_agent_loop_over_budget_drops_its_oldest_rounds_not_the_budget(claude
     sent = result.body["messages"]
     assert sent[-2]["role"] == "assistant" and sent[-2]["content"][0]["type"] in ("thinking", "redacted_thinking")
     assert sent[-1] == body["messages"][-1]  # the newest round's results whole
-    assert "; over_budget; rounds=" in trimming.summary(stats)
+    assert "; over_budget; rounds=" in policy.summary(stats)
 
 
 def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter):
@@ -276,7 +276,7 @@ def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter):
     stats = result.stats
     assert stats["over_budget"] and stats["dropped_units"] == 2 and stats["dropped_rounds"] > 20
     prompt = next(m for m in result.body["messages"][2:] if m["role"] == "user")
-    notice = trimming.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    notice = policy.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
     assert prompt["content"][0]["text"] == notice
 
 
@@ -294,8 +294,8 @@ def test_a_resend_cuts_at_the_limit_not_below_it():
     # A request the upstream refused is sent again at the limit it named: no room is left
     # for the next requests, which will make a cut of their own anyway.
     body = shaped.Session(CHAT, turns=30).last()
-    with_room = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter())
-    at_limit = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), headroom=False)
+    with_room = policy.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter())
+    at_limit = policy.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), headroom=False)
     assert with_room.stats["target"] < at_limit.stats["target"] == 20_000
     assert with_room.stats["tokens_after"] < 0.9 * at_limit.stats["tokens_after"] <= 20_000
 
@@ -311,14 +311,14 @@ def test_unknown_items_and_blocks_are_carried():
 
 def test_notice_in_front_of_the_first_kept_turn():
     body = shaped.Session(CHAT, turns=30).last()
-    result = trimming.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), notice=True)
+    result = policy.trim(body, apis.get(CHAT), Budget(20_000, "user"), FakeCounter(), notice=True)
     n = result.stats["dropped_units"]
     assert n > 0
     assert sum(f"[ttft-relay: {n} earlier turns" in str(m["content"]) for m in result.body["messages"]) == 1
 
 
 def test_responses_string_input_is_one_message():
-    result = trimming.trim({"model": "gpt-5", "input": "hi", "instructions": "be brief"}, apis.get(RESPONSES), Budget(100, "user"), FakeCounter())
+    result = policy.trim({"model": "gpt-5", "input": "hi", "instructions": "be brief"}, apis.get(RESPONSES), Budget(100, "user"), FakeCounter())
     assert result.body is None and result.stats["reason"] == "fits" and result.stats["tokens_after"] > 0
 
 
@@ -340,7 +340,7 @@ def test_responses_string_input_is_one_message():
     ],
 )  # fmt: skip
 def test_malformed_is_untouched_with_a_reason(api, body, reason):
-    result = trimming.trim(body, apis.get(api), Budget(1, "user"), FakeCounter())
+    result = policy.trim(body, apis.get(api), Budget(1, "user"), FakeCounter())
     assert result.body is None and result.stats["reason"] == reason
 
 
@@ -350,12 +350,12 @@ def test_malformed_is_untouched_with_a_reason(api, body, reason):
 ])  # fmt: skip
 def test_what_real_clients_send_is_never_refused(item):
     body = {"model": "claude-opus-4-6", "messages": [{"role": "user", "content": "hi"}, item]}
-    result = trimming.trim(body, apis.get(ANTHROPIC), Budget(1000, "user"), FakeCounter())
+    result = policy.trim(body, apis.get(ANTHROPIC), Budget(1000, "user"), FakeCounter())
     assert result.stats["reason"] == "fits"
 
 
 def test_no_budget_still_counts():
-    result = trimming.trim({"messages": [{"role": "user", "content": "hello"}]}, apis.get(CHAT), None, FakeCounter())
+    result = policy.trim({"messages": [{"role": "user", "content": "hello"}]}, apis.get(CHAT), None, FakeCounter())
     assert result.body is None and result.stats["reason"].startswith("no budget") and result.stats["tokens_after"] > 0
 
 
@@ -370,7 +370,7 @@ json_values = st.recursive(
 
 @given(body=json_values, api=st.sampled_from(APIS), budget=st.integers(0, 50))
 def test_anything_goes_in_nothing_raises(body, api, budget):
-    result = trimming.trim(body, apis.get(api), Budget(budget, "user"), FakeCounter(), plans=trimming.PlanCache())
+    result = policy.trim(body, apis.get(api), Budget(budget, "user"), FakeCounter(), plans=policy.PlanCache())
     assert result.body is None or isinstance(result.body, dict)
 
 
@@ -383,21 +383,21 @@ def test_policy_holds_for_random_sessions(api, turns, rounds, result_words, args
     requests = list(shaped.Session(api, turns, rounds, result_words, args_words, seed).requests())
     body = requests[int(upto * (len(requests) - 1))]
     budget = Budget(int(full_tokens(body, api, FakeCounter()) * fraction), "user")
-    check(api, body, budget, FakeCounter(), trimming.PlanCache())
+    check(api, body, budget, FakeCounter(), policy.PlanCache())
 
 
 # --- budgets ---------------------------------------------------------------------------------
 
 
 def test_the_answers_cap_is_read_from_each_apis_own_field():
-    assert trimming.max_output(apis.get(CHAT), {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
-    assert trimming.max_output(apis.get(CHAT), {"max_tokens": 1000}) == 1000  # the older name
-    assert trimming.max_output(apis.get(RESPONSES), {"max_output_tokens": 1}) == 1
-    assert trimming.max_output(apis.get(RESPONSES), {"max_tokens": 1000}) is None  # not this API's field
-    assert trimming.max_output(apis.get(ANTHROPIC), {"max_tokens": 64_000}) == 64_000
-    assert trimming.max_output(apis.get(CHAT), {"max_tokens": True}) is None and trimming.max_output(apis.get(CHAT), {"max_tokens": 0}) is None
-    assert trimming.max_output(apis.get(CHAT), ["not", "a", "body"]) is None
-    assert trimming.max_output(apis.get(apis.GEMINI), {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
+    assert policy.max_output(apis.get(CHAT), {"max_completion_tokens": 2000, "max_tokens": 1}) == 2000
+    assert policy.max_output(apis.get(CHAT), {"max_tokens": 1000}) == 1000  # the older name
+    assert policy.max_output(apis.get(RESPONSES), {"max_output_tokens": 1}) == 1
+    assert policy.max_output(apis.get(RESPONSES), {"max_tokens": 1000}) is None  # not this API's field
+    assert policy.max_output(apis.get(ANTHROPIC), {"max_tokens": 64_000}) == 64_000
+    assert policy.max_output(apis.get(CHAT), {"max_tokens": True}) is None and policy.max_output(apis.get(CHAT), {"max_tokens": 0}) is None
+    assert policy.max_output(apis.get(CHAT), ["not", "a", "body"]) is None
+    assert policy.max_output(apis.get(apis.GEMINI), {"generationConfig": {"maxOutputTokens": 5}}) is None  # not trimmed
 
 
 def test_summary():
@@ -406,12 +406,12 @@ def test_summary():
         tokens_before=130512, tokens_before_lower_bound=True, tokens_after=31870, budget=32000,
     )  # fmt: skip
     stats.update(budget_source="user", window=None)
-    assert trimming.summary(stats) == "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=user"
+    assert policy.summary(stats) == "dropped=3; shrunk=5; messages=120->40; tokens=130512+->31870; budget=32000; by=user"
     learned = {**stats, "budget_source": "learned", "window": 200_000}
-    assert trimming.summary(learned).endswith("budget=32000; by=learned:200000")
+    assert policy.summary(learned).endswith("budget=32000; by=learned:200000")
     refused = {**learned, "refused": {"provider_tokens": 219898, "max_input": 200_000, "resent": True}}
-    assert trimming.summary(refused).endswith("by=learned:200000; refused=219898>200000; resent")
-    assert trimming.summary({**stats, "trimmed": False, "over_budget": False}) is None
+    assert policy.summary(refused).endswith("by=learned:200000; refused=219898>200000; resent")
+    assert policy.summary({**stats, "trimmed": False, "over_budget": False}) is None
 
 
 def test_an_anthropic_drop_tells_the_model_what_is_missing_between_two_user_turns(claude_counter):
@@ -453,7 +453,7 @@ def test_trimmed_requests_of_generated_sessions_share_their_prefix(api):
     means: dict[str, list[float]] = {}
     for seed in range(SEEDS_PER_PROFILE * len(shaped.PROFILES)):
         trim = functools.partial(check, api, budget=Budget(GENERATED_BUDGET, "user"), counter=FakeCounter(),
-                                 plans=trimming.PlanCache())
+                                 plans=policy.PlanCache())
         shares, stats = shaped.trimmed_shares(api, shaped.generated(api, seed, turns=10_000), trim, GENERATED_TRIMMED)
         assert len(shares) == GENERATED_TRIMMED
         new_cuts = sum(s["plan"] == "new" for s in stats)

@@ -69,7 +69,7 @@ from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, ver
 from ttft_relay.route import groups
 from ttft_relay.stream import frames, sseview, streaming, websocket
 from ttft_relay.timing import timing
-from ttft_relay.trim import trim
+from ttft_relay.trim import addon as trim
 
 self_watch = selfwatch.SelfWatch()
 prometheus = metrics.Metrics()

@@ -1,7 +1,7 @@
 """What a trim shape is (pure): how one API lays out a conversation, the base class
 each API module's shape extends (`ttft_relay/apis/`), and the parts shrinking replaces.
 
-The policy (`trimming.py`) asks a shape per item: its role, whether it is pinned or a
+The trim policy (`trim/policy.py`) asks a shape per item: its role, whether it is pinned or a
 prompt, which tool calls it makes or answers, and what it looks like shrunk.
 """
 

@@ -464,7 +464,7 @@ def _without_cache_control(obj: Any) -> Any:
 
 
 def trimmed_shares(api: str, session: Session, trim: Callable[[dict], Any], trimmed: int) -> tuple[list[float], list[dict]]:
-    """Send `session`'s requests through `trim` (a body to a `trimming.TrimResult`) until `trimmed`
+    """Send `session`'s requests through `trim` (a body to a `policy.TrimResult`) until `trimmed`
     of them were trimmed (or the session ends): the `prefix_share` of each trimmed request with
     the request sent before it (trimmed or not), and the stats of those trimmed requests."""
     shares, stats, previous = [], [], None

@@ -1,6 +1,6 @@
 """Conversations' cuts kept across restarts and shared by workers (`KeptPlans`).
 
-A conversation's plan (`trimming.Plan`: where its cut is) is what keeps its prompt-cache
+A conversation's plan (`policy.Plan`: where its cut is) is what keeps its prompt-cache
 prefix from one request to the next. Kept only in one process's memory, it is lost on a
 restart and unknown to the other workers: the conversation's next request there makes a
 new cut — a different prefix, a full-prompt cache miss, and (cut at that request's own
@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 
 from .. import store
-from .trimming import Plan, PlanCache
+from .policy import Plan, PlanCache
 
 KIND_NAME = "plan"
 """The plans' kind in the store."""

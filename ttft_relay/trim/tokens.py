@@ -311,7 +311,7 @@ class CountCache:
 class Counter:
     """Counts the tokens of messages and request parts in one encoding.
 
-    `message` and `value` are what `trimming.TokenCounter` asks for.
+    `message` and `value` are what `policy.TokenCounter` asks for.
     """
 
     request_overhead = REPLY_PRIMING

@@ -7,7 +7,7 @@ OpenAI chat / Responses and Anthropic Messages request within the model's contex
 learned from the provider, configured by the user, or the API module's table of exact
 model ids), or within a smaller budget the user sets: old tool results and arguments
 shrunk, then old turns dropped, in cuts that stay put from turn to turn so the
-provider's prompt cache keeps hitting (see `trimming`). A model whose window it does not
+provider's prompt cache keeps hitting (see `policy`). A model whose window it does not
 know is not trimmed unless the user set a budget. It fails open: when nothing is
 trimmed, or anything goes wrong, the client's exact bytes go upstream. The cuts are
 kept beside the timing log (`plans`), so a restarted relay and the other workers cut a
@@ -53,12 +53,12 @@ from ..patches import pins
 from ..patches.fixes import resend
 from ..apis.api import Api, TooLong, Windows
 from ..flows import client_key, upstream_name
-from . import plans, tokens, trimming, turns, windows
+from . import plans, policy, tokens, turns, windows
 
 logger = logging.getLogger(__name__)
 
 HEADER = "X-Relay-Trim"
-"""Response header telling the client what was trimmed; value: `trimming.summary`."""
+"""Response header telling the client what was trimmed; value: `policy.summary`."""
 
 
 INLINE_MAX_BYTES = 1024
@@ -91,7 +91,7 @@ class Trim:
 
     Options: relay_trim, relay_trim_max_tokens, relay_trim_reserve_tokens, relay_trim_notice,
     relay_tiktoken_file, relay_context_windows. Per flow it fills `FlowState.trim` (the stats
-    of `trimming.trim`) and `FlowState.prompt_tokens` (for every request of a shape it
+    of `policy.trim`) and `FlowState.prompt_tokens` (for every request of a shape it
     trims, trimmed or not), and answers with an X-Relay-Trim header when it trimmed or
     found the request over budget.
     """
@@ -207,7 +207,7 @@ class Trim:
             await self._trim(flow, st)
         except Exception as e:  # trimming must never fail a request: the original bytes go on
             self._log_failure_once(e)
-            st.trim = trimming.untouched_stats(f"error: {type(e).__name__}: {e}")
+            st.trim = policy.untouched_stats(f"error: {type(e).__name__}: {e}")
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
@@ -222,7 +222,7 @@ class Trim:
             st.watcher = None
             resend.hold(flow)
             return
-        line = trimming.summary(st.trim) if st.trim else None
+        line = policy.summary(st.trim) if st.trim else None
         if line is not None:
             response.headers[HEADER] = line
 
@@ -237,7 +237,7 @@ class Trim:
             await self._refused(flow, st, response)
         except Exception as e:  # the refusal goes to the client as it came
             self._log_failure_once(e)
-        line = trimming.summary(st.trim)
+        line = policy.summary(st.trim)
         if line is not None and flow.response is not None:
             flow.response.headers[HEADER] = line
 
@@ -351,18 +351,18 @@ class Trim:
         return functools.partial(
             windows.budget_for,
             model,
-            trimming.max_output(api, body),
+            policy.max_output(api, body),
             windows=api.windows,
             configured=self.configured,
             user_max=ctx.options.relay_trim_max_tokens if user_max is None else user_max,
             default_reserve=ctx.options.relay_trim_reserve_tokens,
-            long_context=trimming.long_context(api, anthropic_beta),
+            long_context=policy.long_context(api, anthropic_beta),
         )
 
     async def _trim(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
         counter = tokens.counter_for(st.model, self.tokenizers, self.counts)
         if counter is None:
-            st.trim = trimming.untouched_stats("no tokenizer")
+            st.trim = policy.untouched_stats("no tokenizer")
             return
         budget = self._budget(st.model, st.api, st.request_json, flow.request.headers.get("anthropic-beta"))
         upstream, key = upstream_name(flow), client_key(flow)
@@ -387,28 +387,28 @@ class Trim:
             self._refusable.add(flow)
 
     def _work(self, body, api, budget, counter, notice, headroom=True, encode: Callable[[dict], bytes] = orjson.dumps,
-              files: bool = True, by: str = "") -> tuple[trimming.TrimResult, bytes | None]:
+              files: bool = True, by: str = "") -> tuple[policy.TrimResult, bytes | None]:
         """In the worker thread: the trim, and the new body's bytes (`encode`d) if there is one;
         the other processes' plans read before, this one's new plan kept after (`files`); `by`:
         the digest of the access key whose request it is (who made a new plan)."""
         if files:
             self.plans.refresh()
         self.plans.by = by
-        result = trimming.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
+        result = policy.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
         if files:
             self.plans.save()
         return result, None if result.body is None else encode(result.body)
 
     def _work_fresh(self, body, api, budget, upstream, model, key, counter, notice, headroom=True,
-                    encode: Callable[[dict], bytes] = orjson.dumps) -> tuple[trimming.TrimResult, bytes | None]:
+                    encode: Callable[[dict], bytes] = orjson.dumps) -> tuple[policy.TrimResult, bytes | None]:
         """In the worker thread: the learned windows read again if another process changed
         them, then the trim (`_work`) within the budget they give (`budget(learned=...)`)."""
         self.learned.refresh()
         return self._work(body, api, budget(learned=self.learned.get(upstream, model, key)), counter, notice,
                           headroom, encode, by=key)
 
-    async def _in_worker(self, work: Callable[..., tuple[trimming.TrimResult, bytes | None]],
-                         *args: Any) -> tuple[trimming.TrimResult, bytes | None]:
+    async def _in_worker(self, work: Callable[..., tuple[policy.TrimResult, bytes | None]],
+                         *args: Any) -> tuple[policy.TrimResult, bytes | None]:
         """`work(*args)` (`_work`, `_work_fresh`) in the worker thread, awaited."""
         self._handed = self.worker.submit(work, *args)
         return await asyncio.wrap_future(self._handed)
@@ -457,7 +457,7 @@ class Trim:
         counter = tokens.counter_for(model, self.tokenizers, self.counts)
         if whole is None or counter is None:
             conversation.started(None)
-            st.turn_trim = trimming.untouched_stats(
+            st.turn_trim = policy.untouched_stats(
                 "continues a response this socket did not carry: its conversation is the upstream's"
                 if whole is None else "no tokenizer")
             return
