@@ -37,7 +37,7 @@ import importlib.util
 _spec = importlib.util.spec_from_file_location("relay_full", {str(REPO / "ttft_relay" / "relay.py")!r})
 _relay = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_relay)  # the relay's entry point: it makes the package importable
-from ttft_relay.timing import timing
+from ttft_relay.timing import addon as timing
 addons = [a for a in _relay.addons if not isinstance(a, timing.Timing)]
 """
 

@@ -4,7 +4,8 @@ import orjson
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
-from ttft_relay.timing import record, timing
+from ttft_relay.timing import addon as timing
+from ttft_relay.timing import record
 
 
 def test_build_record_keeps_a_request_id_cut_to_its_cap():

@@ -17,7 +17,7 @@ import pytest
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
-from ttft_relay.timing import timing
+from ttft_relay.timing import addon as timing
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.harness import read_records

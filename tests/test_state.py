@@ -8,7 +8,7 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
 from ttft_relay.faults import faults
-from ttft_relay.timing import timing
+from ttft_relay.timing import addon as timing
 
 
 def fresh() -> state.FlowState:

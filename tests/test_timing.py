@@ -10,7 +10,8 @@ from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, scope, state
 from ttft_relay.stream import sse
-from ttft_relay.timing import phases, record, timing
+from ttft_relay.timing import addon as timing
+from ttft_relay.timing import phases, record
 from ttft_relay.testing import sse_samples
 
 T0 = 1_700_000_000.0

@@ -13,7 +13,7 @@ from ttft_relay import apis, state
 from ttft_relay.apis import openai_responses
 from ttft_relay.faults import faults
 from ttft_relay.stream import streaming, websocket
-from ttft_relay.timing import timing
+from ttft_relay.timing import addon as timing
 
 
 class Records:

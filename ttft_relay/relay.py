@@ -68,7 +68,7 @@ from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
 from ttft_relay.route import groups
 from ttft_relay.stream import frames, sseview, streaming, websocket
-from ttft_relay.timing import timing
+from ttft_relay.timing import addon as timing
 from ttft_relay.trim import addon as trim
 
 self_watch = selfwatch.SelfWatch()

@@ -83,7 +83,7 @@ from .patches import pins
 from .patches.fixes import inherited_listeners
 from .patches.speed import listen_backlog
 from .observe import ledger, metrics
-from .timing import timing
+from .timing import addon as timing
 
 LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
 """In a worker: its listening sockets, as JSON: {"listeners": {mode spec: [descriptors]},

@@ -40,7 +40,7 @@ from . import apierrors
 from ..patches import connections, pins
 from ..patches.fixes import answer_on_head, error_replies, inherited_listeners, stream_resets, trailers
 from ..observe import selfwatch
-from ..timing import timing
+from ..timing import addon as timing
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from .. import state
 from ..text import without_known_secrets
 from ..flows import upstream_name
 from ..timing import record
-from ..timing.timing import Timing
+from ..timing.addon import Timing
 from .metrics import WORKER_ENV
 
 logger = logging.getLogger(__name__)

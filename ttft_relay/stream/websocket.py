@@ -65,7 +65,7 @@ from . import sse
 from ..observe import selfwatch
 from ..timing import phases, record
 from ..flows import upstream_name
-from ..timing.timing import SHUTDOWN_ERROR, SLOW_MARKER, Timing
+from ..timing.addon import SHUTDOWN_ERROR, SLOW_MARKER, Timing
 
 logger = logging.getLogger(__name__)
 
