@@ -5,7 +5,7 @@ from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
 from ttft_relay import config
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.guard import limits
 
 

@@ -17,7 +17,7 @@ import pytest
 from mitmproxy.proxy import mode_specs
 from ruamel.yaml import YAML
 
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, keys, tls
 from deploy.grafana import dashboard
 from ttft_relay import config, launch, workers

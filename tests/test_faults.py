@@ -1,4 +1,4 @@
-"""Unit tests of ttft_relay/faults/faults.py: the API error formats, the deadline rules, timers that
+"""Unit tests of ttft_relay/faults/addons.py: the API error formats, the deadline rules, timers that
 never outlive their flow, and the rendering the seam asks for."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
-from ttft_relay.faults import apierrors, faults
+from ttft_relay.faults import addons as faults
+from ttft_relay.faults import apierrors
 from ttft_relay.stream import sse
 
 APIS = [apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES, apis.GEMINI, apis.OTHER]

@@ -28,7 +28,8 @@ import orjson
 import pytest
 
 from ttft_relay import apis
-from ttft_relay.faults import apierrors, faults
+from ttft_relay.faults import addons as faults
+from ttft_relay.faults import apierrors
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes import client

@@ -19,7 +19,7 @@ from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import relay, scope, state
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.stream import streaming
 from ttft_relay.timing import addon as timing
 from ttft_relay.trim import addon as trim

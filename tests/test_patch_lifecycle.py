@@ -21,7 +21,7 @@ from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import capacity, dial, patches, pool, scope
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
 from ttft_relay.stream import frames, streaming

@@ -13,7 +13,7 @@ import pytest
 from mitmproxy.test import tflow
 
 from ttft_relay import apis, state
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 
 from tests.conftest import reverse_to
 from ttft_relay.testing.fakes import client

@@ -7,7 +7,7 @@ import asyncio
 from mitmproxy.test import taddons, tflow
 
 from ttft_relay import apis, state
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.timing import addon as timing
 
 

@@ -11,7 +11,7 @@ from wsproto.frame_protocol import Opcode
 
 from ttft_relay import apis, state
 from ttft_relay.apis import openai_responses
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.stream import streaming, websocket
 from ttft_relay.timing import addon as timing
 

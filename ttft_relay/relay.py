@@ -63,7 +63,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from ttft_relay import capacity, config, dial, patches, pool, reload, scope
-from ttft_relay.faults import faults
+from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
 from ttft_relay.route import groups

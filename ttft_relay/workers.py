@@ -78,7 +78,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.utils import human
 
 from . import capacity, config, launch, listeners
-from .faults import faults
+from .faults import addons as faults
 from .patches import pins
 from .patches.fixes import inherited_listeners
 from .patches.speed import listen_backlog

@@ -57,7 +57,8 @@ from mitmproxy.websocket import WebSocketMessage
 
 from .. import state
 from ..apis.api import Api, Turns
-from ..faults import apierrors, faults
+from ..faults import addons as faults
+from ..faults import apierrors
 from ..patches import connections, error_texts
 from ..patches.fixes import websocket_limits
 from ..patches.speed import splice
