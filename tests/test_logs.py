@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from ttft_relay.timing import logrotation, record
-from ttft_relay.report import report
+from ttft_relay.report import summary
 from tests.conftest import reverse_to
 from ttft_relay.testing.harness import REPO
 from ttft_relay.testing.fakes import client
@@ -179,8 +179,8 @@ def test_report_reads_rotated_and_compressed_logs(tmp_path):
     (tmp_path / "timing.jsonl").write_bytes(orjson.dumps(recs[0]) + b"\n")
     (tmp_path / "timing.jsonl.1").write_bytes(orjson.dumps(recs[1]) + b"\n")  # logrotate's name
     (tmp_path / "timing.jsonl.20251201T000000.000Z.gz").write_bytes(gzip.compress(orjson.dumps(recs[2]) + b"\n"))
-    paths = report.expand_globs([str(tmp_path / "timing.jsonl*")])
-    got, bad = report.read_records(paths)
+    paths = summary.expand_globs([str(tmp_path / "timing.jsonl*")])
+    got, bad = summary.read_records(paths)
     assert bad == 0 and sorted(r["id"] for r in got) == ["0", "1", "2"]
 
 
@@ -232,7 +232,7 @@ def test_the_relay_rotates_its_own_log(fake, start_relay, tmp_path):
     assert len(files) > 2
     recs = [orjson.loads(line) for line in _lines_of(files)]
     assert len({r["id"] for r in recs}) == len(recs) == 8
-    got, bad = report.read_records(report.expand_globs([str(tmp_path / "timing.jsonl*")]))
+    got, bad = summary.read_records(summary.expand_globs([str(tmp_path / "timing.jsonl*")]))
     assert bad == 0 and len(got) == 8
 
 

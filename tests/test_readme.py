@@ -103,7 +103,7 @@ def known_flags() -> set[str]:
 
     from ttft_relay import config
     from ttft_relay.diagnose import cli as diagnose_cli
-    from ttft_relay.report import report
+    from ttft_relay.report import summary
 
     flags = {"--workers", "--version", "--help"}
     for tool in ("mitmdump", "mitmweb"):
@@ -118,7 +118,7 @@ def known_flags() -> set[str]:
 
     argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
     try:
-        for main in (diagnose_cli.parse_args, report.main):
+        for main in (diagnose_cli.parse_args, summary.main):
             with pytest.raises(SystemExit):
                 main([])
     finally:

@@ -12,7 +12,7 @@ from ttft_relay import store
 from ttft_relay.observe import prefill, verdicts
 from ttft_relay.timing import record
 from ttft_relay.trim import plans, policy, windows
-from ttft_relay.report import report
+from ttft_relay.report import summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,41 +37,41 @@ def write_log(path: Path, records) -> Path:
 
 
 def test_percentile_interpolates():
-    assert report.percentile([], 50) is None
-    assert report.percentile([5.0], 99) == 5.0
-    assert report.percentile([1, 2, 3, 4], 50) == 2.5
-    assert report.percentile(list(range(101)), 90) == 90
+    assert summary.percentile([], 50) is None
+    assert summary.percentile([5.0], 99) == 5.0
+    assert summary.percentile([1, 2, 3, 4], 50) == 2.5
+    assert summary.percentile(list(range(101)), 90) == 90
 
 
 def test_the_first_token_model_is_the_relays_median_fit():
     prompts = [500, 1000, 4000, 8000, 16000, 2000, 12000, 6000, 3000, 10000]
-    fit = report.first_token_model([rec(i, prompt=p) for i, p in enumerate(prompts)])
+    fit = summary.first_token_model([rec(i, prompt=p) for i, p in enumerate(prompts)])
     assert fit.per_1k_uncached == pytest.approx(500.0, rel=0.001)
     assert fit.base_ms == pytest.approx(100.0, abs=1)
     # A queue spike on a few requests moves a median fit no more than any point above the line.
     spiked = [rec(i, prompt=p, wait=100 + 0.5 * p + (1500 if i % 4 == 0 else 0)) for i, p in enumerate(prompts)]
-    assert report.first_token_model(spiked).per_1k_uncached == pytest.approx(500.0, rel=0.05)
+    assert summary.first_token_model(spiked).per_1k_uncached == pytest.approx(500.0, rel=0.05)
 
 
 def test_the_model_needs_enough_requests_and_spread():
-    assert report.first_token_model([rec(i, prompt=1000) for i in range(7)]) is None
-    alike = report.first_token_model([rec(i, prompt=1000) for i in range(10)])
+    assert summary.first_token_model([rec(i, prompt=1000) for i in range(7)]) is None
+    alike = summary.first_token_model([rec(i, prompt=1000) for i in range(10)])
     assert alike.per_1k_uncached is None and alike.base_ms == pytest.approx(600.0)
-    assert "prompt sizes too alike for a rate" in report.model_text(alike.as_dict())
+    assert "prompt sizes too alike for a rate" in summary.model_text(alike.as_dict())
 
 
 def test_the_model_takes_the_round_trip_out():
     far = [r | {"rtt_ms": 300.0} for r in (rec(i, prompt=p, wait=300 + 0.5 * p)
                                           for i, p in enumerate(range(1000, 11000, 1000)))]
-    assert report.first_token_model(far).base_ms == pytest.approx(0.0, abs=1)
+    assert summary.first_token_model(far).base_ms == pytest.approx(0.0, abs=1)
 
 
 def test_queueing_outliers_are_listed_worst_first():
     records = [rec(i) | {"verdict": "upstream queueing", "expected_ttft_ms": 300.0, "ttft_ms": 600.0 + 100 * i}
                for i in range(8)] + [rec(9)]
-    n, worst = report.queueing_outliers(records)
+    n, worst = summary.queueing_outliers(records)
     assert n == 8 and [w["id"] for w in worst] == ["f7", "f6", "f5", "f4", "f3"]
-    text = report.format_text({"k": report.summarize_group(records)})
+    text = summary.format_text({"k": summary.summarize_group(records)})
     assert "8 requests beyond what their prompt predicts (upstream queueing), the worst:" in text
     assert "4.3× the 300 ms expected" in text
 
@@ -91,34 +91,34 @@ def test_attempt_groups_say_how_long_the_user_waited_and_why_each_attempt_ended(
     records = [attempt(1, "a1", 1, 1000.0, cut=True), attempt(2, "a1", 2, 1060.2, cut=True),
                attempt(3, "a1", 3, 1120.4, cut=False, total=4000.0), attempt(4, "a4", 1, 2000.0, cut=True),
                rec(9)]
-    (group,) = report.attempt_groups(records)  # a4 was never retried: not a group of attempts
+    (group,) = summary.attempt_groups(records)  # a4 was never retried: not a group of attempts
     assert group["attempts"] == 3 and group["ids"] == ["a1", "a2", "a3"] and group["succeeded"]
     assert group["waited_ms"] == pytest.approx((1120.4 - 1000.0) * 1000 + 3600, abs=1)
     assert group["ended"][0] == "cut by the client after 60.0 s in upstream wait while the upstream had not answered"
     assert group["ended"][2].endswith(", first token after 3600 ms")
-    text = "\n".join(report.format_attempts([group]))
+    text = "\n".join(summary.format_attempts([group]))
     assert "a1: waited 2.1 min over 3 attempts" in text and "  3. " in text
 def test_read_filters_and_skips_broken_lines(tmp_path):
     log = write_log(tmp_path / "a.jsonl", [rec(0, ts=100), rec(1, ts=200, model="other")])
     with open(log, "ab") as f:
         f.write(b'{"cut short\n')
         f.write(b'["window","k",1.0,"","",1]\n')  # a line of the store beside the log ('logs/*.jsonl')
-    records, bad = report.read_records([log])
+    records, bad = summary.read_records([log])
     assert len(records) == 2 and bad == 2
-    assert [r["id"] for r in report.read_records([log], since=150)[0]] == ["f1"]
-    assert [r["id"] for r in report.read_records([log], model="gpt-x")[0]] == ["f0"]
+    assert [r["id"] for r in summary.read_records([log], since=150)[0]] == ["f1"]
+    assert [r["id"] for r in summary.read_records([log], model="gpt-x")[0]] == ["f0"]
 
 
 def test_since_accepts_durations_and_iso():
-    assert report.parse_since("2h", now=10_000) == 10_000 - 7200
-    assert report.parse_since("2024-01-01T00:00:00+00:00") == 1704067200
+    assert summary.parse_since("2h", now=10_000) == 10_000 - 7200
+    assert summary.parse_since("2024-01-01T00:00:00+00:00") == 1704067200
     with pytest.raises(argparse.ArgumentTypeError, match="not a duration"):
-        report.parse_since("yesterday")
+        summary.parse_since("yesterday")
 
 
 def test_summary_groups_by_upstream_and_model():
     records = [rec(i) for i in range(10)] + [rec(10, error="connection refused"), rec(11, upstream="b.example", model="m")]
-    out = report.summarize(records, slowest=3)
+    out = summary.summarize(records, slowest=3)
     assert list(out) == ["api.example.com · gpt-x", "b.example · m"]
     g = out["api.example.com · gpt-x"]
     assert g["requests"] == 11 and g["errors"] == 1
@@ -172,17 +172,17 @@ def test_websocket_turns_and_failed_handshakes_are_counted_apart():
                   rec(11, error="websocket handshake timed out") | {"transport": "websocket", "turn": 0,
                                                                      "verdict": "websocket handshake failed"}]
     http_requests = [rec(20 + i) | {"transport": "http", "turn": None} for i in range(3)]
-    g = report.summarize(turns + [prewarm] + handshakes + http_requests)["api.example.com · gpt-x"]
+    g = summary.summarize(turns + [prewarm] + handshakes + http_requests)["api.example.com · gpt-x"]
     assert g["requests"] == 10
     assert g["websocket"] == {"turns": 5, "prewarm": 1, "handshakes": 2, "failed_handshakes": 1}
     assert g["stats"]["ttft"]["n"] == 7  # neither the prewarm turn nor the handshakes wait for a token
     assert all(s["id"] not in ("f9", "f10", "f11") for s in g["slowest"])
     assert g["verdicts"]["websocket handshake failed"] == 1
-    text = report.format_text({"k": g})
+    text = summary.format_text({"k": g})
     assert "WebSocket: 5 turns (1 prewarm), 2 handshakes (1 failed)" in text
-    assert report.summarize(http_requests)["api.example.com · gpt-x"]["websocket"] is None
+    assert summary.summarize(http_requests)["api.example.com · gpt-x"]["websocket"] is None
     everything = turns + [prewarm] + handshakes + http_requests
-    assert report.format_text({}, report.websocket_counts(everything)).startswith(
+    assert summary.format_text({}, summary.websocket_counts(everything)).startswith(
         "WebSocket, all upstreams: 5 turns (1 prewarm), 2 handshakes (1 failed)")
 
 
@@ -204,7 +204,7 @@ def test_upstream_groups_say_per_member_what_was_chosen_why_its_first_tokens_and
                 routed(4, "b", "sticky", ("api.example.com", "5xx"), prompt=2000),
                 routed(5, "b", "lowest", error="connection refused"),
                 rec(6)]  # another listener's: no group
-    (name, group), = report.upstream_groups(records).items()
+    (name, group), = summary.upstream_groups(records).items()
     assert name == "api.example.com"
     assert (group["requests"], group["failed_over"], group["duplicated_prompt_tokens"]) == (6, 1, 2000)
     own, b = group["members"]["api.example.com"], group["members"]["b"]
@@ -216,7 +216,7 @@ def test_upstream_groups_say_per_member_what_was_chosen_why_its_first_tokens_and
     assert (b["chosen"], b["served"], b["reasons"]) == (2, 3, {"exploring": 1, "lowest": 1})
     assert b["ttft"] == {"p50": 602.0, "p90": 602.0, "p99": 602.0, "n": 1} and b["failovers"] == {}
 
-    assert report.main([str(write_log(tmp_path / "t.jsonl", records))]) == 0
+    assert summary.main([str(write_log(tmp_path / "t.jsonl", records))]) == 0
     text = capsys.readouterr().out
     assert "Upstream group api.example.com: 6 requests, 1 failed over before the head (2000 prompt tokens sent again)" in text
     assert "5xx 1; lowest 3, sticky 1" in text and "none; exploring 1, lowest 1" in text

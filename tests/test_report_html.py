@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from ttft_relay.timing import phases
-from ttft_relay.report import report, report_html
+from ttft_relay.report import report_html, summary
 from ttft_relay.testing import report_samples
 
 
@@ -57,7 +57,7 @@ def test_columns_keep_every_record_and_mark_websocket_kinds():
 def test_slowest_leave_out_prewarm_turns_and_handshakes():
     recs = report_samples.day(60)
     recs[0] |= {"prewarm": True, "ttft_ms": 10**6}
-    data = report_html.report_data(recs, report.summarize(recs), slowest=5)
+    data = report_html.report_data(recs, summary.summarize(recs), slowest=5)
     picked = [recs[i]["id"] for i in data["slowest"]]
     assert recs[0]["id"] not in picked and "hs-failed" not in picked and len(picked) == 5
     ttfts = [recs[i]["ttft_ms"] for i in data["slowest"]]
@@ -67,7 +67,7 @@ def test_slowest_leave_out_prewarm_turns_and_handshakes():
 def test_the_page_is_one_file_whose_data_cannot_close_its_script():
     recs = report_samples.day(10)
     recs[0]["error"] = "</script><script>alert(1)</script>"
-    data = report_html.report_data(recs, report.summarize(recs), slowest=3)
+    data = report_html.report_data(recs, summary.summarize(recs), slowest=3)
     page = report_html.page(data)
     assert page.count("</script>") == 2  # the data's and the code's own
     assert "http://" not in page and "https://" not in page  # nothing to fetch

@@ -193,9 +193,9 @@ def _main(args: list[str]) -> int:
     if command == "web":
         launch.start("mitmweb", rest)
     if command == "report":
-        from .report import report
+        from .report import summary
 
-        return report.main(rest)
+        return summary.main(rest)
     if command == "diagnose":
         from .diagnose import cli as diagnose_cli
 

@@ -44,7 +44,7 @@ import orjson
 
 from .. import apis
 from ..apis.api import Probe
-from ..report import report
+from ..report import summary
 from . import findings, probe, probe_requests
 
 logger = logging.getLogger("diagnose")
@@ -141,7 +141,7 @@ class RelayLog:
         deadline = time.monotonic() + wait_s
         while True:
             found = self._read(request_ids)
-            complete = {rid for rid, rec in found.items() if not report.is_handshake(rec)}
+            complete = {rid for rid, rec in found.items() if not summary.is_handshake(rec)}
             if complete >= request_ids or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -183,7 +183,7 @@ class RelayLog:
                 except orjson.JSONDecodeError:
                     continue  # a line still being written
                 if isinstance(rec, dict) and rec.get("request_id") in request_ids:
-                    if not (report.is_handshake(rec) and rec["request_id"] in found):
+                    if not (summary.is_handshake(rec) and rec["request_id"] in found):
                         found[rec["request_id"]] = rec
             return found
 

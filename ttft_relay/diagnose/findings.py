@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..observe import prefill
-from ..report import report
+from ..report import summary
 from ..timing import phases
 
 PROBE_MARKS = ("dns", "tcp", "tunnel", "tls", "sent", "head", "message", "first_token", "end")
@@ -338,7 +338,7 @@ def prompt_size_of_traffic(records: Iterable[Mapping[str, Any]], upstreams: Iter
     unknown size have no say; None when no request is left."""
     wanted = set(upstreams)
     prompts = [prompt for rec in records
-               if report.counts_as_first_token(rec) and (not wanted or rec.get("upstream") in wanted)
+               if summary.counts_as_first_token(rec) and (not wanted or rec.get("upstream") in wanted)
                and (prompt := prefill.prompt_of(rec.get("usage"), rec.get("prompt_tokens"))) is not None]
     if not prompts:
         return None

@@ -26,8 +26,8 @@ import orjson
 
 from ..observe import prefill
 from ..timing import phases
-from .report import (counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_groups,
-                     upstream_own_wait)
+from .summary import (counts_as_first_token, group_key, is_handshake, is_prewarm, prompt_tokens, upstream_groups,
+                      upstream_own_wait)
 
 HERE = Path(__file__).resolve().parent
 BAR_PHASES = phases.CRITICAL_PHASES + ("stream",)
