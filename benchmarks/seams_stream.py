@@ -15,7 +15,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)  # as ttft_relay/relay.
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, patches, pool
+from ttft_relay import capacity, patches, upstream_pool
 from ttft_relay.stream import streaming
 
 # Without the relay's scope no flow has its state: Streaming streams every stream and
@@ -30,6 +30,6 @@ addons = [
     capacity.ConnectionLog(),
     capacity.WarmStart(),
     capacity.GcTuning(),
-    pool.UpstreamPool(),
+    upstream_pool.UpstreamPool(),
     streaming.Streaming(),
 ]

@@ -20,7 +20,7 @@ from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.layers import http as http_layers
 from mitmproxy.test import taddons, tflow
 
-from ttft_relay import capacity, dial, patches, pool, scope
+from ttft_relay import capacity, dial, patches, scope, upstream_pool
 from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.patches import pins
@@ -51,7 +51,7 @@ def patch_owners() -> list[object]:
     shutdown, secrets = faults.Shutdown(), redaction.SecretRedaction()
     return [proxyauth.ProxyAuth(), proxyserver.Proxyserver(), patches.Check(), faults.StopFirst(shutdown),
             capacity.ListenBacklog(), capacity.WorkerListeners(), capacity.HookPlans(), capacity.MessageChecks(),
-            capacity.ConnectionLog(), capacity.WarmStart(), pool.UpstreamPool(), tls.ClientTLS(),
+            capacity.ConnectionLog(), capacity.WarmStart(), upstream_pool.UpstreamPool(), tls.ClientTLS(),
             redaction.LogRedaction(), exposure.Exposure(), limits.ClientLimits(), limits.WebSocketLimits(),
             hygiene.FieldSyntax(), hygiene.OriginForm(), hygiene.RequestFraming(), keys.AccessKeys(), secrets,
             redaction.WebOptions(secrets),

@@ -8,17 +8,17 @@ import pytest
 from mitmproxy import optmanager
 from mitmproxy.test import tutils
 
-from ttft_relay import pool
+from ttft_relay import upstream_pool
 from ttft_relay.patches.speed.upstream_pool import PoolKey
 
 
 def test_warm_connections_for_each_reverse_listeners_http_upstream():
     modes = ["reverse:https://api.openai.com@8001", "reverse:http://127.0.0.1:9000@8002",
              "reverse:https://api.openai.com@8003", "regular@8080", "reverse:tcp://10.0.0.1:22@2222"]
-    assert pool.warm_keys(modes, keep_host_header=False) == [
+    assert upstream_pool.warm_keys(modes, keep_host_header=False) == [
         PoolKey("api.openai.com", 443, True, "api.openai.com"), PoolKey("127.0.0.1", 9000, False, None)]
     # With the client's Host kept, the SNI is each client's: nothing to open ahead for HTTPS.
-    assert pool.warm_keys(modes, keep_host_header=True) == [PoolKey("127.0.0.1", 9000, False, None)]
+    assert upstream_pool.warm_keys(modes, keep_host_header=True) == [PoolKey("127.0.0.1", 9000, False, None)]
 
 
 def test_a_clients_close_is_its_own_hop():
@@ -26,7 +26,7 @@ def test_a_clients_close_is_its_own_hop():
     for sent, upstream in [("close", None), ("Close", None), ("keep-alive", None), ("close, Upgrade", "Upgrade"),
                            ("Upgrade", "Upgrade")]:
         request.headers["connection"] = sent
-        pool.drop_close(request)
+        upstream_pool.drop_close(request)
         assert request.headers.get("connection") == upstream, sent
 
 
@@ -34,7 +34,7 @@ def test_every_option_can_be_set_on_the_command_line():
     # mitmproxy's --set parses bool, int, str and sequences of str only (a float option failed
     # the relay's start: "unsupported option type").
     options = optmanager.OptManager()
-    pool.UpstreamPool().load(options)
+    upstream_pool.UpstreamPool().load(options)
     options.set("relay_upstream_pool=true", "relay_upstream_pool_warm=1", "relay_upstream_pool_idle=5",
                 "relay_upstream_pool_max=4", "relay_upstream_pool_silence=12", "relay_upstream_pool_congestion=reno")
     assert (options.relay_upstream_pool, options.relay_upstream_pool_warm, options.relay_upstream_pool_idle,
@@ -44,7 +44,7 @@ def test_every_option_can_be_set_on_the_command_line():
 
 def test_a_pooled_socket_is_given_up_after_its_silence_bound():
     with socket.socket() as sock:
-        pool.watch_for_silence(sock, 15)
+        upstream_pool.watch_for_silence(sock, 15)
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         tcp = socket.IPPROTO_TCP
         # Probes after 5 s of quiet, every 5 s; unanswered data or probes end it at 15 s.
@@ -52,7 +52,7 @@ def test_a_pooled_socket_is_given_up_after_its_silence_bound():
                                                               socket.TCP_KEEPCNT, socket.TCP_USER_TIMEOUT)]
         assert set_to == [5, 5, 3, 15000]
     with socket.socket() as sock:
-        pool.watch_for_silence(sock, 0)  # the system's own limits
+        upstream_pool.watch_for_silence(sock, 0)  # the system's own limits
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
 
@@ -64,8 +64,8 @@ def test_a_pooled_socket_takes_the_congestion_control_asked_for_where_the_kernel
 
     with socket.socket() as sock:
         system = congestion(sock)
-        assert not pool.set_congestion_control(sock, "")  # the system's
-        assert not pool.set_congestion_control(sock, "no-such-control")  # refused: the system's kept
+        assert not upstream_pool.set_congestion_control(sock, "")  # the system's
+        assert not upstream_pool.set_congestion_control(sock, "no-such-control")  # refused: the system's kept
         assert congestion(sock) == system
-        assert pool.set_congestion_control(sock, "reno")  # every Linux has it, and allows it to anyone
+        assert upstream_pool.set_congestion_control(sock, "reno")  # every Linux has it, and allows it to anyone
         assert congestion(sock) == b"reno"

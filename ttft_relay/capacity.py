@@ -42,7 +42,7 @@ other, `relay_speed_patches`):
   live flows hold (`relay_gc_freeze`); `relay_gc_threshold` sets how often the youngest
   generation is collected. The pauses are in the records (`gc_pause_ms`) and the
   metrics (`selfwatch.GcPauses`).
-- `pool.UpstreamPool`: mitmproxy opens upstream connections per client connection;
+- `upstream_pool.UpstreamPool`: mitmproxy opens upstream connections per client connection;
   the relay keeps them across client connections, so a new client connection takes an
   open one instead of a connect and a TLS handshake (first token: one or two round
   trips to the upstream sooner; CPU: no handshake per client connection).

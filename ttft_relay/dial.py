@@ -21,7 +21,7 @@ family the relay used and which address is broken, and the connect's time stays 
 
 The dial is asyncio and sockets only; `HappyEyeballs`, the addon below, sends mitmproxy's
 upstream connects through it (`patches/fixes/happy_eyeballs.py`), and keeps what each tried
-for the record. The upstream pool dials through it too (`pool.py`).
+for the record. The upstream pool dials through it too (`upstream_pool.py`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, config, dial, patches, pool, reload, scope
+from ttft_relay import capacity, config, dial, patches, reload, scope, upstream_pool
 from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
@@ -93,7 +93,7 @@ addons = [
     capacity.ConnectionLog(),  # mitmproxy's per-connection INFO lines only with relay_connection_log
     capacity.WarmStart(),  # the upstream TLS context, name lookups and the CA ready before the first request
     capacity.GcTuning(),  # the start-up heap out of the collector's reach once the relay runs (gc.freeze)
-    pool.UpstreamPool(),  # upstream connections kept across client connections (relay_upstream_pool)
+    upstream_pool.UpstreamPool(),  # upstream connections kept across client connections (relay_upstream_pool)
     # guard: who may use the relay, and where its secrets may go
     tls.ClientTLS(),  # listeners that accept only TLS (the user's certificate), plain HTTP refused
     redaction.LogRedaction(),  # every log line redacted, escaped and capped, mitmproxy's own included

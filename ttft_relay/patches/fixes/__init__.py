@@ -14,7 +14,7 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   (`keys.AccessKeys`, `hygiene.FieldSyntax`, `faults.Shutdown`).
 - `head_limit`: an HTTP/1 request head that never ends gets a 431 (`limits.ClientLimits`).
 - `upstream_copy`: the upstream key goes out in a copy of the request, never into the flow
-  (`keys.AccessKeys`, `pool.UpstreamPool`).
+  (`keys.AccessKeys`, `upstream_pool.UpstreamPool`).
 - `trailers`: HTTP/1 trailers, endless chunk lines and malformed chunked bodies end their
   flow with an answer instead of a crash or unbounded memory (`faults.ErrorReplies`).
 - `interim_answers`: an upstream's 1xx interim head is dropped before its real answer,

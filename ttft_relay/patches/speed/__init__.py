@@ -18,9 +18,9 @@ says so. With the addon that installs each (in `configure`/`running`, removed in
 - `upstream_tls_warmup`: the upstream TLS context built at start, not in the first
   handshake (no patch; `capacity.WarmStart`).
 - `early_connects`: a request's upstream connect starts once its head is accepted, while
-  its body uploads (`keys.AccessKeys`, `pool.UpstreamPool`).
+  its body uploads (`keys.AccessKeys`, `upstream_pool.UpstreamPool`).
 - `upstream_pool`: a reverse listener's upstream connections outlive their client
-  connection and are adopted by later ones, TLS included (`pool.UpstreamPool`, on by
+  connection and are adopted by later ones, TLS included (`upstream_pool.UpstreamPool`, on by
   default; `relay_upstream_pool=false` turns it off alone).
 - `websocket_frames`: a big WebSocket message (1 MiB and more, one frame, no extension) framed
   for its way on in a worker thread and sent as framed, not by wsproto on the event loop

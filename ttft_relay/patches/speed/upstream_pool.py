@@ -1,4 +1,4 @@
-"""Upstream connections that outlive their client connection: mitmproxy's seams for the pool (`pool.UpstreamPool`).
+"""Upstream connections that outlive their client connection: mitmproxy's seams for the pool (`ttft_relay.upstream_pool.UpstreamPool`).
 
 mitmproxy 12.3.1 ties each upstream connection to one client connection: the client's
 `ConnectionHandler` opens it (`open_connection`: TCP connect, then the `ServerTLSLayer` in
