@@ -63,6 +63,8 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from ttft_relay import capacity, config, dial, patches, reload, scope, upstream_pool
+# faults/, timing/ and trim/ keep their addons in addons.py / addon.py, imported here under the
+# package's name: the list and the rules above read `faults.Shutdown`, `timing.Timing`, `trim.Trim`.
 from ttft_relay.faults import addons as faults
 from ttft_relay.guard import exposure, hygiene, keys, limits, redaction, tls
 from ttft_relay.observe import attempts, ledger, metrics, selfwatch, traces, verdicts, webcolumns
