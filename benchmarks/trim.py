@@ -240,7 +240,7 @@ def sharing(trimmer: Trimmer | None, api: str, budget: int) -> tuple[list[float]
         n += 1
         result = trimmer.trim(body, api, budget, state) if trimmer else None
         sent = result.body if result and result.body is not None else body
-        items = [orjson.dumps(policy._without_cache_control(i)) for i in shaped.items_of(api, sent)]
+        items = [orjson.dumps(policy.without_cache_control(i)) for i in shaped.items_of(api, sent)]
         if previous is not None and (trimmer is None or result.stats["trimmed"]):
             common = 0
             for a, b in zip(previous, items):

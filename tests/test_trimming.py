@@ -174,8 +174,8 @@ def test_consecutive_requests_keep_the_cut_and_share_their_prefix(api):
     assert sum(r.stats["plan"] == "kept" for r in trimmed) > 0.8 * len(trimmed)
     for prev, cur in zip(sent, sent[1:]):
         if cur.stats["plan"] == "kept" and prev.body is not None:
-            a = [policy._without_cache_control(i) for i in shaped.items_of(api, prev.body)]
-            b = [policy._without_cache_control(i) for i in shaped.items_of(api, cur.body)]
+            a = [policy.without_cache_control(i) for i in shaped.items_of(api, prev.body)]
+            b = [policy.without_cache_control(i) for i in shaped.items_of(api, cur.body)]
             assert b[: len(a) - 1] == a[:-1]  # the previous request's items, then the new ones
     assert len(plans) == 1
 

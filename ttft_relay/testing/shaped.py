@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from ttft_relay import apis
+from ttft_relay.trim.policy import without_cache_control
 
 CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
 
@@ -455,14 +456,6 @@ def _chat_problems(messages: list[dict]) -> list[str]:
 # --- prefix sharing ------------------------------------------------------------------------
 
 
-def _without_cache_control(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _without_cache_control(v) for k, v in obj.items() if k != "cache_control"}
-    if isinstance(obj, list):
-        return [_without_cache_control(v) for v in obj]
-    return obj
-
-
 def trimmed_shares(api: str, session: Session, trim: Callable[[dict], Any], trimmed: int) -> tuple[list[float], list[dict]]:
     """Send `session`'s requests through `trim` (a body to a `policy.TrimResult`) until `trimmed`
     of them were trimmed (or the session ends): the `prefix_share` of each trimmed request with
@@ -484,8 +477,8 @@ def prefix_share(api: str, previous: dict, body: dict) -> float:
     """The share of `previous`'s items (bytes of their JSON, `cache_control` ignored: clients
     move it every turn) that `body` sends again as its own prefix: what a provider's prompt
     cache can hit."""
-    before = [orjson.dumps(_without_cache_control(i)) for i in items_of(api, previous)]
-    now = [orjson.dumps(_without_cache_control(i)) for i in items_of(api, body)]
+    before = [orjson.dumps(without_cache_control(i)) for i in items_of(api, previous)]
+    now = [orjson.dumps(without_cache_control(i)) for i in items_of(api, body)]
     common = 0
     for a, b in zip(before, now):
         if a != b:
@@ -501,8 +494,8 @@ def whole_prompt_share(api: str, previous: dict, body: dict) -> float:
     shape = apis.get(api).trim_shape
     assert shape is not None, api
     fixed_keys = shape.fixed_keys
-    fixed = [len(orjson.dumps(_without_cache_control(previous.get(k)))) for k in fixed_keys]
-    same = all(_without_cache_control(previous.get(k)) == _without_cache_control(body.get(k)) for k in fixed_keys)
-    items = sum(len(orjson.dumps(_without_cache_control(i))) for i in items_of(api, previous))
+    fixed = [len(orjson.dumps(without_cache_control(previous.get(k)))) for k in fixed_keys]
+    same = all(without_cache_control(previous.get(k)) == without_cache_control(body.get(k)) for k in fixed_keys)
+    items = sum(len(orjson.dumps(without_cache_control(i))) for i in items_of(api, previous))
     kept_items = prefix_share(api, previous, body) * items
     return (sum(fixed) + kept_items) / max(sum(fixed) + items, 1) if same else 0.0

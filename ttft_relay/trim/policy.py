@@ -232,14 +232,16 @@ def _anchor(items: list[dict], cut: int, rounds_to: int) -> bytes:
 
 def _digest(obj: Any) -> bytes:
     """Content digest, blind to `cache_control` (Claude Code moves its markers each turn)."""
-    return hashlib.blake2b(orjson.dumps(_without_cache_control(obj)), digest_size=16).digest()
+    return hashlib.blake2b(orjson.dumps(without_cache_control(obj)), digest_size=16).digest()
 
 
-def _without_cache_control(obj: Any) -> Any:
+def without_cache_control(obj: Any) -> Any:
+    """`obj` without its `cache_control` fields: a conversation's content as the prompt cache
+    compares it (Claude Code moves its markers each turn)."""
     if isinstance(obj, dict):
-        return {k: _without_cache_control(v) for k, v in obj.items() if k != "cache_control"}
+        return {k: without_cache_control(v) for k, v in obj.items() if k != "cache_control"}
     if isinstance(obj, list):
-        return [_without_cache_control(v) for v in obj]
+        return [without_cache_control(v) for v in obj]
     return obj
 
 
