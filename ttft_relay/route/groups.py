@@ -325,13 +325,7 @@ class UpstreamGroups:
         if not (
             isinstance(event, ResponseProtocolError)
             and flow.id in self.orders
-            and flow.response is None
-            and flow.error is None
-            and flow.live
-            and stream.client_state == stream.state_done
-            and stream.server_state == stream.state_wait_for_response_headers
-            and not flow.request.stream
-            and flow.request.raw_content is not None
+            and resend.can_send_again(stream)
         ):
             return None
         slow = self.giving_up.pop(flow.id, None)

@@ -121,6 +121,21 @@ def _send_response(self: HttpStream, already_streamed: bool = False) -> layer.Co
     return (yield from send_again(self))
 
 
+def can_send_again(stream: HttpStream) -> bool:
+    """`send_again` may send the stream's request: it went whole from a body the relay holds
+    (not streamed), and nothing of its answer has come (no head, no error, the flow live)."""
+    flow = stream.flow
+    return (
+        flow.response is None
+        and flow.error is None
+        and flow.live
+        and stream.client_state == stream.state_done
+        and stream.server_state == stream.state_wait_for_response_headers
+        and not flow.request.stream
+        and flow.request.raw_content is not None
+    )
+
+
 def send_again(self: HttpStream) -> layer.CommandGenerator[None]:
     """What `state_consume_request_body` does after the `request` hook, once more (also the
     upstream pool's retry of a request its reused connection lost: `speed.upstream_pool`)."""

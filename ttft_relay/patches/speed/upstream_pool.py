@@ -427,13 +427,7 @@ def _lost_a_reuse_race(stream: HttpStream, event: object) -> bool:
         and stream.context.server in _adopted
         and not connections.closed_here(stream.context.server)
         and flow not in _retried
-        and flow.response is None
-        and flow.error is None
-        and flow.live
-        and stream.server_state == stream.state_wait_for_response_headers
-        and stream.client_state == stream.state_done
-        and not flow.request.stream
-        and flow.request.raw_content is not None
+        and resend.can_send_again(stream)
     )
 
 
