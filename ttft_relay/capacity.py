@@ -22,7 +22,9 @@ other, `relay_speed_patches`):
   relay loads (before its listeners accept): the upstream TLS context with its CA
   bundle, and a first name lookup of each reverse-mode upstream, which loads the
   system's resolver libraries (~40 ms that the first request's upstream connect
-  showed; waited for up to RESOLVE_WAIT_S); and mitmproxy's second loading of
+  showed; waited for up to RESOLVE_WAIT_S), and the thread that asyncio's name lookups
+  run in (`loop.getaddrinfo`, the dialer's, `dial.py`) started once the loop runs, not by
+  the first request's connect; and mitmproxy's second loading of
   its CA after the listeners are up, skipped (`ca_once.load_ca_once`); and a CA mitmproxy
   would load only once its listeners are up, loaded before (`fixes.ca_at_start`: a request
   arriving in between stopped mitmproxy).
@@ -50,6 +52,7 @@ other, `relay_speed_patches`):
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import socket
@@ -169,6 +172,10 @@ class WarmStart:
             ca_at_start.load(_tlsconfig())
         ca_once.load_ca_once(_tlsconfig(), on=pins.on(ca_once))
 
+    def running(self) -> None:
+        # The default executor and its first thread, where the upstream connects' lookups run.
+        asyncio.get_running_loop().run_in_executor(None, _nothing)
+
     def done(self) -> None:
         ca_once.load_ca_once(_tlsconfig(), on=False)
 
@@ -204,6 +211,10 @@ class WarmStart:
         lookups = threading.Thread(target=resolve_all, name="ttft-relay-warm-dns", daemon=True)
         lookups.start()
         lookups.join(RESOLVE_WAIT_S)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _resolve(host: str, port: int) -> None:
