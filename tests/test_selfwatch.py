@@ -177,3 +177,70 @@ def test_an_http2_request_is_alone_on_its_connection_only_with_no_other_stream_s
     # (a request, window updates) may be the connection's last send.
     assert not selfwatch.alone_on(flow, written, [flow, sibling], None)
     assert not selfwatch.alone_on(flow, written, [flow], 100.5)
+
+
+def test_an_http2_requests_resending_is_marked_only_when_it_was_alone_on_its_connection(monkeypatch):
+    """TCP_INFO's retransmits and last send are the connection's: on HTTP/2 they are the
+    request's own only with no other stream on the connection since it was written, and only
+    until its head (then the relay sends window updates as the answer comes)."""
+    from mitmproxy.test import tflow
+
+    from ttft_relay import apis, state
+
+    def upstream_flow(server=None, *, alpn=b"h2", answered=True):
+        flow = tflow.tflow(resp=answered)
+        if server is not None:
+            flow.server_conn = server
+        flow.server_conn.alpn = alpn
+        state.attach(flow, state.FlowState(api=apis.get(apis.OPENAI_CHAT), stream=True))
+        state.mark(flow, "forwarded", time.time() - 1.0)
+        return flow
+
+    def kernel(retransmits: int, last_sent_ms: int) -> None:
+        info = selfwatch.TcpInfo(0, 0, 0, 1.0, retransmits, last_data_sent_ms=last_sent_ms)
+        monkeypatch.setattr(selfwatch, "tcp_info", lambda sock: info)
+
+    watch = selfwatch.SelfWatch()
+    alone = upstream_flow()
+    watch.request(alone)
+    kernel(retransmits=1, last_sent_ms=500)
+    watch.responseheaders(alone)
+    resent = state.get(alone).marks["upstream_resent"]
+    assert time.time() - 0.6 < resent < time.time() - 0.4
+
+    # Nothing resent before the head: a later retransmit is the relay's window update for the
+    # answer, not the request.
+    quiet = upstream_flow()
+    watch.request(quiet)
+    kernel(retransmits=0, last_sent_ms=500)
+    watch.responseheaders(quiet)
+    kernel(retransmits=1, last_sent_ms=0)
+    watch.response(quiet)
+    assert "upstream_resent" not in state.get(quiet).marks
+
+    # Another stream on the connection since the request was written: its frames may be the
+    # ones resent, and the last sent. Left unmarked, never a wrong figure.
+    crowded = upstream_flow()
+    sibling = upstream_flow(crowded.server_conn)
+    watch.request(crowded)
+    watch.request(sibling)
+    kernel(retransmits=1, last_sent_ms=500)
+    watch.responseheaders(crowded)
+    watch.response(crowded)
+    assert "upstream_resent" not in state.get(crowded).marks
+
+    # Failed without a head: read as it fails, as `upstream_sent` is.
+    failed = upstream_flow(answered=False)
+    watch.request(failed)
+    kernel(retransmits=1, last_sent_ms=500)
+    watch.error(failed)
+    assert "upstream_resent" in state.get(failed).marks
+
+    # HTTP/1: the relay sends the upstream nothing else while it waits: read as the record is made.
+    http1 = upstream_flow(alpn=b"http/1.1")
+    watch.request(http1)
+    kernel(retransmits=0, last_sent_ms=500)
+    watch.responseheaders(http1)
+    kernel(retransmits=1, last_sent_ms=300)
+    watch.response(http1)
+    assert "upstream_resent" in state.get(http1).marks

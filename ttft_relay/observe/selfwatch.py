@@ -266,6 +266,12 @@ class LoopLag:
         return worst
 
 
+def written_at(conn: connection.Server, forwarded: float) -> float:
+    """When the relay wrote a request it forwarded at `forwarded` to `conn`: then, or once the
+    connection it opened for it was up."""
+    return max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
+
+
 def alone_on(flow: http.HTTPFlow, since: float, in_flight: Iterable[http.HTTPFlow], last_ended: float | None) -> bool:
     """Whether `flow` was the only stream on its HTTP/2 upstream connection from `since` on, so
     that the connection's last send is its own: no other stream on it in flight now, none ended
@@ -475,6 +481,8 @@ class SelfWatch:
         if (t := arrival(upstream, flow.response.timestamp_start)) is not None:
             state.mark(flow, "head_arrived", t)
         self._mark_sent(flow, upstream)
+        if flow.server_conn.alpn == b"h2":  # before the relay acknowledges the answer (window updates)
+            self._mark_resent(flow, upstream)
         self._count_reordered(flow, upstream)
         tap = flow.response.stream
         if hasattr(tap, "on_first_token"):  # streaming.StreamTap: it calls back once, after the first token
@@ -517,9 +525,12 @@ class SelfWatch:
                     st.marks.get("client_arrived", flow.request.timestamp_start), flow.request.timestamp_start)
         # A WebSocket's handshake: its turns follow at once on the same connection.
         settling = st.transport == record.HTTP and self._socket(flow, flow.client_conn) is not None
-        if flow.response is None and flow.server_conn.timestamp_start is not None:
-            self._mark_sent(flow, self._socket(flow, flow.server_conn))
-        self._mark_resent(flow, st)
+        if flow.server_conn.timestamp_start is not None:
+            upstream = self._socket(flow, flow.server_conn)
+            if flow.response is None:
+                self._mark_sent(flow, upstream)
+            if flow.response is None or flow.server_conn.alpn != b"h2":  # HTTP/2's was read at the head
+                self._mark_resent(flow, upstream)
         st.links = {**self.pauses(start),
                     **self.side_links(flow, "upstream"), **self.side_links(flow, "client", final=not settling)}
         if "upstream_retransmit_ms" in st.links:
@@ -568,21 +579,30 @@ class SelfWatch:
             return
         if len(flow.request.raw_content or b"") + len(bytes(flow.request.headers)) <= FIRST_FLIGHT_BYTES:
             return
-        written = max(t for t in (forwarded, conn.timestamp_tcp_setup, conn.timestamp_tls_setup) if t is not None)
+        written = written_at(conn, forwarded)
         if conn.alpn == b"h2" and not alone_on(flow, written, self.in_flight, self.h2_ended.get(conn.id)):
             return
         last_sent = time.time() - info.last_data_sent_ms / 1000
         if (last_sent - written) * 1000 >= HOLD_MIN_MS:
             state.mark(flow, "upstream_sent", last_sent)
 
-    def _mark_resent(self, flow: http.HTTPFlow, st: state.FlowState) -> None:
+    def _mark_resent(self, flow: http.HTTPFlow, sock: socket.socket | None) -> None:
         """Mark `upstream_resent` if the upstream connection retransmitted during the request:
-        the kernel's last send on it then is the request's last resending (the relay sends
-        the upstream nothing else while it waits on its answer)."""
+        the kernel's last send on it then is the request's last resending (the relay sends an
+        HTTP/1 upstream nothing else while it waits on its answer). On HTTP/2 other streams'
+        frames count in the connection's retransmits and may be the last sent: marked only
+        where no other stream was in flight on it since the request was written (`alone_on`),
+        and read as the head arrives (or the request fails without one), before the relay's
+        window updates for the answer."""
         conn = flow.server_conn
-        info = tcp_info(self._socket(flow, conn)) if conn.timestamp_start is not None else None
-        if info is None or info.last_data_sent_ms is None:
+        if (info := tcp_info(sock)) is None or info.last_data_sent_ms is None:
             return
+        if conn.alpn == b"h2":
+            st = state.get(flow)
+            if st is None or (forwarded := st.marks.get("forwarded")) is None:
+                return
+            if not alone_on(flow, written_at(conn, forwarded), self.in_flight, self.h2_ended.get(conn.id)):
+                return
         before = self.counted.get(conn.id)
         if info.total_retrans > (before.retransmits if before is not None else 0):
             state.mark(flow, "upstream_resent", time.time() - info.last_data_sent_ms / 1000)

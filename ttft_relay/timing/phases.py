@@ -29,7 +29,8 @@ only once that connection is ready.
                             segment retransmitted), on an HTTP/1 connection or an HTTP/2 one
                             that carried no other stream meanwhile (selfwatch)
     upstream_resent         the relay's kernel last sent the request again: only when it was
-                            retransmitted on the way (selfwatch)
+                            retransmitted on the way, on an HTTP/1 connection or an HTTP/2 one
+                            that carried no other stream until the head (selfwatch)
     head_arrived            the kernel had the response head (selfwatch)
     response_head           response head parsed
     first_byte              first response body chunk
