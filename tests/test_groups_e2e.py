@@ -135,6 +135,9 @@ def test_a_503_fails_over_before_the_client_sees_it_and_the_metrics_count_it(sta
 def test_a_head_later_than_its_bound_goes_to_the_next_member(two_fakes, start_relay, rid, pool):
     # Pooled, the closed connection's error is the group's, not the pool's to send on the same member.
     a, b = two_fakes
+    # a clearly the quicker while they learn (a 30 ms lead was lost to a loaded machine's noise
+    # once: the slow request went to b first), so that the slow request goes to a first.
+    b.behaviour = Behaviour(prefill_ms=150)
     relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
                         relay_upstream_explore=100, relay_upstream_slow_head=100, relay_upstream_pool=pool)
     for n in range(6):  # three to a (nothing learned), three exploring b: both predict
