@@ -39,6 +39,24 @@ Issue 36's cases:
                        the relay's console show that line as a line of its own
     metrics-evict      through the proxy listener: gpt-4o 3 times to its upstream, 150 models to an
                        attacker's upstream that answers 200 to anything, gpt-4o again: its count
+    pool-keepalive-race  an upstream that advertises keep-alive and closes each connection 0-300 ms
+                       after its answer (reading nothing meanwhile), 60 clients, 4 at a time, each
+                       on a new connection to the relay: their statuses (502: a pooled connection
+                       lost the race; the pool is on by default, `--set relay_upstream_pool=...`)
+
+On `ttft-relay run --workers 2` of their own (the supervisor's checkout: `--relay-script`'s),
+in front of the fake upstream:
+
+    worker-dies-starting  worker 1 killed (-9, as the OOM killer does) before it is ready, 40
+                       clients arriving meanwhile (one every 50 ms): their outcomes, the
+                       supervisor's exit, its "N workers ready" line and the workers alive then
+    reload-starting    SIGHUP (systemctl reload) as worker 0 starts, before it has a handler:
+                       the supervisor's exit, workers that died, 10 clients after
+    stop-arriving      SIGTERM (systemctl stop) with a 3 s stream in flight
+                       (relay_shutdown_grace=5) and 3 clients connecting again and again
+                       (each every 50 ms, or once its last is over): the
+                       outcomes of those that connected during the stop (refused, answered, or
+                       closed with no answer), and records against answers
 
     scripts/bench hostile [--scenario NAME ...] [--relay-script PATH] [--set NAME=VALUE ...] [--json]
 """
@@ -55,14 +73,18 @@ import subprocess
 import sys
 import tempfile
 import threading
+import random
+import signal
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ttft_relay.testing.fakes import hostile
 from ttft_relay.testing.fakes.hostile import BINARY, CONTINUATION, PING, TEXT, HostileUpstream, RawClient, frame
-from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, start_fake_upstream
+from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, RelayWorkers, read_records, start_fake_upstream
 
 GIB = 1 << 30
 EVENT_GAP_MS = 10
@@ -127,6 +149,58 @@ class HostileCollector:
                     chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
                     while True:
                         conn.sendall(chunk)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+class LateClosingUpstream:
+    """An upstream on loopback that answers each request 200 with `connection: keep-alive`,
+    then closes the connection at a random moment 0-300 ms later, reading nothing meanwhile:
+    a request sent on it in that time is lost (a server's idle timeout or restart, as a
+    kept-alive connection's client meets it)."""
+
+    BODY = json.dumps({"id": "chatcmpl-late", "object": "chat.completion", "model": "gpt-4o-mini",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                    "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.answered = 0
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    if not (chunk := conn.recv(65536)):
+                        return
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(m.group(1)) if (m := re.search(rb"(?i)content-length:\s*(\d+)", head)) else 0
+                while len(body) < length:
+                    if not (chunk := conn.recv(65536)):
+                        return
+                    body += chunk
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
+                             b"keep-alive: timeout=60\r\ncontent-length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY))
+                self.answered += 1
+                time.sleep(random.uniform(0, 0.3))  # the close's moment: nothing read meanwhile
             except OSError:
                 pass
 
@@ -236,12 +310,14 @@ class Bench:
         self.tmp = tmp
         self.fake, self.fake_url = start_fake_upstream()
         self.hostile = HostileUpstream(ATTACKS).__enter__()
+        self.late_closing = LateClosingUpstream()
         from ttft_relay import config
 
         # mitmproxy takes one listener per address: port 0 only once.
-        ports = closed_ports(2)
+        ports = closed_ports(3)
         self.relay = MitmdumpProcess(
-            [f"reverse:{self.fake_url}@{ports[0]}", f"reverse:{self.hostile.base_url}@{ports[1]}", "regular@0"], tmp,
+            [f"reverse:{self.fake_url}@{ports[0]}", f"reverse:{self.hostile.base_url}@{ports[1]}",
+             f"reverse:{self.late_closing.url}@{ports[2]}", "regular@0"], tmp,
             script=relay_script,
             options={**config.MITMPROXY_DEFAULTS, "relay_timing_log": tmp / "timing.jsonl",
                      "relay_metrics_listen": "127.0.0.1:0", **(options or {})})
@@ -251,7 +327,7 @@ class Bench:
             self.close()
             raise
         self.pid = self.relay.proc.pid
-        self.victim_port, self.hostile_port, self.proxy_port = self.relay.ports
+        self.victim_port, self.hostile_port, self.late_closing_port, self.proxy_port = self.relay.ports
 
     def metrics_url(self) -> str:
         return re.search(r"(http://\S+/metrics)", self.relay.wait_for_output(r"metrics at http://")).group(1)
@@ -282,6 +358,7 @@ class Bench:
     def close(self) -> None:
         self.relay.stop()
         self.hostile.__exit__()
+        self.late_closing.close()
         self.fake.terminate()
         self.fake.wait(10)
 
@@ -427,33 +504,59 @@ def _send_quietly(c: RawClient, data: bytes) -> str:
     return "ok"
 
 
+def asked(port: int, model: str = "gpt-4o-mini", headers: str = "", *, stream: bool = False,
+          timeout: float = 30) -> int | str:
+    """One chat request on a new connection to the relay's `port` (`headers`: more head lines,
+    each ending in CRLF): the answer's status, or what ended it without one: "refused",
+    "reset", "closed" (no byte of an answer), "timeout"."""
+    body = json.dumps({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    data = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"connection: close\r\n%scontent-length: %d\r\n\r\n%s" % (headers.encode(), len(body), body))
+            while chunk := s.recv(65536):
+                data += chunk
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout" if not data.startswith(b"HTTP/") else int(data.split(b" ", 2)[1])
+    except OSError:
+        if not data.startswith(b"HTTP/"):
+            return "reset"
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else "closed"
+
+
+def tally(outcomes: list[int | str]) -> dict[str, int]:
+    """How many of each outcome, most first."""
+    return {str(k): n for k, n in Counter(outcomes).most_common()}
+
+
 def _relayed(b: Bench, n: int, model: str, threads_n: int = 8) -> int:
     """`n` requests through the victim listener naming `model`; how many were answered 200."""
-    body = json.dumps({"model": model, "stream": False, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    ok = 0
+    return _in_parallel(n, threads_n, lambda: asked(b.victim_port, model)).count(200)
+
+
+def _in_parallel(n: int, threads_n: int, ask: Callable[[], int | str]) -> list[int | str]:
+    """`ask()` `n` times, `threads_n` at a time: the outcomes."""
+    outcomes: list[int | str] = []
     lock = threading.Lock()
     todo = iter(range(n))
 
     def worker() -> None:
-        nonlocal ok
         while True:
             with lock:
                 if next(todo, None) is None:
                     return
-            with socket.create_connection(("127.0.0.1", b.victim_port), 30) as s:
-                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                          b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                data = b""
-                while chunk := s.recv(65536):
-                    data += chunk
+            outcome = ask()
             with lock:
-                ok += data.startswith(b"HTTP/1.1 200")
+                outcomes.append(outcome)
     ts = [threading.Thread(target=worker) for _ in range(threads_n)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return ok
+    return outcomes
 
 
 @scenario
@@ -516,6 +619,144 @@ def metrics_evict(b: Bench) -> dict:
     finally:
         attacker.terminate()
         attacker.wait(10)
+
+
+@scenario
+def pool_keepalive_race(b: Bench) -> dict:
+    def run() -> dict:
+        outcomes = _in_parallel(60, 4, lambda: asked(b.late_closing_port))
+        return {"clients": tally(outcomes), "upstream_answered": b.late_closing.answered,
+                "upstream_connections": b.late_closing.connections}
+    return b.attack(run)
+
+
+SUPERVISED: dict[str, Callable[[Supervision], dict]] = {}
+"""Scenarios on a `ttft-relay run --workers 2` of their own: the supervisor's start, reload and stop."""
+
+
+def supervised(fn: Callable[[Supervision], dict]) -> Callable[[Supervision], dict]:
+    SUPERVISED[fn.__name__.replace("_", "-")] = fn
+    return fn
+
+
+@dataclass
+class Supervision:
+    """What a supervised scenario starts its relay from: the checkout whose relay runs, a
+    directory of its own, the fake upstream's URL, the options given (`--set`)."""
+
+    repo: Path
+    tmp: Path
+    upstream: str
+    options: dict[str, str]
+
+    def relay(self, **options: object) -> RelayWorkers:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return RelayWorkers(self.upstream, 2, self.tmp, {"relay_metrics_listen": "", **self.options, **options},
+                            repo=self.repo)
+
+
+def _until(condition: Callable[[], object], timeout: float) -> bool:
+    """Polls `condition` (a process's children) until it holds; whether it did in time."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _arriving(port: int, n: int, every_s: float) -> list[int | str]:
+    """`n` clients, one every `every_s` (a pace, not a sync), each in a thread of its own: their outcomes."""
+    outcomes: list[int | str] = []
+    ts = []
+    for _ in range(n):
+        ts.append(threading.Thread(target=lambda: outcomes.append(asked(port))))
+        ts[-1].start()
+        time.sleep(every_s)
+    for t in ts:
+        t.join()
+    return outcomes
+
+
+def _exit(relay: RelayWorkers, within: float) -> int | str:
+    """The supervisor's exit status if it exits within `within` seconds, else "serving"."""
+    assert relay.proc is not None
+    try:
+        return relay.proc.wait(within)
+    except subprocess.TimeoutExpired:
+        return "serving"
+
+
+@supervised
+def worker_dies_starting(s: Supervision) -> dict:
+    relay = s.relay().spawn()
+    try:
+        if not _until(lambda: 1 in relay.workers(), 120):  # spawned once worker 0 serves
+            return {"error": "worker 1 never started: " + " | ".join(relay.lines[-5:])}
+        os.kill(relay.workers()[1], signal.SIGKILL)
+        outcomes = _arriving(relay.port, 40, every_s=0.05)
+        ready = relay.wait_for(r"workers ready", 60)
+        live = len(relay.workers())
+        return {"clients": tally(outcomes), "ready_line": ready, "workers_alive_then": live,
+                "supervisor": _exit(relay, 5)}
+    finally:
+        relay.stop()
+
+
+@supervised
+def reload_starting(s: Supervision) -> dict:
+    relay = s.relay().spawn()
+    try:
+        if not _until(lambda: 0 in relay.workers(), 120):
+            return {"error": "worker 0 never started: " + " | ".join(relay.lines[-5:])}
+        assert relay.proc is not None
+        relay.proc.send_signal(signal.SIGHUP)
+        ready = relay.wait_for(r"workers ready", 60)
+        outcomes = _arriving(relay.port, 10, every_s=0.05)
+        return {"ready_line": ready, "clients_after": tally(outcomes), "supervisor": _exit(relay, 5),
+                "workers_died": [ln for ln in relay.lines if re.search(r"exited \((?!0\))", ln)]}
+    finally:
+        relay.stop()
+
+
+ARRIVAL_S = 0.05
+"""stop-arriving: each of its 3 clients connects again every 50 ms (or once its last is over)."""
+
+
+@supervised
+def stop_arriving(s: Supervision) -> dict:
+    relay = s.relay(relay_shutdown_grace=5).start()
+    assert relay.proc is not None
+    outcomes: list[tuple[float, int | str]] = []
+    stopped = threading.Event()
+
+    def arrive() -> None:
+        while not stopped.is_set():
+            began = time.monotonic()
+            outcomes.append((began, asked(relay.port)))
+            stopped.wait(max(0.0, ARRIVAL_S - (time.monotonic() - began)))  # a pace, not a sync
+    held = threading.Thread(target=asked, args=(relay.port,),
+                            kwargs={"headers": "x-fake-chunks: 300\r\nx-fake-gap-ms: 10\r\n", "stream": True})
+    arriving = [threading.Thread(target=arrive) for _ in range(3)]
+    try:
+        held.start()
+        for t in arriving:
+            t.start()
+        _until(lambda: sum(o == 200 for _, o in outcomes) >= 6, 60)
+        signalled = time.monotonic()
+        relay.proc.send_signal(signal.SIGTERM)
+        code = _exit(relay, 60)
+        stop_s = time.monotonic() - signalled
+    finally:
+        stopped.set()
+        for t in [held, *arriving]:
+            t.join(60)
+        relay.stop()
+    during = [o for at, o in outcomes if at >= signalled]
+    answered = sum(isinstance(o, int) for _, o in outcomes) + 1  # and the held stream
+    records = len(read_records(s.tmp / "timing-n.jsonl"))
+    return {"stop_s": round(stop_s, 1), "supervisor": code, "during_the_stop": tally(during),
+            "answered": answered, "records": records}
 
 
 def closed_ports(n: int) -> list[int]:
@@ -631,9 +872,33 @@ def closed_by_peer(socks: list[socket.socket], within: float) -> int:
     return closed
 
 
+def run_on_bench(name: str, relay_script: Path, tmp: Path, options: dict[str, str]) -> dict:
+    # A relay per scenario: one attack's leftovers (memory, threads) are not the next one's.
+    b = Bench(relay_script, tmp, options)
+    try:
+        base = b.baseline()
+        result = SCENARIOS[name](b)
+        result["victim_gap_ratio"] = round(result["victim_max_gap_ms"] / max(base["victim_max_gap_ms"], 1e-3), 1)
+        result["baseline_max_gap_ms"] = base["victim_max_gap_ms"]
+        result["relay_alive"] = b.relay.proc.poll() is None
+    finally:
+        b.close()
+    return result
+
+
+def run_supervised(name: str, relay_script: Path, tmp: Path, options: dict[str, str]) -> dict:
+    """A supervised scenario, its relay run from the relay script's checkout."""
+    fake, fake_url = start_fake_upstream()
+    try:
+        return SUPERVISED[name](Supervision(relay_script.resolve().parents[1], tmp, fake_url, options))
+    finally:
+        fake.terminate()
+        fake.wait(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="(default: all)")
+    ap.add_argument("--scenario", action="append", choices=sorted({*SCENARIOS, *SUPERVISED}), help="(default: all)")
     ap.add_argument("--relay-script", type=Path, default=RELAY_SCRIPT,
                     help="the relay to attack (another checkout's ttft_relay/relay.py: before a change)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a relay option")
@@ -647,19 +912,12 @@ def main() -> None:
     results: dict[str, dict] = {}
     collector = HostileCollector()
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
-        for name in args.scenario or sorted(SCENARIOS):
-            # A relay per scenario: one attack's leftovers (memory, threads) are not the next one's.
-            extra = RELAY_OPTIONS[name](collector) if name in RELAY_OPTIONS else {}
-            b = Bench(args.relay_script, Path(tmp) / name, {**options, **extra})
-            try:
-                base = b.baseline()
-                result = SCENARIOS[name](b)
-                result["victim_gap_ratio"] = round(result["victim_max_gap_ms"] / max(base["victim_max_gap_ms"], 1e-3), 1)
-                result["baseline_max_gap_ms"] = base["victim_max_gap_ms"]
-                alive = b.relay.proc.poll() is None
-                result["relay_alive"] = alive
-            finally:
-                b.close()
+        for name in args.scenario or sorted({*SCENARIOS, *SUPERVISED}):
+            if name in SUPERVISED:
+                result = run_supervised(name, args.relay_script, Path(tmp) / name, options)
+            else:
+                result = run_on_bench(name, args.relay_script, Path(tmp) / name,
+                                      {**options, **(RELAY_OPTIONS[name](collector) if name in RELAY_OPTIONS else {})})
             results[name] = result
             if not args.json:
                 print(f"{name:18} " + "  ".join(f"{k}={v}" for k, v in result.items()), flush=True)

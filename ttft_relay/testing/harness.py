@@ -197,9 +197,12 @@ class MitmdumpProcess:
 
 class RelayWorkers:
     """`ttft-relay run --workers N` (the relay as N workers sharing its listeners) in reverse mode to
-    `upstream` on a free port, for benchmarks; `processes()` names its process tree."""
+    `upstream` on a free port, for benchmarks; `processes()` names its process tree, `lines` are
+    the supervisor's output (stderr). `repo`: the checkout whose relay runs (another one's, a
+    `git archive` of an older commit, to measure before a change)."""
 
-    def __init__(self, upstream: str, n: int, tmp: Path, options: dict[str, object] | None = None) -> None:
+    def __init__(self, upstream: str, n: int, tmp: Path, options: dict[str, object] | None = None, *,
+                 repo: Path = REPO) -> None:
         from ttft_relay import workers  # the supervisor's module imports mitmproxy: only when used
 
         self.port = workers.free_port()
@@ -210,19 +213,44 @@ class RelayWorkers:
         for name, value in options.items():
             args += ["--set", f"{name}={option_text(value)}"]
         self.args = args
+        self.repo = repo
         self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+
+    def spawn(self) -> RelayWorkers:
+        """Started, not waited for (`start` waits until it serves)."""
+        self.proc = subprocess.Popen(self.args, cwd=self.repo, env={**os.environ, "TTFT_RELAY_CONF": ""},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
 
     def start(self) -> RelayWorkers:
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env={**os.environ, "TTFT_RELAY_CONF": ""},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:
-            if re.search(r"\d+ workers ready", line):
-                break
-        else:
-            raise RuntimeError("ttft-relay run --workers did not start")
-        # Drain the rest, or a worker blocks once the pipe fills.
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        if self.spawn().wait_for(r"\d+ workers ready", 120) is None:
+            raise RuntimeError("ttft-relay run --workers did not start:\n" + "\n".join(self.lines[-30:]))
         return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:  # drained to the end, or a worker blocks once the pipe fills
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self.proc.wait()
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> str | None:
+        """The first line of its output that matches `pattern`; None if none came within
+        `timeout` or before it exited."""
+        rx = re.compile(pattern)
+
+        def found() -> str | None:
+            return next((ln for ln in self.lines if rx.search(ln)), None)
+        with self._changed:
+            self._changed.wait_for(lambda: found() is not None or (self.proc is not None and self.proc.poll() is not None),
+                                   timeout)
+            return found()
 
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -231,6 +259,21 @@ class RelayWorkers:
         """"supervisor", "worker 1", "worker 2", ... → pid."""
         out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
         return {"supervisor": self.proc.pid, **{f"worker {n}": int(pid) for n, pid in enumerate(out.stdout.split(), 1)}}
+
+    def workers(self) -> dict[int, int]:
+        """Each live worker's index (as the supervisor numbers them, from 0) → its pid."""
+        from ttft_relay.observe.metrics import WORKER_ENV
+
+        out = {}
+        for name, pid in self.processes().items():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            for entry in environ:
+                if entry.startswith(WORKER_ENV.encode() + b"=") and name != "supervisor":
+                    out[int(entry.split(b"=", 1)[1])] = pid
+        return out
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
