@@ -44,14 +44,23 @@ Issue 36's cases:
                        on a new connection to the relay: their statuses (502: a pooled connection
                        lost the race; the pool is on by default, `--set relay_upstream_pool=...`)
 
-On `ttft-relay run --workers 2` of their own (the supervisor's checkout: `--relay-script`'s),
-in front of the fake upstream:
+With a relay of their own (`--relay-script`'s checkout). The pool on a far link
+(ttft_relay/testing/fakes/link.py; root):
+
+    pool-silent        6 clients through the pool (relay_upstream_pool=true), then the link
+                       forgets their connections (a NAT that lost its table: every packet of
+                       them dropped, no reset), then 6 clients at once: each one's status and
+                       when (relay_first_token_timeout=30: a 504 then)
+
+On `ttft-relay run --workers 2`, in front of the fake upstream:
 
     worker-dies-starting  worker 1 killed (-9, as the OOM killer does) before it is ready, 40
                        clients arriving meanwhile (one every 50 ms): their outcomes, the
                        supervisor's exit, its "N workers ready" line and the workers alive then
     reload-starting    SIGHUP (systemctl reload) as worker 0 starts, before it has a handler:
                        the supervisor's exit, workers that died, 10 clients after
+    kill-answered      a worker killed -9 every 2 s, 5 times, 8 clients asking throughout:
+                       of the requests whose clients had the whole answer, those recorded "lost"
     stop-arriving      SIGTERM (systemctl stop) with a 3 s stream in flight
                        (relay_shutdown_grace=5) and 3 clients connecting again and again
                        (each every 50 ms, or once its last is over): the
@@ -82,8 +91,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ttft_relay.testing.fakes import hostile
+from ttft_relay.testing.fakes import hostile, link
 from ttft_relay.testing.fakes.hostile import BINARY, CONTINUATION, PING, TEXT, HostileUpstream, RawClient, frame
+from ttft_relay.testing.fakes.upstream import FakeUpstream
 from ttft_relay.testing.harness import RELAY_SCRIPT, MitmdumpProcess, RelayWorkers, read_records, start_fake_upstream
 
 GIB = 1 << 30
@@ -507,10 +517,10 @@ def _send_quietly(c: RawClient, data: bytes) -> str:
 def asked(port: int, model: str = "gpt-4o-mini", headers: str = "", *, stream: bool = False,
           timeout: float = 30) -> int | str:
     """One chat request on a new connection to the relay's `port` (`headers`: more head lines,
-    each ending in CRLF): the answer's status, or what ended it without one: "refused",
-    "reset", "closed" (no byte of an answer), "timeout"."""
+    each ending in CRLF): the status of its whole answer, or what ended it: "refused", "reset",
+    "closed" (no byte of an answer), "timeout", or "cut" (an answer's head, not all its body)."""
     body = json.dumps({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    data = b""
+    data, broken = b"", ""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
@@ -520,11 +530,17 @@ def asked(port: int, model: str = "gpt-4o-mini", headers: str = "", *, stream: b
     except ConnectionRefusedError:
         return "refused"
     except TimeoutError:
-        return "timeout" if not data.startswith(b"HTTP/") else int(data.split(b" ", 2)[1])
+        broken = "timeout"
     except OSError:
-        if not data.startswith(b"HTTP/"):
-            return "reset"
-    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else "closed"
+        broken = "reset"
+    if not data.startswith(b"HTTP/"):
+        return broken or "closed"
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+    chunked = re.search(rb"(?i)\r\ntransfer-encoding:\s*chunked", head)
+    whole = (len(rest) >= int(length.group(1)) if length else rest.endswith(b"0\r\n\r\n") if chunked
+             else not broken)
+    return int(data.split(b" ", 2)[1]) if whole else "cut"
 
 
 def tally(outcomes: list[int | str]) -> dict[str, int]:
@@ -630,29 +646,44 @@ def pool_keepalive_race(b: Bench) -> dict:
     return b.attack(run)
 
 
-SUPERVISED: dict[str, Callable[[Supervision], dict]] = {}
-"""Scenarios on a `ttft-relay run --workers 2` of their own: the supervisor's start, reload and stop."""
+OWN_RELAY: dict[str, Callable[[OwnRelay], dict]] = {}
+"""Scenarios that start a relay of their own (the supervisor's start, reload and stop; a far link)."""
 
 
-def supervised(fn: Callable[[Supervision], dict]) -> Callable[[Supervision], dict]:
-    SUPERVISED[fn.__name__.replace("_", "-")] = fn
+def own_relay(fn: Callable[[OwnRelay], dict]) -> Callable[[OwnRelay], dict]:
+    OWN_RELAY[fn.__name__.replace("_", "-")] = fn
     return fn
 
 
 @dataclass
-class Supervision:
-    """What a supervised scenario starts its relay from: the checkout whose relay runs, a
-    directory of its own, the fake upstream's URL, the options given (`--set`)."""
+class OwnRelay:
+    """What such a scenario starts its relay from: the checkout whose relay runs (the relay
+    script's), a directory of its own, the options given (`--set`)."""
 
     repo: Path
     tmp: Path
-    upstream: str
     options: dict[str, str]
+    fake: subprocess.Popen[str] | None = None
 
-    def relay(self, **options: object) -> RelayWorkers:
+    def supervised(self, **options: object) -> RelayWorkers:
+        """`ttft-relay run --workers 2` in front of the fake upstream (not started yet)."""
         self.tmp.mkdir(parents=True, exist_ok=True)
-        return RelayWorkers(self.upstream, 2, self.tmp, {"relay_metrics_listen": "", **self.options, **options},
-                            repo=self.repo)
+        self.fake, url = start_fake_upstream()
+        return RelayWorkers(url, 2, self.tmp, {"relay_metrics_listen": "", **options, **self.options}, repo=self.repo)
+
+    def mitmdump(self, modes: list[str], **options: object) -> MitmdumpProcess:
+        """The relay as one mitmdump process (not started yet)."""
+        from ttft_relay import config
+
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return MitmdumpProcess(modes, self.tmp, script=self.repo / "ttft_relay" / "relay.py",
+                               options={**config.MITMPROXY_DEFAULTS, "relay_timing_log": self.tmp / "timing.jsonl",
+                                        "relay_metrics_listen": "", **options, **self.options})
+
+    def close(self) -> None:
+        if self.fake is not None:
+            self.fake.terminate()
+            self.fake.wait(10)
 
 
 def _until(condition: Callable[[], object], timeout: float) -> bool:
@@ -687,9 +718,9 @@ def _exit(relay: RelayWorkers, within: float) -> int | str:
         return "serving"
 
 
-@supervised
-def worker_dies_starting(s: Supervision) -> dict:
-    relay = s.relay().spawn()
+@own_relay
+def worker_dies_starting(s: OwnRelay) -> dict:
+    relay = s.supervised().spawn()
     try:
         if not _until(lambda: 1 in relay.workers(), 120):  # spawned once worker 0 serves
             return {"error": "worker 1 never started: " + " | ".join(relay.lines[-5:])}
@@ -703,9 +734,9 @@ def worker_dies_starting(s: Supervision) -> dict:
         relay.stop()
 
 
-@supervised
-def reload_starting(s: Supervision) -> dict:
-    relay = s.relay().spawn()
+@own_relay
+def reload_starting(s: OwnRelay) -> dict:
+    relay = s.supervised().spawn()
     try:
         if not _until(lambda: 0 in relay.workers(), 120):
             return {"error": "worker 0 never started: " + " | ".join(relay.lines[-5:])}
@@ -723,9 +754,9 @@ ARRIVAL_S = 0.05
 """stop-arriving: each of its 3 clients connects again every 50 ms (or once its last is over)."""
 
 
-@supervised
-def stop_arriving(s: Supervision) -> dict:
-    relay = s.relay(relay_shutdown_grace=5).start()
+@own_relay
+def stop_arriving(s: OwnRelay) -> dict:
+    relay = s.supervised(relay_shutdown_grace=5).start()
     assert relay.proc is not None
     outcomes: list[tuple[float, int | str]] = []
     stopped = threading.Event()
@@ -757,6 +788,77 @@ def stop_arriving(s: Supervision) -> dict:
     records = len(read_records(s.tmp / "timing-n.jsonl"))
     return {"stop_s": round(stop_s, 1), "supervisor": code, "during_the_stop": tally(during),
             "answered": answered, "records": records}
+
+
+SILENT_FIRST_TOKEN_TIMEOUT_S = 30
+
+
+@own_relay
+def pool_silent(s: OwnRelay) -> dict:
+    """The pool's connections to an upstream across a far link that then forgets them."""
+    if (why := link.unavailable()) is not None:
+        return {"error": f"no far link here: {why}"}
+    with link.FarLink(delay_ms=5, seed=1) as far:
+        with far.far.entered():
+            fake = FakeUpstream(host=far.far.ip).start()
+        try:
+            relay = s.mitmdump([f"reverse:http://{far.far.ip}:{fake.port}@0"], relay_upstream_pool=True,
+                               relay_first_token_timeout=SILENT_FIRST_TOKEN_TIMEOUT_S)
+            relay.args = far.near.adopt(relay.args)
+            with relay.start(), far.near.entered():  # the clients' threads in the relay's namespace
+                def timed() -> int | str:
+                    began = time.monotonic()
+                    outcome = asked(relay.port, stream=True, timeout=2 * SILENT_FIRST_TOKEN_TIMEOUT_S)
+                    return f"{outcome} after {time.monotonic() - began:.1f} s"
+                _in_parallel(6, 6, lambda: asked(relay.port, stream=True))  # the pool keeps their connections
+                time.sleep(1)  # the answers' ends reach the pool, which parks each connection
+                far.forget()  # a NAT on the way lost its table: the kept connections' path is silent
+                outcomes = sorted(_in_parallel(6, 6, timed), key=str)
+        finally:
+            fake.stop()
+    after_forget = read_records(s.tmp / "timing.jsonl")[6:]
+    return {"clients": outcomes, "their_records": tally([f"{r.get('status')} {r.get('error') or 'ok'}"[:90]
+                                                         for r in after_forget])}
+
+
+KILLS = 5
+
+
+@own_relay
+def kill_answered(s: OwnRelay) -> dict:
+    """Workers killed -9 under load, again and again: of the requests whose clients had the whole
+    answer, how many were recorded as lost (the kill between the answer's last byte and its record)."""
+    relay = s.supervised().start()
+    answered: list[str] = []
+    stopped = threading.Event()
+
+    def client(n: int) -> None:
+        for i in range(1_000_000):
+            if stopped.is_set():
+                return
+            rid = f"client{n}-{i}"
+            if asked(relay.port, headers=f"x-request-id: {rid}\r\n") == 200:
+                answered.append(rid)
+    clients = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    try:
+        for t in clients:
+            t.start()
+        for _ in range(KILLS):
+            time.sleep(2)  # the pace of the kills: a worker restarted in between
+            _until(relay.workers, 30)
+            os.kill(random.choice(list(relay.workers().values())), signal.SIGKILL)
+        time.sleep(2)
+    finally:
+        stopped.set()
+        for t in clients:
+            t.join(60)
+        relay.stop()
+    from ttft_relay.observe.ledger import LOST_ERROR
+
+    records = read_records(s.tmp / "timing-n.jsonl")
+    lost = {r.get("request_id") for r in records if r.get("error") == LOST_ERROR}
+    return {"kills": KILLS, "answered_in_full": len(answered), "of_them_recorded_lost": len(lost & set(answered)),
+            "lost_records": len(lost), "records": len(records)}
 
 
 def closed_ports(n: int) -> list[int]:
@@ -886,19 +988,18 @@ def run_on_bench(name: str, relay_script: Path, tmp: Path, options: dict[str, st
     return result
 
 
-def run_supervised(name: str, relay_script: Path, tmp: Path, options: dict[str, str]) -> dict:
-    """A supervised scenario, its relay run from the relay script's checkout."""
-    fake, fake_url = start_fake_upstream()
+def run_own_relay(name: str, relay_script: Path, tmp: Path, options: dict[str, str]) -> dict:
+    """A scenario with a relay of its own, run from the relay script's checkout."""
+    own = OwnRelay(relay_script.resolve().parents[1], tmp, options)
     try:
-        return SUPERVISED[name](Supervision(relay_script.resolve().parents[1], tmp, fake_url, options))
+        return OWN_RELAY[name](own)
     finally:
-        fake.terminate()
-        fake.wait(10)
+        own.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", action="append", choices=sorted({*SCENARIOS, *SUPERVISED}), help="(default: all)")
+    ap.add_argument("--scenario", action="append", choices=sorted({*SCENARIOS, *OWN_RELAY}), help="(default: all)")
     ap.add_argument("--relay-script", type=Path, default=RELAY_SCRIPT,
                     help="the relay to attack (another checkout's ttft_relay/relay.py: before a change)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a relay option")
@@ -912,9 +1013,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     collector = HostileCollector()
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
-        for name in args.scenario or sorted({*SCENARIOS, *SUPERVISED}):
-            if name in SUPERVISED:
-                result = run_supervised(name, args.relay_script, Path(tmp) / name, options)
+        for name in args.scenario or sorted({*SCENARIOS, *OWN_RELAY}):
+            if name in OWN_RELAY:
+                result = run_own_relay(name, args.relay_script, Path(tmp) / name, options)
             else:
                 result = run_on_bench(name, args.relay_script, Path(tmp) / name,
                                       {**options, **(RELAY_OPTIONS[name](collector) if name in RELAY_OPTIONS else {})})
