@@ -42,7 +42,9 @@ Issue 36's cases:
     pool-keepalive-race  an upstream that advertises keep-alive and closes each connection 0-300 ms
                        after its answer (reading nothing meanwhile), 60 clients, 4 at a time, each
                        on a new connection to the relay: their statuses (502: a pooled connection
-                       lost the race; the pool is on by default, `--set relay_upstream_pool=...`)
+                       lost the race; the pool is on by default, `--set relay_upstream_pool=...`),
+                       the upstream's connections, and from the records how many went on a
+                       reused one and their total time (p50, max)
 
 With a relay of their own (`--relay-script`'s checkout). The pool on a far link
 (ttft_relay/testing/fakes/link.py; root):
@@ -641,9 +643,19 @@ def metrics_evict(b: Bench) -> dict:
 def pool_keepalive_race(b: Bench) -> dict:
     def run() -> dict:
         outcomes = _in_parallel(60, 4, lambda: asked(b.late_closing_port))
+        time.sleep(1)  # the last records written
+        port = b.late_closing.url.rsplit(":", 1)[1]
+        theirs = [r for r in read_records(b.tmp / "timing.jsonl") if r.get("upstream", "").endswith(f":{port}")]
         return {"clients": tally(outcomes), "upstream_answered": b.late_closing.answered,
-                "upstream_connections": b.late_closing.connections}
+                "upstream_connections": b.late_closing.connections,
+                "on_reused_connections": sum(r.get("reused_connection") is True for r in theirs),
+                "total_ms_p50_max": _p50_max([(r.get("phases") or {}).get("total", 0.0) for r in theirs])}
     return b.attack(run)
+
+
+def _p50_max(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values) or [0.0]
+    return round(ordered[len(ordered) // 2], 1), round(ordered[-1], 1)
 
 
 OWN_RELAY: dict[str, Callable[[OwnRelay], dict]] = {}
