@@ -2,9 +2,11 @@
 cost the relay, and what they cost everyone else's streams.
 
 One relay (mitmdump -s ttft_relay/relay.py with its defaults, or `--relay-script` another
-checkout's, to measure before and after a change) with three listeners: reverse to the fake
+checkout's, to measure before and after a change) with four listeners: reverse to the fake
 upstream (the victims' streams), reverse to a hostile upstream (ttft_relay/testing/fakes/hostile.py),
-and a regular proxy listener (the junk requests). Per scenario:
+reverse to an upstream that closes its kept-alive connections at random (`LateClosingUpstream`),
+and a regular proxy listener (the junk requests). Scenarios that need a relay of their own (a
+supervisor, a far link) start it themselves, below. Per scenario on the shared relay:
 
     rss       the relay's resident memory before the attack, and its peak during it
               (VmRSS sampled every 20 ms), in MB
@@ -52,7 +54,8 @@ With a relay of their own (`--relay-script`'s checkout). The pool on a far link
     pool-silent        6 clients through the pool (relay_upstream_pool=true), then the link
                        forgets their connections (a NAT that lost its table: every packet of
                        them dropped, no reset), then 6 clients at once: each one's status and
-                       when (relay_first_token_timeout=30: a 504 then)
+                       when, and their records (relay_first_token_timeout=30: a request left
+                       on a dead connection fails then)
 
 On `ttft-relay run --workers 2`, in front of the fake upstream:
 
@@ -64,10 +67,10 @@ On `ttft-relay run --workers 2`, in front of the fake upstream:
     kill-answered      a worker killed -9 every 2 s, 5 times, 8 clients asking throughout:
                        of the requests whose clients had the whole answer, those recorded "lost"
     stop-arriving      SIGTERM (systemctl stop) with a 3 s stream in flight
-                       (relay_shutdown_grace=5) and 3 clients connecting again and again
-                       (each every 50 ms, or once its last is over): the
-                       outcomes of those that connected during the stop (refused, answered, or
-                       closed with no answer), and records against answers
+                       (relay_shutdown_grace=5) and 3 clients connecting again and again (each
+                       every 50 ms, or once its last is over): the outcomes of those that
+                       connected during the stop (refused, answered, or closed with no answer),
+                       and records against answers
 
     scripts/bench hostile [--scenario NAME ...] [--relay-script PATH] [--set NAME=VALUE ...] [--json]
 """
