@@ -194,7 +194,7 @@ def decode_slot(data: bytes) -> Attempt | None:
 def _legacy(directory: Path) -> list[store.Entry]:
     """The failed attempts of the previous version's table (those a retry may still join are kept)."""
     path = directory / LEGACY_FILE
-    if not path.exists():
+    if not path.is_file():  # (a FIFO would hold the store's lock)
         return []
     with open(path, "rb") as f:
         data = f.read(SLOTS * SLOT_SIZE)
@@ -217,6 +217,7 @@ class AttemptGroups:
         """Set when the store should be read (and this process's changes written) now."""
         self.syncer: asyncio.Task | None = None
         self._prune_at = 0.0
+        self._failed = False
 
     def configure(self, updated: set[str]) -> None:
         if "relay_timing_log" not in updated:
@@ -251,7 +252,12 @@ class AttemptGroups:
             except TimeoutError:
                 pass
             self.wanted.clear()
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # said once; the next pass tries again, groups are grouped meanwhile
+                if not self._failed:
+                    logger.exception("attempt groups: the store not read or written")
+                self._failed = True
 
     async def sync(self) -> None:
         """Write the groups changed here and read the others' (the file work in a thread);
