@@ -143,6 +143,7 @@ def test_the_self_watch_samples_feed_the_lag_the_accept_queues_and_the_gc_pauses
 
 def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
     from ttft_relay import store as learned_store
+    from ttft_relay.observe import attempts
     from ttft_relay.trim import plans, policy, windows
 
     registry = CollectorRegistry()
@@ -169,12 +170,15 @@ def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
     kept = plans.KeptPlans(tmp_path / learned_store.FILE_NAME)
     kept.put(bytes(16), policy.Plan(1, 2, bytes(16)))
     kept.save()
+    groups = learned_store.SharedStore(tmp_path / learned_store.FILE_NAME, [attempts.KIND])
+    groups.entries.put(attempts.entry(attempts.Attempt(bytes(16), "r1", 1, time.time() - 2, time.time() - 1, True)))
+    groups.sync()
     scraped = {(s.name, s.labels["kind"]): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode())
                for s in family.samples if s.name in (metrics.LEARNED_ENTRIES, metrics.LEARNED_NEWEST)}
     assert {k: v for k, v in scraped.items() if k[0] == metrics.LEARNED_ENTRIES} == {
         (metrics.LEARNED_ENTRIES, "window"): 2, (metrics.LEARNED_ENTRIES, "plan"): 1,
-        (metrics.LEARNED_ENTRIES, "first-token"): 0}
+        (metrics.LEARNED_ENTRIES, "first-token"): 0, (metrics.LEARNED_ENTRIES, "attempt"): 1}
     assert scraped[(metrics.LEARNED_NEWEST, "window")] == 1.0
     assert scraped[(metrics.LEARNED_NEWEST, "plan")] > 1.7e9 and (metrics.LEARNED_NEWEST, "first-token") not in scraped
 

@@ -3,13 +3,14 @@
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
 from ttft_relay import store
-from ttft_relay.observe import prefill, verdicts
+from ttft_relay.observe import attempts, prefill, verdicts
 from ttft_relay.timing import record
 from ttft_relay.trim import plans, policy, windows
 from ttft_relay.report import summary
@@ -149,9 +150,13 @@ def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
     line = prefill.Line("api.example.com")
     for t in range(3):
         line.add((1_700_000_000.0 + t, 1000, 0, 300.0, f"source-{t % 2}"))
-    shared = store.SharedStore(tmp_path / store.FILE_NAME, [verdicts.KIND])
+    shared = store.SharedStore(tmp_path / store.FILE_NAME, [verdicts.KIND, attempts.KIND])
     shared.entries.put(store.Entry(verdicts.KIND_NAME, "api.example.com · gpt-x", prefill.line_value(line),
                                    1_700_000_002.0))
+    now = time.time()
+    for n in range(2):  # a failed request each, waiting on a retry
+        failed = attempts.Attempt(bytes([n]) * 16, f"r{n}", 1, now - 5, now - 4, True)
+        shared.entries.put(attempts.entry(failed, "ab12"))
     shared.sync()
     command = [sys.executable, "-m", "ttft_relay", "report"]
     text = subprocess.run([*command, log], capture_output=True, text=True, check=True, cwd=REPO).stdout
@@ -159,10 +164,11 @@ def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
     assert "   context windows: 1, the newest learned 2023-11-14T" in text and "from 1 access key(s)" in text
     assert "   trim plans (conversations' cuts): 3, the newest learned " in text and "from 2 access key(s)" in text
     assert "     api.example.com · gpt-x: 3 samples from 2 source(s), the newest 2023-11-14T" in text
+    assert "   open attempt groups (failed requests a retry may still join): 2, the newest learned " in text
     assert "from a 400 invalid_request_error to key ab12" in text
     held = orjson.loads(subprocess.run([*command, log, "--json"], capture_output=True, check=True, cwd=REPO).stdout)
     assert {kind: what["entries"] for kind, what in held["learned"].items()} == {
-        "window": 1, "plan": 3, "first-token": 1}
+        "window": 1, "plan": 3, "first-token": 1, "attempt": 2}
 
 
 def test_websocket_turns_and_failed_handshakes_are_counted_apart():

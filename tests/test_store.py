@@ -253,10 +253,10 @@ def test_lines_of_a_kind_the_relay_does_not_keep_are_not_carried_along():
 
 
 def test_every_kind_the_relay_keeps_is_one_the_store_carries():
-    from ttft_relay.observe import verdicts
+    from ttft_relay.observe import attempts, verdicts
     from ttft_relay.trim import plans, windows
 
-    kinds = {windows.KIND.name, plans.KIND.name, verdicts.KIND.name, store.IMPORTED.name}
+    kinds = {windows.KIND.name, plans.KIND.name, verdicts.KIND.name, attempts.KIND.name, store.IMPORTED.name}
     assert {kind.encode() for kind in kinds} == store.RELAY_KINDS
 
 

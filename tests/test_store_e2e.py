@@ -1,6 +1,7 @@
 """The store of what the relay learns through `ttft-relay run --workers 2`: a window one worker
 learned from a refusal and the cut it made are the other worker's at once, and both survive a
-restart of the relay (one file beside the timing log, `ttft_relay.store`).
+restart of the relay; a request that failed on one worker and was sent again on the other is
+one attempt group (one file beside the timing log, `ttft_relay.store`).
 
 A worker is told by the socket it holds (/proc), not by a guess."""
 
@@ -11,9 +12,10 @@ import uuid
 
 import orjson
 
-from tests.conftest import FAKE_ANTHROPIC_KEY
+from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY
 from tests.test_first_token_e2e import worker_of
 from ttft_relay import store
+from ttft_relay.observe import attempts
 from ttft_relay.testing import shaped
 from ttft_relay.testing.fakes import Behaviour, FakeUpstream
 from ttft_relay.testing.fakes.client import HttpConnection
@@ -113,3 +115,46 @@ def test_two_workers_share_a_learned_window_and_a_cut_at_once_and_both_survive_a
     cut, on_other, after_restart = received
     for earlier, later in ((cut, on_other), (on_other, after_restart)):
         assert shaped.prefix_share(shaped.ANTHROPIC, earlier, later) >= 0.9
+
+
+def test_two_workers_see_one_attempt_group(tmp_path):
+    # A request fails on one worker; the client sends it again on a new connection, which the
+    # kernel gives to the other worker: its record joins the first one's group (the store,
+    # not a table of the previous version's, `.ttft-relay.attempts`).
+    log = tmp_path / "timing.jsonl"
+    payload = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "warm up"}]}
+    auth = {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "session_id": "s1"}
+
+    def post(conn: HttpConnection, rid: str, body: dict, status: int = 200) -> None:
+        response = conn.request("POST", "/v1/chat/completions", body,
+                                auth | {"x-request-id": rid, "x-fake-status": str(status)})
+        response.read()
+        assert response.status == status
+
+    with FakeUpstream() as fake:
+        relay = RelayWorkers(fake.base_url, 2, tmp_path, {"relay_timing_log": log, "relay_trim": "false"}).start()
+        try:
+            first, second = one_connection_per_worker(relay)
+            post(first, "failed", payload, 500)
+            deadline = time.monotonic() + 10
+            held = store.SharedStore(tmp_path / store.FILE_NAME, [attempts.KIND], read_only=True)
+            while not held.refresh():
+                assert time.monotonic() < deadline, "the failed attempt never reached the store"
+                time.sleep(0.02)  # polling the file, bounded by the deadline
+            (group,) = held.entries.entries(attempts.KIND_NAME)
+            post(second, "unrelated", {**payload, "messages": [{"role": "user", "content": "other"}]})
+            post(second, "retry", payload)
+            for conn in (first, second):
+                conn.close()
+        finally:
+            relay.stop()
+    by_id = {r["request_id"]: r for r in read_records(log)}
+    failed, unrelated, retry = by_id["failed"], by_id["unrelated"], by_id["retry"]
+    assert (failed["attempt_group"], failed["attempt"]) == (failed["id"], 1)
+    assert (retry["attempt_group"], retry["attempt"]) == (failed["id"], 2)
+    assert unrelated["attempt_group"] is None
+    assert group.value[:2] == [failed["id"], 1] and group.by  # the access key's digest, never the key
+    assert FAKE_OPENAI_KEY not in (tmp_path / store.FILE_NAME).read_text()
+    assert not (tmp_path / attempts.LEGACY_FILE).exists()
+    held.refresh()
+    assert held.entries.entries(attempts.KIND_NAME) == []  # the retry succeeded: the group closed

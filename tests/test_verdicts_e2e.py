@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ttft_relay import store
-from ttft_relay.observe import verdicts
+from ttft_relay.observe import attempts, verdicts
 from ttft_relay.timing import phases
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from ttft_relay.testing.fakes.client import HttpConnection
@@ -178,7 +178,7 @@ def test_a_request_cut_by_the_client_and_sent_again_is_one_attempt_group(fake, s
     assert a1["client_aborted"] and a1["error_phase"] == "upstream_wait"
     assert [(r["attempt_group"], r["attempt"]) for r in (a1, a2, a3)] == [(a1["id"], 1), (a1["id"], 2), (a1["id"], 3)]
     assert other["attempt_group"] is None and other["attempt"] is None
-    assert (tmp_path / ".ttft-relay.attempts").exists()  # shared with every relay process logging here
+    assert not (tmp_path / attempts.LEGACY_FILE).exists()  # the groups are in the store, shared by every process
     text = subprocess.run([sys.executable, "-m", "ttft_relay", "report", tmp_path / "timing.jsonl"], cwd=REPO,
                           check=True, capture_output=True, text=True).stdout
     assert "waited " in text and " over 3 attempts" in text, text

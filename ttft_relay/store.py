@@ -1,4 +1,4 @@
-"""One store for what the relay learns: context windows, trim plans, first-token lines.
+"""One store for what the relay learns: context windows, trim plans, first-token lines, open attempt groups.
 
 What the relay learns from the traffic is shared by every client, by every worker of
 `ttft-relay run --workers N` and by the next relay after a restart, so it is kept in one
@@ -22,7 +22,7 @@ relay calls them off the event loop only (the trim addon's worker thread, a thre
 `asyncio.to_thread`); on the loop, it reads `Entries` in memory.
 
 Files of the previous version (`learned-windows.jsonl`, `trim-plans.jsonl`,
-`.ttft-relay.first-token`) are read once, by the first process that writes the store
+`.ttft-relay.first-token`, `.ttft-relay.attempts`) are read once, by the first process that writes the store
 while it does not exist yet (each kind's `legacy` reader), and are no longer written; the
 log says how many entries each gave.
 """
@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "learned.jsonl"
 """Beside the timing log: what the relay processes on that log learned."""
 
-RELAY_KINDS = frozenset({b"window", b"plan", b"first-token", b"imported"})
-"""The kinds the relay's owners keep (`trim/windows.py`, `trim/plans.py`, `observe/verdicts.py`
-and the store's own): a line of another kind (a hand edit, another version) is dropped, not
+RELAY_KINDS = frozenset({b"window", b"plan", b"first-token", b"attempt", b"imported"})
+"""The kinds the relay's owners keep (`trim/windows.py`, `trim/plans.py`, `observe/verdicts.py`,
+`observe/attempts.py` and the store's own): a line of another kind (a hand edit, another version) is dropped, not
 carried along by every process's rewrite."""
 MAX_LINE = 64 * 1024
 """A longer line is not one the relay wrote: dropped (the longest, a first-token line of 256
@@ -239,7 +239,7 @@ class Entries:
             if named in self._owned:
                 owned.append(line)
             elif named in RELAY_KINDS:
-                foreign.append(line)  # another owner's (the trim addon's, the verdicts')
+                foreign.append(line)  # another owner's (the trim addon's, the verdicts', the attempt groups')
         with self._lock:
             if owned == self._owned_lines and not self._pending:
                 self._foreign = foreign  # only other owners' kinds changed: what is held stands

@@ -11,19 +11,23 @@ first and last BODY_EDGE bytes). The sender is the access key the request presen
 digest, `flows.client_key`; the client's address only when it presented none): a team
 behind one NAT is as many senders as it has keys. The conversation is what the client names
 its session by in its headers (CONVERSATION_HEADERS), so two sessions of one key that send
-the same request (a warm-up, a quota probe) are not taken for attempts of one request. It *retries* a request when that request failed or was cut (an error,
-an HTTP error status, the client gone) and it starts at most WINDOW_S after that one
-ended. The first attempt's record gets `attempt_group` = its own id and `attempt` 1 (it
-failed: a retry may follow); each retry the same group and the next number. A request
-that succeeds closes its group: the same request sent again after a success is not a retry.
+the same request (a warm-up, a quota probe) are not taken for attempts of one request. It
+*retries* a request when that request failed or was cut (an error, an HTTP error status,
+the client gone) and it starts at most WINDOW_S after that one ended. The first attempt's
+record gets `attempt_group` = its own id and `attempt` 1 (it failed: a retry may follow);
+each retry the same group and the next number. A request that succeeds closes its group:
+the same request sent again after a success is not a retry.
 
-Each relay process looks up and writes the attempts in one table of fixed-size slots,
-a file in the timing log's directory (`.ttft-relay.attempts`) shared by every process
-that logs there, each worker of `--workers N` among them (a retry on a new connection may
-reach another worker): one `pread` and at most one `pwrite` per record. A slot holds only a digest, a record id, a number and two times. Two
-requests whose digests fall into one slot evict each other: the table remembers the
-latest of them, enough for retries that follow within minutes. Without a timing log
-the table is kept in memory.
+The open groups (the latest failed attempt of each request, for WINDOW_S after it ended)
+are kept in the relay's store (`ttft_relay.store`, kind "attempt": the file beside the
+timing log), one entry per request key, so a retry that reaches another worker of
+`--workers N` (a new connection may) or a restarted relay joins its group. A record is
+grouped on the event loop against the entries in memory; the file is read and written in a
+thread (`AttemptGroups.sync`): at once when a group opens, moves on or closes, when a
+request's head arrives (by the time that request's record is judged, the store has been
+read again: a retry on another worker finds its group) and every SYNC_EVERY_S. Entries a
+retry can no longer join are dropped. The previous version's table
+(`.ttft-relay.attempts`) is read into the store once and no longer written.
 
 WebSocket turns are not grouped (their messages are not the flow's request); a
 WebSocket handshake is, like any request: a client reconnecting after a failed upgrade
@@ -32,17 +36,20 @@ makes its attempts.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-import os
-import stat
+import re
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mitmproxy import ctx, http
 
+from .. import state, store
 from ..flows import client_key
 from ..timing import record
 
@@ -56,17 +63,30 @@ its request and sends it again at once can be seen first on its new connection."
 BODY_EDGE = 8 * 1024
 """The body's bytes hashed at each end (and its length): two turns of one conversation differ
 in length and in their newest messages, at the end; hashing a 180 KB body whole cost 190 µs."""
-SLOTS = 4096
-SLOT_SIZE = 128
-_LAYOUT = struct.Struct(">B16sHddB")
-"""filled (1), key digest, attempt, started, ended, failed; then the group id's length
-(1 byte) and the id; the slot's last 4 bytes are a CRC32 of the rest."""
-GROUP_MAX = SLOT_SIZE - _LAYOUT.size - 1 - 4
+KIND_NAME = "attempt"
+"""The open groups' kind in the store."""
+MAX_ENTRIES = 4096
+"""Open groups kept (the least recently used go first): as many as the previous version's table."""
+GROUP_MAX = 87
+"""The longest group id kept (a record's id; the previous version's slot held as many bytes)."""
+ATTEMPT_MAX = 0xFFFF
+"""The highest attempt number kept (a record field: a number, never an unbounded one from the file)."""
+SYNC_EVERY_S = 0.2
+"""How often a process reads the store again when nothing asked it to sooner."""
+PRUNE_EVERY_S = 60.0
+"""How often the groups no retry can join any more are dropped from the store."""
+LEGACY_FILE = ".ttft-relay.attempts"
+"""The previous version's table, beside the timing log: read once into the store."""
+SLOTS, SLOT_SIZE = 4096, 128
+_SLOT = struct.Struct(">B16sHddB")
+"""A slot of the previous version's table: filled (1), key digest, attempt, started, ended,
+failed; then the group id's length (1 byte) and the id; its last 4 bytes a CRC32 of the rest."""
+_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """The latest attempt of a request, as a slot holds it."""
+    """The latest attempt of a request."""
 
     key: bytes
     group: str
@@ -105,30 +125,9 @@ def request_key(who: str, session: str, method: str, path: str, body: bytes | No
     return h.digest()
 
 
-def slot_offset(key: bytes) -> int:
-    return int.from_bytes(key[:4], "big") % SLOTS * SLOT_SIZE
-
-
-def encode(a: Attempt) -> bytes:
-    group = a.group.encode("utf-8", "replace")[:GROUP_MAX]
-    body = _LAYOUT.pack(1, a.key, min(a.attempt, 0xFFFF), a.started, a.ended, a.failed) + bytes((len(group),)) + group
-    body = body.ljust(SLOT_SIZE - 4, b"\0")
-    return body + zlib.crc32(body).to_bytes(4, "big")
-
-
-def decode(data: bytes) -> Attempt | None:
-    """The slot's attempt; None for an empty slot, or one torn by two processes writing it at once."""
-    if len(data) != SLOT_SIZE or not data[0] or zlib.crc32(data[:-4]) != int.from_bytes(data[-4:], "big"):
-        return None
-    _, key, attempt, started, ended, failed = _LAYOUT.unpack_from(data)
-    length = data[_LAYOUT.size]
-    group = data[_LAYOUT.size + 1:_LAYOUT.size + 1 + length].decode("utf-8", "replace")
-    return Attempt(key, group, attempt, started, ended, bool(failed))
-
-
 def retried(before: Attempt | None, key: bytes, started: float) -> tuple[str, int] | None:
     """(group, attempt number) when a request with `key` starting at `started` retries the
-    attempt a slot holds; else None."""
+    attempt `before`; else None."""
     if before is None or before.key != key or not before.failed:
         return None
     if not before.ended - EARLY_S <= started <= before.ended + WINDOW_S or started <= before.started:
@@ -137,8 +136,8 @@ def retried(before: Attempt | None, key: bytes, started: float) -> tuple[str, in
 
 
 def group(rec: record.Record, before: Attempt | None, key: bytes) -> tuple[record.Learned, Attempt | None]:
-    """The record's attempt group, from the slot's attempt, and what the slot holds next
-    (None: leave it as it is)."""
+    """The record's attempt group, from its request's latest attempt before it, and the
+    request's latest attempt next (None: leave it as it is)."""
     failed = bool(rec.error or rec.client_aborted)
     continued = retried(before, key, rec.ts)
     if continued is not None:
@@ -154,43 +153,57 @@ def group(rec: record.Record, before: Attempt | None, key: bytes) -> tuple[recor
     return placed, Attempt(key, placed.attempt_group or rec.id, placed.attempt or 1, rec.ts, ended, failed)
 
 
-# --- the table and the addon --------------------------------------------------------------
+# --- in the store -----------------------------------------------------------------------------
 
 
-class Table:
-    """The slots: in memory, or in a file shared by the processes writing one timing log."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._memory = bytearray(SLOTS * SLOT_SIZE)
-        if path is not None:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise OSError(f"{path} is not a regular file")
-            self._fd = fd
-
-    def read(self, offset: int) -> bytes:
-        if self._fd is None:
-            return bytes(self._memory[offset:offset + SLOT_SIZE])
-        return os.pread(self._fd, SLOT_SIZE, offset)
-
-    def write(self, offset: int, data: bytes) -> None:
-        if self._fd is None:
-            self._memory[offset:offset + SLOT_SIZE] = data
-        else:
-            os.pwrite(self._fd, data, offset)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+def entry(a: Attempt, by: str = "") -> store.Entry:
+    """An open group as the store keeps it: keyed by its request, learned when its latest attempt ended."""
+    return store.Entry(KIND_NAME, a.key.hex(), [a.group, a.attempt, a.started, a.ended], a.ended, by)
 
 
-def table_path(log: Path) -> Path:
-    """The table every relay process logging into `log`'s directory shares."""
-    return log.with_name(".ttft-relay.attempts")
+def attempt_of(e: store.Entry) -> Attempt | None:
+    """The failed attempt an entry of the store holds, or None if it is not one the relay could have kept."""
+    value: Any = e.value
+    if not (_KEY.fullmatch(e.key) and isinstance(value, list) and len(value) == 4):
+        return None
+    group_id, attempt, started, ended = value
+    if not (isinstance(group_id, str) and 0 < len(group_id) <= GROUP_MAX
+            and type(attempt) is int and 1 <= attempt <= ATTEMPT_MAX
+            and all(type(t) in (int, float) for t in (started, ended)) and started <= ended):
+        return None
+    return Attempt(bytes.fromhex(e.key), group_id, attempt, float(started), float(ended), True)
+
+
+def joinable(e: store.Entry, now: float) -> bool:
+    """Whether a retry may still join the group an entry holds."""
+    a = attempt_of(e)
+    return a is not None and now <= a.ended + WINDOW_S
+
+
+def decode_slot(data: bytes) -> Attempt | None:
+    """A slot of the previous version's table; None for an empty slot, or one torn by two
+    processes writing it at once."""
+    if len(data) != SLOT_SIZE or not data[0] or zlib.crc32(data[:-4]) != int.from_bytes(data[-4:], "big"):
+        return None
+    _, key, attempt, started, ended, failed = _SLOT.unpack_from(data)
+    length = data[_SLOT.size]
+    group_id = data[_SLOT.size + 1:_SLOT.size + 1 + length].decode("utf-8", "replace")
+    return Attempt(key, group_id, attempt, started, ended, bool(failed))
+
+
+def _legacy(directory: Path) -> list[store.Entry]:
+    """The failed attempts of the previous version's table (those a retry may still join are kept)."""
+    path = directory / LEGACY_FILE
+    if not path.is_file():  # (a FIFO would hold the store's lock)
+        return []
+    with open(path, "rb") as f:
+        data = f.read(SLOTS * SLOT_SIZE)
+    slots = (decode_slot(data[at:at + SLOT_SIZE]) for at in range(0, len(data), SLOT_SIZE))
+    return [entry(a) for a in slots if a is not None and a.failed and a.group]
+
+
+KIND = store.Kind(KIND_NAME, MAX_ENTRIES, valid=lambda e: joinable(e, time.time()), legacy=_legacy)
+"""Open attempt groups in the store: a group no retry can join any more is not read."""
 
 
 class AttemptGroups:
@@ -199,37 +212,94 @@ class AttemptGroups:
     (one of `Timing`'s observers)."""
 
     def __init__(self) -> None:
-        self.table = Table()
+        self.shared = store.SharedStore(None, [KIND])
+        self.wanted = asyncio.Event()
+        """Set when the store should be read (and this process's changes written) now."""
+        self.syncer: asyncio.Task | None = None
+        self._prune_at = 0.0
+        self._failed = False
 
     def configure(self, updated: set[str]) -> None:
         if "relay_timing_log" not in updated:
             return
-        self.table.close()
         log = ctx.options.relay_timing_log
-        try:
-            self.table = Table(table_path(Path(log)) if log else None)
-        except OSError as e:
-            logger.warning("attempt groups kept in memory, not shared with other relay processes: %s", e)
-            self.table = Table()
+        path = Path(log).with_name(store.FILE_NAME) if log else None
+        if path != self.shared.path:
+            self.shared = store.SharedStore(path, [KIND])
+
+    async def running(self) -> None:
+        if self.syncer is None:
+            self.syncer = asyncio.create_task(self._keep_syncing(), name="ttft-relay attempt groups")
 
     def done(self) -> None:
-        self.table.close()
+        if self.syncer is not None:
+            self.syncer.cancel()
+            self.syncer = None
+        self._prune(self.shared, self._stale(self.shared))
+        self.shared.sync()  # the relay is stopping: nothing else waits on the loop
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if state.get(flow) is not None and self.shared.path is not None:
+            # Read the store while the request runs: if it retries an attempt another
+            # process saw fail, its record finds the group.
+            self.wanted.set()
+
+    async def _keep_syncing(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(SYNC_EVERY_S):
+                    await self.wanted.wait()
+            except TimeoutError:
+                pass
+            self.wanted.clear()
+            try:
+                await self.sync()
+            except Exception:  # said once; the next pass tries again, groups are grouped meanwhile
+                if not self._failed:
+                    logger.exception("attempt groups: the store not read or written")
+                self._failed = True
+
+    async def sync(self) -> None:
+        """Write the groups changed here and read the others' (the file work in a thread);
+        now and then drop the groups no retry can join any more."""
+        shared = self.shared
+        stale = await asyncio.to_thread(self._sync, shared)
+        if stale and shared is self.shared:
+            self._prune(shared, stale)
+            self.wanted.set()  # written by the next pass
+
+    def _sync(self, shared: store.SharedStore) -> list[store.Entry]:
+        shared.sync()
+        if time.monotonic() < self._prune_at:
+            return []
+        self._prune_at = time.monotonic() + PRUNE_EVERY_S
+        return self._stale(shared)
+
+    @staticmethod
+    def _stale(shared: store.SharedStore) -> list[store.Entry]:
+        now = time.time()
+        return [e for e in shared.entries.entries(KIND_NAME) if not joinable(e, now)]
+
+    @staticmethod
+    def _prune(shared: store.SharedStore, stale: list[store.Entry]) -> None:
+        """Drop the stale entries still held (one a record replaced meanwhile stays)."""
+        for e in stale:
+            if shared.entries.peek(KIND_NAME, e.key) is e:
+                shared.entries.remove(KIND_NAME, e.key)
 
     def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
         if rec.turn:  # a WebSocket turn: the flow's request is the socket's upgrade
             return record.NOTHING_LEARNED
         peer = flow.client_conn.peername
-        who = sender(client_key(flow), str(peer[0]) if peer else "")
-        key = request_key(who, conversation(flow.request.headers), flow.request.method, flow.request.path,
-                          flow.request.raw_content)
-        offset = slot_offset(key)
-        placed = record.NOTHING_LEARNED
-        try:
-            placed, after = group(rec, decode(self.table.read(offset)), key)
-            if after is not None:
-                self.table.write(offset, encode(after))
-        except OSError as e:
-            logger.warning("attempt groups: %s %s; kept in memory from now on", self.table.path, e)
-            self.table.close()
-            self.table = Table()
+        who = client_key(flow)
+        key = request_key(sender(who, str(peer[0]) if peer else ""), conversation(flow.request.headers),
+                          flow.request.method, flow.request.path, flow.request.raw_content)
+        held = self.shared.entries.get(KIND_NAME, key.hex())
+        placed, after = group(rec, attempt_of(held) if held is not None else None, key)
+        if after is not None:
+            if after.failed:
+                self.shared.entries.put(entry(after, who))
+            else:  # a success closes its group: nothing left to join
+                self.shared.entries.remove(KIND_NAME, key.hex())
+            self.wanted.set()
         return placed

@@ -40,8 +40,9 @@ LLM call (each timing record):
                                                  digest learned_from only), learned_from;
                                                  at most windows.MAX_ENTRIES series
     ttft_relay_learned_entries                   what the store beside the timing log holds (store.py),
-    ttft_relay_learned_newest_timestamp_seconds  per kind (window, plan, first-token): how many, and
-                                                 when the newest was learned
+    ttft_relay_learned_newest_timestamp_seconds  per kind (window, plan, first-token, attempt: the
+                                                 open attempt groups): how many, and when the newest
+                                                 was learned
 
 Names and bucket boundaries are the OpenTelemetry GenAI semantic conventions'
 (gen-ai-metrics.md), mapped to Prometheus (dots → underscores, unit suffix).
@@ -92,7 +93,7 @@ from ..apis.api import Api
 from ..text import cut_text
 from ..timing import record
 from ..trim import plans, windows
-from . import multiproc, series, verdicts
+from . import attempts, multiproc, series, verdicts
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,7 @@ class LearnedCollector:
 
     def __init__(self, timing_log: str | Path) -> None:
         self.store = store.SharedStore(Path(timing_log).with_name(store.FILE_NAME),
-                                       [windows.KIND, plans.KIND, verdicts.KIND], read_only=True)
+                                       [windows.KIND, plans.KIND, verdicts.KIND, attempts.KIND], read_only=True)
         self.windows = windows.LearnedWindows(self.store)
 
     def _families(self) -> list[GaugeMetricFamily]:
@@ -317,7 +318,8 @@ class LearnedCollector:
                               labels=("server_address", "gen_ai_request_model", "limit", "confirmed",
                                       "learned_from")),
             GaugeMetricFamily(LEARNED_ENTRIES, "What the relay learned and keeps, per kind: window (context "
-                              "windows), plan (conversations' cuts), first-token (first-token lines).",
+                              "windows), plan (conversations' cuts), first-token (first-token lines), attempt "
+                              "(open attempt groups: failed requests a retry may still join).",
                               labels=("kind",)),
             GaugeMetricFamily(LEARNED_NEWEST, "When the newest entry of a kind was learned (Unix time).",
                               labels=("kind",)),
@@ -333,7 +335,7 @@ class LearnedCollector:
             learned_windows.add_metric([learned.upstream, learned.model,
                                         "max_input" if learned.max_input else "window",
                                         "yes" if learned.confirmed else "no", learned.key], learned.limit)
-        for kind in (windows.KIND_NAME, plans.KIND_NAME, verdicts.KIND_NAME):
+        for kind in (windows.KIND_NAME, plans.KIND_NAME, verdicts.KIND_NAME, attempts.KIND_NAME):
             held = self.store.entries.entries(kind)
             entries.add_metric([kind], len(held))
             if held:

@@ -8,7 +8,8 @@ requests that waited beyond what their prompt predicts (upstream queueing). Abov
 groups, the requests clients sent again after a failure or a cut (`attempt_group`):
 how long the user waited over how many attempts, and why each one ended; what the
 relay learned and keeps in its store beside the logs (`learned.jsonl`: context windows,
-trim plans, first-token lines: how many, the newest when, from how many access keys);
+trim plans, first-token lines, open attempt groups: how many, the newest when, from how
+many access keys);
 each context window learned from a provider's refusal: when, from which reply,
 which access key's digest, and whether another key or an accepted request confirmed it;
 and each upstream group (`relay_upstream_groups`): per member, how often it was chosen and
@@ -44,7 +45,7 @@ from typing import Any
 import orjson
 
 from .. import store
-from ..observe import prefill, verdicts
+from ..observe import attempts, prefill, verdicts
 from ..text import printable
 from ..timing import phases, record
 from ..trim import plans, windows
@@ -417,7 +418,8 @@ def learned_windows(logs: Iterable[str]) -> list[dict[str, Any]]:
 
 
 STORED_KINDS = {windows.KIND_NAME: "context windows", plans.KIND_NAME: "trim plans (conversations' cuts)",
-                verdicts.KIND_NAME: "first-token lines"}
+                verdicts.KIND_NAME: "first-token lines",
+                attempts.KIND_NAME: "open attempt groups (failed requests a retry may still join)"}
 
 
 def learned_store(logs: Iterable[str]) -> dict[str, Any]:
@@ -425,7 +427,7 @@ def learned_store(logs: Iterable[str]) -> dict[str, Any]:
     when the newest was learned, from how many access keys; and each first-token line."""
     held: dict[str, dict[str, store.Entry]] = {kind: {} for kind in STORED_KINDS}
     for path in sorted({Path(log).with_name(store.FILE_NAME) for log in logs}):
-        shared = store.SharedStore(path, [windows.KIND, plans.KIND, verdicts.KIND], read_only=True)
+        shared = store.SharedStore(path, [windows.KIND, plans.KIND, verdicts.KIND, attempts.KIND], read_only=True)
         shared.refresh()
         for kind in STORED_KINDS:
             held[kind] |= {entry.key: entry for entry in shared.entries.entries(kind)}
