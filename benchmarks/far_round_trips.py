@@ -104,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             fake.behaviour.prefill_ms = 10
             fake.behaviour.chunks = 5
             upstream = f"https://{far.far.ip}:{fake.port}"
-            for arm in arms:
-                rows += run_arm(far, upstream, Path(tmp) / "confdir", Path(tmp) / f"timing-{arm}.jsonl", arm, args)
+            for i, arm in enumerate(arms):  # an arm named twice runs twice (its rows together)
+                rows += run_arm(far, upstream, Path(tmp) / "confdir", Path(tmp) / f"timing-{i}.jsonl", arm, args)
         finally:
             fake.stop()
     print(f"far link: round trip {2 * args.one_way_ms:g} ms; each request on a new client connection, the pool "
           f"off (a new upstream connection each); {args.requests} per size and arm; p50s in ms")
     print(f"{'arm':<14} {'kB':>3} {'connect':>7} {'tls':>6} {'upload':>7} {'first token':>11} {'resumed':>7}")
-    for arm in arms:
+    for arm in dict.fromkeys(arms):
         for kb in args.kb:
             mine = [(ft, rec) for a, k, ft, rec in rows if a == arm and k == kb]
             p50 = {phase: statistics.median(rec["phases"].get(phase, 0.0) for _, rec in mine) for phase in PHASES}
