@@ -17,7 +17,7 @@ taken from a connection once its first response came (on TLS 1.3 the tickets com
 handshake, before the server's first bytes of data), and offers it on the next connection to
 the same upstream (`tls_start_server`, after mitmproxy's `TlsConfig` made the connection).
 `SESSIONS_MAX` upstreams are remembered (the least recently used forgotten first); a
-handshake that fails with a session offered forgets it. The record says whether the handshake
+handshake that fails with a session offered forgets it (`handshake_failed`). The record says whether the handshake
 a request waited for resumed (`upstream_tls_resumed`, docs/records.md).
 
 `relay_upstream_tls_resumption=false` makes every handshake a full one again.
@@ -68,6 +68,15 @@ def resumed(server: connection.Server) -> bool | None:
 
 def forget_all() -> None:
     _sessions.clear()
+
+
+def handshake_failed(tls: SSL.Connection) -> None:
+    """`tls`'s handshake failed (mitmproxy's `tls_failed_server`, the pool's own handshakes): if it
+    offered a session, the next connection to its upstream makes a full handshake (a server
+    that chokes on a resumption, or lost its ticket keys badly, costs one failure, not each)."""
+    if tls in _offered and (key := _keys.get(tls)) is not None and _sessions.pop(key, None) is not None:
+        logger.debug("upstream TLS handshake to %s:%d failed with a session offered: the next one is a full handshake",
+                     key[0], key[1])
 
 
 def session_bytes(session: SSL.Session) -> bytes:
@@ -143,12 +152,8 @@ class TlsResumption:
             _established[data.conn] = data.ssl_conn
 
     def tls_failed_server(self, data: TlsData) -> None:
-        # A server that chokes on a resumption (or forgot its keys badly): the next connection
-        # makes a full handshake.
-        if data.ssl_conn is not None and data.ssl_conn in _offered and (key := _keys.get(data.ssl_conn)) is not None:
-            _sessions.pop(key, None)
-            logger.debug("upstream TLS handshake to %s:%d failed with a resumed session offered: "
-                         "the next one is a full handshake", key[0], key[1])
+        if data.ssl_conn is not None:
+            handshake_failed(data.ssl_conn)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         # The first response on a connection came after its session tickets (TLS 1.3 sends them
