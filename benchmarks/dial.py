@@ -45,12 +45,13 @@ def one_request(url: str) -> tuple[int, float]:
         return 200, (chunks[0].at - response.request_sent_at) * 1000
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=20, help="per setup (default 20; in-turn: at most 3)")
-    ap.add_argument("--connect-timeout", type=int, default=10, help="the in-turn relay's relay_connect_timeout (s)")
-    args = ap.parse_args()
+Samples = list[tuple[int, float]]
 
+
+def measure(requests: int, connect_timeout: int = 10, setups: tuple[str, ...] = ("relay-v4", "relay-dual", "in-turn"),
+            ) -> tuple[dict[str, tuple[int, float]], dict[str, Samples]]:
+    """(each setup's first request, its `requests` requests: (status, first token ms)), direct
+    included; in-turn makes at most 3 (each waits for the connect deadline)."""
     from ttft_relay import config
 
     tmp = Path(tempfile.mkdtemp(prefix="ttft-bench-dial-"))
@@ -58,11 +59,11 @@ def main() -> None:
         hosts = hosts_file(tmp / "hosts", {"v4.test": ["127.0.0.1"], "dual.test": ["::1", "127.0.0.1"]})
         common = {**config.MITMPROXY_DEFAULTS, "relay_metrics_listen": "", "relay_timing_console": False,
                   "relay_trim": False}
-        specs = {
+        specs = {name: spec for name, spec in {
             "relay-v4": ("v4.test", {}),
             "relay-dual": ("dual.test", {}),
-            "in-turn": ("dual.test", {"relay_connect_attempt_delay": 0, "relay_connect_timeout": args.connect_timeout}),
-        }
+            "in-turn": ("dual.test", {"relay_connect_attempt_delay": 0, "relay_connect_timeout": connect_timeout}),
+        }.items() if name in setups}
         relays: dict[str, MitmdumpProcess] = {}
         try:
             for name, (host, options) in specs.items():
@@ -73,17 +74,25 @@ def main() -> None:
             targets = {"direct": fake.base_url, **{name: relay.url() for name, relay in relays.items()}}
             # The first request of each: imports, first-connection costs, and a name's first race
             first = {name: one_request(url) for name, url in targets.items() if name != "in-turn"}
-            results: dict[str, list[tuple[int, float]]] = {name: [] for name in targets}
-            for n in range(args.requests):
+            results: dict[str, Samples] = {name: [] for name in targets}
+            for n in range(requests):
                 for name, url in targets.items():
                     if name != "in-turn" or n < 3:
                         results[name].append(one_request(url))
         finally:
             for relay in relays.values():
                 relay.stop()
+    return first, results
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20, help="per setup (default 20; in-turn: at most 3)")
+    ap.add_argument("--connect-timeout", type=int, default=10, help="the in-turn relay's relay_connect_timeout (s)")
+    args = ap.parse_args()
+    first, results = measure(args.requests, args.connect_timeout)
     base = statistics.median(ms for status, ms in results["relay-v4"] if status == 200)
-    print(f"fake upstream on 127.0.0.1:{fake.port}, [::1] black-holed; new client connection per request")
+    print("fake upstream on 127.0.0.1, [::1] on its port black-holed; new client connection per request")
     print(f"{'setup':<12} {'first request':>14} {'answered':>9} {'first token p50':>16} {'max':>9} {'p50 / relay-v4':>15}")
     for name, samples in results.items():
         ok = [ms for status, ms in samples if status == 200]

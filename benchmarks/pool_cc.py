@@ -20,12 +20,17 @@ p50 as the client sees it (from its request's last byte to the first chunk).
 Needs root and network namespaces (as the far-link tests). Run it under the CPU lock:
 
     flock /tmp/ttft-cpu.lock scripts/bench pool_cc [--one-way-ms 50] [--kb 64] [--gaps 0.3,3,11] [--requests 4] [--rounds 2]
+
+`--initcwnd N` gives the relay's route to the upstream an initial window of N segments (the
+README's optional VPS step: cubic restarts an idle connection from it too), and
+`--keep-window-after-idle` sets net.ipv4.tcp_slow_start_after_idle=0 in the relay's namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps", default="0.3,3,11", help="idle seconds before each request, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="per gap, arm and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--initcwnd", type=int, default=0,
+                    help="the relay's route to the upstream with this initial window (segments; 0: the kernel's)")
+    ap.add_argument("--keep-window-after-idle", action="store_true",
+                    help="net.ipv4.tcp_slow_start_after_idle=0 on the relay's side")
     args = ap.parse_args(argv)
     args.gaps = [float(g) for g in args.gaps.split(",")]
     if (why := link.unavailable()) is not None:
@@ -92,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows: list[tuple] = []
     with tempfile.TemporaryDirectory() as tmp, link.FarLink(delay_ms=args.one_way_ms, seed=1) as far:
+        if args.initcwnd:
+            far.route(far.near, initcwnd=args.initcwnd)
+        if args.keep_window_after_idle:
+            subprocess.run(far.near.adopt(["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"]), check=True)
         with far.far.entered():
             fake = FakeUpstream(host=far.far.ip).start()
         try:
@@ -105,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             fake.stop()
     print(f"far link: round trip {2 * args.one_way_ms:g} ms; {args.kb} kB requests, each on a new client "
-          f"connection (a pooled upstream one); {args.requests} x {args.rounds} per gap and arm")
+          f"connection (a pooled upstream one); {args.requests} x {args.rounds} per gap and arm; route initcwnd "
+          f"{args.initcwnd or 'default'}; slow start after idle {'off' if args.keep_window_after_idle else 'on'}")
     print(f"{'arm':<6} {'idle s':>6} {'upstream_upload p50':>19} {'max':>7} {'first token p50':>15} {'max':>7} "
           f"{'reused':>6}")
     for congestion in ARMS:

@@ -62,7 +62,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from ttft_relay import capacity, config, dial, patches, reload, scope, upstream_pool
+from ttft_relay import capacity, config, dial, patches, reload, scope, tls_resumption, upstream_pool
 # faults/, timing/ and trim/ keep their addons in addons.py / addon.py, imported here under the
 # package's name: the list and the rules above read `faults.Shutdown`, `timing.Timing`, `trim.Trim`.
 from ttft_relay.faults import addons as faults
@@ -116,6 +116,7 @@ addons = [
     groups.UpstreamGroups(first_tokens),  # a listener's upstream group: the member expected soonest, failover before the head
     shutdown,  # a clean stop: the flows in flight finished, or answered and recorded
     dial.HappyEyeballs(),  # upstream connects race the name's addresses (RFC 8305)
+    tls_resumption.TlsResumption(),  # upstream TLS handshakes resume the upstream's last session
     faults.FailedConnects(),  # a failed upstream connect's marks on the flow that waited for it
     faults.Deadlines(),  # bounded waits: connect, response head, first token, idle
     # what the relay saw: marks, records and what they teach

@@ -90,7 +90,7 @@ from mitmproxy.proxy.layers.tls import TlsStartServerHook
 from mitmproxy.tls import TlsData
 from OpenSSL import SSL
 
-from . import dial
+from . import dial, tls_resumption
 from .patches import connections, pins
 from .patches.fixes import eager_connects, upstream_copy
 from .patches.speed import early_connects, upstream_pool
@@ -556,7 +556,11 @@ async def _open(key: PoolKey, ahead: Opening | None = None) -> Pooled:
             if data.ssl_conn is None:
                 raise ConnectionError("no TLS context for the upstream")
             tls = data.ssl_conn
-            await _handshake(tls, reader, writer)
+            try:
+                await _handshake(tls, reader, writer)
+            except (ConnectionError, SSL.Error):
+                tls_resumption.handshake_failed(tls)
+                raise
             server.timestamp_tls_setup = time.time()
             if tls.get_alpn_proto_negotiated() not in (b"", HTTP1_ALPN):
                 raise ConnectionError(f"the upstream chose {tls.get_alpn_proto_negotiated()!r}")

@@ -39,7 +39,7 @@ from mitmproxy import command, connection, ctx, exceptions, flow, hooks, http
 from mitmproxy.proxy import mode_specs, server_hooks
 from mitmproxy.utils import human
 
-from .. import dial, state
+from .. import dial, state, tls_resumption
 from ..apis.api import Api
 from ..flows import carries_body, upstream_name
 from ..patches import error_texts
@@ -426,6 +426,7 @@ class Timing:
             upstream_connection=upstream_pool.connection_id(flow.server_conn),
             upstream_dial=dialled.as_record() if "upstream_connect_start" in marks
             and (dialled := dial.of(flow.server_conn)) else None,
+            upstream_tls_resumed=tls_resumption.resumed(flow.server_conn) if "upstream_tls" in marks else None,
             rtt_ms=self.upstream_rtt_ms(upstream),
             max_gap_ms=w.max_gap * 1000 if w is not None else None,
             chunks=w.chunks if w is not None else None,

@@ -92,6 +92,9 @@ class Record:
     """The upstream connect this request made (`ttft_relay/dial.py`): the address it used
     (`address`, `family`) and why each other address of the name did not serve (`failed`);
     None when the request opened no connection."""
+    upstream_tls_resumed: bool | None = None
+    """Whether the upstream TLS handshake this request waited for resumed a session
+    (`ttft_relay/tls_resumption.py`: no certificate chain); None when it waited for none."""
     rtt_ms: float | None
     """The upstream round-trip estimate behind the verdict."""
     client_setup_round_trips: int | None = None
@@ -226,6 +229,7 @@ class RecordInput:
     client_setup_round_trips: int | None = None
     upstream_connection: str | None = None
     upstream_dial: Mapping[str, Any] | None = None
+    upstream_tls_resumed: bool | None = None
     max_gap_ms: float | None = None
     chunks: int | None = None
     bytes: int | None = None
@@ -314,6 +318,7 @@ def measure(seen: RecordInput) -> Record:
         reused_connection=seen.reused_connection,
         upstream_connection=seen.upstream_connection,
         upstream_dial=dict(seen.upstream_dial) if seen.upstream_dial else None,
+        upstream_tls_resumed=seen.upstream_tls_resumed,
         rtt_ms=None if seen.rtt_ms is None else round(seen.rtt_ms, 3),
         client_setup_round_trips=seen.client_setup_round_trips,
         max_gap_ms=None if seen.max_gap_ms is None else round(seen.max_gap_ms, 3),

@@ -44,14 +44,15 @@ class TestCerts:
         return self.cert_pem.with_name("cert-and-key.pem")
 
     @classmethod
-    def create(cls, dirpath: str | Path) -> TestCerts:
-        """Write ca.pem, cert.pem and key.pem into `dirpath` (created if missing)."""
+    def create(cls, dirpath: str | Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> TestCerts:
+        """Write ca.pem, cert.pem and key.pem into `dirpath` (created if missing); the server
+        certificate names localhost and `ips` (a far link's address, say)."""
         directory = Path(dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         ca_key = ec.generate_private_key(ec.SECP256R1())
         ca_cert = _ca_certificate(ca_key)
         server_key = ec.generate_private_key(ec.SECP256R1())
-        server_cert = _server_certificate(server_key, ca_cert, ca_key)
+        server_cert = _server_certificate(server_key, ca_cert, ca_key, ips)
 
         certs = cls(directory / "ca.pem", directory / "cert.pem", directory / "key.pem")
         certs.ca_pem.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
@@ -117,7 +118,8 @@ def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
 
 
 def _server_certificate(
-    key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
+    key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+    ips: tuple[str, ...],
 ) -> x509.Certificate:
     public = key.public_key()
     builder = (
@@ -129,7 +131,7 @@ def _server_certificate(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [x509.DNSName("localhost"), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)]
             ),
             critical=False,
         )

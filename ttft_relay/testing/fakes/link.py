@@ -24,6 +24,8 @@ handshake included) and retransmit what was lost, exactly as over a far network.
 - `jitter_ms` adds up to that much delay to each packet, drawn at random (packets stay in
   order: one held longer holds those behind it, as on a real queue);
 - `set(direction, delay_ms=..., loss=...)` changes a direction while the link runs;
+- `route(side, initcwnd=..., initrwnd=...)` gives a side's route to the other end those
+  metrics (the initial congestion / receive window of its new connections, in segments);
 - `forget()` black-holes every TCP connection the link has carried so far, both ways, from
   now on (as a NAT or firewall that lost its connection table: no reset, no answer), while
   new connections pass;
@@ -213,6 +215,13 @@ class FarLink:
         old_ms, old_loss = self.shape[direction]
         self.shape[direction] = (old_ms if delay_ms is None else delay_ms, old_loss if loss is None else loss)
         self._command(f"set {direction} {self.shape[direction][0]} {self.shape[direction][1]}")
+
+    def route(self, side: Side, **metrics: int) -> None:
+        """The route from `side` to the other end with these metrics (`initcwnd=`, `initrwnd=`:
+        segments), as `ip route change` sets them on a VPS's route; none: the kernel's defaults."""
+        peer = self.far if side is self.near else self.near
+        _ip("-n", side.name, "route", "replace", peer.ip, "dev", TUN_NAME, "proto", "kernel", "scope", "link",
+            "src", side.ip, *(str(word) for name, value in metrics.items() for word in (name, value)))
 
     def forget(self) -> None:
         """Drop every packet of the TCP connections seen so far, from now on (new ones pass)."""
