@@ -59,6 +59,16 @@ def pytest_testnodedown(node, error) -> None:
     node.config.stash.setdefault(LEFT_BY_WORKERS, []).extend(f"{line} (worker {node.gateway.id})" for line in found)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules holding a test marked `slow` run first. Under pytest-xdist (scripts/test:
+    `--dist loadfile --no-loadscope-reorder`) a module's tests stay on one worker and modules
+    are handed out in this order, so a long module handed out last would run on alone after
+    the others finished; first, the short ones fill in around it. `-m "not slow"` leaves the
+    slow tests out of a quick run; CI runs them all."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each module keeps its own order
+
+
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory) -> TestCerts:
     return TestCerts.create(tmp_path_factory.mktemp("certs"))
