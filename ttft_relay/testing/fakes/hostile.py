@@ -256,6 +256,8 @@ class HostileUpstream:
 
     def __exit__(self, *exc: object) -> None:
         self._stopping = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; a close would not
         self._listener.close()
         with self.changed:
             for conn in self._open:
