@@ -127,6 +127,7 @@ def assert_genai(root: dict, rec: dict) -> None:
     assert FAKE_OPENAI_KEY not in text and "Say hello" not in text  # never a key, never a body
 
 
+@pytest.mark.slow
 def test_a_chained_request_is_one_trace_with_both_relays_phases(chain, fake, phoenix, rid):
     near, far = chain
     # A prefill the far side waits for: the waterfall shows where the time went (docs/telemetry.md).
