@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -57,6 +58,16 @@ def pytest_testnodedown(node, error) -> None:
     """An xdist worker finished: keep what it found left behind for the controller's report."""
     found = (getattr(node, "workeroutput", None) or {}).get("left_behind", [])
     node.config.stash.setdefault(LEFT_BY_WORKERS, []).extend(f"{line} (worker {node.gateway.id})" for line in found)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules holding tests marked `slow` run first, those with the most of them first. Under
+    pytest-xdist (scripts/test: `--dist loadfile --no-loadscope-reorder`) a module's tests stay
+    on one worker and modules are handed out in this order, so a long module handed out last
+    would run on alone after the others finished; first, the short ones fill in around it.
+    `-m "not slow"` leaves the slow tests out of a quick run; CI runs them all."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: each module keeps its own order
 
 
 @pytest.fixture(scope="session")

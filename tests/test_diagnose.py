@@ -565,6 +565,7 @@ FAR_ONE_WAY_MS = 150
 """Issue 34's client: 150 ms each way from its relay."""
 
 
+@pytest.mark.slow
 def test_on_a_real_far_link_the_defaults_name_the_link_and_a_long_history_on_a_near_one_the_context(
         far_link, fake_in, confdir, tmp_path):
     from tests.test_far_links_e2e import RELAY_PORT, relay_in

@@ -250,6 +250,7 @@ def test_the_link_delays_and_drops_both_ways_and_leaves_nothing_behind():
     assert not any((link.NETNS_DIR / name).exists() for name in names)
 
 
+@pytest.mark.slow
 def test_a_far_lossy_client_is_named_client_network_and_every_wait_is_accounted(far_link, fake_in, confdir,
                                                                                 tmp_path):
     far = far_link(delay_ms=CLIENT_ONE_WAY_MS, loss=CLIENT_LOSS, seed=7)
@@ -264,6 +265,7 @@ def test_a_far_lossy_client_is_named_client_network_and_every_wait_is_accounted(
     assert {r["id"] for r in records.values()} and all(not r["error"] for r in records.values())
 
 
+@pytest.mark.slow
 def test_a_far_lossy_client_of_n_workers_is_named_client_network(far_link, fake_in, confdir, tmp_path):
     """The same far client with `ttft-relay run --workers 2`: each worker must see its clients' own
     sockets (an L4 balancer in front owns them and reports its own loopback RTT)."""
@@ -314,6 +316,7 @@ def upstream_requests(relay: MitmdumpProcess | str, n: int, label: str, *, fresh
     return ids
 
 
+@pytest.mark.slow
 def test_a_far_upstream_is_its_network_and_a_lossy_one_is_told_apart_from_a_slow_server(far_link, certs, confdir,
                                                                                        tmp_path):
     far = far_link(delay_ms=UPSTREAM_ONE_WAY_MS, seed=11)
@@ -402,6 +405,7 @@ second flight on a new congestion window): with the pool (the default) a new cli
 takes one already open, whose far-link cost `tests/test_upstream_pool_e2e.py` measures."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jitter_ms, n_workers", [(0, 1), (20, 1), (0, 2)], ids=["steady", "jitter", "workers"])
 def test_a_far_provider_is_named_its_link_and_the_uploads_round_trips_are_not_its_wait(far_link, certs, confdir,
                                                                                       tmp_path, jitter_ms, n_workers):
@@ -502,6 +506,7 @@ LEARNING = 10
 """Requests that teach the relay this upstream · model's first token (prefill.MIN_SAMPLES of them, and more)."""
 
 
+@pytest.mark.slow
 def test_a_far_clients_handshake_counts_in_its_first_requests_wait(far_link, fake_in, confdir, tmp_path):
     """A far client on fresh connections: its TCP handshake is a round trip it waited before its
     request, which the request's own clock does not see. Judged from its SYN, the link (the

@@ -125,6 +125,7 @@ def test_two_workers_blame_no_one_while_learning_and_use_each_others_samples_at_
     assert sum(records[rid]["verdict"] == "ok" for rid in b_ids) >= 3, table
 
 
+@pytest.mark.slow
 def test_one_clients_slow_first_tokens_leave_the_others_verdicts_unchanged(fake, start_relay):
     relay = start_relay(reverse_to(fake), relay_trim="false")
     team = ["sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"]

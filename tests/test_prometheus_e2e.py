@@ -265,6 +265,7 @@ def series_name(legend: str, labels: dict[str, str]) -> str:
 # --- the test ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_dashboard_expression_answers_what_the_records_say(start_relay, certs, tmp_path):
     # One upstream over TLS, so that every phase of the breakdown occurs.
     with FakeUpstream() as openai_fake, FakeUpstream(tls=True, certs=certs) as anthropic_fake:

@@ -11,6 +11,7 @@ import time
 import uuid
 
 import orjson
+import pytest
 
 from tests.conftest import FAKE_ANTHROPIC_KEY, FAKE_OPENAI_KEY
 from tests.test_first_token_e2e import worker_of
@@ -64,6 +65,7 @@ def one_connection_per_worker(relay: RelayWorkers) -> list[HttpConnection]:
     raise AssertionError("every connection went to one worker")
 
 
+@pytest.mark.slow
 def test_two_workers_share_a_learned_window_and_a_cut_at_once_and_both_survive_a_restart(tmp_path):
     log = tmp_path / "timing.jsonl"
     session = [{**body, "model": MODEL, "max_tokens": 8_000}

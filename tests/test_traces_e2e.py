@@ -38,6 +38,7 @@ CHAT = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "c
         "stream_options": {"include_usage": True}}
 AUTH = {"authorization": f"Bearer {FAKE_OPENAI_KEY}"}
 SPANS_PER_HOP = 2  # at least a root and the upstream span; the phases come on top
+pytestmark = pytest.mark.shared_fake
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,17 @@ def relay(modes: list[str], confdir: Path, log: Path, env: dict[str, str] | None
     return MitmdumpProcess(modes, confdir, options=opts, env=clean).start()
 
 
-@pytest.fixture
-def chain(fake, phoenix, confdir, tmp_path) -> Iterator[tuple[MitmdumpProcess, MitmdumpProcess]]:
-    """(near, far): the near relay exports by its option, the far one by the standard variables."""
-    far = relay([reverse_to(fake)], confdir, tmp_path / "far.jsonl",
+@pytest.fixture(scope="module")
+def chain(module_fake, phoenix, confdir, tmp_path_factory) -> Iterator[tuple[MitmdumpProcess, MitmdumpProcess]]:
+    """(near, far): the near relay exports by its option, the far one by the standard variables.
+    The module's tests share them (each finds its records and spans by `rid`), and `fake` is
+    the far relay's upstream (`shared_fake`)."""
+    logs = tmp_path_factory.mktemp("chain")
+    far = relay([reverse_to(module_fake)], confdir, logs / "far.jsonl",
                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.otlp_base, "OTEL_SERVICE_NAME": "far-relay"})
     near = None
     try:
-        near = relay([f"reverse:{far.url()}@0"], confdir, tmp_path / "near.jsonl",
+        near = relay([f"reverse:{far.url()}@0"], confdir, logs / "near.jsonl",
                      env={"OTEL_SERVICE_NAME": "near-relay"}, relay_otlp_endpoint=phoenix.otlp_base)
         yield near, far
     finally:
@@ -73,6 +77,7 @@ def chain(fake, phoenix, confdir, tmp_path) -> Iterator[tuple[MitmdumpProcess, M
         for proc in (near, far):
             if proc is not None:
                 assert not [ln for ln in proc.output if "Addon error" in ln], proc.text()
+                proc.log.check_counts()
 
 
 def hop(spans: list[dict], rec: dict) -> tuple[dict, dict[str, dict]]:
@@ -90,9 +95,19 @@ def duration_ms(span: dict) -> float:
     return (at(span, "end_time") - at(span, "start_time")).total_seconds() * 1000
 
 
+def phase_spans(rec: dict) -> set[str]:
+    """The record's phases that get a span of their own: the critical path's and the stream."""
+    return {name for name in (*phases.CRITICAL_PHASES, "stream") if name in rec["phases"]}
+
+
+def spans_of(*recs: dict) -> int:
+    """How many spans the hops of these records export (what to wait for: no fewer arrive)."""
+    return sum(SPANS_PER_HOP + len(phase_spans(rec)) for rec in recs)
+
+
 def assert_phases_match(children: dict[str, dict], rec: dict) -> None:
     """Every phase of the record has its span, with its duration (Phoenix keeps microseconds)."""
-    expected = {name for name in (*phases.CRITICAL_PHASES, "stream") if name in rec["phases"]}
+    expected = phase_spans(rec)
     assert expected and {n for n in children if n in phases.PHASES} == expected, (list(children), rec["phases"])
     for name in expected:
         assert duration_ms(children[name]) == pytest.approx(rec["phases"][name], abs=0.002), name
@@ -112,6 +127,7 @@ def assert_genai(root: dict, rec: dict) -> None:
     assert FAKE_OPENAI_KEY not in text and "Say hello" not in text  # never a key, never a body
 
 
+@pytest.mark.slow
 def test_a_chained_request_is_one_trace_with_both_relays_phases(chain, fake, phoenix, rid):
     near, far = chain
     # A prefill the far side waits for: the waterfall shows where the time went (docs/telemetry.md).
@@ -122,7 +138,7 @@ def test_a_chained_request_is_one_trace_with_both_relays_phases(chain, fake, pho
         assert response.status == 200 and b"[DONE]" in response.read()
     (near_rec,), (far_rec,) = near.log.of(rid), far.log.of(rid)
 
-    spans = phoenix.wait_for_spans(CLIENT_TRACE, 2 * SPANS_PER_HOP + len(near_rec["phases"]) + len(far_rec["phases"]) - 4)
+    spans = phoenix.wait_for_spans(CLIENT_TRACE, spans_of(near_rec, far_rec))
     assert {s["context"]["trace_id"] for s in spans} == {CLIENT_TRACE}
     near_root, near_children = hop(spans, near_rec)
     far_root, far_children = hop(spans, far_rec)
@@ -158,7 +174,7 @@ def test_a_relay_starts_the_trace_when_the_client_sent_none(chain, phoenix, rid)
         time.sleep(0.25)
         roots = phoenix.get("/v1/projects/default/spans", attribute=f"ttft_relay.request_id:{rid}", limit=10)["data"]
     (trace_id,) = {s["context"]["trace_id"] for s in roots}
-    spans = phoenix.wait_for_spans(trace_id, len(near_rec["phases"]) + len(far_rec["phases"]))
+    spans = phoenix.wait_for_spans(trace_id, spans_of(near_rec, far_rec))
     near_root, near_children = hop(spans, near_rec)
     far_root, _ = hop(spans, far_rec)
     assert near_root["parent_id"] is None
@@ -185,7 +201,7 @@ def test_each_websocket_turn_is_one_trace_across_both_relays(chain, fake, phoeni
                 "/v1/projects/default/spans", attribute=f"ttft_relay.id:{rec['id']}", limit=10)["data"]]
             time.sleep(0.25)
         (trace_id,) = {s["context"]["trace_id"] for s in roots}
-        spans = phoenix.wait_for_spans(trace_id, len(near_rec["phases"]) + len(far_rec["phases"]))
+        spans = phoenix.wait_for_spans(trace_id, spans_of(near_rec, far_rec))
         near_root, near_children = hop(spans, near_rec)
         far_root, far_children = hop(spans, far_rec)
         assert far_root["parent_id"] == near_children[f"upstream {near_rec['upstream']}"]["context"]["span_id"]

@@ -201,7 +201,7 @@ FIRST_TOKEN_TIMEOUT_S = 40
 """What a request on a dead connection waited for without the pool's silence bound: then a 504."""
 
 
-@pytest.mark.parametrize(("when", "silence_s"), [("idle", 3), ("in flight", 9)])
+@pytest.mark.parametrize(("when", "silence_s"), [("idle", 3), pytest.param("in flight", 9, marks=pytest.mark.slow)])
 def test_a_pooled_connection_whose_path_went_silent_is_given_up_within_the_silence_bound(
         far_link, certs, confdir, tmp_path, rid, when, silence_s):
     """A NAT or firewall on the way that forgets a kept connection (its table flushed, an idle

@@ -63,6 +63,7 @@ def verdicts_of(relay, rid: str, n: int) -> list[str]:
     return [r["verdict"] for r in relay.log.of(rid, n)]
 
 
+@pytest.mark.slow
 def test_context_length_is_told_from_upstream_queueing_learned_by_workers_and_kept_across_a_restart(
         fake, start_relay, tmp_path):
     # Warm-up through `ttft-relay run --workers 2`: prompts from 0.5 to 56 KB, no spikes. The first

@@ -89,6 +89,7 @@ def upstream():
         yield u
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["4m", "0"])
 def test_many_clients_messages_wait_in_their_own_buffers_not_the_relays(upstream, start_relay, budget, request):
     """50 sockets x 23 MiB took the relay to 1.9 GB. With a budget of 4 MiB, 16 clients each 6 MiB

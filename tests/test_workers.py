@@ -424,6 +424,7 @@ def test_a_worker_that_cannot_start_stops_start_up_with_its_error_once(fake, tmp
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing left listening
 
 
+@pytest.mark.slow
 def test_a_worker_killed_before_it_is_ready_again_is_restarted_not_taken_for_a_start_failure(fake, tmp_path,
                                                                                               confdir):
     # Killed (the OOM killer, an operator, a soak) while no other worker serves is not a
@@ -875,6 +876,7 @@ def test_each_worker_owns_its_clients_socket(fake, tmp_path, confdir, certs):
 # --- workers killed under long streams ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_workers_killed_under_long_streams_lose_no_request_silently(fake, tmp_path, confdir):
     # benchmarks/soak.py, briefly: `scripts/bench soak` runs it for minutes.
     port = workers.free_port()

@@ -130,9 +130,11 @@ class Phoenix:
             raise
 
     def wait_for_spans(self, trace_id: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
-        """The trace's spans once at least `count` arrived (the relays export in batches)."""
+        """The trace's spans once at least `count` arrived (the relays export in batches); fewer
+        after `timeout` fail (a count that is too high would otherwise cost the whole timeout)."""
         deadline = time.monotonic() + timeout
-        while len(found := self.spans(trace_id)) < count and time.monotonic() < deadline:
+        while len(found := self.spans(trace_id)) < count:
+            assert time.monotonic() < deadline, f"{len(found)} of {count} spans of {trace_id} after {timeout} s: {found}"
             time.sleep(0.25)
         return found
 

@@ -11,6 +11,7 @@ the RFC allows any key on the wire), so a 1 GB deflate bomb costs nothing to sen
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import socket
 import struct
@@ -230,7 +231,8 @@ class HostileUpstream:
     answer, head included; a WebSocket upgrade gets a `101` (permessage-deflate when
     offered, or the `Sec-WebSocket-Extensions` the request's `x-answer-extensions` says)
     and then the attack's frames. Either way it then reads until the relay closes,
-    recording what came (`sessions`). A context manager."""
+    recording what came (`sessions`). A context manager: leaving it ends the connections still
+    open (a relay that outlives it, such as a module's shared one, would hold them)."""
 
     def __init__(self, attacks: dict[str, Callable[[UpstreamSession], Iterable[bytes]]]) -> None:
         self.attacks = attacks
@@ -239,6 +241,7 @@ class HostileUpstream:
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
         self.port = self._listener.getsockname()[1]
         self._threads: list[threading.Thread] = []
+        self._open: set[socket.socket] = set()
         self._stopping = False
 
     @property
@@ -253,7 +256,13 @@ class HostileUpstream:
 
     def __exit__(self, *exc: object) -> None:
         self._stopping = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; a close would not
         self._listener.close()
+        with self.changed:
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes the thread reading it; a close would not
         for t in self._threads:
             t.join(5)
 
@@ -274,6 +283,18 @@ class HostileUpstream:
             self._threads.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
+        with self.changed:
+            if self._stopping:
+                conn.close()
+                return
+            self._open.add(conn)
+        try:
+            self._serve_open(conn)
+        finally:
+            with self.changed:
+                self._open.discard(conn)
+
+    def _serve_open(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(120)
             try:
