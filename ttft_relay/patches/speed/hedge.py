@@ -137,7 +137,7 @@ class _Second:
 
     def _connected(self, event: GetHttpConnectionCompleted) -> layer.CommandGenerator[None]:
         server, err = event.reply
-        if err or server is None:
+        if err or not isinstance(server, connection.Server):
             if self.first_failed and self.state == "racing":
                 self.state = "won"  # the only attempt left: its failure is the flow's
                 yield from self.stream.handle_event(
