@@ -56,8 +56,9 @@ def pieces(relay, rid: str, payload: dict) -> tuple[str, dict]:
     return "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d.get("choices")), rec
 
 
-def test_the_hedge_answers_when_the_chosen_member_has_no_head_and_the_late_one_is_closed(learned, rid):
-    relay, a, b = learned(rid)
+@pytest.mark.parametrize("pool", [False, True], ids=["own connections", "pooled"])
+def test_the_hedge_answers_when_the_chosen_member_has_no_head_and_the_late_one_is_closed(learned, rid, pool):
+    relay, a, b = learned(rid, relay_upstream_pool=pool)
     a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=LATE_MS, chunks=A_CHUNKS)  # a's queue, from now on
     answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
     assert answered == FROM_B  # b's answer, and only it
@@ -91,6 +92,25 @@ def test_the_first_head_wins_when_it_comes_before_the_hedges(learned, rid):
     assert route["upstream"] == "127.0.0.1" and route["hedged"]["won"] == "127.0.0.1", route
     assert rec["verdict"] == "upstream hedged" and "127.0.0.1 answered first" in rec["verdict_detail"], rec
     assert len(b.received) == 4 and b.wait_finished(4, timeout=5) and b.sent[-1].outcome == "client_closed"
+
+
+def test_a_first_attempt_failing_while_the_hedge_runs_leaves_the_hedge_to_answer(learned, rid):
+    relay, a, b = learned(rid)
+    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=700, reset_before_headers=True, chunks=A_CHUNKS)
+    b.behaviour = Behaviour(prefill_ms=150, head_delay_ms=1500, chunks=B_CHUNKS)
+    answered, rec = pieces(relay, f"{rid}-reset", body("single 6"))
+    assert answered == FROM_B and rec["error"] is None
+    route = rec["route"]
+    assert route["upstream"] == "b" and route["hedged"]["won"] == "b", route
+    (failed,) = route["failed_over"]
+    assert failed["upstream"] == "127.0.0.1" and failed["cause"] == "connection", failed
+    assert hedged_after(route) < failed["after_ms"] < rec["ttft_ms"]
+    assert "then failed (" in rec["verdict_detail"], rec
+    assert len(a.received) == 4 and len(b.received) == 4  # b was not sent it twice
+
+
+def hedged_after(route: dict) -> float:
+    return route["hedged"]["after_ms"]
 
 
 def test_the_budget_and_a_request_unsafe_to_repeat_leave_a_late_head_waited_for(learned, rid):

@@ -219,8 +219,9 @@ class UpstreamGroups:
         if groups:
             resend.install(by="groups")
             error_replies.instead_of_errors("upstream groups", self._fail_over_before_head)
-            # A connection the slow-head bound closed is this addon's to fail over, before anyone
-            # else takes its error (the upstream pool would send the request on the same member).
+            # A connection the slow-head bound closed, and a first attempt that failed while its
+            # hedge runs, are this addon's, before anyone else takes their error (the upstream
+            # pool would send the request on the same member).
             error_replies.instead_of_errors("upstream groups' slow heads", self._fail_over_slow_head, first=True)
         else:
             resend.uninstall(by="groups")
@@ -488,7 +489,10 @@ class UpstreamGroups:
         aim(flow.request, next(m for m in group if m.name == hedged["upstream"]))
 
     def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
-        return self._fail_over_before_head(stream, event) if stream.flow.id in self.giving_up else None
+        """A connection the slow-head bound closed, or a first attempt failing while its hedge
+        runs: this addon's, before anyone else's (the upstream pool would send it on the same member)."""
+        flow = stream.flow
+        return self._fail_over_before_head(stream, event) if flow.id in self.giving_up or hedge.racing(flow) else None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._no_slow_head(flow)
