@@ -113,6 +113,19 @@ def hedged_after(route: dict) -> float:
     return route["hedged"]["after_ms"]
 
 
+def test_a_request_unsafe_to_repeat_is_not_failed_over_once_it_went(start_relay, rid):
+    with FakeUpstream(behaviour=Behaviour(status=503)) as a, FakeUpstream() as b:
+        relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                            relay_upstream_no_repeat="/v1/chat/")
+        conn, response = client.request("POST", relay.url() + PATH, body("hello"),
+                                        {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": rid})
+        with conn:
+            assert response.status == 503
+            response.read()
+        (rec,) = relay.log.of(rid)
+        assert "failed_over" not in rec["route"] and len(a.received) == 1 and not b.received
+
+
 def test_the_budget_and_a_request_unsafe_to_repeat_leave_a_late_head_waited_for(learned, rid):
     relay, a, b = learned(rid, relay_upstream_hedge_budget=100, relay_upstream_no_repeat="POST /v1/chat")
     a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1000, chunks=A_CHUNKS)

@@ -409,10 +409,8 @@ class UpstreamGroups:
         head_ms = (now - self.hedging.get(flow.id, now)) * 1000
         st.route = {**st.route, "upstream": hedged["upstream"], "hedged": {**hedged, "won": hedged["upstream"],
                                                                            "head_ms": round(head_ms, 1)}}
+        # The marks stay the first attempt's: the wait from its request to this head is the upstream side's.
         aim(flow.request, next(m for m in self.groups[host] if m.name == hedged["upstream"]))
-        for mark in ("upstream_connect_start", "upstream_tcp", "upstream_tls", "upstream_sent", "upstream_resent",
-                     "head_arrived"):
-            st.marks.pop(mark, None)
         learned = self.members[(host, first.name)]
         waited_ms = (now - flow.request.timestamp_start) * 1000
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (first.first_token_ms or 0.0))
