@@ -75,6 +75,9 @@ def test_the_hedge_answers_when_the_chosen_member_has_no_head_and_the_late_one_i
     assert len(a.received) == 4 and len(b.received) == 4
     assert a.wait_finished(4, timeout=5) and a.sent[-1].outcome == "client_closed", a.sent[-1]
     assert a.sent[-1].status is None  # nothing of its answer was sent
+    # The conversation's prefix is cached where the hedge answered: its next turn goes there.
+    route = send(relay, f"{rid}-next", body("single 6", "more"))["route"]
+    assert route["upstream"] == "b" and route["why"] == "lowest expected first token (this conversation's cache is there)"
     samples = scrape(metrics_url(relay))
     hedges = {"group": "127.0.0.1", "from_member": "127.0.0.1"}
     assert total(samples, "ttft_relay_upstream_hedges_total", **hedges, won="second") == 1

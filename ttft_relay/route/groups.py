@@ -154,6 +154,8 @@ class UpstreamGroups:
         self.no_repeat: list[tuple[str | None, str]] = []
         self.hedging: dict[str, float] = {}
         """Flows with a second attempt in flight: when it went."""
+        self.conversation_of: dict[str, bytes] = {}
+        """Per flow id in flight: its conversation's key (`served`)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -287,6 +289,7 @@ class UpstreamGroups:
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
                     bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
         if conversation is not None:
+            self.conversation_of[flow.id] = conversation
             self.served.pop(conversation, None)
             self.served[conversation] = Served(picked.order[0], tokens, now)
             if len(self.served) > CONVERSATIONS:
@@ -324,6 +327,7 @@ class UpstreamGroups:
         self._no_slow_head(flow)
         self.giving_up.pop(flow.id, None)
         self.hedging.pop(flow.id, None)
+        self.conversation_of.pop(flow.id, None)
         found = self.by_upstream.get(rec.upstream)
         if (found is None or rec.error or rec.client_aborted or found not in self.members
                 or phases.waited_for_another(rec.route)):  # its wait holds the other attempt's
@@ -361,6 +365,12 @@ class UpstreamGroups:
         learned, now = self.members[(host, chosen.name)], time.time()
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
         learned.queue_at = now
+
+    def _served_by(self, flow: http.HTTPFlow, member: str) -> None:
+        """`flow` goes to `member` after all (a failover, a hedge): its conversation's prefix is cached there now."""
+        conversation = self.conversation_of.get(flow.id)
+        if conversation is not None and (served := self.served.get(conversation)) is not None:
+            self.served[conversation] = Served(member, served.tokens, served.ts)
 
     def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
         """No head by the member's bound: send the request to the next member as well (within
@@ -411,6 +421,7 @@ class UpstreamGroups:
                                                                            "head_ms": round(head_ms, 1)}}
         # The marks stay the first attempt's: the wait from its request to this head is the upstream side's.
         aim(flow.request, next(m for m in self.groups[host] if m.name == hedged["upstream"]))
+        self._served_by(flow, hedged["upstream"])
         learned = self.members[(host, first.name)]
         waited_ms = (now - flow.request.timestamp_start) * 1000
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (first.first_token_ms or 0.0))
@@ -447,6 +458,7 @@ class UpstreamGroups:
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
+        self._served_by(flow, following.name)
         # The next member's connection and answer are the record's (the first mark set counts).
         for mark in ("upstream_connect_start", "upstream_tcp", "upstream_tls", "upstream_sent", "upstream_resent",
                      "head_arrived"):
@@ -485,6 +497,7 @@ class UpstreamGroups:
                     "failed_over": [*st.route.get("failed_over", ()), {"upstream": hedged["from"], "error": why,
                                                                         "cause": "connection", "after_ms": after_ms}]}
         aim(flow.request, next(m for m in group if m.name == hedged["upstream"]))
+        self._served_by(flow, hedged["upstream"])
 
     def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
         """A connection the slow-head bound closed, or a first attempt failing while its hedge
