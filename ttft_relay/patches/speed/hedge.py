@@ -8,8 +8,8 @@ layer was sent (`HttpLayer.event_to_child`: `ReceiveHttp` by `event.stream_id`, 
 connection), and answers a `GetHttpConnection` to whatever `command_sources` names for it
 (`HttpLayer.get_connection`, as `early_connects` uses it). `race` hands the flow's HTTP layer
 a `Race` (through the `layer_events` seam), whose handler registers a `_Second` under an id
-no stream has (the negative of the flow's) and asks the layer for a connection to the second
-upstream; once it is there, the request (the copy `Race.request`, already aimed and keyed for
+no stream has (the negative of the flow's) and asks the layer for a new connection to the
+second upstream (never one open: the first attempt's may match it); once it is there, the request (the copy `Race.request`, already aimed and keyed for
 that upstream) goes on it under that id. The first attempt goes on untouched.
 
 What the second connection reads reaches the `_Second`. Its response head, while the flow has
@@ -108,7 +108,8 @@ class _Second:
                                      self.stream.flow.server_conn.via, self.stream.flow.server_conn.transport_protocol)
         self.http.streams[self.id] = self  # type: ignore[assignment]
         self.http.command_sources[self.ask] = self  # type: ignore[assignment]
-        yield from self.http.get_connection(self.ask)
+        # A connection of its own: the first attempt's may match the address (two keys of one host).
+        yield from self.http.get_connection(self.ask, reuse=False)
 
     def handle_event(self, event: events.Event) -> Iterator[commands.Command]:
         if isinstance(event, GetHttpConnectionCompleted) and event.command is self.ask:
