@@ -6,8 +6,10 @@ within the budget, and never a request the operator marked unsafe to repeat."""
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 
+import httpx2
 import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
@@ -144,3 +146,19 @@ def test_no_hedge_beyond_the_budget(learned, rid):
     a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1000, chunks=A_CHUNKS)
     answered, rec = pieces(relay, f"{rid}-over", body("single 6"))
     assert answered == FROM_A and "hedged" not in rec["route"] and len(b.received) == 3
+
+
+def test_an_http2_clients_request_is_hedged_as_any(learned, rid):
+    """An HTTP/2 client's streams share its connection: the hedge answers on the stream, once."""
+    relay, a, b = learned(rid, http2=True)
+    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=LATE_MS, chunks=A_CHUNKS)
+    tls = ssl.create_default_context(cafile=relay.ca_pem)
+    with httpx2.Client(http2=True, verify=tls, timeout=30) as h2:
+        with h2.stream("POST", f"https://127.0.0.1:{relay.port}{PATH}", json=body("single 6"),
+                       headers={"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": f"{rid}-h2"}) as response:
+            assert response.http_version == "HTTP/2" and response.status_code == 200
+            data = b"".join(response.iter_bytes())
+    assert data.count(b"[DONE]") == 1 and data == b.sent[-1].body
+    (rec,) = relay.log.of(f"{rid}-h2")
+    assert rec["route"]["hedged"]["won"] == "b" and rec["verdict"] == "upstream hedged", rec
+    assert a.wait_finished(4, timeout=5) and a.sent[-1].outcome == "client_closed"
