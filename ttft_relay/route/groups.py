@@ -473,10 +473,11 @@ class UpstreamGroups:
             and resend.can_send_again(stream)
         ):
             return None
-        if hedge.first_failed(flow):
+        if not connections.closed_here(flow.server_conn) and hedge.first_failed(flow):
             # The hedge racing it is the request's attempt now: its head, or its failure, is the flow's.
             self._left_for_hedge(flow, event.message)
             return dropped()
+        hedge.lose_second(flow)  # a close of the relay's own (a deadline) ends the hedge too
         if self.unsafe(flow) and event.code != ErrorCode.CONNECT_FAILED:
             return None  # it may have reached the member: not sent again
         slow = self.giving_up.pop(flow.id, None)
@@ -503,7 +504,8 @@ class UpstreamGroups:
         """A connection the slow-head bound closed, or a first attempt failing while its hedge
         runs: this addon's, before anyone else's (the upstream pool would send it on the same member)."""
         flow = stream.flow
-        return self._fail_over_before_head(stream, event) if flow.id in self.giving_up or hedge.racing(flow) else None
+        hedged = hedge.racing(flow) and not connections.closed_here(flow.server_conn)
+        return self._fail_over_before_head(stream, event) if flow.id in self.giving_up or hedged else None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._no_slow_head(flow)
