@@ -163,7 +163,8 @@ class _Second:
         self.state = "won"
         first = self.stream.context.server
         self.http.connections[first] = _Sink()  # type: ignore[assignment]
-        yield commands.CloseConnection(first)
+        if first.connected:  # not where it failed already (`first_failed`)
+            yield commands.CloseConnection(first)
         self.stream.context.server = self.stream.flow.server_conn = self.server
         if self.race.won is not None:
             self.race.won(self.stream.flow)
