@@ -16,14 +16,18 @@ and three ways to use them, each through the relay:
                averaged lowest (each route tried once first)
     groups     one listener with the group a + b (`relay_upstream_groups`): the relay's choice,
                a slow head sent on to b for at most `--slow-head` percent of the requests
+    hedging    the same group hedging instead (`relay_upstream_hedge`): a slow head's request
+               sent to b as well, the first head winning, for at most `--hedge` percent
 
 Each setup runs the same `--conversations` conversations of `--turns` turns (a system prompt
 of `--system-tokens`, each turn adding about `--turn-tokens`), round-robin over the
 conversations and the setups so a queue spike hits all alike; before them, `--warmup` single
 requests each teach the relay's lines. The bodies differ per setup (their system prompt names
 it), so no setup reads another's cache. Reported per setup: first token p50/p95/p99 (ms, from
-the request's send to the first token, a new connection each) and the prompt tokens paid
-(uncached, as the fakes' usage reports them).
+the request's send to the first token, a new connection each), the prompt tokens paid
+(uncached, as the fakes' usage reports them) and, from the relay's records, the prompt tokens
+sent again: those of an attempt abandoned at its slow head or failed over, and of a hedge's
+losing attempt (counted whole: the other member may not hold the prefix).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.forwarder import DelayingForwarder
 from ttft_relay.testing.harness import MitmdumpProcess, start_fake_upstream
 
-SETUPS = ("single", "latency", "groups")
+SETUPS = ("single", "latency", "groups", "hedging")
 LATENCY_WINDOW = 5
 WORDS = "the relay keeps the conversation where its prompt cache is unless another route is quicker ".split()
 
@@ -66,10 +70,11 @@ def body(setup: str, conversation: int, turn: int, args: argparse.Namespace) -> 
     return {"model": "gpt-4o-mini", "stream": True, "stream_options": {"include_usage": True}, "messages": messages}
 
 
-def one_request(base_url: str, payload: dict) -> tuple[float, int]:
+def one_request(base_url: str, payload: dict, request_id: str) -> tuple[float, int]:
     """(first token ms, uncached prompt tokens) of one streamed chat completion on a new connection."""
     watcher = sse.StreamWatcher(apis.get(apis.OPENAI_CHAT))
-    conn, resp = client.request("POST", base_url + "/v1/chat/completions", payload, timeout=60)
+    conn, resp = client.request("POST", base_url + "/v1/chat/completions", payload, {"x-request-id": request_id},
+                                timeout=60)
     with conn:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
@@ -80,6 +85,19 @@ def one_request(base_url: str, payload: dict) -> tuple[float, int]:
     usage = watcher.usage or {}
     paid = (usage.get("input_tokens") or 0) - (usage.get("cached_tokens") or 0)
     return (watcher.first_token - resp.request_sent_at) * 1000, paid
+
+
+def sent_again(timing_log: Path, counted: set[str]) -> int:
+    """The prompt tokens of the attempts a group abandoned (failed over, slow head) or lost (a
+    hedge's), in the relay's records of the counted requests."""
+    total = 0
+    for line in timing_log.read_text().splitlines() if timing_log.exists() else ():
+        rec = json.loads(line)
+        route = rec.get("route") or {}
+        if rec.get("request_id") in counted:
+            attempts = len(route.get("failed_over") or ()) + bool((route.get("hedged") or {}).get("won"))
+            total += attempts * (rec.get("prompt_tokens") or 0)
+    return total
 
 
 class LatencyRouting:
@@ -110,6 +128,7 @@ def main() -> None:
     ap.add_argument("--one-way-ms", type=float, default=60.0)
     ap.add_argument("--explore", type=int, default=30, help="the group's relay_upstream_explore (default 30)")
     ap.add_argument("--slow-head", type=int, default=10, help="the group's relay_upstream_slow_head (default 10)")
+    ap.add_argument("--hedge", type=int, default=10, help="the hedging group's relay_upstream_hedge_budget (default 10)")
     ap.add_argument("--quick", action="store_true", help="3 conversations of 6 turns, 8 warm-up requests")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -138,17 +157,23 @@ def main() -> None:
             "latency-b": relay("latency-b", url_far_b),
             "groups": relay("groups", url_a, relay_upstream_groups=f"127.0.0.1 b={url_far_b}",
                             relay_upstream_explore=args.explore, relay_upstream_slow_head=args.slow_head),
+            "hedging": relay("hedging", url_a, relay_upstream_groups=f"127.0.0.1 b={url_far_b}",
+                             relay_upstream_explore=args.explore, relay_upstream_hedge=True,
+                             relay_upstream_hedge_budget=args.hedge),
         }
         routing = LatencyRouting(["latency-a", "latency-b"])
         first_tokens: dict[str, list[float]] = {s: [] for s in SETUPS}
         paid: dict[str, int] = dict.fromkeys(SETUPS, 0)
+        counted_ids: set[str] = set()
 
         def send(setup: str, payload: dict, counted: bool) -> None:
             route = routing.pick() if setup == "latency" else setup
-            ttft, uncached = one_request(urls[route], payload)
+            request_id = f"{setup}-{len(counted_ids) if counted else 'warm-up'}-{time.time_ns()}"
+            ttft, uncached = one_request(urls[route], payload, request_id)
             if setup == "latency":
                 routing.learn(route, ttft)
             if counted:
+                counted_ids.add(request_id)
                 first_tokens[setup].append(ttft)
                 paid[setup] += uncached
 
@@ -164,6 +189,9 @@ def main() -> None:
     finally:
         for proc in relays.values():
             proc.stop()
+        again = {setup: sum(sent_again(tmp / f"timing-{name}.jsonl", counted_ids) for name in relays
+                            if name == setup or name.startswith(f"{setup}-"))
+                 for setup in SETUPS}
         far_b.stop()
         for fake in (fake_a, fake_b):
             fake.terminate()
@@ -171,7 +199,7 @@ def main() -> None:
 
     results = {setup: {"requests": len(values), "p50_ms": round(percentile(values, 50), 1),
                        "p95_ms": round(percentile(values, 95), 1), "p99_ms": round(percentile(values, 99), 1),
-                       "prompt_tokens_paid": paid[setup]}
+                       "prompt_tokens_paid": paid[setup], "prompt_tokens_sent_again": again[setup]}
                for setup, values in first_tokens.items()}
     if args.json:
         print(json.dumps({"arguments": vars(args), "elapsed_s": round(elapsed, 1), "results": results}, indent=2))
@@ -179,9 +207,10 @@ def main() -> None:
     print(f"{args.conversations} conversations x {args.turns} turns per setup, {elapsed:.0f} s; "
           f"a: queue +{args.spike_ms:.0f} ms for {args.spike_s:.0f} s of every {args.spike_every_s:.0f} s; "
           f"b: {args.one_way_ms:.0f} ms each way; prefill {args.prefill_per_1k:.0f} ms per 1k uncached tokens")
-    print(f"{'setup':<10}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'prompt tokens paid':>22}")
+    print(f"{'setup':<10}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}{'prompt tokens paid':>22}{'sent again':>12}")
     for setup, r in results.items():
-        print(f"{setup:<10}{r['p50_ms']:>10.0f}{r['p95_ms']:>10.0f}{r['p99_ms']:>10.0f}{r['prompt_tokens_paid']:>22,}")
+        print(f"{setup:<10}{r['p50_ms']:>10.0f}{r['p95_ms']:>10.0f}{r['p99_ms']:>10.0f}{r['prompt_tokens_paid']:>22,}"
+              f"{r['prompt_tokens_sent_again']:>12,}")
 
 
 if __name__ == "__main__":

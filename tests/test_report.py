@@ -226,3 +226,20 @@ def test_upstream_groups_say_per_member_what_was_chosen_why_its_first_tokens_and
     text = capsys.readouterr().out
     assert "Upstream group api.example.com: 6 requests, 1 failed over before the head (2000 prompt tokens sent again)" in text
     assert "5xx 1; lowest 3, sticky 1" in text and "none; exploring 1, lowest 1" in text
+
+
+def test_upstream_groups_count_the_hedges_of_a_members_late_heads_and_their_prompts(capsys, tmp_path):
+    second_won = routed(0, "b", "lowest", prompt=1000)
+    second_won["route"]["hedged"] = {"from": "api.example.com", "upstream": "b", "after_ms": 300.0, "won": "b"}
+    first_won = routed(1, "api.example.com", "lowest", prompt=500)
+    first_won["route"]["hedged"] = {"from": "api.example.com", "upstream": "b", "after_ms": 300.0,
+                                    "won": "api.example.com"}
+    (group,) = summary.upstream_groups([second_won, first_won]).values()
+    assert (group["requests"], group["hedged"], group["failed_over"], group["duplicated_prompt_tokens"]) == (2, 2, 0, 1500)
+    own, b = group["members"]["api.example.com"], group["members"]["b"]
+    assert own["chosen"] == 2 and own["hedges"] == {"second": 1, "first": 1} and own["duplicated_prompt_tokens"] == 1500
+    assert own["ttft"]["n"] == 1 and b["ttft"] is None  # b's answer waited for a's bound first
+    assert summary.main([str(write_log(tmp_path / "t.jsonl", [second_won, first_won]))]) == 0
+    text = capsys.readouterr().out
+    assert "2 requests, 0 failed over before the head, 2 hedged (1500 prompt tokens sent again)" in text
+    assert "hedged 1 (second head first), hedged 1 (first head first)" in text

@@ -1,4 +1,5 @@
-"""Upstream groups' pure parts: the option's entries (`route.members`) and the choice of a member (`route.choice`)."""
+"""Upstream groups' pure parts: the option's entries (`route.members`), the choice of a member
+(`route.choice`), the verdicts of a failover and a hedge, and the requests unsafe to repeat."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from mitmproxy import exceptions
 
 from ttft_relay.observe import prefill
-from ttft_relay.route import choice, members
+from ttft_relay.route import choice, groups, members
 from ttft_relay.route.choice import Estimate
 from ttft_relay.timing import phases, record
 
@@ -113,3 +114,40 @@ def test_a_failover_is_the_verdict_and_teaches_no_first_token_line():
     assert rec.verdict_detail == "a: 503 after 1.2 s; b gave the first token 0.3 s later (first token 1.5 s)"
     assert prefill.sample_of(rec.as_dict()) is None
     assert prefill.sample_of({**rec.as_dict(), "route": None}) is not None
+
+
+def judged_with(route: dict) -> record.Record:
+    return record.judged(record.measure(record.RecordInput(
+        id="1", ts=0.0, api="openai.chat", model="m", stream=True, status=200, upstream="b.example.com",
+        marks={"client_arrived": 0.0, "request_body": 0.5, "forwarded": 1.0, "head_arrived": 490.0,
+               "response_head": 500.0, "first_token": 600.0, "last_token": 700.0},
+        tokens_expected=True, tls_expected=True, reused_connection=True, rtt_ms=None, prompt_tokens=100,
+        usage={"input_tokens": 100}, route={"upstream": "b", "why": "…", "expected_ms": {}, **route})))
+
+
+def test_a_hedge_is_the_verdict_and_the_hedges_answer_teaches_no_first_token_line():
+    second_won = judged_with({"hedged": {"from": "a", "upstream": "b", "after_ms": 300.0, "won": "b",
+                                         "head_ms": 190.0}})
+    assert second_won.verdict == phases.UPSTREAM_HEDGED
+    assert second_won.verdict_detail == "hedged: a had no head after 0.3 s, b answered in 0.2 s"
+    assert prefill.sample_of(second_won.as_dict()) is None  # its wait holds a's
+    first_won = judged_with({"upstream": "a", "hedged": {"from": "a", "upstream": "b", "after_ms": 300.0,
+                                                         "won": "a", "head_ms": 1200.0}})
+    assert first_won.verdict_detail == "hedged: a had no head after 0.3 s, sent to b as well; a answered first, 1.2 s later"
+    assert prefill.sample_of(first_won.as_dict()) is not None  # a's own wait
+    failed_first = judged_with({"hedged": {"from": "a", "upstream": "b", "after_ms": 300.0, "won": "b", "head_ms": 90.0},
+                                "failed_over": [{"upstream": "a", "error": "server closed connection",
+                                                 "cause": "connection", "after_ms": 350.0}]})
+    assert failed_first.verdict_detail == ("hedged: a had no head after 0.3 s, then failed (server closed connection), "
+                                           "b answered in 0.1 s")
+
+
+def test_the_requests_unsafe_to_repeat_are_a_method_and_a_path_prefix():
+    rules = groups.parse_no_repeat(["POST /v1/files", "/v1/batches"])
+    assert rules == [("POST", "/v1/files"), (None, "/v1/batches")]
+    assert groups.unsafe_to_repeat(rules, "post", "/v1/files/abc?purpose=x")
+    assert not groups.unsafe_to_repeat(rules, "GET", "/v1/files")
+    assert groups.unsafe_to_repeat(rules, "GET", "/v1/batches/1") and not groups.unsafe_to_repeat(rules, "POST", "/v1/chat")
+    for bad in ("v1/files", "POST v1/files", "POST /a /b", "P0ST /v1"):
+        with pytest.raises(exceptions.OptionsError, match="relay_upstream_no_repeat"):
+            groups.parse_no_repeat([bad])

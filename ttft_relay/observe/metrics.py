@@ -23,7 +23,10 @@ LLM call (each timing record):
     ttft_relay_upstream_failovers_total          members left before the answer's head, by group,
                                                  from_member and cause (record.FAILOVER_CAUSES)
     ttft_relay_upstream_duplicated_prompt_tokens_total  the prompt tokens of those abandoned attempts
-                                                 (sent again to the next member), same labels
+                                                 (sent again to the next member), same labels; a
+                                                 hedge's losing attempt: cause "hedge"
+    ttft_relay_upstream_hedges_total             requests a group hedged (sent to the next member as
+                                                 well), by group, from_member and won (first, second)
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
     ttft_relay_gc_pause_seconds                  each garbage collection of the relay's process, by
@@ -91,7 +94,7 @@ from prometheus_client.exposition import choose_encoder
 from .. import state, store
 from ..apis.api import Api
 from ..text import cut_text
-from ..timing import record
+from ..timing import phases, record
 from ..trim import plans, windows
 from . import attempts, multiproc, series, verdicts
 
@@ -184,6 +187,10 @@ class RelayMetrics:
                                   "an upstream group abandoned and sent again to the next member, by cause: a slow "
                                   "head's were sent and processed, a refused connect's never left the relay.",
                                   ("group", "from_member", "cause"), registry=registry)
+        self.hedges = Counter("ttft_relay_upstream_hedges", "Requests an upstream group hedged: sent to the next "
+                              "member as well when the chosen one had no head by its bound; by which head came "
+                              "first (won: first, second). Both prompts paid: duplicated_prompt_tokens, cause hedge.",
+                              ("group", "from_member", "won"), registry=registry)
         self.gc_pause = Histogram("ttft_relay_gc_pause_seconds",
                                   "Each garbage collection of the relay's process, by generation: a pause "
                                   "every thread and every live stream waits for.", ("generation",),
@@ -274,6 +281,9 @@ class RelayMetrics:
         for cause in record.FAILOVER_CAUSES:
             self._child(self.failovers, group, member, cause)
             self._child(self.duplicated, group, member, cause)
+        self._child(self.duplicated, group, member, record.HEDGE)
+        for won in record.HEDGE_WINNERS:
+            self._child(self.hedges, group, member, won)
 
     def observe_route(self, rec: record.Record) -> None:
         """Count an upstream group's choice, failovers and their prompt tokens, and its member's
@@ -285,15 +295,20 @@ class RelayMetrics:
         for member in route.get("expected_ms") or ():
             self._route_series(group, str(member))
         failed = route.get("failed_over") or ()
-        chosen = failed[0].get("upstream") if failed else route.get("upstream")
+        hedged = route.get("hedged") or {}
+        chosen = failed[0].get("upstream") if failed else hedged.get("from") or route.get("upstream")
         self._child(self.choices, group, str(chosen), str(route.get("reason") or OTHER)).inc()
         prompt = rec.prompt_tokens or (rec.usage or {}).get("input_tokens") or 0
         for attempt in failed:
             left = (group, str(attempt.get("upstream")), str(attempt.get("cause") or OTHER))
             self._child(self.failovers, *left).inc()
             self._child(self.duplicated, *left).inc(prompt)
-        if (not failed and rec.ttft_ms is not None and rec.status is not None and 200 <= rec.status < 300
-                and not rec.error and not rec.client_aborted):
+        if hedged.get("won"):
+            first, won = str(hedged.get("from")), "second" if hedged["won"] == hedged.get("upstream") else "first"
+            self._child(self.hedges, group, first, won).inc()
+            self._child(self.duplicated, group, first, record.HEDGE).inc(prompt)
+        if (not phases.waited_for_another(route) and rec.ttft_ms is not None and rec.status is not None
+                and 200 <= rec.status < 300 and not rec.error and not rec.client_aborted):
             self._child(self.member_ttft, group, str(route.get("upstream"))).observe(rec.ttft_ms / 1000)
 
 

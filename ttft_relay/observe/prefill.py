@@ -354,9 +354,9 @@ def sample_of(rec: Mapping[str, Any], source: str = "") -> Sample | None:
     """What a record teaches: a successful streamed request (or turn) that asked for output
     and whose prompt's size is known; None for any other (a failure, a handshake, a
     prewarm, an answer not streamed, whose wait holds the whole answer, a request an upstream
-    group failed over to another member, whose wait holds the failed attempt)."""
+    group failed over or hedged to another member, whose wait holds the first attempt's)."""
     if (rec.get("error") or rec.get("client_aborted") or (rec.get("status") or 200) >= 400 or rec.get("prewarm")
-            or (rec.get("route") or {}).get("failed_over")
+            or phases.waited_for_another(rec.get("route"))
             or (rec.get("transport") == "websocket" and rec.get("turn") == 0)
             or "first_token" not in (rec.get("marks") or {}) or "ttft" not in (rec.get("phases") or {})):
         return None

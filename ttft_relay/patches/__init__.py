@@ -62,6 +62,7 @@ from .fixes import (
 from .speed import (
     ca_once,
     early_connects,
+    hedge,
     hook_plans,
     listen_backlog,
     message_checks,
@@ -100,6 +101,7 @@ SPEED: tuple[ModuleType, ...] = (
     upstream_pool,
     early_connects,
     websocket_frames,
+    hedge,
 )
 READS: tuple[ModuleType, ...] = (connections, error_texts, chunk_reader)
 """mitmproxy's private code the relay reads without a patch: pinned, required as a fix is."""

@@ -285,27 +285,29 @@ def model_text(fit: Mapping[str, Any]) -> str:
 
 def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per upstream group (the records with `route`, `ttft_relay/route/`), its requests, those
-    failed over and the prompt tokens their abandoned attempts cost (sent again: duplicated);
-    per member, in the group's order: the requests sent to it first (`chosen`) and why
-    (`reasons`), those that ended on it (`served`), its own first tokens' percentiles
-    (successful answers with no failover before them: a failed-over wait holds the abandoned
-    attempt's), and the failovers from it by cause with their prompt tokens."""
+    failed over, those hedged, and the prompt tokens their abandoned or losing attempts cost
+    (sent again: duplicated); per member, in the group's order: the requests sent to it first
+    (`chosen`) and why (`reasons`), those that ended on it (`served`), its own first tokens'
+    percentiles (successful answers with no failover or winning hedge before them: their wait
+    holds the other attempt's), the failovers from it by cause and the hedges of its late heads
+    by whose head came first (`hedges`: first, second), with their prompt tokens."""
     groups: dict[str, dict[str, Any]] = {}
 
     def member(group: dict[str, Any], name: Any) -> dict[str, Any]:
         return group["members"].setdefault(str(name), {
-            "chosen": 0, "reasons": Counter(), "served": 0, "ttft": [], "failovers": Counter(),
+            "chosen": 0, "reasons": Counter(), "served": 0, "ttft": [], "failovers": Counter(), "hedges": Counter(),
             "duplicated_prompt_tokens": 0})
 
     for rec in records:
         if not isinstance(route := rec.get("route"), dict):
             continue
         group = groups.setdefault(printable(str(route.get("group") or "?")), {
-            "requests": 0, "failed_over": 0, "duplicated_prompt_tokens": 0, "members": {}})
+            "requests": 0, "failed_over": 0, "hedged": 0, "duplicated_prompt_tokens": 0, "members": {}})
         for name in route.get("expected_ms") or ():  # every member, in the group's order
             member(group, name)
         failed = route.get("failed_over") or []
-        first = member(group, failed[0].get("upstream") if failed else route.get("upstream"))
+        hedged = route.get("hedged") or {}
+        first = member(group, failed[0].get("upstream") if failed else hedged.get("from") or route.get("upstream"))
         first["chosen"] += 1
         first["reasons"][route.get("reason") or "?"] += 1
         served = member(group, route.get("upstream"))
@@ -318,7 +320,13 @@ def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
             left["duplicated_prompt_tokens"] += prompt
             group["duplicated_prompt_tokens"] += prompt
         group["failed_over"] += bool(failed)
-        if (not failed and counts_as_first_token(rec) and (ttft := rec.get("ttft_ms")) is not None
+        if hedged.get("won"):
+            late = member(group, hedged.get("from"))
+            late["hedges"]["second" if hedged["won"] == hedged.get("upstream") else "first"] += 1
+            late["duplicated_prompt_tokens"] += prompt
+            group["duplicated_prompt_tokens"] += prompt
+            group["hedged"] += 1
+        if (not phases.waited_for_another(route) and counts_as_first_token(rec) and (ttft := rec.get("ttft_ms")) is not None
                 and not rec.get("error") and not rec.get("client_aborted")):
             served["ttft"].append(ttft)
     for group in groups.values():
@@ -328,21 +336,24 @@ def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
                          | {"n": len(ttfts)}) if ttfts else None
             m["reasons"] = dict(m["reasons"].most_common())
             m["failovers"] = dict(m["failovers"].most_common())
+            m["hedges"] = dict(m["hedges"].most_common())
     return groups
 
 
 def format_upstream_groups(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
     out = []
     for name, g in groups.items():
-        out += [f"Upstream group {name}: {g['requests']} requests, {g['failed_over']} failed over before the head "
-                f"({g['duplicated_prompt_tokens']} prompt tokens sent again)",
+        hedged = f", {g['hedged']} hedged" if g["hedged"] else ""
+        out += [f"Upstream group {name}: {g['requests']} requests, {g['failed_over']} failed over before the head"
+                f"{hedged} ({g['duplicated_prompt_tokens']} prompt tokens sent again)",
                 f"   {'member':<24}{'chosen':>8}{'served':>8}{'ttft p50':>10}{'p90':>8}{'p99':>8}{'n':>6}"
                 f"{'tokens again':>14}  failed over, chosen why"]
         for member, m in g["members"].items():
             ttft = m["ttft"] or {}
             quantiles = "".join(f"{ttft[q]:>{w}.0f}" if q in ttft else f"{'–':>{w}}"
                                 for q, w in (("p50", 10), ("p90", 8), ("p99", 8)))
-            failovers = ", ".join(f"{cause} {n}" for cause, n in m["failovers"].items()) or "none"
+            failovers = ", ".join([*(f"{cause} {n}" for cause, n in m["failovers"].items()),
+                                   *(f"hedged {n} ({won} head first)" for won, n in m["hedges"].items())]) or "none"
             reasons = ", ".join(f"{reason} {n}" for reason, n in m["reasons"].items()) or "–"
             out.append(f"   {printable(member):<24}{m['chosen']:>8}{m['served']:>8}{quantiles}{ttft.get('n', 0):>6}"
                        f"{m['duplicated_prompt_tokens']:>14}  {failovers}; {reasons}")

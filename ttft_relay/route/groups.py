@@ -25,8 +25,16 @@ group's requests): when the chosen member's response head has not come by its bo
 first token its line expects for this prompt, with the line's tolerance, `Expectation.
 tolerance_ms`), its connection is closed and the request goes to the next member as after
 a failure; the member's queue is taken to be at least that wait. The abandoned attempt's
-prompt is paid for all the same. This is failover at a deadline, not a hedge: the two
-attempts never race.
+prompt is paid for all the same. This is failover at a deadline: the two attempts never race.
+
+A hedge, opt-in (`relay_upstream_hedge`, within `relay_upstream_hedge_budget`: at most that
+percent of the group's requests), takes the slow head's place: at the same bound the request
+goes to the next member as well, the first one's attempt left running (`patches.speed.hedge`);
+the first head wins, the other attempt's connection is closed before any byte of it reaches
+the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
+prompt tokens). Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
+methods and paths), which is neither hedged, nor given up on at its slow head, nor failed over
+once it went (only a connect that failed, when nothing of it left the relay, sends it on).
 """
 
 from __future__ import annotations
@@ -41,15 +49,16 @@ from dataclasses import dataclass
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import layer
-from mitmproxy.proxy.layers.http import HttpStream, ResponseProtocolError
+from mitmproxy.proxy.layers.http import ErrorCode, HttpStream, ResponseProtocolError
 from mitmproxy.proxy.mode_specs import ReverseMode
 
 from .. import state
 from ..observe import conversations, prefill
 from ..observe.verdicts import Verdicts
 from ..patches import connections, pins
-from ..patches.fixes import error_replies, resend
-from ..timing import record
+from ..patches.fixes import error_replies, resend, upstream_copy
+from ..patches.speed import hedge
+from ..timing import phases, record
 from . import choice, members
 
 logger = logging.getLogger(__name__)
@@ -102,6 +111,24 @@ def smoothed(before: float | None, value: float) -> float:
     return value if before is None else before + SMOOTHING * (value - before)
 
 
+def parse_no_repeat(entries: Sequence[str]) -> list[tuple[str | None, str]]:
+    """`relay_upstream_no_repeat`'s entries, '[METHOD] PATH' (a path prefix; no method: any), as
+    (METHOD or None, PATH); a bad entry is an OptionsError."""
+    rules = []
+    for entry in entries:
+        fields = entry.split()
+        if len(fields) not in (1, 2) or not fields[-1].startswith("/") or (len(fields) == 2 and not fields[0].isalpha()):
+            raise exceptions.OptionsError(f"relay_upstream_no_repeat: {entry!r}: entries are '[METHOD] /PATH-PREFIX'")
+        rules.append((fields[0].upper() if len(fields) == 2 else None, fields[-1]))
+    return rules
+
+
+def unsafe_to_repeat(rules: Sequence[tuple[str | None, str]], method: str, path: str) -> bool:
+    """Whether the operator marked a request with this method and path unsafe to send twice."""
+    path = path.split("?", 1)[0]
+    return any((m is None or m == method.upper()) and path.startswith(prefix) for m, prefix in rules)
+
+
 class UpstreamGroups:
     """Chooses a member of the listener's upstream group per request, and fails over before the head."""
 
@@ -123,6 +150,12 @@ class UpstreamGroups:
         """Flows whose connection the slow-head bound closed, and why."""
         self.routed = 0
         self.given_up = 0
+        self.hedges = 0
+        self.no_repeat: list[tuple[str | None, str]] = []
+        self.hedging: dict[str, float] = {}
+        """Flows with a second attempt in flight: when it went."""
+        self.conversation_of: dict[str, bytes] = {}
+        """Per flow id in flight: its conversation's key (`served`)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -139,15 +172,42 @@ class UpstreamGroups:
             "the first attempt is abandoned, its prompt paid all the same. 0: off.",
         )
         loader.add_option(
+            "relay_upstream_hedge", bool, False,
+            "Hedge before the head: when the chosen member's response head is later than its learned bound, send "
+            "the request to the next member as well, without abandoning the first; the first head wins and the "
+            "other attempt is closed before the client sees a byte of it (both prompts paid). Within "
+            "relay_upstream_hedge_budget; in place of relay_upstream_slow_head.",
+        )
+        loader.add_option(
+            "relay_upstream_hedge_budget", int, 5,
+            "Percent of a group's requests, at most, hedged (relay_upstream_hedge).",
+        )
+        loader.add_option(
+            "relay_upstream_no_repeat", Sequence[str], [],
+            "Requests never sent to a group's member twice: no hedge, no slow-head, no failover once the request "
+            "went (a failed connect still fails over): entries '[METHOD] /PATH-PREFIX', e.g. 'POST /v1/files'.",
+        )
+        loader.add_option(
             "relay_upstream_explore", int, round(choice.EXPLORE_SHARE * 100),
             "Percent of a group's requests sent to a member whose first-token line is still being learned, "
             "while others predict (so it is learned; 0: only by failover).",
         )
 
     def configure(self, updated: set[str]) -> None:
-        for share in ("relay_upstream_explore", "relay_upstream_slow_head"):
+        for share in ("relay_upstream_explore", "relay_upstream_slow_head", "relay_upstream_hedge_budget"):
             if not 0 <= getattr(ctx.options, share) <= 100:
                 raise exceptions.OptionsError(f"{share} is a percentage, 0 to 100")
+        if "relay_upstream_no_repeat" in updated:
+            self.no_repeat = parse_no_repeat(ctx.options.relay_upstream_no_repeat)
+        if updated & {"relay_upstream_hedge", "relay_speed_patches"}:
+            if ctx.options.relay_upstream_hedge and pins.on(hedge):
+                hedge.install()
+            else:
+                if ctx.options.relay_upstream_hedge:
+                    logger.warning("relay_upstream_hedge: the hedge patch is off (relay_speed_patches, or another "
+                                   "mitmproxy than %s): late heads are waited for (or relay_upstream_slow_head)",
+                                   pins.MITMPROXY)
+                hedge.uninstall()
         if not updated & {members.OPTION, "mode"}:
             return
         groups = members.parse_groups(ctx.options.relay_upstream_groups, members.listener_members(ctx.options.mode))
@@ -161,8 +221,9 @@ class UpstreamGroups:
         if groups:
             resend.install(by="groups")
             error_replies.instead_of_errors("upstream groups", self._fail_over_before_head)
-            # A connection the slow-head bound closed is this addon's to fail over, before anyone
-            # else takes its error (the upstream pool would send the request on the same member).
+            # A connection the slow-head bound closed, and a first attempt that failed while its
+            # hedge runs, are this addon's, before anyone else takes their error (the upstream
+            # pool would send the request on the same member).
             error_replies.instead_of_errors("upstream groups' slow heads", self._fail_over_slow_head, first=True)
         else:
             resend.uninstall(by="groups")
@@ -173,6 +234,7 @@ class UpstreamGroups:
         for timer in self.slow.values():
             timer.cancel()
         self.slow.clear()
+        hedge.uninstall()
         resend.uninstall(by="groups")
         error_replies.instead_of_errors("upstream groups", None)
         error_replies.instead_of_errors("upstream groups' slow heads", None)
@@ -219,10 +281,15 @@ class UpstreamGroups:
         self.routed += 1
         chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
         if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
-                and ctx.options.relay_upstream_slow_head:
-            self.slow[flow.id] = asyncio.get_running_loop().call_later(
-                bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
+                and not self.unsafe(flow):
+            if ctx.options.relay_upstream_hedge and hedge.installed():
+                self.slow[flow.id] = asyncio.get_running_loop().call_later(
+                    bound_ms / 1000, self._hedge, flow, host, chosen, bound_ms)
+            elif ctx.options.relay_upstream_slow_head:
+                self.slow[flow.id] = asyncio.get_running_loop().call_later(
+                    bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
         if conversation is not None:
+            self.conversation_of[flow.id] = conversation
             self.served.pop(conversation, None)
             self.served[conversation] = Served(picked.order[0], tokens, now)
             if len(self.served) > CONVERSATIONS:
@@ -249,15 +316,21 @@ class UpstreamGroups:
         return choice.Estimate(member.name, expected, cold=expected is None and prediction.learning,
                                holds_cache=holds_cache, down=learned.down_until > now), bound
 
+    def unsafe(self, flow: http.HTTPFlow) -> bool:
+        """Whether the operator marked `flow`'s request unsafe to send twice (`relay_upstream_no_repeat`)."""
+        return bool(self.no_repeat) and unsafe_to_repeat(self.no_repeat, flow.request.method, flow.request.path)
+
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
         """Learn the member's round trip and queue from its record; forget the flow's order."""
         self.orders.pop(flow.id, None)
         self.held.discard(flow.id)
         self._no_slow_head(flow)
         self.giving_up.pop(flow.id, None)
+        self.hedging.pop(flow.id, None)
+        self.conversation_of.pop(flow.id, None)
         found = self.by_upstream.get(rec.upstream)
         if (found is None or rec.error or rec.client_aborted or found not in self.members
-                or (rec.route or {}).get("failed_over")):  # its wait holds the failed attempt's
+                or phases.waited_for_another(rec.route)):  # its wait holds the other attempt's
             return
         learned = self.members[found]
         if rec.rtt_ms is not None:
@@ -293,6 +366,77 @@ class UpstreamGroups:
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
         learned.queue_at = now
 
+    def _served_by(self, flow: http.HTTPFlow, member: str) -> None:
+        """`flow` goes to `member` after all (a failover, a hedge): its conversation's prefix is cached there now."""
+        conversation = self.conversation_of.get(flow.id)
+        if conversation is not None and (served := self.served.get(conversation)) is not None:
+            self.served[conversation] = Served(member, served.tokens, served.ts)
+
+    def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
+        """No head by the member's bound: send the request to the next member as well (within
+        the budget); the first head wins (`hedge`)."""
+        self.slow.pop(flow.id, None)
+        st, rest = state.get(flow), self.orders.get(flow.id)
+        handler = connections.handler_of(flow.client_conn)
+        if (st is None or st.route is None or not rest or handler is None or not flow.live
+                or flow.response is not None or flow.error is not None
+                or flow.request.stream or flow.request.raw_content is None or "upgrade" in flow.request.headers
+                or self.hedges + 1 > ctx.options.relay_upstream_hedge_budget / 100 * self.routed
+                or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
+            return
+        second = next(m for m in self.groups[host] if m.name == rest[0])
+        request = flow.request.copy()
+        aim(request, second)
+        route = st.route
+        st.route = {**route, "upstream": second.name}  # its key is the second member's (guard.AccessKeys)
+        try:
+            request = upstream_copy.outgoing(flow, request)
+        finally:
+            st.route = route
+        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+
+        def started(done: bool) -> None:
+            if not done or (st.route or {}).get("hedged"):
+                return
+            self.hedges += 1
+            self.hedging[flow.id] = time.time()
+            self.orders[flow.id] = rest[1:]
+            assert st.route is not None
+            st.route = {**st.route, "hedged": {"upstream": second.name, "from": chosen.name,
+                                               "after_ms": round(waited_ms, 1), "won": None}}
+            logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well",
+                        host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name)
+
+        hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started)
+
+    def _hedge_won(self, flow: http.HTTPFlow, host: str, first: choice.Estimate) -> None:
+        """The second attempt's head came first (in the layer, before the stream sees it): the
+        flow's member is the second; the first one's queue is at least its wait."""
+        st = state.get(flow)
+        if st is None or st.route is None or not (hedged := st.route.get("hedged")):
+            return
+        now = time.time()
+        head_ms = (now - self.hedging.get(flow.id, now)) * 1000
+        st.route = {**st.route, "upstream": hedged["upstream"], "hedged": {**hedged, "won": hedged["upstream"],
+                                                                           "head_ms": round(head_ms, 1)}}
+        # The marks stay the first attempt's: the wait from its request to this head is the upstream side's.
+        aim(flow.request, next(m for m in self.groups[host] if m.name == hedged["upstream"]))
+        self._served_by(flow, hedged["upstream"])
+        learned = self.members[(host, first.name)]
+        waited_ms = (now - flow.request.timestamp_start) * 1000
+        learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (first.first_token_ms or 0.0))
+        learned.queue_at = now
+
+    def _first_won(self, flow: http.HTTPFlow) -> None:
+        """A head came; if it is the first attempt's while a second raced, that one is closed."""
+        hedge.lose_second(flow)
+        st = state.get(flow)
+        if st is None or st.route is None or not (hedged := st.route.get("hedged")) or hedged.get("won"):
+            return
+        now = time.time()
+        head_ms = (now - self.hedging.get(flow.id, now)) * 1000
+        st.route = {**st.route, "hedged": {**hedged, "won": hedged["from"], "head_ms": round(head_ms, 1)}}
+
     def _next_member(self, flow: http.HTTPFlow, why: str, cause: str) -> members.Member | None:
         """Aim the flow at its next member (the one it leaves marked down, unless only slow:
         `cause` one of `record.FAILOVER_CAUSES`); None when none is left."""
@@ -314,6 +458,7 @@ class UpstreamGroups:
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
+        self._served_by(flow, following.name)
         # The next member's connection and answer are the record's (the first mark set counts).
         for mark in ("upstream_connect_start", "upstream_tcp", "upstream_tls", "upstream_sent", "upstream_resent",
                      "head_arrived"):
@@ -328,19 +473,47 @@ class UpstreamGroups:
             and resend.can_send_again(stream)
         ):
             return None
+        if not connections.closed_here(flow.server_conn) and hedge.first_failed(flow):
+            # The hedge racing it is the request's attempt now: its head, or its failure, is the flow's.
+            self._left_for_hedge(flow, event.message)
+            return dropped()
+        hedge.lose_second(flow)  # a close of the relay's own (a deadline) ends the hedge too
+        if self.unsafe(flow) and event.code != ErrorCode.CONNECT_FAILED:
+            return None  # it may have reached the member: not sent again
         slow = self.giving_up.pop(flow.id, None)
         if self._next_member(flow, slow or event.message, "connection" if slow is None else "slow_head") is None:
             return None
         return resend.send_again(stream)
 
+    def _left_for_hedge(self, flow: http.HTTPFlow, why: str) -> None:
+        """The first attempt failed before its head while its hedge raced: the hedge's member is
+        the flow's (its head or its failure), the first one is tried last for a while."""
+        st, found = state.get(flow), self.group_of(flow)
+        if st is None or st.route is None or found is None or not (hedged := st.route.get("hedged")):
+            return
+        host, group = found
+        self.members[(host, hedged["from"])].down_until = time.time() + DOWN_S
+        after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
+        st.route = {**st.route, "upstream": hedged["upstream"],
+                    "failed_over": [*st.route.get("failed_over", ()), {"upstream": hedged["from"], "error": why,
+                                                                        "cause": "connection", "after_ms": after_ms}]}
+        aim(flow.request, next(m for m in group if m.name == hedged["upstream"]))
+        self._served_by(flow, hedged["upstream"])
+
     def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:
-        return self._fail_over_before_head(stream, event) if stream.flow.id in self.giving_up else None
+        """A connection the slow-head bound closed, or a first attempt failing while its hedge
+        runs: this addon's, before anyone else's (the upstream pool would send it on the same member)."""
+        flow = stream.flow
+        hedged = hedge.racing(flow) and not connections.closed_here(flow.server_conn)
+        return self._fail_over_before_head(stream, event) if flow.id in self.giving_up or hedged else None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._no_slow_head(flow)
+        self._first_won(flow)
         response = flow.response
         if (response is None or response.status_code not in FAILOVER_STATUSES or not self.orders.get(flow.id)
-                or flow.request.stream or flow.request.raw_content is None or not resend.installed()):
+                or flow.request.stream or flow.request.raw_content is None or not resend.installed()
+                or self.unsafe(flow)):
             return
         # Read it whole, and send the request to the next member before the client sees any of it.
         response.stream = False
@@ -358,6 +531,11 @@ class UpstreamGroups:
         why = f"{response.status_code}" + (f", retry-after {retry_after}" if retry_after else "")
         if self._next_member(flow, why, "429" if response.status_code == 429 else "5xx") is not None:
             resend.again(flow)
+
+
+def dropped() -> layer.CommandGenerator[None]:
+    """No commands: a protocol error taken over and dropped."""
+    yield from ()
 
 
 def aim(request: http.Request, member: members.Member) -> None:

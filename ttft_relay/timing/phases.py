@@ -177,6 +177,19 @@ UPSTREAM_FAILED = "upstream failed"
 UPSTREAM_FAILED_OVER = "upstream failed over"
 """An upstream group's member failed before its answer's head and the next one answered
 (`record.failover_detail`): what the client waited for is mostly the failure's."""
+UPSTREAM_HEDGED = "upstream hedged"
+"""An upstream group's member had no head by its bound and the request went to the next as
+well (`record.hedge_detail`): which one answered first, and when."""
+
+
+def waited_for_another(route: Mapping[str, Any] | None) -> bool:
+    """Whether the answer's wait holds another attempt's: a member failed over from, or a
+    hedge that won (its request went when the first member's had waited to its bound)."""
+    hedged = (route or {}).get("hedged") or {}
+    return bool((route or {}).get("failed_over")) or (hedged.get("won") is not None
+                                                      and hedged.get("won") == hedged.get("upstream"))
+
+
 REFUSED_BY_RELAY = "refused by relay"
 
 STATUS_REASONS = {

@@ -48,6 +48,11 @@ FAILOVER_CAUSES = ("connection", "slow_head", "429", "5xx")
 """Why an upstream group left a member before the answer's head, in a word (`route.failed_over`'s
 `cause`, `ttft_relay/route/groups.py`): a connect, DNS or TLS failure or a connection closed
 with no answer; no head by its bound; a 429; a 5xx."""
+HEDGE = "hedge"
+"""The duplicated prompt tokens' cause for a hedge's losing attempt (`route.hedged`)."""
+HEDGE_WINNERS = ("first", "second")
+"""Whose head came first in a hedge: the chosen member's, or the one hedged to."""
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +139,8 @@ class Record:
     upstream host), the member that served it (`upstream`), `why` it was chosen and the
     `reason` in a word (ROUTE_REASONS), each member's expected first token in ms
     (`expected_ms`, null: not known), and `failed_over`: the members left before the
-    answer's head, why, and its `cause` in a word (FAILOVER_CAUSES)."""
+    answer's head, why, and its `cause` in a word (FAILOVER_CAUSES); `hedged`: the member
+    the request went to as well, when, and which one's head came first (`won`)."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None
@@ -381,6 +387,9 @@ def judged(rec: Record, learned: Learned = NOTHING_LEARNED) -> Record:
     if handshake and (error or rec.client_aborted):
         # Clients retry a failed handshake, then fall back to HTTP: say which transport failed.
         verdict = f"{WEBSOCKET_HANDSHAKE_FAILED}: {v.words}"
+    elif not error and not rec.client_aborted and (hedged := (rec.route or {}).get("hedged")) \
+            and hedged.get("won"):
+        verdict, detail = phases.UPSTREAM_HEDGED, hedge_detail(hedged, (rec.route or {}).get("failed_over") or ())
     elif not error and not rec.client_aborted and (failed := (rec.route or {}).get("failed_over")):
         verdict, detail = phases.UPSTREAM_FAILED_OVER, failover_detail(failed, rec.route, rec.ttft_ms)
     return replace(rec, verdict=verdict, verdict_detail=detail, expected_ttft_ms=v.expected_ttft_ms,
@@ -399,6 +408,22 @@ def failover_detail(failed: Sequence[Mapping[str, Any]], route: Mapping[str, Any
     if ttft_ms is None or not isinstance(last, (int, float)):
         return f"{said}; {answered} answered"
     return f"{said}; {answered} gave the first token {(ttft_ms - last) / 1000:.1f} s later (first token {ttft_ms / 1000:.1f} s)"
+
+
+def hedge_detail(hedged: Mapping[str, Any], failed: Sequence[Mapping[str, Any]]) -> str:
+    """A hedge in a sentence: "hedged: a had no head after 2.1 s, b answered in 0.4 s", or
+    "…, sent to b as well; a answered first, 0.3 s later"."""
+    first, second, won = hedged.get("from"), hedged.get("upstream"), hedged.get("won")
+    after, head = hedged.get("after_ms"), hedged.get("head_ms")
+    said = f"hedged: {first} had no head after {after / 1000:.1f} s" if isinstance(after, (int, float)) \
+        else f"hedged: {first} had no head by its bound"
+    if failed:
+        said += f", then failed ({failed[-1].get('error')})"
+    took = f" in {head / 1000:.1f} s" if isinstance(head, (int, float)) else ""
+    if won == second:
+        return f"{said}, {second} answered{took}"
+    return f"{said}, sent to {second} as well; {first} answered first" + (
+        f", {head / 1000:.1f} s later" if isinstance(head, (int, float)) else "")
 
 
 def connection_setup(marks: Mapping[str, float], client_min_rtt_ms: float | None, client_rtt_ms: float | None,

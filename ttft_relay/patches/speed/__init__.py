@@ -25,4 +25,7 @@ says so. With the addon that installs each (in `configure`/`running`, removed in
 - `websocket_frames`: a big WebSocket message (1 MiB and more, one frame, no extension) framed
   for its way on in a worker thread and sent as framed, not by wsproto on the event loop
   (`frames.WebSocketFrames`).
+- `hedge`: a request whose answer's head is late goes to a second upstream as well, the first
+  head wins and the other attempt is closed before any byte of it reaches the client
+  (`route.UpstreamGroups`, `relay_upstream_hedge`; off, the late head is waited for).
 """

@@ -158,7 +158,9 @@ class _Route:
         self.stream_id = upstream.stream_id
         self.upstream = upstream.conn
         self.http = http_layer
-        self.stream: HttpStream | None = http_layer.streams.get(upstream.stream_id)
+        stream = http_layer.streams.get(upstream.stream_id)
+        # A hedge's second attempt stands under an id of its own (`hedge`): its body goes mitmproxy's path.
+        self.stream: HttpStream | None = stream if isinstance(stream, HttpStream) else None
         self.client = http_layer.context.client
         self.server = http_layer.connections.get(self.client)
         self.response: Any = None

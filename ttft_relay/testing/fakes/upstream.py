@@ -104,7 +104,7 @@ class Behaviour:
     error_body: str | None = None
     """Verbatim error body for `status` >= 400 (default: the API's own error format)."""
     reset_before_headers: bool = False
-    """Read the request, then reset the TCP connection without answering."""
+    """Read the request, then (after `head_delay_ms`) reset the TCP connection without answering."""
     reset_after_chunks: int | None = None
     """Reset the connection after this many chunks (0: right after the head)."""
     stall_after_chunks: int | None = None
@@ -778,10 +778,10 @@ class FakeUpstream:
         writer: asyncio.StreamWriter,
     ) -> str:
         """Write the reply shaped by the knobs; returns the outcome ("complete" or "reset")."""
+        await sleep_ms(behaviour.head_delay_ms)
         if behaviour.reset_before_headers:
             reset_connection(writer)
             return "reset"
-        await sleep_ms(behaviour.head_delay_ms)
         if behaviour.interim_status:
             writer.write(_head(behaviour.interim_status, [("Link", "</style.css>; rel=preload")]))
 
