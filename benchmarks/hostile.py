@@ -46,7 +46,9 @@ Issue 36's cases:
                        on a new connection to the relay: their statuses (502: a pooled connection
                        lost the race; the pool is on by default, `--set relay_upstream_pool=...`),
                        the upstream's connections, and from the records how many went on a
-                       reused one and their total time (p50, max)
+                       connection they did not open (reused, or opened by the pool ahead of them)
+                       and their total time (p50, max); from the relay's log how many were sent
+                       once more after their reused connection closed before the answer
 
 With a relay of their own (`--relay-script`'s checkout). The pool on a far link
 (ttft_relay/testing/fakes/link.py; root):
@@ -652,6 +654,7 @@ def pool_keepalive_race(b: Bench) -> dict:
         return {"clients": tally(outcomes), "upstream_answered": b.late_closing.answered,
                 "upstream_connections": b.late_closing.connections,
                 "on_reused_connections": sum(r.get("reused_connection") is True for r in theirs),
+                "sent_again": b.relay.text().count("sending the request once more"),
                 "total_ms_p50_max": _p50_max([(r.get("phases") or {}).get("total", 0.0) for r in theirs])}
     return b.attack(run)
 

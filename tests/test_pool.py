@@ -69,3 +69,24 @@ def test_a_pooled_socket_takes_the_congestion_control_asked_for_where_the_kernel
         assert congestion(sock) == system
         assert upstream_pool.set_congestion_control(sock, "reno")  # every Linux has it, and allows it to anyone
         assert congestion(sock) == b"reno"
+
+
+def test_an_upstream_whose_kept_connections_die_gets_less_reuse_then_none_and_again_later():
+    life = upstream_pool.KeptConnectionLife()
+    key, other = PoolKey("api.example.com", 443, True, "api.example.com"), PoolKey("127.0.0.1", 9000, False, None)
+    assert life.limit(key, 0.0) is None and life.offers(key, 25.0, answered=True, now=0.0)
+    # An idle timeout of 5 s: connections idle up to 0.8 of it are still reused (said once).
+    assert life.died(key, 5.0, now=10.0) == 4.0
+    assert life.offers(key, 3.9, answered=True, now=11.0) and not life.offers(key, 4.1, answered=True, now=11.0)
+    assert life.died(key, 6.0, now=12.0) is None  # a longer life teaches nothing new
+    assert life.limit(key, 12.0) == 4.0 and life.limit(other, 12.0) is None
+    # Kept connections that die shortly after their answer: none that carried a request is reused,
+    # a fresh one (opened ahead, never answered) still is.
+    assert life.died(key, 0.05, now=13.0) == 0.0
+    assert life.died(key, 0.01, now=13.5) is None  # cut back already: not said again
+    assert not life.offers(key, 0.0, answered=True, now=14.0)
+    assert life.offers(key, 0.5, answered=False, now=14.0)
+    # A minute with no connection dying: reuse again.
+    assert not life.offers(key, 0.0, answered=True, now=13.5 + upstream_pool.FORGET_AFTER_S)
+    assert life.offers(key, 0.0, answered=True, now=14.0 + upstream_pool.FORGET_AFTER_S)
+    assert life.limit(key, 14.0 + upstream_pool.FORGET_AFTER_S) is None

@@ -188,7 +188,8 @@ def test_a_request_its_pooled_connection_dropped_before_any_answer_is_sent_once_
             response = conn.request("POST", path, body, headers)
             response.read()
             statuses.append(response.status)
-        relay.wait_for_lines(r"upstream connection \S+ pooled", n + 1)  # the next client takes it
+        if n == 0:
+            relay.wait_for_output(r"upstream connection \S+ pooled")  # the next client takes it
     assert statuses == [200, 200]
     first, second = relay.log.of(rid, 2)
     assert second["status"] == 200 and second["error"] is None
@@ -253,3 +254,28 @@ def test_the_pools_connections_take_the_congestion_control_asked_for(fake, start
                              check=True).stdout
     controls = [line.split()[0] for line in sockets.splitlines() if line[:1].isspace() and line.strip()]
     assert controls == ["reno"], sockets  # the relay's one connection to the fake, the pool's
+
+
+def test_an_upstream_whose_kept_connections_die_is_not_given_them_again(fake, start_relay, rid):
+    """An upstream that advertises keep-alive and closes each kept connection as the next
+    request comes (the fake's `keepalive_requests`; the same as one that closes it shortly
+    after each answer): the first reuse loses that race and its request goes once more on a
+    new connection; the pool learns that this upstream's kept connections die at once, and
+    the next clients go on new connections without a failed reuse first (with the pool off:
+    every client)."""
+    relay = start_relay(reverse_to(fake), relay_trim="false", relay_upstream_pool="true",
+                        relay_upstream_pool_warm="0", termlog_verbosity="debug")
+    path, body = CHAT
+    headers = {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": rid, "x-fake-keepalive-requests": "1"}
+    clients = 5
+    for _ in range(clients):
+        with HttpConnection(relay.url()) as conn:
+            response = conn.request("POST", path, body, headers)
+            response.read()
+            assert response.status == 200
+    records = relay.log.of(rid, clients)
+    assert all(rec["status"] == 200 and rec["error"] is None for rec in records), records
+    retries = relay.text().count("sending the request once more")
+    assert retries == 1, f"{retries} requests paid a lost reuse race, of {clients}"
+    assert relay.wait_for_output(r"not reused .* until none died")
+    assert len(fake.received) == clients and len({r.conn_id for r in fake.received}) == clients

@@ -32,8 +32,15 @@ What a pooled connection carries from one client to the next, and why that is sa
 Connections wait in the pool at most `relay_upstream_pool_idle` seconds: servers close
 idle keep-alive connections, and one closed just as a request is written to it fails
 that request. The pool watches every idle connection (an upstream's close takes it out
-at once, and teaches the pool that upstream's idle limit: 0.8 of the idle time it saw),
-and replaces the warm ones before they would time out. A path that goes silent instead (a
+at once), and replaces the warm ones before they would time out. It learns how long each
+upstream's kept connections live (`KeptConnectionLife`): from one it closed idle, and from
+one reused that closed before any byte of its answer (the request went again on a new
+connection, after the wait for that close); it offers connections only while idle less than
+0.8 of the shortest such age, and none that carried a request where that is under a second
+(an upstream that closes each connection shortly after its answer, keep-alive advertised or
+not: every reuse would pay a lost race, 132 ms at p50 for 3.6 ms without the pool in
+`scripts/bench hostile --scenario pool-keepalive-race`); a minute with no such close, and
+it forgets. A path that goes silent instead (a
 NAT or firewall that forgot the connection, a peer gone: no close, no reset) is found by the
 kernel: the pool's sockets have keepalive and TCP_USER_TIMEOUT (`relay_upstream_pool_silence`,
 `watch_for_silence`), so an idle one ends with an error and leaves the pool, and a request
@@ -103,6 +110,9 @@ CONNECT_TIMEOUT_S = 10.0
 """A warm-up connect or handshake that takes longer is given up (the next one is tried later)."""
 LEARNED_IDLE_FACTOR = 0.8
 MIN_IDLE_S = 1.0
+"""A learned idle limit below this gives no reuse at all: connections that die that soon after an answer race every request."""
+FORGET_AFTER_S = 60.0
+"""A learned limit is forgotten this long after the last kept connection that died: reuse comes back."""
 REWARM_BACKOFF_S = (1.0, 30.0)
 """After a failed warm-up the next waits this long, doubling up to the second."""
 KEEPALIVE_PROBES_PER_SILENCE = 3
@@ -205,6 +215,53 @@ def warm_keys(modes: Sequence[str], keep_host_header: bool) -> list[PoolKey]:
     return keys
 
 
+class KeptConnectionLife:
+    """How long each upstream's kept connections live idle, learned from those that died: an
+    idle one the upstream closed in the pool, or a reused one that closed before any byte of
+    its answer (its request then went once more on a new connection, a round trip and a wait
+    for the close later). Connections are offered while idle less than `LEARNED_IDLE_FACTOR`
+    of the shortest idle time after which one died; below `MIN_IDLE_S` not at all (an upstream
+    that closes its connections shortly after each answer, whatever it advertises: each reuse
+    would race its close), but a fresh one that never carried a request still is. What was
+    learned is forgotten `FORGET_AFTER_S` after the last death, so a one-off close (a restart)
+    does not end reuse for good; an upstream that goes on closing teaches it again."""
+
+    def __init__(self) -> None:
+        self.shortest: dict[PoolKey, tuple[float, float]] = {}
+        """Per upstream, (the shortest idle time after which a kept connection died, when the last died)."""
+
+    def died(self, key: PoolKey, idle_s: float, now: float) -> float | None:
+        """A kept connection of `key`'s died after `idle_s` idle (seen at `now`, monotonic): the
+        new limit if that cut reuse back further (`limit`), else None."""
+        before = self.limit(key, now)
+        shortest = min(idle_s, self.shortest[key][0]) if key in self.shortest else idle_s
+        self.shortest[key] = (shortest, now)
+        after = self.limit(key, now)
+        assert after is not None
+        return after if before is None or after < before else None
+
+    def limit(self, key: PoolKey, now: float) -> float | None:
+        """How long `key`'s connections may have been idle to be reused: None, as long as they
+        stay in the pool (nothing learned); 0.0, no reuse."""
+        if (learned := self.shortest.get(key)) is None:
+            return None
+        shortest, last_died = learned
+        if now - last_died > FORGET_AFTER_S:
+            del self.shortest[key]
+            return None
+        limit = LEARNED_IDLE_FACTOR * shortest
+        return limit if limit >= MIN_IDLE_S else 0.0
+
+    def offers(self, key: PoolKey, idle_s: float, answered: bool, now: float) -> bool:
+        """Whether a connection of `key`'s idle `idle_s` may go to a request (`answered`: it carried one)."""
+        limit = self.limit(key, now)
+        if limit is None:
+            return True
+        if limit == 0.0:
+            return not answered
+        return idle_s < limit
+
+
 class UpstreamPool:
     """Keeps reverse listeners' upstream connections for later client connections (see the module docstring)."""
 
@@ -212,8 +269,7 @@ class UpstreamPool:
         self.idle: dict[PoolKey, list[Pooled]] = {}
         self.warm: list[PoolKey] = []
         self.connecting: dict[PoolKey, int] = {}
-        self.idle_limit: dict[PoolKey, float] = {}
-        """Learned from upstreams that closed idle connections sooner than the option says."""
+        self.life = KeptConnectionLife()
         self.backoff: dict[PoolKey, float] = {}
         self.timers: dict[Pooled, asyncio.TimerHandle] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -327,7 +383,12 @@ class UpstreamPool:
             early_connects.connect_early(handler, flow)
 
     def _idle_for(self, address: tuple[str, int]) -> bool:
-        return any(idle for key, idle in self.idle.items() if (key.host, key.port) == address)
+        return any(self._offerable(key) for key in self.idle if (key.host, key.port) == address)
+
+    def _offerable(self, key: PoolKey) -> list[Pooled]:
+        """`key`'s idle connections a request may take (`KeptConnectionLife.offers`)."""
+        now = time.monotonic()
+        return [p for p in self.idle.get(key, ()) if self.life.offers(key, now - p.idle_since, p.uses > 0, now)]
 
     def client_connected(self, client: connection.Client) -> None:
         # Where mitmproxy would connect upstream now (its eager connect, which gave way to the
@@ -340,7 +401,7 @@ class UpstreamPool:
         if key is None:
             return
         counting = self.counting_on_idle.setdefault(key, set())
-        if len(self.idle.get(key, ())) > len(counting):
+        if len(self._offerable(key)) > len(counting):
             counting.add(client.id)
             return
         opening: asyncio.Future[Pooled | None] = asyncio.get_running_loop().create_future()
@@ -391,19 +452,20 @@ class UpstreamPool:
     def take(self, key: PoolKey, credential: bytes, client: connection.Client) -> Pooled | None:
         """An idle connection for `key` whose requests had `credential`, else a fresh one; None if none."""
         self.counting_on_idle.get(key, set()).discard(client.id)
-        idle = self.idle.get(key, [])
+        offerable = self._offerable(key)
         found = None
-        for candidate in (*(p for p in reversed(idle) if p.credential == credential),
-                          *(p for p in reversed(idle) if p.credential is None)):
+        for candidate in (*(p for p in reversed(offerable) if p.credential == credential),
+                          *(p for p in reversed(offerable) if p.credential is None)):
             if candidate.alive():
                 found = candidate
                 break
         if found is None:
             self._rewarm(key)  # the request connects itself; the pool gets ready for the next
             return None
-        idle.remove(found)
+        self.idle[key].remove(found)
         self._unschedule(found)
         found.credential = credential
+        found.taken_idle_s = time.monotonic() - found.idle_since
         self._rewarm(key)
         if (ahead := self.opening_for.get(client.id)) is not None and ahead.key == key:
             self._forget_client(client.id)  # the one opened for it goes to the pool
@@ -420,6 +482,11 @@ class UpstreamPool:
     def put_back(self, pooled: Pooled) -> None:
         self._receive(pooled)
 
+    def reuse_failed(self, pooled: Pooled) -> None:
+        """`pooled`, taken from the pool, closed before any byte of its request's answer."""
+        if pooled.taken_idle_s is not None:
+            self._died(pooled, pooled.taken_idle_s, "a reused connection closed before its answer")
+
     def let_go(self, opening: asyncio.Future[Pooled | None]) -> None:
         """A connection opened ahead that no request waits for: into the pool once open."""
         opening.add_done_callback(self._opened_unclaimed)
@@ -433,10 +500,13 @@ class UpstreamPool:
     def _receive(self, pooled: Pooled) -> None:
         """A connection enters the pool (parked once its client task ended, or a warm one)."""
         idle = self.idle.setdefault(pooled.key, [])
-        if not self.started or not self.on or not pooled.alive() or len(idle) >= ctx.options.relay_upstream_pool_max:
+        now = time.monotonic()
+        if (not self.started or not self.on or not pooled.alive() or len(idle) >= ctx.options.relay_upstream_pool_max
+                or not self.life.offers(pooled.key, 0.0, pooled.uses > 0, now)):
             pooled.close()
             return
-        pooled.idle_since = time.monotonic()
+        pooled.idle_since = now
+        pooled.taken_idle_s = None
         _watch_transport(pooled.writer)  # a parked connection was mitmproxy's, without
         idle.append(pooled)
         pooled.watching = _Watch(pooled, self._ended)
@@ -454,7 +524,11 @@ class UpstreamPool:
                      pooled.key.port)
 
     def _idle_limit(self, key: PoolKey) -> float:
-        return min(ctx.options.relay_upstream_pool_idle, self.idle_limit.get(key, float("inf")))
+        """How long a connection of `key`'s waits in the pool (a fresh one at least `MIN_IDLE_S`,
+        where the upstream's allow no reuse: no connect a moment)."""
+        if (learned := self.life.limit(key, time.monotonic())) is None:
+            return ctx.options.relay_upstream_pool_idle
+        return min(ctx.options.relay_upstream_pool_idle, max(MIN_IDLE_S, learned))
 
     def _expire(self, pooled: Pooled) -> None:
         self.timers.pop(pooled, None)
@@ -478,15 +552,21 @@ class UpstreamPool:
 
     def _ended(self, pooled: Pooled, why: str) -> None:
         """`pooled`'s watch saw it end while idle (or bytes no idle connection may get)."""
-        idle_for = time.monotonic() - pooled.idle_since
-        if why.startswith("closed by the upstream") and idle_for < self._idle_limit(pooled.key):
-            learned = max(MIN_IDLE_S, LEARNED_IDLE_FACTOR * idle_for)
-            if learned < self.idle_limit.get(pooled.key, float("inf")):
-                self.idle_limit[pooled.key] = learned
-                logger.info("%s:%d closed an idle connection after %.1f s: pooled connections to it are "
-                            "replaced after %.1f s", pooled.key.host, pooled.key.port, idle_for, learned)
+        if why.startswith("closed by the upstream"):
+            self._died(pooled, time.monotonic() - pooled.idle_since, "closed an idle connection")
         if self._drop(pooled, why):
             self._rewarm(pooled.key)
+
+    def _died(self, pooled: Pooled, idle_s: float, how: str) -> None:
+        key = pooled.key
+        if (limit := self.life.died(key, idle_s, time.monotonic())) is None:
+            return
+        if limit == 0.0:
+            logger.info("%s:%d %s after %.2f s idle: its connections are not reused (each would race "
+                        "its close) until none died for %.0f s", key.host, key.port, how, idle_s, FORGET_AFTER_S)
+        else:
+            logger.info("%s:%d %s after %.1f s idle: its connections are reused while idle less than %.1f s",
+                        key.host, key.port, how, idle_s, limit)
 
     def _rewarm_all(self) -> None:
         for key in self.warm:

@@ -188,6 +188,8 @@ class Pooled:
     """The only credential whose requests it carried; None: none yet (a fresh connection)."""
     uses: int = 0
     """Client connections that had it."""
+    taken_idle_s: float | None = None
+    """How long it had waited idle when the pool last gave it to a request (None: not taken from the pool)."""
     idle_since: float = field(default_factory=time.monotonic)
     watching: asyncio.Protocol | None = None
     """While idle in the pool: the protocol its transport feeds instead of its reader's (the
@@ -229,6 +231,8 @@ class Pool(Protocol):
     def opened_ahead(self, key: PoolKey, client: connection.Client) -> Opening | None: ...
 
     def put_back(self, pooled: Pooled) -> None: ...
+
+    def reuse_failed(self, pooled: Pooled) -> None: ...
 
     def let_go(self, opening: asyncio.Future[Pooled | None]) -> None: ...
 
@@ -409,6 +413,8 @@ def _retry_a_lost_reuse_race(stream: HttpStream, event: object) -> layer.Command
         return None
     _retried.add(stream.flow)
     pooled = _adopted.get(stream.context.server)
+    if pooled is not None and _pool is not None:
+        _pool.reuse_failed(pooled)  # it learns how long that upstream's kept connections live
     logger.info("pooled connection %s to %s closed before its answer (its client connection %s): "
                 "sending the request once more on a new connection",
                 pooled.id if pooled else "?", human.format_address(stream.context.server.address),
