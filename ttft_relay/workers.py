@@ -309,9 +309,13 @@ class Worker:
         if listeners_pipe is None or not set(self.pass_fds) <= set(first.fds):
             first.abandon()
             return False
-        with open(listeners_pipe, "wb") as pipe:
-            first.spawned.listeners_pipe = None
-            pipe.write(self.listening.encode())
+        first.spawned.listeners_pipe = None
+        try:
+            os.write(listeners_pipe, self.listening.encode())  # a few hundred bytes: within the pipe's buffer
+        except BrokenPipeError:
+            pass  # it died starting: looked after as any worker that did
+        finally:
+            os.close(listeners_pipe)
         self._started(first.spawned)
         return True
 
