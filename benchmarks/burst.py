@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 
-from ttft_relay import workers
+from ttft_relay import prefork
 from benchmarks.streams import one_stream
 from benchmarks._setups import BenchSetups, cpu_seconds, percentile
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bursts", default="100,200,500", help="burst sizes, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="bursts per setup and size")
-    ap.add_argument("--workers", type=int, default=workers.default_workers(), help="N for relay-N")
+    ap.add_argument("--workers", type=int, default=prefork.default_workers(), help="N for relay-N")
     ap.add_argument("--prefill-ms", type=float, default=50)
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--gap-ms", type=float, default=10)

@@ -4,18 +4,20 @@ A client polls the listener's port (a connect every 2 ms, as a client retrying w
 and sends its request on the first connection the port takes; a fake OpenAI upstream
 (in this process) answers at once. Three ways the relay starts, each `--runs` times:
 
-    run        `ttft-relay run`: one mitmdump process (it binds its listeners before it
-               loads the relay's addons)
+    run        `ttft-relay run`: one mitmdump process (the tokenizers loaded before
+               mitmproxy starts; it binds its listeners before it loads the relay's addons)
     workers    `ttft-relay run --workers 2`, as scripts/relay runs it: the supervisor
                binds, the port listens once the first worker serves
     socket     the same on a listening socket passed as systemd's socket unit passes it
                (a restart under deploy/ttft-relay.socket): the port is open before the
-               relay starts, so a client waits for the start itself
+               relay starts, so a client waits for the start itself (worker 0 starts
+               beside the supervisor, prefork.py)
 
 Per way, medians over the runs (ms): from the start to the port taking a connection,
-to the mitmproxy loading the relay ("Loading script": Python, mitmproxy, the options),
-to its tokenizers loaded ("tokenizer ready"), to the first answer; and from the port
-open to the first answer, the wait a client that connected at once sees.
+to the mitmproxy loading the relay ("Loading script": Python, mitmproxy, the options,
+the tokenizers), to the relay saying its tokenizers are ready ("tokenizer ready": its
+addons configured), to the first answer; and from the port open to the first answer,
+the wait a client that connected at once sees.
 
     scripts/bench start [--runs 3]
 """

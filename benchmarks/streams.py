@@ -83,7 +83,7 @@ import orjson
 
 
 from benchmarks._setups import BenchSetups, cpu_seconds, percentile
-from ttft_relay import workers
+from ttft_relay import prefork, workers
 
 BODY = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "Say hello"}]})
 LAST_CHUNK = b"\r\n0\r\n\r\n"
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="5,15,25,40", help="new streams per second, comma-separated")
     ap.add_argument("--seconds", type=float, default=10, help="arrival window per setup, rate and round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=max(2, workers.default_workers()), help="N for relay-N")
+    ap.add_argument("--workers", type=int, default=max(2, prefork.default_workers()), help="N for relay-N")
     ap.add_argument("--prefill-ms", type=float, default=50)
     ap.add_argument("--events", type=int, default=200, help="answer events per stream")
     ap.add_argument("--gap-ms", type=float, default=20)

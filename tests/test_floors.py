@@ -15,7 +15,7 @@ PACKAGE = "ttft_relay"
 STILL_TWO_WAY: set[frozenset[str]] = set()
 """Package pairs that still import each other: none any more, and nothing may join them."""
 
-GROUND = ("apis", "text", "flows", "chunked", "config", "listeners", "store")
+GROUND = ("apis", "text", "flows", "chunked", "config", "listeners", "store", "prefork")
 """What imports nothing of the relay's (but itself)."""
 
 ASKS_THE_REGISTRY = {

@@ -171,6 +171,9 @@ def test_loader_falls_back_to_cl100k_with_one_warning(caplog, tmp_path, monkeypa
     loader = tokens.TokenizerLoader(bundled=False)  # as if bpe-openai were missing
     assert loader.get(tokens.CL100K) is None
     loader.load()
+    assert _warnings(caplog) == []  # said once the relay logs (`say`)
+    loader.say()
+    loader.say()
     assert loader.ready
     o200k = loader.get(tokens.O200K)
     assert o200k is not None and o200k.label == tokens.CL100K
@@ -210,6 +213,7 @@ def test_loader_rejects_a_wrong_tiktoken_file(tmp_path, caplog):
     bogus.write_bytes(b"IQ== 0\nIg== 1\n")
     loader = tokens.TokenizerLoader(str(bogus), bundled=False, tiktoken_cache=False)
     loader.load()
+    loader.say()
     assert loader.get(tokens.O200K).label == tokens.CL100K
     [warning] = _warnings(caplog)
     assert str(bogus) in warning and "Hash mismatch" in warning

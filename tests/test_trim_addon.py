@@ -13,7 +13,7 @@ from mitmproxy import exceptions
 from mitmproxy.net import encoding
 from mitmproxy.test import taddons, tflow, tutils
 
-from ttft_relay import apis, state
+from ttft_relay import apis, launch, state
 from ttft_relay.trim import policy, tokens
 from ttft_relay.trim import addon as trim_addon
 from ttft_relay.trim.addon import HEADER, Trim
@@ -219,6 +219,24 @@ def test_over_budget_header(addon):
     assert flow.request.raw_content is raw and st.trim["over_budget"] and not st.trim["trimmed"]
     addon.responseheaders(flow)
     assert flow.response.headers[HEADER].startswith("over_budget; tokens=")
+
+
+def test_the_tokenizers_loaded_before_mitmproxy_are_the_addons_and_said_once_it_runs(monkeypatch, caplog):
+    monkeypatch.setattr(tokens, "_LOADERS", {})  # a fresh process's
+    launch.load_tokenizers_early(["--set", "relay_trim=false"], "mitmdump")
+    assert not tokens.loader_for(None).ready
+    launch.load_tokenizers_early([], "mitmdump")  # as `ttft-relay run` does, before mitmproxy logs
+    early = tokens.loader_for(None)
+    assert early.ready
+    loads = []
+    monkeypatch.setattr(tokens, "load_o200k_file", lambda path: loads.append(path))
+    caplog.set_level(logging.INFO)
+    trim = Trim()
+    with taddons.context(trim) as tctx:
+        tctx.configure(trim, relay_trim=True)
+    assert trim.tokenizers is early and loads == []  # not loaded twice
+    said = [r.getMessage() for r in caplog.records if r.name == tokens.__name__]
+    assert said == ["tokenizer ready: cl100k_base, o200k_base (trimming on)"]
 
 
 def test_tokenizers_load_when_configured_and_only_while_trimming_is_on(monkeypatch):

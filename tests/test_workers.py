@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import multiprocess
 
 from benchmarks import soak
-from ttft_relay import workers
+from ttft_relay import launch, workers
 from ttft_relay.observe import ledger, metrics
 from ttft_relay.timing import phases
 from tests.conftest import reverse_to
@@ -770,6 +770,33 @@ def test_the_port_opens_when_a_worker_serves(fake, tmp_path, confdir):
         assert sup.stop() == 0, sup.tail()
     (first,) = _records(tmp_path / "timing.jsonl")
     assert first["verdict"] != "relay starting" and "relay_serving" not in first["marks"], first
+
+
+def test_on_systemds_sockets_worker_0_starts_before_the_supervisor_reads_its_options(fake, tmp_path, confdir):
+    # A restart under the socket unit: its clients wait in the socket's queue for the start,
+    # of which the supervisor's own (≈ 0.9 s: mitmproxy's option table, the relay's addons)
+    # came before worker 0's. Now worker 0 starts at once, beside it: seen here with the
+    # supervisor held at its read of relay.conf (a FIFO the test has not written yet).
+    conf = tmp_path / "relay.conf"
+    os.mkfifo(conf)
+    with socket.create_server(("127.0.0.1", 0)) as unit:
+        port = unit.getsockname()[1]
+        sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir), conf, activated=[unit])
+        try:
+            deadline = time.monotonic() + 60
+            while not (children := sup.children()) and sup.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(children) == 1 and _environ(children[0])["TTFT_RELAY_WORKER"] == "0", sup.tail()
+            conf.write_text("mode: [\n")  # what the supervisor reads cannot be read: it stops, and the worker
+            assert sup.proc.wait(60) == launch.EXIT_CONFIG, sup.tail()
+            with sup.changed:
+                said = [ln for ln in sup.lines if "cannot start the relay" in ln]
+            assert len(said) == 1 and str(conf) in said[0], sup.tail()
+            assert sup.children() == []
+        finally:
+            if sup.proc.poll() is None:
+                sup.proc.kill()
+                sup.proc.wait()
 
 
 def test_a_restart_on_systemds_sockets_refuses_no_client_and_cuts_no_turn(tmp_path, confdir, certs, fake):

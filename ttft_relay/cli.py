@@ -183,9 +183,14 @@ def _main(args: list[str]) -> int:
         print(launch.ADDON)
         return 0
     if command == "run":
+        from . import prefork
+
+        _, args, supervised = prefork.split_workers(rest)
+        # On systemd's sockets (a restart) worker 0 starts now, beside the supervisor's own imports.
+        first = prefork.first_worker(args) if supervised else None
         from . import workers
 
-        return workers.main(rest)
+        return workers.main(rest, first)
     if command == "reload":
         from . import workers
 

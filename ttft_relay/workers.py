@@ -20,7 +20,9 @@ code under it changed, `--workers N` refuses to start, saying so). So:
   `ttft-relay run --workers 1` does (`launch.start`); the supervisor reads the options
   mitmdump makes of that same command line (`config.merged_args`). Each worker checks
   them as the single process does, open-proxy check on the listen addresses included.
-- Start-up: worker 0 starts first; once it is ready (accepting), the others. Only a
+- Start-up: worker 0 starts first; once it is ready (accepting), the others. On sockets
+  systemd holds (a restart, whose clients wait in their queue), worker 0 starts before the
+  supervisor reads the options, beside its imports (`prefork.first_worker`). Only a
   configuration no restart can fix stops the start, with exit status EXIT_START_FAILED,
   on which systemd does not restart the unit (deploy/ttft-relay.service) but shows it
   failed: worker 0 exiting on its own before any worker was ready (its own output says
@@ -57,8 +59,6 @@ nothing in between). `scripts/relay` asks for `--workers auto`: one per core.
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import errno
 import json
 import logging
@@ -77,7 +77,7 @@ from mitmproxy import optmanager
 from mitmproxy.proxy import mode_specs
 from mitmproxy.utils import human
 
-from . import capacity, config, launch, listeners
+from . import capacity, config, launch, listeners, prefork
 from .faults import addons as faults
 from .patches import pins
 from .patches.fixes import inherited_listeners
@@ -85,11 +85,8 @@ from .patches.speed import listen_backlog
 from .observe import ledger, metrics
 from .timing import addon as timing
 
-LISTEN_FDS_ENV = "TTFT_RELAY_LISTEN_FDS"
-"""In a worker: its listening sockets, as JSON: {"listeners": {mode spec: [descriptors]},
-"kept_open": [the specs whose sockets systemd holds], "backlog": the listen backlog}."""
-READY_FD_ENV = "TTFT_RELAY_READY_FD"
-"""In a worker: the pipe on which it says it is ready (accepting)."""
+from .prefork import LISTEN_FDS_ENV, SYSTEMD_FIRST_FD, split_workers
+
 EXIT_START_FAILED = launch.EXIT_CONFIG
 """The relay could not start: the unit's RestartPreventExitStatus."""
 READY_TIMEOUT = 60.0
@@ -107,22 +104,6 @@ def stop_timeout(grace: float) -> float:
 
 TICK_S = 0.2
 """How often the supervisor looks after its workers."""
-
-
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel sends it SIGTERM when the supervisor dies,
-    however it dies (kill -9 included). Linux only; elsewhere children outlive a
-    killed supervisor."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != _SUPERVISOR_PID:  # the supervisor died before the prctl took
-            os._exit(1)
-
-
-PR_SET_PDEATHSIG = 1
-_SUPERVISOR_PID = os.getpid()
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-"""Looked up before any fork: the child only calls it."""
 
 
 def free_port() -> int:
@@ -253,10 +234,6 @@ def bind_tcp(host: str, port: int, backlog: int | None = None) -> list[socket.so
     return sockets
 
 
-SYSTEMD_FIRST_FD = 3
-"""sd_listen_fds(3): the first socket systemd passes; the others follow it."""
-
-
 def systemd_sockets() -> list[socket.socket]:
     """The listening sockets systemd passed this process (socket activation:
     deploy/ttft-relay.socket), none if it passed none. As sd_listen_fds(3) reads them:
@@ -282,8 +259,11 @@ def systemd_sockets() -> list[socket.socket]:
 def worker_main(args: list[str]) -> None:
     """A worker: the relay as `ttft-relay run --workers 1` runs it, on the listening sockets
     its supervisor bound (named in the environment)."""
-    listening = json.loads(os.environ.pop(LISTEN_FDS_ENV))
-    inherited_listeners.install(listening["listeners"], int(os.environ.pop(READY_FD_ENV)),
+    given = prefork.listeners_given()
+    if given is None:  # started before its supervisor read the options, which did not start
+        sys.exit(0)
+    listening = json.loads(given)
+    inherited_listeners.install(listening["listeners"], int(os.environ.pop(prefork.READY_FD_ENV)),
                                 kept_open=listening["kept_open"], backlog=listening["backlog"])
     # The supervisor says where the relay listens, once; N workers would say it N times.
     logging.getLogger("mitmproxy.proxy.mode_servers").setLevel(logging.WARNING)
@@ -302,8 +282,8 @@ class Worker:
         self.args = args
         listen_fds = {lst.mode.full_spec: [s.fileno() for s in lst.sockets] for lst in listening}
         kept_open = [lst.mode.full_spec for lst in listening if lst.kept_open]
-        self.env = {**env, metrics.WORKER_ENV: str(index),
-                    LISTEN_FDS_ENV: json.dumps({"listeners": listen_fds, "kept_open": kept_open, "backlog": backlog})}
+        self.listening = json.dumps({"listeners": listen_fds, "kept_open": kept_open, "backlog": backlog})
+        self.env = {**env, prefork.WORKER_ENV: str(index), LISTEN_FDS_ENV: self.listening}
         self.pass_fds = tuple(fd for fds in listen_fds.values() for fd in fds)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -319,20 +299,29 @@ class Worker:
 
     def start(self) -> None:
         self._close_pipe()  # the last start's
-        readable, writable = os.pipe()
+        self._started(prefork.spawn(self.args, self.env, self.pass_fds))
+
+    def adopt(self, first: prefork.FirstWorker) -> bool:
+        """Takes `first` (worker 0 started before the options were read) as this worker's
+        start, and tells it its listeners; False if it cannot serve them (a listener on a
+        socket systemd did not pass): it exits, and this worker starts as any other."""
+        listeners_pipe = first.spawned.listeners_pipe
+        if listeners_pipe is None or not set(self.pass_fds) <= set(first.fds):
+            first.abandon()
+            return False
+        first.spawned.listeners_pipe = None
         try:
-            # Its own process group: Ctrl-C reaches the supervisor, which stops workers once.
-            # SIGTERM if the supervisor dies: a clean stop (records written, clients told).
-            self.proc = subprocess.Popen(self.args, env={**self.env, READY_FD_ENV: str(writable)},
-                                         stdin=subprocess.DEVNULL, process_group=0, preexec_fn=_die_with_parent,
-                                         pass_fds=(*self.pass_fds, writable))
-        except BaseException:
-            os.close(readable)
-            raise
+            os.write(listeners_pipe, self.listening.encode())  # a few hundred bytes: within the pipe's buffer
+        except BrokenPipeError:
+            pass  # it died starting: looked after as any worker that did
         finally:
-            os.close(writable)
-        os.set_blocking(readable, False)
-        self._ready_pipe = readable
+            os.close(listeners_pipe)
+        self._started(first.spawned)
+        return True
+
+    def _started(self, spawned: prefork.Spawned) -> None:
+        self.proc = spawned.proc
+        self._ready_pipe = spawned.ready_pipe
         self.started_at = time.monotonic()
         self.ready = False
         self.restart_at = None
@@ -374,7 +363,7 @@ class Supervisor:
     """Starts the workers, restarts any that dies, replaces them all on a reload (SIGHUP),
     and stops them (SIGINT, SIGTERM)."""
 
-    def __init__(self, user_args: list[str], workers: int) -> None:
+    def __init__(self, user_args: list[str], workers: int, first: prefork.FirstWorker | None = None) -> None:
         if (why := pins.problem(inherited_listeners)) is not None:
             raise StartFailed(f"--workers {workers} needs the relay's fix inherited_listeners, and {why}: run it "
                               f"with --workers 1, or install the mitmproxy it was written against: {pins.INSTALL}")
@@ -387,9 +376,9 @@ class Supervisor:
         for sock in self.activated:
             log(f"systemd passed a socket at {human.format_address(sock.getsockname())}, a port no listener of "
                 "the relay names: nothing serves it")
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix="ttft-relay-metrics-"))
+        self.metrics_dir = Path(first.metrics_dir if first else tempfile.mkdtemp(prefix="ttft-relay-metrics-"))
         self.env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
-        self.args = [sys.executable, "-m", "ttft_relay.workers", *user_args]
+        self.args = prefork.worker_args(user_args)
         self.workers: list[Worker] = []
         self.retiring: list[Worker] = []
         """Workers a reload replaced, finishing their turns in flight."""
@@ -405,6 +394,8 @@ class Supervisor:
         self.reload_asked = False
         self.serving = False
         """Start-up is over: every worker was ready once, or died trying."""
+        self.first = first
+        """Worker 0 if it started before the options were read (prefork.first_worker); `run` adopts it."""
 
     def _generation(self, listening: list[Listener]) -> list[Worker]:
         """`count` workers on `listening`, each with an index no live worker has (a worker's
@@ -424,7 +415,10 @@ class Supervisor:
             log(f"cannot write {self.pid_file} ({e.strerror}): `ttft-relay reload` will not find this relay")
         try:
             self._serve_metrics()
-            self.workers[0].start()  # alone: a configuration error shows once, in its output
+            # Alone: a configuration error shows once, in its output.
+            if self.first is None or not self.workers[0].adopt(self.first):
+                self.workers[0].start()
+            self.first = None
             while not self.stopping:
                 for w in [*self.workers, *self.incoming]:
                     self._look_after(w)
@@ -718,33 +712,19 @@ def reload_main(argv: list[str]) -> int:
     return 0
 
 
-def split_workers(argv: list[str]) -> tuple[int, list[str], bool]:
-    """`--workers N|auto` (or `--workers=N`; the last one counts; default 1) out of the
-    command line: (N, the rest, which is mitmdump's, whether a supervisor runs them). `auto`
-    (one per core) is supervised even on one core: a reload then replaces the worker
-    without dropping a turn; `--workers 1` (the default) is the one process, nothing between."""
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--workers", default="1")
-    ns, rest = ap.parse_known_args(argv)
-    if ns.workers == "auto":
-        return default_workers(), rest, True
-    if not ns.workers.isdigit() or int(ns.workers) < 1:
-        raise SystemExit(f"--workers must be a number of at least 1, or auto (one per core), not {ns.workers!r}")
-    return int(ns.workers), rest, int(ns.workers) > 1
-
-
-def default_workers() -> int:
-    """One per core this process may run on."""
-    return len(os.sched_getaffinity(0))
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], first: prefork.FirstWorker | None = None) -> int:
+    """`ttft-relay run [--workers N|auto] ...`; `first`: worker 0 if cli.py started it
+    already (`prefork.first_worker`)."""
     workers, args, supervised = split_workers(argv)
     if not supervised:
         launch.start("mitmdump", args)
     try:
-        supervisor = Supervisor(args, workers)
-    except StartFailed as e:
+        supervisor = Supervisor(args, workers, first)
+    except BaseException as e:  # StartFailed, a configuration that cannot be read (launch.CannotStart)
+        if first is not None:
+            first.abandon()
+        if not isinstance(e, StartFailed):
+            raise
         log(str(e))
         return e.exit_code
     return supervisor.run()

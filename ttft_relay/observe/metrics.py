@@ -92,6 +92,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from .. import state, store
+from ..prefork import WORKER_ENV  # set in each worker: record, but leave serving to the supervisor
 from ..apis.api import Api
 from ..text import cut_text
 from ..timing import phases, record
@@ -104,8 +105,6 @@ LISTEN_FIX = ("To serve them, give the metrics another port (--set relay_metrics
               "or turn them off (--set relay_metrics_listen=).")
 """What a taken metrics port's warning says to do (9464 is also OpenTelemetry's exporter's
 default: a second relay, or a collector, on the same machine takes it)."""
-WORKER_ENV = "TTFT_RELAY_WORKER"
-"""Set by ttft_relay/workers.py in each worker: record, but leave serving to the supervisor."""
 DEFAULT_LISTEN = "127.0.0.1:9464"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 OTHER = series.OTHER

@@ -97,7 +97,7 @@ class Trim:
     """
 
     def __init__(self) -> None:
-        self.tokenizers = tokens.TokenizerLoader()
+        self.tokenizers = tokens.loader_for(None)
         self.counts = tokens.CountCache()
         self.store = store.SharedStore(None, [windows.KIND, plans.KIND])
         """What trimming learns, shared through a file beside the timing log."""
@@ -184,12 +184,13 @@ class Trim:
             # Read in the worker thread, not on the event loop, before the first trim.
             self._handed = self.worker.submit(self.store.refresh)
         if "relay_tiktoken_file" in updated and ctx.options.relay_tiktoken_file != self.tokenizers.o200k_file:
-            self.tokenizers = tokens.TokenizerLoader(ctx.options.relay_tiktoken_file)
+            self.tokenizers = tokens.loader_for(ctx.options.relay_tiktoken_file)
         if ctx.options.relay_trim:
-            # At start-up this runs while the script loads, before any listener is up:
-            # no request waits for it or shares the GIL with it. Later (trimming switched
-            # on, a new file) it costs the event loop that long once.
+            # Loaded before mitmproxy started (`ttft-relay run`, launch.py) or now, while the
+            # script loads, before any listener accepts: no request waits for it or shares the
+            # GIL with it. Later (trimming switched on, a new file) it costs the event loop that long once.
             self.tokenizers.load()
+            self.tokenizers.say()
             if pins.on(resend):
                 resend.install(by="trim")
         else:

