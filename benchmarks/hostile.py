@@ -130,17 +130,13 @@ def exporting(mode: str) -> Callable[[Callable[[Bench], dict]], Callable[[Bench]
     return mark
 
 
-class HostileCollector:
-    """An OTLP collector on loopback that misbehaves as `mode` says: `endless` (200, then a
-    chunked body without end), `hang` (reads the POST, never answers), `forge` (500 whose body
-    holds a newline and a line made to look like the relay's own)."""
-
-    FORGED = "2026-01-01 00:00:00 200 gpt-4o ttft 12 ms ok (forged by the collector)"
+class LoopbackServer:
+    """A server on loopback with a thread per connection (`_one`), counting its connections."""
 
     def __init__(self) -> None:
-        self.mode = "hang"
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=256)
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -149,7 +145,26 @@ class HostileCollector:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+class HostileCollector(LoopbackServer):
+    """An OTLP collector on loopback that misbehaves as `mode` says: `endless` (200, then a
+    chunked body without end), `hang` (reads the POST, never answers), `forge` (500 whose body
+    holds a newline and a line made to look like the relay's own)."""
+
+    FORGED = "2026-01-01 00:00:00 200 gpt-4o ttft 12 ms ok (forged by the collector)"
+
+    def __init__(self) -> None:
+        self.mode = "hang"
+        super().__init__()
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
@@ -169,11 +184,8 @@ class HostileCollector:
             except OSError:
                 pass
 
-    def close(self) -> None:
-        self.listener.close()
 
-
-class LateClosingUpstream:
+class LateClosingUpstream(LoopbackServer):
     """An upstream on loopback that answers each request 200 with `connection: keep-alive`,
     then closes the connection at a random moment 0-300 ms later, reading nothing meanwhile:
     a request sent on it in that time is lost (a server's idle timeout or restart, as a
@@ -185,20 +197,8 @@ class LateClosingUpstream:
                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0), backlog=256)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.answered = 0
-        self.connections = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
@@ -220,9 +220,6 @@ class LateClosingUpstream:
                 time.sleep(random.uniform(0, 0.3))  # the close's moment: nothing read meanwhile
             except OSError:
                 pass
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def rss_mb(pid: int) -> float:
