@@ -146,9 +146,9 @@ def test_an_upstream_group_gets_a_row_per_member(report_page):
     rows = page.evaluate("[...document.querySelectorAll('table.members tbody tr')].map((tr) => "
                          "[...tr.cells].map((td) => td.textContent))")
     assert [row[:3] for row in rows] == [["api.openai.com", "1", "0"], ["b", "1", "2"]]
-    assert rows[0][-2:] == ["5xx 1", "4000"] and rows[1][3] == "320 ms" and rows[1][7] == "lowest 1"
+    assert rows[0][-3:] == ["5xx 1", "–", "4000"] and rows[1][3] == "320 ms" and rows[1][7] == "lowest 1"
     heading = page.evaluate("document.querySelector('table.members').previousElementSibling.textContent")
-    assert heading == "api.openai.com: 2 requests, 1 failed over before the head, 4000 prompt tokens sent again"
+    assert heading == "api.openai.com: 2 requests, 1 failed over before the head, 0 hedged, 4000 prompt tokens sent again"
 
 
 def test_a_request_picked_from_the_table_gets_its_own_waterfall(report_page):
