@@ -6,7 +6,10 @@ a request refused on its head has its stream reset instead of its body read; a
 CONTINUATION flood is cut off.
 
 Raw frames (`ttft_relay/testing/fakes/h2_wire.py`), because HTTP/2 clients cannot misbehave on purpose.
-Every relay here has `http2: true` (the relay's default is HTTP/1.1 to clients).
+Every relay here has `http2: true` (the relay's default is HTTP/1.1 to clients). The tests
+with no other option share one (`shared_relay`, each finding its records by `rid`); those
+with options of their own, or stopping the relay to count what reached the upstream, start
+their own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ WAIT = 30
 CHAT = "/v1/chat/completions"
 STREAMED = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
 JSON = [("content-type", "application/json"), ("content-length", str(len(STREAMED)))]
+pytestmark = pytest.mark.shared_fake
 
 
 @pytest.fixture
@@ -66,19 +70,18 @@ def records(tmp_path) -> list[dict]:
     return read_records(tmp_path / "timing.jsonl")
 
 
-def test_a_reset_after_the_request_went_upstream_cancels_it(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), http2=True)
+def test_a_reset_after_the_request_went_upstream_cancels_it(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), http2=True)
     fake.behaviour.stall_after_chunks = 1
     with H2Client(relay.port, relay.ca_pem) as h2c:
-        sid = h2c.request("POST", CHAT, JSON, STREAMED)
+        sid = h2c.request("POST", CHAT, [*JSON, ("x-request-id", rid)], STREAMED)
         h2c.flush()
         assert fake.wait_chunk_sent(0, WAIT)
         h2c.reset(sid)
         h2c.flush()
         assert fake.wait_finished(1, WAIT)
     assert fake.sent[0].outcome == "client_closed"
-    relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = relay.log.of(rid)
     assert "reset by client" in rec["error"]
 
 
@@ -105,18 +108,17 @@ def test_a_relay_deadline_on_one_upstream_stream_spares_its_siblings(h2_upstream
     assert by_error == ["", "stream idle for 1 s"]
 
 
-def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake), http2=True)
+def test_a_body_without_a_length_reaches_an_http1_upstream_whole(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), http2=True)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         # HTTP/2 needs no Content-Length; HTTP/1 does (mitmproxy sent none: the upstream
         # read an empty body, then the body as the start of another request).
-        sid = h2c.request("POST", CHAT, [("content-type", "application/json")], STREAMED)
+        sid = h2c.request("POST", CHAT, [("content-type", "application/json"), ("x-request-id", rid)], STREAMED)
         h2c.flush()
         h2c.pump(lambda: h2c.streams[sid].over)
     assert h2c.streams[sid].status == 200 and h2c.streams[sid].body.endswith(b"data: [DONE]\n\n")
     assert fake.received[0].body == STREAMED
-    relay.stop()
-    (rec,) = records(tmp_path)
+    (rec,) = relay.log.of(rid)
     assert rec["error"] is None and rec["model"] == "gpt-4o-mini"
 
 
@@ -145,11 +147,11 @@ def test_a_request_refused_on_its_head_has_its_stream_reset_not_its_body_read(fa
     assert [r["status"] for r in records(tmp_path)] == [401, 200]
 
 
-def test_a_continuation_flood_is_cut_off(fake, start_relay):
+def test_a_continuation_flood_is_cut_off(fake, shared_relay, rid):
     # CVE-2024-27316 and kin: a header block that never ends, CONTINUATION after
     # CONTINUATION. h2 takes at most 64 of them (with mitmproxy's 128 KiB frames at
     # most 8 MiB per connection), then the connection closes.
-    relay = start_relay(reverse_to(fake), http2=True)
+    relay = shared_relay(reverse_to(fake), http2=True)
     with H2Client(relay.port, relay.ca_pem) as h2c:
         head = HeadersFrame(1)
         head.data = hpack.Encoder().encode([(":method", "GET"), (":path", "/v1/models"), (":scheme", "https"),
@@ -164,10 +166,11 @@ def test_a_continuation_flood_is_cut_off(fake, start_relay):
         h2c.pump(lambda: False)
         assert h2c.closed
     with H2Client(relay.port, relay.ca_pem) as h2c:  # and the relay serves on
-        sid = h2c.request("GET", "/v1/models")
+        sid = h2c.request("GET", "/v1/models", [("x-request-id", rid)])
         h2c.flush()
         h2c.pump(lambda: h2c.streams[sid].over)
         assert h2c.streams[sid].status == 200
+    relay.log.of(rid)  # and records it, once
 
 
 def test_an_http2_client_of_a_keyed_listener_connects_upstream_while_its_body_uploads(h2_upstream, start_relay,

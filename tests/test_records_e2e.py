@@ -1,5 +1,9 @@
 """Records that match what the client saw, and text outputs nobody can forge,
 through a real mitmdump.
+
+Tests that need nothing but a plain relay share the module's (`shared_relay`, `shared_fake`)
+and find their records by `rid`; those with options, or reading the relay's whole output or
+log once it stopped, start their own.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from tests.test_faults_e2e import TIMEOUTS_1S, WAIT
 from tests.test_preauth_e2e import raw, read_until_closed
 
 
+pytestmark = pytest.mark.shared_fake
+
+
 def chat_body(stream: bool) -> dict:
     return {"model": "gpt-4o-mini", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,14 +48,13 @@ def test_a_buffered_body_that_fails_records_the_status_the_client_got(knob, stat
     assert rec["status"] == status and rec["error"]
 
 
-def test_a_request_refused_by_header_validation_names_its_upstream(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_a_request_refused_by_header_validation_names_its_upstream(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     with raw(relay) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
-                  b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n")
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: %s\r\ncontent-length: 2\r\n"
+                  b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n" % rid.encode())
         assert read_until_closed(s).startswith(b"HTTP/1.1 400")
-    relay.stop()
-    (rec,) = read_records(tmp_path / "timing.jsonl")
+    (rec,) = relay.log.of(rid)
     assert rec["upstream"] == fake.base_url.removeprefix("http://")
 
 
@@ -84,19 +90,19 @@ def test_an_unwritable_log_path_stops_start_up_with_one_line(confdir, tmp_path):
     assert relay.proc.returncode not in (None, 0)
 
 
-def test_a_chunked_request_with_trailers_is_answered_at_once(fake, start_relay, tmp_path):
-    relay = start_relay(reverse_to(fake))
+def test_a_chunked_request_with_trailers_is_answered_at_once(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake))
     body = orjson.dumps(chat_body(stream=True))
     with raw(relay) as s:
         s.settimeout(5)  # mitmproxy would leave it hanging for 30 s
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: %s\r\n" % rid.encode()
+                  + b"transfer-encoding: chunked\r\n"
                   b"content-type: application/json\r\ntrailer: x-checksum\r\n\r\n"
                   + b"%x\r\n%s\r\n0\r\nx-checksum: abc\r\n\r\n" % (len(body), body))
         answer = read_until_closed(s)
     assert answer.startswith(b"HTTP/1.1 501"), answer[:300]
     assert b"trailers" in answer
-    relay.stop()
-    (rec,) = read_records(tmp_path / "timing.jsonl")
+    (rec,) = relay.log.of(rid)
     assert "trailers" in rec["error"] and rec["error_phase"] == "relay"
 
 
@@ -149,15 +155,15 @@ def test_http2_siblings_cut_by_a_relay_timeout_are_named_as_the_relays(monkeypat
         assert st.error_phase == "relay"
 
 
-def test_a_request_id_that_is_not_utf8_still_gets_its_record(fake, start_relay):
+def test_a_request_id_that_is_not_utf8_still_gets_its_record(fake, shared_relay):
     """mitmproxy keeps a header's non-UTF-8 bytes as surrogates, which JSON cannot carry:
     the record was dropped (an addon error); it is written with U+FFFD in their place."""
-    relay = start_relay(reverse_to(fake))
+    relay = shared_relay(reverse_to(fake))
     body = orjson.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"x-request-id: r\xff1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
     with raw(relay) as s:
         s.sendall(head + body)
         assert read_until_closed(s).startswith(b"HTTP/1.1 200")
-    (rec,) = relay.log.wait(1)
-    assert rec["request_id"] == "r\ufffd1" and rec["status"] == 200 and rec["error"] is None
+    (rec,) = relay.log.of("r\ufffd1")  # no other test's request id
+    assert rec["status"] == 200 and rec["error"] is None

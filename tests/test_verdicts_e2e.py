@@ -6,6 +6,10 @@ client cut and sent again is one attempt group that `ttft-relay report` explains
 The fake's first token takes PREFILL_MS + PER_1K_MS per 1k uncached prompt tokens (0.1 s + 25 ms
 per KB at its 4 bytes a token); a queue spike holds its head QUEUE_MS. Verdicts are counted, not
 timed: each side must be right for at least 7 of 8 requests.
+
+The tests that judge requests against what their own relay learned from nothing (and the one
+whose fake holds cut requests for 30 s) start their own relay; the others share the module's
+(`shared_relay` and `shared_fake`, each finding its records by `rid`).
 """
 
 from __future__ import annotations
@@ -112,32 +116,34 @@ def test_context_length_is_told_from_upstream_queueing_learned_by_workers_and_ke
     assert "beyond what their prompt predicts (upstream queueing)" in text, text
 
 
-def test_healthy_requests_are_ok(fake, start_relay):
+@pytest.mark.shared_fake
+def test_healthy_requests_are_ok(fake, shared_relay, rid):
     # 20 requests with a 5 ms first token and events 10 ms apart read "stream stall" 19 times before.
-    relay = start_relay(reverse_to(fake), relay_trim="false")
+    relay = shared_relay(reverse_to(fake), relay_trim="false")
     with HttpConnection(relay.url()) as conn:  # one kept connection: its smoothed RTT is loopback noise
-        for n in range(23):  # the first 3 meet a relay just started (its first flows run late)
+        for n in range(23):  # the first 3 may meet a relay just started (its first flows run late)
             response = conn.request("POST", CHAT, body(0.2), AUTH | {
-                "x-request-id": "healthy" if n >= 3 else "started", "x-fake-prefill-ms": "5", "x-fake-gap-ms": "10",
-                "x-fake-chunks": "20"})
+                "x-request-id": f"{rid}:healthy" if n >= 3 else f"{rid}:started", "x-fake-prefill-ms": "5",
+                "x-fake-gap-ms": "10", "x-fake-chunks": "20"})
             response.read()
-    relay.log.of("started", 3)
-    records = relay.log.of("healthy", 20)
+    relay.log.of(f"{rid}:started", 3)
+    records = relay.log.of(f"{rid}:healthy", 20)
     said = [r["verdict"] for r in records]
     # Nothing but ok; a relay the loaded test machine really held up may say so (with its numbers).
     assert set(said) <= {phases.OK, phases.RELAY_SATURATED} and said.count(phases.OK) >= 18, said
     assert all(r["verdict_detail"] for r in records)
 
 
-def test_websocket_handshakes_and_prewarms_are_never_prefill(fake, start_relay):
-    relay = start_relay(reverse_to(fake), relay_trim="false")
+@pytest.mark.shared_fake
+def test_websocket_handshakes_and_prewarms_are_never_prefill(fake, shared_relay, rid):
+    relay = shared_relay(reverse_to(fake), relay_trim="false")
     url = relay.url().replace("http://", "ws://") + "/v1/responses"
     for _ in range(3):
-        with WebSocketClient(url, headers=AUTH | {"x-request-id": "ws"}) as client:
+        with WebSocketClient(url, headers=AUTH | {"x-request-id": rid}) as client:
             client.send_text(json.dumps({"type": "response.create", "model": "gpt-5", "generate": False, "input": []}))
             while (msg := client.receive(20)) is not None and json.loads(msg.text)["type"] != "response.completed":
                 pass
-    records = relay.log.of("ws", 6)
+    records = relay.log.of(rid, 6)
     handshakes = [r for r in records if r["turn"] == 0]
     prewarms = [r for r in records if r["prewarm"]]
     assert len(handshakes) == len(prewarms) == 3
@@ -186,15 +192,16 @@ def test_a_request_cut_by_the_client_and_sent_again_is_one_attempt_group(fake, s
     assert "cut by the client after " in text and "while the upstream had not answered" in text, text
 
 
-def test_two_keys_behind_one_address_sending_the_same_request_are_not_one_attempt_group(fake, start_relay):
+@pytest.mark.shared_fake
+def test_two_keys_behind_one_address_sending_the_same_request_are_not_one_attempt_group(fake, shared_relay, rid):
     # A team behind one NAT: the same request (a warm-up every client sends alike) from two
     # access keys, the first failed; the second is not its retry. The same key sending it
     # again, in the same session, is.
-    relay = start_relay(reverse_to(fake), relay_trim="false")
-    payload = body(1)
+    relay = shared_relay(reverse_to(fake), relay_trim="false")
+    payload = body(1, tag=rid)  # the same request within this test, no other test's
 
-    def send(rid: str, key: str, session: str, status: int = 200) -> None:
-        headers = {"Authorization": f"Bearer {key}", "x-request-id": rid, "session_id": session,
+    def send(name: str, key: str, session: str, status: int = 200) -> None:
+        headers = {"Authorization": f"Bearer {key}", "x-request-id": f"{rid}:{name}", "session_id": session,
                    "x-fake-status": str(status)}
         with HttpConnection(relay.url()) as conn:
             response = conn.request("POST", CHAT, payload, headers)
@@ -205,7 +212,7 @@ def test_two_keys_behind_one_address_sending_the_same_request_are_not_one_attemp
     send("other-key", FAKE_OPENAI_KEY.replace("FAKEKEY", "OTHERKEY"), "s1")
     send("other-session", FAKE_OPENAI_KEY, "s2")
     send("retry", FAKE_OPENAI_KEY, "s1")
-    first, other_key, other_session, retry = (relay.log.of(rid)[0] for rid in
+    first, other_key, other_session, retry = (relay.log.of(f"{rid}:{name}")[0] for name in
                                               ("first", "other-key", "other-session", "retry"))
     assert (first["attempt_group"], first["attempt"]) == (first["id"], 1)
     assert other_key["attempt"] is None and other_session["attempt"] is None
