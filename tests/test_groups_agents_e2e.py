@@ -116,9 +116,11 @@ def test_codex_websocket_handshake_fails_over_and_its_turns_stay_on_b(clis, refu
 # --- hedging ---------------------------------------------------------------------------------
 
 LATE = Behaviour(prefill_ms=PREFILL_MS, gap_ms=GAP_MS, head_delay_ms=30_000)
-SLOWER = Behaviour(prefill_ms=PREFILL_MS + 400, gap_ms=GAP_MS)
-"""b while the lines are learned: clearly slower, so that the CLI's turn goes to a (the
-conversation's cache on b notwithstanding) and a's late head is hedged to b."""
+SLOWER = Behaviour(prefill_ms=PREFILL_MS + 125, gap_ms=GAP_MS)
+"""b while the lines are learned: slower than a, so that the CLI's turn goes to a, yet
+expected before a's late head's bound (a's expected first token and its line's tolerance, at
+least `prefill.QUEUE_MIN_MS`), so that a's late head is hedged to b (`choice.hedge_to`): 125 ms
+is about half that tolerance, a margin each way."""
 
 
 @pytest.fixture

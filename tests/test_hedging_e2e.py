@@ -23,16 +23,20 @@ A_CHUNKS, B_CHUNKS = 5, 3
 """Each fake's answer in its own number of pieces: which one the client read."""
 FROM_A, FROM_B = answer_text(A_CHUNKS), answer_text(B_CHUNKS)
 LATE_MS = 10_000
+A_PREFILL_MS, B_PREFILL_MS = 20, 60
+"""a is chosen (the quicker); b's expected first token is well within a's bound (at least
+`groups.SLOW_HEAD_MIN_MS`): a late head of a is hedged to b, expected sooner than waiting."""
 
 
 @pytest.fixture
 def learned(start_relay) -> Iterator:
-    """`learned(rid, **options)`: a relay with a group of two fakes, a (the listener's own, the
-    quicker) and b, hedging (every request, unless the options say otherwise), that has learned
-    both (three requests each): (relay, a, b)."""
-    with FakeUpstream(behaviour=Behaviour(prefill_ms=20, chunks=A_CHUNKS)) as a, \
-            FakeUpstream(behaviour=Behaviour(prefill_ms=150, chunks=B_CHUNKS)) as b:
-        def start(rid: str, **options: object):
+    """`learned(rid, b_prefill_ms=B_PREFILL_MS, **options)`: a relay with a group of two fakes,
+    a (the listener's own, the quicker) and b, hedging (every request, unless the options say
+    otherwise), that has learned both (three requests each): (relay, a, b)."""
+    with FakeUpstream(behaviour=Behaviour(prefill_ms=A_PREFILL_MS, chunks=A_CHUNKS)) as a, \
+            FakeUpstream() as b:
+        def start(rid: str, b_prefill_ms: int = B_PREFILL_MS, **options: object):
+            b.behaviour = Behaviour(prefill_ms=b_prefill_ms, chunks=B_CHUNKS)
             options = {"relay_upstream_hedge_budget": 100, **options}
             relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
                                 relay_upstream_explore=100, relay_upstream_hedge=True, relay_metrics_listen="127.0.0.1:0",
@@ -61,7 +65,7 @@ def pieces(relay, rid: str, payload: dict) -> tuple[str, dict]:
 @pytest.mark.parametrize("pool", [False, True], ids=["own connections", "pooled"])
 def test_the_hedge_answers_when_the_chosen_member_has_no_head_and_the_late_one_is_closed(learned, rid, pool):
     relay, a, b = learned(rid, relay_upstream_pool=pool)
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=LATE_MS, chunks=A_CHUNKS)  # a's queue, from now on
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=LATE_MS, chunks=A_CHUNKS)  # a's queue, from now on
     answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
     assert answered == FROM_B  # b's answer, and only it
     route = rec["route"]
@@ -89,8 +93,8 @@ def test_the_hedge_answers_when_the_chosen_member_has_no_head_and_the_late_one_i
 
 def test_the_first_head_wins_when_it_comes_before_the_hedges(learned, rid):
     relay, a, b = learned(rid)
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1500, chunks=A_CHUNKS)
-    b.behaviour = Behaviour(prefill_ms=150, head_delay_ms=LATE_MS, chunks=B_CHUNKS)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1500, chunks=A_CHUNKS)
+    b.behaviour = Behaviour(prefill_ms=B_PREFILL_MS, head_delay_ms=LATE_MS, chunks=B_CHUNKS)
     answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
     assert answered == FROM_A
     route = rec["route"]
@@ -99,10 +103,25 @@ def test_the_first_head_wins_when_it_comes_before_the_hedges(learned, rid):
     assert len(b.received) == 4 and b.wait_finished(4, timeout=5) and b.sent[-1].outcome == "client_closed"
 
 
+def test_no_hedge_to_a_member_expected_later_than_waiting(learned, rid):
+    """b's first token is expected after a's late head would give its own (b's prefill is long):
+    b's head would win a race at once (the fake, as the providers, sends it before the prefill),
+    and its first token come later, its prompt paid twice."""
+    relay, a, b = learned(rid, b_prefill_ms=1200)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1000, chunks=A_CHUNKS)
+    answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
+    assert answered == FROM_A and rec["ttft_ms"] >= 1000
+    route = rec["route"]
+    assert route["upstream"] == "127.0.0.1" and "hedged" not in route, route
+    assert route["not_hedged"].startswith("b expected 1.") and " s, 127.0.0.1 0." in route["not_hedged"], route
+    assert len(b.received) == 3
+    assert total(scrape(metrics_url(relay)), "ttft_relay_upstream_hedges_total") == 0
+
+
 def test_a_first_attempt_failing_while_the_hedge_runs_leaves_the_hedge_to_answer(learned, rid):
     relay, a, b = learned(rid)
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=700, reset_before_headers=True, chunks=A_CHUNKS)
-    b.behaviour = Behaviour(prefill_ms=150, head_delay_ms=1500, chunks=B_CHUNKS)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=700, reset_before_headers=True, chunks=A_CHUNKS)
+    b.behaviour = Behaviour(prefill_ms=B_PREFILL_MS, head_delay_ms=1500, chunks=B_CHUNKS)
     answered, rec = pieces(relay, f"{rid}-reset", body("single 6"))
     assert answered == FROM_B and rec["error"] is None
     route = rec["route"]
@@ -133,7 +152,7 @@ def test_a_request_unsafe_to_repeat_is_not_failed_over_once_it_went(start_relay,
 
 def test_the_budget_and_a_request_unsafe_to_repeat_leave_a_late_head_waited_for(learned, rid):
     relay, a, b = learned(rid, relay_upstream_hedge_budget=100, relay_upstream_no_repeat="POST /v1/chat")
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1000, chunks=A_CHUNKS)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1000, chunks=A_CHUNKS)
     answered, rec = pieces(relay, f"{rid}-unsafe", body("single 6"))
     assert answered == FROM_A and rec["route"]["upstream"] == "127.0.0.1" and "hedged" not in rec["route"]
     assert len(b.received) == 3 and rec["ttft_ms"] >= 1000
@@ -143,7 +162,7 @@ def test_the_budget_and_a_request_unsafe_to_repeat_leave_a_late_head_waited_for(
 
 def test_no_hedge_beyond_the_budget(learned, rid):
     relay, a, b = learned(rid, relay_upstream_hedge_budget=1)  # 7 requests: 0.07 of one hedge
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1000, chunks=A_CHUNKS)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1000, chunks=A_CHUNKS)
     answered, rec = pieces(relay, f"{rid}-over", body("single 6"))
     assert answered == FROM_A and "hedged" not in rec["route"] and len(b.received) == 3
 
@@ -151,7 +170,7 @@ def test_no_hedge_beyond_the_budget(learned, rid):
 def test_an_http2_clients_request_is_hedged_as_any(learned, rid):
     """An HTTP/2 client's streams share its connection: the hedge answers on the stream, once."""
     relay, a, b = learned(rid, http2=True)
-    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=LATE_MS, chunks=A_CHUNKS)
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=LATE_MS, chunks=A_CHUNKS)
     tls = ssl.create_default_context(cafile=relay.ca_pem)
     with httpx2.Client(http2=True, verify=tls, timeout=30) as h2:
         with h2.stream("POST", f"https://127.0.0.1:{relay.port}{PATH}", json=body("single 6"),

@@ -10,6 +10,9 @@ in full, beats the cached member's by the margin (STICKY_MIN_MS, STICKY_SHARE), 
 beating the cache miss. A member with no line yet (cold) gets EXPLORE_SHARE of the
 requests that have no cache at stake, so it is learned; a member that failed moments ago is
 tried last.
+
+A request hedged at its member's bound (`hedge_to`) goes to another member only when that
+one's expected first token for it, cache miss included, beats the late member's remaining wait.
 """
 
 from __future__ import annotations
@@ -88,3 +91,34 @@ def choose(estimates: Sequence[Estimate], *, explore_draw: float, explore_share:
                                       f"{gain:.0f} ms faster, too little to leave it)")
     return done(best, "left_cache", f"lowest expected first token, {gain:.0f} ms faster than {holder.name} "
                                     "with this conversation's cache")
+
+
+@dataclass(frozen=True, slots=True)
+class Hedge:
+    to: str | None
+    """The member the late request goes to as well; None: none is expected sooner than waiting."""
+    why: str
+
+
+def remaining_ms(late: Estimate, waited_ms: float) -> float:
+    """How much longer the first token of `late`, with no head after `waited_ms`, is taken to
+    be: what its estimate leaves, and once the wait is past that (a queue its estimate did not
+    see) about as long again as it waited: a queue spike's only measure is the wait so far."""
+    return max((late.first_token_ms or 0.0) - waited_ms, waited_ms)
+
+
+def hedge_to(late: Estimate, waited_ms: float, candidates: Sequence[Estimate]) -> Hedge:
+    """Where a request whose member `late` gave no head after `waited_ms` goes as well: the
+    member of `candidates` (the others) expected to give this request's first token soonest
+    (its cache miss, round trip and queue in it), if that is sooner than `late`'s remaining
+    wait. A provider sends its head before the prefill, so the hedge's head wins the race
+    even where its first token comes later than waiting would have given it: only the
+    expected first tokens say whether a hedge is worth its second prompt."""
+    remaining = remaining_ms(late, waited_ms)
+    known = [e for e in candidates if e.first_token_ms is not None and not e.down]
+    if not known:
+        return Hedge(None, "no other member's first token is known")
+    best = min(known, key=lambda e: e.first_token_ms or 0.0)
+    expected = f"{best.name} expected {(best.first_token_ms or 0.0) / 1000:.1f} s, " \
+               f"{late.name} {remaining / 1000:.1f} s more"
+    return Hedge(best.name, expected) if (best.first_token_ms or 0.0) < remaining else Hedge(None, expected)

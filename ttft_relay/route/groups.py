@@ -29,7 +29,9 @@ prompt is paid for all the same. This is failover at a deadline: the two attempt
 
 A hedge, opt-in (`relay_upstream_hedge`, within `relay_upstream_hedge_budget`: at most that
 percent of the group's requests), takes the slow head's place: at the same bound the request
-goes to the next member as well, the first one's attempt left running (`patches.speed.hedge`);
+goes as well to the member expected to give its first token soonest (its cache miss, round trip
+and queue in it), if that beats the late member's remaining wait (`choice.hedge_to`; else the
+record's `route.not_hedged` says why not), the first one's attempt left running (`patches.speed.hedge`);
 the first head wins, the other attempt's connection is closed before any byte of it reaches
 the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
 prompt tokens). Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
@@ -174,7 +176,8 @@ class UpstreamGroups:
         loader.add_option(
             "relay_upstream_hedge", bool, False,
             "Hedge before the head: when the chosen member's response head is later than its learned bound, send "
-            "the request to the next member as well, without abandoning the first; the first head wins and the "
+            "the request as well, without abandoning the first, to the member expected to give its first token "
+            "(cache miss included) sooner than the late one's remaining wait, if any; the first head wins and the "
             "other attempt is closed before the client sees a byte of it (both prompts paid). Within "
             "relay_upstream_hedge_budget; in place of relay_upstream_slow_head.",
         )
@@ -283,8 +286,9 @@ class UpstreamGroups:
         if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
                 and not self.unsafe(flow):
             if ctx.options.relay_upstream_hedge and hedge.installed():
+                others = [e for e in estimates if e.name in picked.order[1:]]
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
-                    bound_ms / 1000, self._hedge, flow, host, chosen, bound_ms)
+                    bound_ms / 1000, self._hedge, flow, host, chosen, others, bound_ms)
             elif ctx.options.relay_upstream_slow_head:
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
                     bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
@@ -372,9 +376,11 @@ class UpstreamGroups:
         if conversation is not None and (served := self.served.get(conversation)) is not None:
             self.served[conversation] = Served(member, served.tokens, served.ts)
 
-    def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
-        """No head by the member's bound: send the request to the next member as well (within
-        the budget); the first head wins (`hedge`)."""
+    def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, others: Sequence[choice.Estimate],
+               bound_ms: float) -> None:
+        """No head by the member's bound: send the request as well (within the budget) to the
+        member `choice.hedge_to` picks from `others` (their estimates when it was chosen), if one
+        is expected sooner than waiting; the first head wins (`hedge`)."""
         self.slow.pop(flow.id, None)
         st, rest = state.get(flow), self.orders.get(flow.id)
         handler = connections.handler_of(flow.client_conn)
@@ -384,7 +390,14 @@ class UpstreamGroups:
                 or self.hedges + 1 > ctx.options.relay_upstream_hedge_budget / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
             return
-        second = next(m for m in self.groups[host] if m.name == rest[0])
+        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        target = choice.hedge_to(chosen, waited_ms, [e for e in others if e.name in rest])
+        if target.to is None:
+            st.route = {**st.route, "not_hedged": target.why}
+            logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,
+                        target.why)
+            return
+        second = next(m for m in self.groups[host] if m.name == target.to)
         request = flow.request.copy()
         aim(request, second)
         route = st.route
@@ -393,19 +406,18 @@ class UpstreamGroups:
             request = upstream_copy.outgoing(flow, request)
         finally:
             st.route = route
-        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
 
         def started(done: bool) -> None:
             if not done or (st.route or {}).get("hedged"):
                 return
             self.hedges += 1
             self.hedging[flow.id] = time.time()
-            self.orders[flow.id] = rest[1:]
+            self.orders[flow.id] = tuple(name for name in rest if name != second.name)
             assert st.route is not None
             st.route = {**st.route, "hedged": {"upstream": second.name, "from": chosen.name,
                                                "after_ms": round(waited_ms, 1), "won": None}}
-            logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well",
-                        host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name)
+            logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well (%s)",
+                        host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name, target.why)
 
         hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started)
 
