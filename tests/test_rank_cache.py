@@ -1,6 +1,7 @@
 """The cache of parsed tokenizers (`trim.rank_cache`): its format, its files, and that a
 damaged or foreign entry never changes a count."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -119,3 +120,15 @@ def test_damaged_entries_never_change_a_count(tmp_path):
         assert _counts(tokens.TokenizerLoader(rank_cache=cache)) == uncached
         assert any("stale or damaged" in note for note in cache.notes)
         assert entries[1].read_bytes() == o200k  # rewritten
+
+
+def test_a_loader_without_a_writable_cache_loads_and_says_why_at_debug_level(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger=tokens.__name__)
+    (tmp_path / "file").write_bytes(b"")
+    loader = tokens.TokenizerLoader(rank_cache=RankCache(tmp_path / "file" / "cache"))
+    loader.load()
+    loader.say()
+    assert loader.get(tokens.O200K).label == tokens.O200K and loader.ready
+    notes = [(r.levelno, r.getMessage()) for r in caplog.records if "tokenizer cache" in r.getMessage()]
+    assert [level for level, _ in notes] == [logging.DEBUG, logging.DEBUG]  # one per encoding
+    assert all("cannot write" in line for _, line in notes)
