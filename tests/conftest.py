@@ -70,6 +70,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -slow[item.path])  # stable: each module keeps its own order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def relay_cache_dir(tmp_path_factory) -> Iterator[Path]:
+    """The relay's cache (its parsed tokenizers, `trim.rank_cache`) in a temporary directory
+    for the session, for the tests and every relay they start, not in the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CACHE_DIRECTORY", raising=False)
+        mp.setenv("XDG_CACHE_HOME", str(path))
+        yield path / "ttft-relay"
+
+
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory) -> TestCerts:
     return TestCerts.create(tmp_path_factory.mktemp("certs"))

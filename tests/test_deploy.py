@@ -58,6 +58,8 @@ def test_systemd_unit_runs_the_relay_as_its_own_user_with_graceful_stop():
     assert lines["ExecStart"].startswith(f"{INSTALL_DIR}/scripts/relay ")
     assert "/var/log/ttft-relay/" in lines["ExecStart"] and lines["LogsDirectory"] == "ttft-relay"
     assert "/var/lib/ttft-relay/" in lines["ExecStart"] and lines["StateDirectory"] == "ttft-relay"
+    # where the parsed tokenizers are kept (trim/rank_cache.py reads $CACHE_DIRECTORY): writable under ProtectSystem
+    assert lines["CacheDirectory"] == "ttft-relay" and lines["CacheDirectoryMode"] == "0700"
     # SIGTERM to the supervisor only: it stops the workers itself, each finishing its flows in flight
     # within the default grace, within the unit's stop timeout.
     assert lines["KillMode"] == "mixed"

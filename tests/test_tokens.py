@@ -200,7 +200,7 @@ def test_loader_reads_o200k_from_the_tiktoken_cache(monkeypatch, tmp_path):
     path = tokens.tiktoken_cache_path()
     assert path.startswith(str(tmp_path))
     loaded = []
-    monkeypatch.setattr(tokens, "load_o200k_file", lambda p: loaded.append(p) or "o200k")
+    monkeypatch.setattr(tokens, "load_o200k_file", lambda p, cache: loaded.append(p) or "o200k")
     open(path, "wb").close()
     loader = tokens.TokenizerLoader(bundled=False)
     loader.load()

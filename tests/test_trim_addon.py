@@ -229,7 +229,7 @@ def test_the_tokenizers_loaded_before_mitmproxy_are_the_addons_and_said_once_it_
     early = tokens.loader_for(None)
     assert early.ready
     loads = []
-    monkeypatch.setattr(tokens, "load_o200k_file", lambda path: loads.append(path))
+    monkeypatch.setattr(tokens, "load_o200k_file", lambda path, cache: loads.append(path))
     caplog.set_level(logging.INFO)
     trim = Trim()
     with taddons.context(trim) as tctx:

