@@ -42,7 +42,7 @@ def send(relay, rid: str, payload: dict, key: str = FAKE_OPENAI_KEY) -> dict:
 
 @pytest.fixture
 def two_fakes() -> Iterator[tuple[FakeUpstream, FakeUpstream]]:
-    with FakeUpstream(behaviour=Behaviour(prefill_ms=20)) as a, FakeUpstream(behaviour=Behaviour(prefill_ms=50)) as b:
+    with FakeUpstream(behaviour=Behaviour(prefill_ms=20)) as a, FakeUpstream(behaviour=Behaviour(prefill_ms=90)) as b:
         yield a, b
 
 

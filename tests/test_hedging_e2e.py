@@ -23,7 +23,7 @@ A_CHUNKS, B_CHUNKS = 5, 3
 """Each fake's answer in its own number of pieces: which one the client read."""
 FROM_A, FROM_B = answer_text(A_CHUNKS), answer_text(B_CHUNKS)
 LATE_MS = 10_000
-A_PREFILL_MS, B_PREFILL_MS = 20, 60
+A_PREFILL_MS, B_PREFILL_MS = 20, 120
 """a is chosen (the quicker); b's expected first token is well within a's bound (at least
 `groups.SLOW_HEAD_MIN_MS`): a late head of a is hedged to b, expected sooner than waiting."""
 
