@@ -40,6 +40,9 @@ def test_mitmweb_shows_a_relayed_stream(plans, fake, confdir, tmp_path):
     with relay.start():
         relay.wait_for_output("Web server listening")
         relay.wait_for_output("events dispatched " + ("from hook plans" if plans else "by mitmproxy"))
+        # mitmweb listens before it loads the relay: a request sent before the relay runs is
+        # rightly `relay starting`. GcTuning's line comes from the last `running` hook.
+        relay.wait_for_output("objects of the start-up heap alone")
         streamed = b"".join(chunk.data for chunk in client.stream_post(relay.url() + "/v1/chat/completions", BODY))
         assert b"Hello" in streamed
 

@@ -224,7 +224,9 @@ def test_client_abort_is_recorded_once(fake, relay_at, rid):
     path, body = APIS["openai.chat"]
     conn, response = request("POST", relay.url() + path, body,
                              AUTH["openai.chat"] | {"x-fake-chunks": "8", "x-request-id": rid})
-    next(response.chunks())
+    chunks, read = response.chunks(), b""
+    while b'"delta":{"content":"' not in read:  # the first token, not the role chunk before it
+        read += next(chunks).data
     conn.close()
     # The relay saw the client go and let go of the upstream: the fake's reply ended so (every
     # reply ended: settling a relay the module had not started sent some before this one).
