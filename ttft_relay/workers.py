@@ -723,6 +723,7 @@ def main(argv: list[str], first: prefork.FirstWorker | None = None) -> int:
     except BaseException as e:  # StartFailed, a configuration that cannot be read (launch.CannotStart)
         if first is not None:
             first.abandon()
+            shutil.rmtree(first.metrics_dir, ignore_errors=True)  # the supervisor that would own it never ran
         if not isinstance(e, StartFailed):
             raise
         log(str(e))

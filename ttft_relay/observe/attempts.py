@@ -73,6 +73,9 @@ ATTEMPT_MAX = 0xFFFF
 """The highest attempt number kept (a record field: a number, never an unbounded one from the file)."""
 SYNC_EVERY_S = 0.2
 """How often a process reads the store again when nothing asked it to sooner."""
+PASS_GAP_S = 0.05
+"""At least this between two passes: each may rewrite the whole store, and in a provider's
+outage every record is a failure that asks for one."""
 PRUNE_EVERY_S = 60.0
 """How often the groups no retry can join any more are dropped from the store."""
 LEGACY_FILE = ".ttft-relay.attempts"
@@ -258,6 +261,7 @@ class AttemptGroups:
                 if not self._failed:
                     logger.exception("attempt groups: the store not read or written")
                 self._failed = True
+            await asyncio.sleep(PASS_GAP_S)
 
     async def sync(self) -> None:
         """Write the groups changed here and read the others' (the file work in a thread);

@@ -34,7 +34,8 @@ and queue in it), if that beats the late member's remaining wait (`choice.hedge_
 record's `route.not_hedged` says why not), the first one's attempt left running (`patches.speed.hedge`);
 the first head wins, the other attempt's connection is closed before any byte of it reaches
 the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
-prompt tokens). Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
+prompt tokens); a losing attempt on an HTTP/2 connection is left to finish (closing the
+connection would end its other streams), so its answer is paid too. Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
 methods and paths), which is neither hedged, nor given up on at its slow head, nor failed over
 once it went (only a connect that failed, when nothing of it left the relay, sends it on).
 """
@@ -178,7 +179,7 @@ class UpstreamGroups:
             "Hedge before the head: when the chosen member's response head is later than its learned bound, send "
             "the request as well, without abandoning the first, to the member expected to give its first token "
             "(cache miss included) sooner than the late one's remaining wait, if any; the first head wins and the "
-            "other attempt is closed before the client sees a byte of it (both prompts paid). Within "
+            "other attempt is closed before the client sees a byte of it (both prompts paid; a whole answer where the loser is on HTTP/2). Within "
             "relay_upstream_hedge_budget; in place of relay_upstream_slow_head.",
         )
         loader.add_option(
@@ -331,6 +332,7 @@ class UpstreamGroups:
         self._no_slow_head(flow)
         self.giving_up.pop(flow.id, None)
         self.hedging.pop(flow.id, None)
+        hedge.forget(flow)
         self.conversation_of.pop(flow.id, None)
         found = self.by_upstream.get(rec.upstream)
         if (found is None or rec.error or rec.client_aborted or found not in self.members
@@ -355,7 +357,10 @@ class UpstreamGroups:
         """No head by the member's bound: close its connection (within the budget); the close
         fails the request over (`_fail_over_before_head`)."""
         self.slow.pop(flow.id, None)
+        st = state.get(flow)
         if (not flow.live or flow.response is not None or not self.orders.get(flow.id)
+                or st is None or st.route is None
+                or st.route.get("upstream") != chosen.name  # failed over since: the bound was the first member's
                 or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
             return
@@ -385,6 +390,7 @@ class UpstreamGroups:
         st, rest = state.get(flow), self.orders.get(flow.id)
         handler = connections.handler_of(flow.client_conn)
         if (st is None or st.route is None or not rest or handler is None or not flow.live
+                or st.route.get("upstream") != chosen.name  # failed over since: the bound was the first member's
                 or flow.response is not None or flow.error is not None
                 or flow.request.stream or flow.request.raw_content is None or "upgrade" in flow.request.headers
                 or self.hedges + 1 > ctx.options.relay_upstream_hedge_budget / 100 * self.routed
@@ -397,7 +403,8 @@ class UpstreamGroups:
             logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,
                         target.why)
             return
-        second = next(m for m in self.groups[host] if m.name == target.to)
+        if (second := next((m for m in self.groups.get(host, ()) if m.name == target.to), None)) is None:
+            return  # the group changed since the request was routed
         request = flow.request.copy()
         aim(request, second)
         route = st.route
@@ -432,9 +439,12 @@ class UpstreamGroups:
         st.route = {**st.route, "upstream": hedged["upstream"], "hedged": {**hedged, "won": hedged["upstream"],
                                                                            "head_ms": round(head_ms, 1)}}
         # The marks stay the first attempt's: the wait from its request to this head is the upstream side's.
-        aim(flow.request, next(m for m in self.groups[host] if m.name == hedged["upstream"]))
+        # In the layer: the group may have changed since (relay_upstream_groups), and nothing may raise here.
+        if (second := next((m for m in self.groups.get(host, ()) if m.name == hedged["upstream"]), None)) is not None:
+            aim(flow.request, second)
         self._served_by(flow, hedged["upstream"])
-        learned = self.members[(host, first.name)]
+        if (learned := self.members.get((host, first.name))) is None:
+            return
         waited_ms = (now - flow.request.timestamp_start) * 1000
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (first.first_token_ms or 0.0))
         learned.queue_at = now
@@ -504,12 +514,14 @@ class UpstreamGroups:
         if st is None or st.route is None or found is None or not (hedged := st.route.get("hedged")):
             return
         host, group = found
-        self.members[(host, hedged["from"])].down_until = time.time() + DOWN_S
+        if (first := self.members.get((host, hedged["from"]))) is not None:  # the group may have changed since
+            first.down_until = time.time() + DOWN_S
         after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
         st.route = {**st.route, "upstream": hedged["upstream"],
                     "failed_over": [*st.route.get("failed_over", ()), {"upstream": hedged["from"], "error": why,
                                                                         "cause": "connection", "after_ms": after_ms}]}
-        aim(flow.request, next(m for m in group if m.name == hedged["upstream"]))
+        if (second := next((m for m in group if m.name == hedged["upstream"]), None)) is not None:
+            aim(flow.request, second)
         self._served_by(flow, hedged["upstream"])
 
     def _fail_over_slow_head(self, stream: HttpStream, event: object) -> layer.CommandGenerator[None] | None:

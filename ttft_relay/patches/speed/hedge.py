@@ -134,6 +134,7 @@ class _Second:
             return self.stream.handle_event(event)
         if isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
             self.http.streams.pop(self.id, None)  # its last event: the connection may serve the next request
+            _racing.pop(self.stream.flow, None)  # it holds the flow: a weak key alone would never go
         return self.stream.handle_event(dataclasses.replace(event, stream_id=self.stream.stream_id))  # type: ignore[type-var]
 
     def _connected(self, event: GetHttpConnectionCompleted) -> layer.CommandGenerator[None]:
@@ -176,6 +177,7 @@ class _Second:
             return
         self.state = "lost"
         self.http.streams.pop(self.id, None)
+        _racing.pop(self.stream.flow, None)
         if self.server is not None and self.server.alpn != b"h2":
             self.http.connections[self.server] = _Sink()  # type: ignore[assignment]
             connections.close(self.http.context.client, self.server)
@@ -234,6 +236,12 @@ def lose_second(flow: http.HTTPFlow) -> None:
     nothing of it reaches the client."""
     if (second := _racing.get(flow)) is not None:
         second.lose()
+
+
+def forget(flow: http.HTTPFlow) -> None:
+    """From the flow's record: whatever became of its second attempt, the flow is no longer
+    kept for it (the `_Second` holds its flow, so the weak key alone would keep it for good)."""
+    _racing.pop(flow, None)
 
 
 def first_failed(flow: http.HTTPFlow) -> bool:
