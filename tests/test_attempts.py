@@ -15,9 +15,10 @@ from mitmproxy import http
 from mitmproxy.test import tflow
 
 from tests.test_observe import attempt_record
-from ttft_relay import store
+from ttft_relay import apis, state, store
 from ttft_relay.flows import client_key, note_client_key
 from ttft_relay.observe import attempts
+from ttft_relay.timing import record
 
 ACCESS_KEY = "sk-relay-test-key"
 OLD_SLOT = struct.Struct(">B16sHddB")
@@ -171,3 +172,51 @@ def test_a_slot_of_the_previous_table_reads_back_and_a_torn_slot_reads_as_empty(
     torn = data[:40] + bytes(8) + data[48:]
     assert torn == data or attempts.decode_slot(torn) is None
     assert attempts.decode_slot(bytes(attempts.SLOT_SIZE)) is None
+
+
+def test_a_record_waits_for_the_read_its_requests_head_asked_for(tmp_path):
+    # Another process saw the request fail; its retry here is answered before the pass its head
+    # asked for has read the store. Its record waits for that pass, and finds the group.
+    path = tmp_path / store.FILE_NAME
+    one, other = process_on(path), process_on(path)
+    now = time.time()
+    one.observe(attempt_record("a1", now - 10, cut=True, total_ms=2_000), request_flow())
+    one._sync(one.shared)
+
+    async def retried_here() -> tuple[bool, record.Learned]:
+        reads = asyncio.Event()
+        sync = other.sync
+
+        async def held_sync() -> None:
+            await reads.wait()  # the read is slower than the upstream's answer
+            await sync()
+
+        other.sync = held_sync  # type: ignore[method-assign]
+        await other.running()
+        try:
+            flow = request_flow()
+            state.attach(flow, state.FlowState(api=apis.get(apis.OPENAI_CHAT)))
+            other.requestheaders(flow)
+            waiting = other.pending(flow)
+            assert waiting is not None
+            waits = asyncio.ensure_future(waiting)
+            await asyncio.sleep(0)
+            was_waiting = not waits.done()
+            reads.set()
+            await asyncio.wait_for(waits, 5)
+            assert other.pending(flow) is None  # asked once per request
+            return was_waiting, other.observe(attempt_record("b1", now - 5, cut=False, total_ms=100), flow)
+        finally:
+            other.done()
+
+    was_waiting, retry = asyncio.run(retried_here())
+    assert was_waiting
+    assert (retry.attempt_group, retry.attempt) == ("a1", 2)
+
+
+def test_a_request_without_the_stores_syncer_does_not_wait():
+    groups = attempts.AttemptGroups()  # no timing log: no store to read
+    flow = request_flow()
+    state.attach(flow, state.FlowState(api=apis.get(apis.OPENAI_CHAT)))
+    groups.requestheaders(flow)
+    assert groups.pending(flow) is None

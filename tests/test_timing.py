@@ -282,6 +282,9 @@ def test_observers_say_what_they_learned_and_every_sink_gets_one_frozen_record_j
         def __init__(self, learned):
             self.learned = learned
 
+        def pending(self, flow):
+            return None
+
         def observe(self, rec, flow):
             seen.append((rec.verdict, state.get(flow).request_json))
             return self.learned

@@ -24,8 +24,9 @@ timing log), one entry per request key, so a retry that reaches another worker o
 `--workers N` (a new connection may) or a restarted relay joins its group. A record is
 grouped on the event loop against the entries in memory; the file is read and written in a
 thread (`AttemptGroups.sync`): at once when a group opens, moves on or closes, when a
-request's head arrives (by the time that request's record is judged, the store has been
-read again: a retry on another worker finds its group) and every SYNC_EVERY_S. Entries a
+request's head arrives and every SYNC_EVERY_S. A request's record waits for the pass its
+head asked for (`AttemptGroups.pending`; an answer quicker than a read of the file is the
+only one that waits): a retry on another worker finds its group. Entries a
 retry can no longer join are dropped. The previous version's table
 (`.ttft-relay.attempts`) is read into the store once and no longer written.
 
@@ -42,7 +43,9 @@ import logging
 import re
 import struct
 import time
+import weakref
 import zlib
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,6 +222,11 @@ class AttemptGroups:
         self.wanted = asyncio.Event()
         """Set when the store should be read (and this process's changes written) now."""
         self.syncer: asyncio.Task | None = None
+        self.passes_started = 0
+        self.passes_done = 0
+        self.pass_done = asyncio.Condition()
+        self.needs_pass: weakref.WeakKeyDictionary[http.HTTPFlow, int] = weakref.WeakKeyDictionary()
+        """The pass each request in flight waits for: the first to start after its head."""
         self._prune_at = 0.0
         self._failed = False
 
@@ -246,6 +254,19 @@ class AttemptGroups:
             # Read the store while the request runs: if it retries an attempt another
             # process saw fail, its record finds the group.
             self.wanted.set()
+            if self.syncer is not None:
+                self.needs_pass[flow] = self.passes_started + 1
+
+    def pending(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """The pass the request's head asked for, if it has not ended yet."""
+        needed = self.needs_pass.pop(flow, None)
+        if needed is None or self.passes_done >= needed or self.syncer is None:
+            return None
+        return self._passed(needed)
+
+    async def _passed(self, needed: int) -> None:
+        async with self.pass_done:
+            await self.pass_done.wait_for(lambda: self.passes_done >= needed)
 
     async def _keep_syncing(self) -> None:
         while True:
@@ -255,12 +276,16 @@ class AttemptGroups:
             except TimeoutError:
                 pass
             self.wanted.clear()
+            self.passes_started += 1
             try:
                 await self.sync()
             except Exception:  # said once; the next pass tries again, groups are grouped meanwhile
                 if not self._failed:
                     logger.exception("attempt groups: the store not read or written")
                 self._failed = True
+            async with self.pass_done:
+                self.passes_done = self.passes_started
+                self.pass_done.notify_all()
             await asyncio.sleep(PASS_GAP_S)
 
     async def sync(self) -> None:

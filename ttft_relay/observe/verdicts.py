@@ -151,6 +151,10 @@ class Verdicts:
         if (line := prefill.line_of(value)) is not None:
             self.rates.take(key, *line)
 
+    def pending(self, flow: http.HTTPFlow) -> None:
+        """Nothing: the lines and windows are this process's and the store's as last read."""
+        return None
+
     def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned:
         if rec.error or rec.client_aborted:
             return record.NOTHING_LEARNED  # its verdict is where it failed, whatever was learned

@@ -29,7 +29,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +57,10 @@ class Observer(Protocol):
 
     def observe(self, rec: record.Record, flow: http.HTTPFlow) -> record.Learned: ...
 
+    def pending(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """What the observer still waits for before it can observe the flow's record (a read
+        of what other processes learned, started while the request ran), or None: ready."""
+
 
 @dataclass
 class TimingRecordHook(hooks.Hook):
@@ -72,6 +76,9 @@ DEFAULT_LOG = (_CHECKOUT if (_CHECKOUT / "mitm.conf").exists() else Path.cwd()) 
 """In a checkout its logs/ folder; for an installed package logs/ in the working directory."""
 METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
+OBSERVERS_WAIT_S = 0.5
+"""The longest a record waits for its observers (`Observer.pending`): a store that slow to read
+is a sick disk, and the record goes out without what it would have said."""
 """mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
 ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
 SHUTDOWN_ERROR = phases.RELAY_SHUTTING_DOWN
@@ -240,11 +247,11 @@ class Timing:
             if value:
                 flow.response.headers["server-timing"] = value
 
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._finish(flow)
+    def response(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        return self._finish_when_observable(flow)
 
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._finish(flow)
+    def error(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        return self._finish_when_observable(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)  # a failed CONNECT that faults.FailedConnects took in
@@ -311,6 +318,24 @@ class Timing:
                 if (t := getattr(w, name)) is not None:
                     marks.setdefault(name, t)
         return marks
+
+    def _finish_when_observable(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
+        """Finish the flow now, or, when an observer still waits for what its record needs
+        (`Observer.pending`: an answer quicker than a read of the store), once it has it,
+        at most OBSERVERS_WAIT_S later. mitmproxy awaits what a hook returns."""
+        waits = [w for observer in self.observers if (w := observer.pending(flow)) is not None]
+        if not waits:
+            self._finish(flow)
+            return None
+        return self._finish_after(flow, waits)
+
+    async def _finish_after(self, flow: http.HTTPFlow, waits: list[Awaitable[None]]) -> None:
+        try:
+            async with asyncio.timeout(OBSERVERS_WAIT_S):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            logger.debug("flow %s recorded before its observers were ready", flow.id)
+        self._finish(flow)  # (a stop meanwhile recorded it already: then nothing)
 
     def _finish(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
