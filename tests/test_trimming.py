@@ -546,32 +546,6 @@ def test_a_turns_refusal_and_completion_are_read_from_its_events():
 # --- shrinking newest first (relay_trim_shrink_order=newest) ---------------------------------
 
 
-def agent_loop(api: str, rounds: int) -> list[dict]:
-    """Each request of one prompt's agent loop as the real CLIs send it through the fake upstream
-    (tests/test_trim_clients_e2e.py): a short answer with one call per round, a result of 40 lines."""
-    system, tools = shaped.words(1500, 1), [{"name": f"Tool{i}", "description": shaped.words(300, 2 + i)} for i in range(16)]
-    if api == ANTHROPIC:
-        body: dict = {"model": "claude-opus-4-6", "system": system, "tools": tools,
-                      "messages": [{"role": "user", "content": "Read the files one by one."}]}
-    else:
-        body = {"model": "gpt-5", "instructions": system, "tools": tools,
-                "input": [{"type": "message", "role": "user", "content": "Read the files one by one."}]}
-    items, requests = shaped.items_of(api, body), []
-    for n in range(rounds + 1):
-        requests.append(orjson.loads(orjson.dumps(body)))
-        result = "\n".join(f"{i} " + shaped.words(8, n * 1000 + i) for i in range(40))
-        if api == ANTHROPIC:
-            items.append({"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "Reading on.", "signature": "c2lnbmF0dXJl"},
-                {"type": "tool_use", "id": f"toolu_{n}", "name": "Read", "input": {"file_path": f"f{n}.txt"}}]})
-            items.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": result}]})
-        else:
-            items.append({"type": "function_call", "call_id": f"call_{n}", "name": "exec_command",
-                          "arguments": orjson.dumps({"cmd": f"cat f{n}.txt"}).decode()})
-            items.append({"type": "function_call_output", "call_id": f"call_{n}", "output": result})
-    return requests
-
-
 @pytest.mark.parametrize("api", [ANTHROPIC, RESPONSES])
 def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
     # The real CLIs' agent loop of 80 rounds over a budget (the e2e test's, in process). Oldest
@@ -580,7 +554,7 @@ def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
     shares = {}
     for order in ORDERS:
         plans, previous, whole, trimmed = policy.PlanCache(), None, [], 0
-        for body in agent_loop(api, 80):
+        for body in shaped.agent_loop(api, 80):
             result = check(api, body, Budget(36_000, "user"), FakeCounter(), plans, order)
             sent = result.body if result.body is not None else body
             trimmed += result.stats["trimmed"]
@@ -599,7 +573,7 @@ def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
 def test_newest_first_keeps_its_shrunk_ranges_few():
     # A plan of MOST_SHRUNK_SPANS ranges (a new cut that does not reach back to the last one's
     # adds one): the next cut shrinks the oldest gap too rather than keep one more range.
-    requests = agent_loop(ANTHROPIC, 120)
+    requests = shaped.agent_loop(ANTHROPIC, 120)
     plans, budget = policy.PlanCache(), Budget(36_000, "user")
     at = next(n for n, body in enumerate(requests)
               if check(ANTHROPIC, body, budget, FakeCounter(), plans, policy.NEWEST).stats["trimmed"])

@@ -155,7 +155,8 @@ class Trim:
             read last, but the prompt changes early and the provider's prompt cache misses
             most of it at each new cut. "newest": from the newest old ones back (the newest
             round stays whole), so the cached prompt stays a prefix and a new cut costs
-            little cache, but the model loses what it read last.
+            little cache, but the model loses what it read last (docs/trimming.md,
+            "Shrinking newest first").
             """,
             choices=policy.SHRINK_ORDERS,
         )
