@@ -221,16 +221,10 @@ def socket_prompts(socket) -> list[tuple[dict, int]]:
 
 @pytest.mark.parametrize("order", policy.SHRINK_ORDERS)
 @pytest.mark.parametrize("cli", ["claude", "codex", "codex-ws"])
-def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli, order,
-                                                             request):
+def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli, order):
     # 80 tool rounds of ~700 tokens each over a 40k budget: about half the session is trimmed.
     # Each request, as the provider reads it, shares its whole prompt (system, tools, then the
     # items) with the one before it: what the provider's prompt cache hits.
-    if cli == "codex-ws" and order == policy.NEWEST:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "mitmproxy's Fragmentizer re-frames a changed WebSocket text message in 4000-byte pieces, each decoded "
-            "with errors='replace': a character split between two pieces goes upstream as U+FFFD, so the first "
-            "trimmed turn differs from the continuation before it long before the results it shrank (share 0.62)")))
     budget = 40_000
     api = shaped.ANTHROPIC if cli == "claude" else shaped.RESPONSES
     with FakeUpstream(behaviour=Behaviour()) as fake:
@@ -263,6 +257,8 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
                f"at the {len(cuts)} new cuts: {', '.join(f'{c:.3f}' for c in cuts)}")
     print(summary)
     assert len(shares) > 30 and all(r["trim"]["tokens_after"] <= budget for r in recs), summary
+    # The text as the CLI wrote it, a trimmed WebSocket turn too (re-framed: fixes/websocket_text.py).
+    assert "\ufffd" not in orjson.dumps(sent).decode()
     assert statistics.mean(shares) >= SHARE_GOAL, summary
     assert statistics.median(whole) >= SHARE_GOAL and min(kept, default=0.0) >= SHARE_GOAL, summary
     first_result = next(orjson.dumps(i) for i in shaped.items_of(api, sent[-1]) if any(SHAPES[api].results(i)))

@@ -50,7 +50,7 @@ from mitmproxy.websocket import WebSocketMessage
 
 from .. import state, store
 from ..patches import pins
-from ..patches.fixes import resend
+from ..patches.fixes import resend, websocket_text
 from ..apis.api import Api, TooLong, Windows
 from ..flows import client_key, upstream_name
 from . import plans, policy, tokens, turns, windows
@@ -211,11 +211,15 @@ class Trim:
             self.tokenizers.say()
             if pins.on(resend):
                 resend.install(by="trim")
+            if pins.on(websocket_text):
+                websocket_text.install()
         else:
             resend.uninstall(by="trim")
+            websocket_text.uninstall()
 
     def done(self) -> None:
         resend.uninstall(by="trim")
+        websocket_text.uninstall()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
     async def request(self, flow: http.HTTPFlow) -> None:
