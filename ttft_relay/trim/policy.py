@@ -238,9 +238,9 @@ class Plan:
     """What to leave out of one conversation, in item indexes (stable as it grows)."""
 
     shrunk: Spans
-    """Items in these ranges (and from `cut` on) are shrunk: with the order `oldest` one
-    range from the head, with `newest` a range per new cut that did not reach the one
-    before (at most `MOST_SHRUNK_SPANS`)."""
+    """The items in these ranges are sent shrunk: oldest first one range from the cut on,
+    newest first a range per new cut that did not reach back to the one before (at most
+    `MOST_SHRUNK_SPANS`)."""
     cut: int
     """Items from the head up to here are dropped (except pinned ones); head_end: none."""
     anchor: bytes
