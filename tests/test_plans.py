@@ -67,15 +67,15 @@ def test_the_store_stays_bounded_and_keeps_the_plans_used_last(tmp_path):
     path = tmp_path / store.FILE_NAME
     kept = plans.KeptPlans(path, maxsize=50)
     for n in range(2_000):
-        kept.put(n.to_bytes(16, "big"), policy.Plan(n, n + 1, b"\x01" * 16))
+        kept.put(n.to_bytes(16, "big"), policy.Plan(((0, n),) if n else (), n + 1, b"\x01" * 16))
         if n % 10 == 9:
             kept.get((0).to_bytes(16, "big"))  # a conversation still going on
             kept.save()
     assert len(path.read_bytes().splitlines()) == 50
     fresh = plans.KeptPlans(path, maxsize=50)
     fresh.refresh()
-    assert fresh.get((1999).to_bytes(16, "big")) == policy.Plan(1999, 2000, b"\x01" * 16)
-    assert fresh.get((0).to_bytes(16, "big")) == policy.Plan(0, 1, b"\x01" * 16)
+    assert fresh.get((1999).to_bytes(16, "big")) == policy.Plan(((0, 1999),), 2000, b"\x01" * 16)
+    assert fresh.get((0).to_bytes(16, "big")) == policy.Plan((), 1, b"\x01" * 16)
     assert len(fresh) == 50
 
 
@@ -84,11 +84,14 @@ def test_entries_it_did_not_write_are_skipped(tmp_path):
     good = store.Entry("plan", "00" * 16, [1, 2, "ab" * 16, 0], 1.0)
     bad = [dataclasses.replace(good, value=value) for value in ([1, -2, "ab", 0], [True, 2, "ab", 0], [1, 2, "zz", 0],
                                                                    [1, 2, "ab"], {"cut": 1})]
+    # Shrunk ranges that are not ascending and apart, or too many of them.
+    bad += [dataclasses.replace(good, value=[spans, 2, "ab" * 16, 0]) for spans in (
+        [[3, 3]], [[4, 2]], [[0, 4], [3, 6]], [[0, True]], [[0, 1, 2]], [[i, i + 1] for i in range(0, 66, 2)])]
     bad.append(dataclasses.replace(good, key="zz"))
     path.write_bytes(b"".join(e.encode() + b"\n" for e in [*bad, good]) + b"not json\n" + b"x" * 10_000 + b"\n")
     kept = plans.KeptPlans(path)
     kept.refresh()
-    assert len(kept) == 1 and kept.get(bytes(16)) == policy.Plan(1, 2, bytes.fromhex("ab" * 16), 0)
+    assert len(kept) == 1 and kept.get(bytes(16)) == policy.Plan(((0, 1),), 2, bytes.fromhex("ab" * 16), 0)
 
 
 def test_the_previous_versions_file_is_read_once(tmp_path):
@@ -97,4 +100,15 @@ def test_the_previous_versions_file_is_read_once(tmp_path):
     (tmp_path / plans.LEGACY_FILE).write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines) + b"torn")
     kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
     kept.refresh()
-    assert len(kept) == 2 and kept.get(bytes(16)) == policy.Plan(1, 3, bytes.fromhex("ab" * 16), 0)
+    assert len(kept) == 2 and kept.get(bytes(16)) == policy.Plan(((0, 1),), 3, bytes.fromhex("ab" * 16), 0)
+
+
+def test_a_plan_of_shrunk_ranges_is_kept_as_it_was_made(tmp_path):
+    # Newest first (relay_trim_shrink_order=newest) a plan shrinks ranges of items, not all before one.
+    plan = policy.Plan(((3, 9), (14, 20)), 2, b"\x02" * 16)
+    kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
+    kept.put(bytes(16), plan)
+    kept.save()
+    fresh = plans.KeptPlans(tmp_path / store.FILE_NAME)
+    fresh.refresh()
+    assert fresh.get(bytes(16)) == plan

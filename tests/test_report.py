@@ -145,7 +145,7 @@ def test_what_the_store_beside_the_log_holds_is_said(tmp_path):
     kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
     for n, by in enumerate(("ab12", "cd34", "cd34")):
         kept.by = by
-        kept.put(bytes([n]) * 16, policy.Plan(1, 2, bytes(16)))
+        kept.put(bytes([n]) * 16, policy.Plan(((0, 1),), 2, bytes(16)))
     kept.save()
     line = prefill.Line("api.example.com")
     for t in range(3):

@@ -67,7 +67,7 @@ def test_every_patched_function_is_pinned_by_its_own_module(module):
 
 def test_the_relay_does_without_only_the_fixes_that_say_what_then_happens():
     without = {name(m) for m in patches.FIXES if getattr(m, "WITHOUT", None) is not None}
-    assert without == {"stream_resets", "resend", "ca_at_start", "happy_eyeballs"}
+    assert without == {"stream_resets", "resend", "ca_at_start", "happy_eyeballs", "websocket_text"}
     assert not without & set(SECURITY)
     assert not [name(m) for m in (*patches.SPEED, *patches.READS) if hasattr(m, "WITHOUT")]
 
@@ -104,6 +104,7 @@ def test_uninstall_all_gives_mitmproxy_its_code_back():
     patches.upstream_pool.install(object())  # type: ignore[arg-type]
     patches.websocket_limits.install(patches.websocket_limits.Bounds())
     patches.websocket_frames.install()
+    patches.websocket_text.install()
     patches.answer_on_head.answer_now(tflow.tflow(), http.Response.make(503))
     try:
         assert sorted(patches.patched()) == sorted(f"{o.__name__}.{a}" for o, a in patches.originals())

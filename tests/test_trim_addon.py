@@ -136,6 +136,35 @@ def test_bad_context_windows_option(addon, tctx):
         tctx.configure(addon, relay_context_windows=["gpt-4o"])
 
 
+def agent_loop(rounds: int) -> dict:
+    """One question, then `rounds` tool calls and their results: nothing to drop, only to shrink."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Search on."}]
+    for t in range(rounds):
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{t}", "type": "function", "function": {"name": "search", "arguments": '{"q": "relays"}'}}]},  # fmt: skip
+            {"role": "tool", "tool_call_id": f"call_{t}", "content": f"Result {t}: " + "relays forward traffic " * 20},
+        ]
+    return {"model": "gpt-4o", "stream": True, "messages": messages}
+
+
+@pytest.mark.parametrize("order", policy.SHRINK_ORDERS)
+def test_shrink_order_option(addon, tctx, order):
+    tctx.configure(addon, relay_trim_shrink_order=order, relay_trim_max_tokens=3000)
+    flow, st = make_flow(orjson.dumps(agent_loop(30)))
+    run(addon.request(flow))
+    results = [m["content"] for m in sent_messages(flow) if m["role"] == "tool"]
+    assert st.trim["trimmed"] and st.trim["dropped_messages"] == 0 and len(results) == 30
+    shrunk = ["[ttft-relay: tool result removed" in r for r in results]
+    assert not shrunk[-1] and 0 < sum(shrunk) == st.trim["shrunk_messages"] < 29  # the calls' arguments are short
+    # Oldest first the model keeps what it read last; newest first, what it read first.
+    assert shrunk[0] == (order == policy.OLDEST) and shrunk[-2] == (order == policy.NEWEST)
+
+
+def test_bad_shrink_order_option(addon, tctx):
+    with pytest.raises(exceptions.OptionsError, match="relay_trim_shrink_order: 'newer' is not one of oldest, newest"):
+        tctx.configure(addon, relay_trim_shrink_order="newer")
+
+
 def test_notice_option(addon, tctx):
     tctx.configure(addon, relay_trim_notice=True)
     flow, st = make_flow(orjson.dumps(conversation()))

@@ -21,8 +21,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ttft_relay import store
-from ttft_relay.trim import windows
+from ttft_relay import apis, store
+from ttft_relay.trim import policy, windows
 from ttft_relay.testing import shaped
 from tests.agent_clis import AgentSandbox, Clis, CliRun, claude_print, claude_result, codex_exec
 from tests.conftest import reverse_to
@@ -43,6 +43,10 @@ NEW_GPT = "gpt-5.5"
 """A model the Codex CLI knows (its own window: 272k) and the relay's table does not."""
 CODEX_CONTEXT_FULL = "Codex ran out of room in the model's context window"
 SHARE_GOAL = 0.90
+CUT_SHARE_GOAL = 0.80
+"""Shrinking the newest old results first: the least whole-prompt share of any request."""
+SHRUNK = b"[ttft-relay: tool result removed"
+SHAPES = {api: shape for api in (shaped.ANTHROPIC, shaped.RESPONSES) if (shape := apis.get(api).trim_shape)}
 
 
 def write_files(sandbox: AgentSandbox, rounds: int, lines: int) -> None:
@@ -215,15 +219,16 @@ def socket_prompts(socket) -> list[tuple[dict, int]]:
     return prompts
 
 
+@pytest.mark.parametrize("order", policy.SHRINK_ORDERS)
 @pytest.mark.parametrize("cli", ["claude", "codex", "codex-ws"])
-def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli):
+def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli, order):
     # 80 tool rounds of ~700 tokens each over a 40k budget: about half the session is trimmed.
     # Each request, as the provider reads it, shares its whole prompt (system, tools, then the
     # items) with the one before it: what the provider's prompt cache hits.
     budget = 40_000
     api = shaped.ANTHROPIC if cli == "claude" else shaped.RESPONSES
     with FakeUpstream(behaviour=Behaviour()) as fake:
-        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget)
+        relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget, relay_trim_shrink_order=order)
         if cli == "codex-ws":
             sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=80, lines=40, model="gpt-test",
                                     websockets=True)
@@ -246,17 +251,27 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
     whole = [shaped.whole_prompt_share(api, previous, body) for previous, body in zip(sent, sent[1:])]
     kept = [share for share, trim in zip(whole, trims[1:]) if trim["plan"] == "kept"]
     cuts = sorted(share for share, trim in zip(whole, trims[1:]) if trim["plan"] == "new")
-    summary = (f"{cli}: {len(shares)} of {len(sent)} requests trimmed, items' prefix share of the trimmed mean "
+    summary = (f"{cli}, {order} first: {len(shares)} of {len(sent)} requests trimmed, items' prefix share of the trimmed mean "
                f"{statistics.mean(shares):.3f}, min {min(shares):.3f}; whole prompt, every request after the first: "
                f"median {statistics.median(whole):.3f}, min {min(whole):.3f}; with the cut kept: min {min(kept, default=0.0):.3f}; "
                f"at the {len(cuts)} new cuts: {', '.join(f'{c:.3f}' for c in cuts)}")
     print(summary)
     assert len(shares) > 30 and all(r["trim"]["tokens_after"] <= budget for r in recs), summary
+    # The text as the CLI wrote it, a trimmed WebSocket turn too (re-framed: fixes/websocket_text.py).
+    assert "\ufffd" not in orjson.dumps(sent).decode()
     assert statistics.mean(shares) >= SHARE_GOAL, summary
-    # Only a new cut (here where shrinking reaches further) misses the prompt cache: it changes
-    # the oldest result still whole, and every one after it.
     assert statistics.median(whole) >= SHARE_GOAL and min(kept, default=0.0) >= SHARE_GOAL, summary
-    assert len(cuts) <= len(shares) / 10, summary
+    first_result = next(orjson.dumps(i) for i in shaped.items_of(api, sent[-1]) if any(SHAPES[api].results(i)))
+    if order == policy.OLDEST:
+        # Only a new cut (here where shrinking reaches further) misses the prompt cache: it changes
+        # the oldest result still whole, and every one after it. New cuts are rare.
+        assert len(cuts) <= len(shares) / 10, summary
+        assert SHRUNK in first_result  # the model lost what it read first
+    else:
+        # A new cut changes the newest old results it shrinks, and what follows them: shallow
+        # cuts, more often, each keeping most of the prompt the provider cached.
+        assert min(whole) >= CUT_SHARE_GOAL, summary
+        assert SHRUNK not in first_result  # the model lost what it read last
 
 
 # --- over budget: the newest turn alone is too long ------------------------------------------------

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import statistics
 from typing import Any
 
 import orjson
@@ -19,6 +21,7 @@ from ttft_relay.testing import shaped
 
 CHAT, RESPONSES, ANTHROPIC = apis.OPENAI_CHAT, apis.OPENAI_RESPONSES, apis.ANTHROPIC_MESSAGES
 APIS = [CHAT, RESPONSES, ANTHROPIC]
+ORDERS = policy.SHRINK_ORDERS
 
 
 class FakeCounter:
@@ -60,10 +63,10 @@ def head(api: str, body: dict) -> list:
     return items[: policy.layout(items, apis.get(api).trim_shape).head_end]
 
 
-def check(api: str, body: dict, budget: Budget, counter, plans=None) -> policy.TrimResult:
-    """Trim `body` and check every promise the policy makes."""
+def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str = policy.OLDEST) -> policy.TrimResult:
+    """Trim `body` (shrinking in `order`) and check every promise the policy makes."""
     before = orjson.dumps(body)
-    result = policy.trim(body, apis.get(api), budget, counter, plans=plans)
+    result = policy.trim(body, apis.get(api), budget, counter, plans=plans, order=order)
     assert orjson.dumps(body) == before, "the input must not be modified"
     stats = result.stats
     if result.body is None:
@@ -114,16 +117,18 @@ def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: d
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_long_agent_session_is_trimmed_not_refused(api, claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_long_agent_session_is_trimmed_not_refused(api, claude_counter, order):
     body = shaped.Session(api, turns=20).last()
-    result = check(api, body, Budget(30_000, "user"), claude_counter)
+    result = check(api, body, Budget(30_000, "user"), claude_counter, order=order)
     assert result.stats["trimmed"] and result.stats["reason"] is None
     assert result.stats["shrunk_messages"] > 0
 
 
-def test_claude_code_session_keeps_its_opening_context_and_system_messages(claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_claude_code_session_keeps_its_opening_context_and_system_messages(claude_counter, order):
     body = shaped.Session(ANTHROPIC, turns=20).last()
-    result = check(ANTHROPIC, body, Budget(30_000, "user"), claude_counter)
+    result = check(ANTHROPIC, body, Budget(30_000, "user"), claude_counter, order=order)
     sent = result.body["messages"]
     assert sent[0]["content"][0]["text"].startswith("<system-reminder>") and "claudeMd" in sent[0]["content"][0]["text"]
     assert sent[1]["role"] == "system"
@@ -137,9 +142,10 @@ def test_claude_code_session_keeps_its_opening_context_and_system_messages(claud
     assert any(b["type"] == "thinking" for b in kept_blocks)
 
 
-def test_codex_session_keeps_developer_and_environment_context(claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_codex_session_keeps_developer_and_environment_context(claude_counter, order):
     body = shaped.Session(RESPONSES, turns=20).last()
-    result = check(RESPONSES, body, Budget(30_000, "user"), claude_counter)
+    result = check(RESPONSES, body, Budget(30_000, "user"), claude_counter, order=order)
     sent = result.body["input"]
     assert [i["role"] for i in sent[:4]] == ["developer", "user", "user", "user"]
     contexts = [i for i in body["input"] if i.get("role") == "user" and "<environment_context>" in str(i["content"])]
@@ -256,11 +262,12 @@ def test_newest_turn_alone_over_budget_is_untouched():
     assert result.body is None and result.stats["over_budget"] and result.stats["reason"] == "over_budget"
 
 
-def test_an_agent_loop_over_budget_drops_its_oldest_rounds_not_the_budget(claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_agent_loop_over_budget_drops_its_oldest_rounds_not_the_budget(claude_counter, order):
     # One prompt, then 40 tool rounds: with every old result shrunk it is still over 20k, so
     # the turn's oldest rounds go (it used to go out whole: 186k tokens).
     body = shaped.Session(ANTHROPIC, turns=1, rounds=40, result_words=3000).last()
-    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter)
+    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter, order=order)
     stats = result.stats
     assert stats["over_budget"] and stats["dropped_rounds"] > 20 and stats["tokens_after"] <= 20_000
     assert stats["tokens_before"] > 150_000 and stats["cut_results"] == 0
@@ -270,9 +277,10 @@ def test_an_agent_loop_over_budget_drops_its_oldest_rounds_not_the_budget(claude
     assert "; over_budget; rounds=" in policy.summary(stats)
 
 
-def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter, order):
     body = shaped.Session(ANTHROPIC, turns=3, rounds=40, result_words=3000).last()
-    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter)
+    result = check(ANTHROPIC, body, Budget(20_000, "user"), claude_counter, order=order)
     stats = result.stats
     assert stats["over_budget"] and stats["dropped_units"] == 2 and stats["dropped_rounds"] > 20
     prompt = next(m for m in result.body["messages"][2:] if m["role"] == "user")
@@ -281,10 +289,11 @@ def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter):
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_a_newest_round_over_budget_has_its_results_cut_with_a_notice(api):
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_newest_round_over_budget_has_its_results_cut_with_a_notice(api, order):
     body = shaped.Session(api, turns=2, rounds=2, result_words=40_000).last()
     budget = Budget(full_tokens(body, api, FakeCounter()) // 10, "user")
-    result = check(api, body, budget, FakeCounter())
+    result = check(api, body, budget, FakeCounter(), order=order)
     stats = result.stats
     assert stats["over_budget"] and stats["cut_results"] >= 1 and stats["tokens_after"] <= budget.tokens
     assert "tool result removed to fit the context budget" in str(shaped.items_of(api, result.body)[-1])
@@ -300,12 +309,13 @@ def test_a_resend_cuts_at_the_limit_not_below_it():
     assert with_room.stats["tokens_after"] < 0.9 * at_limit.stats["tokens_after"] <= 20_000
 
 
-def test_unknown_items_and_blocks_are_carried():
+@pytest.mark.parametrize("order", ORDERS)
+def test_unknown_items_and_blocks_are_carried(order):
     body = shaped.Session(RESPONSES, turns=20).last()
     body["input"].insert(6, {"type": "future_item", "payload": {"x": 1}})
     body["input"].insert(9, {"type": "local_shell_call", "call_id": "ls_1", "action": {"type": "exec", "command": ["ls"]}})
     body["input"].insert(10, {"type": "function_call_output", "call_id": "ls_1", "output": "a\nb"})
-    result = check(RESPONSES, body, Budget(30_000, "user"), FakeCounter())
+    result = check(RESPONSES, body, Budget(30_000, "user"), FakeCounter(), order=order)
     assert result.stats["trimmed"]
 
 
@@ -368,9 +378,10 @@ json_values = st.recursive(
 )  # fmt: skip
 
 
-@given(body=json_values, api=st.sampled_from(APIS), budget=st.integers(0, 50))
-def test_anything_goes_in_nothing_raises(body, api, budget):
-    result = policy.trim(body, apis.get(api), Budget(budget, "user"), FakeCounter(), plans=policy.PlanCache())
+@given(body=json_values, api=st.sampled_from(APIS), budget=st.integers(0, 50), order=st.sampled_from(ORDERS))
+def test_anything_goes_in_nothing_raises(body, api, budget, order):
+    result = policy.trim(body, apis.get(api), Budget(budget, "user"), FakeCounter(), plans=policy.PlanCache(),
+                         order=order)
     assert result.body is None or isinstance(result.body, dict)
 
 
@@ -378,12 +389,36 @@ def test_anything_goes_in_nothing_raises(body, api, budget):
 @given(
     api=st.sampled_from(APIS), turns=st.integers(1, 12), rounds=st.integers(0, 4), result_words=st.integers(1, 900),
     args_words=st.integers(1, 200), seed=st.integers(0, 50), fraction=st.floats(0.05, 1.2), upto=st.floats(0, 1),
+    order=st.sampled_from(ORDERS),
 )  # fmt: skip
-def test_policy_holds_for_random_sessions(api, turns, rounds, result_words, args_words, seed, fraction, upto):
+def test_policy_holds_for_random_sessions(api, turns, rounds, result_words, args_words, seed, fraction, upto, order):
     requests = list(shaped.Session(api, turns, rounds, result_words, args_words, seed).requests())
     body = requests[int(upto * (len(requests) - 1))]
     budget = Budget(int(full_tokens(body, api, FakeCounter()) * fraction), "user")
-    check(api, body, budget, FakeCounter(), policy.PlanCache())
+    check(api, body, budget, FakeCounter(), policy.PlanCache(), order)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    api=st.sampled_from(APIS), turns=st.integers(1, 8), rounds=st.integers(0, 6), result_words=st.integers(1, 900),
+    seed=st.integers(0, 50), budget=st.integers(8_000, 40_000), order=st.sampled_from(ORDERS),
+)  # fmt: skip
+def test_a_sessions_next_cut_keeps_what_the_last_one_shrank(api, turns, rounds, result_words, seed, budget, order):
+    # Every request of a session, one plan cache: each holds the policy's promises; newest
+    # first, a new cut that drops nothing never sends whole what the request before sent shrunk.
+    plans, previous = policy.PlanCache(), None
+    for body in shaped.Session(api, turns, rounds, result_words, 20, seed).requests():
+        result = check(api, body, Budget(budget, "user"), FakeCounter(), plans, order)
+        if result.body is None or result.stats["over_budget"] or result.stats["dropped_messages"]:
+            previous = None
+            continue
+        sent = [policy.without_cache_control(i) for i in shaped.items_of(api, result.body)]
+        items = [policy.without_cache_control(i) for i in shaped.items_of(api, body)]
+        if previous is not None and order == policy.NEWEST:
+            for i, item in enumerate(previous[:-1]):
+                if item != items[i]:  # sent shrunk before
+                    assert sent[i] == item, i
+        previous = sent
 
 
 # --- budgets ---------------------------------------------------------------------------------
@@ -414,11 +449,12 @@ def test_summary():
     assert policy.summary({**stats, "trimmed": False, "over_budget": False}) is None
 
 
-def test_an_anthropic_drop_tells_the_model_what_is_missing_between_two_user_turns(claude_counter):
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_anthropic_drop_tells_the_model_what_is_missing_between_two_user_turns(claude_counter, order):
     # The head ends with the first prompt; after a drop the first kept prompt follows it, and
     # the API merges the two into one turn: the model must not read them as one question.
     body = shaped.Session(ANTHROPIC, turns=20).last()
-    result = check(ANTHROPIC, body, Budget(30_000, "user"), claude_counter)
+    result = check(ANTHROPIC, body, Budget(30_000, "user"), claude_counter, order=order)
     assert result.stats["dropped_units"] > 0
     sent = [m for m in result.body["messages"] if m["role"] != "system"]
     original = [m for m in body["messages"] if m["role"] != "system"]
@@ -505,3 +541,49 @@ def test_a_turns_refusal_and_completion_are_read_from_its_events():
     assert protocol.completed(orjson.dumps(done)) == ("resp_1", [{"type": "message"}])
     assert protocol.completed(b'{"type": "response.completed", "response": {"output": []}}') is None
     assert protocol.completed(b"not json") is None
+
+
+# --- shrinking newest first (relay_trim_shrink_order=newest) ---------------------------------
+
+
+@pytest.mark.parametrize("api", [ANTHROPIC, RESPONSES])
+def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
+    # The real CLIs' agent loop of 80 rounds over a budget (the e2e test's, in process). Oldest
+    # first, a new cut changes the oldest result still whole and every byte after it; newest
+    # first it changes only the few newest results it shrinks, and what follows them.
+    shares = {}
+    for order in ORDERS:
+        plans, previous, whole, trimmed = policy.PlanCache(), None, [], 0
+        for body in shaped.agent_loop(api, 80):
+            result = check(api, body, Budget(36_000, "user"), FakeCounter(), plans, order)
+            sent = result.body if result.body is not None else body
+            trimmed += result.stats["trimmed"]
+            if previous is not None:
+                whole.append(shaped.whole_prompt_share(api, previous, sent))
+            previous = sent
+        assert trimmed > 25
+        shares[order] = (statistics.median(whole), min(whole))
+        results = [i for i in shaped.items_of(api, previous) if any(apis.get(api).trim_shape.results(i))]
+        first_whole = "[ttft-relay: tool result removed" not in str(results[0])
+        assert first_whole == (order == policy.NEWEST)  # what the model loses: what it read first, or last
+    assert shares[policy.NEWEST][0] >= 0.9 and shares[policy.NEWEST][1] >= 0.8, shares
+    assert shares[policy.OLDEST][0] >= 0.9 and shares[policy.OLDEST][1] < 0.5, shares
+
+
+def test_newest_first_keeps_its_shrunk_ranges_few():
+    # A plan of MOST_SHRUNK_SPANS ranges (a new cut that does not reach back to the last one's
+    # adds one): the next cut shrinks the oldest gap too rather than keep one more range.
+    requests = shaped.agent_loop(ANTHROPIC, 120)
+    plans, budget = policy.PlanCache(), Budget(36_000, "user")
+    at = next(n for n, body in enumerate(requests)
+              if check(ANTHROPIC, body, budget, FakeCounter(), plans, policy.NEWEST).stats["trimmed"])
+    ((key, plan),) = plans._plans.items()
+    many = tuple((i, i + 1) for i in range(2, 2 * policy.MOST_SHRUNK_SPANS, 2)) + plan.shrunk
+    assert len(many) == policy.MOST_SHRUNK_SPANS and many[-2][1] < plan.shrunk[0][0]
+    plans.put(key, dataclasses.replace(plan, shrunk=many))
+    for body in requests[at + 1 :]:
+        if check(ANTHROPIC, body, budget, FakeCounter(), plans, policy.NEWEST).stats["plan"] == "new":
+            break
+    new = plans.get(key)
+    assert new is not None and len(new.shrunk) == policy.MOST_SHRUNK_SPANS
+    assert new.shrunk[0] == (2, 5) and new.shrunk[1:-2] == many[2:-1]

@@ -10,7 +10,7 @@ mitmproxy code it was written against, pinned by source digests that its pin tes
 (`tests/patches/fixes/test_<module>.py`, `tests/patches/speed/test_<module>.py`) checks and
 that `pins.on` checks again when the relay loads, where mitmproxy may be any version: speed
 patches run only on mitmproxy 12.3.1 (one line says they are off otherwise), a fix whose
-pinned code changed stops the start (or, for the four the relay can do without, is left off
+pinned code changed stops the start (or, for the five the relay can do without, is left off
 with a warning). `Check`, the relay's first addon, runs that check for all of them at load.
 What mitmproxy would have to change for the relay to drop each one: docs/architecture.md,
 "What mitmproxy could take".
@@ -58,6 +58,7 @@ from .fixes import (
     upstream_copy,
     web_options,
     websocket_limits,
+    websocket_text,
 )
 from .speed import (
     ca_once,
@@ -87,6 +88,7 @@ FIXES: tuple[ModuleType, ...] = (
     resend,
     web_options,
     websocket_limits,
+    websocket_text,
     inherited_listeners,
     ca_at_start,
     happy_eyeballs,

@@ -339,6 +339,36 @@ class _ChatAgent(_Agent):
         self.items.append({"role": "assistant", "content": words(self.answer_words(120), self.seed())})
 
 
+def agent_loop(api: str, rounds: int) -> list[dict]:
+    """Each request of one prompt's agent loop (ANTHROPIC or RESPONSES) as the real Claude Code
+    and Codex send it through the fake upstream (tests/test_trim_clients_e2e.py): each round a
+    short answer with one call, and its result of 40 lines; the system prompt and tools of about
+    33 kB. Unlike `Session`'s rounds, little of a round stays when its result is shrunk."""
+    system = words(1500, 1)
+    tools = [{"name": f"Tool{i}", "description": words(300, 2 + i)} for i in range(16)]
+    prompt = "Read the files one by one."
+    body: dict = (
+        {"model": "claude-opus-4-6", "system": system, "tools": tools, "messages": [{"role": "user", "content": prompt}]}
+        if api == ANTHROPIC else
+        {"model": "gpt-5", "instructions": system, "tools": tools,
+         "input": [{"type": "message", "role": "user", "content": prompt}]}
+    )  # fmt: skip
+    items, requests = items_of(api, body), []
+    for n in range(rounds + 1):
+        requests.append(orjson.loads(orjson.dumps(body)))
+        result = "\n".join(f"{i} " + words(8, n * 1000 + i) for i in range(40))
+        if api == ANTHROPIC:
+            items.append({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Reading on.", "signature": _blob(16, n)},
+                {"type": "tool_use", "id": f"toolu_{n}", "name": "Read", "input": {"file_path": f"f{n}.txt"}}]})
+            items.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": result}]})
+        else:
+            items.append({"type": "function_call", "call_id": f"call_{n}", "name": "exec_command",
+                          "arguments": orjson.dumps({"cmd": f"cat f{n}.txt"}).decode()})
+            items.append({"type": "function_call_output", "call_id": f"call_{n}", "output": result})
+    return requests
+
+
 # --- validity --------------------------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ from mitmproxy.websocket import WebSocketMessage
 
 from .. import state, store
 from ..patches import pins
-from ..patches.fixes import resend
+from ..patches.fixes import resend, websocket_text
 from ..apis.api import Api, TooLong, Windows
 from ..flows import client_key, upstream_name
 from . import plans, policy, tokens, turns, windows
@@ -90,7 +90,7 @@ class Trim:
     """Brings oversized chat requests within their token budget before they go upstream.
 
     Options: relay_trim, relay_trim_max_tokens, relay_trim_reserve_tokens, relay_trim_notice,
-    relay_tiktoken_file, relay_context_windows. Per flow it fills `FlowState.trim` (the stats
+    relay_trim_shrink_order, relay_tiktoken_file, relay_context_windows. Per flow it fills `FlowState.trim` (the stats
     of `policy.trim`) and `FlowState.prompt_tokens` (for every request of a shape it
     trims, trimmed or not), and answers with an X-Relay-Trim header when it trimmed or
     found the request over budget.
@@ -147,6 +147,20 @@ class Trim:
             "Tell the model, in front of the first kept user message, that earlier turns were left out.",
         )
         loader.add_option(
+            "relay_trim_shrink_order",
+            str,
+            policy.OLDEST,
+            """
+            Which old tool results a new cut shrinks first. "oldest": the model keeps what it
+            read last, but the prompt changes early and the provider's prompt cache misses
+            most of it at each new cut. "newest": from the newest old ones back (the newest
+            round stays whole), so the cached prompt stays a prefix and a new cut costs
+            little cache, but the model loses what it read last (docs/trimming.md,
+            "Shrinking newest first").
+            """,
+            choices=policy.SHRINK_ORDERS,
+        )
+        loader.add_option(
             "relay_tiktoken_file",
             # mitmproxy's Loader says `type`; its OptManager takes `type | object`, as optional ones are.
             str | None,  # type: ignore[arg-type]
@@ -170,6 +184,10 @@ class Trim:
         )
 
     def configure(self, updated: set[str]) -> None:
+        if "relay_trim_shrink_order" in updated and ctx.options.relay_trim_shrink_order not in policy.SHRINK_ORDERS:
+            raise exceptions.OptionsError(
+                f"relay_trim_shrink_order: {ctx.options.relay_trim_shrink_order!r} is not one of "
+                f"{', '.join(policy.SHRINK_ORDERS)}")
         if "relay_context_windows" in updated:
             try:
                 self.configured = windows.parse_context_windows(ctx.options.relay_context_windows)
@@ -193,11 +211,15 @@ class Trim:
             self.tokenizers.say()
             if pins.on(resend):
                 resend.install(by="trim")
+            if pins.on(websocket_text):
+                websocket_text.install()
         else:
             resend.uninstall(by="trim")
+            websocket_text.uninstall()
 
     def done(self) -> None:
         resend.uninstall(by="trim")
+        websocket_text.uninstall()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
     async def request(self, flow: http.HTTPFlow) -> None:
@@ -395,7 +417,8 @@ class Trim:
         if files:
             self.plans.refresh()
         self.plans.by = by
-        result = policy.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom)
+        result = policy.trim(body, api, budget, counter, plans=self.plans, notice=notice, headroom=headroom,
+                             order=ctx.options.relay_trim_shrink_order)
         if files:
             self.plans.save()
         return result, None if result.body is None else encode(result.body)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import TypeGuard
 
 import orjson
 
 from .. import store
-from .policy import Plan, PlanCache
+from .policy import MOST_SHRUNK_SPANS, Plan, PlanCache, Spans
 
 KIND_NAME = "plan"
 """The plans' kind in the store."""
@@ -41,7 +42,29 @@ LEGACY_MAX_BYTES = 4 * 1024 * 1024
 
 
 def _value(plan: Plan) -> list:
-    return [plan.shrunk, plan.cut, plan.anchor.hex(), plan.rounds_to]
+    return [[list(span) for span in plan.shrunk], plan.cut, plan.anchor.hex(), plan.rounds_to]
+
+
+def _index(n: object) -> TypeGuard[int]:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _spans(value: object) -> Spans | None:
+    """A plan's shrunk items as stored: ranges, ascending and apart (the previous version's
+    plans: one index, the items before it)."""
+    if _index(value):
+        return ((0, value),) if value else ()
+    if not (isinstance(value, list) and len(value) <= MOST_SHRUNK_SPANS):
+        return None
+    found: list[tuple[int, int]] = []
+    for span in value:
+        if not (isinstance(span, list) and len(span) == 2 and _index(span[0]) and _index(span[1])):
+            return None
+        start, end = span
+        if not (found[-1][1] if found else 0) <= start < end:
+            return None
+        found.append((start, end))
+    return tuple(found)
 
 
 def _plan(entry: store.Entry) -> Plan | None:
@@ -50,11 +73,12 @@ def _plan(entry: store.Entry) -> Plan | None:
     if not (isinstance(value, list) and len(value) == 4 and isinstance(value[2], str)):
         return None
     shrunk, cut, anchor, rounds_to = value
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (shrunk, cut, rounds_to)):
+    spans = _spans(shrunk)
+    if spans is None or not (_index(cut) and _index(rounds_to)):
         return None
     try:
         bytes.fromhex(entry.key)
-        return Plan(shrunk, cut, bytes.fromhex(anchor), rounds_to)
+        return Plan(spans, cut, bytes.fromhex(anchor), rounds_to)
     except ValueError:
         return None
 

@@ -4,14 +4,15 @@ The policy is the same for every API; how an API lays out its conversation (wher
 items are, their roles, calls and results, what a shrunk part looks like) is its API
 module's trim shape (`Api.trim_shape`, a `ttft_relay/apis/shape.py` `Shape`).
 
-A request over budget is cut down in this order, each step oldest first, until it fits
-its target below the budget (see "Cache-stable cuts"):
+A request over budget is cut down in this order until it fits its target below the
+budget (see "Cache-stable cuts"):
 
 1. **Shrink.** The bodies of old tool results, then old tool-call arguments, then old
    images are replaced by a short placeholder saying how much was removed (what
    Anthropic's server-side `clear_tool_uses` does). Every message, block and id stays,
    so calls stay paired and roles alternate as before. The newest round (the last tool
-   results and the calls they answer) stays whole.
+   results and the calls they answer) stays whole. Item by item, oldest first, or with
+   the order `newest` (relay_trim_shrink_order) from the newest round back.
 2. **Drop.** Whole turns — a turn starts at a user prompt, and a call and its results
    never straddle a cut — from the middle: the oldest ones after the pinned head first
    ("middle-out"). The head then meets the first kept prompt: two user messages in a
@@ -44,12 +45,16 @@ to just fit the budget moves on every turn and misses the cache every time; inst
 plan (how far shrinking reached, where the drop ends) is remembered per conversation —
 recognised by a hash of its pinned head, no server state — in a bounded `PlanCache`, and
 the conversation's next requests get the same plan as long as it keeps them within the
-budget, so each one sends its predecessor's body plus its own new items. A request that
-makes a new cut shares little more than the pinned head with its predecessor, so what
-keeps the cache is how rarely cuts come: a new cut goes below the budget by room for
-`REQUESTS_BETWEEN_CUTS` requests at the conversation's own recent growth per request
-(read from its history: `_Trimmer.growth`), within `LEAST_HEADROOM` and `MOST_HEADROOM`
-of the budget (docs/trimming.md weighs the cache against the context a deeper cut loses).
+budget, so each one sends its predecessor's body plus its own new items. Oldest first, a
+request that makes a new cut shares little more than the pinned head with its
+predecessor, so what keeps the cache is how rarely cuts come: a new cut goes below the
+budget by room for `REQUESTS_BETWEEN_CUTS` requests at the conversation's own recent
+growth per request (read from its history: `_Trimmer.growth`), within `LEAST_HEADROOM`
+and `MOST_HEADROOM` of the budget (docs/trimming.md weighs the cache against the context
+a deeper cut loses). Newest first, a new cut keeps the previous plan's shrinks and drops
+and shrinks more from the newest round back: it changes the prompt only from the first
+result it shrinks, so it goes just `NEWEST_FIRST_HEADROOM` below the budget (a drop, when
+shrinking is not enough, still leaves room for `REQUESTS_BETWEEN_CUTS` requests).
 
 **Bounded counting.** Items are counted newest first; once the count passes
 `COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
@@ -90,6 +95,23 @@ uncached for a few tokens of context."""
 
 MOST_HEADROOM = 0.6
 """and at most this share: one cut never throws away more, however fast it grows."""
+
+OLDEST, NEWEST = "oldest", "newest"
+SHRINK_ORDERS = (OLDEST, NEWEST)
+"""Which old tool results a new cut shrinks first (relay_trim_shrink_order): the oldest
+(the default: the model keeps what it read last) or the newest before the newest round
+(the prompt the provider cached stays a prefix; see "Cache-stable cuts")."""
+
+NEWEST_FIRST_HEADROOM = 0.02
+"""Newest first, a new cut that only shrinks goes this share of the budget below it (not
+`REQUESTS_BETWEEN_CUTS` requests' growth): such a cut misses the cache only from the first
+result it shrinks on, so the shallower it is, the more of the cached prompt it keeps; it
+comes every request or two. A drop, which changes the prompt right after the head, still
+leaves the room for `REQUESTS_BETWEEN_CUTS` requests."""
+
+MOST_SHRUNK_SPANS = 32
+"""Newest first, a plan holds at most this many ranges of shrunk items (a new cut that
+does not reach back to the previous one's adds one): the store keeps it small."""
 
 COUNT_LIMIT = 2
 """Counting stops once this many budgets are counted; older items are dropped uncounted."""
@@ -207,12 +229,18 @@ def layout(items: list[dict], shape: Shape) -> Layout:
 # --- plans -----------------------------------------------------------------------------
 
 
+Spans = tuple[tuple[int, int], ...]
+"""Item indexes as half-open ranges (start, end), ascending and apart."""
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What to leave out of one conversation, in item indexes (stable as it grows)."""
 
-    shrunk: int
-    """Items before this index (and from `cut` on) are shrunk."""
+    shrunk: Spans
+    """The items in these ranges are sent shrunk: oldest first one range from the cut on,
+    newest first a range per new cut that did not reach back to the one before (at most
+    `MOST_SHRUNK_SPANS`)."""
     cut: int
     """Items from the head up to here are dropped (except pinned ones); head_end: none."""
     anchor: bytes
@@ -224,6 +252,21 @@ class Plan:
     def keeps(self, lay: Layout, i: int) -> bool:
         """Item `i` is sent (shrunk or not)."""
         return lay.always[i] or (i >= self.cut and not lay.turn_body <= i < self.rounds_to)
+
+    def shrinks(self, i: int) -> bool:
+        """Item `i`, if sent, is sent shrunk."""
+        return any(start <= i < end for start, end in self.shrunk)
+
+
+def spans(indexes: set[int]) -> Spans:
+    """`indexes` as ranges of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indexes):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return tuple(runs)
 
 
 def _anchor(items: list[dict], cut: int, rounds_to: int) -> bytes:
@@ -329,6 +372,7 @@ def trim(
     plans: PlanCache | None = None,
     notice: bool = False,
     headroom: bool = True,
+    order: str = OLDEST,
 ) -> TrimResult:
     """Bring `body` within `budget` (see the module docstring).
 
@@ -345,7 +389,7 @@ def trim(
     """
     started = time.perf_counter()
     stats = untouched_stats(None, budget, counter.label, getattr(counter, "source", None))
-    new_body = _Trimmer(body, api, budget, counter, plans, notice, stats, headroom).run()
+    new_body = _Trimmer(body, api, budget, counter, plans, notice, stats, headroom, order).run()
     stats["trim_ms"] = round((time.perf_counter() - started) * 1000, 3)
     return TrimResult(new_body, stats)
 
@@ -353,9 +397,9 @@ def trim(
 class _Trimmer:
     """One request's trim: the counts and versions of its items while plans are tried."""
 
-    def __init__(self, body, api, budget, counter, plans, notice, stats, headroom) -> None:
+    def __init__(self, body, api, budget, counter, plans, notice, stats, headroom, order) -> None:
         self.body, self.api, self.budget, self.counter = body, api, budget, counter
-        self.plans, self.notice, self.stats, self.headroom = plans, notice, stats, headroom
+        self.plans, self.notice, self.stats, self.headroom, self.order = plans, notice, stats, headroom, order
         self.items: list[dict] = []
         self.versions: list[dict] = []
         """The item list as it would be sent: `items`, some of them shrunk."""
@@ -423,20 +467,26 @@ class _Trimmer:
 
         key = conversation_key(self.api.name, body, shape, items, lay.head_end) if self.plans is not None else None
         plan = self.plans.get(key) if key is not None else None
+        kept = plan if plan is not None and self._valid(plan, lay) else None
         kept_total = None
-        if plan is not None and self._valid(plan, lay):
-            kept_total = self._apply(plan, lay, fixed, shape)
+        if kept is not None:
+            kept_total = self._apply(kept, lay, fixed, shape)
             if kept_total <= budget.tokens:
-                kept_total, shrunk = self._finish(plan, lay, shape, kept_total)  # the notice may not fit
-        if plan is not None and kept_total is not None and kept_total <= budget.tokens:
+                kept_total, shrunk = self._finish(kept, lay, shape, kept_total)  # the notice may not fit
+        if kept is not None and kept_total is not None and kept_total <= budget.tokens:
+            plan = kept
             stats.update(plan="kept", over_budget=bool(plan.rounds_to))
             total = kept_total
         else:
-            plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, budget.tokens)
+            # Newest first, a new cut goes on from the conversation's plan: what it sent stays as it was.
+            previous = kept if self.order == NEWEST else None
+            plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, budget.tokens,
+                                                               previous)
             if total > budget.tokens and not stats["over_budget"]:
                 # The notice (Anthropic's, always) tipped it over: once more, that much lower.
                 room = 2 * budget.tokens - total
-                plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, room)
+                plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, room,
+                                                                   previous)
                 stats["over_budget"] = stats["over_budget"] or total > budget.tokens
             if plan.cut == lay.head_end and not plan.rounds_to and not shrunk:
                 stats["reason"] = "over_budget"  # nothing could go: the head and the newest prompt
@@ -459,12 +509,12 @@ class _Trimmer:
         return {**body, shape.items_key: new_items}
 
     def _plan_anew(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
-                   room: int) -> tuple[Plan, int, int, int]:
+                   room: int, previous: Plan | None) -> tuple[Plan, int, int, int]:
         """A new plan within `room` tokens (the budget, or less to leave the notice room), into
         the newest turn if it must be: the plan, its total, how many kept items are shrunk and
         how many newest results were cut."""
         self._restore()
-        plan, total = self._new_plan(lay, floor, fixed, shape, counted_from, self.budget.tokens - room)
+        plan, total = self._new_plan(lay, floor, fixed, shape, counted_from, self.budget.tokens - room, previous)
         cut_results = 0
         if total > room:
             self.stats["over_budget"] = True
@@ -499,7 +549,7 @@ class _Trimmer:
         round. (It may keep items that counting did not reach: `_apply` counts them.)"""
         if plan.cut != lay.head_end and plan.cut not in lay.cuts:
             return False
-        if not lay.head_end <= plan.cut <= lay.newest or plan.shrunk > lay.protect_from:
+        if not lay.head_end <= plan.cut <= lay.newest or (plan.shrunk and plan.shrunk[-1][1] > lay.protect_from):
             return False
         if plan.rounds_to and (plan.cut != lay.newest or plan.rounds_to not in lay.rounds):
             return False
@@ -511,7 +561,7 @@ class _Trimmer:
         for i in range(len(self.versions) - 1, plan.cut - 1, -1):
             if lay.always[i] or not plan.keeps(lay, i):
                 continue
-            if i < plan.shrunk and (new := _shrunk(shape, self.versions[i])) is not None:
+            if plan.shrinks(i) and (new := _shrunk(shape, self.versions[i])) is not None:
                 self.versions[i] = new
                 self._counts.pop(i, None)
             total += self.count(i)
@@ -546,27 +596,69 @@ class _Trimmer:
         return math.floor(budget - headroom)
 
     def _new_plan(self, lay: Layout, floor: int, fixed: int, shape: Shape, counted_from: int,
-                  lower: int = 0) -> tuple[Plan, int]:
-        """Shrink, then drop, oldest first, until the request fits `target` (`lower` below it)."""
+                  lower: int = 0, previous: Plan | None = None) -> tuple[Plan, int]:
+        """Shrink in the trim's order, then drop oldest first, until the request fits `target`
+        (`lower` below it). Newest first it goes on from the `previous` plan's cut and shrinks."""
         target = self.target(lay, shape, counted_from) - lower
-        self.stats["target"] = target
         n = len(self.versions)
-        cut = floor
+        cut = floor if previous is None else max(floor, previous.cut)
         total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
-        shrunk = cut
-        for i in range(cut, lay.protect_from):
-            if total <= target:
-                break
-            if not lay.always[i] and (new := _shrunk(shape, self.versions[i])) is not None:
-                total += self.replace(i, new)
-            shrunk = i + 1
+        if self.order == NEWEST:
+            # A shallow cut: it changes only what it shrinks and what follows.
+            shallow = max(target, math.floor((1 - NEWEST_FIRST_HEADROOM) * self.budget.tokens) - lower)
+            shrunk, total = self._shrink_newest_first(lay, shape, cut, total, shallow, previous)
+            target = shallow if total <= shallow else target
+        else:
+            shrunk, total = self._shrink_oldest_first(lay, shape, cut, total, target)
+        self.stats["target"] = target
         for c in lay.cuts:
             if total <= target:
                 break
             if cut < c <= lay.newest:
                 total -= sum(self.count(i) for i in range(cut, c) if not lay.always[i])
                 cut = c
+        shrunk = tuple((max(start, cut), end) for start, end in shrunk if end > cut)
         return Plan(shrunk, cut, _anchor(self.items, cut, 0)), total
+
+    def _shrink(self, lay: Layout, shape: Shape, i: int) -> int:
+        """Item `i` shrunk, unless it is pinned or has nothing to shrink; returns the change in tokens."""
+        if lay.always[i] or (new := _shrunk(shape, self.versions[i])) is None:
+            return 0
+        return self.replace(i, new)
+
+    def _shrink_oldest_first(self, lay: Layout, shape: Shape, cut: int, total: int,
+                             target: int) -> tuple[Spans, int]:
+        """From `cut` on, item by item, until the request fits `target` or the newest round is next."""
+        shrunk = cut
+        for i in range(cut, lay.protect_from):
+            if total <= target:
+                break
+            total += self._shrink(lay, shape, i)
+            shrunk = i + 1
+        return ((cut, shrunk),) if shrunk > cut else (), total
+
+    def _shrink_newest_first(self, lay: Layout, shape: Shape, cut: int, total: int, target: int,
+                             previous: Plan | None) -> tuple[Spans, int]:
+        """What the `previous` plan shrank (the prefix the provider cached has it so), then from
+        the newest round back, item by item, until the request fits `target`: the first item
+        that changes is as late as that allows. Past `MOST_SHRUNK_SPANS` ranges the oldest
+        gaps are shrunk too."""
+        shrunk: set[int] = set()
+        for start, end in previous.shrunk if previous is not None else ():
+            for i in range(max(start, cut), min(end, lay.protect_from)):
+                shrunk.add(i)
+                total += self._shrink(lay, shape, i)
+        for i in range(lay.protect_from - 1, cut - 1, -1):
+            if total <= target:
+                break
+            if i not in shrunk:
+                shrunk.add(i)
+                total += self._shrink(lay, shape, i)
+        while len(runs := spans(shrunk)) > MOST_SHRUNK_SPANS:
+            for i in range(runs[0][1], runs[1][0]):
+                shrunk.add(i)
+                total += self._shrink(lay, shape, i)
+        return runs, total
 
     def _into_newest_turn(self, plan: Plan, lay: Layout, shape: Shape, total: int,
                           room: int) -> tuple[Plan, int, int]:

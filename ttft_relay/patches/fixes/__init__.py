@@ -31,6 +31,9 @@ what it then does. With the addon that installs each (in `load`/`configure`, rem
   updates, the dump, the exports) the flow's credentials redacted (`redaction.WebOptions`).
 - `websocket_limits`: a WebSocket message's inflated size, its fragments and the control
   frames around it bounded as wsproto reads them (`limits.WebSocketLimits`).
+- `websocket_text`: a WebSocket text message an addon changed goes on with every character
+  whole, not U+FFFD where mitmproxy's re-framing split one (`trim.Trim`, whose trimmed turns
+  are such messages; WITHOUT: they may carry U+FFFD).
 - `inherited_listeners`: a worker of `ttft-relay run --workers N` serves the listening
   sockets its supervisor bound (installed by `workers.worker_main` before mitmproxy starts,
   removed by `capacity.WorkerListeners`; the supervisor checks its pins before it starts
