@@ -23,15 +23,17 @@ again; a WebSocket's turns stay on the member its handshake went to.
 A slow head, opt-in (`relay_upstream_slow_head`, a budget: at most that percent of the
 group's requests): when the chosen member's response head has not come by its bound (the
 first token its line expects for this prompt, with the line's tolerance, `Expectation.
-tolerance_ms`), its connection is closed and the request goes to the next member as after
-a failure; the member's queue is taken to be at least that wait. The abandoned attempt's
-prompt is paid for all the same. This is failover at a deadline: the two attempts never race.
+tolerance_ms`), its connection is closed and the request goes, as after a failure, to the
+member expected to give its first token soonest (its cache miss, round trip and queue in
+it) — only if that beats the late member's remaining wait (`choice.sooner_elsewhere`; else
+the head is waited for and the record's `route.not_given_up` says why); the member's queue
+is taken to be at least that wait. The abandoned attempt's prompt is paid for all the same.
+This is failover at a deadline: the two attempts never race.
 
 A hedge, opt-in (`relay_upstream_hedge`, within `relay_upstream_hedge_budget`: at most that
-percent of the group's requests), takes the slow head's place: at the same bound the request
-goes as well to the member expected to give its first token soonest (its cache miss, round trip
-and queue in it), if that beats the late member's remaining wait (`choice.hedge_to`; else the
-record's `route.not_hedged` says why not), the first one's attempt left running (`patches.speed.hedge`);
+percent of the group's requests), takes the slow head's place: at the same bound, by the same
+rule (`choice.sooner_elsewhere`; else the record's `route.not_hedged` says why not), the
+request goes as well to that member, the first one's attempt left running (`patches.speed.hedge`);
 the first head wins, the other attempt's connection is closed before any byte of it reaches
 the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
 prompt tokens); a losing attempt on an HTTP/2 connection is left to finish (closing the
@@ -170,9 +172,11 @@ class UpstreamGroups:
         )
         loader.add_option(
             "relay_upstream_slow_head", int, 0,
-            "Percent of a group's requests, at most, sent on to the next member when the chosen one's response "
-            "head is later than its learned bound (the first token its line expects, with the line's tolerance); "
-            "the first attempt is abandoned, its prompt paid all the same. 0: off.",
+            "Percent of a group's requests, at most, given up on when the chosen member's response head is later "
+            "than its learned bound (the first token its line expects, with the line's tolerance) and sent instead "
+            "to the member expected to give its first token (cache miss included) sooner than the late one's "
+            "remaining wait, if any (else waited for); the first attempt is abandoned, its prompt paid all the "
+            "same. 0: off.",
         )
         loader.add_option(
             "relay_upstream_hedge", bool, False,
@@ -286,13 +290,13 @@ class UpstreamGroups:
         chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
         if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
                 and not self.unsafe(flow):
+            others = [e for e in estimates if e.name in picked.order[1:]]
             if ctx.options.relay_upstream_hedge and hedge.installed():
-                others = [e for e in estimates if e.name in picked.order[1:]]
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
                     bound_ms / 1000, self._hedge, flow, host, chosen, others, bound_ms)
             elif ctx.options.relay_upstream_slow_head:
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
-                    bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
+                    bound_ms / 1000, self._slow_head, flow, host, chosen, others, bound_ms)
         if conversation is not None:
             self.conversation_of[flow.id] = conversation
             self.served.pop(conversation, None)
@@ -353,22 +357,32 @@ class UpstreamGroups:
         if (timer := self.slow.pop(flow.id, None)) is not None:
             timer.cancel()
 
-    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
-        """No head by the member's bound: close its connection (within the budget); the close
-        fails the request over (`_fail_over_before_head`)."""
+    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, others: Sequence[choice.Estimate],
+                   bound_ms: float) -> None:
+        """No head by the member's bound: close its connection (within the budget), if
+        `choice.sooner_elsewhere` finds a member of `others` (their estimates when it was
+        chosen) expected sooner than waiting; the close fails the request over to that one
+        (`_fail_over_before_head`)."""
         self.slow.pop(flow.id, None)
-        st = state.get(flow)
-        if (not flow.live or flow.response is not None or not self.orders.get(flow.id)
+        st, rest = state.get(flow), self.orders.get(flow.id)
+        if (not flow.live or flow.response is not None or not rest
                 or st is None or st.route is None
                 or st.route.get("upstream") != chosen.name  # failed over since: the bound was the first member's
                 or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
+        if target.to is None:
+            st.route = {**st.route, "not_given_up": target.why}
+            logger.info("%s: %s had no head after %.1f s, not given up on: %s", host, chosen.name,
+                        waited_ms / 1000, target.why)
+            return
         self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
         if not connections.close(flow.client_conn, flow.server_conn):
             del self.giving_up[flow.id]
             return
+        self.orders[flow.id] = (target.to, *(name for name in rest if name != target.to))  # the failover goes there
         self.given_up += 1
         # Its queue is at least the wait beyond what was expected of it.
         learned, now = self.members[(host, chosen.name)], time.time()
@@ -384,7 +398,7 @@ class UpstreamGroups:
     def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, others: Sequence[choice.Estimate],
                bound_ms: float) -> None:
         """No head by the member's bound: send the request as well (within the budget) to the
-        member `choice.hedge_to` picks from `others` (their estimates when it was chosen), if one
+        member `choice.sooner_elsewhere` picks from `others` (their estimates when it was chosen), if one
         is expected sooner than waiting; the first head wins (`hedge`)."""
         self.slow.pop(flow.id, None)
         st, rest = state.get(flow), self.orders.get(flow.id)
@@ -397,7 +411,7 @@ class UpstreamGroups:
                 or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
-        target = choice.hedge_to(chosen, waited_ms, [e for e in others if e.name in rest])
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
         if target.to is None:
             st.route = {**st.route, "not_hedged": target.why}
             logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,

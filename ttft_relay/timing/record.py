@@ -141,7 +141,8 @@ class Record:
     (`expected_ms`, null: not known), and `failed_over`: the members left before the
     answer's head, why, and its `cause` in a word (FAILOVER_CAUSES); `hedged`: the member
     the request went to as well, when, and which one's head came first (`won`);
-    `not_hedged`: why a late head was not (no member expected sooner than waiting)."""
+    `not_hedged` / `not_given_up`: why a late head was not hedged / given up on at its slow
+    head (no member expected sooner than waiting)."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None
