@@ -172,3 +172,4 @@ def test_a_late_head_is_not_given_up_on_for_a_member_expected_later_than_waiting
     assert len(a.received) == 4 and len(b.received) == 3
     samples = scrape(metrics_url(relay))
     assert total(samples, "ttft_relay_upstream_failovers_total") == 0
+    assert total(samples, "ttft_relay_upstream_late_heads_waited_total", member="127.0.0.1", instead_of="slow_head") == 1

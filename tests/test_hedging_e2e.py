@@ -115,7 +115,9 @@ def test_no_hedge_to_a_member_expected_later_than_waiting(learned, rid):
     assert route["upstream"] == "127.0.0.1" and "hedged" not in route, route
     assert route["not_hedged"].startswith("b expected 1.") and " s, 127.0.0.1 0." in route["not_hedged"], route
     assert len(b.received) == 3
-    assert total(scrape(metrics_url(relay)), "ttft_relay_upstream_hedges_total") == 0
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "ttft_relay_upstream_hedges_total") == 0
+    assert total(samples, "ttft_relay_upstream_late_heads_waited_total", member="127.0.0.1", instead_of="hedge") == 1
 
 
 def test_a_first_attempt_failing_while_the_hedge_runs_leaves_the_hedge_to_answer(learned, rid):

@@ -52,6 +52,10 @@ HEDGE = "hedge"
 """The duplicated prompt tokens' cause for a hedge's losing attempt (`route.hedged`)."""
 HEDGE_WINNERS = ("first", "second")
 """Whose head came first in a hedge: the chosen member's, or the one hedged to."""
+WAITED_INSTEAD_OF = {"not_hedged": HEDGE, "not_given_up": "slow_head"}
+"""A late head waited for, no other member expected sooner than its remaining wait
+(`choice.sooner_elsewhere`): the `route` field that says why → what was not done, in a word
+(the metrics' `instead_of` label and the report's): a hedge, a slow head's give-up."""
 
 
 
