@@ -183,3 +183,48 @@ def test_an_http2_clients_request_is_hedged_as_any(learned, rid):
     (rec,) = relay.log.of(f"{rid}-h2")
     assert rec["route"]["hedged"]["won"] == "b" and rec["verdict"] == "upstream hedged", rec
     assert a.wait_finished(4, timeout=5) and a.sent[-1].outcome == "client_closed"
+
+
+def test_a_hedge_that_does_not_connect_is_no_race_and_costs_nothing(learned, rid):
+    """b is gone: the hedge's connect is refused, nothing of it sent; a's late head is the
+    answer, not a hedge's 'first head', and no prompt counts as paid twice."""
+    relay, a, b = learned(rid)
+    b.stop()
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1000, chunks=A_CHUNKS)
+    answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
+    assert answered == FROM_A and rec["error"] is None
+    hedged = rec["route"]["hedged"]
+    assert (hedged["from"], hedged["upstream"], hedged["won"]) == ("127.0.0.1", "b", None), hedged
+    assert hedged["error"], hedged
+    assert rec["verdict"] != "upstream hedged", rec
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "ttft_relay_upstream_hedges_total") == 0
+    assert total(samples, "ttft_relay_upstream_duplicated_prompt_tokens_total", cause="hedge") == 0
+
+
+def test_a_hedge_that_does_not_connect_is_given_back_to_the_budget(start_relay, rid):
+    """a's late head is hedged to b, which refuses the connect (not charged), then to c (b
+    tried last after its failed connect): the budget holds one hedge, and both were let go."""
+    with FakeUpstream(behaviour=Behaviour(prefill_ms=A_PREFILL_MS, chunks=A_CHUNKS)) as a, \
+            FakeUpstream(behaviour=Behaviour(prefill_ms=60)) as b, \
+            FakeUpstream(behaviour=Behaviour(prefill_ms=B_PREFILL_MS, chunks=B_CHUNKS)) as c:
+        relay = start_relay(reverse_to(a), relay_upstream_groups=[f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                                                                   f"127.0.0.1 c=http://127.0.0.1:{c.port}"],
+                            relay_upstream_explore=100, relay_upstream_hedge=True, relay_upstream_hedge_budget=10)
+        for n in range(9):  # three to a (nothing learned), three exploring b, three c: all predict
+            send(relay, f"{rid}-{n}", body(f"single {n}"))
+        assert (len(a.received), len(b.received), len(c.received)) == (3, 3, 3)
+        b.stop()
+        a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=LATE_MS, chunks=A_CHUNKS)
+        # The 10th request, 1.0 hedge in the budget: to b, which is gone. Its client gives up
+        # (no first token for a's line to learn a queue from: a stays the quickest).
+        with pytest.raises(TimeoutError):
+            client.request("POST", relay.url() + PATH, body("single 9"),
+                           {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": f"{rid}-refused"}, timeout=2)
+        (refused,) = relay.log.of(f"{rid}-refused")
+        assert refused["client_aborted"] and refused["route"]["hedged"]["upstream"] == "b", refused["route"]
+        assert refused["route"]["hedged"]["error"], refused["route"]
+        # The 11th, 1.1 hedges in the budget, none used: to c.
+        answered, rec = pieces(relay, f"{rid}-hedged", body("single 10"))
+        assert answered == FROM_B and rec["route"]["hedged"]["upstream"] == "c", rec["route"]
+        assert len(c.received) == 4

@@ -36,7 +36,7 @@ rule (`choice.sooner_elsewhere`; else the record's `route.not_hedged` says why n
 request goes as well to that member, the first one's attempt left running (`patches.speed.hedge`);
 the first head wins, the other attempt's connection is closed before any byte of it reaches
 the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
-prompt tokens); a losing attempt on an HTTP/2 connection is left to finish (closing the
+prompt tokens; a hedge whose connection failed sent nothing: not charged to the budget); a losing attempt on an HTTP/2 connection is left to finish (closing the
 connection would end its other streams), so its answer is paid too. Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
 methods and paths), which is neither hedged, nor given up on at its slow head, nor failed over
 once it went (only a connect that failed, when nothing of it left the relay, sends it on).
@@ -188,7 +188,8 @@ class UpstreamGroups:
         )
         loader.add_option(
             "relay_upstream_hedge_budget", int, 5,
-            "Percent of a group's requests, at most, hedged (relay_upstream_hedge).",
+            "Percent of a group's requests, at most, hedged (relay_upstream_hedge; a hedge whose connection "
+            "failed, nothing of it sent, is not counted).",
         )
         loader.add_option(
             "relay_upstream_no_repeat", Sequence[str], [],
@@ -428,6 +429,8 @@ class UpstreamGroups:
         finally:
             st.route = route
 
+        unconnected: list[str] = []  # why the hedge's connection failed, if it did (before or after `started`)
+
         def started(done: bool) -> None:
             if not done or (st.route or {}).get("hedged"):
                 return
@@ -439,8 +442,30 @@ class UpstreamGroups:
                                                "after_ms": round(waited_ms, 1), "won": None}}
             logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well (%s)",
                         host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name, target.why)
+            if unconnected:
+                self._hedge_unconnected(flow, host, unconnected[0])
 
-        hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started)
+        def connect_failed(flow: http.HTTPFlow, why: str) -> None:
+            unconnected.append(why)
+            if (st.route or {}).get("hedged"):
+                self._hedge_unconnected(flow, host, why)
+
+        hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started,
+                   connect_failed)
+
+    def _hedge_unconnected(self, flow: http.HTTPFlow, host: str, why: str) -> None:
+        """The hedge's connection failed, nothing of it sent: it is given back to the budget
+        (it cost no prompt), the record's `hedged` says why (no head of it can win), and its
+        member is tried last for a while, as after any failed connect. In the layer: nothing may raise."""
+        st = state.get(flow)
+        if st is None or st.route is None or not (hedged := st.route.get("hedged")) or "error" in hedged:
+            return
+        self.hedges -= 1
+        self.hedging.pop(flow.id, None)
+        st.route = {**st.route, "hedged": {**hedged, "error": why}}
+        if (learned := self.members.get((host, hedged["upstream"]))) is not None:  # the group may have changed
+            learned.down_until = time.time() + DOWN_S
+        logger.info("%s: the hedge to %s did not connect (%s): not charged to the budget", host, hedged["upstream"], why)
 
     def _hedge_won(self, flow: http.HTTPFlow, host: str, first: choice.Estimate) -> None:
         """The second attempt's head came first (in the layer, before the stream sees it): the
@@ -467,7 +492,8 @@ class UpstreamGroups:
         """A head came; if it is the first attempt's while a second raced, that one is closed."""
         hedge.lose_second(flow)
         st = state.get(flow)
-        if st is None or st.route is None or not (hedged := st.route.get("hedged")) or hedged.get("won"):
+        if (st is None or st.route is None or not (hedged := st.route.get("hedged")) or hedged.get("won")
+                or "error" in hedged):  # its connection failed: no race
             return
         now = time.time()
         head_ms = (now - self.hedging.get(flow.id, now)) * 1000
