@@ -165,6 +165,10 @@ def test_the_requests_unsafe_to_repeat_are_a_method_and_a_path_prefix():
     assert groups.unsafe_to_repeat(rules, "post", "/v1/files/abc?purpose=x")
     assert not groups.unsafe_to_repeat(rules, "GET", "/v1/files")
     assert groups.unsafe_to_repeat(rules, "GET", "/v1/batches/1") and not groups.unsafe_to_repeat(rules, "POST", "/v1/chat")
-    for bad in ("v1/files", "POST v1/files", "POST /a /b", "P0ST /v1"):
+    # A doubled '/' is read as one, the rule's and the request's alike (a server reads them so); a query is not compared.
+    assert groups.unsafe_to_repeat(rules, "POST", "//v1//files") and groups.unsafe_to_repeat(rules, "GET", "/v1///batches?x=/")
+    assert groups.parse_no_repeat(["POST //v1//files/"]) == [("POST", "/v1/files/")]
+    assert not groups.unsafe_to_repeat(rules, "POST", "/v1/chat?then=/v1/files")
+    for bad in ("v1/files", "POST v1/files", "POST /a /b", "P0ST /v1", "POST /v1/files?purpose=batch"):
         with pytest.raises(exceptions.OptionsError, match="relay_upstream_no_repeat"):
             groups.parse_no_repeat([bad])

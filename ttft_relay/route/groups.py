@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -116,21 +117,32 @@ def smoothed(before: float | None, value: float) -> float:
     return value if before is None else before + SMOOTHING * (value - before)
 
 
+def compared_path(path: str) -> str:
+    """A path as `relay_upstream_no_repeat` compares it, the rule's and the request's alike:
+    without its query, runs of '/' as one (a server reads '//v1//files' as '/v1/files');
+    otherwise as sent (no percent-decoding, no dot segments resolved)."""
+    return re.sub("/{2,}", "/", path.split("?", 1)[0])
+
+
 def parse_no_repeat(entries: Sequence[str]) -> list[tuple[str | None, str]]:
     """`relay_upstream_no_repeat`'s entries, '[METHOD] PATH' (a path prefix; no method: any), as
-    (METHOD or None, PATH); a bad entry is an OptionsError."""
+    (METHOD or None, PATH as `compared_path` reads it); a bad entry is an OptionsError (a query:
+    requests' are not compared)."""
     rules = []
     for entry in entries:
         fields = entry.split()
         if len(fields) not in (1, 2) or not fields[-1].startswith("/") or (len(fields) == 2 and not fields[0].isalpha()):
             raise exceptions.OptionsError(f"relay_upstream_no_repeat: {entry!r}: entries are '[METHOD] /PATH-PREFIX'")
-        rules.append((fields[0].upper() if len(fields) == 2 else None, fields[-1]))
+        if "?" in fields[-1]:
+            raise exceptions.OptionsError(f"relay_upstream_no_repeat: {entry!r}: a path prefix has no query "
+                                          "(requests are compared by their path alone)")
+        rules.append((fields[0].upper() if len(fields) == 2 else None, compared_path(fields[-1])))
     return rules
 
 
 def unsafe_to_repeat(rules: Sequence[tuple[str | None, str]], method: str, path: str) -> bool:
     """Whether the operator marked a request with this method and path unsafe to send twice."""
-    path = path.split("?", 1)[0]
+    path = compared_path(path)
     return any((m is None or m == method.upper()) and path.startswith(prefix) for m, prefix in rules)
 
 
@@ -194,7 +206,8 @@ class UpstreamGroups:
         loader.add_option(
             "relay_upstream_no_repeat", Sequence[str], [],
             "Requests never sent to a group's member twice: no hedge, no slow-head, no failover once the request "
-            "went (a failed connect still fails over): entries '[METHOD] /PATH-PREFIX', e.g. 'POST /v1/files'.",
+            "went (a failed connect still fails over): entries '[METHOD] /PATH-PREFIX', e.g. 'POST /v1/files' (the "
+            "request's path without its query, runs of '/' as one in both).",
         )
         loader.add_option(
             "relay_upstream_explore", int, round(choice.EXPLORE_SHARE * 100),
