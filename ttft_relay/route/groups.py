@@ -375,8 +375,8 @@ class UpstreamGroups:
                    bound_ms: float) -> None:
         """No head by the member's bound: close its connection (within the budget), if
         `choice.sooner_elsewhere` finds a member of `others` (their estimates when it was
-        chosen) expected sooner than waiting; the close fails the request over to that one
-        (`_fail_over_before_head`)."""
+        chosen) expected sooner than waiting; the close fails the request over to the next
+        member, that one (`_fail_over_before_head`)."""
         self.slow.pop(flow.id, None)
         st, rest = state.get(flow), self.orders.get(flow.id)
         if (not flow.live or flow.response is not None or not rest
@@ -386,6 +386,7 @@ class UpstreamGroups:
                 or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        # Its member is the next in the order (`choice.choose` puts the known ones first, soonest first).
         target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
         if target.to is None:
             st.route = {**st.route, "not_given_up": target.why}
@@ -396,7 +397,6 @@ class UpstreamGroups:
         if not connections.close(flow.client_conn, flow.server_conn):
             del self.giving_up[flow.id]
             return
-        self.orders[flow.id] = (target.to, *(name for name in rest if name != target.to))  # the failover goes there
         self.given_up += 1
         # Its queue is at least the wait beyond what was expected of it.
         learned, now = self.members[(host, chosen.name)], time.time()
