@@ -119,7 +119,7 @@ LATE = Behaviour(prefill_ms=PREFILL_MS, gap_ms=GAP_MS, head_delay_ms=30_000)
 SLOWER = Behaviour(prefill_ms=PREFILL_MS + 125, gap_ms=GAP_MS)
 """b while the lines are learned: slower than a, so that the CLI's turn goes to a, yet
 expected before a's late head's bound (a's expected first token and its line's tolerance, at
-least `prefill.QUEUE_MIN_MS`), so that a's late head is hedged to b (`choice.hedge_to`): 125 ms
+least `prefill.QUEUE_MIN_MS`), so that a's late head is hedged to b (`choice.sooner_elsewhere`): 125 ms
 is about half that tolerance, a margin each way."""
 
 

@@ -153,3 +153,23 @@ def test_a_head_later_than_its_bound_goes_to_the_next_member(two_fakes, start_re
     route = send(relay, f"{rid}-next", body("single 7"))["route"]
     assert route["upstream"] == "b" and route["why"] == "lowest expected first token", route
     assert route["expected_ms"]["127.0.0.1"] > route["expected_ms"]["b"], route
+
+
+def test_a_late_head_is_not_given_up_on_for_a_member_expected_later_than_waiting(two_fakes, start_relay, rid):
+    """b's first token is expected after a's late head would give its own (b's prefill is long):
+    giving a up would pay b's whole prefill for a later first token."""
+    a, b = two_fakes
+    b.behaviour = Behaviour(prefill_ms=1200)
+    relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                        relay_upstream_explore=100, relay_upstream_slow_head=100, relay_metrics_listen="127.0.0.1:0")
+    for n in range(6):  # three to a (nothing learned), three exploring b: both predict
+        send(relay, f"{rid}-{n}", body(f"single {n}"))
+    a.behaviour = Behaviour(prefill_ms=20, head_delay_ms=1000)
+    rec = send(relay, f"{rid}-late", body("single 6"))
+    route = rec["route"]
+    assert route["upstream"] == "127.0.0.1" and "failed_over" not in route and rec["ttft_ms"] >= 1000, route
+    assert route["not_given_up"].startswith("b expected 1.") and " s, 127.0.0.1 0." in route["not_given_up"], route
+    assert len(a.received) == 4 and len(b.received) == 3
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "ttft_relay_upstream_failovers_total") == 0
+    assert total(samples, "ttft_relay_upstream_late_heads_waited_total", member="127.0.0.1", instead_of="slow_head") == 1

@@ -115,7 +115,9 @@ def test_no_hedge_to_a_member_expected_later_than_waiting(learned, rid):
     assert route["upstream"] == "127.0.0.1" and "hedged" not in route, route
     assert route["not_hedged"].startswith("b expected 1.") and " s, 127.0.0.1 0." in route["not_hedged"], route
     assert len(b.received) == 3
-    assert total(scrape(metrics_url(relay)), "ttft_relay_upstream_hedges_total") == 0
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "ttft_relay_upstream_hedges_total") == 0
+    assert total(samples, "ttft_relay_upstream_late_heads_waited_total", member="127.0.0.1", instead_of="hedge") == 1
 
 
 def test_a_first_attempt_failing_while_the_hedge_runs_leaves_the_hedge_to_answer(learned, rid):
@@ -181,3 +183,51 @@ def test_an_http2_clients_request_is_hedged_as_any(learned, rid):
     (rec,) = relay.log.of(f"{rid}-h2")
     assert rec["route"]["hedged"]["won"] == "b" and rec["verdict"] == "upstream hedged", rec
     assert a.wait_finished(4, timeout=5) and a.sent[-1].outcome == "client_closed"
+
+
+def test_a_hedge_that_does_not_connect_is_no_race_and_costs_nothing(learned, rid):
+    """b is gone: the hedge's connect is refused, nothing of it sent; a's late head is the
+    answer, not a hedge's 'first head', and no prompt counts as paid twice."""
+    relay, a, b = learned(rid)
+    b.stop()
+    a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=1000, chunks=A_CHUNKS)
+    answered, rec = pieces(relay, f"{rid}-late", body("single 6"))
+    assert answered == FROM_A and rec["error"] is None
+    hedged = rec["route"]["hedged"]
+    assert (hedged["from"], hedged["upstream"], hedged["won"]) == ("127.0.0.1", "b", None), hedged
+    assert hedged["error"], hedged
+    assert rec["verdict"] != "upstream hedged", rec
+    samples = scrape(metrics_url(relay))
+    assert total(samples, "ttft_relay_upstream_hedges_total") == 0
+    assert total(samples, "ttft_relay_upstream_duplicated_prompt_tokens_total", cause="hedge") == 0
+
+
+def test_a_hedge_that_does_not_connect_is_given_back_to_the_budget(start_relay, rid):
+    """b and c are gone: a's late head is hedged to one of them, whose connect is refused (not
+    charged), and the next late head to the other (the first tried last after its failed
+    connect): the budget holds one hedge, and both were let go."""
+    with FakeUpstream(behaviour=Behaviour(prefill_ms=A_PREFILL_MS, chunks=A_CHUNKS)) as a, \
+            FakeUpstream(behaviour=Behaviour(prefill_ms=B_PREFILL_MS)) as b, \
+            FakeUpstream(behaviour=Behaviour(prefill_ms=B_PREFILL_MS)) as c:
+        relay = start_relay(reverse_to(a), relay_upstream_groups=[f"127.0.0.1 b=http://127.0.0.1:{b.port}",
+                                                                   f"127.0.0.1 c=http://127.0.0.1:{c.port}"],
+                            relay_upstream_explore=100, relay_upstream_hedge=True, relay_upstream_hedge_budget=10)
+        for n in range(9):  # three to a (nothing learned), three exploring b, three c: all predict
+            send(relay, f"{rid}-{n}", body(f"single {n}"))
+        assert (len(a.received), len(b.received), len(c.received)) == (3, 3, 3)
+        b.stop()
+        c.stop()
+        a.behaviour = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=LATE_MS, chunks=A_CHUNKS)
+        # The 10th request (1.0 hedge in the budget) and the 11th (1.1): each client gives up
+        # (no first token for a's line to learn a queue from: a stays the quickest).
+        hedged = []
+        for n in (10, 11):
+            with pytest.raises(TimeoutError):
+                client.request("POST", relay.url() + PATH, body(f"single {n}"),
+                               {"Authorization": f"Bearer {FAKE_OPENAI_KEY}", "x-request-id": f"{rid}-{n}"}, timeout=2)
+            (refused,) = relay.log.of(f"{rid}-{n}")
+            route = refused["route"]
+            assert refused["client_aborted"] and route["upstream"] == "127.0.0.1", route
+            assert "hedged" in route and route["hedged"]["error"] and route["hedged"]["won"] is None, route
+            hedged.append(route["hedged"]["upstream"])
+        assert sorted(hedged) == ["b", "c"]

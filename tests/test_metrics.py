@@ -503,6 +503,16 @@ def test_an_upstream_groups_choices_failovers_their_prompt_tokens_and_each_membe
     m.observe_route(a_routed_record(status=500, error="HTTP 500", error_phase="upstream_wait"))
     assert get("ttft_relay_upstream_choices_total", group | {"member": "b", "reason": "lowest"}) == 2
     assert get("ttft_relay_upstream_member_time_to_first_token_seconds_count", group | {"member": "b"}) == 1
+    # Late heads waited for (no other member expected sooner): by the late member and what was not done.
+    waited = group | {"member": "b"}
+    assert get("ttft_relay_upstream_late_heads_waited_total", waited | {"instead_of": "hedge"}) == 0
+    m.observe_route(a_routed_record(route={"not_hedged": "api.openai.com expected 1.6 s, b 0.3 s more"}))
+    m.observe_route(a_routed_record(route={"not_given_up": "api.openai.com expected 1.6 s, b 0.3 s more"}))
+    m.observe_route(a_routed_record(route={"not_given_up": "api.openai.com expected 1.6 s, b 0.3 s more"}))
+    assert get("ttft_relay_upstream_late_heads_waited_total", waited | {"instead_of": "hedge"}) == 1
+    assert get("ttft_relay_upstream_late_heads_waited_total", waited | {"instead_of": "slow_head"}) == 2
+    assert get("ttft_relay_upstream_late_heads_waited_total",
+               group | {"member": "api.openai.com", "instead_of": "slow_head"}) == 0
     # Records without a group (every other listener) count nothing here.
     before = sum(len(family.samples) for family in reg.collect())
     m.observe_route(a_record())

@@ -243,3 +243,21 @@ def test_upstream_groups_count_the_hedges_of_a_members_late_heads_and_their_prom
     text = capsys.readouterr().out
     assert "2 requests, 0 failed over before the head, 2 hedged (1500 prompt tokens sent again)" in text
     assert "hedged 1 (second head first), hedged 1 (first head first)" in text
+
+
+def test_upstream_groups_count_a_members_late_heads_waited_for_by_what_was_not_done(capsys, tmp_path):
+    """No other member expected sooner than the late one's remaining wait: no hedge, no give-up at its slow head."""
+    records = [routed(i, "api.example.com", "lowest", prompt=1000) for i in range(3)]
+    records[0]["route"]["not_hedged"] = records[1]["route"]["not_given_up"] = "b expected 1.6 s, api.example.com 0.3 s more"
+    records[2]["route"]["not_given_up"] = "b expected 1.6 s, api.example.com 0.4 s more"
+    (group,) = summary.upstream_groups(records).values()
+    own, b = group["members"]["api.example.com"], group["members"]["b"]
+    assert (group["waited"], own["waited"], b["waited"]) == (3, {"slow_head": 2, "hedge": 1}, {})
+    assert group["duplicated_prompt_tokens"] == 0  # nothing sent again
+    assert summary.main([str(write_log(tmp_path / "t.jsonl", records)), "--json"]) == 0
+    assert orjson.loads(capsys.readouterr().out)["upstream_groups"]["api.example.com"]["members"][
+        "api.example.com"]["waited"] == {"slow_head": 2, "hedge": 1}
+    assert summary.main([str(write_log(tmp_path / "t.jsonl", records))]) == 0
+    text = capsys.readouterr().out
+    assert "3 requests, 0 failed over before the head, 3 late heads waited for (no member expected sooner)" in text
+    assert "waited 2 (no slow_head), waited 1 (no hedge); lowest 3" in text

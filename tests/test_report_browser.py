@@ -45,7 +45,7 @@ def prefill_gap_record() -> dict:
 
 def routed_records() -> list[dict]:
     """Two requests of an upstream group (api.openai.com and its member b): one chosen and
-    served by b, one that left api.openai.com on a 503 for b."""
+    served by b, its late head not hedged, one that left api.openai.com on a 503 for b."""
     marks = {"request_body": 1.0, "forwarded": 2.0, "response_head": 300.0, "first_byte": 301.0,
              "first_token": 320.0, "last_token": 900.0, "end": 901.0}
     route = {"group": "api.openai.com", "upstream": "b", "why": "lowest expected first token", "reason": "lowest",
@@ -53,7 +53,8 @@ def routed_records() -> list[dict]:
     failed = [{"upstream": "api.openai.com", "error": "503", "cause": "5xx", "after_ms": 80.0}]
     return [report_samples.build(f"routed-{i}", report_samples.DAY_START + 30000 + i, "b.example.com", "gpt-4o-mini",
                                  marks, prompt=4000) | {"route": route | extra}
-            for i, extra in enumerate([{}, {"reason": "sticky", "failed_over": failed}])]
+            for i, extra in enumerate([{"not_hedged": "api.openai.com expected 0.9 s, b 0.3 s more"},
+                                       {"reason": "sticky", "failed_over": failed}])]
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +147,11 @@ def test_an_upstream_group_gets_a_row_per_member(report_page):
     rows = page.evaluate("[...document.querySelectorAll('table.members tbody tr')].map((tr) => "
                          "[...tr.cells].map((td) => td.textContent))")
     assert [row[:3] for row in rows] == [["api.openai.com", "1", "0"], ["b", "1", "2"]]
-    assert rows[0][-3:] == ["5xx 1", "–", "4000"] and rows[1][3] == "320 ms" and rows[1][7] == "lowest 1"
+    assert rows[0][-4:] == ["5xx 1", "–", "–", "4000"] and rows[1][3] == "320 ms" and rows[1][7] == "lowest 1"
+    assert rows[1][-2] == "hedge 1"  # b's late head waited for instead of a hedge
     heading = page.evaluate("document.querySelector('table.members').previousElementSibling.textContent")
-    assert heading == "api.openai.com: 2 requests, 1 failed over before the head, 0 hedged, 4000 prompt tokens sent again"
+    assert heading == ("api.openai.com: 2 requests, 1 failed over before the head, 0 hedged, 1 late heads waited for, "
+                       "4000 prompt tokens sent again")
 
 
 def test_a_request_picked_from_the_table_gets_its_own_waterfall(report_page):

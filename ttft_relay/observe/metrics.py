@@ -27,6 +27,9 @@ LLM call (each timing record):
                                                  hedge's losing attempt: cause "hedge"
     ttft_relay_upstream_hedges_total             requests a group hedged (sent to the next member as
                                                  well), by group, from_member and won (first, second)
+    ttft_relay_upstream_late_heads_waited_total  late heads a group waited for, no other member
+                                                 expected sooner (`route.not_hedged`, `not_given_up`):
+                                                 by group, member and instead_of (hedge, slow_head)
     ttft_relay_event_loop_lag_seconds            the relay's event-loop lag, sampled continuously
                                                  (selfwatch): how late ready work runs
     ttft_relay_gc_pause_seconds                  each garbage collection of the relay's process, by
@@ -190,6 +193,11 @@ class RelayMetrics:
                               "member as well when the chosen one had no head by its bound; by which head came "
                               "first (won: first, second). Both prompts paid: duplicated_prompt_tokens, cause hedge.",
                               ("group", "from_member", "won"), registry=registry)
+        self.waited = Counter("ttft_relay_upstream_late_heads_waited", "Late heads an upstream group waited for "
+                              "because no other member was expected to give the first token sooner than the late "
+                              "one's remaining wait; by what was not done (instead_of: " +
+                              ", ".join(record.WAITED_INSTEAD_OF.values()) + ").",
+                              ("group", "member", "instead_of"), registry=registry)
         self.gc_pause = Histogram("ttft_relay_gc_pause_seconds",
                                   "Each garbage collection of the relay's process, by generation: a pause "
                                   "every thread and every live stream waits for.", ("generation",),
@@ -283,6 +291,8 @@ class RelayMetrics:
         self._child(self.duplicated, group, member, record.HEDGE)
         for won in record.HEDGE_WINNERS:
             self._child(self.hedges, group, member, won)
+        for instead_of in record.WAITED_INSTEAD_OF.values():
+            self._child(self.waited, group, member, instead_of)
 
     def observe_route(self, rec: record.Record) -> None:
         """Count an upstream group's choice, failovers and their prompt tokens, and its member's
@@ -306,6 +316,9 @@ class RelayMetrics:
             first, won = str(hedged.get("from")), "second" if hedged["won"] == hedged.get("upstream") else "first"
             self._child(self.hedges, group, first, won).inc()
             self._child(self.duplicated, group, first, record.HEDGE).inc(prompt)
+        for field, instead_of in record.WAITED_INSTEAD_OF.items():
+            if route.get(field):  # the late head is the first chosen member's (the bound is only its)
+                self._child(self.waited, group, str(chosen), instead_of).inc()
         if (not phases.waited_for_another(route) and rec.ttft_ms is not None and rec.status is not None
                 and 200 <= rec.status < 300 and not rec.error and not rec.client_aborted):
             self._child(self.member_ttft, group, str(route.get("upstream"))).observe(rec.ttft_ms / 1000)

@@ -386,17 +386,20 @@
     const count = (o) => Object.entries(o).map(([k, n]) => `${esc(k)} ${n}`).join(", ") || "–";
     for (const [name, g] of Object.entries(D.upstream_groups)) {
       s.appendChild(el("h3", {}, `${esc(name)}: ${g.requests} requests, ${g.failed_over} failed over before the head, ` +
-        `${g.hedged || 0} hedged, ${g.duplicated_prompt_tokens} prompt tokens sent again`));
+        `${g.hedged || 0} hedged, ${g.waited || 0} late heads waited for, ` +
+        `${g.duplicated_prompt_tokens} prompt tokens sent again`));
       const rows = Object.entries(g.members).map(([member, m]) => {
         const q = (k) => `<td class="num">${m.ttft ? fmtMs(m.ttft[k]) : "–"}</td>`;
         return `<tr><td>${esc(member)}</td><td class="num">${m.chosen}</td><td class="num">${m.served}</td>` +
           q("p50") + q("p90") + q("p99") + `<td class="num">${m.ttft ? m.ttft.n : 0}</td>` +
           `<td>${count(m.reasons)}</td><td>${count(m.failovers)}</td><td>${count(m.hedges || {})}</td>` +
+          `<td>${count(m.waited || {})}</td>` +
           `<td class="num">${m.duplicated_prompt_tokens}</td></tr>`;
       }).join("");
       s.appendChild(el("table", { class: "members" }, "<thead><tr><th>member</th><th class=\"num\">chosen</th>" +
         "<th class=\"num\">served</th><th class=\"num\">ttft p50</th><th class=\"num\">p90</th><th class=\"num\">p99</th>" +
         "<th class=\"num\">n</th><th>chosen why</th><th>failed over (cause)</th><th>hedged (whose head first)</th>" +
+        "<th>late head waited for (instead of)</th>" +
         "<th class=\"num\">prompt tokens sent again</th>" +
         `</tr></thead><tbody>${rows}</tbody>`));
     }
@@ -469,7 +472,7 @@
     waitVsPrompt(section("Upstream wait vs prompt tokens", "A steep line (many ms per 1k tokens) means context length drives the wait; a high base means queueing or a slow model; dots far above the line: upstream queueing."));
     percentileBars(section("Phase percentiles per upstream · model"));
     if (D.upstream_groups && Object.keys(D.upstream_groups).length)
-      upstreamGroups(section("Upstream groups", "Per member: the requests sent to it first and why (order: nothing learned yet; exploring: its first-token line was being learned; lowest: the lowest expected first token; sticky: the conversation's cache is there; left_cache: another was quicker by more than the cache miss), those it served, its own first tokens (successful answers with no failover or winning hedge before them), the failovers from it, each sending the prompt again, and the hedges of its late heads (sent to the next member as well; first: its own head came first, second: the hedge's), each paying the prompt twice."));
+      upstreamGroups(section("Upstream groups", "Per member: the requests sent to it first and why (order: nothing learned yet; exploring: its first-token line was being learned; lowest: the lowest expected first token; sticky: the conversation's cache is there; left_cache: another was quicker by more than the cache miss), those it served, its own first tokens (successful answers with no failover or winning hedge before them), the failovers from it, each sending the prompt again, and the hedges of its late heads (sent to the next member as well; first: its own head came first, second: the hedge's), each paying the prompt twice, and its late heads waited for because no other member was expected to give the first token sooner than its remaining wait (instead of a hedge, or of giving it up at its slow head)."));
     requestTable(section("Requests", "Click a column to sort, a row to see its waterfall."));
   }
   const want = decodeURIComponent(location.hash.slice(1));

@@ -13,8 +13,8 @@ many access keys);
 each context window learned from a provider's refusal: when, from which reply,
 which access key's digest, and whether another key or an accepted request confirmed it;
 and each upstream group (`relay_upstream_groups`): per member, how often it was chosen and
-why, its own first tokens' percentiles, the failovers from it and the prompt tokens they
-sent again.
+why, its own first tokens' percentiles, the failovers and hedges from it and the prompt
+tokens they sent again, and its late heads waited for (no other member expected sooner).
 WebSocket turns are counted apart, and so are WebSocket handshakes (the record of
 turn 0) and the failed ones; handshakes and prewarm turns (`generate: false`, no
 token asked for) stay out of the phase statistics, the fit and the slowest list.
@@ -290,19 +290,21 @@ def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
     (`chosen`) and why (`reasons`), those that ended on it (`served`), its own first tokens'
     percentiles (successful answers with no failover or winning hedge before them: their wait
     holds the other attempt's), the failovers from it by cause and the hedges of its late heads
-    by whose head came first (`hedges`: first, second), with their prompt tokens."""
+    by whose head came first (`hedges`: first, second), with their prompt tokens, and its late
+    heads waited for, no other member expected sooner (`waited`: by what was not done,
+    `record.WAITED_INSTEAD_OF`: hedge, slow_head; the group's `waited` counts them all)."""
     groups: dict[str, dict[str, Any]] = {}
 
     def member(group: dict[str, Any], name: Any) -> dict[str, Any]:
         return group["members"].setdefault(str(name), {
             "chosen": 0, "reasons": Counter(), "served": 0, "ttft": [], "failovers": Counter(), "hedges": Counter(),
-            "duplicated_prompt_tokens": 0})
+            "waited": Counter(), "duplicated_prompt_tokens": 0})
 
     for rec in records:
         if not isinstance(route := rec.get("route"), dict):
             continue
         group = groups.setdefault(printable(str(route.get("group") or "?")), {
-            "requests": 0, "failed_over": 0, "hedged": 0, "duplicated_prompt_tokens": 0, "members": {}})
+            "requests": 0, "failed_over": 0, "hedged": 0, "waited": 0, "duplicated_prompt_tokens": 0, "members": {}})
         for name in route.get("expected_ms") or ():  # every member, in the group's order
             member(group, name)
         failed = route.get("failed_over") or []
@@ -326,6 +328,10 @@ def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
             late["duplicated_prompt_tokens"] += prompt
             group["duplicated_prompt_tokens"] += prompt
             group["hedged"] += 1
+        for field, instead_of in record.WAITED_INSTEAD_OF.items():
+            if route.get(field):  # the late head is the first chosen member's (the bound is only its)
+                first["waited"][instead_of] += 1
+                group["waited"] += 1
         if (not phases.waited_for_another(route) and counts_as_first_token(rec) and (ttft := rec.get("ttft_ms")) is not None
                 and not rec.get("error") and not rec.get("client_aborted")):
             served["ttft"].append(ttft)
@@ -337,6 +343,7 @@ def upstream_groups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str,
             m["reasons"] = dict(m["reasons"].most_common())
             m["failovers"] = dict(m["failovers"].most_common())
             m["hedges"] = dict(m["hedges"].most_common())
+            m["waited"] = dict(m["waited"].most_common())
     return groups
 
 
@@ -344,16 +351,18 @@ def format_upstream_groups(groups: Mapping[str, Mapping[str, Any]]) -> list[str]
     out = []
     for name, g in groups.items():
         hedged = f", {g['hedged']} hedged" if g["hedged"] else ""
+        waited = f", {g['waited']} late heads waited for (no member expected sooner)" if g["waited"] else ""
         out += [f"Upstream group {name}: {g['requests']} requests, {g['failed_over']} failed over before the head"
-                f"{hedged} ({g['duplicated_prompt_tokens']} prompt tokens sent again)",
+                f"{hedged}{waited} ({g['duplicated_prompt_tokens']} prompt tokens sent again)",
                 f"   {'member':<24}{'chosen':>8}{'served':>8}{'ttft p50':>10}{'p90':>8}{'p99':>8}{'n':>6}"
-                f"{'tokens again':>14}  failed over, chosen why"]
+                f"{'tokens again':>14}  failed over, hedged, waited; chosen why"]
         for member, m in g["members"].items():
             ttft = m["ttft"] or {}
             quantiles = "".join(f"{ttft[q]:>{w}.0f}" if q in ttft else f"{'–':>{w}}"
                                 for q, w in (("p50", 10), ("p90", 8), ("p99", 8)))
             failovers = ", ".join([*(f"{cause} {n}" for cause, n in m["failovers"].items()),
-                                   *(f"hedged {n} ({won} head first)" for won, n in m["hedges"].items())]) or "none"
+                                   *(f"hedged {n} ({won} head first)" for won, n in m["hedges"].items()),
+                                   *(f"waited {n} (no {what})" for what, n in m["waited"].items())]) or "none"
             reasons = ", ".join(f"{reason} {n}" for reason, n in m["reasons"].items()) or "–"
             out.append(f"   {printable(member):<24}{m['chosen']:>8}{m['served']:>8}{quantiles}{ttft.get('n', 0):>6}"
                        f"{m['duplicated_prompt_tokens']:>14}  {failovers}; {reasons}")

@@ -11,8 +11,9 @@ beating the cache miss. A member with no line yet (cold) gets EXPLORE_SHARE of t
 requests that have no cache at stake, so it is learned; a member that failed moments ago is
 tried last.
 
-A request hedged at its member's bound (`hedge_to`) goes to another member only when that
-one's expected first token for it, cache miss included, beats the late member's remaining wait.
+A request with no head by its member's bound (`sooner_elsewhere`), hedged or given up on at
+its slow head, goes to another member only when that one's expected first token for it, cache
+miss included, beats the late member's remaining wait.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def choose(estimates: Sequence[Estimate], *, explore_draw: float, explore_share:
 
 
 @dataclass(frozen=True, slots=True)
-class Hedge:
+class Elsewhere:
     to: str | None
-    """The member the late request goes to as well; None: none is expected sooner than waiting."""
+    """The member a late request goes to (as well, or instead); None: none is expected sooner than waiting."""
     why: str
 
 
@@ -107,18 +108,19 @@ def remaining_ms(late: Estimate, waited_ms: float) -> float:
     return max((late.first_token_ms or 0.0) - waited_ms, waited_ms)
 
 
-def hedge_to(late: Estimate, waited_ms: float, candidates: Sequence[Estimate]) -> Hedge:
-    """Where a request whose member `late` gave no head after `waited_ms` goes as well: the
-    member of `candidates` (the others) expected to give this request's first token soonest
-    (its cache miss, round trip and queue in it), if that is sooner than `late`'s remaining
-    wait. A provider sends its head before the prefill, so the hedge's head wins the race
-    even where its first token comes later than waiting would have given it: only the
-    expected first tokens say whether a hedge is worth its second prompt."""
+def sooner_elsewhere(late: Estimate, waited_ms: float, candidates: Sequence[Estimate]) -> Elsewhere:
+    """Where a request whose member `late` gave no head after `waited_ms` goes, as well (a
+    hedge) or instead (a slow head given up on): the member of `candidates` (the others)
+    expected to give this request's first token soonest (its cache miss, round trip and
+    queue in it), if that is sooner than `late`'s remaining wait. A provider sends its head
+    before the prefill, so the other member's head wins a hedge's race even where its first
+    token comes later than waiting would have given it, and a slow head given up on pays the
+    other's whole prefill: only the expected first tokens say whether a second prompt is worth it."""
     remaining = remaining_ms(late, waited_ms)
     known = [e for e in candidates if e.first_token_ms is not None and not e.down]
     if not known:
-        return Hedge(None, "no other member's first token is known")
+        return Elsewhere(None, "no other member's first token is known")
     best = min(known, key=lambda e: e.first_token_ms or 0.0)
     expected = f"{best.name} expected {(best.first_token_ms or 0.0) / 1000:.1f} s, " \
                f"{late.name} {remaining / 1000:.1f} s more"
-    return Hedge(best.name, expected) if (best.first_token_ms or 0.0) < remaining else Hedge(None, expected)
+    return Elsewhere(best.name if (best.first_token_ms or 0.0) < remaining else None, expected)

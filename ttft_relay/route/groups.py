@@ -23,18 +23,20 @@ again; a WebSocket's turns stay on the member its handshake went to.
 A slow head, opt-in (`relay_upstream_slow_head`, a budget: at most that percent of the
 group's requests): when the chosen member's response head has not come by its bound (the
 first token its line expects for this prompt, with the line's tolerance, `Expectation.
-tolerance_ms`), its connection is closed and the request goes to the next member as after
-a failure; the member's queue is taken to be at least that wait. The abandoned attempt's
-prompt is paid for all the same. This is failover at a deadline: the two attempts never race.
+tolerance_ms`), its connection is closed and the request goes, as after a failure, to the
+member expected to give its first token soonest (its cache miss, round trip and queue in
+it) — only if that beats the late member's remaining wait (`choice.sooner_elsewhere`; else
+the head is waited for and the record's `route.not_given_up` says why); the member's queue
+is taken to be at least that wait. The abandoned attempt's prompt is paid for all the same.
+This is failover at a deadline: the two attempts never race.
 
 A hedge, opt-in (`relay_upstream_hedge`, within `relay_upstream_hedge_budget`: at most that
-percent of the group's requests), takes the slow head's place: at the same bound the request
-goes as well to the member expected to give its first token soonest (its cache miss, round trip
-and queue in it), if that beats the late member's remaining wait (`choice.hedge_to`; else the
-record's `route.not_hedged` says why not), the first one's attempt left running (`patches.speed.hedge`);
+percent of the group's requests), takes the slow head's place: at the same bound, by the same
+rule (`choice.sooner_elsewhere`; else the record's `route.not_hedged` says why not), the
+request goes as well to that member, the first one's attempt left running (`patches.speed.hedge`);
 the first head wins, the other attempt's connection is closed before any byte of it reaches
 the client. Either way both prompts are paid (the record's `route.hedged`, the duplicated
-prompt tokens); a losing attempt on an HTTP/2 connection is left to finish (closing the
+prompt tokens; a hedge whose connection failed sent nothing: not charged to the budget); a losing attempt on an HTTP/2 connection is left to finish (closing the
 connection would end its other streams), so its answer is paid too. Never a request the operator marks unsafe to repeat (`relay_upstream_no_repeat`:
 methods and paths), which is neither hedged, nor given up on at its slow head, nor failed over
 once it went (only a connect that failed, when nothing of it left the relay, sends it on).
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -114,21 +117,32 @@ def smoothed(before: float | None, value: float) -> float:
     return value if before is None else before + SMOOTHING * (value - before)
 
 
+def compared_path(path: str) -> str:
+    """A path as `relay_upstream_no_repeat` compares it, the rule's and the request's alike:
+    without its query, runs of '/' as one (a server reads '//v1//files' as '/v1/files');
+    otherwise as sent (no percent-decoding, no dot segments resolved)."""
+    return re.sub("/{2,}", "/", path.split("?", 1)[0])
+
+
 def parse_no_repeat(entries: Sequence[str]) -> list[tuple[str | None, str]]:
     """`relay_upstream_no_repeat`'s entries, '[METHOD] PATH' (a path prefix; no method: any), as
-    (METHOD or None, PATH); a bad entry is an OptionsError."""
+    (METHOD or None, PATH as `compared_path` reads it); a bad entry is an OptionsError (a query:
+    requests' are not compared)."""
     rules = []
     for entry in entries:
         fields = entry.split()
         if len(fields) not in (1, 2) or not fields[-1].startswith("/") or (len(fields) == 2 and not fields[0].isalpha()):
             raise exceptions.OptionsError(f"relay_upstream_no_repeat: {entry!r}: entries are '[METHOD] /PATH-PREFIX'")
-        rules.append((fields[0].upper() if len(fields) == 2 else None, fields[-1]))
+        if "?" in fields[-1]:
+            raise exceptions.OptionsError(f"relay_upstream_no_repeat: {entry!r}: a path prefix has no query "
+                                          "(requests are compared by their path alone)")
+        rules.append((fields[0].upper() if len(fields) == 2 else None, compared_path(fields[-1])))
     return rules
 
 
 def unsafe_to_repeat(rules: Sequence[tuple[str | None, str]], method: str, path: str) -> bool:
     """Whether the operator marked a request with this method and path unsafe to send twice."""
-    path = path.split("?", 1)[0]
+    path = compared_path(path)
     return any((m is None or m == method.upper()) and path.startswith(prefix) for m, prefix in rules)
 
 
@@ -170,9 +184,11 @@ class UpstreamGroups:
         )
         loader.add_option(
             "relay_upstream_slow_head", int, 0,
-            "Percent of a group's requests, at most, sent on to the next member when the chosen one's response "
-            "head is later than its learned bound (the first token its line expects, with the line's tolerance); "
-            "the first attempt is abandoned, its prompt paid all the same. 0: off.",
+            "Percent of a group's requests, at most, given up on when the chosen member's response head is later "
+            "than its learned bound (the first token its line expects, with the line's tolerance) and sent instead "
+            "to the member expected to give its first token (cache miss included) sooner than the late one's "
+            "remaining wait, if any (else waited for); the first attempt is abandoned, its prompt paid all the "
+            "same. 0: off.",
         )
         loader.add_option(
             "relay_upstream_hedge", bool, False,
@@ -184,12 +200,14 @@ class UpstreamGroups:
         )
         loader.add_option(
             "relay_upstream_hedge_budget", int, 5,
-            "Percent of a group's requests, at most, hedged (relay_upstream_hedge).",
+            "Percent of a group's requests, at most, hedged (relay_upstream_hedge; a hedge whose connection "
+            "failed, nothing of it sent, is not counted).",
         )
         loader.add_option(
             "relay_upstream_no_repeat", Sequence[str], [],
             "Requests never sent to a group's member twice: no hedge, no slow-head, no failover once the request "
-            "went (a failed connect still fails over): entries '[METHOD] /PATH-PREFIX', e.g. 'POST /v1/files'.",
+            "went (a failed connect still fails over): entries '[METHOD] /PATH-PREFIX', e.g. 'POST /v1/files' (the "
+            "request's path without its query, runs of '/' as one in both).",
         )
         loader.add_option(
             "relay_upstream_explore", int, round(choice.EXPLORE_SHARE * 100),
@@ -286,13 +304,13 @@ class UpstreamGroups:
         chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
         if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
                 and not self.unsafe(flow):
+            others = [e for e in estimates if e.name in picked.order[1:]]
             if ctx.options.relay_upstream_hedge and hedge.installed():
-                others = [e for e in estimates if e.name in picked.order[1:]]
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
                     bound_ms / 1000, self._hedge, flow, host, chosen, others, bound_ms)
             elif ctx.options.relay_upstream_slow_head:
                 self.slow[flow.id] = asyncio.get_running_loop().call_later(
-                    bound_ms / 1000, self._slow_head, flow, host, chosen, bound_ms)
+                    bound_ms / 1000, self._slow_head, flow, host, chosen, others, bound_ms)
         if conversation is not None:
             self.conversation_of[flow.id] = conversation
             self.served.pop(conversation, None)
@@ -353,18 +371,28 @@ class UpstreamGroups:
         if (timer := self.slow.pop(flow.id, None)) is not None:
             timer.cancel()
 
-    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, bound_ms: float) -> None:
-        """No head by the member's bound: close its connection (within the budget); the close
-        fails the request over (`_fail_over_before_head`)."""
+    def _slow_head(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, others: Sequence[choice.Estimate],
+                   bound_ms: float) -> None:
+        """No head by the member's bound: close its connection (within the budget), if
+        `choice.sooner_elsewhere` finds a member of `others` (their estimates when it was
+        chosen) expected sooner than waiting; the close fails the request over to the next
+        member, that one (`_fail_over_before_head`)."""
         self.slow.pop(flow.id, None)
-        st = state.get(flow)
-        if (not flow.live or flow.response is not None or not self.orders.get(flow.id)
+        st, rest = state.get(flow), self.orders.get(flow.id)
+        if (not flow.live or flow.response is not None or not rest
                 or st is None or st.route is None
                 or st.route.get("upstream") != chosen.name  # failed over since: the bound was the first member's
                 or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        # Its member is the next in the order (`choice.choose` puts the known ones first, soonest first).
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
+        if target.to is None:
+            st.route = {**st.route, "not_given_up": target.why}
+            logger.info("%s: %s had no head after %.1f s, not given up on: %s", host, chosen.name,
+                        waited_ms / 1000, target.why)
+            return
         self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
         if not connections.close(flow.client_conn, flow.server_conn):
             del self.giving_up[flow.id]
@@ -384,7 +412,7 @@ class UpstreamGroups:
     def _hedge(self, flow: http.HTTPFlow, host: str, chosen: choice.Estimate, others: Sequence[choice.Estimate],
                bound_ms: float) -> None:
         """No head by the member's bound: send the request as well (within the budget) to the
-        member `choice.hedge_to` picks from `others` (their estimates when it was chosen), if one
+        member `choice.sooner_elsewhere` picks from `others` (their estimates when it was chosen), if one
         is expected sooner than waiting; the first head wins (`hedge`)."""
         self.slow.pop(flow.id, None)
         st, rest = state.get(flow), self.orders.get(flow.id)
@@ -397,7 +425,7 @@ class UpstreamGroups:
                 or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
-        target = choice.hedge_to(chosen, waited_ms, [e for e in others if e.name in rest])
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
         if target.to is None:
             st.route = {**st.route, "not_hedged": target.why}
             logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,
@@ -414,6 +442,8 @@ class UpstreamGroups:
         finally:
             st.route = route
 
+        unconnected: list[str] = []  # why the hedge's connection failed, if it did (before or after `started`)
+
         def started(done: bool) -> None:
             if not done or (st.route or {}).get("hedged"):
                 return
@@ -425,8 +455,30 @@ class UpstreamGroups:
                                                "after_ms": round(waited_ms, 1), "won": None}}
             logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well (%s)",
                         host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name, target.why)
+            if unconnected:
+                self._hedge_unconnected(flow, host, unconnected[0])
 
-        hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started)
+        def connect_failed(flow: http.HTTPFlow, why: str) -> None:
+            unconnected.append(why)
+            if (st.route or {}).get("hedged"):
+                self._hedge_unconnected(flow, host, why)
+
+        hedge.race(handler, flow, request, lambda flow: self._hedge_won(flow, host, chosen), started,
+                   connect_failed)
+
+    def _hedge_unconnected(self, flow: http.HTTPFlow, host: str, why: str) -> None:
+        """The hedge's connection failed, nothing of it sent: it is given back to the budget
+        (it cost no prompt), the record's `hedged` says why (no head of it can win), and its
+        member is tried last for a while, as after any failed connect. In the layer: nothing may raise."""
+        st = state.get(flow)
+        if st is None or st.route is None or not (hedged := st.route.get("hedged")) or "error" in hedged:
+            return
+        self.hedges -= 1
+        self.hedging.pop(flow.id, None)
+        st.route = {**st.route, "hedged": {**hedged, "error": why}}
+        if (learned := self.members.get((host, hedged["upstream"]))) is not None:  # the group may have changed
+            learned.down_until = time.time() + DOWN_S
+        logger.info("%s: the hedge to %s did not connect (%s): not charged to the budget", host, hedged["upstream"], why)
 
     def _hedge_won(self, flow: http.HTTPFlow, host: str, first: choice.Estimate) -> None:
         """The second attempt's head came first (in the layer, before the stream sees it): the
@@ -453,7 +505,8 @@ class UpstreamGroups:
         """A head came; if it is the first attempt's while a second raced, that one is closed."""
         hedge.lose_second(flow)
         st = state.get(flow)
-        if st is None or st.route is None or not (hedged := st.route.get("hedged")) or hedged.get("won"):
+        if (st is None or st.route is None or not (hedged := st.route.get("hedged")) or hedged.get("won")
+                or "error" in hedged):  # its connection failed: no race
             return
         now = time.time()
         head_ms = (now - self.hedging.get(flow.id, now)) * 1000

@@ -40,6 +40,12 @@ def option_text(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def set_args(options: dict[str, object]) -> list[str]:
+    """`--set name=value` for each option; a list, one per item (mitmproxy makes them its sequence)."""
+    return [arg for name, value in options.items()
+            for item in (value if isinstance(value, list) else [value]) for arg in ("--set", f"{name}={option_text(item)}")]
+
+
 class MitmdumpProcess:
     """One mitmdump process. `ports` lists the listen ports in the order reported,
     which is the order of `--mode` arguments."""
@@ -71,8 +77,7 @@ class MitmdumpProcess:
             # A test stops its relay with the streams it holds open: ended at once (the relay's
             # default waits up to 30 s for them to finish); a test of the grace sets its own.
             options = {"relay_shutdown_grace": 0, **(options or {})}
-        for name, value in (options or {}).items():
-            args += ["--set", f"{name}={option_text(value)}"]
+        args += set_args(options or {})
         args += extra_args or []
         self.args = args
         self.env = {**os.environ, "TTFT_RELAY_CONF": str(relay_conf) if relay_conf else "", **(env or {})}
@@ -210,8 +215,7 @@ class RelayWorkers:
                 "--mode", f"reverse:{upstream}@{self.port}", "--listen-host", "127.0.0.1"]
         options = {"confdir": tmp, "relay_timing_log": tmp / "timing-n.jsonl",
                    "relay_metrics_listen": "127.0.0.1:0", "flow_detail": 0, **(options or {})}
-        for name, value in options.items():
-            args += ["--set", f"{name}={option_text(value)}"]
+        args += set_args(options)
         self.args = args
         self.repo = repo
         self.proc: subprocess.Popen[str] | None = None

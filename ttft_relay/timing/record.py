@@ -52,6 +52,10 @@ HEDGE = "hedge"
 """The duplicated prompt tokens' cause for a hedge's losing attempt (`route.hedged`)."""
 HEDGE_WINNERS = ("first", "second")
 """Whose head came first in a hedge: the chosen member's, or the one hedged to."""
+WAITED_INSTEAD_OF = {"not_hedged": HEDGE, "not_given_up": "slow_head"}
+"""A late head waited for, no other member expected sooner than its remaining wait
+(`choice.sooner_elsewhere`): the `route` field that says why → what was not done, in a word
+(the metrics' `instead_of` label and the report's): a hedge, a slow head's give-up."""
 
 
 
@@ -141,7 +145,8 @@ class Record:
     (`expected_ms`, null: not known), and `failed_over`: the members left before the
     answer's head, why, and its `cause` in a word (FAILOVER_CAUSES); `hedged`: the member
     the request went to as well, when, and which one's head came first (`won`);
-    `not_hedged`: why a late head was not (no member expected sooner than waiting)."""
+    `not_hedged` / `not_given_up`: why a late head was not hedged / given up on at its slow
+    head (no member expected sooner than waiting)."""
     transport: str
     """HTTP, or WEBSOCKET for a WebSocket's handshake and its turns."""
     turn: int | None

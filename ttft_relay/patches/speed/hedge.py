@@ -21,7 +21,8 @@ stream, under the flow's id, as the first's went (`HttpStream._handle_event` nev
 event's stream id), with the commands the stream answers. A head the first connection
 brought arrives while the second is still waiting: the first won, and `lose_second` (the
 `responseheaders` hook, before the head is sent on) closes the second; its close, and anything
-it read, goes nowhere. A second attempt that fails before its head ends the race quietly; a
+it read, goes nowhere. A second attempt that fails before its head ends the race quietly (one
+whose connection failed, nothing of it sent, is told to `Race.unconnected`); a
 first attempt that fails before its head while the second is in flight is dropped
 (`first_failed`, from the group's failover): the second is then the flow's only attempt, its
 head or its failure the flow's. An HTTP/2 second
@@ -74,15 +75,18 @@ PINS = {
 }
 
 Won = Callable[[http.HTTPFlow], None]
+Unconnected = Callable[[http.HTTPFlow, str], None]
 
 
 @dataclass
 class Race(layer_events.FlowEvent):
     """Send `request` (aimed and keyed for the second upstream) as well; `won(flow)` runs,
-    inside the layer, when the second's head comes first (before the stream sees it)."""
+    inside the layer, when the second's head comes first (before the stream sees it);
+    `unconnected(flow, why)` when the second's connection failed (nothing of it was sent)."""
 
     request: http.Request | None = None
     won: Won | None = None
+    unconnected: Unconnected | None = None
 
 
 class _Second:
@@ -140,6 +144,8 @@ class _Second:
     def _connected(self, event: GetHttpConnectionCompleted) -> layer.CommandGenerator[None]:
         server, err = event.reply
         if err or not isinstance(server, connection.Server):
+            if self.race.unconnected is not None:
+                self.race.unconnected(self.stream.flow, str(err or "no connection"))
             if self.first_failed and self.state == "racing":
                 self.state = "won"  # the only attempt left: its failure is the flow's
                 yield from self.stream.handle_event(
@@ -218,11 +224,12 @@ def installed() -> bool:
 
 
 def race(handler: Any, flow: http.HTTPFlow, request: http.Request, won: Won,
-         then: Callable[[bool], object] | None = None) -> None:
+         then: Callable[[bool], object] | None = None, unconnected: Unconnected | None = None) -> None:
     """Send `request` (a copy of the flow's, aimed and keyed for another upstream) as well,
     through `handler` (the flow's client connection handler); `won(flow)` if its head comes
-    first; `then(started)` once the layer had it."""
-    layer_events.hand(handler, Race(flow, request=request, won=won), then)
+    first; `then(started)` once the layer had it; `unconnected(flow, why)` if its connection
+    failed (in the layer: it may not raise)."""
+    layer_events.hand(handler, Race(flow, request=request, won=won, unconnected=unconnected), then)
 
 
 def racing(flow: http.HTTPFlow) -> bool:
