@@ -83,7 +83,7 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str 
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
     lay = policy.layout(items, apis.get(api).trim_shape)
     if stats["over_budget"]:
-        check_into_newest_turn(items, kept, lay, stats, budget)
+        check_into_newest_turn(items, kept, lay, stats, budget, order)
         return result
     assert stats["tokens_after"] <= budget.tokens and not stats["dropped_rounds"] and not stats["cut_results"]
     assert kept[-1] == items[-1] or without_notice(kept[-1]) == items[-1], "the newest message is sent whole"
@@ -93,11 +93,13 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str 
     return result
 
 
-def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: dict, budget: Budget) -> None:
-    """The promises of a trim that had to go into the newest turn: every older turn gone,
-    its prompt kept, its oldest rounds dropped, the newest round's calls kept (their results
-    cut only if nothing else could go)."""
-    assert stats["trimmed"] and stats["dropped_units"] == len(lay.cuts)
+def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: dict, budget: Budget,
+                           order: str = policy.OLDEST) -> None:
+    """The promises of a trim that had to go into the newest turn: every older turn gone
+    (newest first: its rounds go before them, from the newest back), its prompt kept, its
+    rounds dropped, the newest round's calls kept (their results cut only if nothing else
+    could go)."""
+    assert stats["trimmed"] and (stats["dropped_units"] == len(lay.cuts) or order == policy.NEWEST)
     if lay.cuts:
         prompts, prompt = [without_notice(k) for k in kept], items[lay.newest]
         # Before the newest round, its images are shrunk as any item there (alike in every request
@@ -110,7 +112,10 @@ def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: d
     assert all(shaped._same_skeleton(a, b) for a, b in zip(newest_round, tail)), "the newest round is kept"
     assert sum(a != without_notice(b) for a, b in zip(newest_round, tail)) <= stats["cut_results"]
     if stats["cut_results"] or stats["tokens_after"] > budget.tokens:
-        assert stats["dropped_rounds"] == len(lay.rounds), "results are cut only once every older round went"
+        everything = len(lay.rounds)
+        if order == policy.NEWEST:  # a round of pinned items only is not dropped; the turn's first round stays
+            everything = sum(not lay.always[r - 1] for r in lay.rounds) - (lay.turn_body == lay.head_end)
+        assert stats["dropped_rounds"] >= everything, "results are cut only once every older round went"
 
 
 # --- coding agents' sessions -------------------------------------------------------------
@@ -284,7 +289,10 @@ def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter, order):
     stats = result.stats
     assert stats["over_budget"] and stats["dropped_units"] == 2 and stats["dropped_rounds"] > 20
     prompt = next(m for m in result.body["messages"][2:] if m["role"] == "user")
-    notice = policy.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    if order == policy.OLDEST:
+        notice = policy.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    else:  # the older turns counting did not reach went before; the rounds from the newest back
+        notice = policy.NOTICE.format(n=2)
     assert prompt["content"][0]["text"] == notice
 
 
@@ -572,7 +580,8 @@ def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
 
 def test_newest_first_keeps_its_shrunk_ranges_few():
     # A plan of MOST_SHRUNK_SPANS ranges (a new cut that does not reach back to the last one's
-    # adds one): the next cut shrinks the oldest gap too rather than keep one more range.
+    # adds one): the next cut joins the two newest rather than keep one more range; the older
+    # ranges, and what lies between them, stay as the cached prompt has them.
     requests = shaped.agent_loop(ANTHROPIC, 120)
     plans, budget = policy.PlanCache(), Budget(36_000, "user")
     at = next(n for n, body in enumerate(requests)
@@ -586,4 +595,4 @@ def test_newest_first_keeps_its_shrunk_ranges_few():
             break
     new = plans.get(key)
     assert new is not None and len(new.shrunk) == policy.MOST_SHRUNK_SPANS
-    assert new.shrunk[0] == (2, 5) and new.shrunk[1:-2] == many[2:-1]
+    assert new.shrunk[:-1] == many[:-1] and new.shrunk[-1][0] == many[-1][0] < many[-1][1] + 1 < new.shrunk[-1][1]
