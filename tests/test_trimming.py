@@ -554,15 +554,29 @@ def test_a_turns_refusal_and_completion_are_read_from_its_events():
 # --- shrinking newest first (relay_trim_shrink_order=newest) ---------------------------------
 
 
-@pytest.mark.parametrize("api", [ANTHROPIC, RESPONSES])
-def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
-    # The real CLIs' agent loop of 80 rounds over a budget (the e2e test's, in process). Oldest
+LOOPS = {
+    "claude loop 80": (ANTHROPIC, lambda: shaped.agent_loop(ANTHROPIC, 80)),
+    "codex loop 80": (RESPONSES, lambda: shaped.agent_loop(RESPONSES, 80)),
+    "claude loop 160": (ANTHROPIC, lambda: shaped.agent_loop(ANTHROPIC, 160)),
+    "codex loop 160": (RESPONSES, lambda: shaped.agent_loop(RESPONSES, 160)),
+    # Claude Code's shape: each round keeps a thinking block of 80 words with its signature.
+    "claude thinking 160": (ANTHROPIC, lambda: shaped.Session(ANTHROPIC, turns=1, rounds=160).requests()),
+    "codex reasoning 80": (RESPONSES, lambda: shaped.Session(RESPONSES, turns=1, rounds=80).requests()),
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(loop):
+    # The real CLIs' agent loop over a budget (the e2e test's, in process), and long ones. Oldest
     # first, a new cut changes the oldest result still whole and every byte after it; newest
-    # first it changes only the few newest results it shrinks, and what follows them.
+    # first it changes only the few newest results it shrinks, and what follows them, and when
+    # shrinking is not enough it drops rounds from the newest old one back: the front of the
+    # conversation, cached, stays as it was.
+    api, requests = LOOPS[loop]
     shares = {}
     for order in ORDERS:
         plans, previous, whole, trimmed = policy.PlanCache(), None, [], 0
-        for body in shaped.agent_loop(api, 80):
+        for body in requests():
             result = check(api, body, Budget(36_000, "user"), FakeCounter(), plans, order)
             sent = result.body if result.body is not None else body
             trimmed += result.stats["trimmed"]
@@ -576,6 +590,38 @@ def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
         assert first_whole == (order == policy.NEWEST)  # what the model loses: what it read first, or last
     assert shares[policy.NEWEST][0] >= 0.9 and shares[policy.NEWEST][1] >= 0.8, shares
     assert shares[policy.OLDEST][0] >= 0.9 and shares[policy.OLDEST][1] < 0.5, shares
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize(("turns", "rounds"), [(1, 60), (30, 3)])
+def test_a_middle_drop_keeps_the_request_valid_and_its_front_as_it_was(api, turns, rounds):
+    # Newest first, when shrinking is not enough, whole rounds (an answer with its calls and
+    # thinking or reasoning, and their results) and turns go from the middle. What `check`
+    # holds (calls paired with results, roles alternating, reasoning before what it led to)
+    # holds; the newest answer keeps its thinking, as Anthropic requires; the items before
+    # the gap are the ones the previous request sent; the gap has its notice (Anthropic's
+    # always, others' with relay_trim_notice).
+    plans, budget, previous, drops = policy.PlanCache(), Budget(20_000, "user"), None, 0
+    shape = apis.get(api).trim_shape
+    for body in shaped.Session(api, turns=turns, rounds=rounds).requests():
+        result = check(api, body, budget, FakeCounter(), plans, policy.NEWEST)
+        sent = shaped.items_of(api, result.body if result.body is not None else body)
+        items = shaped.items_of(api, body)
+        if answers := [i for i in items if shape.from_model(i)]:
+            assert [i for i in sent if shape.from_model(i)][-1] == answers[-1]
+        plan = next(iter(plans._plans.values()), None)
+        if plan is not None and plan.dropped and result.stats["plan"] == "new" and previous is not None:
+            drops += 1
+            lay = policy.layout(items, shape)  # what is sent before the gaps (and the first one's notice)
+            front = sum(plan.keeps(lay, i) for i in range(plan.dropped[0][0] - 1))
+            assert policy.without_cache_control(sent[:front]) == policy.without_cache_control(previous[:front])
+        if api == ANTHROPIC and plan is not None and plan.dropped and result.stats["plan"] is not None:
+            # (not where a pinned item sits right before the gap: it is never changed)
+            assert 1 <= orjson.dumps(sent).count(policy.MIDDLE_NOTICE.encode()) <= len(plan.dropped)
+        previous = sent
+    assert drops >= 2
+    notices = policy.trim(body, apis.get(api), budget, FakeCounter(), plans=plans, order=policy.NEWEST, notice=True)
+    assert policy.MIDDLE_NOTICE in str(shaped.items_of(api, notices.body))
 
 
 def test_newest_first_keeps_its_shrunk_ranges_few():
