@@ -18,7 +18,9 @@ budget (see "Cache-stable cuts"):
    ("middle-out"). The head then meets the first kept prompt: two user messages in a
    row, which Anthropic's Messages API combines into one turn, as its reference says;
    so that the model does not read the two as one question, a shape with `gap_notice`
-   (Anthropic's) always starts that prompt with the notice of what was left out.
+   (Anthropic's) always starts that prompt with the notice of what was left out. With
+   the order `newest`, whole rounds and turns go from the middle instead, from the one
+   before the newest round back (`_Trimmer._drop_newest_first`).
 
 Over budget — the pinned head and the newest turn alone do not fit — it goes on into
 the newest turn rather than send the whole history (`_Trimmer._into_newest_turn`):
@@ -53,8 +55,9 @@ growth per request (read from its history: `_Trimmer.growth`), within `LEAST_HEA
 and `MOST_HEADROOM` of the budget (docs/trimming.md weighs the cache against the context
 a deeper cut loses). Newest first, a new cut keeps the previous plan's shrinks and drops
 and shrinks more from the newest round back: it changes the prompt only from the first
-result it shrinks, so it goes just `NEWEST_FIRST_HEADROOM` below the budget (a drop, when
-shrinking is not enough, still leaves room for `REQUESTS_BETWEEN_CUTS` requests).
+result it shrinks, so it goes just `NEWEST_FIRST_HEADROOM` below the budget; when
+shrinking is not enough it drops whole rounds from the middle, the newest old ones first,
+`NEWEST_FIRST_MOST_DROP` below it: the front of the conversation stays as it was sent.
 
 **Bounded counting.** Items are counted newest first; once the count passes
 `COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
@@ -106,8 +109,7 @@ NEWEST_FIRST_HEADROOM = 0.02
 """Newest first, a new cut that only shrinks goes this share of the budget below it (not
 `REQUESTS_BETWEEN_CUTS` requests' growth): such a cut misses the cache only from the first
 result it shrinks on, so the shallower it is, the more of the cached prompt it keeps; it
-comes every request or two. A drop, which changes the prompt right after the head, still
-leaves the room for `REQUESTS_BETWEEN_CUTS` requests."""
+comes every request or two."""
 
 MOST_SHRUNK_SPANS = 32
 """Newest first, a plan holds at most this many ranges of shrunk items (a new cut that
@@ -116,9 +118,11 @@ store keeps it small. Past it the two newest ranges are joined (what lies betwee
 shrunk, or dropped), so the change is as late as it can be."""
 
 NEWEST_FIRST_MOST_DROP = 0.1
-"""Newest first, a drop goes at most this share of the budget below it: it changes the
-prompt from where it starts, so the deeper it goes the less of the cached prompt stays
-(the room for `REQUESTS_BETWEEN_CUTS` requests, when smaller, is what it leaves)."""
+"""Newest first, a drop (shrinking was not enough) goes this share of the budget below it:
+it changes the prompt from where it starts, so the deeper it goes the less of the cached
+prompt stays, and the rarer drops are (the room for `REQUESTS_BETWEEN_CUTS` requests, when
+smaller, is what it leaves). 10 %: the deepest that kept the lowest share at 0.8 or more in
+the loops docs/trimming.md measures ("Shrinking newest first")."""
 
 MIDDLE_NOTICE = "[ttft-relay: messages of this conversation were left out here to fit the context budget]"
 """Where a middle drop (newest first) left a gap. Without a count: gaps that later join keep
