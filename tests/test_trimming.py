@@ -642,3 +642,25 @@ def test_newest_first_keeps_its_shrunk_ranges_few():
     new = plans.get(key)
     assert new is not None and len(new.shrunk) == policy.MOST_SHRUNK_SPANS
     assert new.shrunk[:-1] == many[:-1] and new.shrunk[-1][0] == many[-1][0] < many[-1][1] + 1 < new.shrunk[-1][1]
+
+
+def test_newest_first_keeps_its_dropped_ranges_few(monkeypatch):
+    # A plan of MOST_SHRUNK_SPANS gaps (a drop that does not reach back to the last one's adds
+    # one): the next drop joins the two newest rather than keep one more; the older gaps, and
+    # what lies between them, stay as the cached prompt has them. (A 30-turn session makes
+    # up to 5 gaps at this budget; the bound is lowered to 2.)
+    def gaps(most: int) -> list[policy.Spans]:
+        monkeypatch.setattr(policy, "MOST_SHRUNK_SPANS", most)
+        plans, made = policy.PlanCache(), []
+        for body in shaped.Session(ANTHROPIC, turns=30).requests():
+            if check(ANTHROPIC, body, Budget(36_000, "user"), FakeCounter(), plans, policy.NEWEST).stats["plan"] == "new":
+                made.append(next(iter(plans._plans.values())).dropped)
+        return made
+
+    assert max(map(len, gaps(32))) > 2
+    joined = gaps(2)
+    assert max(map(len, joined)) == 2
+    # Never joined across the newest prompt (the plan would be lost: a new cut from scratch).
+    first = next(n for n, dropped in enumerate(joined) if dropped)
+    assert all(joined[first:]), joined
+    assert all(after[0][0] >= before[0][0] - 2 for before, after in zip(joined[first:], joined[first + 1 :])), joined

@@ -678,6 +678,11 @@ class _Trimmer:
         dropped = {i for start, end in (previous.dropped if previous is not None else ())
                    for i in range(max(start, cut), end)}  # fmt: skip
         total = fixed + sum(self.count(i) for i in range(cut, len(self.items)) if not lay.always[i] and i not in dropped)
+        if previous is not None and (shape.gap_notice or self.notice):
+            # The notices at the plan's gaps (`_finish`) fit in half the headroom; past it, room
+            # is kept for them (a new gap's notice has the drop's room).
+            notices = len(previous.dropped) * (self.counter.value({"type": "text", "text": MIDDLE_NOTICE}) + 1)
+            lower += max(0, notices - math.floor(NEWEST_FIRST_HEADROOM / 2 * self.budget.tokens))
         shallow = max(target, math.floor((1 - NEWEST_FIRST_HEADROOM) * self.budget.tokens) - lower)
         shrunk, total = self._shrink_newest_first(lay, shape, cut, total, shallow, previous, dropped)
         if total <= shallow:
@@ -763,9 +768,15 @@ class _Trimmer:
             if self._closes(lay, shape, cut, start, dropped):
                 pending.clear()
         while len(gaps := spans(dropped)) > MOST_SHRUNK_SPANS:
-            drop(gaps[-2][1], gaps[-1][0])
-            for start in reversed([b for b in bounds if b <= gaps[-2][0]]):
-                drop(start, gaps[-2][0])
+            # The newest two gaps that the newest prompt does not part.
+            newer = next((g for g in range(len(gaps) - 1, 0, -1)
+                          if not (lay.cuts and gaps[g - 1][1] <= lay.newest < gaps[g][0])), None)
+            if newer is None:
+                break
+            older = gaps[newer - 1]
+            drop(older[1], gaps[newer][0])
+            for start in reversed([b for b in bounds if b <= older[0]]):
+                drop(start, older[0])
                 if self._closes(lay, shape, cut, start, dropped):
                     pending.clear()
                     break
