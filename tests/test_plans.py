@@ -87,6 +87,10 @@ def test_entries_it_did_not_write_are_skipped(tmp_path):
     # Shrunk ranges that are not ascending and apart, or too many of them.
     bad += [dataclasses.replace(good, value=[spans, 2, "ab" * 16, 0]) for spans in (
         [[3, 3]], [[4, 2]], [[0, 4], [3, 6]], [[0, True]], [[0, 1, 2]], [[i, i + 1] for i in range(0, 66, 2)])]
+    # Dropped ranges likewise (none: not stored), and no sixth field.
+    bad += [dataclasses.replace(good, value=[[[0, 1]], 2, "ab" * 16, 0, dropped]) for dropped in (
+        [], [[4, 2]], [[0, 4], [3, 6]], 3, [[i, i + 1] for i in range(0, 66, 2)])]
+    bad.append(dataclasses.replace(good, value=[[[0, 1]], 2, "ab" * 16, 0, [[3, 4]], 0]))
     bad.append(dataclasses.replace(good, key="zz"))
     path.write_bytes(b"".join(e.encode() + b"\n" for e in [*bad, good]) + b"not json\n" + b"x" * 10_000 + b"\n")
     kept = plans.KeptPlans(path)
@@ -104,11 +108,15 @@ def test_the_previous_versions_file_is_read_once(tmp_path):
 
 
 def test_a_plan_of_shrunk_ranges_is_kept_as_it_was_made(tmp_path):
-    # Newest first (relay_trim_shrink_order=newest) a plan shrinks ranges of items, not all before one.
-    plan = policy.Plan(((3, 9), (14, 20)), 2, b"\x02" * 16)
+    # Newest first (relay_trim_shrink_order=newest) a plan shrinks ranges of items, not all
+    # before one, and drops ranges from the middle; a plan that drops none is stored as before.
+    shrunk_only = policy.Plan(((3, 9), (14, 20)), 2, b"\x02" * 16)
+    middle = policy.Plan(((3, 20),), 2, b"\x03" * 16, 0, ((5, 9), (12, 20)))
     kept = plans.KeptPlans(tmp_path / store.FILE_NAME)
-    kept.put(bytes(16), plan)
+    kept.put(bytes(16), shrunk_only)
+    kept.put(b"\x01" * 16, middle)
     kept.save()
+    assert len(plans._value(shrunk_only)) == 4
     fresh = plans.KeptPlans(tmp_path / store.FILE_NAME)
     fresh.refresh()
-    assert fresh.get(bytes(16)) == plan
+    assert fresh.get(bytes(16)) == shrunk_only and fresh.get(b"\x01" * 16) == middle

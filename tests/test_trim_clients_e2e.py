@@ -219,9 +219,12 @@ def socket_prompts(socket) -> list[tuple[dict, int]]:
     return prompts
 
 
-@pytest.mark.parametrize("order", policy.SHRINK_ORDERS)
-@pytest.mark.parametrize("cli", ["claude", "codex", "codex-ws"])
-def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli, order):
+@pytest.mark.parametrize(("cli", "order", "rounds"), [
+    *((cli, order, 80) for order in policy.SHRINK_ORDERS for cli in ("claude", "codex", "codex-ws")),
+    # Newest first in a longer loop: past shrinking, rounds go from the middle, the front kept.
+    ("claude", policy.NEWEST, 160), ("codex", policy.NEWEST, 160),
+])  # fmt: skip
+def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, start_relay, tmp_path, cli, order, rounds):
     # 80 tool rounds of ~700 tokens each over a 40k budget: about half the session is trimmed.
     # Each request, as the provider reads it, shares its whole prompt (system, tools, then the
     # items) with the one before it: what the provider's prompt cache hits.
@@ -230,7 +233,7 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
     with FakeUpstream(behaviour=Behaviour()) as fake:
         relay = start_relay(reverse_to(fake), relay_trim_max_tokens=budget, relay_trim_shrink_order=order)
         if cli == "codex-ws":
-            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=80, lines=40, model="gpt-test",
+            sandbox = codex_sandbox(refusing, tmp_path, fake, relay.url(), rounds=rounds, lines=40, model="gpt-test",
                                     websockets=True)
             run = codex_exec(clis, sandbox, PROMPT, sandbox.env(), timeout=RUN_TIMEOUT_S)
             assert run.returncode == 0 and codex_failure(run) is None, run.describe()
@@ -238,14 +241,14 @@ def test_a_real_session_trimmed_to_a_budget_keeps_its_prefix(clis, refusing, sta
             (socket,) = fake.sockets
             prompts = socket_prompts(socket)
         else:
-            agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=80)
+            agent_loop(cli, clis, refusing, tmp_path, fake, relay.url(), rounds=rounds)
             prompts = [(orjson.loads(body), n) for n, (body, status) in enumerate(posts(fake))]
     recs = records(relay)
     if cli == "codex-ws":
         recs = sorted(recs, key=lambda r: r["turn"])
     sent = [body for body, _ in prompts]
     trims = [recs[n]["trim"] for _, n in prompts]
-    assert len(sent) == 81 and len(recs) == (81 if cli != "codex-ws" else len(socket.turns))
+    assert len(sent) == rounds + 1 and len(recs) == (rounds + 1 if cli != "codex-ws" else len(socket.turns))
     shares = [shaped.prefix_share(api, previous, body)
               for previous, body, trim in zip(sent, sent[1:], trims[1:]) if trim["trimmed"]]
     whole = [shaped.whole_prompt_share(api, previous, body) for previous, body in zip(sent, sent[1:])]

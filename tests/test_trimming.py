@@ -83,7 +83,7 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str 
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
     lay = policy.layout(items, apis.get(api).trim_shape)
     if stats["over_budget"]:
-        check_into_newest_turn(items, kept, lay, stats, budget)
+        check_into_newest_turn(items, kept, lay, stats, budget, order)
         return result
     assert stats["tokens_after"] <= budget.tokens and not stats["dropped_rounds"] and not stats["cut_results"]
     assert kept[-1] == items[-1] or without_notice(kept[-1]) == items[-1], "the newest message is sent whole"
@@ -93,11 +93,13 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str 
     return result
 
 
-def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: dict, budget: Budget) -> None:
-    """The promises of a trim that had to go into the newest turn: every older turn gone,
-    its prompt kept, its oldest rounds dropped, the newest round's calls kept (their results
-    cut only if nothing else could go)."""
-    assert stats["trimmed"] and stats["dropped_units"] == len(lay.cuts)
+def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: dict, budget: Budget,
+                           order: str = policy.OLDEST) -> None:
+    """The promises of a trim that had to go into the newest turn: every older turn gone
+    (newest first: its rounds go before them, from the newest back), its prompt kept, its
+    rounds dropped, the newest round's calls kept (their results cut only if nothing else
+    could go)."""
+    assert stats["trimmed"] and (stats["dropped_units"] == len(lay.cuts) or order == policy.NEWEST)
     if lay.cuts:
         prompts, prompt = [without_notice(k) for k in kept], items[lay.newest]
         # Before the newest round, its images are shrunk as any item there (alike in every request
@@ -110,7 +112,10 @@ def check_into_newest_turn(items: list, kept: list, lay: policy.Layout, stats: d
     assert all(shaped._same_skeleton(a, b) for a, b in zip(newest_round, tail)), "the newest round is kept"
     assert sum(a != without_notice(b) for a, b in zip(newest_round, tail)) <= stats["cut_results"]
     if stats["cut_results"] or stats["tokens_after"] > budget.tokens:
-        assert stats["dropped_rounds"] == len(lay.rounds), "results are cut only once every older round went"
+        everything = len(lay.rounds)
+        if order == policy.NEWEST:  # a round of pinned items only is not dropped; the turn's first round stays
+            everything = sum(not lay.always[r - 1] for r in lay.rounds) - (lay.turn_body == lay.head_end)
+        assert stats["dropped_rounds"] >= everything, "results are cut only once every older round went"
 
 
 # --- coding agents' sessions -------------------------------------------------------------
@@ -284,7 +289,10 @@ def test_a_later_turn_over_budget_says_which_rounds_went(claude_counter, order):
     stats = result.stats
     assert stats["over_budget"] and stats["dropped_units"] == 2 and stats["dropped_rounds"] > 20
     prompt = next(m for m in result.body["messages"][2:] if m["role"] == "user")
-    notice = policy.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    if order == policy.OLDEST:
+        notice = policy.ROUNDS_NOTICE.format(n=2, rounds=stats["dropped_rounds"])
+    else:  # the older turns counting did not reach went before; the rounds from the newest back
+        notice = policy.NOTICE.format(n=2)
     assert prompt["content"][0]["text"] == notice
 
 
@@ -546,15 +554,29 @@ def test_a_turns_refusal_and_completion_are_read_from_its_events():
 # --- shrinking newest first (relay_trim_shrink_order=newest) ---------------------------------
 
 
-@pytest.mark.parametrize("api", [ANTHROPIC, RESPONSES])
-def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
-    # The real CLIs' agent loop of 80 rounds over a budget (the e2e test's, in process). Oldest
+LOOPS = {
+    "claude loop 80": (ANTHROPIC, lambda: shaped.agent_loop(ANTHROPIC, 80)),
+    "codex loop 80": (RESPONSES, lambda: shaped.agent_loop(RESPONSES, 80)),
+    "claude loop 160": (ANTHROPIC, lambda: shaped.agent_loop(ANTHROPIC, 160)),
+    "codex loop 160": (RESPONSES, lambda: shaped.agent_loop(RESPONSES, 160)),
+    # Claude Code's shape: each round keeps a thinking block of 80 words with its signature.
+    "claude thinking 160": (ANTHROPIC, lambda: shaped.Session(ANTHROPIC, turns=1, rounds=160).requests()),
+    "codex reasoning 80": (RESPONSES, lambda: shaped.Session(RESPONSES, turns=1, rounds=80).requests()),
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(loop):
+    # The real CLIs' agent loop over a budget (the e2e test's, in process), and long ones. Oldest
     # first, a new cut changes the oldest result still whole and every byte after it; newest
-    # first it changes only the few newest results it shrinks, and what follows them.
+    # first it changes only the few newest results it shrinks, and what follows them, and when
+    # shrinking is not enough it drops rounds from the newest old one back: the front of the
+    # conversation, cached, stays as it was.
+    api, requests = LOOPS[loop]
     shares = {}
     for order in ORDERS:
         plans, previous, whole, trimmed = policy.PlanCache(), None, [], 0
-        for body in shaped.agent_loop(api, 80):
+        for body in requests():
             result = check(api, body, Budget(36_000, "user"), FakeCounter(), plans, order)
             sent = result.body if result.body is not None else body
             trimmed += result.stats["trimmed"]
@@ -570,9 +592,42 @@ def test_shrinking_newest_first_keeps_the_cached_prompt_at_each_new_cut(api):
     assert shares[policy.OLDEST][0] >= 0.9 and shares[policy.OLDEST][1] < 0.5, shares
 
 
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize(("turns", "rounds"), [(1, 60), (30, 3)])
+def test_a_middle_drop_keeps_the_request_valid_and_its_front_as_it_was(api, turns, rounds):
+    # Newest first, when shrinking is not enough, whole rounds (an answer with its calls and
+    # thinking or reasoning, and their results) and turns go from the middle. What `check`
+    # holds (calls paired with results, roles alternating, reasoning before what it led to)
+    # holds; the newest answer keeps its thinking, as Anthropic requires; the items before
+    # the gap are the ones the previous request sent; the gap has its notice (Anthropic's
+    # always, others' with relay_trim_notice).
+    plans, budget, previous, drops = policy.PlanCache(), Budget(20_000, "user"), None, 0
+    shape = apis.get(api).trim_shape
+    for body in shaped.Session(api, turns=turns, rounds=rounds).requests():
+        result = check(api, body, budget, FakeCounter(), plans, policy.NEWEST)
+        sent = shaped.items_of(api, result.body if result.body is not None else body)
+        items = shaped.items_of(api, body)
+        if answers := [i for i in items if shape.from_model(i)]:
+            assert [i for i in sent if shape.from_model(i)][-1] == answers[-1]
+        plan = next(iter(plans._plans.values()), None)
+        if plan is not None and plan.dropped and result.stats["plan"] == "new" and previous is not None:
+            drops += 1
+            lay = policy.layout(items, shape)  # what is sent before the gaps (and the first one's notice)
+            front = sum(plan.keeps(lay, i) for i in range(plan.dropped[0][0] - 1))
+            assert policy.without_cache_control(sent[:front]) == policy.without_cache_control(previous[:front])
+        if api == ANTHROPIC and plan is not None and plan.dropped and result.stats["plan"] is not None:
+            # (not where a pinned item sits right before the gap: it is never changed)
+            assert 1 <= orjson.dumps(sent).count(policy.MIDDLE_NOTICE.encode()) <= len(plan.dropped)
+        previous = sent
+    assert drops >= 2
+    notices = policy.trim(body, apis.get(api), budget, FakeCounter(), plans=plans, order=policy.NEWEST, notice=True)
+    assert policy.MIDDLE_NOTICE in str(shaped.items_of(api, notices.body))
+
+
 def test_newest_first_keeps_its_shrunk_ranges_few():
     # A plan of MOST_SHRUNK_SPANS ranges (a new cut that does not reach back to the last one's
-    # adds one): the next cut shrinks the oldest gap too rather than keep one more range.
+    # adds one): the next cut joins the two newest rather than keep one more range; the older
+    # ranges, and what lies between them, stay as the cached prompt has them.
     requests = shaped.agent_loop(ANTHROPIC, 120)
     plans, budget = policy.PlanCache(), Budget(36_000, "user")
     at = next(n for n, body in enumerate(requests)
@@ -586,4 +641,26 @@ def test_newest_first_keeps_its_shrunk_ranges_few():
             break
     new = plans.get(key)
     assert new is not None and len(new.shrunk) == policy.MOST_SHRUNK_SPANS
-    assert new.shrunk[0] == (2, 5) and new.shrunk[1:-2] == many[2:-1]
+    assert new.shrunk[:-1] == many[:-1] and new.shrunk[-1][0] == many[-1][0] < many[-1][1] + 1 < new.shrunk[-1][1]
+
+
+def test_newest_first_keeps_its_dropped_ranges_few(monkeypatch):
+    # A plan of MOST_SHRUNK_SPANS gaps (a drop that does not reach back to the last one's adds
+    # one): the next drop joins the two newest rather than keep one more; the older gaps, and
+    # what lies between them, stay as the cached prompt has them. (A 30-turn session makes
+    # up to 5 gaps at this budget; the bound is lowered to 2.)
+    def gaps(most: int) -> list[policy.Spans]:
+        monkeypatch.setattr(policy, "MOST_SHRUNK_SPANS", most)
+        plans, made = policy.PlanCache(), []
+        for body in shaped.Session(ANTHROPIC, turns=30).requests():
+            if check(ANTHROPIC, body, Budget(36_000, "user"), FakeCounter(), plans, policy.NEWEST).stats["plan"] == "new":
+                made.append(next(iter(plans._plans.values())).dropped)
+        return made
+
+    assert max(map(len, gaps(32))) > 2
+    joined = gaps(2)
+    assert max(map(len, joined)) == 2
+    # Never joined across the newest prompt (the plan would be lost: a new cut from scratch).
+    first = next(n for n, dropped in enumerate(joined) if dropped)
+    assert all(joined[first:]), joined
+    assert all(after[0][0] >= before[0][0] - 2 for before, after in zip(joined[first:], joined[first + 1 :])), joined

@@ -156,6 +156,12 @@ class ResponsesShape(Shape):
         if item.get("type", "").endswith("_call_output") and "call_id" in item:
             yield item["call_id"]
 
+    def with_notice_after(self, item: dict, notice: str) -> dict | None:
+        output = item.get("output")
+        if item.get("type") in self._SHRUNK_OUTPUTS and isinstance(output, str):
+            return {**item, "output": f"{output}\n\n{notice}"}
+        return super().with_notice_after(item, notice)
+
     def shrink(self, item: dict, kind: str) -> dict | None:
         kind_of_item = item.get("type")
         if kind == RESULTS and kind_of_item in self._SHRUNK_OUTPUTS:

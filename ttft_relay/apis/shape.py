@@ -159,6 +159,16 @@ class Shape:
             content = f"{notice}\n\n{content or ''}"
         return {**item, "content": content}
 
+    def with_notice_after(self, item: dict, notice: str) -> dict | None:
+        """`item` (the last one sent before a gap in the conversation: tool results or a
+        prompt) with the notice after its content; None where it has no text to carry it."""
+        content = item.get("content")
+        if self.from_model(item) or self.role(item) is None:
+            return None
+        if isinstance(content, list):
+            return {**item, "content": [*content, {"type": self.text_part_type, "text": notice}]}
+        return {**item, "content": f"{content}\n\n{notice}"} if isinstance(content, str) else None
+
 
 def json_placeholder(what: str, removed_chars: int) -> str:
     """A placeholder that is still a JSON object, for arguments given as JSON text."""

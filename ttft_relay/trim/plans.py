@@ -42,7 +42,8 @@ LEGACY_MAX_BYTES = 4 * 1024 * 1024
 
 
 def _value(plan: Plan) -> list:
-    return [[list(span) for span in plan.shrunk], plan.cut, plan.anchor.hex(), plan.rounds_to]
+    value = [[list(span) for span in plan.shrunk], plan.cut, plan.anchor.hex(), plan.rounds_to]
+    return [*value, [list(span) for span in plan.dropped]] if plan.dropped else value
 
 
 def _index(n: object) -> TypeGuard[int]:
@@ -50,8 +51,8 @@ def _index(n: object) -> TypeGuard[int]:
 
 
 def _spans(value: object) -> Spans | None:
-    """A plan's shrunk items as stored: ranges, ascending and apart (the previous version's
-    plans: one index, the items before it)."""
+    """A plan's shrunk (or dropped) items as stored: ranges, ascending and apart (the previous
+    version's plans: one index, the items before it)."""
     if _index(value):
         return ((0, value),) if value else ()
     if not (isinstance(value, list) and len(value) <= MOST_SHRUNK_SPANS):
@@ -70,15 +71,16 @@ def _spans(value: object) -> Spans | None:
 def _plan(entry: store.Entry) -> Plan | None:
     """The plan an entry holds, or None if it is not one the relay could have made."""
     value = entry.value
-    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[2], str)):
+    if not (isinstance(value, list) and len(value) in (4, 5) and isinstance(value[2], str)):
         return None
-    shrunk, cut, anchor, rounds_to = value
+    shrunk, cut, anchor, rounds_to, *more = value
     spans = _spans(shrunk)
-    if spans is None or not (_index(cut) and _index(rounds_to)):
+    dropped = (_spans(more[0]) if isinstance(more[0], list) else None) if more else ()
+    if spans is None or dropped is None or (more and not dropped) or not (_index(cut) and _index(rounds_to)):
         return None
     try:
         bytes.fromhex(entry.key)
-        return Plan(spans, cut, bytes.fromhex(anchor), rounds_to)
+        return Plan(spans, cut, bytes.fromhex(anchor), rounds_to, dropped)
     except ValueError:
         return None
 

@@ -18,7 +18,9 @@ budget (see "Cache-stable cuts"):
    ("middle-out"). The head then meets the first kept prompt: two user messages in a
    row, which Anthropic's Messages API combines into one turn, as its reference says;
    so that the model does not read the two as one question, a shape with `gap_notice`
-   (Anthropic's) always starts that prompt with the notice of what was left out.
+   (Anthropic's) always starts that prompt with the notice of what was left out. With
+   the order `newest`, whole rounds and turns go from the middle instead, from the one
+   before the newest round back (`_Trimmer._drop_newest_first`).
 
 Over budget — the pinned head and the newest turn alone do not fit — it goes on into
 the newest turn rather than send the whole history (`_Trimmer._into_newest_turn`):
@@ -53,8 +55,9 @@ growth per request (read from its history: `_Trimmer.growth`), within `LEAST_HEA
 and `MOST_HEADROOM` of the budget (docs/trimming.md weighs the cache against the context
 a deeper cut loses). Newest first, a new cut keeps the previous plan's shrinks and drops
 and shrinks more from the newest round back: it changes the prompt only from the first
-result it shrinks, so it goes just `NEWEST_FIRST_HEADROOM` below the budget (a drop, when
-shrinking is not enough, still leaves room for `REQUESTS_BETWEEN_CUTS` requests).
+result it shrinks, so it goes just `NEWEST_FIRST_HEADROOM` below the budget; when
+shrinking is not enough it drops whole rounds from the middle, the newest old ones first,
+`NEWEST_FIRST_MOST_DROP` below it: the front of the conversation stays as it was sent.
 
 **Bounded counting.** Items are counted newest first; once the count passes
 `COUNT_LIMIT` times the budget, older items are dropped uncounted (`tokens_before` is
@@ -106,12 +109,24 @@ NEWEST_FIRST_HEADROOM = 0.02
 """Newest first, a new cut that only shrinks goes this share of the budget below it (not
 `REQUESTS_BETWEEN_CUTS` requests' growth): such a cut misses the cache only from the first
 result it shrinks on, so the shallower it is, the more of the cached prompt it keeps; it
-comes every request or two. A drop, which changes the prompt right after the head, still
-leaves the room for `REQUESTS_BETWEEN_CUTS` requests."""
+comes every request or two."""
 
 MOST_SHRUNK_SPANS = 32
 """Newest first, a plan holds at most this many ranges of shrunk items (a new cut that
-does not reach back to the previous one's adds one): the store keeps it small."""
+does not reach back to the previous one's adds one), and as many of dropped ones: the
+store keeps it small. Past it the two newest ranges are joined (what lies between them
+shrunk, or dropped), so the change is as late as it can be."""
+
+NEWEST_FIRST_MOST_DROP = 0.1
+"""Newest first, a drop (shrinking was not enough) goes this share of the budget below it:
+it changes the prompt from where it starts, so the deeper it goes the less of the cached
+prompt stays, and the rarer drops are (the room for `REQUESTS_BETWEEN_CUTS` requests, when
+smaller, is what it leaves). 10 %: the deepest that kept the lowest share at 0.8 or more in
+the loops docs/trimming.md measures ("Shrinking newest first")."""
+
+MIDDLE_NOTICE = "[ttft-relay: messages of this conversation were left out here to fit the context budget]"
+"""Where a middle drop (newest first) left a gap. Without a count: gaps that later join keep
+their notices as they were (the cached prompt has them so)."""
 
 COUNT_LIMIT = 2
 """Counting stops once this many budgets are counted; older items are dropped uncounted."""
@@ -176,6 +191,10 @@ class Layout:
     rounds: list[int]
     """Where a drop inside the newest turn may end (over budget only): the starts of its
     answers after the first, at which no call waits for its result, up to the newest round."""
+    bounds: list[int]
+    """Where a middle drop (newest first) may start or end, after the head up to the newest
+    round: the cuts, and the answers at which no call waits for its result (stable as the
+    conversation grows, so a plan's drops stay valid)."""
 
     @property
     def turn_body(self) -> int:
@@ -223,7 +242,12 @@ def layout(items: list[dict], shape: Shape) -> Layout:
         if shape.from_model(items[i]) and not shape.from_model(items[i - 1]) and not always[i]
         and free[i]
     ]  # fmt: skip
-    return Layout(always, head_end, cuts, newest, protect_from, rounds)
+    prompts = set(cuts)
+    bounds = [
+        i for i in range(head_end + 1, protect_from + 1)
+        if i in prompts or (not always[i] and free[i] and shape.from_model(items[i]) and not shape.from_model(items[i - 1]))
+    ]  # fmt: skip
+    return Layout(always, head_end, cuts, newest, protect_from, rounds, bounds)
 
 
 # --- plans -----------------------------------------------------------------------------
@@ -248,10 +272,15 @@ class Plan:
     conversation has them there."""
     rounds_to: int = 0
     """Over budget: the newest turn's rounds before this index are dropped too (0: none)."""
+    dropped: Spans = ()
+    """Newest first: the items in these ranges are dropped too (pinned ones kept), the
+    middle of the conversation (a range per new drop that did not reach back to the one
+    before; at most `MOST_SHRUNK_SPANS`)."""
 
     def keeps(self, lay: Layout, i: int) -> bool:
         """Item `i` is sent (shrunk or not)."""
-        return lay.always[i] or (i >= self.cut and not lay.turn_body <= i < self.rounds_to)
+        return lay.always[i] or (i >= self.cut and not lay.turn_body <= i < self.rounds_to
+                                 and not any(start <= i < end for start, end in self.dropped))
 
     def shrinks(self, i: int) -> bool:
         """Item `i`, if sent, is sent shrunk."""
@@ -269,8 +298,9 @@ def spans(indexes: set[int]) -> Spans:
     return tuple(runs)
 
 
-def _anchor(items: list[dict], cut: int, rounds_to: int) -> bytes:
-    return _digest([items[cut] if cut < len(items) else None, items[rounds_to] if rounds_to else None])
+def _anchor(items: list[dict], cut: int, rounds_to: int, dropped: Spans = ()) -> bytes:
+    at = [items[cut] if cut < len(items) else None, items[rounds_to] if rounds_to else None]
+    return _digest([*at, [[items[start], items[end]] for start, end in dropped]] if dropped else at)
 
 
 def _digest(obj: Any) -> bytes:
@@ -488,14 +518,16 @@ class _Trimmer:
                 plan, total, shrunk, cut_results = self._plan_anew(lay, floor, fixed, shape, counted_from, room,
                                                                    previous)
                 stats["over_budget"] = stats["over_budget"] or total > budget.tokens
-            if plan.cut == lay.head_end and not plan.rounds_to and not shrunk:
+            if plan.cut == lay.head_end and not plan.rounds_to and not plan.dropped and not shrunk:
                 stats["reason"] = "over_budget"  # nothing could go: the head and the newest prompt
                 return None
             stats.update(plan="new", cut_results=cut_results)
             if key is not None and total <= budget.tokens and not cut_results:
                 self.plans.put(key, plan)
 
-        dropped_units = sum(1 for c in lay.cuts if c <= plan.cut)
+        # A turn (a round) counts as dropped when what came before its prompt (answer) went.
+        dropped_units = sum(1 for c in lay.cuts if c <= plan.cut or not plan.keeps(lay, c - 1))
+        dropped_rounds = sum(1 for r in lay.rounds if r <= plan.rounds_to or not plan.keeps(lay, r - 1))
         new_items = [self.versions[i] for i in range(n) if plan.keeps(lay, i)]
         stats.update(
             trimmed=True,
@@ -504,7 +536,9 @@ class _Trimmer:
             dropped_units=dropped_units,
             dropped_messages=n - len(new_items),
             shrunk_messages=shrunk,
-            dropped_rounds=sum(1 for r in lay.rounds if r <= plan.rounds_to),
+            dropped_rounds=dropped_rounds,
+            # Newest first, the newest turn's rounds go before older turns: marked all the same.
+            over_budget=stats["over_budget"] or dropped_rounds > 0,
         )
         return {**body, shape.items_key: new_items}
 
@@ -537,6 +571,19 @@ class _Trimmer:
                 total += delta
             else:
                 self.replace(plan.cut, self.items[plan.cut])
+        for start, end in plan.dropped if self.notice or shape.gap_notice else ():
+            # At a gap, the notice: in front of the prompt after it (as after the head), else
+            # after the results or prompt before it (an answer is the model's own words).
+            at = end if shape.is_prompt(self.items[end]) else start - 1
+            was = self.versions[at]
+            new = shape.with_notice(was, MIDDLE_NOTICE) if at == end else shape.with_notice_after(was, MIDDLE_NOTICE)
+            if new is None or lay.always[at]:
+                continue
+            delta = self.replace(at, new)
+            if total + delta <= self.budget.tokens or shape.gap_notice:
+                total += delta
+            else:
+                self.replace(at, was)
         return total, shrunk
 
     def _restore(self) -> None:
@@ -553,7 +600,11 @@ class _Trimmer:
             return False
         if plan.rounds_to and (plan.cut != lay.newest or plan.rounds_to not in lay.rounds):
             return False
-        return _anchor(self.items, plan.cut, plan.rounds_to) == plan.anchor
+        bounds = set(lay.bounds)
+        if any(start not in bounds or end not in bounds or start <= lay.newest < end and lay.cuts
+               for start, end in plan.dropped):
+            return False
+        return _anchor(self.items, plan.cut, plan.rounds_to, plan.dropped) == plan.anchor
 
     def _apply(self, plan: Plan, lay: Layout, fixed: int, shape: Shape) -> int:
         """Tokens of the request with `plan` applied; stops counting once over budget."""
@@ -600,16 +651,12 @@ class _Trimmer:
         """Shrink in the trim's order, then drop oldest first, until the request fits `target`
         (`lower` below it). Newest first it goes on from the `previous` plan's cut and shrinks."""
         target = self.target(lay, shape, counted_from) - lower
+        if self.order == NEWEST:
+            return self._new_plan_newest_first(lay, shape, floor, fixed, target, lower, previous)
         n = len(self.versions)
         cut = floor if previous is None else max(floor, previous.cut)
         total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
-        if self.order == NEWEST:
-            # A shallow cut: it changes only what it shrinks and what follows.
-            shallow = max(target, math.floor((1 - NEWEST_FIRST_HEADROOM) * self.budget.tokens) - lower)
-            shrunk, total = self._shrink_newest_first(lay, shape, cut, total, shallow, previous)
-            target = shallow if total <= shallow else target
-        else:
-            shrunk, total = self._shrink_oldest_first(lay, shape, cut, total, target)
+        shrunk, total = self._shrink_oldest_first(lay, shape, cut, total, target)
         self.stats["target"] = target
         for c in lay.cuts:
             if total <= target:
@@ -619,6 +666,33 @@ class _Trimmer:
                 cut = c
         shrunk = tuple((max(start, cut), end) for start, end in shrunk if end > cut)
         return Plan(shrunk, cut, _anchor(self.items, cut, 0)), total
+
+    def _new_plan_newest_first(self, lay: Layout, shape: Shape, floor: int, fixed: int, target: int, lower: int,
+                               previous: Plan | None) -> tuple[Plan, int]:
+        """Newest first: the `previous` plan's cut, shrinks and drops kept (what it kept fit the
+        budget: counted whole, where the first cut goes from `floor`, past what counting left
+        out), then a shallow cut (it changes only what it shrinks and what follows), and if
+        shrinking is not enough a drop in the middle, from the newest round back
+        (`_drop_newest_first`)."""
+        cut = floor if previous is None else previous.cut
+        dropped = {i for start, end in (previous.dropped if previous is not None else ())
+                   for i in range(max(start, cut), end)}  # fmt: skip
+        total = fixed + sum(self.count(i) for i in range(cut, len(self.items)) if not lay.always[i] and i not in dropped)
+        if previous is not None and (shape.gap_notice or self.notice):
+            # The notices at the plan's gaps (`_finish`) fit in half the headroom; past it, room
+            # is kept for them (a new gap's notice has the drop's room).
+            notices = len(previous.dropped) * (self.counter.value({"type": "text", "text": MIDDLE_NOTICE}) + 1)
+            lower += max(0, notices - math.floor(NEWEST_FIRST_HEADROOM / 2 * self.budget.tokens))
+        shallow = max(target, math.floor((1 - NEWEST_FIRST_HEADROOM) * self.budget.tokens) - lower)
+        shrunk, total = self._shrink_newest_first(lay, shape, cut, total, shallow, previous, dropped)
+        if total <= shallow:
+            target = shallow
+        else:
+            target = max(target, math.floor((1 - NEWEST_FIRST_MOST_DROP) * self.budget.tokens) - lower)
+            total = self._drop_newest_first(lay, shape, cut, total, target, dropped)
+        self.stats["target"] = target
+        gaps = spans(dropped)
+        return Plan(spans(shrunk | dropped), cut, _anchor(self.items, cut, 0, gaps), 0, gaps), total
 
     def _shrink(self, lay: Layout, shape: Shape, i: int) -> int:
         """Item `i` shrunk, unless it is pinned or has nothing to shrink; returns the change in tokens."""
@@ -638,27 +712,92 @@ class _Trimmer:
         return ((cut, shrunk),) if shrunk > cut else (), total
 
     def _shrink_newest_first(self, lay: Layout, shape: Shape, cut: int, total: int, target: int,
-                             previous: Plan | None) -> tuple[Spans, int]:
+                             previous: Plan | None, dropped: set[int]) -> tuple[set[int], int]:
         """What the `previous` plan shrank (the prefix the provider cached has it so), then from
         the newest round back, item by item, until the request fits `target`: the first item
-        that changes is as late as that allows. Past `MOST_SHRUNK_SPANS` ranges the oldest
-        gaps are shrunk too."""
+        that changes is as late as that allows. It goes back no further than the previous
+        plan reached (what it left whole, before that, is cached whole: a drop after it costs
+        less). Past `MOST_SHRUNK_SPANS` ranges the two newest are joined. Items in `dropped`
+        are not sent: not shrunk."""
         shrunk: set[int] = set()
+        reached = cut
         for start, end in previous.shrunk if previous is not None else ():
+            reached = max(reached, end)
             for i in range(max(start, cut), min(end, lay.protect_from)):
-                shrunk.add(i)
-                total += self._shrink(lay, shape, i)
-        for i in range(lay.protect_from - 1, cut - 1, -1):
+                if i not in dropped:
+                    shrunk.add(i)
+                    total += self._shrink(lay, shape, i)
+        for i in range(lay.protect_from - 1, reached - 1, -1):
             if total <= target:
                 break
-            if i not in shrunk:
+            if i not in shrunk and i not in dropped:
                 shrunk.add(i)
                 total += self._shrink(lay, shape, i)
-        while len(runs := spans(shrunk)) > MOST_SHRUNK_SPANS:
-            for i in range(runs[0][1], runs[1][0]):
+        while len(runs := spans(shrunk | dropped)) > MOST_SHRUNK_SPANS:
+            for i in range(runs[-2][1], runs[-1][0]):
                 shrunk.add(i)
                 total += self._shrink(lay, shape, i)
-        return runs, total
+        return shrunk, total
+
+    def _drop_newest_first(self, lay: Layout, shape: Shape, cut: int, total: int, target: int,
+                           dropped: set[int]) -> int:
+        """Whole rounds and turns (`Layout.bounds` apart), from the one before the newest round
+        back, until the request fits `target`: what comes before the drop, cached, is sent as it
+        was. Never the head, the newest round or the newest prompt; what `dropped` holds (the
+        previous plan's drops) stays dropped, and it gets the new items. The API's rules hold
+        where the gap closes: never two of the model's items meet (`_closes`). Past
+        `MOST_SHRUNK_SPANS` gaps the two newest are joined. Returns the new total."""
+        bounds = [b for b in lay.bounds if b > cut]
+        pending: list[int] = []  # dropped since the gap last closed validly
+
+        def drop(start: int, end: int) -> None:
+            nonlocal total
+            for i in range(start, end):
+                if i not in dropped:
+                    dropped.add(i)
+                    pending.append(i)
+                    total -= 0 if lay.always[i] else self.count(i)
+
+        for k in range(len(bounds) - 1, 0, -1):
+            if total <= target and not pending:
+                break
+            start, end = bounds[k - 1], bounds[k]
+            if lay.cuts and start == lay.newest:
+                continue  # the newest prompt: a gap closes right after it
+            drop(start, end)
+            if self._closes(lay, shape, cut, start, dropped):
+                pending.clear()
+        while len(gaps := spans(dropped)) > MOST_SHRUNK_SPANS:
+            # The newest two gaps that the newest prompt does not part.
+            newer = next((g for g in range(len(gaps) - 1, 0, -1)
+                          if not (lay.cuts and gaps[g - 1][1] <= lay.newest < gaps[g][0])), None)
+            if newer is None:
+                break
+            older = gaps[newer - 1]
+            drop(older[1], gaps[newer][0])
+            for start in reversed([b for b in bounds if b <= older[0]]):
+                drop(start, older[0])
+                if self._closes(lay, shape, cut, start, dropped):
+                    pending.clear()
+                    break
+        for i in pending:  # no valid gap: kept after all
+            dropped.discard(i)
+            total += 0 if lay.always[i] else self.count(i)
+        return total
+
+    def _closes(self, lay: Layout, shape: Shape, cut: int, start: int, dropped: set[int]) -> bool:
+        """The gap of `dropped` items at `start` is one the API accepts: the item sent before it
+        and the one after it (pinned items aside) are not both the model's (Anthropic's turns
+        alternate, and an assistant turn with thinking starts with it)."""
+        before = start - 1
+        while before >= lay.head_end and (before < cut or before in dropped or lay.always[before]):
+            before -= 1
+        after = start
+        while after < len(self.items) and (after in dropped or lay.always[after]):
+            after += 1
+        if before < lay.head_end or after == len(self.items):
+            return True
+        return not (shape.from_model(self.items[before]) and shape.from_model(self.items[after]))
 
     def _into_newest_turn(self, plan: Plan, lay: Layout, shape: Shape, total: int,
                           room: int) -> tuple[Plan, int, int]:
@@ -669,12 +808,13 @@ class _Trimmer:
         how many results were cut."""
         target = self.stats["target"]
         rounds_to = 0
-        for r in lay.rounds:
+        for r in lay.rounds if self.order == OLDEST else ():  # newest first: the middle drop took them
             if total <= target:
                 break
             total -= sum(self.count(i) for i in range(max(lay.turn_body, rounds_to), r) if not lay.always[i])
             rounds_to = r
-        plan = Plan(plan.shrunk, plan.cut, _anchor(self.items, plan.cut, rounds_to), rounds_to)
+        plan = Plan(plan.shrunk, plan.cut, _anchor(self.items, plan.cut, rounds_to, plan.dropped), rounds_to,
+                    plan.dropped)
         cut_results = 0
         for i in range(max(lay.protect_from, lay.newest), len(self.items)):
             if total <= room:
