@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.test_groups_e2e import PATH, body, send
+from ttft_relay.route import late_heads
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.replies import answer_text
 from ttft_relay.testing.fakes.upstream import Behaviour, FakeUpstream
@@ -231,3 +232,37 @@ def test_a_hedge_that_does_not_connect_is_given_back_to_the_budget(start_relay, 
             assert "hedged" in route and route["hedged"]["error"] and route["hedged"]["won"] is None, route
             hedged.append(route["hedged"]["upstream"])
         assert sorted(hedged) == ["b", "c"]
+
+
+SPIKE_MS = 2400
+FAR_PREFILL_MS = 1600
+
+
+def test_a_member_whose_late_heads_were_long_is_hedged_at_its_bound_once_it_has_shown_them(learned, rid):
+    """b's first token (a prefill of FAR_PREFILL_MS: the prefix not cached there) comes later than
+    a late head of a seems to need at a's bound, where the wait so far is all the rule knows: a's
+    spikes are waited out. Once a has shown `late_heads.MIN_SAMPLES` of them (SPIKE_MS each), its
+    remaining wait at the bound is what those took from there, longer than b's: the next is hedged."""
+    relay, a, b = learned(rid, b_prefill_ms=FAR_PREFILL_MS)
+    quick = Behaviour(prefill_ms=A_PREFILL_MS, chunks=A_CHUNKS)
+    spike = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=SPIKE_MS, chunks=A_CHUNKS)
+    for shown in range(late_heads.MIN_SAMPLES):
+        a.behaviour = spike
+        answered, rec = pieces(relay, f"{rid}-spike-{shown}", body(f"spike {shown}"))
+        route = rec["route"]
+        assert answered == FROM_A and "hedged" not in route, route
+        assert route["not_hedged"].startswith("b expected 1.") and "(its late heads)" not in route["not_hedged"], route
+        a.behaviour = quick
+        # The queue a's spike taught goes as its quick answers come (and no three spikes in a row
+        # make a new speed of its line): a chosen again at its old bound.
+        for n in range(3):
+            assert send(relay, f"{rid}-quick-{shown}-{n}", body(f"quick {shown} {n}"))["route"]["upstream"] == \
+                "127.0.0.1"
+    a.behaviour = spike
+    answered, rec = pieces(relay, f"{rid}-known", body("spike known"))
+    route = rec["route"]
+    assert answered == FROM_B and route["upstream"] == "b", route
+    hedged = route["hedged"]
+    assert hedged["won"] == "b" and hedged["why"].startswith("b expected 1."), hedged
+    assert hedged["why"].endswith(" s more (its late heads)"), hedged
+    assert a.wait_finished(len(a.received), timeout=5) and a.sent[-1].outcome == "client_closed", a.sent[-1]

@@ -167,8 +167,8 @@ class UpstreamGroups:
         self.draw = random.random
         self.slow: dict[str, asyncio.TimerHandle] = {}
         """Per flow id in flight: its slow-head bound's timer."""
-        self.giving_up: dict[str, str] = {}
-        """Flows whose connection the slow-head bound closed, and why."""
+        self.giving_up: dict[str, tuple[str, str]] = {}
+        """Flows whose connection the slow-head bound closed: what was late, and why it went elsewhere."""
         self.routed = 0
         self.given_up = 0
         self.hedges = 0
@@ -407,7 +407,8 @@ class UpstreamGroups:
             logger.info("%s: %s had no head after %.1f s, not given up on: %s", host, chosen.name,
                         waited_ms / 1000, target.why)
             return
-        self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
+        self.giving_up[flow.id] = (f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)",
+                                   target.why)
         if not connections.close(flow.client_conn, flow.server_conn):
             del self.giving_up[flow.id]
             return
@@ -472,7 +473,7 @@ class UpstreamGroups:
             self.orders[flow.id] = tuple(name for name in rest if name != second.name)
             assert st.route is not None
             st.route = {**st.route, "hedged": {"upstream": second.name, "from": chosen.name,
-                                               "after_ms": round(waited_ms, 1), "won": None}}
+                                               "after_ms": round(waited_ms, 1), "won": None, "why": target.why}}
             logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well (%s)",
                         host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name, target.why)
             if unconnected:
@@ -532,9 +533,10 @@ class UpstreamGroups:
         head_ms = (now - self.hedging.get(flow.id, now)) * 1000
         st.route = {**st.route, "hedged": {**hedged, "won": hedged["from"], "head_ms": round(head_ms, 1)}}
 
-    def _next_member(self, flow: http.HTTPFlow, why: str, cause: str) -> members.Member | None:
+    def _next_member(self, flow: http.HTTPFlow, why: str, cause: str, chose: str | None = None) -> members.Member | None:
         """Aim the flow at its next member (the one it leaves marked down, unless only slow:
-        `cause` one of `record.FAILOVER_CAUSES`); None when none is left."""
+        `cause` one of `record.FAILOVER_CAUSES`; `chose`: why that member, if a rule chose it);
+        None when none is left."""
         st = state.get(flow)
         found = self.group_of(flow)
         rest = self.orders.get(flow.id)
@@ -549,7 +551,8 @@ class UpstreamGroups:
         after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
         st.route = {**st.route, "upstream": following.name,
                     "failed_over": [*st.route.get("failed_over", ()),
-                                    {"upstream": failed, "error": why, "cause": cause, "after_ms": after_ms}]}
+                                    {"upstream": failed, "error": why, "cause": cause, "after_ms": after_ms,
+                                     **({"why": chose} if chose else {})}]}
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
@@ -576,7 +579,8 @@ class UpstreamGroups:
         if self.unsafe(flow) and event.code != ErrorCode.CONNECT_FAILED:
             return None  # it may have reached the member: not sent again
         slow = self.giving_up.pop(flow.id, None)
-        if self._next_member(flow, slow or event.message, "connection" if slow is None else "slow_head") is None:
+        if (self._next_member(flow, event.message, "connection") if slow is None
+                else self._next_member(flow, slow[0], "slow_head", chose=slow[1])) is None:
             return None
         return resend.send_again(stream)
 
