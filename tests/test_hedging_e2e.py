@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import FAKE_OPENAI_KEY, reverse_to
 from tests.test_groups_e2e import PATH, body, send
+from ttft_relay.route import late_heads
 from ttft_relay.testing.fakes import client
 from ttft_relay.testing.fakes.replies import answer_text
 from ttft_relay.testing.fakes.upstream import Behaviour, FakeUpstream
@@ -37,10 +38,9 @@ def learned(start_relay) -> Iterator:
             FakeUpstream() as b:
         def start(rid: str, b_prefill_ms: int = B_PREFILL_MS, **options: object):
             b.behaviour = Behaviour(prefill_ms=b_prefill_ms, chunks=B_CHUNKS)
-            options = {"relay_upstream_hedge_budget": 100, **options}
+            options = {"relay_upstream_hedge": True, "relay_upstream_hedge_budget": 100, **options}
             relay = start_relay(reverse_to(a), relay_upstream_groups=f"127.0.0.1 b=http://127.0.0.1:{b.port}",
-                                relay_upstream_explore=100, relay_upstream_hedge=True, relay_metrics_listen="127.0.0.1:0",
-                                **options)
+                                relay_upstream_explore=100, relay_metrics_listen="127.0.0.1:0", **options)
             for n in range(6):  # three to a (nothing learned), three exploring b: both predict
                 send(relay, f"{rid}-{n}", body(f"single {n}"))
             assert len(a.received) == 3 and len(b.received) == 3
@@ -231,3 +231,47 @@ def test_a_hedge_that_does_not_connect_is_given_back_to_the_budget(start_relay, 
             assert "hedged" in route and route["hedged"]["error"] and route["hedged"]["won"] is None, route
             hedged.append(route["hedged"]["upstream"])
         assert sorted(hedged) == ["b", "c"]
+
+
+SPIKE_MS = 2400
+FAR_PREFILL_MS = 1600
+
+
+@pytest.mark.parametrize("instead", ["hedge", "slow_head"])
+def test_a_member_whose_late_heads_were_long_is_left_at_its_bound_once_it_has_shown_them(learned, rid, instead):
+    """b's first token (a prefill of FAR_PREFILL_MS: the prefix not cached there) comes later than
+    a late head of a seems to need at a's bound, where the wait so far is all the rule knows: a's
+    spikes are waited out. Once a has shown `late_heads.MIN_SAMPLES` of them (SPIKE_MS each), its
+    remaining wait at the bound is what those took from there, longer than b's: the next is
+    hedged to b, or (`relay_upstream_slow_head`, the same rule) given up on for b."""
+    options = {} if instead == "hedge" else {"relay_upstream_hedge": False, "relay_upstream_slow_head": 100}
+    waited = "not_hedged" if instead == "hedge" else "not_given_up"
+    relay, a, b = learned(rid, b_prefill_ms=FAR_PREFILL_MS, **options)
+    quick = Behaviour(prefill_ms=A_PREFILL_MS, chunks=A_CHUNKS)
+    spike = Behaviour(prefill_ms=A_PREFILL_MS, head_delay_ms=SPIKE_MS, chunks=A_CHUNKS)
+    for shown in range(late_heads.MIN_SAMPLES):
+        a.behaviour = spike
+        answered, rec = pieces(relay, f"{rid}-spike-{shown}", body(f"spike {shown}"))
+        route = rec["route"]
+        assert answered == FROM_A and "hedged" not in route and "failed_over" not in route, route
+        assert route[waited].startswith("b expected 1.") and "(its late heads)" not in route[waited], route
+        a.behaviour = quick
+        # The queue a's spike taught goes as its quick answers come (and no three spikes in a row
+        # make a new speed of its line): a chosen again at its old bound.
+        for n in range(3):
+            assert send(relay, f"{rid}-quick-{shown}-{n}", body(f"quick {shown} {n}"))["route"]["upstream"] == \
+                "127.0.0.1"
+    a.behaviour = spike
+    answered, rec = pieces(relay, f"{rid}-known", body("spike known"))
+    route = rec["route"]
+    assert answered == FROM_B and route["upstream"] == "b", route
+    if instead == "hedge":
+        hedged = route["hedged"]
+        assert hedged["won"] == "b", hedged
+        why = hedged["why"]
+    else:
+        (gave_up,) = route["failed_over"]
+        assert gave_up["upstream"] == "127.0.0.1" and gave_up["cause"] == "slow_head", gave_up
+        why = gave_up["why"]
+    assert why.startswith("b expected 1.") and why.endswith(" s more (its late heads)"), route
+    assert a.wait_finished(len(a.received), timeout=5) and a.sent[-1].outcome == "client_closed", a.sent[-1]

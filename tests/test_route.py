@@ -7,8 +7,9 @@ import pytest
 from mitmproxy import exceptions
 
 from ttft_relay.observe import prefill
-from ttft_relay.route import choice, groups, members
+from ttft_relay.route import choice, groups, late_heads, members
 from ttft_relay.route.choice import Estimate
+from ttft_relay.route.late_heads import LateHeads
 from ttft_relay.timing import phases, record
 
 OWN = members.listener_member("https", "api.openai.com", 443)
@@ -117,6 +118,38 @@ def test_a_late_request_is_hedged_only_to_a_member_expected_sooner_than_waiting(
     # Nothing known, or only a member that failed moments ago: no hedge.
     assert choice.sooner_elsewhere(late, 300.0, [Estimate("b", None, cold=True)]).to is None
     assert choice.sooner_elsewhere(late, 300.0, [Estimate("b", 100.0, down=True)]).to is None
+
+
+def test_a_late_members_remaining_wait_is_learned_from_its_own_late_heads():
+    heads = LateHeads()
+    heads.add(0.0, 2500.0, 2600.0)
+    heads.add(1.0, 2400.0, 2500.0)
+    # Two late heads say nothing yet: the rule's own guess (the wait so far) stands.
+    assert heads.remaining_ms(300.0, now=2.0) is None
+    late, far = Estimate("a", 100.0), [Estimate("b", 1600.0)]
+    assert choice.sooner_elsewhere(late, 300.0, far, heads.remaining_ms(300.0, now=2.0)) == \
+        choice.Elsewhere(None, "b expected 1.6 s, a 0.3 s more")
+    heads.add(2.0, 2600.0, 2700.0)
+    # Three that came later than 300 ms: the median of what they took from there.
+    assert heads.remaining_ms(300.0, now=3.0) == 2300.0
+    assert choice.sooner_elsewhere(late, 300.0, far, heads.remaining_ms(300.0, now=3.0)) == \
+        choice.Elsewhere("b", "b expected 1.6 s, a 2.3 s more (its late heads)")
+    # Only those later than the wait so far count: at 2.45 s one spike is known to be over.
+    assert heads.remaining_ms(2450.0, now=3.0) is None
+    # One request's wait cannot make it: a median.
+    heads.add(3.0, 60_000.0, 60_100.0)
+    assert heads.remaining_ms(300.0, now=4.0) == 2350.0
+    # They age out: ten minutes on, only the last one is left.
+    assert heads.remaining_ms(300.0, now=3.0 + late_heads.MAX_AGE_S) is None
+    assert [s.head_ms for s in heads.samples] == [60_000.0]
+
+
+def test_a_members_late_heads_are_its_last_few():
+    heads = LateHeads(window=4)
+    for n in range(10):
+        heads.add(float(n), 1000.0 + n, 1000.0 + n)
+    assert [s.head_ms for s in heads.samples] == [1006.0, 1007.0, 1008.0, 1009.0]
+    assert heads.remaining_ms(500.0, now=10.0) == 507.5
 
 
 def test_a_failover_is_the_verdict_and_teaches_no_first_token_line():

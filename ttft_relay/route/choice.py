@@ -13,7 +13,8 @@ tried last.
 
 A request with no head by its member's bound (`sooner_elsewhere`), hedged or given up on at
 its slow head, goes to another member only when that one's expected first token for it, cache
-miss included, beats the late member's remaining wait.
+miss included, beats the late member's remaining wait: learned from the member's own late
+heads (`late_heads`), else guessed from its estimate and the wait so far.
 """
 
 from __future__ import annotations
@@ -103,24 +104,28 @@ class Elsewhere:
 
 def remaining_ms(late: Estimate, waited_ms: float) -> float:
     """How much longer the first token of `late`, with no head after `waited_ms`, is taken to
-    be: what its estimate leaves, and once the wait is past that (a queue its estimate did not
-    see) about as long again as it waited: a queue spike's only measure is the wait so far."""
+    be when its own late heads say nothing (`late_heads`): what its estimate leaves, and once
+    the wait is past that (a queue its estimate did not see) about as long again as it waited."""
     return max((late.first_token_ms or 0.0) - waited_ms, waited_ms)
 
 
-def sooner_elsewhere(late: Estimate, waited_ms: float, candidates: Sequence[Estimate]) -> Elsewhere:
+def sooner_elsewhere(late: Estimate, waited_ms: float, candidates: Sequence[Estimate],
+                     learned_remaining_ms: float | None = None) -> Elsewhere:
     """Where a request whose member `late` gave no head after `waited_ms` goes, as well (a
     hedge) or instead (a slow head given up on): the member of `candidates` (the others)
     expected to give this request's first token soonest (its cache miss, round trip and
-    queue in it), if that is sooner than `late`'s remaining wait. A provider sends its head
-    before the prefill, so the other member's head wins a hedge's race even where its first
-    token comes later than waiting would have given it, and a slow head given up on pays the
-    other's whole prefill: only the expected first tokens say whether a second prompt is worth it."""
-    remaining = remaining_ms(late, waited_ms)
+    queue in it), if that is sooner than `late`'s remaining wait: `learned_remaining_ms`, what
+    `late`'s own late heads took from this wait on (`late_heads.LateHeads.remaining_ms`), else
+    `remaining_ms`. A provider sends its head before the prefill, so the other member's head
+    wins a hedge's race even where its first token comes later than waiting would have given
+    it, and a slow head given up on pays the other's whole prefill: only the expected first
+    tokens say whether a second prompt is worth it."""
+    learned = learned_remaining_ms is not None
+    remaining = learned_remaining_ms if learned_remaining_ms is not None else remaining_ms(late, waited_ms)
     known = [e for e in candidates if e.first_token_ms is not None and not e.down]
     if not known:
         return Elsewhere(None, "no other member's first token is known")
     best = min(known, key=lambda e: e.first_token_ms or 0.0)
     expected = f"{best.name} expected {(best.first_token_ms or 0.0) / 1000:.1f} s, " \
-               f"{late.name} {remaining / 1000:.1f} s more"
+               f"{late.name} {remaining / 1000:.1f} s more" + (" (its late heads)" if learned else "")
     return Elsewhere(best.name if (best.first_token_ms or 0.0) < remaining else None, expected)

@@ -25,8 +25,9 @@ group's requests): when the chosen member's response head has not come by its bo
 first token its line expects for this prompt, with the line's tolerance, `Expectation.
 tolerance_ms`), its connection is closed and the request goes, as after a failure, to the
 member expected to give its first token soonest (its cache miss, round trip and queue in
-it) — only if that beats the late member's remaining wait (`choice.sooner_elsewhere`; else
-the head is waited for and the record's `route.not_given_up` says why); the member's queue
+it) — only if that beats the late member's remaining wait (`choice.sooner_elsewhere`, with what
+the member's own late heads took from such a wait on, `late_heads`, learned from its records;
+else the head is waited for and the record's `route.not_given_up` says why); the member's queue
 is taken to be at least that wait. The abandoned attempt's prompt is paid for all the same.
 This is failover at a deadline: the two attempts never race.
 
@@ -51,7 +52,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import layer
@@ -66,6 +67,7 @@ from ..patches.fixes import error_replies, resend, upstream_copy
 from ..patches.speed import hedge
 from ..timing import phases, record
 from . import choice, members
+from .late_heads import LateHeads
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class MemberState:
     queue_at: float = 0.0
     """... as of then (`queue`)."""
     down_until: float = 0.0
+    late_heads: LateHeads = field(default_factory=LateHeads)
+    """Its recent requests whose head came past their bound: how long its queue spikes last."""
 
     def queue(self, now: float) -> float:
         """Its queue now: as last seen, halved every QUEUE_HALF_LIFE_S since."""
@@ -163,8 +167,8 @@ class UpstreamGroups:
         self.draw = random.random
         self.slow: dict[str, asyncio.TimerHandle] = {}
         """Per flow id in flight: its slow-head bound's timer."""
-        self.giving_up: dict[str, str] = {}
-        """Flows whose connection the slow-head bound closed, and why."""
+        self.giving_up: dict[str, tuple[str, str]] = {}
+        """Flows whose connection the slow-head bound closed: what was late, and why it went elsewhere."""
         self.routed = 0
         self.given_up = 0
         self.hedges = 0
@@ -173,6 +177,8 @@ class UpstreamGroups:
         """Flows with a second attempt in flight: when it went."""
         self.conversation_of: dict[str, bytes] = {}
         """Per flow id in flight: its conversation's key (`served`)."""
+        self.bounds: dict[str, tuple[str, float]] = {}
+        """Per flow id in flight: the member chosen and its head's bound (a later head is a late head)."""
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -302,6 +308,8 @@ class UpstreamGroups:
         aim(flow.request, next(m for m in group if m.name == picked.order[0]))
         self.routed += 1
         chosen, bound_ms = next((e, bound) for e, bound in estimated if e.name == picked.order[0])
+        if bound_ms is not None:
+            self.bounds[flow.id] = (chosen.name, bound_ms)
         if bound_ms is not None and chosen.first_token_ms is not None and picked.order[1:] \
                 and not self.unsafe(flow):
             others = [e for e in estimates if e.name in picked.order[1:]]
@@ -344,7 +352,7 @@ class UpstreamGroups:
         return bool(self.no_repeat) and unsafe_to_repeat(self.no_repeat, flow.request.method, flow.request.path)
 
     def timing_record(self, rec: record.Record, flow: http.HTTPFlow) -> None:
-        """Learn the member's round trip and queue from its record; forget the flow's order."""
+        """Learn the member's round trip, queue and late heads from its record; forget the flow's order."""
         self.orders.pop(flow.id, None)
         self.held.discard(flow.id)
         self._no_slow_head(flow)
@@ -352,11 +360,16 @@ class UpstreamGroups:
         self.hedging.pop(flow.id, None)
         hedge.forget(flow)
         self.conversation_of.pop(flow.id, None)
+        bound = self.bounds.pop(flow.id, None)
         found = self.by_upstream.get(rec.upstream)
         if (found is None or rec.error or rec.client_aborted or found not in self.members
                 or phases.waited_for_another(rec.route)):  # its wait holds the other attempt's
             return
         learned = self.members[found]
+        head_ms = rec.marks.get("response_head")
+        if bound is not None and bound[0] == found[1] and head_ms is not None and head_ms > bound[1] \
+                and rec.ttft_ms is not None:
+            learned.late_heads.add(time.time(), head_ms, rec.ttft_ms)
         if rec.rtt_ms is not None:
             learned.rtt_ms = smoothed(learned.rtt_ms, rec.rtt_ms)
         if rec.ttft_ms is not None and rec.expected_ttft_ms is not None:
@@ -387,13 +400,15 @@ class UpstreamGroups:
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
         # Its member is the next in the order (`choice.choose` puts the known ones first, soonest first).
-        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest],
+                                         self._learned_remaining(host, chosen.name, waited_ms))
         if target.to is None:
             st.route = {**st.route, "not_given_up": target.why}
             logger.info("%s: %s had no head after %.1f s, not given up on: %s", host, chosen.name,
                         waited_ms / 1000, target.why)
             return
-        self.giving_up[flow.id] = f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)"
+        self.giving_up[flow.id] = (f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)",
+                                   target.why)
         if not connections.close(flow.client_conn, flow.server_conn):
             del self.giving_up[flow.id]
             return
@@ -402,6 +417,11 @@ class UpstreamGroups:
         learned, now = self.members[(host, chosen.name)], time.time()
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
         learned.queue_at = now
+
+    def _learned_remaining(self, host: str, member: str, waited_ms: float) -> float | None:
+        """What `member`'s own late heads took beyond `waited_ms` (None: too few of them, or it left the group)."""
+        learned = self.members.get((host, member))
+        return None if learned is None else learned.late_heads.remaining_ms(waited_ms, time.time())
 
     def _served_by(self, flow: http.HTTPFlow, member: str) -> None:
         """`flow` goes to `member` after all (a failover, a hedge): its conversation's prefix is cached there now."""
@@ -425,7 +445,8 @@ class UpstreamGroups:
                 or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
             return
         waited_ms = (time.time() - flow.request.timestamp_start) * 1000
-        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest])
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest],
+                                         self._learned_remaining(host, chosen.name, waited_ms))
         if target.to is None:
             st.route = {**st.route, "not_hedged": target.why}
             logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,
@@ -452,7 +473,7 @@ class UpstreamGroups:
             self.orders[flow.id] = tuple(name for name in rest if name != second.name)
             assert st.route is not None
             st.route = {**st.route, "hedged": {"upstream": second.name, "from": chosen.name,
-                                               "after_ms": round(waited_ms, 1), "won": None}}
+                                               "after_ms": round(waited_ms, 1), "won": None, "why": target.why}}
             logger.info("%s: %s had no head after %.1f s (its bound %.1f s): the request goes to %s as well (%s)",
                         host, chosen.name, waited_ms / 1000, bound_ms / 1000, second.name, target.why)
             if unconnected:
@@ -512,9 +533,10 @@ class UpstreamGroups:
         head_ms = (now - self.hedging.get(flow.id, now)) * 1000
         st.route = {**st.route, "hedged": {**hedged, "won": hedged["from"], "head_ms": round(head_ms, 1)}}
 
-    def _next_member(self, flow: http.HTTPFlow, why: str, cause: str) -> members.Member | None:
+    def _next_member(self, flow: http.HTTPFlow, why: str, cause: str, chose: str | None = None) -> members.Member | None:
         """Aim the flow at its next member (the one it leaves marked down, unless only slow:
-        `cause` one of `record.FAILOVER_CAUSES`); None when none is left."""
+        `cause` one of `record.FAILOVER_CAUSES`; `chose`: why that member, if a rule chose it);
+        None when none is left."""
         st = state.get(flow)
         found = self.group_of(flow)
         rest = self.orders.get(flow.id)
@@ -529,7 +551,8 @@ class UpstreamGroups:
         after_ms = round((time.time() - flow.request.timestamp_start) * 1000, 1)
         st.route = {**st.route, "upstream": following.name,
                     "failed_over": [*st.route.get("failed_over", ()),
-                                    {"upstream": failed, "error": why, "cause": cause, "after_ms": after_ms}]}
+                                    {"upstream": failed, "error": why, "cause": cause, "after_ms": after_ms,
+                                     **({"why": chose} if chose else {})}]}
         logger.info("%s: %s failed before its answer's head (%s): the request goes to %s",
                     host, failed, why, following.name)
         aim(flow.request, following)
@@ -556,7 +579,8 @@ class UpstreamGroups:
         if self.unsafe(flow) and event.code != ErrorCode.CONNECT_FAILED:
             return None  # it may have reached the member: not sent again
         slow = self.giving_up.pop(flow.id, None)
-        if self._next_member(flow, slow or event.message, "connection" if slow is None else "slow_head") is None:
+        if (self._next_member(flow, event.message, "connection") if slow is None
+                else self._next_member(flow, slow[0], "slow_head", chose=slow[1])) is None:
             return None
         return resend.send_again(stream)
 
