@@ -327,11 +327,14 @@ def main(argv: list[str] | None = None) -> int:
                      names=tuple(args.setups.split(",")), variants=variants, tls=args.tls, h2=args.h2) as bench:
         tls = client_tls(args.h2) if args.tls else None
         setups = bench.setups
-        time.sleep(2)  # start-up work (tokenizer loading) out of the way
+        # The warm-up's arrivals and the pauses: 1 s, or a window if shorter (a short run, as the
+        # suite's in tests/test_bench_streams.py, is short throughout).
+        pace_s = min(1.0, args.seconds)
+        time.sleep(2 * pace_s)  # start-up work out of the way
         expected = None
         for url, _ in setups.values():  # warm-up; the direct stream's events are what every stream must carry
             warm = Window()
-            asyncio.run(arrivals(url, 5, 1, None, warm, tls))
+            asyncio.run(arrivals(url, 5, pace_s, None, warm, tls))
             expected = expected or (min(warm.events // max(1, len(warm.first_ms)), args.events) if warm.first_ms else None)
         results = {(name, r): Window() for name in setups for r in rates}
         for rate in rates:
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                     asyncio.run(arrivals(url, rate, args.seconds, expected, w, tls, args.keep_alive))
                     for pname, c in cpu_of(procs).items():
                         w.cpu[pname] = w.cpu.get(pname, 0.0) + c - c0[pname]
-                    time.sleep(0.5)  # let connections close before the next window
+                    time.sleep(pace_s / 2)  # let connections close before the next window
 
     report(args, rates, setups, results)
     records_against_clients(rates, setups, results, read_records(bench.tmp))

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -495,9 +496,12 @@ def test_a_far_http2_providers_upload_round_trips_are_its_link_too(far_link, cer
 
 def far_provider_requests(origin: str) -> tuple[list[str], list[str]]:
     """20 requests of 16 kB each on a connection of its own (each opens an upstream connection
-    without the pool), then 10 on one kept-alive connection."""
-    return (upstream_requests(origin, 20, "fresh", fresh=True, body=LONG_BODY),
-            upstream_requests(origin, 10, "kept", fresh=False, body=LONG_BODY))
+    without the pool), from 4 clients at once, each sending 5 in turn; then 10 on one kept-alive
+    connection. (Call inside the client's namespace: the clients' threads start there.)"""
+    with ThreadPoolExecutor(4) as clients:
+        fresh = [rid for ids in clients.map(
+            lambda k: upstream_requests(origin, 5, f"fresh{k}", fresh=True, body=LONG_BODY), range(4)) for rid in ids]
+    return fresh, upstream_requests(origin, 10, "kept", fresh=False, body=LONG_BODY)
 
 
 FAR_CLIENT_PREFILL_MS = 600
@@ -521,13 +525,19 @@ def test_a_far_clients_handshake_counts_in_its_first_requests_wait(far_link, fak
             conn = HttpConnection(origin)
         with conn:
             learning = [one_request(conn, False, time.time()) for _ in range(LEARNING)]
-        fresh = []
-        for _ in range(20):
-            began = time.time()
-            with far.near.entered():
-                conn = HttpConnection(origin)
-            with conn:
-                fresh.append(one_request(conn, True, began))
+
+        def on_fresh_connections(n: int) -> list[Seen]:
+            seen = []
+            for _ in range(n):
+                began = time.time()
+                with far.near.entered():
+                    conn = HttpConnection(origin)
+                with conn:
+                    seen.append(one_request(conn, True, began))
+            return seen
+
+        with ThreadPoolExecutor(4) as clients:  # 20 fresh connections, 4 clients each opening 5 in turn
+            fresh = [s for seen in clients.map(on_fresh_connections, [5] * 4) for s in seen]
         records = {r["request_id"]: r for r in relay.log.wait(len(learning) + len(fresh))}
     assert "Addon error" not in relay.text()
     mine = [records[s.request_id] for s in fresh]

@@ -429,12 +429,12 @@ def test_bench_streams_measures_the_exporter_beside_the_relay():
     from ttft_relay.testing.harness import REPO
 
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.streams", "--rates", "5", "--seconds", "1", "--rounds", "1",
-         "--events", "20", "--setups", "direct,relay-1", "--otlp"],
+        [sys.executable, "-m", "benchmarks.streams", "--rates", "25", "--seconds", "0.2", "--rounds", "1",
+         "--events", "20", "--gap-ms", "5", "--setups", "direct,relay-1", "--otlp"],  # as tests/test_bench_streams.py's
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("highest rate sustained")[0]
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+5 (\S+) .*$", table, re.M)}
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\s+25 (\S+) .*$", table, re.M)}
     assert set(rows) == {"direct", "relay-1", "otlp", "otlp-down"}, out.stdout
     for name in ("otlp", "otlp-down"):
         assert re.search(r"ms\s+0\s+5\s", rows[name]), rows[name]  # no failures, 5 streams

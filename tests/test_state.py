@@ -53,7 +53,8 @@ def test_a_flow_the_relay_stops_after_its_deadline_passed_keeps_the_deadline_as_
     # overwrote it before `record_error`).
     async def run() -> state.FlowState:
         stop = faults.Shutdown()
-        with taddons.context(stop):
+        with taddons.context(stop) as tctx:
+            tctx.configure(stop, relay_shutdown_grace=0)  # the grace would only wait for the flow to end
             f = tflow.tflow()
             st = state.attach(f, fresh())
             st.marks["forwarded"] = f.request.timestamp_start

@@ -58,11 +58,6 @@ def without_notice(item: dict) -> dict:
     return item
 
 
-def head(api: str, body: dict) -> list:
-    items = shaped.items_of(api, body)
-    return items[: policy.layout(items, apis.get(api).trim_shape).head_end]
-
-
 def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str = policy.OLDEST) -> policy.TrimResult:
     """Trim `body` (shrinking in `order`) and check every promise the policy makes."""
     before = orjson.dumps(body)
@@ -78,10 +73,10 @@ def check(api: str, body: dict, budget: Budget, counter, plans=None, order: str 
     assert shaped.problems(api, body, sent) == []
     assert full_tokens(sent, api, counter) == stats["tokens_after"]
     items, kept = shaped.items_of(api, body), shaped.items_of(api, sent)
-    assert kept[: len(head(api, body))] == head(api, body), "the pinned head is sent byte for byte"
+    lay = policy.layout(items, apis.get(api).trim_shape)
+    assert kept[: lay.head_end] == items[: lay.head_end], "the pinned head is sent byte for byte"
     pinned = [i for i in items if apis.get(api).trim_shape.pinned(i)]
     assert [i for i in kept if apis.get(api).trim_shape.pinned(i)] == pinned, "system/developer/context items all kept"
-    lay = policy.layout(items, apis.get(api).trim_shape)
     if stats["over_budget"]:
         check_into_newest_turn(items, kept, lay, stats, budget, order)
         return result

@@ -910,8 +910,8 @@ def test_workers_killed_under_long_streams_lose_no_request_silently(fake, tmp_pa
     sup = Supervised(_args(port, reverse_to(fake), tmp_path, confdir, "--set", "relay_metrics_listen="))
     try:
         sup.wait_for(READY)
-        outcomes, kills = soak.kill_soak(f"http://127.0.0.1:{port}", sup.children, seconds=20, rate=6, kill_every=4,
-                                         headers={"x-fake-chunks": "60", "x-fake-gap-ms": "40"})
+        outcomes, kills = soak.kill_soak(f"http://127.0.0.1:{port}", sup.children, seconds=10.5, rate=6, kill_every=2.5,
+                                         headers={"x-fake-chunks": "40", "x-fake-gap-ms": "40"})
     finally:
         assert sup.stop() == 0, sup.tail()
     records = _records(tmp_path / "timing.jsonl")

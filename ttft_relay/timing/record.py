@@ -645,7 +645,7 @@ class RecordWriter:
 
     The event loop only serialises and enqueues; the thread writes whatever has
     queued up within WRITE_BATCH_S, so a reader of the log sees records within
-    moments. `close()` writes everything still queued before returning.
+    moments. `close()` writes everything still queued, without waiting out the batch, before returning.
 
     Several processes may append to one log: the workers of `ttft-relay run --workers N`
     (ttft_relay/workers.py) share the log the user named. Each batch of whole lines
@@ -683,6 +683,8 @@ class RecordWriter:
         said so): a process killed now keeps them (`ledger` waits for this)."""
         self.on_written: Callable[[], object] | None = None
         """Called from the writer thread after each batch it wrote."""
+        self._closing = threading.Event()
+        """Set by `close`: the batch the thread gathers goes out at once, not WRITE_BATCH_S later."""
         self._thread = threading.Thread(target=self._run, name="ttft-relay-record-writer", daemon=True)
         self._thread.start()
 
@@ -702,6 +704,7 @@ class RecordWriter:
     def close(self) -> None:
         if self._thread.is_alive():
             self._queue.put(_CLOSE)
+            self._closing.set()
             self._thread.join()
         if self._housekeeping is not None:
             self._housekeeping.join()
@@ -721,7 +724,7 @@ class RecordWriter:
         while not closing:
             batch = [self._queue.get()]
             if batch[0] is not _CLOSE:
-                time.sleep(WRITE_BATCH_S)
+                self._closing.wait(WRITE_BATCH_S)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             closing = _CLOSE in batch
