@@ -1,5 +1,6 @@
 """The Timing addon's hooks on hand-made flows (no proxy, no network)."""
 
+import asyncio
 import dataclasses
 
 import orjson
@@ -243,7 +244,6 @@ def test_the_upstream_headers_read_in_one_pass_are_what_headers_get_gives():
 
 
 def test_a_record_waits_for_the_self_watchs_final_figures_and_goes_before_the_next_request(addon):
-    import asyncio
 
     async def main():
         f, st = make_flow()
@@ -271,6 +271,51 @@ def test_a_record_waits_for_the_self_watchs_final_figures_and_goes_before_the_ne
         addon.response(h)
         addon.done()
         assert h.metadata[timing.METADATA_KEY] and not addon.settling
+
+    asyncio.run(main())
+
+
+def test_a_record_an_observer_is_not_ready_for_waits_and_its_answer_does_not():
+    # The attempt groups' read of the store may end after a quick answer: the answer goes on
+    # at once (its end is sent after the response hook), its record once the read ended.
+    published = []
+
+    class Observer:
+        def __init__(self) -> None:
+            self.ready: asyncio.Future | None = None
+
+        def pending(self, flow):
+            return self.ready
+
+        def observe(self, rec, flow):
+            return record.Learned(attempt_group="first", attempt=2)
+
+    class Sink:
+        def timing_record(self, rec, flow):
+            published.append(rec)
+
+    async def main() -> None:
+        observer = Observer()
+        observer.ready = asyncio.get_running_loop().create_future()
+        t = timing.Timing(observers=(observer,))
+        with taddons.context(t, scope.Scope(), Sink()) as tctx:
+            tctx.configure(t, relay_timing_log="")
+            f, _ = make_flow(new_connection=False)
+            assert t.response(f) is None  # the hook returns at once: the answer's end is not held
+            await asyncio.sleep(0)
+            assert published == [] and f in t.settling
+            observer.ready.set_result(None)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            (rec,) = published
+            assert rec.attempt == 2 and not t.settling
+            # A stop while a record waits records it at once, and only once.
+            g, _ = make_flow(new_connection=False)
+            observer.ready = asyncio.get_running_loop().create_future()
+            t.response(g)
+            t.done()
+            await asyncio.sleep(0)
+            assert len(published) == 2 and not t.settling
 
     asyncio.run(main())
 

@@ -24,9 +24,9 @@ timing log), one entry per request key, so a retry that reaches another worker o
 `--workers N` (a new connection may) or a restarted relay joins its group. A record is
 grouped on the event loop against the entries in memory; the file is read and written in a
 thread (`AttemptGroups.sync`): at once when a group opens, moves on or closes, when a
-request's head arrives and every SYNC_EVERY_S. A request's record waits for the pass its
-head asked for (`AttemptGroups.pending`; an answer quicker than a read of the file is the
-only one that waits): a retry on another worker finds its group. Entries a
+request's head arrives and every SYNC_EVERY_S. A request's record (never its answer) waits
+for the pass its head asked for (`AttemptGroups.pending`; only a record of an answer quicker
+than a read of the file waits): a retry on another worker finds its group. Entries a
 retry can no longer join are dropped. The previous version's table
 (`.ttft-relay.attempts`) is read into the store once and no longer written.
 

@@ -76,11 +76,11 @@ DEFAULT_LOG = (_CHECKOUT if (_CHECKOUT / "mitm.conf").exists() else Path.cwd()) 
 """In a checkout its logs/ folder; for an installed package logs/ in the working directory."""
 METADATA_KEY = "ttft_relay"
 SLOW_MARKER = ":warning:"
+"""mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
+ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
 OBSERVERS_WAIT_S = 0.5
 """The longest a record waits for its observers (`Observer.pending`): a store that slow to read
 is a sick disk, and the record goes out without what it would have said."""
-"""mitmweb shows a mark as an emoji from its table; ⚠ (U+26A0) has a text form that
-ordinary fonts (DejaVu, Liberation's fallbacks) draw, where 🐢 needs an emoji font."""
 SHUTDOWN_ERROR = phases.RELAY_SHUTTING_DOWN
 """The error of a flow the relay ended because it stops (`faults.Shutdown`)."""
 RTT_SAMPLES = 16
@@ -105,9 +105,10 @@ class Timing:
         """Ids of open upstream connections that already carried a request."""
         self.in_flight: weakref.WeakSet[http.HTTPFlow] = weakref.WeakSet()
         """In-scope flows without a record yet: at `done` each gets one."""
-        self.settling: dict[http.HTTPFlow, tuple[asyncio.TimerHandle, dict[str, float]]] = {}
-        """Finished flows whose record waits for the self-watch's link figures (`FlowState.settle`),
-        with the timer that asks again and their marks."""
+        self.settling: dict[http.HTTPFlow, tuple[asyncio.TimerHandle | asyncio.Future, dict[str, float]]] = {}
+        """Finished flows whose record waits for the self-watch's link figures (`FlowState.settle`)
+        or for an observer (`Observer.pending`), with the timer that asks again or the task that
+        waits, and their marks."""
         self.settling_on: dict[str, http.HTTPFlow] = {}
         """Per client connection id, its flow whose record waits so."""
         self.served_clients: set[str] = set()
@@ -247,11 +248,11 @@ class Timing:
             if value:
                 flow.response.headers["server-timing"] = value
 
-    def response(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        return self._finish_when_observable(flow)
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
 
-    def error(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        return self._finish_when_observable(flow)
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)  # a failed CONNECT that faults.FailedConnects took in
@@ -319,24 +320,6 @@ class Timing:
                     marks.setdefault(name, t)
         return marks
 
-    def _finish_when_observable(self, flow: http.HTTPFlow) -> Awaitable[None] | None:
-        """Finish the flow now, or, when an observer still waits for what its record needs
-        (`Observer.pending`: an answer quicker than a read of the store), once it has it,
-        at most OBSERVERS_WAIT_S later. mitmproxy awaits what a hook returns."""
-        waits = [w for observer in self.observers if (w := observer.pending(flow)) is not None]
-        if not waits:
-            self._finish(flow)
-            return None
-        return self._finish_after(flow, waits)
-
-    async def _finish_after(self, flow: http.HTTPFlow, waits: list[Awaitable[None]]) -> None:
-        try:
-            async with asyncio.timeout(OBSERVERS_WAIT_S):
-                await asyncio.gather(*waits)
-        except TimeoutError:
-            logger.debug("flow %s recorded before its observers were ready", flow.id)
-        self._finish(flow)  # (a stop meanwhile recorded it already: then nothing)
-
     def _finish(self, flow: http.HTTPFlow) -> None:
         st = state.get(flow)
         if st is None or st.recorded:
@@ -349,6 +332,23 @@ class Timing:
             marks.setdefault("end", flow.error.timestamp)
         elif flow.response is not None and flow.response.timestamp_end is not None:
             marks.setdefault("end", flow.response.timestamp_end)
+        waits = [w for observer in self.observers if (w := observer.pending(flow)) is not None]
+        if waits:
+            # An observer still waits for what the record needs (a read of the store quicker
+            # answers beat): the record waits, never the answer (its end is sent after this hook).
+            self.settling[flow] = (asyncio.ensure_future(self._record_when_observed(flow, marks, waits)), marks)
+            return
+        self._record(flow, marks)
+
+    async def _record_when_observed(self, flow: http.HTTPFlow, marks: dict[str, float],
+                                    waits: list[Awaitable[None]]) -> None:
+        """Record the flow once its observers are ready (`Observer.pending`), at most
+        OBSERVERS_WAIT_S later. A stop meanwhile (`done`) cancels this and records it itself."""
+        try:
+            async with asyncio.timeout(OBSERVERS_WAIT_S):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            logger.debug("flow %s recorded before its observers were ready", flow.id)
         self._record(flow, marks)
 
     def _record(self, flow: http.HTTPFlow, marks: dict[str, float], *, settled: bool = False) -> None:
