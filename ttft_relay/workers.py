@@ -63,7 +63,6 @@ import errno
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -410,11 +409,6 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGHUP, self._reload)
-        # A signal ends the tick's wait at once: a stop (a restart's clients wait for it) or
-        # a reload no longer waits up to TICK_S for the loop to notice it.
-        woken, wakeup = os.pipe()
-        os.set_blocking(wakeup, False)
-        signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
         try:
             self.pid_file.write_text(f"{os.getpid()}\n")
         except OSError as e:  # `ttft-relay reload` cannot find it; a SIGHUP still reloads
@@ -432,16 +426,12 @@ class Supervisor:
                 self._progress()
                 # A tick, not a wake-up on each worker's pipe: workers killed together (the OOM
                 # killer, an operator) are then seen dead together, whichever the kernel reaps first.
-                if select.select([woken], [], [], TICK_S)[0]:
-                    os.read(woken, 4096)
+                time.sleep(TICK_S)
             return 0
         except StartFailed as e:
             log(str(e))
             return e.exit_code
         finally:
-            signal.set_wakeup_fd(-1)
-            os.close(woken)
-            os.close(wakeup)
             self._shutdown()
 
     def _serve_metrics(self) -> None:
