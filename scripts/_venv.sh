@@ -40,6 +40,7 @@ ensure_venv() {
     local reqs="${1:-requirements.txt}" stamp="$VENV/.installed" want
     want="$reqs:$(cat "$REPO"/requirements*.txt "$REPO/constraints.txt" | sha256sum | cut -c1-16)"
     if [ -x "$VENV_PY" ] && _py_ok "$VENV_PY" && grep -qxF "$want" "$stamp" 2>/dev/null; then
+        ensure_bytecode
         return 0
     fi
     # The systemd unit runs as its own user over a read-only checkout (ProtectSystem=strict): a
@@ -70,6 +71,27 @@ MSG
     echo "$want" > "$stamp"
     if [ "$reqs" = requirements-dev.txt ]; then
         echo "requirements.txt:${want#*:}" >> "$stamp"
+    fi
+    ensure_bytecode
+}
+
+ensure_bytecode() {  # the package's bytecode written for the starts that cannot write it
+    # The systemd unit and the image run the relay as a user that cannot write the checkout:
+    # without this, each of their starts compiled the package's ~150 modules again, in the
+    # supervisor and in every worker (0.2-0.7 s of a start, docs/benchmarks.md). Whoever can
+    # write it (README step 2 and the upgrade, as root; the Dockerfile) writes it here, once per
+    # change: a stamp older than any source says when. The stamp is taken before the compile,
+    # so a file changed meanwhile is compiled the next time.
+    local pkg="$REPO/ttft_relay" stamp="$REPO/ttft_relay/__pycache__/.compiled"
+    [ -w "$pkg" ] || return 0
+    if [ -e "$stamp" ] && [ -z "$(find "$pkg" -name '*.py' -newer "$stamp" -print -quit)" ]; then
+        return 0
+    fi
+    mkdir -p "$pkg/__pycache__" 2>/dev/null && touch "$stamp.new" 2>/dev/null || return 0
+    if "$VENV_PY" -m compileall -q "$pkg" >/dev/null 2>&1; then
+        mv "$stamp.new" "$stamp"
+    else  # a file that does not compile: its import says why
+        rm -f "$stamp.new"
     fi
 }
 

@@ -48,6 +48,7 @@ def test_unpack_rejects_a_well_formed_entry_of_the_wrong_shape():
 
 
 def _source(tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     source = tmp_path / "ranks.tiktoken"
     source.write_bytes(b"the ranks")
     return source
@@ -70,6 +71,15 @@ def test_a_changed_source_is_parsed_again(tmp_path):
     source.write_bytes(b"other ranks")
     changed = {**ARGS, "name": "changed"}
     assert RankCache(tmp_path).load("tiny", (str(source),), lambda: changed) == changed
+
+
+def test_another_checkout_of_the_same_sources_reads_the_same_entry(tmp_path):
+    # Keyed by path and mtime, two checkouts (worktrees, a second relay) replaced each
+    # other's entry, and each start after the other's parsed again.
+    first, other = _source(tmp_path / "a"), _source(tmp_path / "b")
+    os.utime(other, (1, 1))
+    RankCache(tmp_path / "cache").load("tiny", (str(first),), lambda: ARGS)
+    assert RankCache(tmp_path / "cache").load("tiny", (str(other),), lambda: pytest.fail("parsed")) == ARGS
 
 
 def test_an_entry_of_another_user_or_writable_by_others_is_ignored(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ case "$1" in
     case "$2" in
       venv) mkdir -p "$3/bin" && cp "$0" "$3/bin/python" ;;
       pip) echo "pip $*" >> "$(dirname "$0")/../pip.log" ;;
+      compileall) exec "$REAL_PYTHON" "$@" ;;
       *) echo "RAN $*" ;;
     esac ;;
   *) echo "RAN $*" ;;
@@ -45,7 +47,7 @@ def _fake_python(tmp_path: Path) -> dict[str, str]:
     python = tmp_path / "python3.12"
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
-    return {**os.environ, "RELAY_PYTHON": str(python), "TTFT_RELAY_NO_INSTALL": "1"}
+    return {**os.environ, "RELAY_PYTHON": str(python), "TTFT_RELAY_NO_INSTALL": "1", "REAL_PYTHON": sys.executable}
 
 
 SCRIPT_FILES = ["requirements.txt", "requirements-dev.txt", "constraints.txt", "scripts/_venv.sh",
@@ -75,6 +77,39 @@ def test_a_dev_install_serves_the_runtime_scripts_without_a_second_install(tmp_p
                               timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
     assert len((repo / ".venv" / "pip.log").read_text().splitlines()) == 1
+
+
+def _compiled_for(source: Path) -> bool:
+    """Whether `source` has bytecode a start would use: its pyc names the source's mtime and size."""
+    try:
+        header = Path(importlib.util.cache_from_source(str(source))).read_bytes()[:16]
+    except FileNotFoundError:
+        return False
+    st = source.stat()
+    return header[:4] == importlib.util.MAGIC_NUMBER and header[8:16] == (
+        int(st.st_mtime).to_bytes(4, "little") + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+def test_the_install_step_compiles_the_package_the_unit_cannot_write(tmp_path):
+    # The unit's user cannot write the checkout: every start compiled the relay's modules again,
+    # in the supervisor and in each worker. README step 2 and the upgrade's rebuild (both
+    # `scripts/relay --version`, as root) write their bytecode, and a changed source again.
+    repo = _repo_copy(tmp_path, [*SCRIPT_FILES, "scripts/relay"])
+    modules = [repo / "ttft_relay" / "__init__.py", repo / "ttft_relay" / "trim" / "__init__.py",
+               repo / "ttft_relay" / "trim" / "tokens.py"]
+    for module in modules:
+        module.parent.mkdir(parents=True, exist_ok=True)
+        module.write_text("VERSION = 1\n")
+    env = _fake_python(tmp_path)
+    version = [str(repo / "scripts" / "relay"), "--version"]
+    subprocess.run(version, env=env, check=True, capture_output=True, timeout=60)
+    assert [m.name for m in modules if not _compiled_for(m)] == []
+    changed = modules[2]
+    changed.write_text("VERSION = 22\n")
+    os.utime(changed, (changed.stat().st_atime, changed.stat().st_mtime + 5))  # a later pull
+    assert not _compiled_for(changed)
+    subprocess.run(version, env=env, check=True, capture_output=True, timeout=60)
+    assert [m.name for m in modules if not _compiled_for(m)] == []
 
 
 def test_the_dockerfiles_venv_step_succeeds(tmp_path):

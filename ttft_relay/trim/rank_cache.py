@@ -7,9 +7,11 @@ pattern, ranks, special tokens); tiktoken's own build of its encoder from them (
 cannot be cached.
 
 An entry is used only when it is certainly what a parse would give: it is keyed by the
-identity of every file its arguments come from (path, size, mtime and SHA-256 of the data
-file and of the code that defines the pattern) and the versions of tiktoken and marshal,
-and it carries a SHA-256 of its own bytes. A corrupt, truncated, foreign-owned, group- or
+contents of every file its arguments come from (size and SHA-256 of the data file and of
+the code that defines the pattern) and the versions of tiktoken and marshal, and it
+carries a SHA-256 of its own bytes. Not by their paths: two checkouts of the same code
+(worktrees, a second relay) share the entry instead of replacing each other's at every
+start, each start of one then parsing again. A corrupt, truncated, foreign-owned, group- or
 world-writable or unreadable entry is ignored and rewritten (a temporary file renamed over
 it, mode 0600). The cache never fails a load: a read-only or missing place means no cache.
 
@@ -52,12 +54,11 @@ def cache_dir(environ: Mapping[str, str], home: str | None = None) -> Path | Non
     return Path(home) / ".cache" / "ttft-relay" if os.path.isabs(home) else None
 
 
-def file_identity(path: str) -> tuple[str, int, int, str]:
-    """(absolute path, size, mtime in ns, SHA-256 of the bytes) of `path`; OSError if unreadable."""
+def file_identity(path: str) -> tuple[int, str]:
+    """(size, SHA-256 of the bytes) of `path`; OSError if unreadable."""
     with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        digest = hashlib.sha256(f.read()).hexdigest()
-    return os.path.abspath(path), st.st_size, st.st_mtime_ns, digest
+        data = f.read()
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
 def cache_key(sources: tuple[str, ...]) -> Key:
