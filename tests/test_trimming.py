@@ -659,3 +659,32 @@ def test_newest_first_keeps_its_dropped_ranges_few(monkeypatch):
     first = next(n for n, dropped in enumerate(joined) if dropped)
     assert all(joined[first:]), joined
     assert all(after[0][0] >= before[0][0] - 2 for before, after in zip(joined[first:], joined[first + 1 :])), joined
+
+
+@pytest.mark.parametrize("order", policy.SHRINK_ORDERS)
+def test_the_image_of_the_newest_prompt_is_kept_while_older_results_can_shrink(order):
+    # A user attaches an image to their question in a long agent session: both orders shrink
+    # the old tool results first (newest first walks back from the newest round, past the prompt).
+    big = "x" * 4000
+    msgs: list[dict] = [{"role": "user", "content": "start"}]
+    n = 0
+    for turn in range(3):
+        if turn:
+            msgs.append({"role": "user", "content": f"prompt {turn}"})
+        for _ in range(4):
+            n += 1
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{n}", "name": "R", "input": {}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{n}", "content": big}]}]
+        msgs.append({"role": "assistant", "content": "done"})
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "A" * 8000}}
+    question = {"role": "user", "content": [{"type": "text", "text": "look at this"}, image]}
+    msgs.append(question)
+    for _ in range(3):
+        n += 1
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{n}", "name": "R", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{n}", "content": "small"}]}]
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}
+    counter = FakeCounter()
+    budget = sum(counter.message(m) for m in msgs) - 1500
+    result = check(ANTHROPIC, body, Budget(budget, "user"), counter, policy.PlanCache(), order=order)
+    assert result.body is not None and question in result.body["messages"]

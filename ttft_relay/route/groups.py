@@ -496,7 +496,9 @@ class UpstreamGroups:
             return
         self.hedges -= 1
         self.hedging.pop(flow.id, None)
-        st.route = {**st.route, "hedged": {**hedged, "error": why}}
+        # No race was run, even where the first head came before the hedge's connect failed:
+        # nothing is counted as a hedge or as a prompt paid twice.
+        st.route = {**st.route, "hedged": {**hedged, "won": None, "error": why}}
         if (learned := self.members.get((host, hedged["upstream"]))) is not None:  # the group may have changed
             learned.down_until = time.time() + DOWN_S
         logger.info("%s: the hedge to %s did not connect (%s): not charged to the budget", host, hedged["upstream"], why)

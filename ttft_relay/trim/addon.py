@@ -151,12 +151,14 @@ class Trim:
             str,
             policy.OLDEST,
             """
-            Which old tool results a new cut shrinks first. "oldest": the model keeps what it
-            read last, but the prompt changes early and the provider's prompt cache misses
-            most of it at each new cut. "newest": from the newest old ones back (the newest
-            round stays whole), so the cached prompt stays a prefix and a new cut costs
-            little cache, but the model loses what it read last (docs/trimming.md,
-            "Shrinking newest first").
+            Where a new cut changes the conversation first. "oldest": old tool results shrunk
+            and old turns dropped oldest first; the model keeps what it read last, but the
+            prompt changes early and the provider's prompt cache misses most of it at each
+            new cut. "newest": old tool results shrunk from the newest old ones back (the
+            newest round and prompt stay whole), then whole rounds dropped from the middle
+            (the current turn's earlier rounds before older turns); the cached prompt stays a
+            prefix and a new cut costs little cache, but the model loses what it read last
+            and the middle of the conversation (docs/trimming.md, "Shrinking newest first").
             """,
             choices=policy.SHRINK_ORDERS,
         )

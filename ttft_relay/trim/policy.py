@@ -654,7 +654,7 @@ class _Trimmer:
         if self.order == NEWEST:
             return self._new_plan_newest_first(lay, shape, floor, fixed, target, lower, previous)
         n = len(self.versions)
-        cut = floor if previous is None else max(floor, previous.cut)
+        cut = floor
         total = fixed + sum(self.count(i) for i in range(cut, n) if not lay.always[i])
         shrunk, total = self._shrink_oldest_first(lay, shape, cut, total, target)
         self.stats["target"] = target
@@ -715,7 +715,7 @@ class _Trimmer:
                              previous: Plan | None, dropped: set[int]) -> tuple[set[int], int]:
         """What the `previous` plan shrank (the prefix the provider cached has it so), then from
         the newest round back, item by item, until the request fits `target`: the first item
-        that changes is as late as that allows. It goes back no further than the previous
+        that changes is as late as that allows, the newest prompt skipped. It goes back no further than the previous
         plan reached (what it left whole, before that, is cached whole: a drop after it costs
         less). Past `MOST_SHRUNK_SPANS` ranges the two newest are joined. Items in `dropped`
         are not sent: not shrunk."""
@@ -730,6 +730,8 @@ class _Trimmer:
         for i in range(lay.protect_from - 1, reached - 1, -1):
             if total <= target:
                 break
+            if lay.newest <= i < lay.turn_body:
+                continue  # the newest prompt (an image the user just attached): the last thing to lose
             if i not in shrunk and i not in dropped:
                 shrunk.add(i)
                 total += self._shrink(lay, shape, i)
