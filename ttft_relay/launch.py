@@ -5,7 +5,6 @@ and by the supervisor for its workers (workers.py).
 
 from __future__ import annotations
 
-import gc
 import shutil
 import sys
 from pathlib import Path
@@ -55,17 +54,7 @@ def start(tool: str, args: list[str]) -> NoReturn:
     tool_args = ["-s", str(ADDON), *merged]
     sys.argv = [tool, *tool_args]  # what the tool and the addons read as its command line
     getattr(mitmproxy_main, tool)(tool_args)
-    exit_without_collecting(0)
-
-
-def exit_without_collecting(code: int) -> NoReturn:
-    """Exits a relay process whose work is done (its tool's `done` hooks have run: logs
-    flushed, records written, files closed) without the full collection Python runs as it
-    exits: the heap out of the collector's reach first (gc.freeze). That collection scanned
-    everything (mitmproxy, the relay, the tokenizers' ranks) and took most of an idle stop's
-    0.8-1.5 s here, which a restart's clients wait for (docs/benchmarks.md)."""
-    gc.freeze()
-    sys.exit(code)
+    sys.exit(0)
 
 
 def relay_args(args: list[str], tool: str = "mitmdump") -> list[str]:

@@ -728,7 +728,7 @@ def main(argv: list[str], first: prefork.FirstWorker | None = None) -> int:
             raise
         log(str(e))
         return e.exit_code
-    launch.exit_without_collecting(supervisor.run())
+    return supervisor.run()
 
 
 if __name__ == "__main__":

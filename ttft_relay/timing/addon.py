@@ -332,7 +332,9 @@ class Timing:
             marks.setdefault("end", flow.error.timestamp)
         elif flow.response is not None and flow.response.timestamp_end is not None:
             marks.setdefault("end", flow.response.timestamp_end)
-        waits = [w for observer in self.observers if (w := observer.pending(flow)) is not None]
+        # An upgrade's record goes at once: its turns' records (which never wait) come after it.
+        upgraded = flow.response is not None and flow.response.status_code == 101
+        waits = [] if upgraded else [w for observer in self.observers if (w := observer.pending(flow)) is not None]
         if waits:
             # An observer still waits for what the record needs (a read of the store quicker
             # answers beat): the record waits, never the answer (its end is sent after this hook).
