@@ -138,8 +138,8 @@ def test_one_clients_slow_first_tokens_leave_the_others_verdicts_unchanged(fake,
             for _ in range(n):
                 post(conn, "sk-poison-0123456789abcdef", "poison", head_delay_ms=QUEUE_MS)
 
-    with ThreadPoolExecutor(8) as pool:  # 40 of them, 8 at a time: each waits out QUEUE_MS
-        for done in [pool.submit(poison, 5) for _ in range(8)]:
+    with ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(poison, 10) for _ in range(4)]:
             done.result()
     with HttpConnection(relay.url()) as conn:
         post(conn, team[0], "queued", head_delay_ms=QUEUE_MS)  # a real provider queue
