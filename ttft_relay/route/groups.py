@@ -398,14 +398,9 @@ class UpstreamGroups:
                 or self.given_up + 1 > ctx.options.relay_upstream_slow_head / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # an HTTP/2 connection carries other requests
             return
-        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
         # Its member is the next in the order (`choice.choose` puts the known ones first, soonest first).
-        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest],
-                                         self._learned_remaining(host, chosen.name, waited_ms))
+        waited_ms, target = self._elsewhere(flow, st, host, chosen, others, rest, "not_given_up")
         if target.to is None:
-            st.route = {**st.route, "not_given_up": target.why}
-            logger.info("%s: %s had no head after %.1f s, not given up on: %s", host, chosen.name,
-                        waited_ms / 1000, target.why)
             return
         self.giving_up[flow.id] = (f"no head after {waited_ms / 1000:.1f} s (its bound {bound_ms / 1000:.1f} s)",
                                    target.why)
@@ -418,10 +413,23 @@ class UpstreamGroups:
         learned.queue_ms = learned.queue(now) + max(0.0, waited_ms - (chosen.first_token_ms or 0.0))
         learned.queue_at = now
 
-    def _learned_remaining(self, host: str, member: str, waited_ms: float) -> float | None:
-        """What `member`'s own late heads took beyond `waited_ms` (None: too few of them, or it left the group)."""
-        learned = self.members.get((host, member))
-        return None if learned is None else learned.late_heads.remaining_ms(waited_ms, time.time())
+    def _elsewhere(self, flow: http.HTTPFlow, st: state.FlowState, host: str, chosen: choice.Estimate,
+                   others: Sequence[choice.Estimate], rest: Sequence[str],
+                   waited_field: str) -> tuple[float, choice.Elsewhere]:
+        """How long the request has waited for `chosen`'s head, and where it may go
+        (`choice.sooner_elsewhere` among `others` still in its order `rest`, with what `chosen`'s
+        own late heads took beyond such a wait, if they say); when nowhere, the record's
+        `waited_field` (`record.WAITED_INSTEAD_OF`) says why."""
+        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
+        learned = self.members.get((host, chosen.name))  # (None: it left the group)
+        learned_remaining = None if learned is None else learned.late_heads.remaining_ms(waited_ms, time.time())
+        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest], learned_remaining)
+        if target.to is None:
+            assert st.route is not None  # both callers checked
+            st.route = {**st.route, waited_field: target.why}
+            logger.info("%s: %s had no head after %.1f s, %s: %s", host, chosen.name, waited_ms / 1000,
+                        waited_field.replace("_", " "), target.why)
+        return waited_ms, target
 
     def _served_by(self, flow: http.HTTPFlow, member: str) -> None:
         """`flow` goes to `member` after all (a failover, a hedge): its conversation's prefix is cached there now."""
@@ -444,13 +452,8 @@ class UpstreamGroups:
                 or self.hedges + 1 > ctx.options.relay_upstream_hedge_budget / 100 * self.routed
                 or flow.server_conn.alpn == b"h2"):  # its close would end the other streams
             return
-        waited_ms = (time.time() - flow.request.timestamp_start) * 1000
-        target = choice.sooner_elsewhere(chosen, waited_ms, [e for e in others if e.name in rest],
-                                         self._learned_remaining(host, chosen.name, waited_ms))
+        waited_ms, target = self._elsewhere(flow, st, host, chosen, others, rest, "not_hedged")
         if target.to is None:
-            st.route = {**st.route, "not_hedged": target.why}
-            logger.info("%s: %s had no head after %.1f s, not hedged: %s", host, chosen.name, waited_ms / 1000,
-                        target.why)
             return
         if (second := next((m for m in self.groups.get(host, ()) if m.name == target.to), None)) is None:
             return  # the group changed since the request was routed
